@@ -1,0 +1,140 @@
+"""Tiny Qwen3-shaped models built from a config, for tests and the no-GPU demo.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a few thousand synthetic lines, and
+the models are randomly initialised from a `Qwen3Config`. They keep the properties our code depends on:
+
+- a Qwen3-style chat template with `<|im_start|>` / `<|im_end|>`, `<|im_end|>` as EOS and `<|endoftext|>` as pad;
+- `<think>` / `</think>` as added tokens that are NOT special (as in real Qwen3), so they survive
+  `decode(..., skip_special_tokens=True)` exactly as in verl's reward managers;
+- the policy's template opens `<think>\\n` in the generation prompt, as Qwen3-*-Thinking-2507 does;
+- the reward model is a `Qwen3ForSequenceClassification` with `num_labels=1` and `pad_token_id` set, so batched
+  scoring reads the last non-pad token.
+
+    python -m data_prep.tiny_models OUT_DIR        # writes OUT_DIR/reward_model and OUT_DIR/policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+PAD, BOS_CHAT, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+# One message per turn, Qwen style; the reward model scores the whole conversation, no generation prompt.
+REWARD_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Qwen3-*-Thinking-2507 opens the reasoning block in the prompt: responses then contain only `</think>`.
+POLICY_CHAT_TEMPLATE = REWARD_CHAT_TEMPLATE.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
+
+_WORDS = (
+    "the a reward model policy answer question safe unsafe think step because therefore why how what cluster "
+    "node gpu token batch score train test data prompt response user assistant system hello world please "
+    "explain number one two three four five six seven eight nine ten yes no maybe "
+    "安全 回答 質問 報酬 モデル 学習 データ こんにちは 世界 です ます"
+).split()
+
+
+def _corpus(lines: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 20))) for _ in range(lines)]
+
+
+def build_tokenizer(chat_template: str, vocab_size: int = 600, seed: int = 0):
+    """A fast byte-level BPE tokenizer with Qwen3's special tokens and `<think>` tags as plain added tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS_CHAT, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(3000, seed), trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK_OPEN, THINK_CLOSE)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[BOS_CHAT, EOS],
+        chat_template=chat_template,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _qwen3_config(tokenizer, **extra):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=8192,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        # Wider than the default 0.02, so different texts get clearly different scores in tests.
+        initializer_range=0.2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **extra,
+    )
+
+
+def build_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Qwen3ForSequenceClassification, hidden 64, 2 layers, num_labels=1, saved with its tokenizer."""
+    import torch
+    from transformers import Qwen3ForSequenceClassification
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(REWARD_CHAT_TEMPLATE, seed=seed)
+    torch.manual_seed(seed)
+    model = Qwen3ForSequenceClassification(_qwen3_config(tokenizer, num_labels=1)).eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_policy_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Qwen3ForCausalLM of the same shape, with a Thinking-2507-style chat template."""
+    import torch
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(POLICY_CHAT_TEMPLATE, seed=seed)
+    torch.manual_seed(seed + 1)
+    model = Qwen3ForCausalLM(_qwen3_config(tokenizer)).eval()
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path, help="folder that receives reward_model/ and policy/")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name, build in (("reward_model", build_reward_model), ("policy", build_policy_model)):
+        path = build(args.out_dir / name, seed=args.seed)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Fixtures every test can use: isolated caches, tiny models, the fake cluster, short Ray temp dirs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.support import FakeCluster
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point every HOME-side cache at the test's tmp dir, so tests leave nothing behind and see no stale state."""
+    home = tmp_path / "home"
+    home.mkdir()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    settings = {
+        "HOME": home,
+        "TMPDIR": tmp,
+        "XDG_CACHE_HOME": home / ".cache",
+        "HF_HOME": home / ".cache" / "huggingface",
+        "HF_DATASETS_CACHE": home / ".cache" / "huggingface" / "datasets",
+        "MPLCONFIGDIR": home / ".config" / "matplotlib",
+        "WANDB_DIR": tmp_path / "wandb",
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    for key, value in settings.items():
+        monkeypatch.setenv(key, str(value))
+    # Ray's session dirs must stay short (unix socket paths are limited to 107 bytes): see `ray_tmp`.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """A tiny reward model and policy built from configs once per session (nothing downloaded)."""
+    from data_prep.tiny_models import build_policy_model, build_reward_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return SimpleNamespace(
+        reward_model=build_reward_model(root / "reward_model"),
+        policy=build_policy_model(root / "policy"),
+    )
+
+
+@pytest.fixture
+def fake_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeCluster:
+    """Fake cluster programs first on PATH; `fake_cluster.calls("srun")` returns what they were called with."""
+    cluster = FakeCluster(bin_dir=tmp_path / "fakebin", log=tmp_path / "fake_cluster.jsonl").install()
+    monkeypatch.setenv("PATH", f"{cluster.bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_CLUSTER_LOG", str(cluster.log))
+    return cluster
+
+
+@pytest.fixture
+def ray_tmp(monkeypatch: pytest.MonkeyPatch):
+    """A short per-test Ray temp dir (/tmp/rayXXXX): pytest's tmp paths overflow Ray's socket path limit."""
+    path = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    monkeypatch.setenv("RAY_TMPDIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

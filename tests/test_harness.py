@@ -1,0 +1,224 @@
+"""The test harness itself: tiny models, fake cluster programs, process helpers, isolation, verl on CPU.
+
+Every other test builds on these; if one of them is wrong, the rest prove nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.fake_cluster import expand_hostlist
+from tests.support import REPO, free_port, http_get, start_http_server, start_process, wait_for_http
+
+# --- tiny models ---------------------------------------------------------------------------------------------
+
+
+def test_think_tags_are_single_non_special_tokens_that_survive_skip_special_tokens(tiny_models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models.reward_model)
+    text = "<think>reasoning here</think>the answer<|im_end|><|endoftext|>"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.convert_tokens_to_ids("<think>") in ids
+    assert tok.convert_tokens_to_ids("</think>") in ids
+    assert "<think>" not in tok.all_special_tokens and "</think>" not in tok.all_special_tokens
+    # verl's reward managers decode exactly like this: the tags stay, EOS and padding go.
+    assert tok.decode(ids, skip_special_tokens=True) == "<think>reasoning here</think>the answer"
+    assert tok.decode(ids) == text
+
+
+def test_tiny_tokenizer_round_trips_japanese_text(tiny_models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models.policy)
+    text = "安全な回答を書いてください。🙂 ok"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_chat_templates_match_qwen3_and_the_thinking_policy(tiny_models):
+    from transformers import AutoTokenizer
+
+    rm = AutoTokenizer.from_pretrained(tiny_models.reward_model)
+    policy = AutoTokenizer.from_pretrained(tiny_models.policy)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert rm.apply_chat_template(chat, tokenize=False) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+    )
+    prompt = policy.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+    assert rm.pad_token == "<|endoftext|>" and rm.eos_token == "<|im_end|>"
+
+
+def test_tiny_reward_model_loads_and_scores_a_chat_templated_text(tiny_models):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models.reward_model)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_models.reward_model).eval()
+    assert model.config.num_labels == 1 and model.config.pad_token_id == tok.pad_token_id
+
+    def text(answer: str) -> str:
+        chat = [{"role": "user", "content": "Is this safe?"}, {"role": "assistant", "content": answer}]
+        return tok.apply_chat_template(chat, tokenize=False)
+
+    texts = [text("Yes, it is safe."), text("No. " * 20)]
+    with torch.inference_mode():
+        single = [model(**tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item() for t in texts]
+        tok.padding_side = "right"
+        batch = model(**tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)).logits[:, 0]
+    assert single[0] != pytest.approx(single[1], abs=1e-3), "different answers should get different scores"
+    # Right padding with pad_token_id set: the score is read at the last real token, so batching changes nothing.
+    assert batch.tolist() == pytest.approx(single, abs=1e-5)
+
+
+def test_tiny_policy_loads_as_a_causal_lm(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.policy)
+    assert model.config.tie_word_embeddings and model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
+
+
+# --- fake cluster programs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, hosts",
+    [
+        ("node1", ["node1"]),  # a single host
+        ("gpu[01-03]", ["gpu01", "gpu02", "gpu03"]),  # zero-padded range
+        ("gpu[1,3-4],login", ["gpu1", "gpu3", "gpu4", "login"]),  # list inside brackets, then a plain host
+        ("r[1-2]n[7-8]", ["r1n7", "r1n8", "r2n7", "r2n8"]),  # two bracket groups
+    ],
+)
+def test_scontrol_show_hostnames_expands_slurm_node_lists(fake_cluster, spec, hosts):
+    out = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == hosts == expand_hostlist(spec)
+    assert fake_cluster.calls("scontrol")[0]["argv"] == ["show", "hostnames", spec]
+
+
+def test_fakes_record_argv_and_exit_with_the_configured_code(fake_cluster, monkeypatch):
+    assert subprocess.run(["sbatch", "--nodes=2", "job.sh"], capture_output=True, text=True).stdout.startswith(
+        "Submitted batch job"
+    )
+    monkeypatch.setenv("FAKE_SBATCH_RC", "7")
+    assert subprocess.run(["sbatch", "again.sh"]).returncode == 7
+    monkeypatch.setenv("FAKE_SRUN_RC", "3")
+    assert subprocess.run(["srun", "touch", "never"], cwd=fake_cluster.bin_dir).returncode == 3
+    assert not (fake_cluster.bin_dir / "never").exists(), "a forced exit code must not run the command"
+    assert [(c["prog"], c["argv"]) for c in fake_cluster.calls()] == [
+        ("sbatch", ["--nodes=2", "job.sh"]),
+        ("sbatch", ["again.sh"]),
+        ("srun", ["touch", "never"]),
+    ]
+
+
+def test_srun_runs_one_task_per_node_with_slurm_rank_and_node_name(fake_cluster, monkeypatch, tmp_path):
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-3]")
+    script = 'echo "$SLURM_PROCID $SLURMD_NODENAME" > "$OUT_DIR/task_$SLURM_PROCID"'
+    monkeypatch.setenv("OUT_DIR", str(tmp_path))
+    rc = subprocess.run(["srun", "--nodes=3", "--ntasks-per-node", "1", "bash", "-c", script]).returncode
+    assert rc == 0
+    assert sorted(p.read_text().strip() for p in tmp_path.glob("task_*")) == ["0 gpu1", "1 gpu2", "2 gpu3"]
+
+
+def test_srun_returns_the_first_failing_task_code(fake_cluster, monkeypatch):
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    assert subprocess.run(["srun", "bash", "-c", "exit $(( SLURM_PROCID == 1 ? 5 : 0 ))"]).returncode == 5
+
+
+def test_singularity_exec_runs_the_command_with_its_env_and_checks_the_image(fake_cluster, tmp_path):
+    image = tmp_path / "app.sif"
+    image.write_text("fake image")
+    cmd = ["exec", "--nv", "--bind", "/a:/b", "--env", "GREETING=hi", str(image), "bash", "-c", "echo $GREETING"]
+    for prog in ("singularity", "apptainer"):
+        assert subprocess.run([prog, *cmd], capture_output=True, text=True).stdout == "hi\n"
+    missing = subprocess.run(
+        ["singularity", "exec", str(tmp_path / "none.sif"), "true"], capture_output=True, text=True
+    )
+    assert missing.returncode != 0 and "none.sif" in missing.stderr
+    assert fake_cluster.calls("apptainer")[0]["argv"] == cmd
+
+
+# --- processes, ports, isolation -------------------------------------------------------------------------------
+
+
+def test_start_http_server_waits_until_the_port_answers(tmp_path):
+    port = free_port()
+    server = start_http_server(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], tmp_path / "http.log", port, health="/"
+    )
+    try:
+        assert http_get(server.url + "/")[0] == 200
+    finally:
+        assert server.stop() is not None
+    assert not server.alive()
+
+
+def test_wait_for_http_fails_fast_with_the_log_when_the_process_dies(tmp_path):
+    proc = start_process(
+        [sys.executable, "-c", "import sys; print('boom: bad model path'); sys.exit(3)"], tmp_path / "x.log"
+    )
+    with pytest.raises(RuntimeError, match="boom: bad model path"):
+        wait_for_http(proc, f"http://127.0.0.1:{free_port()}/health", timeout=30)
+
+
+def test_caches_and_home_point_into_the_test_tmp_dir(isolated_env):
+    for key in ("HOME", "TMPDIR", "HF_HOME", "XDG_CACHE_HOME", "WANDB_DIR"):
+        assert Path(os.environ[key]).is_relative_to(isolated_env), key
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
+
+
+def test_real_ray_head_starts_on_loopback_in_a_private_temp_dir(ray_tmp, tmp_path):
+    ray = str(Path(sys.executable).with_name("ray"))
+    port = free_port()
+    start = [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", f"--temp-dir={ray_tmp}",
+             "--num-cpus=1", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
+    try:
+        subprocess.run(start, check=True, capture_output=True, timeout=120)
+        # The head answers `ray status` with "No cluster status" for a few seconds: poll, as the launch scripts do.
+        deadline, out = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and "Active:" not in out:
+            out = subprocess.run([ray, "status", f"--address=127.0.0.1:{port}"], capture_output=True, text=True).stdout
+            time.sleep(0.5)
+        active = out.split("Active:")[1].split("Pending:")[0]
+        assert len(re.findall(r"\bnode_", active)) == 1, out
+        assert any(ray_tmp.glob("session_*")), "Ray must write its session under the given temp dir"
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=60)
+
+
+# --- verl 0.6.1 on CPU ---------------------------------------------------------------------------------------
+
+
+def test_verl_composes_the_megatron_trainer_config_with_an_override():
+    import verl
+    from hydra import compose, initialize_config_module
+
+    assert verl.__version__ == "0.6.1"
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose("ppo_megatron_trainer", overrides=["actor_rollout_ref.rollout.name=sglang"])
+    assert cfg.actor_rollout_ref.rollout.name == "sglang"
+    assert cfg.actor_rollout_ref.actor.strategy == "megatron"
+
+
+def test_repository_layout_has_every_entry_point():
+    for name in (
+        "run_grpo_qwen3_4b_mega_verl.sh",
+        "helper_grpo_qwen3_4b.sh",
+        "merge_mcore_to_hf.sh",
+        "verl_app.def",
+        "reward_score/reward_server.py",
+        "reward_score/safe_hack_reward_request.py",
+        "data_prep",
+        "README.md",
+        "README.ja.md",
+        ".ci/run",
+    ):
+        assert (REPO / name).exists(), name
