@@ -1,3 +1,677 @@
-"""Reward model HTTP server. Not built yet: issue #7 owns it."""
+"""Reward model server: scores (prompt, response) pairs exactly as TRL trained the model, batched across requests.
 
-raise SystemExit("reward_score/reward_server.py is not implemented yet (issue #7)")
+    python reward_score/reward_server.py --model-path /models/Unsafe-Reward-Qwen3-1.7B --port 8000
+    CONFIG_REWARD_MODEL_PATH=... CONFIG_REWARD_DEVICE=cuda:0 python -m reward_score.reward_server
+
+API
+    GET  /health       200 {model_path, device, dtype, max_length, ...} once the model is loaded and warmed up;
+                       before that the port is closed (the model loads before uvicorn binds it).
+    POST /score        {"prompt": str | "messages": [{role, content}], "response": str} -> {"score", "truncated"}
+    POST /score_batch  {"items": [ ...same items... ]} -> {"scores": [...], "truncated": [...]} in order
+    GET  /metrics      Prometheus text
+
+How a pair is scored (what TRL's RewardTrainer did at training time): the reward model tokenizer's own chat template
+over [user prompt (or the given messages), assistant response], no generation prompt, tokenized without adding special
+tokens again. A tokenizer without a chat template falls back to TRL's plain-text rule (prompt + response + EOS), and
+the server says so at start. Over-long input keeps its LAST `max_length` tokens (the score is read from the last
+token), or is rejected with 413 when `REWARD_TRUNCATION=reject`.
+
+Throughput: requests are tokenized in a thread pool, then one GPU thread gathers everything queued (waiting at most
+`REWARD_MAX_WAIT_MS` for more), sorts it by length, pads each micro-batch to a multiple of `REWARD_PAD_MULTIPLE`
+tokens (a bounded set of shapes), keeps each micro-batch under `REWARD_TOKEN_BUDGET` tokens, and reads every score at
+the row's last real token. A CUDA out-of-memory error splits the micro-batch and retries. The event loop never runs
+model code.
+
+Settings come from the environment (names below); each has a command-line flag that wins (`--help`).
+"""
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger("reward_server")
+
+
+# --- settings ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting: (environment variable, flag, help) in `_SETTINGS` below."""
+
+    model_path: str = ""
+    device: str = "auto"
+    host: str = "0.0.0.0"
+    port: int = 8000
+    max_length: int = 4096
+    truncation: Literal["left", "reject"] = "left"
+    token_budget: int = 0  # 0: 32768 on a GPU, 8192 on the CPU
+    max_batch_rows: int = 256
+    pad_multiple: int = 64
+    max_wait_ms: float = 5.0
+    max_items: int = 4096
+    max_chars: int = 262_144
+    max_body_bytes: int = 64 * 1024 * 1024
+    auth_token: str = ""
+    log_level: str = "info"
+
+    def effective_token_budget(self, device: str) -> int:
+        return self.token_budget or (32768 if device.startswith("cuda") else 8192)
+
+
+_SETTINGS: dict[str, tuple[str, str]] = {
+    "model_path": ("CONFIG_REWARD_MODEL_PATH", "folder of the reward model (config.json, weights, tokenizer)"),
+    "device": ("CONFIG_REWARD_DEVICE", "cpu | cuda | cuda:N | auto (cuda if available)"),
+    "host": ("REWARD_SERVER_HOST", "address to bind (0.0.0.0: reachable from the other nodes)"),
+    "port": ("CONFIG_REWARD_SERVER_PORT", "port to listen on"),
+    "max_length": ("REWARD_MAX_LENGTH", "tokens scored per pair; longer input keeps its last tokens"),
+    "truncation": ("REWARD_TRUNCATION", "left: keep the last max_length tokens; reject: answer 413"),
+    "token_budget": ("REWARD_TOKEN_BUDGET", "padded tokens per forward (0: 32768 on GPU, 8192 on CPU)"),
+    "max_batch_rows": ("REWARD_MAX_BATCH_ROWS", "rows per forward at most"),
+    "pad_multiple": ("REWARD_PAD_MULTIPLE", "pad each batch to a multiple of this many tokens"),
+    "max_wait_ms": ("REWARD_MAX_WAIT_MS", "how long the GPU thread waits for more requests to batch"),
+    "max_items": ("REWARD_MAX_ITEMS", "items per /score_batch request at most"),
+    "max_chars": ("REWARD_MAX_CHARS", "characters per prompt, message or response at most"),
+    "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "request body size at most"),
+    "auth_token": ("REWARD_SERVER_TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
+    "log_level": ("REWARD_LOG_LEVEL", "debug | info | warning"),
+}
+
+
+def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Defaults, then the environment, then command-line flags (which win). Bad values exit with the name to fix."""
+    environ = dict(os.environ if environ is None else environ)
+    parser = argparse.ArgumentParser(
+        prog="reward_server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    defaults = Settings()
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        env_name, help_text = _SETTINGS[f.name]
+        kind = type(getattr(defaults, f.name))
+        raw = environ.get(env_name)
+        if raw not in (None, ""):
+            try:
+                values[f.name] = kind(raw)
+            except ValueError:
+                parser.error(f"{env_name}={raw!r} is not a valid {kind.__name__}")
+        flag = "--" + f.name.replace("_", "-")
+        default_shown = "(set)" if f.name == "auth_token" else getattr(defaults, f.name)
+        parser.add_argument(
+            flag, type=kind, default=None, help=f"{help_text} [env {env_name}; default {default_shown}]"
+        )
+    args = parser.parse_args(argv)
+    values.update({k: v for k, v in vars(args).items() if v is not None})
+    settings = replace(defaults, **values)
+    problems = []
+    if settings.truncation not in ("left", "reject"):
+        problems.append(f"REWARD_TRUNCATION must be 'left' or 'reject', got {settings.truncation!r}")
+    if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):
+        problems.append(f"CONFIG_REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
+    for name in ("max_length", "max_batch_rows", "pad_multiple", "max_items", "max_chars", "max_body_bytes"):
+        if getattr(settings, name) < 1:
+            problems.append(f"{_SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
+    if problems:
+        parser.error("; ".join(problems))
+    return settings
+
+
+def check_model_path(path: str) -> str | None:
+    """Why `path` cannot be a reward model folder, or None. Checked before anything starts."""
+    if not path:
+        return "CONFIG_REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
+    folder = Path(path)
+    if not folder.is_dir():
+        return f"CONFIG_REWARD_MODEL_PATH={path}: no such directory"
+    if not (folder / "config.json").is_file():
+        return f"CONFIG_REWARD_MODEL_PATH={path}: no config.json there (is it the folder save_pretrained wrote?)"
+    return None
+
+
+# --- scoring -------------------------------------------------------------------------------------------------
+
+
+class InputTooLong(ValueError):
+    """An item is longer than max_length under REWARD_TRUNCATION=reject, or cannot fit in memory alone."""
+
+
+@dataclass
+class Encoded:
+    ids: list[int]
+    truncated: bool
+
+
+class RewardScorer:
+    """The model, its tokenizer and the formatting rule; `score_ids` runs micro-batched forwards (any thread)."""
+
+    def __init__(self, model, tokenizer, device: str, settings: Settings):
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.settings = settings
+        self.token_budget = settings.effective_token_budget(device)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.chat_template = bool(getattr(tokenizer, "chat_template", None))
+        # The fast path reads the score at each row's last real token itself: no reliance on pad_token_id detection
+        # (a response may contain the pad token's text), and the head runs on B rows instead of B x L.
+        self.base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        self.head = getattr(model, "score", None)
+        self.backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+        if self.backend is not None:
+            # Never mutated after this, so threads may encode concurrently.
+            self.backend.no_truncation()
+            self.backend.no_padding()
+        self._slow_lock = threading.Lock()
+        self.on_forward = None  # metrics hook: (rows, padded_len, real_tokens, seconds)
+        self.on_oom = None  # metrics hook: a micro-batch was split after a CUDA out-of-memory error
+
+    @classmethod
+    def load(cls, settings: Settings) -> "RewardScorer":
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        device = settings.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"CONFIG_REWARD_DEVICE={device} but torch sees no CUDA device; use cpu or auto")
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            settings.model_path, dtype=dtype, num_labels=1, attn_implementation="sdpa"
+        )
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = (
+                tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            )
+        model.to(device).eval()
+        return cls(model, tokenizer, device, settings)
+
+    @property
+    def dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    # -- formatting ---------------------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, str]], response: str) -> str:
+        """The exact text the reward model was trained on for this conversation."""
+        if self.chat_template:
+            conversation = [*messages, {"role": "assistant", "content": response}]
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+        # TRL's plain-text rule: prompt then completion, EOS appended.
+        eos = self.tokenizer.eos_token or ""
+        text = "\n".join(m["content"] for m in messages) + response
+        return text if text.endswith(eos) else text + eos
+
+    def encode(self, texts: list[str]) -> list[Encoded]:
+        if self.backend is not None:
+            all_ids = [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+        else:
+            with self._slow_lock:
+                all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        out = []
+        limit = self.settings.max_length
+        for i, ids in enumerate(all_ids):
+            if len(ids) <= limit:
+                out.append(Encoded(list(ids), False))
+            elif self.settings.truncation == "reject":
+                raise InputTooLong(f"item {i} is {len(ids)} tokens; the limit is {limit} (REWARD_MAX_LENGTH)")
+            else:
+                out.append(Encoded(list(ids[-limit:]), True))
+        return out
+
+    # -- batching -----------------------------------------------------------------------------------------------
+
+    def plan(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Group row indices into micro-batches: longest first, padded length x rows within the token budget."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        batches: list[list[int]] = []
+        current: list[int] = []
+        padded = 0
+        for i in order:
+            if not current:
+                current, padded = [i], self.padded_length(lengths[i])
+            elif (len(current) + 1) * padded <= self.token_budget and len(current) < self.settings.max_batch_rows:
+                current.append(i)
+            else:
+                batches.append(current)
+                current, padded = [i], self.padded_length(lengths[i])
+        if current:
+            batches.append(current)
+        return batches
+
+    def padded_length(self, n: int) -> int:
+        m = self.settings.pad_multiple
+        return max(m, math.ceil(n / m) * m)
+
+    def score_ids(self, seqs: Sequence[Sequence[int]]) -> list[float]:
+        """Scores in input order. All micro-batches are launched before the one device-to-host copy."""
+        torch = self.torch
+        if not seqs:
+            return []
+        lengths = [len(s) for s in seqs]
+        results: list[tuple[list[int], Any]] = []
+        with torch.inference_mode():
+            for rows in self.plan(lengths):
+                results.extend(self._forward_split(rows, seqs, lengths))
+            order = [i for rows, _ in results for i in rows]
+            values = torch.cat([scores for _, scores in results]).float().cpu().tolist()
+        scores = [0.0] * len(seqs)
+        for i, v in zip(order, values, strict=True):
+            scores[i] = v
+        return scores
+
+    def _forward_split(self, rows: list[int], seqs, lengths) -> list[tuple[list[int], Any]]:
+        torch = self.torch
+        try:
+            return [(rows, self._forward(rows, seqs, lengths))]
+        except torch.cuda.OutOfMemoryError:
+            if len(rows) == 1:
+                raise InputTooLong(
+                    f"a single sequence of {lengths[rows[0]]} tokens does not fit in GPU memory; lower REWARD_MAX_LENGTH"
+                ) from None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            half = len(rows) // 2
+            log.warning("CUDA out of memory on %d rows; retrying as %d + %d", len(rows), half, len(rows) - half)
+            if self.on_oom:
+                self.on_oom()
+            return self._forward_split(rows[:half], seqs, lengths) + self._forward_split(rows[half:], seqs, lengths)
+
+    def _forward(self, rows: list[int], seqs, lengths):
+        torch = self.torch
+        start = time.perf_counter()
+        longest = max(lengths[i] for i in rows)
+        width = min(self.padded_length(longest), max(longest, self.settings.max_length))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, : lengths[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
+            mask[r, : lengths[i]] = 1
+        last = torch.as_tensor([lengths[i] - 1 for i in rows], dtype=torch.long)
+        ids, mask, last = (t.to(self.device, non_blocking=True) for t in (ids, mask, last))
+        # No mask when nothing is padded: attention then takes the plain causal path.
+        attention_mask = None if all(lengths[i] == width for i in rows) else mask
+        if self.base is not None and self.head is not None:
+            hidden = self.base(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+            scores = self.head(hidden[torch.arange(len(rows), device=hidden.device), last])[:, 0]
+        else:
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            scores = logits[:, 0]
+        if self.on_forward:
+            self.on_forward(len(rows), width, sum(lengths[i] for i in rows), time.perf_counter() - start)
+        return scores
+
+    def warm_up(self) -> None:
+        """Run the shapes served traffic starts with (padded and unpadded), so /health means ready."""
+        text = self.render([{"role": "user", "content": "warm up"}], "ready")
+        ids = self.encode([text])[0].ids
+        self.score_ids([ids, ids[: max(1, len(ids) // 2)]])
+        self.score_ids([ids])
+
+
+# --- cross-request batching ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    seqs: list[list[int]]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    enqueued: float
+
+
+class Batcher:
+    """One thread owns the model: it gathers whatever requests are queued and scores them together."""
+
+    def __init__(self, scorer: RewardScorer, max_wait_s: float, on_batch=None):
+        self.scorer = scorer
+        self.max_wait_s = max_wait_s
+        self.on_batch = on_batch  # metrics hook: (jobs, queue_waits)
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="reward-gpu", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    async def score(self, seqs: list[list[int]]) -> list[float]:
+        loop = asyncio.get_running_loop()
+        job = _Job(seqs, loop.create_future(), loop, time.perf_counter())
+        self._queue.put(job)
+        return await job.future
+
+    def _gather(self, first: _Job) -> list[_Job]:
+        jobs = [first]
+        deadline = time.perf_counter() + self.max_wait_s
+        while True:
+            timeout = deadline - time.perf_counter()
+            try:
+                job = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return jobs
+            if job is None:
+                self._queue.put(None)  # let _run see the stop after this batch
+                return jobs
+            jobs.append(job)
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            jobs = self._gather(first)
+            started = time.perf_counter()
+            if self.on_batch:
+                self.on_batch(jobs, [started - j.enqueued for j in jobs])
+            try:
+                scores = self.scorer.score_ids([s for j in jobs for s in j.seqs])
+            except BaseException as exc:  # delivered to every waiting request, never swallowed
+                for j in jobs:
+                    j.loop.call_soon_threadsafe(_settle, j.future, None, exc)
+                continue
+            offset = 0
+            for j in jobs:
+                part = scores[offset : offset + len(j.seqs)]
+                offset += len(j.seqs)
+                j.loop.call_soon_threadsafe(_settle, j.future, part, None)
+
+
+def _settle(future: asyncio.Future, value, exc) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)
+
+
+# --- HTTP ----------------------------------------------------------------------------------------------------
+
+
+def create_app(settings: Settings, scorer: RewardScorer | None = None):
+    """The FastAPI app. The model loads in the lifespan (or `scorer` is used as given, for tests)."""
+    from fastapi import FastAPI, HTTPException, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+    from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+    from starlette.concurrency import run_in_threadpool
+
+    registry = CollectorRegistry()
+    m_requests = Counter(
+        "reward_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=registry
+    )
+    m_samples = Counter("reward_samples", "pairs scored", registry=registry)
+    m_tokens = Counter("reward_tokens", "real tokens scored", registry=registry)
+    m_padded = Counter("reward_padded_tokens", "tokens including padding", registry=registry)
+    m_truncated = Counter("reward_truncations", "pairs longer than max_length whose start was cut", registry=registry)
+    m_errors = Counter("reward_errors", "errors by kind", ["kind"], registry=registry)
+    m_batch = Histogram(
+        "reward_batch_rows", "rows per forward", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=registry
+    )
+    m_wait = Histogram("reward_queue_wait_seconds", "time a request waited for the GPU thread", registry=registry)
+    m_forward = Histogram("reward_forward_seconds", "time to launch one micro-batch forward", registry=registry)
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        role: StrictStr = Field(min_length=1, max_length=64)
+        content: StrictStr
+
+    class ScoreItem(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        prompt: StrictStr | None = None
+        messages: list[Message] | None = None
+        response: StrictStr
+
+        @model_validator(mode="after")
+        def _one_prompt(self):
+            if (self.prompt is None) == (self.messages is None):
+                raise ValueError("give exactly one of 'prompt' (text) or 'messages' (a chat list)")
+            if self.prompt is not None and not self.prompt.strip():
+                raise ValueError("'prompt' is empty")
+            if self.messages is not None and not self.messages:
+                raise ValueError("'messages' is empty")
+            if not self.response.strip():
+                raise ValueError("'response' is empty")
+            return self
+
+    class ScoreBatchRequest(BaseModel):
+        items: list[ScoreItem] = Field(min_length=1)
+
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        active = scorer or await run_in_threadpool(RewardScorer.load, settings)
+
+        def on_forward(rows, width, tokens, seconds):
+            m_batch.observe(rows)
+            m_forward.observe(seconds)
+            m_tokens.inc(tokens)
+            m_padded.inc(rows * width)
+
+        active.on_forward = on_forward
+        active.on_oom = lambda: m_errors.labels("cuda_oom_split").inc()
+        await run_in_threadpool(active.warm_up)
+        batcher = Batcher(
+            active, settings.max_wait_ms / 1000, on_batch=lambda jobs, waits: [m_wait.observe(w) for w in waits]
+        )
+        batcher.start()
+        state.update(scorer=active, batcher=batcher)
+        log.info(
+            "ready: model=%s device=%s dtype=%s max_length=%d truncation=%s format=%s token_budget=%d",
+            settings.model_path, active.device, active.dtype, settings.max_length, settings.truncation,
+            "chat template" if active.chat_template else "plain text (the tokenizer has no chat template)",
+            active.token_budget,
+        )  # fmt: skip
+        try:
+            yield
+        finally:
+            batcher.stop()
+            state.clear()
+
+    app = FastAPI(title="reward model server", lifespan=lifespan)
+    app.add_middleware(
+        _BodyLimit, limit=settings.max_body_bytes, on_reject=lambda: m_errors.labels("body_too_large").inc()
+    )
+
+    def fail(status: int, kind: str, detail: str, endpoint: str) -> HTTPException:
+        m_errors.labels(kind).inc()
+        m_requests.labels(endpoint, str(status)).inc()
+        return HTTPException(status_code=status, detail=detail)
+
+    def authorize(request: Request, endpoint: str) -> None:
+        if not settings.auth_token:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {settings.auth_token}".encode()):
+            raise fail(
+                401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>' (REWARD_SERVER_TOKEN)", endpoint
+            )
+
+    def check_limits(items: list[ScoreItem], endpoint: str) -> None:
+        if len(items) > settings.max_items:
+            raise fail(
+                413,
+                "too_many_items",
+                f"{len(items)} items; the limit is {settings.max_items} (REWARD_MAX_ITEMS)",
+                endpoint,
+            )
+        for i, item in enumerate(items):
+            where = f"items[{i}]." if endpoint == "/score_batch" else ""
+            texts = [("prompt", item.prompt or "")] + [
+                (f"messages[{k}].content", m.content) for k, m in enumerate(item.messages or [])
+            ]
+            for name, text in [*texts, ("response", item.response)]:
+                if len(text) > settings.max_chars:
+                    raise fail(
+                        413, "string_too_long",
+                        f"{where}{name} is {len(text)} characters; the limit is {settings.max_chars} (REWARD_MAX_CHARS)",
+                        endpoint,
+                    )  # fmt: skip
+
+    async def score_items(items: list[ScoreItem], endpoint: str) -> tuple[list[float], list[bool]]:
+        if "batcher" not in state:
+            raise fail(503, "not_ready", "the model is not loaded yet", endpoint)
+        active: RewardScorer = state["scorer"]
+
+        def prepare() -> list[Encoded]:
+            texts = [
+                active.render(
+                    [m.model_dump() for m in it.messages] if it.messages else [{"role": "user", "content": it.prompt}],
+                    it.response,
+                )
+                for it in items
+            ]
+            return active.encode(texts)
+
+        try:
+            encoded = await run_in_threadpool(prepare)
+            scores = await state["batcher"].score([e.ids for e in encoded])
+        except InputTooLong as exc:
+            raise fail(413, "too_long", str(exc), endpoint) from None
+        truncated = [e.truncated for e in encoded]
+        m_samples.inc(len(items))
+        m_truncated.inc(sum(truncated))
+        m_requests.labels(endpoint, "200").inc()
+        return scores, truncated
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        # Name each bad field and why, without echoing the (possibly huge) input back.
+        problems = []
+        for err in exc.errors()[:20]:
+            if err.get("type") == "json_invalid":
+                problems.append(f"body: not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
+                continue
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        m_errors.labels("invalid_request").inc()
+        m_requests.labels(request.url.path, "422").inc()
+        return JSONResponse(status_code=422, content={"detail": problems})
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        m_errors.labels("internal").inc()
+        m_requests.labels(request.url.path, "500").inc()
+        return JSONResponse(
+            status_code=500, content={"detail": f"internal error ({type(exc).__name__}); see the server log"}
+        )
+
+    @app.get("/health")
+    async def health():
+        if "scorer" not in state:
+            return JSONResponse(status_code=503, content={"status": "loading"})
+        active: RewardScorer = state["scorer"]
+        return {
+            "status": "ok",
+            "model_path": settings.model_path,
+            "device": active.device,
+            "dtype": active.dtype,
+            "max_length": settings.max_length,
+            "truncation": settings.truncation,
+            "format": "chat_template" if active.chat_template else "plain_text",
+            "auth": bool(settings.auth_token),
+        }
+
+    @app.post("/score")
+    async def score(item: ScoreItem, request: Request):
+        authorize(request, "/score")
+        check_limits([item], "/score")
+        scores, truncated = await score_items([item], "/score")
+        return {"score": scores[0], "truncated": truncated[0]}
+
+    @app.post("/score_batch")
+    async def score_batch(body: ScoreBatchRequest, request: Request):
+        authorize(request, "/score_batch")
+        check_limits(body.items, "/score_batch")
+        scores, truncated = await score_items(body.items, "/score_batch")
+        return {"scores": scores, "truncated": truncated}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        authorize(request, "/metrics")
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _BodyLimit:
+    """Pure ASGI middleware: 413 for a body over `limit` bytes, by Content-Length or while it streams in."""
+
+    def __init__(self, app, limit: int, on_reject=None):
+        self.app, self.limit, self.on_reject = app, limit, on_reject
+
+    def _error(self):
+        from starlette.exceptions import HTTPException
+
+        if self.on_reject:
+            self.on_reject()
+        return HTTPException(413, detail=f"request body over {self.limit} bytes (REWARD_MAX_BODY_BYTES)")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            from starlette.responses import JSONResponse
+
+            error = self._error()
+            return await JSONResponse({"detail": error.detail}, status_code=413)(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    # An HTTPException passes through FastAPI's body parsing and becomes this 413.
+                    raise self._error()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = load_settings(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    problem = check_model_path(settings.model_path)
+    if problem:
+        log.error("%s", problem)
+        return 2
+    shown = {k: ("(set)" if k == "auth_token" and v else v) for k, v in asdict(settings).items()}
+    log.info("starting with %s", shown)
+    import uvicorn
+
+    # uvicorn runs the lifespan (model load + warm-up) before it binds the port: until then, connections are refused.
+    uvicorn.run(
+        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

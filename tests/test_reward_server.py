@@ -1,0 +1,386 @@
+"""The reward server scores exactly as the model was trained, batches without changing scores, survives bad input.
+
+In-process tests use FastAPI's TestClient with the lifespan running (model load, warm-up, the GPU thread); the
+process tests start the real `python reward_score/reward_server.py` on a loopback port.
+"""
+
+import json
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reward_score.reward_server import RewardScorer, Settings, create_app, load_settings
+from tests.support import REPO, free_port, http_get, start_http_server, start_process
+
+LONG_ANSWER = " ".join(f"word{i % 17} step {i}" for i in range(120))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    """The model and tokenizer loaded the plain way, to compute what a score should be."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models.reward_model)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_models.reward_model).eval()
+
+    def score(messages, response, keep_last=None):
+        text = tok.apply_chat_template([*messages, {"role": "assistant", "content": response}], tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if keep_last:
+            ids = ids[-keep_last:]
+        with torch.inference_mode():
+            return model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+
+    return score
+
+
+def make_client(tiny_models, **overrides) -> TestClient:
+    cfg = replace(Settings(model_path=str(tiny_models.reward_model), device="cpu"), **overrides)
+    return TestClient(create_app(cfg, RewardScorer.load(cfg)))
+
+
+@pytest.fixture(scope="module")
+def client(tiny_models):
+    with make_client(tiny_models) as c:
+        yield c
+
+
+def metric(client: TestClient, name: str) -> float:
+    text = client.get("/metrics").text
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#")
+    )
+
+
+# --- scoring as trained ----------------------------------------------------------------------------------------
+
+
+def test_score_equals_a_direct_forward_on_the_chat_templated_text(client, reference):
+    body = client.post("/score", json={"prompt": "Is it safe to mix bleach and ammonia?", "response": "No."}).json()
+    expected = reference([{"role": "user", "content": "Is it safe to mix bleach and ammonia?"}], "No.")
+    assert body["score"] == pytest.approx(expected, abs=1e-5)
+    assert body["truncated"] is False
+
+
+def test_messages_replace_the_prompt_and_keep_the_system_turn(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "こんにちは"}]
+    body = client.post("/score", json={"messages": messages, "response": "世界"}).json()
+    assert body["score"] == pytest.approx(reference(messages, "世界"), abs=1e-5)
+    as_prompt = client.post("/score", json={"prompt": "こんにちは", "response": "世界"}).json()
+    assert as_prompt["score"] != pytest.approx(body["score"], abs=1e-4), "the system turn must reach the model"
+
+
+def test_batched_scores_equal_one_at_a_time_scores(client):
+    items = [{"prompt": f"question {i} " * (1 + i % 7), "response": LONG_ANSWER[: 10 + 37 * i]} for i in range(40)]
+    batch = client.post("/score_batch", json={"items": items}).json()
+    singles = [client.post("/score", json=item).json()["score"] for item in items]
+    assert batch["scores"] == pytest.approx(singles, abs=1e-5)
+    assert len(set(round(s, 4) for s in singles)) > 30, "the tiny model must tell these apart for this to mean anything"
+
+
+def test_concurrent_callers_share_forwards_and_get_their_own_scores(tiny_models):
+    items = [{"prompt": f"q{i}", "response": LONG_ANSWER[: 20 + 13 * i]} for i in range(24)]
+    with make_client(tiny_models, max_wait_ms=50) as c:
+        singles = [c.post("/score", json=item).json()["score"] for item in items]
+        forwards_before = metric(c, "reward_batch_rows_count")
+        results: dict[int, float] = {}
+
+        def call(i):
+            results[i] = c.post("/score", json=items[i]).json()["score"]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(items))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        forwards = metric(c, "reward_batch_rows_count") - forwards_before
+    assert [results[i] for i in range(len(items))] == pytest.approx(singles, abs=1e-5)
+    assert forwards < len(items), f"{len(items)} concurrent requests took {forwards:.0f} forwards: no batching"
+
+
+def test_micro_batches_respect_the_token_budget_and_pad_to_a_bounded_set_of_lengths(tiny_models):
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", token_budget=512, pad_multiple=64)
+    scorer = RewardScorer.load(cfg)
+    lengths = [5, 700, 64, 65, 300, 129, 1, 1000, 64, 200]
+    plan = scorer.plan(lengths)
+    assert sorted(i for rows in plan for i in rows) == list(range(len(lengths)))
+    for rows in plan:
+        width = scorer.padded_length(max(lengths[i] for i in rows))
+        assert width % 64 == 0
+        assert len(rows) == 1 or len(rows) * width <= 512
+    seen = []
+    scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width, tokens))
+    seqs = [[7] * n for n in lengths]
+    scores = scorer.score_ids(seqs)
+    assert len(scores) == len(lengths) and all(w % 64 == 0 for _, w, _ in seen)
+    assert sum(t for _, _, t in seen) == sum(lengths)
+
+
+# --- truncation ------------------------------------------------------------------------------------------------
+
+
+def test_truncation_keeps_the_scored_token_at_the_end(tiny_models, reference):
+    with make_client(tiny_models, max_length=48) as c:
+        body = c.post("/score", json={"prompt": "Summarise.", "response": LONG_ANSWER}).json()
+        assert body["truncated"] is True
+        assert metric(c, "reward_truncations_total") == 1
+    messages = [{"role": "user", "content": "Summarise."}]
+    assert body["score"] == pytest.approx(reference(messages, LONG_ANSWER, keep_last=48), abs=1e-5)
+
+
+def test_reject_mode_answers_413_naming_the_item_and_the_limit(tiny_models):
+    with make_client(tiny_models, max_length=48, truncation="reject") as c:
+        short = {"prompt": "hi", "response": "ok"}
+        r = c.post("/score_batch", json={"items": [short, {"prompt": "hi", "response": LONG_ANSWER}]})
+        assert r.status_code == 413
+        assert "item 1" in r.json()["detail"] and "REWARD_MAX_LENGTH" in r.json()["detail"]
+        assert c.post("/score", json=short).status_code == 200
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path, body, status, needle",
+    [
+        ("/score", {"prompt": "hi"}, 422, "response"),  # missing response
+        ("/score", {"prompt": "", "response": "ok"}, 422, "'prompt' is empty"),  # empty prompt
+        ("/score", {"prompt": "hi", "response": "  "}, 422, "'response' is empty"),  # blank response
+        ("/score", {"prompt": 5, "response": "ok"}, 422, "prompt"),  # wrong type, not coerced
+        (
+            "/score",
+            {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "response": "ok"},
+            422,
+            "exactly one",
+        ),
+        ("/score", {"messages": [{"role": "user"}], "response": "ok"}, 422, "messages.0.content"),  # bad message
+        ("/score", {"messages": [], "response": "ok"}, 422, "'messages' is empty"),
+        ("/score_batch", {"items": []}, 422, "items"),  # nothing to score
+        ("/score_batch", {"items": [{"prompt": "hi", "response": 3}]}, 422, "items.0.response"),
+        ("/score_batch", {"items": "nope"}, 422, "items"),
+        ("/score_batch", {"items": [{"prompt": "a", "response": "b"}] * 9}, 413, "REWARD_MAX_ITEMS"),  # too many
+        ("/score", {"prompt": "x" * 2000, "response": "ok"}, 413, "prompt is 2000 characters"),  # string too long
+        ("/score_batch", {"items": [{"prompt": "a", "response": "y" * 1500}]}, 413, "items[0].response"),
+    ],
+)
+def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_keeps_serving(limited, path, body, status, needle):
+    r = limited.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert needle in json.dumps(r.json()["detail"])
+    assert "Traceback" not in r.text
+    assert limited.post("/score", json={"prompt": "hi", "response": "ok"}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_models):
+    with make_client(tiny_models, max_items=8, max_chars=1000, max_body_bytes=20_000) as c:
+        yield c
+
+
+def test_invalid_json_and_oversized_bodies_are_rejected(limited):
+    r = limited.post("/score", content=b'{"prompt": "hi", ', headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "not valid JSON" in r.text
+    r = limited.post("/score", content=b"x" * 30_000, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "REWARD_MAX_BODY_BYTES" in r.text
+
+    def chunks():  # no Content-Length: the limit must hold while the body streams in
+        for _ in range(30):
+            yield b"x" * 1000
+
+    r = limited.post("/score", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert metric(limited, 'reward_errors_total{kind="body_too_large"}') == 2
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+items = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": json_values | st.text(max_size=50),
+        "messages": st.lists(
+            st.fixed_dictionaries({}, optional={"role": json_values, "content": json_values}), max_size=3
+        ),
+        "response": json_values | st.text(max_size=50),
+    },
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    path=st.sampled_from(["/score", "/score_batch"]),
+    body=items | st.fixed_dictionaries({"items": st.lists(items, max_size=4)}) | json_values,
+)
+def test_fuzzed_bodies_never_get_a_5xx(limited, path, body):
+    r = limited.post(path, json=body)
+    assert r.status_code < 500, r.text
+    assert r.headers["content-type"].startswith("application/json")
+
+
+def test_auth_token_is_required_when_configured(tiny_models):
+    with make_client(tiny_models, auth_token="s3cret") as c:
+        item = {"prompt": "hi", "response": "ok"}
+        assert c.post("/score", json=item).status_code == 401
+        assert c.post("/score", json=item, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.post("/score", json=item, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/health").status_code == 200, "readiness probes need no token"
+        assert "s3cret" not in c.get("/health").text
+
+
+def test_cuda_out_of_memory_splits_the_micro_batch_and_the_server_keeps_serving(tiny_models, monkeypatch):
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu")
+    scorer = RewardScorer.load(cfg)
+    real_forward = scorer.base.forward
+
+    def forward_that_fits_two_rows(*args, input_ids=None, **kwargs):
+        if input_ids.shape[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_forward(*args, input_ids=input_ids, **kwargs)
+
+    items = [{"prompt": f"q{i}", "response": LONG_ANSWER[: 30 + 11 * i]} for i in range(9)]
+    with TestClient(create_app(cfg, scorer)) as c:
+        expected = c.post("/score_batch", json={"items": items}).json()["scores"]
+        monkeypatch.setattr(scorer.base, "forward", forward_that_fits_two_rows)
+        r = c.post("/score_batch", json={"items": items})
+        assert r.status_code == 200
+        assert r.json()["scores"] == pytest.approx(expected, abs=1e-5)
+        assert metric(c, 'reward_errors_total{kind="cuda_oom_split"}') >= 3
+        assert c.post("/score", json=items[0]).status_code == 200
+
+
+def test_plain_text_fallback_when_the_tokenizer_has_no_chat_template(tiny_models, reference):
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu")
+    scorer = RewardScorer.load(cfg)
+    scorer.tokenizer.chat_template = None
+    scorer.chat_template = False
+    with TestClient(create_app(cfg, scorer)) as c:
+        assert c.get("/health").json()["format"] == "plain_text"
+        got = c.post("/score", json={"prompt": "Question?", "response": " Answer."}).json()["score"]
+    tok = scorer.tokenizer
+    ids = tok("Question? Answer.<|im_end|>", add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        expected = scorer.model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+    assert got == pytest.approx(expected, abs=1e-5)
+
+
+# --- settings ----------------------------------------------------------------------------------------------------
+
+
+def test_flags_win_over_the_environment_and_the_article_names_are_read():
+    env = {"CONFIG_REWARD_MODEL_PATH": "/m", "CONFIG_REWARD_DEVICE": "cuda:1", "CONFIG_REWARD_SERVER_PORT": "8100"}
+    s = load_settings(["--port", "9001"], env)
+    assert (s.model_path, s.device, s.port) == ("/m", "cuda:1", 9001)
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"CONFIG_REWARD_SERVER_PORT": "eighty"}, "CONFIG_REWARD_SERVER_PORT"),
+        ({"CONFIG_REWARD_DEVICE": "gpu"}, "CONFIG_REWARD_DEVICE"),
+        ({"REWARD_TRUNCATION": "right"}, "REWARD_TRUNCATION"),
+        ({"REWARD_MAX_LENGTH": "0"}, "REWARD_MAX_LENGTH"),
+    ],
+)
+def test_bad_settings_exit_naming_the_variable(env, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        load_settings([], env)
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+# --- the real process --------------------------------------------------------------------------------------------
+
+
+def server_cmd(*args: str) -> list[str]:
+    return [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--host", "127.0.0.1", *args]
+
+
+def test_health_answers_only_once_the_model_can_score_and_reports_what_runs(tiny_models, tmp_path):
+    port = free_port()
+    server = start_http_server(
+        server_cmd("--model-path", str(tiny_models.reward_model), "--port", str(port)), tmp_path / "rs.log", port
+    )
+    try:
+        status, body = http_get(server.url + "/health")
+        health = json.loads(body)
+        assert status == 200
+        assert health | {"model_path": None} == health | {
+            "status": "ok", "device": "cpu", "dtype": "float32", "max_length": 4096, "model_path": None,
+        }  # fmt: skip
+        # Healthy means the first request needs no more loading: it is answered right away.
+        import requests
+
+        r = requests.post(server.url + "/score", json={"prompt": "hi", "response": "ok"}, timeout=10)
+        assert r.status_code == 200
+    finally:
+        # uvicorn shuts down cleanly, then re-raises SIGTERM so the exit status says how it ended.
+        assert server.stop() in (0, -15)
+    log = (tmp_path / "rs.log").read_text()
+    assert "ready: model=" in log and "Finished server process" in log
+
+
+def test_the_port_stays_closed_while_the_model_loads(tiny_models, tmp_path):
+    port = free_port()
+    slow = tmp_path / "slow_start.py"
+    # Delay the model load: until the lifespan finishes, nothing may answer on the port.
+    slow.write_text(
+        "import sys, time, runpy\n"
+        "import transformers\n"
+        "orig = transformers.AutoModelForSequenceClassification.from_pretrained\n"
+        "def slow(*a, **k):\n    time.sleep(3)\n    return orig(*a, **k)\n"
+        "transformers.AutoModelForSequenceClassification.from_pretrained = slow\n"
+        f"sys.argv = {[str(REPO / 'reward_score' / 'reward_server.py'), '--host', '127.0.0.1', '--port', str(port), '--model-path', str(tiny_models.reward_model)]!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = start_process([sys.executable, str(slow)], tmp_path / "slow.log")
+    try:
+        import time
+
+        seen_refused = False
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                status, _ = http_get(f"http://127.0.0.1:{port}/health", timeout=1)
+            except OSError:
+                seen_refused = True
+                time.sleep(0.1)
+                continue
+            assert status == 200, "the port answered before the model was ready"
+            break
+        assert seen_refused, "never saw the port closed during the load"
+        assert status == 200
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize(
+    "make_path, needle",
+    [
+        (lambda tmp: tmp / "missing", "no such directory"),
+        (lambda tmp: tmp, "no config.json"),
+    ],
+)
+def test_a_broken_model_path_fails_at_start_with_a_clear_message(tmp_path, make_path, needle):
+    proc = start_process(
+        server_cmd("--model-path", str(make_path(tmp_path)), "--port", str(free_port())), tmp_path / "x.log"
+    )
+    assert proc.popen.wait(60) == 2
+    assert needle in Path(proc.log).read_text()
+
+
+def test_a_model_that_cannot_load_exits_non_zero_before_serving(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"]}'
+    )
+    proc = start_process(server_cmd("--model-path", str(tmp_path), "--port", str(free_port())), tmp_path / "x.log")
+    assert proc.popen.wait(120) != 0
+    assert "Application startup failed" in proc.log.read_text()
