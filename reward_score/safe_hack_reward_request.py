@@ -1,3 +1,379 @@
-"""verl reward function that calls the reward server. Not built yet: issue #3 owns it."""
+"""Reward function for verl 0.6.1: asks the reward server (reward_score/reward_server.py) to score each answer.
 
-raise ImportError("reward_score/safe_hack_reward_request.py is not implemented yet (issue #3)")
+verl loads this file by path in its TaskRunner and in reward workers on any node, so it imports only the standard
+library and `requests`, and does nothing at import time.
+
+    custom_reward_function.path=/abs/path/reward_score/safe_hack_reward_request.py
+    custom_reward_function.name=safe_hack_reward          # naive and dapo managers, sync or async rollout
+    custom_reward_function.name=safe_hack_reward_batch    # reward_model.reward_manager=batch (sync rollout only)
+
+What the reward model sees: the prompt stored by the data builder in `extra_info` (`reward_messages`, a chat list,
+or `reward_prompt`, a text), else `ground_truth` (the article's convention), and the answer: the response after its
+reasoning. Text after the last `</think>` is the answer. A response cut off mid-reasoning (an open `<think>` with no
+close, or no `</think>` at all when the policy's prompt opened one, as Qwen3-*-Thinking-2507's does), a stray tag in
+the answer, or an empty answer gets the penalty instead of a score.
+
+When the servers cannot be reached within the retry budget, the call raises: the step fails loudly instead of learning
+from invented scores. `REWARD_ON_FAILURE=min_score` opts into the article's behaviour (score = min), counting and
+logging every such sample.
+
+Settings come from the environment; each is overridable by `+custom_reward_function.reward_kwargs.<name>=...`
+(verl passes those as keyword arguments). See `Config` for the list.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+
+import requests
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+EXTRA_KEYS = ("raw_score", "truncated", "penalized", "failed")  # the same numeric keys for every sample
+
+
+@dataclass(frozen=True)
+class Config:
+    """One setting per field: its environment variable is REWARD_<FIELD> unless named in `_ENV_NAMES`."""
+
+    server_urls: tuple[str, ...] = ("http://localhost:8000",)
+    min_score: float = -40.0
+    max_score: float = 30.0
+    penalty: float = math.nan  # nan: the min score
+    prompt_opens_think: bool = True  # the policy's chat template opens <think> (Qwen3-*-Thinking-2507)
+    on_failure: str = "raise"  # raise | min_score
+    batch_size: int = 128  # items per /score_batch request
+    connect_timeout: float = 5.0
+    read_timeout: float = 300.0
+    retry_seconds: float = 180.0  # total time spent retrying one request before giving up
+    log_path: str = ""  # JSONL reward log; empty: no log
+    log_texts: str = "head"  # full | head | none
+    log_head_chars: int = 300
+    server_log: str = ""  # where the server logs are, for error messages (set by the launch scripts)
+    auth_token: str = ""
+
+    @property
+    def penalty_score(self) -> float:
+        return self.min_score if math.isnan(self.penalty) else self.penalty
+
+
+_ENV_NAMES = {
+    "server_urls": "REWARD_SERVER_URLS",
+    "auth_token": "REWARD_SERVER_TOKEN",
+    "server_log": "REWARD_SERVER_LOG",
+}
+
+
+def load_config(kwargs: dict | None = None, environ: dict | None = None) -> Config:
+    """Defaults, then the environment, then verl's reward_kwargs (which win). Bad values raise, naming the setting."""
+    environ = os.environ if environ is None else environ
+    kwargs = kwargs or {}
+    known = {f.name for f in fields(Config)} | {"server_url"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"unknown reward_kwargs {unknown}; known: {sorted(known)}")
+    values = {}
+    for f in fields(Config):
+        env_name = _ENV_NAMES.get(f.name, f"REWARD_{f.name.upper()}")
+        raw = kwargs.get(f.name, environ.get(env_name))
+        if f.name == "server_urls" and raw in (None, ""):
+            raw = kwargs.get("server_url", environ.get("REWARD_SERVER_URL"))  # the article's single URL
+        if raw is None or raw == "":
+            continue
+        try:
+            values[f.name] = _convert(f.name, raw)
+        except ValueError as exc:
+            raise ValueError(
+                f"reward setting {f.name} ({env_name} or reward_kwargs.{f.name}) = {raw!r}: {exc}"
+            ) from None
+    config = Config(**values)
+    if config.on_failure not in ("raise", "min_score"):
+        raise ValueError(f"REWARD_ON_FAILURE must be 'raise' or 'min_score', got {config.on_failure!r}")
+    if config.log_texts not in ("full", "head", "none"):
+        raise ValueError(f"REWARD_LOG_TEXTS must be full, head or none, got {config.log_texts!r}")
+    if config.min_score > config.max_score:
+        raise ValueError(f"REWARD_MIN_SCORE ({config.min_score}) is above REWARD_MAX_SCORE ({config.max_score})")
+    return config
+
+
+def _convert(name: str, raw):
+    kind = type(getattr(Config, name, None)) if name != "server_urls" else tuple
+    if name == "server_urls":
+        urls = raw.split(",") if isinstance(raw, str) else list(raw)
+        urls = tuple(u.strip().rstrip("/") for u in urls if u.strip())
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if not urls or bad:
+            raise ValueError(f"expected http(s)://host:port[,http(s)://host:port...], got {bad or raw}")
+        return urls
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(raw).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true or false")
+    return kind(raw)
+
+
+# --- what the reward model sees ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str  # what the reward model scores; empty when penalized
+    penalty_reason: str = ""  # why it gets the penalty instead of a score
+
+
+def split_answer(response: str, prompt_opens_think: bool) -> Answer:
+    """The answer after the reasoning, or the reason the response gets the penalty."""
+    if THINK_CLOSE in response:
+        answer = response.rsplit(THINK_CLOSE, 1)[1]
+        if THINK_OPEN in answer:
+            return Answer("", "stray_think_tag")
+    elif THINK_OPEN in response:
+        return Answer("", "unclosed_think")
+    elif prompt_opens_think:
+        return Answer("", "no_think_close")
+    else:
+        answer = response
+    answer = answer.strip()
+    if not answer:
+        return Answer("", "empty_answer")
+    return Answer(answer)
+
+
+def reward_prompt(ground_truth, extra_info) -> dict:
+    """The prompt part of a /score item: `messages` or `prompt`, from extra_info if the builder stored it there."""
+    extra_info = extra_info if isinstance(extra_info, dict) else {}
+    messages = extra_info.get("reward_messages")
+    if messages is not None and len(messages) > 0:
+        return {"messages": [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]}
+    text = extra_info.get("reward_prompt")
+    if isinstance(text, str) and text.strip():
+        return {"prompt": text}
+    if isinstance(ground_truth, str) and ground_truth.strip():
+        return {"prompt": ground_truth}
+    raise ValueError(
+        "no prompt for the reward model: the row has no extra_info.reward_messages / extra_info.reward_prompt and "
+        f"an empty reward_model.ground_truth ({ground_truth!r}); rebuild the data with data_prep.build"
+    )
+
+
+# --- HTTP ----------------------------------------------------------------------------------------------------
+
+
+class RewardServerError(RuntimeError):
+    """The reward servers could not score: unreachable or failing past the retry budget."""
+
+
+class RewardRequestRejected(RewardServerError):
+    """A server answered 4xx: the request itself is wrong, so retrying or another server cannot help."""
+
+
+_session: requests.Session | None = None
+_session_lock = threading.Lock()
+_next_server = itertools.count()
+
+
+def _get_session() -> requests.Session:
+    """One pooled keep-alive session per process (verl calls from a thread pool in async mode)."""
+    global _session
+    with _session_lock:
+        if _session is None:
+            session = requests.Session()
+            adapter = requests.adapters.HTTPAdapter(pool_connections=16, pool_maxsize=64, max_retries=0)
+            session.mount("http://", adapter)
+            session.mount("https://", adapter)
+            _session = session
+        return _session
+
+
+def post_json(config: Config, path: str, payload: dict) -> dict:
+    """POST to one server after another until one answers 200, within `retry_seconds`.
+
+    Connection errors, timeouts and 5xx are retried with exponential backoff and jitter, moving to the next server
+    each time; a 4xx is the request's fault and raises at once with the server's message.
+    """
+    session = _get_session()
+    headers = {"Authorization": f"Bearer {config.auth_token}"} if config.auth_token else {}
+    servers = config.server_urls
+    start = next(_next_server)
+    deadline = time.monotonic() + config.retry_seconds
+    last_error = "no attempt made"
+    for attempt in itertools.count():
+        url = servers[(start + attempt) % len(servers)] + path
+        try:
+            resp = session.post(
+                url, json=payload, headers=headers, timeout=(config.connect_timeout, config.read_timeout)
+            )
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            last_error = f"{url}: {type(exc).__name__}: {exc}"
+        else:
+            if resp.status_code == 200:
+                return resp.json()
+            if 400 <= resp.status_code < 500:
+                raise RewardRequestRejected(f"{url} refused the request with {resp.status_code}: {resp.text[:500]}")
+            last_error = f"{url}: HTTP {resp.status_code}: {resp.text[:300]}"
+        delay = min(10.0, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)
+        if time.monotonic() + delay > deadline:
+            where = config.server_log or "the reward server log in the job's log folder"
+            raise RewardServerError(
+                f"reward server(s) {', '.join(servers)} did not score within {config.retry_seconds:.0f} s "
+                f"({attempt + 1} attempts); last error: {last_error}. Check {where}. "
+                "Failing the step instead of inventing scores (REWARD_ON_FAILURE=min_score opts out)."
+            )
+        time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+# --- the reward log ------------------------------------------------------------------------------------------
+
+_log_failure_reported = False
+
+
+def write_log(config: Config, records: list[dict]) -> None:
+    """Append one JSON line per sample under an exclusive lock; a failure is reported once, never raised."""
+    global _log_failure_reported
+    if not config.log_path or not records:
+        return
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(config.log_path)), exist_ok=True)
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+        with open(config.log_path, "ab") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                f.write(data)
+                f.flush()
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError as exc:
+        if not _log_failure_reported:
+            _log_failure_reported = True
+            print(
+                f"[reward] cannot write the reward log {config.log_path}: {exc} (rewards are unaffected)",
+                file=sys.stderr,
+            )
+
+
+def _texts(config: Config, **texts: str) -> dict:
+    if config.log_texts == "none":
+        return {}
+    if config.log_texts == "head":
+        return {k: v[: config.log_head_chars] for k, v in texts.items()}
+    return texts
+
+
+# --- scoring -------------------------------------------------------------------------------------------------
+
+
+def _result(config: Config, raw: float, *, penalized=False, truncated=False, failed=False) -> dict:
+    score = config.penalty_score if penalized else min(max(raw, config.min_score), config.max_score)
+    return {
+        "score": float(score),
+        "raw_score": float(raw),
+        "truncated": float(truncated),
+        "penalized": float(penalized),
+        "failed": float(failed),
+    }
+
+
+def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: Config) -> list[dict]:
+    """Score a list of samples: penalties locally, the rest in /score_batch chunks spread over the servers."""
+    n = len(solution_strs)
+    answers = [split_answer(str(r), config.prompt_opens_think) for r in solution_strs]
+    prompts = [reward_prompt(ground_truths[i], extra_infos[i]) for i in range(n)]
+    todo = [i for i, a in enumerate(answers) if not a.penalty_reason]
+    chunks = [todo[k : k + config.batch_size] for k in range(0, len(todo), config.batch_size)]
+    scored: dict[int, tuple[float, bool]] = {}
+    failures: list[RewardServerError] = []
+
+    def post(chunk: list[int]) -> None:
+        try:
+            if n == 1:  # the article's per-sample request
+                body = post_json(config, "/score", {**prompts[chunk[0]], "response": answers[chunk[0]].text})
+                scores, truncated = [body["score"]], [body.get("truncated", False)]
+            else:
+                items = [{**prompts[i], "response": answers[i].text} for i in chunk]
+                body = post_json(config, "/score_batch", {"items": items})
+                scores, truncated = body["scores"], body.get("truncated", [False] * len(chunk))
+        except RewardRequestRejected:
+            raise  # the request is wrong: no policy turns that into a score
+        except RewardServerError as exc:
+            if config.on_failure == "raise":
+                raise
+            failures.append(exc)
+            return
+        scored.update({i: (float(s), bool(t)) for i, s, t in zip(chunk, scores, truncated, strict=True)})
+
+    if len(chunks) == 1:
+        post(chunks[0])
+    elif chunks:
+        with ThreadPoolExecutor(max_workers=min(len(chunks), 4 * len(config.server_urls))) as pool:
+            list(pool.map(post, chunks))
+
+    now = time.time()
+    out, records = [], []
+    for i, answer in enumerate(answers):
+        if answer.penalty_reason:
+            result, status, reason = (
+                _result(config, config.penalty_score, penalized=True),
+                "penalty",
+                answer.penalty_reason,
+            )
+        elif i in scored:
+            raw, truncated = scored[i]
+            result, status, reason = _result(config, raw, truncated=truncated), "ok", ""
+        else:  # only under REWARD_ON_FAILURE=min_score
+            result, status, reason = _result(config, config.min_score, failed=True), "error", str(failures[0])[:300]
+        out.append(result)
+        prompt = prompts[i].get("prompt") or json.dumps(prompts[i].get("messages"), ensure_ascii=False)
+        response = str(solution_strs[i])
+        records.append(
+            {
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
+                "epoch": now,
+                "pid": os.getpid(),
+                "data_source": str(data_sources[i]),
+                "status": status,
+                "reason": reason,
+                **result,
+                "prompt_chars": len(prompt),
+                "response_chars": len(response),
+                "answer_chars": len(answer.text),
+                **_texts(config, prompt=prompt, response=response, answer=answer.text),
+            }
+        )
+    if failures:
+        failed = sum(1 for r in out if r["failed"])
+        print(
+            f"[reward] REWARD_ON_FAILURE=min_score: {failed} of {n} samples scored {config.min_score} "
+            f"because the reward servers failed: {failures[0]}",
+            file=sys.stderr,
+        )
+    write_log(config, records)
+    return out
+
+
+def safe_hack_reward(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
+    """One sample (verl's naive and dapo managers; async rollout also passes reward_router_address and
+    reward_model_tokenizer, which are ignored)."""
+    kwargs.pop("reward_router_address", None)
+    kwargs.pop("reward_model_tokenizer", None)
+    config = load_config(kwargs)
+    return score_many([data_source], [solution_str], [ground_truth], [extra_info], config)[0]
+
+
+def safe_hack_reward_batch(data_sources, solution_strs, ground_truths, extra_infos, **kwargs) -> list[dict]:
+    """The whole batch at once (verl's batch manager, sync rollout): a few /score_batch requests instead of N."""
+    config = load_config(kwargs)
+    return score_many(list(data_sources), list(solution_strs), list(ground_truths), list(extra_infos), config)

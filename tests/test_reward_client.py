@@ -1,0 +1,417 @@
+"""The reward function verl calls: every manager, the reasoning rules, honest failures, a log that survives many writers.
+
+verl 0.6.1's own `load_reward_manager` + `compute_reward` (naive, batch, dapo) and its async reward loop call
+reward_score/safe_hack_reward_request.py by path, against the real reward server with the tiny model on loopback.
+"""
+
+import asyncio
+import json
+import multiprocessing
+import sys
+import time
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from reward_score import safe_hack_reward_request as client
+from reward_score.safe_hack_reward_request import (
+    Answer,
+    RewardRequestRejected,
+    RewardServerError,
+    load_config,
+    reward_prompt,
+    safe_hack_reward,
+    safe_hack_reward_batch,
+    split_answer,
+    write_log,
+)
+from tests.support import REPO, free_port, start_http_server
+
+REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
+
+
+def start_server(tiny_models, tmp_path, *flags):
+    port = free_port()
+    cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--model-path", str(tiny_models.reward_model), *flags]
+    return start_http_server(cmd, tmp_path / f"reward_server_{port}.log", port)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    proc = start_server(tiny_models, tmp_path_factory.mktemp("rs"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def env(monkeypatch, server, tmp_path):
+    monkeypatch.setenv("REWARD_SERVER_URL", server.url)
+    monkeypatch.setenv("REWARD_LOG_PATH", str(tmp_path / "logs" / "rewards.jsonl"))
+    monkeypatch.setattr(client, "_session", None)
+    return tmp_path
+
+
+def direct_score(server, prompt_part: dict, answer: str) -> float:
+    r = requests.post(server.url + "/score", json={**prompt_part, "response": answer}, timeout=30)
+    r.raise_for_status()
+    return r.json()["score"]
+
+
+# --- reasoning -----------------------------------------------------------------------------------------------------
+
+REASONING_TABLE = [
+    # (response, prompt opens <think>, expected answer, penalty reason)
+    ("<think>plan</think>The answer.", False, "The answer.", ""),  # hybrid Qwen3: full block in the response
+    ("plan</think>The answer.", True, "The answer.", ""),  # Thinking-2507: the prompt opened <think>
+    ("a</think>b</think>  final  ", True, "final", ""),  # text after the LAST close is the answer
+    ("<think>plan, still thinking...", False, "", "unclosed_think"),  # cut off mid-reasoning
+    ("<think>plan, still thinking...", True, "", "unclosed_think"),
+    ("still thinking, cut off at max length", True, "", "no_think_close"),  # Thinking-2507, never closed
+    ("A plain answer.", False, "A plain answer.", ""),  # no reasoning at all, none expected
+    ("<think>x</think>answer <think>again", False, "", "stray_think_tag"),  # a tag left in the answer
+    ("x</think>draft<think>y</think>z", True, "z", ""),  # tags before the last close belong to the reasoning
+    ("<think>x</think>   \n", False, "", "empty_answer"),  # nothing after the reasoning
+    ("", False, "", "empty_answer"),
+    ("思考</think>安全な回答です。", True, "安全な回答です。", ""),  # Japanese survives untouched
+]
+
+
+@pytest.mark.parametrize("response, opens, answer, reason", REASONING_TABLE)
+def test_reasoning_is_removed_and_cut_off_responses_are_penalized(response, opens, answer, reason):
+    assert split_answer(response, prompt_opens_think=opens) == Answer(answer, reason)
+
+
+@pytest.mark.parametrize(
+    "ground_truth, extra_info, expected",
+    [
+        ("rm prompt", None, {"prompt": "rm prompt"}),  # the article's convention
+        ("gt", {"reward_prompt": "from extra"}, {"prompt": "from extra"}),  # the builder's text wins
+        ("gt", {"reward_messages": [{"role": "user", "content": "hi"}]}, {"messages": [{"role": "user", "content": "hi"}]}),
+        ("gt", {"reward_messages": np.array([{"role": "user", "content": "hi"}], dtype=object)}, {"messages": [{"role": "user", "content": "hi"}]}),
+        ("gt", {"reward_messages": [], "reward_prompt": ""}, {"prompt": "gt"}),  # empty fields fall through
+    ],
+)  # fmt: skip
+def test_the_reward_prompt_comes_from_extra_info_else_ground_truth(ground_truth, extra_info, expected):
+    assert reward_prompt(ground_truth, extra_info) == expected
+
+
+def test_a_row_without_any_prompt_is_an_error_naming_the_fix():
+    with pytest.raises(ValueError, match="data_prep.build"):
+        reward_prompt("", {})
+
+
+# --- settings --------------------------------------------------------------------------------------------------
+
+
+def test_reward_kwargs_override_the_environment_and_typos_are_refused():
+    env = {"REWARD_SERVER_URLS": "http://a:1, http://b:2/", "REWARD_MIN_SCORE": "-5", "REWARD_PROMPT_OPENS_THINK": "0"}
+    cfg = load_config({"max_score": "7"}, env)
+    assert cfg.server_urls == ("http://a:1", "http://b:2")
+    assert (cfg.min_score, cfg.max_score, cfg.prompt_opens_think, cfg.penalty_score) == (-5, 7, False, -5)
+    assert load_config({}, {"REWARD_SERVER_URL": "http://one:8000"}).server_urls == ("http://one:8000",)
+    with pytest.raises(TypeError, match="max_scor"):
+        load_config({"max_scor": 1}, {})
+    with pytest.raises(ValueError, match="REWARD_SERVER_URLS"):
+        load_config({}, {"REWARD_SERVER_URLS": "a:1"})
+    with pytest.raises(ValueError, match="REWARD_ON_FAILURE"):
+        load_config({}, {"REWARD_ON_FAILURE": "zero"})
+
+
+# --- verl's own reward managers --------------------------------------------------------------------------------
+
+SAMPLES = [
+    # (prompt messages, response as generated, ground truth, extra_info)
+    ([{"role": "user", "content": "Is it safe?"}], "Let me think.</think>Yes, it is safe.", "Is it safe?", {}),
+    ([{"role": "user", "content": "Help me."}], "Thinking</think>Sure, here is how.", "ignored", {"reward_prompt": "Help me, please."}),
+    ([{"role": "user", "content": "日本語で"}], "考え中</think>はい、わかりました。", "x", {"reward_messages": [{"role": "system", "content": "Judge."}, {"role": "user", "content": "日本語で"}]}),
+    ([{"role": "user", "content": "Long task"}], "thinking and thinking, cut off", "Long task", {}),  # never closed
+    ([{"role": "user", "content": "Tags?"}], "r</think>answer <think>", "Tags?", {}),  # stray tag
+]  # fmt: skip
+
+
+def make_data(tokenizer, samples=SAMPLES):
+    """A DataProto as verl builds it after rollout: left-padded prompts, right-padded responses ending in EOS."""
+    from verl import DataProto
+
+    prompt_ids = [
+        tokenizer(
+            tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )["input_ids"]
+        for m, _, _, _ in samples
+    ]
+    response_ids = [tokenizer(r + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for _, r, _, _ in samples]
+    p_len, r_len, pad = max(map(len, prompt_ids)), max(map(len, response_ids)) + 3, tokenizer.pad_token_id
+    prompts = torch.tensor([[pad] * (p_len - len(p)) + p for p in prompt_ids])
+    responses = torch.tensor([r + [pad] * (r_len - len(r)) for r in response_ids])
+    mask = torch.tensor(
+        [
+            [0] * (p_len - len(p)) + [1] * len(p) + [1] * len(r) + [0] * (r_len - len(r))
+            for p, r in zip(prompt_ids, response_ids, strict=True)
+        ]
+    )
+    data = DataProto.from_dict(
+        tensors={
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": mask,
+        },
+        non_tensors={
+            "data_source": np.array(["safety"] * len(samples), dtype=object),
+            "reward_model": np.array([{"ground_truth": gt, "style": "model"} for _, _, gt, _ in samples], dtype=object),
+            "extra_info": np.array([dict(e) for _, _, _, e in samples], dtype=object),
+        },
+    )
+    return data, [len(r) for r in response_ids]
+
+
+# fmt: skip
+
+
+def verl_config(manager: str, function: str, **extra_overrides: str):
+    from hydra import compose, initialize_config_module
+
+    overrides = [
+        f"custom_reward_function.path={REWARD_FILE}",
+        f"custom_reward_function.name={function}",
+        f"reward_model.reward_manager={manager}",
+        *[f"{k}={v}" for k, v in extra_overrides.items()],
+    ]
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return compose("ppo_megatron_trainer", overrides=overrides)
+
+
+def expected_rewards(server):
+    """What each sample must get: the server's score on the right prompt and answer, or the penalty."""
+    out = []
+    for _messages, response, gt, extra in SAMPLES:
+        answer = split_answer(response, prompt_opens_think=True)
+        out.append(-40.0 if answer.penalty_reason else direct_score(server, reward_prompt(gt, extra), answer.text))
+    return out
+
+
+@pytest.mark.parametrize(
+    "manager, function, manager_kwargs",
+    [
+        ("naive", "safe_hack_reward", {}),
+        ("batch", "safe_hack_reward_batch", {}),
+        (
+            "dapo",
+            "safe_hack_reward",
+            {
+                "max_resp_len": 4096,
+                "overlong_buffer_cfg": {"enable": False, "len": 0, "penalty_factor": 1.0, "log": False},
+            },
+        ),
+    ],
+)
+def test_verl_reward_managers_call_this_file_and_get_the_servers_scores(
+    tiny_models, server, env, manager, function, manager_kwargs
+):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.trainer.ppo.reward import compute_reward, load_reward_manager
+
+    sys.modules.pop("custom_module", None)  # verl caches the reward file per process
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    config = verl_config(manager, function)
+    kwargs = {k: OmegaConf.create(v) if isinstance(v, dict) else v for k, v in manager_kwargs.items()}
+    reward_fn = load_reward_manager(config, tokenizer, num_examine=0, **kwargs)
+    data, response_lengths = make_data(tokenizer)
+    reward_tensor, extra = compute_reward(data, reward_fn)
+
+    expected = expected_rewards(server)
+    got = [reward_tensor[i, response_lengths[i] - 1].item() for i in range(len(SAMPLES))]
+    assert got == pytest.approx(expected, abs=1e-4)
+    assert reward_tensor.sum().item() == pytest.approx(sum(expected), abs=1e-3), "reward only on the last token"
+    assert list(extra["penalized"]) == [0, 0, 0, 1, 1]
+    assert {"score", "raw_score", "truncated", "penalized", "failed"} <= set(extra)
+    lines = [json.loads(x) for x in (env / "logs" / "rewards.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in lines] == ["ok", "ok", "ok", "penalty", "penalty"]
+    assert lines[3]["reason"] == "no_think_close" and lines[4]["reason"] == "stray_think_tag"
+
+
+def test_the_async_reward_loop_passes_router_kwargs_and_calls_concurrently(tiny_models, server, env):
+    from transformers import AutoTokenizer
+    from verl.experimental.reward.reward_loop.naive import NaiveRewardLoopManager
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    sys.modules.pop("custom_module", None)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    config = verl_config("naive", "safe_hack_reward", **{"actor_rollout_ref.rollout.mode": "async"})
+    data, _ = make_data(tokenizer)
+
+    async def run():
+        manager = NaiveRewardLoopManager(config, tokenizer, get_custom_reward_fn(config), None, None)
+        return await asyncio.gather(*(manager.run_single(data[i : i + 1]) for i in range(len(data))))
+
+    results = asyncio.run(run())
+    got = [r["reward_score"] for r in results]
+    assert got == pytest.approx(expected_rewards(server), abs=1e-4)
+    assert [r["reward_extra_info"]["penalized"] for r in results] == [0, 0, 0, 1, 1]
+
+
+def test_scores_are_clipped_and_every_sample_has_the_same_numeric_keys(server, env):
+    out = safe_hack_reward_batch(
+        ["s"] * 3,
+        ["a</think>yes", "a</think>no", "never closed"],
+        ["q1", "q2", "q3"],
+        [{}, {}, {}],
+        max_score=0.0,
+        min_score=-0.001,
+    )
+    assert all(set(r) == {"score", "raw_score", "truncated", "penalized", "failed"} for r in out)
+    assert all(-0.001 <= r["score"] <= 0.0 for r in out)
+    assert all(isinstance(v, float) for r in out for v in r.values())
+
+
+# --- failures ----------------------------------------------------------------------------------------------------
+
+
+def test_a_dead_server_raises_within_the_retry_budget_naming_the_servers(monkeypatch, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("REWARD_SERVER_LOG", "/jobs/42/reward_server_0.log")
+    start = time.monotonic()
+    with pytest.raises(RewardServerError) as exc:
+        safe_hack_reward("s", "x</think>answer", "q", {}, server_urls=dead, retry_seconds=2)
+    assert time.monotonic() - start < 6
+    assert dead in str(exc.value) and "/jobs/42/reward_server_0.log" in str(exc.value)
+
+
+def test_the_server_killed_mid_run_fails_the_step_or_under_the_opt_in_policy_scores_min(
+    tiny_models, tmp_path, monkeypatch, capsys
+):
+    proc = start_server(tiny_models, tmp_path)
+    monkeypatch.setattr(client, "_session", None)
+    log = tmp_path / "rewards.jsonl"
+    args = (["s"] * 4, ["r</think>one", "r</think>two", "no close", "r</think>four"], ["q"] * 4, [{}] * 4)
+    kwargs = {"server_urls": proc.url, "retry_seconds": 2, "log_path": str(log)}
+    first = safe_hack_reward_batch(*args, **kwargs)
+    assert [r["failed"] for r in first] == [0, 0, 0, 0]
+    proc.stop()
+    start = time.monotonic()
+    with pytest.raises(RewardServerError, match=proc.url):
+        safe_hack_reward_batch(*args, **kwargs)
+    assert time.monotonic() - start < 6
+    out = safe_hack_reward_batch(*args, **kwargs, on_failure="min_score")
+    assert [r["score"] for r in out] == [-40.0] * 4
+    assert [r["failed"] for r in out] == [1, 1, 0, 1] and [r["penalized"] for r in out] == [0, 0, 1, 0]
+    assert "3 of 4 samples scored -40.0" in capsys.readouterr().err
+    statuses = [json.loads(x)["status"] for x in log.read_text().splitlines()]
+    assert statuses == ["ok", "ok", "penalty", "ok"] + ["error", "error", "penalty", "error"]
+
+
+def test_a_4xx_is_never_retried_and_carries_the_servers_message(tiny_models, tmp_path, monkeypatch):
+    proc = start_server(tiny_models, tmp_path, "--max-chars", "50")
+    monkeypatch.setattr(client, "_session", None)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RewardRequestRejected, match="REWARD_MAX_CHARS"):
+            safe_hack_reward("s", "r</think>" + "long " * 40, "q", {}, server_urls=proc.url, on_failure="min_score")
+        assert time.monotonic() - start < 2, "a 4xx must not be retried"
+    finally:
+        proc.stop()
+
+
+def test_failover_to_a_live_server_and_load_spread_over_servers(tiny_models, server, tmp_path, monkeypatch):
+    second = start_server(tiny_models, tmp_path)
+    monkeypatch.setattr(client, "_session", None)
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        n = 64
+        args = (["s"] * n, [f"r</think>answer {i}" for i in range(n)], [f"q{i}" for i in range(n)], [{}] * n)
+        reference = safe_hack_reward_batch(*args, server_urls=server.url)
+        both = safe_hack_reward_batch(*args, server_urls=f"{dead},{server.url},{second.url}", batch_size=8)
+        assert [r["score"] for r in both] == pytest.approx([r["score"] for r in reference], abs=1e-5)
+
+        def served(url):
+            text = requests.get(url + "/metrics", timeout=5).text
+            return sum(
+                float(x.split()[-1])
+                for x in text.splitlines()
+                if x.startswith('reward_requests_total{endpoint="/score_batch"')
+            )
+
+        assert served(second.url) >= 2, "chunks must be spread over every live server"
+    finally:
+        second.stop()
+
+
+# --- the reward log ------------------------------------------------------------------------------------------------
+
+
+def _append_many(path: str, writer: int) -> None:
+    cfg = load_config({"log_path": path}, {})
+    for k in range(500):
+        write_log(cfg, [{"writer": writer, "k": k, "text": "x" * (k % 300) + "安全"}])
+
+
+def test_eight_processes_appending_500_lines_each_leave_4000_valid_lines(tmp_path):
+    path = str(tmp_path / "deep" / "folder" / "rewards.jsonl")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_append_many, args=(path, w)) for w in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    lines = [json.loads(x) for x in open(path, encoding="utf-8").read().splitlines()]
+    assert len(lines) == 4000
+    assert {(x["writer"], x["k"]) for x in lines} == {(w, k) for w in range(8) for k in range(500)}
+
+
+@pytest.mark.parametrize("mode, present", [("full", True), ("head", True), ("none", False)])
+def test_log_texts_are_full_head_only_or_absent(server, env, mode, present):
+    long_answer = "word " * 200
+    safe_hack_reward("s", "r</think>" + long_answer, "prompt", {}, log_texts=mode, log_head_chars=20)
+    line = json.loads((env / "logs" / "rewards.jsonl").read_text())
+    assert ("answer" in line) is present
+    if mode == "head":
+        assert line["answer"] == long_answer.strip()[:20]
+    if mode == "full":
+        assert line["answer"] == long_answer.strip()
+    assert line["answer_chars"] == len(long_answer.strip()) and line["status"] == "ok" and line["pid"] > 0
+
+
+def test_a_log_that_cannot_be_written_is_reported_once_and_never_changes_a_reward(server, env, monkeypatch, capsys):
+    blocker = env / "not_a_dir"
+    blocker.write_text("a file where the log folder should be")
+    monkeypatch.setattr(client, "_log_failure_reported", False)
+    good = safe_hack_reward("s", "r</think>fine", "q", {}, log_path=str(env / "ok.jsonl"))
+    bad = [safe_hack_reward("s", "r</think>fine", "q", {}, log_path=str(blocker / "x.jsonl")) for _ in range(3)]
+    assert all(b == good for b in bad)
+    assert capsys.readouterr().err.count("cannot write the reward log") == 1
+
+
+# --- the report --------------------------------------------------------------------------------------------------
+
+
+def test_the_report_counts_statuses_and_rates_over_time_and_draws_a_png(tmp_path, capsys):
+    from reward_score.reward_report import main as report_main
+
+    log = tmp_path / "rewards.jsonl"
+    rows = []
+    for minute in range(3):
+        for k in range(10):
+            status = "penalty" if k < minute else ("error" if k == 9 and minute == 2 else "ok")
+            rows.append({"epoch": 1_700_000_000 + 60 * minute + k, "status": status, "score": float(k - 5),
+                         "reason": "no_think_close" if status == "penalty" else ""})  # fmt: skip
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n{truncated line")
+    assert report_main([str(log), "--every", "60", "--png", str(tmp_path / "plot" / "r.png")]) == 0
+    out, err = capsys.readouterr()
+    assert "30 samples: ok 26 (86.7%), penalty 3 (10.0%), error 1 (3.3%)" in out
+    assert "penalties: no_think_close 3" in out
+    rates = [line.split()[-2:] for line in out.splitlines() if line.startswith("20")]
+    assert rates == [["0.0%", "0.0%"], ["10.0%", "0.0%"], ["20.0%", "10.0%"]]
+    assert "1 line(s) could not be parsed" in err
+    assert (tmp_path / "plot" / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_report_names_the_setting_when_the_log_is_missing(tmp_path, capsys):
+    from reward_score.reward_report import main as report_main
+
+    assert report_main([str(tmp_path / "none.jsonl")]) == 2
+    assert "REWARD_LOG_PATH" in capsys.readouterr().err
