@@ -60,7 +60,9 @@ class Settings:
     token_budget: int = 0  # 0: 32768 on a GPU, 8192 on the CPU
     max_batch_rows: int = 256
     pad_multiple: int = 64
-    max_wait_ms: float = 5.0
+    max_wait_ms: float = 20.0
+    quiet_ms: float = 2.0
+    compile: str = "auto"
     max_items: int = 4096
     max_chars: int = 262_144
     max_body_bytes: int = 64 * 1024 * 1024
@@ -81,7 +83,9 @@ _SETTINGS: dict[str, tuple[str, str]] = {
     "token_budget": ("REWARD_TOKEN_BUDGET", "padded tokens per forward (0: 32768 on GPU, 8192 on CPU)"),
     "max_batch_rows": ("REWARD_MAX_BATCH_ROWS", "rows per forward at most"),
     "pad_multiple": ("REWARD_PAD_MULTIPLE", "pad each batch to a multiple of this many tokens"),
-    "max_wait_ms": ("REWARD_MAX_WAIT_MS", "how long the GPU thread waits for more requests to batch"),
+    "max_wait_ms": ("REWARD_MAX_WAIT_MS", "longest the GPU thread gathers requests into one batch"),
+    "quiet_ms": ("REWARD_QUIET_MS", "gathering stops early once no request arrived for this long"),
+    "compile": ("REWARD_COMPILE", "auto (per-layer torch.compile on GPU) | layers | off"),
     "max_items": ("REWARD_MAX_ITEMS", "items per /score_batch request at most"),
     "max_chars": ("REWARD_MAX_CHARS", "characters per prompt, message or response at most"),
     "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "request body size at most"),
@@ -116,6 +120,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     values.update({k: v for k, v in vars(args).items() if v is not None})
     settings = replace(defaults, **values)
     problems = []
+    if settings.compile not in ("auto", "layers", "off"):
+        problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
     if settings.truncation not in ("left", "reject"):
         problems.append(f"REWARD_TRUNCATION must be 'left' or 'reject', got {settings.truncation!r}")
     if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):
@@ -179,6 +185,7 @@ class RewardScorer:
         self._slow_lock = threading.Lock()
         self.on_forward = None  # metrics hook: (rows, padded_len, real_tokens, seconds)
         self.on_oom = None  # metrics hook: a micro-batch was split after a CUDA out-of-memory error
+        self.compiled = False
 
     @classmethod
     def load(cls, settings: Settings) -> "RewardScorer":
@@ -200,7 +207,10 @@ class RewardScorer:
                 tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             )
         model.to(device).eval()
-        return cls(model, tokenizer, device, settings)
+        scorer = cls(model, tokenizer, device, settings)
+        if settings.compile == "layers" or (settings.compile == "auto" and device.startswith("cuda")):
+            scorer.compile_layers()
+        return scorer
 
     @property
     def dtype(self) -> str:
@@ -299,30 +309,60 @@ class RewardScorer:
         longest = max(lengths[i] for i in rows)
         width = min(self.padded_length(longest), max(longest, self.settings.max_length))
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
         for r, i in enumerate(rows):
             ids[r, : lengths[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
-            mask[r, : lengths[i]] = 1
         last = torch.as_tensor([lengths[i] - 1 for i in rows], dtype=torch.long)
-        ids, mask, last = (t.to(self.device, non_blocking=True) for t in (ids, mask, last))
-        # No mask when nothing is padded: attention then takes the plain causal path.
-        attention_mask = None if all(lengths[i] == width for i in rows) else mask
+        ids, last = ids.to(self.device, non_blocking=True), last.to(self.device, non_blocking=True)
         if self.base is not None and self.head is not None:
-            hidden = self.base(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+            # Padding is on the right and attention is causal: a real token never attends to a later (pad) position,
+            # so no mask is needed. Attention then takes the fused causal kernel, and the score is read at each row's
+            # last real token.
+            # use_cache=False: no KV cache (GBs at a 32k-token budget), and no per-layer cache state for compile to
+            # guard on (with it, every layer recompiles until torch gives up and runs eager).
+            hidden = self.base(input_ids=ids, use_cache=False).last_hidden_state
             scores = self.head(hidden[torch.arange(len(rows), device=hidden.device), last])[:, 0]
         else:
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
-            scores = logits[:, 0]
+            mask = (torch.arange(width)[None, :] < torch.as_tensor([lengths[i] for i in rows])[:, None]).long()
+            scores = self.model(input_ids=ids, attention_mask=mask.to(self.device), use_cache=False).logits[:, 0]
         if self.on_forward:
             self.on_forward(len(rows), width, sum(lengths[i] for i in rows), time.perf_counter() - start)
         return scores
 
+    def compile_layers(self) -> bool:
+        """torch.compile each decoder layer (dynamic shapes): fused kernels, far fewer launches. False if unavailable."""
+        torch = self.torch
+        layers = getattr(self.base, "layers", None)
+        if layers is None or not hasattr(torch, "compile") or not hasattr(layers[0], "compile"):
+            log.warning(
+                "REWARD_COMPILE: this model or torch %s cannot compile per layer; serving eager", torch.__version__
+            )
+            return False
+        for layer in layers:
+            layer.compile(dynamic=True)
+        self.compiled = True
+        return True
+
+    def uncompile_layers(self) -> None:
+        for layer in getattr(self.base, "layers", []):
+            layer._compiled_call_impl = None
+        self.compiled = False
+
     def warm_up(self) -> None:
-        """Run the shapes served traffic starts with (padded and unpadded), so /health means ready."""
-        text = self.render([{"role": "user", "content": "warm up"}], "ready")
-        ids = self.encode([text])[0].ids
-        self.score_ids([ids, ids[: max(1, len(ids) // 2)]])
-        self.score_ids([ids])
+        """Run the shapes served traffic starts with (one row, several rows, two lengths), so /health means ready.
+        With REWARD_COMPILE this compiles; a failure there falls back to eager with a warning, never to a crash."""
+        base = self.encode([self.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
+        ids = (base * (1 + 200 // len(base)))[: min(200, self.settings.max_length)]
+        shapes = [[ids], [ids, ids[: len(ids) // 2]], [ids[:100]] * 3, [ids[:37]]]
+        try:
+            for seqs in shapes:
+                self.score_ids(seqs)
+        except Exception as exc:
+            if not self.compiled:
+                raise
+            log.warning("REWARD_COMPILE: compiling failed (%s: %s); serving eager", type(exc).__name__, exc)
+            self.uncompile_layers()
+            for seqs in shapes:
+                self.score_ids(seqs)
 
 
 # --- cross-request batching ----------------------------------------------------------------------------------
@@ -339,9 +379,10 @@ class _Job:
 class Batcher:
     """One thread owns the model: it gathers whatever requests are queued and scores them together."""
 
-    def __init__(self, scorer: RewardScorer, max_wait_s: float, on_batch=None):
+    def __init__(self, scorer: RewardScorer, max_wait_s: float, quiet_s: float = 0.002, on_batch=None):
         self.scorer = scorer
         self.max_wait_s = max_wait_s
+        self.quiet_s = quiet_s
         self.on_batch = on_batch  # metrics hook: (jobs, queue_waits)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="reward-gpu", daemon=True)
@@ -360,10 +401,14 @@ class Batcher:
         return await job.future
 
     def _gather(self, first: _Job) -> list[_Job]:
+        """Take what is queued; keep taking while requests still arrive (a burst of concurrent callers lands over a
+        few ms), up to `max_wait` after the first, stopping early once `quiet` passes with nothing new or there is
+        plenty of work for the GPU."""
         jobs = [first]
+        tokens = sum(len(s) for s in first.seqs)
         deadline = time.perf_counter() + self.max_wait_s
-        while True:
-            timeout = deadline - time.perf_counter()
+        while tokens < 4 * self.scorer.token_budget:
+            timeout = min(self.quiet_s, deadline - time.perf_counter())
             try:
                 job = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
             except queue.Empty:
@@ -372,6 +417,8 @@ class Batcher:
                 self._queue.put(None)  # let _run see the stop after this batch
                 return jobs
             jobs.append(job)
+            tokens += sum(len(s) for s in job.seqs)
+        return jobs
 
     def _run(self) -> None:
         while True:
@@ -412,7 +459,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
     from starlette.concurrency import run_in_threadpool
 
@@ -430,6 +477,8 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
     )
     m_wait = Histogram("reward_queue_wait_seconds", "time a request waited for the GPU thread", registry=registry)
     m_forward = Histogram("reward_forward_seconds", "time to launch one micro-batch forward", registry=registry)
+    m_peak = Gauge("reward_gpu_memory_peak_bytes", "peak GPU memory reserved by this server", registry=registry)
+    m_peak.set_function(lambda: _peak_gpu_bytes(state.get("scorer")))
 
     class Message(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -473,13 +522,16 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
         active.on_oom = lambda: m_errors.labels("cuda_oom_split").inc()
         await run_in_threadpool(active.warm_up)
         batcher = Batcher(
-            active, settings.max_wait_ms / 1000, on_batch=lambda jobs, waits: [m_wait.observe(w) for w in waits]
+            active,
+            settings.max_wait_ms / 1000,
+            settings.quiet_ms / 1000,
+            on_batch=lambda jobs, waits: [m_wait.observe(w) for w in waits],
         )
         batcher.start()
         state.update(scorer=active, batcher=batcher)
         log.info(
-            "ready: model=%s device=%s dtype=%s max_length=%d truncation=%s format=%s token_budget=%d",
-            settings.model_path, active.device, active.dtype, settings.max_length, settings.truncation,
+            "ready: model=%s device=%s dtype=%s compiled=%s max_length=%d truncation=%s format=%s token_budget=%d",
+            settings.model_path, active.device, active.dtype, active.compiled, settings.max_length, settings.truncation,
             "chat template" if active.chat_template else "plain text (the tokenizer has no chat template)",
             active.token_budget,
         )  # fmt: skip
@@ -545,7 +597,8 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
             return active.encode(texts)
 
         try:
-            encoded = await run_in_threadpool(prepare)
+            # A few items tokenize in well under a millisecond: a thread hop would cost more than it saves.
+            encoded = prepare() if len(items) <= 4 else await run_in_threadpool(prepare)
             scores = await state["batcher"].score([e.ids for e in encoded])
         except InputTooLong as exc:
             raise fail(413, "too_long", str(exc), endpoint) from None
@@ -591,6 +644,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
             "max_length": settings.max_length,
             "truncation": settings.truncation,
             "format": "chat_template" if active.chat_template else "plain_text",
+            "compiled": active.compiled,
             "auth": bool(settings.auth_token),
         }
 
@@ -614,6 +668,12 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _peak_gpu_bytes(scorer) -> float:
+    if scorer is None or not scorer.device.startswith("cuda"):
+        return 0.0
+    return float(scorer.torch.cuda.max_memory_reserved(scorer.device))
 
 
 class _BodyLimit:
@@ -662,6 +722,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
         log.error("%s", problem)
         return 2
+    # Many batch shapes come and go: expandable segments keep the allocator from fragmenting (set before torch loads).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     shown = {k: ("(set)" if k == "auth_token" and v else v) for k, v in asdict(settings).items()}
     log.info("starting with %s", shown)
     import uvicorn

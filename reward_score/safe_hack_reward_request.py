@@ -51,7 +51,7 @@ class Config:
     penalty: float = math.nan  # nan: the min score
     prompt_opens_think: bool = True  # the policy's chat template opens <think> (Qwen3-*-Thinking-2507)
     on_failure: str = "raise"  # raise | min_score
-    batch_size: int = 128  # items per /score_batch request
+    batch_size: int = 1024  # items per /score_batch request at most (a batch is split evenly over the servers)
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
     retry_seconds: float = 180.0  # total time spent retrying one request before giving up
@@ -293,7 +293,9 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
     answers = [split_answer(str(r), config.prompt_opens_think) for r in solution_strs]
     prompts = [reward_prompt(ground_truths[i], extra_infos[i]) for i in range(n)]
     todo = [i for i, a in enumerate(answers) if not a.penalty_reason]
-    chunks = [todo[k : k + config.batch_size] for k in range(0, len(todo), config.batch_size)]
+    # One request per server when it fits (the server batches it best in one piece), else batch_size items each.
+    size = max(1, min(config.batch_size, math.ceil(len(todo) / len(config.server_urls))))
+    chunks = [todo[k : k + size] for k in range(0, len(todo), size)]
     scored: dict[int, tuple[float, bool]] = {}
     failures: list[RewardServerError] = []
 
@@ -318,7 +320,7 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
     if len(chunks) == 1:
         post(chunks[0])
     elif chunks:
-        with ThreadPoolExecutor(max_workers=min(len(chunks), 4 * len(config.server_urls))) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(chunks), 32)) as pool:
             list(pool.map(post, chunks))
 
     now = time.time()

@@ -1,0 +1,320 @@
+"""Reward scoring benchmark: one GRPO step (1024 pairs) through the article's design and through ours, over HTTP.
+
+The workload, baseline and ceiling are those of ../shared/docs/reward-benchmark.md:
+- 1024 (prompt, response) pairs; prompt lengths uniform in [100, 600] tokens, response lengths lognormal (median 300,
+  sigma 0.8) clipped to [10, 1800], each pair clipped to 2048 tokens; seed 1234, fresh lengths from other seeds;
+- a Qwen3ForSequenceClassification of Qwen3-1.7B's shape with random weights (bf16 on GPU), and a word-level
+  tokenizer built here, so one word is one token and lengths are exact;
+- the ceiling: the step's FLOP (2 x non-embedding parameters x tokens) at the bf16 matmul rate measured in this run.
+
+Rows: the article's server with a sequential per-sample client (cold and warm); our server called by our reward
+client's batch function (cold, warm, fresh lengths), the same items posted straight to /score_batch (the client's
+overhead), and 64 concurrent per-sample callers (verl's async reward loop), warm and on fresh lengths.
+
+    python -m benchmarks.reward_bench --out reward_bench.json                         # H200, Qwen3-1.7B shape
+    python -m benchmarks.reward_bench --shape tiny --device cpu --samples 64 --out x.json   # smoke run on CPU
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from data_prep.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
+from reward_score import safe_hack_reward_request as client  # noqa: E402
+
+SHAPES = {
+    "qwen3-1.7b": dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=4096,
+    ),
+}  # fmt: skip
+
+
+def workload(seed: int, n: int) -> list[tuple[int, int]]:
+    """(prompt tokens, response tokens) per pair."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(100, 601, size=n)
+    responses = np.clip(np.round(rng.lognormal(np.log(300), 0.8, size=n)), 10, 1800).astype(int)
+    responses = np.minimum(responses, 2048 - prompts)
+    return list(zip(prompts.tolist(), responses.tolist(), strict=True))
+
+
+def texts(pairs: list[tuple[int, int]], seed: int, words: int) -> list[tuple[str, str]]:
+    rng = np.random.default_rng(seed + 1)
+    return [
+        (" ".join(f"w{i}" for i in rng.integers(0, words, p)), " ".join(f"w{i}" for i in rng.integers(0, words, r)))
+        for p, r in pairs
+    ]
+
+
+def build_model(shape: str, out: Path, device: str) -> tuple[Path, float]:
+    """A randomly initialised reward model of `shape` and a word-level tokenizer; returns (dir, non-embedding params)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast, Qwen3Config
+
+    dims = SHAPES[shape]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+    words = dims["vocab_size"] - len(specials) - 2
+    vocab = {t: i for i, t in enumerate(specials + ["[UNK]"] + [f"w{i}" for i in range(words)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=REWARD_CHAT_TEMPLATE,
+    )  # fmt: skip
+    config = Qwen3Config(
+        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True, num_labels=1,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    del model
+    return out, float(params), words
+
+
+def matmul_tflops(device: str) -> float | None:
+    """Median bf16 rate of an 8192^3 matmul, measured now (clocks drop under load: measure, don't assume)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * 8192**3 / statistics.median(times) / 1e12
+
+
+def start(cmd: list[str], log: Path, port: int, env: dict, timeout: float = 900) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[1]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{cmd[1]} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_gib(url: str) -> float:
+    text = requests.get(url + "/metrics", timeout=10).text
+    line = next((x for x in text.splitlines() if x.startswith("reward_gpu_memory_peak_bytes ")), "x 0")
+    return float(line.split()[-1]) / 2**30
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--samples", type=int, default=1024, help="pairs per step (default 1024 = 256 prompts x 4)")
+    parser.add_argument("--article-samples", type=int, default=1024, help="pairs for the article's baseline (0: skip)")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--out", type=Path, required=True, help="JSON results")
+    parser.add_argument("--server-env", action="append", default=[], help="extra KEY=VALUE for our server")
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="reward_bench_"))
+    t0 = time.monotonic()
+    model_dir, params, words = build_model(args.shape, work / "model", args.device)
+    print(f"model {args.shape}: {params / 1e9:.3f}e9 non-embedding parameters, built in {time.monotonic() - t0:.1f} s")
+    ceiling_start = matmul_tflops(args.device)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def step(seed: int, n: int):
+        pairs = texts(workload(seed, n), seed, words)
+        rendered = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}, {"role": "assistant", "content": r}], tokenize=False
+            )
+            for p, r in pairs
+        ]
+        tokens = sum(len(x) for x in tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        return pairs, tokens
+
+    rows: list[dict] = []
+
+    def record(name: str, seconds: float, n: int, tokens: int, peak: float | None = None) -> None:
+        flop = 2 * params * tokens
+        rows.append({"row": name, "wall_s": seconds, "samples": n, "tokens": tokens, "samples_per_s": n / seconds,
+                     "tokens_per_s": tokens / seconds, "tflops": flop / seconds / 1e12, "peak_gib": peak})  # fmt: skip
+        print(f"  {name:<58} {seconds:8.2f} s  {n / seconds:8.1f} samples/s", flush=True)
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    base_pairs, base_tokens = step(1234, args.samples)
+
+    # --- the article's design ---
+    if args.article_samples:
+        port = free_port()
+        proc = start([sys.executable, str(REPO / "benchmarks" / "article_server.py"), str(model_dir), str(port)],
+                     work / "article.log", port, env)  # fmt: skip
+        session = requests.Session()
+        pairs = base_pairs[: args.article_samples]
+        tokens = base_tokens if args.article_samples == args.samples else step(1234, args.article_samples)[1]
+        try:
+            for label in ("cold", "warm"):
+                t = time.monotonic()
+                for p, r in pairs:
+                    session.post(
+                        f"http://127.0.0.1:{port}/score", json={"prompt": p, "response": r}, timeout=600
+                    ).raise_for_status()
+                record(
+                    f"article server, sequential per-sample client, {label}", time.monotonic() - t, len(pairs), tokens
+                )
+        finally:
+            stop(proc)
+
+    # --- ours ---
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server_env = dict(env, CONFIG_REWARD_MODEL_PATH=str(model_dir), CONFIG_REWARD_DEVICE=args.device,
+                      CONFIG_REWARD_SERVER_PORT=str(port), REWARD_SERVER_HOST="127.0.0.1")  # fmt: skip
+    server_env.update(kv.split("=", 1) for kv in args.server_env)
+    t = time.monotonic()
+    proc = start(
+        [sys.executable, str(REPO / "reward_score" / "reward_server.py")], work / "server.log", port, server_env
+    )
+    startup = time.monotonic() - t
+    print(f"our server healthy after {startup:.1f} s")
+    os.environ.update(REWARD_SERVER_URLS=url, REWARD_PROMPT_OPENS_THINK="0", REWARD_LOG_PATH="")
+
+    def as_batch(pairs):
+        n = len(pairs)
+        return (["bench"] * n, [r for _, r in pairs], [p for p, _ in pairs], [{}] * n)
+
+    def client_batch(pairs):
+        t = time.monotonic()
+        out = client.safe_hack_reward_batch(*as_batch(pairs))
+        assert len(out) == len(pairs) and not any(r["penalized"] or r["failed"] for r in out)
+        return time.monotonic() - t
+
+    def direct_batch(pairs):
+        t = time.monotonic()
+        items = [{"prompt": p, "response": r} for p, r in pairs]
+        r = requests.post(url + "/score_batch", json={"items": items}, timeout=600)
+        r.raise_for_status()
+        return time.monotonic() - t
+
+    def concurrent(pairs):
+        t = time.monotonic()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            out = list(pool.map(lambda pr: client.safe_hack_reward("bench", pr[1], pr[0], {}), pairs))
+        assert all(not r["failed"] for r in out)
+        return time.monotonic() - t
+
+    try:
+        n = args.samples
+        record("ours, reward client batch function, cold", client_batch(base_pairs), n, base_tokens)
+        warm_client = [client_batch(base_pairs) for _ in range(2)]
+        warm_direct = [direct_batch(base_pairs) for _ in range(2)]
+        record("ours, reward client batch function, warm", min(warm_client), n, base_tokens)
+        record("ours, one POST /score_batch of the whole step, warm", min(warm_direct), n, base_tokens)
+        fresh_pairs, fresh_tokens = step(4321, n)
+        record("ours, reward client batch function, fresh lengths", client_batch(fresh_pairs), n, fresh_tokens)
+        record(f"ours, {args.concurrency} concurrent per-sample callers, warm", concurrent(base_pairs), n, base_tokens)
+        fresh2_pairs, fresh2_tokens = step(8765, n)
+        record(
+            f"ours, {args.concurrency} concurrent per-sample callers, fresh lengths",
+            concurrent(fresh2_pairs),
+            n,
+            fresh2_tokens,
+        )
+        peak = peak_gib(url)
+    finally:
+        stop(proc)
+    ceiling_end = matmul_tflops(args.device)
+    ceiling = max(c for c in (ceiling_start, ceiling_end) if c) if ceiling_start else None
+    for r in rows:
+        r["pct_of_ceiling"] = 100 * r["tflops"] / ceiling if ceiling else None
+        if r["row"].startswith("ours"):
+            r["peak_gib"] = peak
+    overhead = 100 * (min(warm_client) / min(warm_direct) - 1)
+    result = {
+        "shape": args.shape, "device": args.device, "samples": args.samples, "params_non_embedding": params,
+        "matmul_tflops_start": ceiling_start, "matmul_tflops_end": ceiling_end, "ceiling_tflops": ceiling,
+        "server_startup_s": startup, "client_overhead_pct": overhead, "server_env": args.server_env, "rows": rows,
+    }  # fmt: skip
+    if args.device.startswith("cuda"):
+        import torch
+
+        result["gpu"] = torch.cuda.get_device_name()
+        result["torch"] = torch.__version__
+    import transformers
+
+    result["transformers"] = transformers.__version__
+    args.out.write_text(json.dumps(result, indent=2))
+
+    print(
+        f"\nmatmul ceiling: {ceiling_start} TFLOP/s at start, {ceiling_end} at end"
+        if ceiling
+        else "\n(no GPU: no ceiling)"
+    )
+    print(f"{'row':<62} {'wall s':>8} {'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'% ceil':>7} {'peak GiB':>8}")
+    for r in rows:
+        pct = f"{r['pct_of_ceiling']:.1f}" if r["pct_of_ceiling"] is not None else "-"
+        peak_s = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
+        print(f"{r['row']:<62} {r['wall_s']:>8.2f} {r['samples_per_s']:>10.1f} {r['tokens_per_s']:>10.0f} "
+              f"{r['tflops']:>8.1f} {pct:>7} {peak_s:>8}")  # fmt: skip
+    print(f"reward client batch function vs one direct POST (warm): {overhead:+.1f}% wall time")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
