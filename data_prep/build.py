@@ -1,0 +1,406 @@
+"""Build verl's train.parquet and test.parquet from the files people have (JSONL, JSON, CSV, parquet, HF datasets).
+
+    python -m data_prep.build prompts.jsonl --out-dir data/safety
+    python -m data_prep.build prompts.csv --prompt-column question --system-prompt "You are careful." --out-dir data/x
+    python -m data_prep.build chats.parquet --messages-column messages --test-file held_out.parquet --out-dir data/y
+    python -m data_prep.build qa.jsonl --reward-style rule --answer-column answer --out-dir data/z
+
+Each output row is what verl 0.6.1's RLHFDataset and reward managers read:
+    prompt        the chat list the policy sees (system prompt first, if any)
+    data_source   --data-source, or a --source-column value
+    ability       --ability
+    reward_model  {"style": "model", "ground_truth": <the prompt text>} (the article's convention), or
+                  {"style": "rule", "ground_truth": <the reference answer>}
+    extra_info    {"split", "index", "source_row", "reward_messages": <the chat list for the reward model>,
+                   and each --keep-column, as text}
+verl pops `prompt` before the reward function runs; `extra_info.reward_messages` is how the reward model still sees it.
+
+Rows stream through in chunks (a million rows in well under a minute, little memory). The split is deterministic:
+a row goes to test when a hash of (--seed, its prompt) falls under --test-size, so identical prompts never straddle
+the split. Bad rows (missing or empty prompt, wrong types) are skipped and reported with their row numbers, or stop
+the build with --on-bad-row fail. Outputs are written to *.tmp and renamed only when everything succeeded; existing
+outputs are kept unless --overwrite.
+"""
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+ROLES = {"system", "user", "assistant", "tool"}
+CHUNK_ROWS = 20_000
+MAX_REPORTED = 1000
+
+
+class BadRow(ValueError):
+    """A row that cannot become a training example; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """How input columns map to verl's row format (the command-line flags)."""
+
+    prompt_column: str | None = "prompt"
+    messages_column: str | None = None
+    system_prompt: str | None = None
+    system_column: str | None = None
+    answer_column: str | None = None
+    source_column: str | None = None
+    keep_columns: tuple[str, ...] = ()
+    data_source: str = "custom"
+    ability: str = "general"
+    reward_style: str = "model"
+
+    def schema(self) -> pa.Schema:
+        extra = [
+            ("split", pa.string()),
+            ("index", pa.int64()),
+            ("source_row", pa.int64()),
+            ("reward_messages", pa.list_(MESSAGE)),
+            *[(c, pa.string()) for c in self.keep_columns],
+        ]
+        return pa.schema(
+            [
+                ("data_source", pa.string()),
+                ("prompt", pa.list_(MESSAGE)),
+                ("ability", pa.string()),
+                ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+                ("extra_info", pa.struct(extra)),
+            ]
+        )
+
+
+def _text(example: dict, column: str, what: str) -> str:
+    if column not in example or example[column] is None:
+        raise BadRow(f"{what} column '{column}' is missing")
+    value = example[column]
+    if not isinstance(value, str):
+        raise BadRow(f"{what} column '{column}' is a {type(value).__name__}, not text")
+    if not value.strip():
+        raise BadRow(f"{what} column '{column}' is empty")
+    return value
+
+
+def chat_messages(example: dict, spec: RowSpec) -> list[dict]:
+    """The prompt as a chat list, system prompt first. Raises BadRow naming the column."""
+    if spec.messages_column:
+        raw = example.get(spec.messages_column)
+        if isinstance(raw, str) and raw.lstrip().startswith("["):  # CSV cells hold JSON text
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise BadRow(f"messages column '{spec.messages_column}' is not valid JSON: {exc}") from None
+        if raw is None:
+            raise BadRow(f"messages column '{spec.messages_column}' is missing")
+        if not isinstance(raw, list | tuple) or not raw:
+            raise BadRow(f"messages column '{spec.messages_column}' must be a non-empty list of {{role, content}}")
+        messages = []
+        for k, m in enumerate(raw):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise BadRow(f"{spec.messages_column}[{k}] must be {{'role': text, 'content': text}}")
+            if m["role"] not in ROLES:
+                raise BadRow(f"{spec.messages_column}[{k}].role is {m['role']!r}; expected one of {sorted(ROLES)}")
+            if not m["content"].strip():
+                raise BadRow(f"{spec.messages_column}[{k}].content is empty")
+            messages.append({"role": m["role"], "content": m["content"]})
+        if messages[-1]["role"] != "user":
+            raise BadRow(
+                f"the last message of '{spec.messages_column}' must be the user's turn, not {messages[-1]['role']}"
+            )
+    else:
+        messages = [{"role": "user", "content": _text(example, spec.prompt_column, "prompt")}]
+    system = spec.system_prompt
+    if spec.system_column and example.get(spec.system_column) not in (None, ""):
+        system = _text(example, spec.system_column, "system")
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def make_row(example: dict, index: int, split: str, spec: RowSpec, source_row: int = 0, messages=None) -> dict:
+    """One verl row from one input example (pure: unit-tested row by row)."""
+    messages = messages or chat_messages(example, spec)
+    if spec.reward_style == "rule":
+        ground_truth = _text(example, spec.answer_column, "answer")
+    else:
+        ground_truth = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+    data_source = spec.data_source
+    if spec.source_column:
+        data_source = _text(example, spec.source_column, "source")
+    extra = {"split": split, "index": index, "source_row": source_row, "reward_messages": messages}
+    for column in spec.keep_columns:
+        value = example.get(column)
+        extra[column] = _as_text(value)
+    return {
+        "data_source": data_source,
+        "prompt": messages,
+        "ability": spec.ability,
+        "reward_model": {"style": spec.reward_style, "ground_truth": ground_truth},
+        "extra_info": extra,
+    }
+
+
+def prompt_key(messages: list[dict]) -> bytes:
+    """8 bytes that identify a chat (role and content of every turn), for dedup and the split."""
+    text = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages)
+    return hashlib.blake2b(text.encode(), digest_size=8).digest()
+
+
+def _as_text(value) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def goes_to_test(key: bytes, seed: int, test_size: float) -> bool:
+    h = hashlib.blake2b(key, digest_size=8, key=str(seed).encode()).digest()
+    return int.from_bytes(h, "big") / 2**64 < test_size
+
+
+# --- readers: (row number as a person would count it, example) ------------------------------------------------
+
+
+def read_examples(path: Path, fmt: str = "auto", split: str | None = None) -> Iterator[tuple[int, object]]:
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    if fmt == "jsonl":
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield n, json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        yield n, BadRow(f"line is not valid JSON: {exc}")
+    elif fmt == "json":
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise SystemExit(f"{path}: a JSON file must hold a list of objects (or {{'data': [...]}})")
+        yield from enumerate(data, 1)
+    elif fmt == "csv":
+        with open(path, encoding="utf-8", newline="") as f:
+            yield from enumerate(csv.DictReader(f), 2)  # row 1 is the header
+    elif fmt == "parquet":
+        n = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=CHUNK_ROWS):
+            for example in batch.to_pylist():
+                n += 1
+                yield n, example
+    elif fmt == "hf":
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split is None:
+                raise SystemExit(f"{path} holds splits {list(ds)}: choose one with --hf-split")
+            ds = ds[split]
+        yield from enumerate(ds, 1)
+    else:
+        raise SystemExit(f"unknown --format {fmt!r}: use jsonl, json, csv, parquet or hf")
+
+
+def detect_format(path: Path) -> str:
+    if path.is_dir():
+        if (
+            (path / "dataset_info.json").exists()
+            or (path / "dataset_dict.json").exists()
+            or (path / "state.json").exists()
+        ):
+            return "hf"
+        raise SystemExit(f"{path} is a folder but not a dataset saved with datasets' save_to_disk")
+    suffix = path.suffix.lower()
+    kinds = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+    if suffix not in kinds:
+        raise SystemExit(f"cannot tell the format of {path}: pass --format jsonl|json|csv|parquet|hf")
+    return kinds[suffix]
+
+
+# --- the build -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    read: int = 0
+    written: dict = field(default_factory=lambda: {"train": 0, "test": 0})
+    duplicates: int = 0
+    bad: int = 0
+    bad_rows: list = field(default_factory=list)
+
+    def add_bad(self, where: str, row: int, why: str) -> None:
+        self.bad += 1
+        if len(self.bad_rows) < MAX_REPORTED:
+            self.bad_rows.append({"file": where, "row": row, "error": why})
+
+
+class SplitWriter:
+    """Chunked parquet writer into `<name>.tmp`, renamed by `commit()`."""
+
+    def __init__(self, path: Path, schema: pa.Schema):
+        self.path, self.tmp, self.schema = path, path.with_name(path.name + ".tmp"), schema
+        self.rows: list[dict] = []
+        self.writer: pq.ParquetWriter | None = None
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= CHUNK_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        if self.rows:
+            self.writer.write_table(pa.Table.from_pylist(self.rows, schema=self.schema))
+            self.rows = []
+
+    def commit(self) -> None:
+        self.flush()
+        self.writer.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def build(args: argparse.Namespace, spec: RowSpec) -> Report:
+    out = args.out_dir
+    targets = {"train": out / "train.parquet", "test": out / "test.parquet"}
+    existing = [str(p) for p in targets.values() if p.exists()]
+    if existing and not args.overwrite:
+        raise SystemExit(f"{', '.join(existing)} already exist: pass --overwrite to replace them (nothing was changed)")
+    out.mkdir(parents=True, exist_ok=True)
+    writers = {split: SplitWriter(path, spec.schema()) for split, path in targets.items()}
+    report, seen = Report(), set()
+
+    def feed(path: Path, fixed_split: str | None) -> None:
+        for row_number, example in read_examples(path, args.format, args.hf_split):
+            report.read += 1
+            try:
+                if isinstance(example, BadRow):
+                    raise example
+                if not isinstance(example, dict):
+                    raise BadRow(f"expected an object, got {type(example).__name__}")
+                messages = chat_messages(example, spec)
+                key = prompt_key(messages)
+                if args.dedup:
+                    if key in seen:
+                        report.duplicates += 1
+                        continue
+                    seen.add(key)
+                split = fixed_split or ("test" if goes_to_test(key, args.seed, args.test_size) else "train")
+                row = make_row(example, report.written[split], split, spec, row_number, messages)
+            except BadRow as exc:
+                if args.on_bad_row == "fail":
+                    raise SystemExit(
+                        f"{path} row {row_number}: {exc} (--on-bad-row skip reports and goes on)"
+                    ) from None
+                report.add_bad(str(path), row_number, str(exc))
+                continue
+            writers[split].add(row)
+            report.written[split] += 1
+
+    try:
+        feed(args.input, "train" if args.test_file else None)
+        if args.test_file:
+            feed(args.test_file, "test")
+        for split, n in report.written.items():
+            if n == 0:
+                hint = "raise --test-size or give --test-file" if split == "test" else "check the column flags"
+                raise SystemExit(
+                    f"the {split} split would be empty ({report.read} rows read, {report.bad} bad): {hint}"
+                )
+        for w in writers.values():
+            w.commit()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return report
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RowSpec]:
+    p = argparse.ArgumentParser(
+        prog="python -m data_prep.build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("input", type=Path, help="JSONL, JSON, CSV, parquet file, or a save_to_disk folder")
+    p.add_argument("--out-dir", type=Path, required=True, help="receives train.parquet and test.parquet")
+    p.add_argument("--format", default="auto", help="jsonl | json | csv | parquet | hf (default: from the name)")
+    p.add_argument("--hf-split", help="the split to read from a saved DatasetDict")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt-column", default="prompt", help="column with the user prompt text (default: prompt)")
+    g.add_argument("--messages-column", help="column with a chat list [{role, content}, ...] ending with the user")
+    p.add_argument("--system-prompt", help="a system message put before every prompt")
+    p.add_argument("--system-column", help="column with a per-row system message (wins over --system-prompt)")
+    p.add_argument("--reward-style", choices=["model", "rule"], default="model",
+                   help="model: the reward model judges (ground_truth = the prompt); rule: ground_truth = --answer-column")  # fmt: skip
+    p.add_argument("--answer-column", help="column with the reference answer (required with --reward-style rule)")
+    p.add_argument("--data-source", default="custom", help="data_source of every row (what verl groups metrics by)")
+    p.add_argument("--source-column", help="column whose value is each row's data_source instead")
+    p.add_argument("--ability", default="general", help="the ability field (default: general)")
+    p.add_argument("--keep-columns", default="", help="comma list of columns kept in extra_info (as text)")
+    p.add_argument("--test-file", type=Path, help="an explicit test set (then all of INPUT is train)")
+    p.add_argument("--test-size", type=float, default=0.05, help="share of rows in test (default 0.05)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
+    p.add_argument("--dedup", action="store_true", help="drop rows whose prompt was already seen")
+    p.add_argument("--on-bad-row", choices=["skip", "fail"], default="skip", help="skip and report (default), or stop")
+    p.add_argument("--overwrite", action="store_true", help="replace existing train/test.parquet")
+    args = p.parse_args(argv)
+    if args.reward_style == "rule" and not args.answer_column:
+        p.error("--reward-style rule needs --answer-column (the reference answer the rule compares with)")
+    if not 0 <= args.test_size < 1:
+        p.error(f"--test-size must be in [0, 1), got {args.test_size}")
+    if not args.input.exists():
+        p.error(f"input {args.input} does not exist")
+    if args.test_file and not args.test_file.exists():
+        p.error(f"--test-file {args.test_file} does not exist")
+    keep = tuple(c.strip() for c in args.keep_columns.split(",") if c.strip())
+    reserved = {"split", "index", "source_row", "reward_messages"} & set(keep)
+    if reserved:
+        p.error(f"--keep-columns {sorted(reserved)}: these names are taken in extra_info; rename the columns")
+    spec = RowSpec(
+        prompt_column=None if args.messages_column else args.prompt_column,
+        messages_column=args.messages_column,
+        system_prompt=args.system_prompt,
+        system_column=args.system_column,
+        answer_column=args.answer_column,
+        source_column=args.source_column,
+        keep_columns=keep,
+        data_source=args.data_source,
+        ability=args.ability,
+        reward_style=args.reward_style,
+    )
+    return args, spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, spec = parse_args(argv)
+    report = build(args, spec)
+    print(f"read {report.read} rows: train {report.written['train']}, test {report.written['test']}, "
+          f"duplicates dropped {report.duplicates}, bad rows skipped {report.bad}")  # fmt: skip
+    for bad in report.bad_rows[:20]:
+        print(f"  skipped {bad['file']} row {bad['row']}: {bad['error']}", file=sys.stderr)
+    path = args.out_dir / "bad_rows.jsonl"
+    path.unlink(missing_ok=True)  # never leave an earlier build's list beside these outputs
+    if report.bad:
+        path.write_text("".join(json.dumps(b, ensure_ascii=False) + "\n" for b in report.bad_rows), encoding="utf-8")
+        more = f" (first {MAX_REPORTED})" if report.bad > MAX_REPORTED else ""
+        print(f"  all skipped rows{more}: {path}", file=sys.stderr)
+    print(f"wrote {args.out_dir / 'train.parquet'} and {args.out_dir / 'test.parquet'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

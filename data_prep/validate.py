@@ -1,0 +1,178 @@
+"""Check verl parquet files before training: schema row by row, duplicates, and prompt lengths as verl counts them.
+
+    python -m data_prep.validate data/safety/train.parquet data/safety/test.parquet
+    python -m data_prep.validate data/safety/train.parquet --tokenizer /models/Qwen3-4B-Thinking-2507 --max-prompt-length 2048
+
+With a tokenizer, each prompt is measured exactly as verl 0.6.1's RLHFDataset does: the chat template with the
+generation prompt, tokenized without adding special tokens again. Prompts over --max-prompt-length are errors
+(verl with data.truncation=error fails on them mid-training), or warnings with --overlong warn (when
+data.filter_overlong_prompts drops them). Exits 1 when any file has errors.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+MAX_SHOWN = 20
+
+
+@dataclass
+class FileReport:
+    path: Path
+    rows: int = 0
+    errors: list[str] = field(default_factory=list)
+    error_count: int = 0
+    duplicates: int = 0
+    lengths: list[int] = field(default_factory=list)
+    over_limit: int = 0
+    longest_rows: list[int] = field(default_factory=list)
+
+    def error(self, row: int, message: str) -> None:
+        self.error_count += 1
+        if len(self.errors) < MAX_SHOWN:
+            self.errors.append(f"row {row}: {message}")
+
+
+def check_row(row: dict) -> list[str]:
+    """What is wrong with one row, in the words of the field that is wrong (empty when nothing is)."""
+    problems = []
+    prompt = row.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        problems.append("prompt must be a non-empty chat list [{role, content}, ...] (verl reads it as messages)")
+    else:
+        for k, m in enumerate(prompt):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                problems.append(f"prompt[{k}] must be {{'role': text, 'content': text}}")
+            elif not m["content"].strip():
+                problems.append(f"prompt[{k}].content is empty")
+    source = row.get("data_source")
+    if not isinstance(source, str) or not source:
+        problems.append("data_source must be non-empty text (verl's reward managers read it)")
+    reward = row.get("reward_model")
+    if not isinstance(reward, dict):
+        problems.append("reward_model must be {'style': 'model'|'rule', 'ground_truth': ...}")
+    else:
+        if reward.get("style") not in ("model", "rule"):
+            problems.append(f"reward_model.style is {reward.get('style')!r}; expected 'model' or 'rule'")
+        truth = reward.get("ground_truth")
+        if truth is None or (isinstance(truth, str) and not truth.strip()):
+            problems.append("reward_model.ground_truth is missing or empty (naive/dapo managers raise KeyError)")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        problems.append("extra_info must be a dict")
+    elif isinstance(extra, dict) and extra.get("index") is not None and not isinstance(extra["index"], int):
+        problems.append("extra_info.index must be an integer")
+    return problems
+
+
+def prompt_lengths(tokenizer, prompts: list[list[dict]], template_kwargs: dict) -> list[int]:
+    """Token counts as RLHFDataset computes them: chat template + generation prompt, no special tokens added."""
+    texts = [
+        tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **template_kwargs) for p in prompts
+    ]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def validate_file(path: Path, tokenizer=None, max_prompt_length: int | None = None, template_kwargs=None) -> FileReport:
+    report = FileReport(path)
+    pf = pq.ParquetFile(path)
+    missing = {"prompt", "data_source", "reward_model"} - set(pf.schema_arrow.names)
+    if missing:
+        report.error(
+            0, f"columns {sorted(missing)} are missing (found {pf.schema_arrow.names}); build with data_prep.build"
+        )
+        return report
+    seen: set[str] = set()
+    for batch in pf.iter_batches(batch_size=10_000):
+        rows = batch.to_pylist()
+        good_prompts, good_rows = [], []
+        for row in rows:
+            report.rows += 1
+            problems = check_row(row)
+            for p in problems:
+                report.error(report.rows, p)
+            if problems:
+                continue
+            key = json.dumps(row["prompt"], ensure_ascii=False, sort_keys=True)
+            report.duplicates += key in seen
+            seen.add(key)
+            good_prompts.append(row["prompt"])
+            good_rows.append(report.rows)
+        if tokenizer is not None and good_prompts:
+            for row_number, n in zip(
+                good_rows, prompt_lengths(tokenizer, good_prompts, template_kwargs or {}), strict=True
+            ):
+                report.lengths.append(n)
+                if max_prompt_length is not None and n > max_prompt_length:
+                    report.over_limit += 1
+                    if len(report.longest_rows) < MAX_SHOWN:
+                        report.longest_rows.append(row_number)
+    return report
+
+
+def summary(report: FileReport, max_prompt_length: int | None) -> str:
+    lines = [
+        f"{report.path}: {report.rows} rows, {report.error_count} with errors, {report.duplicates} duplicate prompts"
+    ]
+    lines += [f"  {e}" for e in report.errors]
+    if report.error_count > len(report.errors):
+        lines.append(f"  ... and {report.error_count - len(report.errors)} more")
+    if report.lengths:
+        xs = sorted(report.lengths)
+        p95 = xs[min(len(xs) - 1, int(0.95 * len(xs)))]
+        line = f"  prompt tokens: p50 {statistics.median(xs):.0f}, p95 {p95}, max {xs[-1]}"
+        if max_prompt_length is not None:
+            line += f"; {report.over_limit} over the limit of {max_prompt_length}"
+            if report.longest_rows:
+                line += f" (rows {', '.join(map(str, report.longest_rows))})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m data_prep.validate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("files", type=Path, nargs="+", help="parquet files to check")
+    p.add_argument("--tokenizer", type=Path, help="the policy model folder: measure prompts as verl does")
+    p.add_argument("--max-prompt-length", type=int, help="data.max_prompt_length of the run")
+    p.add_argument("--overlong", choices=["error", "warn"], default="error",
+                   help="error (default; verl with data.truncation=error fails on them) or warn (filter_overlong_prompts)")  # fmt: skip
+    p.add_argument("--chat-template-kwargs", default="{}", help="JSON of data.apply_chat_template_kwargs")
+    args = p.parse_args(argv)
+    if args.max_prompt_length is not None and args.tokenizer is None:
+        p.error("--max-prompt-length needs --tokenizer (lengths are in the policy's tokens)")
+    tokenizer = None
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    failed = False
+    totals = Counter()
+    for path in args.files:
+        if not path.is_file():
+            print(f"{path}: no such file", file=sys.stderr)
+            failed = True
+            continue
+        report = validate_file(path, tokenizer, args.max_prompt_length, json.loads(args.chat_template_kwargs))
+        print(summary(report, args.max_prompt_length))
+        totals.update(rows=report.rows, errors=report.error_count, over=report.over_limit)
+        failed |= report.error_count > 0 or report.rows == 0
+        if report.rows == 0:
+            print(f"  {path} has no rows", file=sys.stderr)
+        if report.over_limit and args.overlong == "error":
+            failed = True
+    if totals["over"] and args.overlong == "warn":
+        print(f"warning: {totals['over']} prompts over the limit will be dropped by data.filter_overlong_prompts")
+    print("FAILED" if failed else "OK")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
