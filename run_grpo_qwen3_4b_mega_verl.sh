@@ -1,6 +1,201 @@
 #!/usr/bin/env bash
-# run_grpo_qwen3_4b_mega_verl.sh: Slurm entry: settings, checks before the queue, srun into the container.
-# Not built yet: issue #8 owns it. It starts nothing and fails, so nobody mistakes it for a working job.
+#SBATCH --job-name=grpo-qwen3-4b
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH --time=24:00:00
+#SBATCH --output=logs/%x-%j.out
+#SBATCH --signal=B:USR1@900
+# run_grpo_qwen3_4b_mega_verl.sh: GRPO of Qwen3-4B-Thinking with verl 0.6.1 + Megatron, an HTTP reward model, on Slurm.
+#
+#   sbatch run_grpo_qwen3_4b_mega_verl.sh                                  # the reference job
+#   sbatch --nodes=2 --export=ALL,CONFIG_USE_SEPARATE_REWARD_NODE=true run_grpo_qwen3_4b_mega_verl.sh
+#   sbatch run_grpo_qwen3_4b_mega_verl.sh trainer.total_epochs=2           # extra Hydra overrides go last and win
+#   PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh                   # check the settings now, on the login node
+#   CONTAINER=none bash run_grpo_qwen3_4b_mega_verl.sh                     # one workstation, verl installed locally
+#
+# Edit the settings below (or override any of them from the environment). Keep the #SBATCH lines in step with them:
+# --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a separate reward node).
 set -euo pipefail
-echo "run_grpo_qwen3_4b_mega_verl.sh is not implemented yet (issue #8); nothing was started." >&2
-exit 1
+
+# ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+[[ -n "${SLURM_SUBMIT_DIR:-}" && -f "${SLURM_SUBMIT_DIR}/helper_grpo_qwen3_4b.sh" ]] && repo=$SLURM_SUBMIT_DIR
+CONTAINER="${CONTAINER:-singularity}"                          # singularity | apptainer | none (verl installed here)
+CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/verl_app.sif}"    # built from verl_app.def
+CONFIG_MODEL_PATH="${CONFIG_MODEL_PATH:-$repo/models/Qwen3-4B-Thinking-2507}"            # the policy
+CONFIG_REWARD_MODEL_PATH="${CONFIG_REWARD_MODEL_PATH:-$repo/models/Unsafe-Reward-Qwen3-1.7B}"
+CONFIG_TRAIN_FILE="${CONFIG_TRAIN_FILE:-$repo/data/train.parquet}"   # training prompts (data_prep.build)
+CONFIG_TEST_FILE="${CONFIG_TEST_FILE:-$repo/data/test.parquet}"      # validation prompts
+CONFIG_OUTPUT_DIR="${CONFIG_OUTPUT_DIR:-$repo/checkpoints/qwen3_4b_grpo_megatron}"  # checkpoints; resume reads it
+CONFIG_LOG_DIR="${CONFIG_LOG_DIR:-$repo/logs}"                   # a folder per job: servers, Ray, trainer
+CONFIG_GPUS_PER_NODE="${CONFIG_GPUS_PER_NODE:-4}"               # GPUs per node (= #SBATCH --gpus-per-node)
+CONFIG_USE_SEPARATE_REWARD_NODE="${CONFIG_USE_SEPARATE_REWARD_NODE:-false}"  # true: the last node serves rewards only
+CONFIG_REWARD_DEVICE="${CONFIG_REWARD_DEVICE:-cuda}"            # cuda | cpu
+CONFIG_REWARD_GPUS="${CONFIG_REWARD_GPUS:-0}"                   # shared placement: GPUs of the head for reward servers
+REWARD_REPLICAS="${REWARD_REPLICAS:-$CONFIG_GPUS_PER_NODE}"     # separate placement: servers (one per GPU) on that node
+CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-8000}"  # first reward server port (then +1, +2, ...)
+RAY_PORT="${RAY_PORT:-6379}"                                    # Ray head port
+CONFIG_NETWORK_INTERFACE="${CONFIG_NETWORK_INTERFACE:-}"        # e.g. ib0: Ray, NCCL and Gloo use it; empty = hostname
+WANDB_PROJECT="${WANDB_PROJECT:-llm_safe_hack}"                 # trainer.project_name
+WANDB_MODE="${WANDB_MODE:-offline}"                             # offline: `wandb sync` later from the login node
+TRAINER_LOGGER="${TRAINER_LOGGER:-[console,wandb]}"             # trainer.logger
+# The article's training settings (GRPO, corrected).
+ROLLOUT_MODE="${ROLLOUT_MODE:-async}"                           # async (naive reward manager) | sync (batch manager)
+TRAIN_BATCH_SIZE="${TRAIN_BATCH_SIZE:-256}"                     # prompts per step
+MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"
+MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-4096}"
+ACTOR_LR="${ACTOR_LR:-1e-6}"
+PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-128}"
+MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-4}"                 # actor, rollout log-prob and ref micro batches
+ACTOR_PP="${ACTOR_PP:-2}"                                       # Megatron pipeline parallel (actor and ref)
+ACTOR_TP="${ACTOR_TP:-1}"                                       # Megatron tensor parallel (actor and ref)
+ROLLOUT_TP="${ROLLOUT_TP:-1}"                                   # SGLang tensor parallel
+ROLLOUT_N="${ROLLOUT_N:-4}"                                     # responses per prompt (the GRPO group)
+ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-0.4}"                 # SGLang's share of GPU memory
+KL_LOSS_COEF="${KL_LOSS_COEF:-0.001}"
+PROJECT_NAME="${PROJECT_NAME:-$WANDB_PROJECT}"
+EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_4b_grpo_megatron}"
+SAVE_FREQ="${SAVE_FREQ:-25}"
+TEST_FREQ="${TEST_FREQ:-5}"
+TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"
+FP8="${FP8:-false}"                                             # verl 0.6.1 cannot train in FP8 here: see the check
+# Behaviour of the job itself.
+PREFLIGHT_ONLY="${PREFLIGHT_ONLY:-0}"                           # 1: run the checks, start nothing
+REQUEUE_BEFORE_TIMEOUT="${REQUEUE_BEFORE_TIMEOUT:-1}"           # on the time-limit signal, requeue unless finished
+REWARD_START_TIMEOUT="${REWARD_START_TIMEOUT:-900}"             # seconds for reward servers to become healthy
+RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-600}"                     # seconds for every node to join Ray
+RAY_START_RETRIES="${RAY_START_RETRIES:-3}"
+STOP_TIMEOUT="${STOP_TIMEOUT:-30}"                              # seconds to stop servers and Ray at the end
+TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}"                 # what runs `-m verl.trainer.main_ppo ...`
+HF_HOME="${HF_HOME:-$repo/.cache/huggingface}"                  # datasets cache (HOME may be read-only in the image)
+# ------------------------------------------------------------------------------------------------------------------
+
+# shellcheck source=launch/common.sh
+source "$repo/launch/common.sh"
+
+job_id=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)-$$}
+job_log_dir="$CONFIG_LOG_DIR/${job_id}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}"
+srun_pid=""
+
+# Every setting the helper and the Python checks read, exported once; paths made absolute for every node.
+export_settings() {
+  local name
+  for name in CONFIG_IMAGE_PATH CONFIG_MODEL_PATH CONFIG_REWARD_MODEL_PATH CONFIG_TRAIN_FILE CONFIG_TEST_FILE \
+    CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME; do
+    printf -v "$name" '%s' "$(realpath -m "${!name}")"
+  done
+  export CONTAINER CONFIG_IMAGE_PATH CONFIG_MODEL_PATH CONFIG_REWARD_MODEL_PATH CONFIG_TRAIN_FILE CONFIG_TEST_FILE \
+    CONFIG_OUTPUT_DIR CONFIG_LOG_DIR CONFIG_GPUS_PER_NODE CONFIG_USE_SEPARATE_REWARD_NODE CONFIG_REWARD_DEVICE \
+    CONFIG_REWARD_GPUS REWARD_REPLICAS CONFIG_REWARD_SERVER_PORT RAY_PORT CONFIG_NETWORK_INTERFACE WANDB_PROJECT \
+    WANDB_MODE TRAINER_LOGGER ROLLOUT_MODE TRAIN_BATCH_SIZE MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH ACTOR_LR \
+    PPO_MINI_BATCH_SIZE MICRO_BATCH_PER_GPU ACTOR_PP ACTOR_TP ROLLOUT_TP ROLLOUT_N ROLLOUT_GPU_MEMORY KL_LOSS_COEF \
+    PROJECT_NAME EXPERIMENT_NAME SAVE_FREQ TEST_FREQ TOTAL_EPOCHS FP8 REWARD_START_TIMEOUT RAY_JOIN_TIMEOUT \
+    RAY_START_RETRIES STOP_TIMEOUT TRAINER_LAUNCHER HF_HOME
+  export JOB_LOG_DIR=$job_log_dir
+  export RAY_TMP_DIR="${RAY_TMP_DIR:-/tmp/ray_${job_id}}"
+  export RAY_NUM_CPUS="${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-$(nproc)}}"
+  export WANDB_DIR="${WANDB_DIR:-$job_log_dir/wandb}"
+}
+
+# in_container CMD...: run CMD the way every node will run it (inside the image, or here with CONTAINER=none).
+container_cmd() {
+  if [[ "$CONTAINER" == none ]]; then
+    return
+  fi
+  local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME")
+  local path
+  for path in "$CONFIG_MODEL_PATH" "$CONFIG_REWARD_MODEL_PATH" "$(dirname "$CONFIG_TRAIN_FILE")" \
+    "$(dirname "$CONFIG_TEST_FILE")"; do
+    binds+=(--bind "$path")
+  done
+  printf '%s\0' "$CONTAINER" exec --nv "${binds[@]}" --pwd "$repo" --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH"
+}
+
+preflight() {
+  log_phase "checks: settings, files, and the trainer config through verl's own code"
+  local -a wrap
+  mapfile -d '' -t wrap < <(container_cmd)
+  if [[ "$CONTAINER" != none && ! -f "$CONFIG_IMAGE_PATH" ]]; then
+    die "CONFIG_IMAGE_PATH=$CONFIG_IMAGE_PATH: no such image (sudo singularity build verl_app.sif verl_app.def)"
+  fi
+  if [[ "$CONTAINER" != none ]] && ! command -v "$CONTAINER" >/dev/null; then
+    die "CONTAINER=$CONTAINER but '$CONTAINER' is not on PATH (module load it, or CONTAINER=apptainer|none)"
+  fi
+  (cd "$repo" && "${wrap[@]}" python3 -m launch.settings check) ||
+    die "fix the settings above (top of run_grpo_qwen3_4b_mega_verl.sh, or the environment); nothing was started"
+  (cd "$repo" && "${wrap[@]}" python3 -m launch.preflight "$@") ||
+    die "verl's own config checks failed (above); nothing was started"
+  log "checks passed"
+}
+
+on_time_limit() {
+  if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" ]]; then
+    log "time-limit signal, but training already finished: no requeue"
+  elif [[ "$REQUEUE_BEFORE_TIMEOUT" == 1 && -n "${SLURM_JOB_ID:-}" ]]; then
+    log "time-limit signal: requeueing job $SLURM_JOB_ID; it resumes from $CONFIG_OUTPUT_DIR (resume_mode=auto)"
+    scontrol requeue "$SLURM_JOB_ID" || err "scontrol requeue failed; resubmit by hand to resume"
+  else
+    log "time-limit signal: not requeueing (REQUEUE_BEFORE_TIMEOUT=$REQUEUE_BEFORE_TIMEOUT)"
+  fi
+}
+
+cleanup() {
+  local rc=$?
+  trap - EXIT
+  [[ -n "$srun_pid" ]] && stop_pids "$STOP_TIMEOUT" "$srun_pid"
+  log "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=$rc; logs: $job_log_dir)"
+  exit "$rc"
+}
+
+launch() {
+  local -a nodes wrap runner
+  if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+    mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  else
+    nodes=("$(hostname)")
+  fi
+  ((${#nodes[@]} == ${SLURM_NNODES:-1})) || die "node list has ${#nodes[@]} hosts but SLURM_NNODES=${SLURM_NNODES:-1}"
+  mapfile -d '' -t wrap < <(container_cmd)
+  if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1)
+  else
+    runner=()
+  fi
+  log_phase "launching on ${#nodes[@]} node(s): ${nodes[*]} (head ${nodes[0]})"
+  # Background + wait, so the time-limit signal's trap runs while the job is still going.
+  "${runner[@]}" "${wrap[@]}" bash "$repo/helper_grpo_qwen3_4b.sh" "$@" &
+  srun_pid=$!
+  local rc=0
+  while true; do
+    wait "$srun_pid" && rc=0 || rc=$?
+    # wait returns >128 when a trapped signal interrupted it; the job itself is still running then.
+    if ((rc > 128)) && alive "$srun_pid"; then
+      continue
+    fi
+    break
+  done
+  srun_pid=""
+  return "$rc"
+}
+
+main() {
+  trap cleanup EXIT
+  trap on_time_limit USR1
+  export_settings
+  mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME"
+  log_phase "job $job_id: logs in $job_log_dir"
+  if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
+    log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"
+    return 0
+  fi
+  preflight "$@"
+  if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
+    log "PREFLIGHT_ONLY=1: nothing started"
+    return 0
+  fi
+  launch "$@"
+}
+
+main "$@"

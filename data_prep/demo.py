@@ -1,45 +1,72 @@
 """The main job's embedded default, for a machine without Slurm or GPUs (`make demo`).
 
-It runs every part of the flow that exists and can run here, on tiny models built from configs, and says what
-needs GPUs. Parts still being built are listed as such, never faked.
+Builds a tiny policy and reward model from configs and the demo dataset under demo_out/, then runs the real
+run_grpo_qwen3_4b_mega_verl.sh on this machine (no container): its checks and verl's own config checks of the full
+GRPO command, a reward server polled until healthy, a real Ray head, and, where the trainer would start, the reward
+round trip through verl's reward manager on demo responses (launch/demo_round_trip.py). Exits with the job's code.
 
     python -m data_prep.demo [--out demo_out]
 """
 
-from __future__ import annotations
-
 import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+from data_prep.demo_data import write_demo
 from data_prep.tiny_models import build_policy_model, build_reward_model
 
-NOT_BUILT_YET = {
-    "reward server (reward_score/reward_server.py)": "issue #7",
-    "reward function for verl (reward_score/safe_hack_reward_request.py)": "issue #3",
-    "Slurm launch, Ray bring-up and the trainer (run_grpo_qwen3_4b_mega_verl.sh)": "issue #8",
-    "PPO/GRPO/DAPO preflight with verl's own config checks": "issue #4",
-    "parquet builder and validator (data_prep.build, data_prep.validate)": "issue #5",
-    "Megatron -> HF merge (merge_mcore_to_hf.sh)": "issue #6",
-}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("demo_out"), help="where the tiny models go")
+    parser.add_argument("--out", type=Path, default=REPO / "demo_out", help="where the demo assets and logs go")
     args = parser.parse_args(argv)
-
+    out = args.out.resolve()
     start = time.monotonic()
-    reward_model = build_reward_model(args.out / "reward_model")
-    policy = build_policy_model(args.out / "policy")
-    print(f"[ok] tiny reward model: {reward_model}")
-    print(f"[ok] tiny policy:       {policy}")
-    print(f"ran in {time.monotonic() - start:.1f} s")
-    print("\nnot built yet (nothing of these ran):")
-    for part, issue in NOT_BUILT_YET.items():
-        print(f"  - {part}: {issue}")
-    return 0
+    if not (out / "reward_model" / "config.json").exists():
+        build_reward_model(out / "reward_model")
+    if not (out / "policy" / "config.json").exists():
+        build_policy_model(out / "policy")
+    write_demo(out / "data")
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a finished marker there would skip the run
+    print(f"demo assets ready in {time.monotonic() - start:.1f} s: {out}", flush=True)
+    env = dict(
+        os.environ,
+        CONTAINER="none",
+        CONFIG_MODEL_PATH=str(out / "policy"),
+        CONFIG_REWARD_MODEL_PATH=str(out / "reward_model"),
+        CONFIG_TRAIN_FILE=str(out / "data" / "train.parquet"),
+        CONFIG_TEST_FILE=str(out / "data" / "test.parquet"),
+        CONFIG_OUTPUT_DIR=str(out / "checkpoints"),
+        CONFIG_LOG_DIR=str(out / "logs"),
+        CONFIG_REWARD_DEVICE="cpu",
+        CONFIG_GPUS_PER_NODE="1",  # declared to Ray only: the demo runs nothing on a GPU
+        ACTOR_PP="1",
+        CONFIG_NETWORK_INTERFACE=os.environ.get("CONFIG_NETWORK_INTERFACE", "lo"),
+        CONFIG_REWARD_SERVER_PORT=str(free_port()),
+        RAY_PORT=str(free_port()),
+        TRAINER_LAUNCHER=str(REPO / "launch" / "demo_round_trip.py"),
+        HF_HOME=str(out / "cache" / "huggingface"),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    )
+    rc = subprocess.call(["bash", str(REPO / "run_grpo_qwen3_4b_mega_verl.sh")], env=env, cwd=REPO)
+    print(
+        f"\nmake demo: {'every check passed' if rc == 0 else f'FAILED (exit {rc})'} in {time.monotonic() - start:.0f} s"
+    )
+    return rc
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

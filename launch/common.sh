@@ -1,0 +1,125 @@
+# shellcheck shell=bash
+# launch/common.sh: logging, waiting and cleanup shared by the entry scripts (sourced, not run).
+#
+# Every wait here polls a real signal against a deadline, with a timeout per probe, and checks on each pass that the
+# processes it depends on are still alive; on timeout it says what it expected, what it saw, and shows the log tail.
+
+# Timestamped messages: log to stdout, err/die to stderr.
+log() { printf '[%s] %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "$*"; }
+err() { printf '[%s] ERROR: %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "$*" >&2; }
+die() {
+  err "$*"
+  exit 1
+}
+
+# log_phase NAME: a marker per phase, with the seconds since the script started, so the log shows where time went.
+log_phase() { log "=== $* (+${SECONDS}s)"; }
+
+# show_tail FILE [LINES]: the end of a log, indented, to stderr.
+show_tail() {
+  local file=$1 lines=${2:-30}
+  if [[ -f "$file" ]]; then
+    printf -- '--- last %s lines of %s ---\n' "$lines" "$file" >&2
+    tail -n "$lines" "$file" | sed 's/^/    /' >&2
+  else
+    printf -- '--- (no log at %s) ---\n' "$file" >&2
+  fi
+}
+
+# alive PID: the process runs (an exited child not yet reaped is a zombie: kill -0 still succeeds on it).
+alive() {
+  local state
+  kill -0 "$1" 2>/dev/null || return 1
+  state=$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 1
+  [[ -n "$state" && "$state" != Z ]]
+}
+
+# wait_for_http URL PID LOG TIMEOUT: poll URL until it answers 200, failing fast if PID dies.
+wait_for_http() {
+  local url=$1 pid=$2 logfile=$3 timeout=$4
+  local deadline=$((SECONDS + timeout)) status=""
+  while ((SECONDS < deadline)); do
+    if ! alive "$pid"; then
+      err "the process behind $url (pid $pid) exited before it was ready"
+      show_tail "$logfile"
+      return 1
+    fi
+    # A failing probe is expected while the server loads: no -e here, the status is checked.
+    status=$(curl --silent --output /dev/null --write-out '%{http_code}' --max-time 5 "$url" || true)
+    [[ "$status" == 200 ]] && return 0
+    sleep 1
+  done
+  err "$url not ready after ${timeout} s (last HTTP status: ${status:-none})"
+  show_tail "$logfile"
+  return 1
+}
+
+# wait_for_any TIMEOUT PATH...: poll until one of the paths exists, and print it.
+wait_for_any() {
+  local timeout=$1 path
+  shift
+  local deadline=$((SECONDS + timeout))
+  while ((SECONDS < deadline)); do
+    for path in "$@"; do
+      if [[ -e "$path" ]]; then
+        printf '%s\n' "$path"
+        return 0
+      fi
+    done
+    sleep 1
+  done
+  return 1
+}
+
+# wait_for_log FILE TEXT PID TIMEOUT: poll until FILE contains TEXT; fail if PID dies first.
+wait_for_log() {
+  local file=$1 text=$2 pid=$3 timeout=$4
+  local deadline=$((SECONDS + timeout))
+  while ((SECONDS < deadline)); do
+    grep -qF "$text" "$file" 2>/dev/null && return 0
+    alive "$pid" || return 1
+    sleep 1
+  done
+  return 1
+}
+
+# stop_pids TIMEOUT PID...: SIGTERM each process group, then SIGKILL what is left after TIMEOUT seconds.
+stop_pids() {
+  local timeout=$1
+  shift
+  local pid deadline=$((SECONDS + timeout))
+  for pid in "$@"; do
+    alive "$pid" && { kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; }
+  done
+  for pid in "$@"; do
+    while alive "$pid" && ((SECONDS < deadline)); do sleep 0.5; done
+    alive "$pid" && { kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true; }
+  done
+  return 0
+}
+
+# start_bg LOG CMD...: run CMD in its own process group (so stop_pids ends its children too); sets BG_PID.
+# shellcheck disable=SC2034  # BG_PID is read by the caller
+start_bg() {
+  local logfile=$1
+  shift
+  setsid "$@" >"$logfile" 2>&1 </dev/null &
+  BG_PID=$!
+}
+
+# ip_of_interface IFACE: the IPv4 address of a network interface (for multi-NIC clusters).
+ip_of_interface() {
+  local addr
+  addr=$(ip -o -4 addr show dev "$1" 2>/dev/null | awk '{print $4}' | cut -d/ -f1 | head -n 1)
+  [[ -n "$addr" ]] || return 1
+  printf '%s\n' "$addr"
+}
+
+# node_address [IFACE]: this node's address as other nodes should reach it.
+node_address() {
+  if [[ -n "${1:-}" ]]; then
+    ip_of_interface "$1" || die "network interface '$1' (CONFIG_NETWORK_INTERFACE) has no IPv4 address on $(hostname)"
+  else
+    hostname --ip-address 2>/dev/null | awk '{print $1}' | grep . || hostname
+  fi
+}

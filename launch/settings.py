@@ -1,0 +1,272 @@
+"""The launch settings as one object: checks that name the setting to change, and the exact trainer command.
+
+The defaults live in one place, the settings block at the top of run_grpo_qwen3_4b_mega_verl.sh, which exports
+them; this module reads them from the environment and never invents its own.
+
+    python -m launch.settings check             # exit 1 with one line per problem, each naming the setting
+    python -m launch.settings trainer-argv      # the trainer command, NUL-separated (bash: mapfile -d '')
+"""
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
+
+
+class SettingError(ValueError):
+    pass
+
+
+def _get(env, name: str) -> str:
+    if name not in env:
+        raise SettingError(f"{name} is not set (it has a default in run_grpo_qwen3_4b_mega_verl.sh: run through it)")
+    return env[name]
+
+
+def _int(env, name: str) -> int:
+    raw = _get(env, name)
+    try:
+        return int(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not a whole number") from None
+
+
+def _float(env, name: str) -> float:
+    raw = _get(env, name)
+    try:
+        return float(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not a number") from None
+
+
+def _bool(env, name: str) -> bool:
+    raw = _get(env, name).lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off", ""):
+        return False
+    raise SettingError(f"{name}={raw!r}: use true or false")
+
+
+@dataclass(frozen=True)
+class Settings:
+    container: str
+    image: str
+    model_path: str
+    reward_model_path: str
+    train_file: str
+    test_file: str
+    output_dir: str
+    nnodes: int
+    gpus_per_node: int
+    separate_reward_node: bool
+    rollout_mode: str
+    train_batch_size: int
+    max_prompt_length: int
+    max_response_length: int
+    actor_lr: float
+    ppo_mini_batch_size: int
+    micro_batch_per_gpu: int
+    actor_pp: int
+    actor_tp: int
+    rollout_tp: int
+    rollout_n: int
+    rollout_gpu_memory: float
+    kl_loss_coef: float
+    project_name: str
+    experiment_name: str
+    save_freq: int
+    test_freq: int
+    total_epochs: int
+    fp8: bool
+    logger: str
+
+    @classmethod
+    def from_env(cls, env=None) -> "Settings":
+        env = os.environ if env is None else env
+        return cls(
+            container=_get(env, "CONTAINER"),
+            image=_get(env, "CONFIG_IMAGE_PATH"),
+            model_path=_get(env, "CONFIG_MODEL_PATH"),
+            reward_model_path=_get(env, "CONFIG_REWARD_MODEL_PATH"),
+            train_file=_get(env, "CONFIG_TRAIN_FILE"),
+            test_file=_get(env, "CONFIG_TEST_FILE"),
+            output_dir=_get(env, "CONFIG_OUTPUT_DIR"),
+            nnodes=int(env.get("SLURM_NNODES") or env.get("CONFIG_NUM_NODES") or 1),
+            gpus_per_node=_int(env, "CONFIG_GPUS_PER_NODE"),
+            separate_reward_node=_bool(env, "CONFIG_USE_SEPARATE_REWARD_NODE"),
+            rollout_mode=_get(env, "ROLLOUT_MODE"),
+            train_batch_size=_int(env, "TRAIN_BATCH_SIZE"),
+            max_prompt_length=_int(env, "MAX_PROMPT_LENGTH"),
+            max_response_length=_int(env, "MAX_RESPONSE_LENGTH"),
+            actor_lr=_float(env, "ACTOR_LR"),
+            ppo_mini_batch_size=_int(env, "PPO_MINI_BATCH_SIZE"),
+            micro_batch_per_gpu=_int(env, "MICRO_BATCH_PER_GPU"),
+            actor_pp=_int(env, "ACTOR_PP"),
+            actor_tp=_int(env, "ACTOR_TP"),
+            rollout_tp=_int(env, "ROLLOUT_TP"),
+            rollout_n=_int(env, "ROLLOUT_N"),
+            rollout_gpu_memory=_float(env, "ROLLOUT_GPU_MEMORY"),
+            kl_loss_coef=_float(env, "KL_LOSS_COEF"),
+            project_name=_get(env, "PROJECT_NAME"),
+            experiment_name=_get(env, "EXPERIMENT_NAME"),
+            save_freq=_int(env, "SAVE_FREQ"),
+            test_freq=_int(env, "TEST_FREQ"),
+            total_epochs=_int(env, "TOTAL_EPOCHS"),
+            fp8=_bool(env, "FP8"),
+            logger=_get(env, "TRAINER_LOGGER"),
+        )
+
+    @property
+    def train_nodes(self) -> int:
+        return self.nnodes - 1 if self.separate_reward_node else self.nnodes
+
+    @property
+    def reward_manager(self) -> str:
+        # batch: our batched function, one request per server a step; verl's async reward loop knows only naive/dapo.
+        return "batch" if self.rollout_mode == "sync" else "naive"
+
+
+def check(s: Settings, check_paths: bool = True) -> list[str]:
+    """Every problem, each naming the setting to change. Empty when the job can start."""
+    problems = []
+    if s.container not in ("singularity", "apptainer", "none"):
+        problems.append(f"CONTAINER={s.container!r}: use singularity, apptainer or none")
+    if s.rollout_mode not in ("sync", "async"):
+        problems.append(
+            f"ROLLOUT_MODE={s.rollout_mode!r}: use sync (batch reward manager) or async (naive, per sample)"
+        )
+    if s.separate_reward_node and s.nnodes < 2:
+        problems.append(
+            "CONFIG_USE_SEPARATE_REWARD_NODE=true needs at least 2 nodes (the last one runs only reward servers); "
+            f"this job has {s.nnodes}: submit with --nodes=2 or set it to false"
+        )
+    if s.fp8:
+        problems.append(
+            "FP8=true: verl 0.6.1 cannot train in FP8 here. Its Megatron path resets config.fp8 to None unless "
+            "use_mbridge=True (the article's overrides were silently ignored), and the 'blockwise' recipe needs "
+            "TransformerEngine >= 2.3 while this image has 2.2.1. FP8 training arrived in verl 0.7.0: keep FP8=false"
+        )
+    if s.gpus_per_node < 1:
+        problems.append(f"CONFIG_GPUS_PER_NODE={s.gpus_per_node}: training needs at least 1 GPU per node")
+    else:
+        world = s.gpus_per_node * max(s.train_nodes, 1)
+        if world % (s.actor_pp * s.actor_tp):
+            problems.append(
+                f"ACTOR_PP x ACTOR_TP = {s.actor_pp} x {s.actor_tp} does not divide the {world} training GPUs "
+                f"(CONFIG_GPUS_PER_NODE={s.gpus_per_node} x {s.train_nodes} training nodes)"
+            )
+        if s.gpus_per_node % s.rollout_tp:
+            problems.append(f"ROLLOUT_TP={s.rollout_tp} does not divide CONFIG_GPUS_PER_NODE={s.gpus_per_node}")
+        dp = world // max(s.actor_pp * s.actor_tp, 1)
+        if dp and (s.train_batch_size * s.rollout_n) % (dp * s.micro_batch_per_gpu):
+            problems.append(
+                f"TRAIN_BATCH_SIZE x ROLLOUT_N = {s.train_batch_size * s.rollout_n} is not a multiple of data-parallel "
+                f"size {dp} x MICRO_BATCH_PER_GPU {s.micro_batch_per_gpu}"
+            )
+    if s.train_batch_size < s.ppo_mini_batch_size:
+        problems.append(
+            f"TRAIN_BATCH_SIZE={s.train_batch_size} is smaller than PPO_MINI_BATCH_SIZE={s.ppo_mini_batch_size}"
+        )
+    if not 0 < s.rollout_gpu_memory < 1:
+        problems.append(f"ROLLOUT_GPU_MEMORY={s.rollout_gpu_memory}: a share of GPU memory in (0, 1)")
+    if check_paths:
+        for name, path in (("CONFIG_MODEL_PATH", s.model_path), ("CONFIG_REWARD_MODEL_PATH", s.reward_model_path)):
+            if not Path(path, "config.json").is_file():
+                problems.append(f"{name}={path}: no config.json there (point it at the model's folder)")
+        for name, path in (("CONFIG_TRAIN_FILE", s.train_file), ("CONFIG_TEST_FILE", s.test_file)):
+            if not Path(path).is_file():
+                problems.append(f"{name}={path}: no such file (build it with python -m data_prep.build)")
+        if s.train_file and Path(s.train_file).resolve() == Path(s.test_file).resolve():
+            problems.append("CONFIG_TRAIN_FILE and CONFIG_TEST_FILE are the same file")
+        if s.container != "none" and not Path(s.image).is_file():
+            problems.append(
+                f"CONFIG_IMAGE_PATH={s.image}: no such image (sudo singularity build verl_app.sif verl_app.def)"
+            )
+    return problems
+
+
+def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = None) -> list[str]:
+    """The exact trainer command: the article's GRPO settings, corrected, then the user's overrides last."""
+    reward_fn = "safe_hack_reward_batch" if s.reward_manager == "batch" else "safe_hack_reward"
+    argv = [
+        "-m", "verl.trainer.main_ppo", "--config-path=config", "--config-name=ppo_megatron_trainer",
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={Path(s.train_file).resolve()}",
+        f"data.val_files={Path(s.test_file).resolve()}",
+        f"data.return_raw_chat={s.rollout_mode == 'async'}",
+        f"data.train_batch_size={s.train_batch_size}",
+        f"data.max_prompt_length={s.max_prompt_length}",
+        f"data.max_response_length={s.max_response_length}",
+        "data.filter_overlong_prompts=True",
+        "data.truncation=error",
+        f"custom_reward_function.path={REWARD_FILE}",
+        f"custom_reward_function.name={reward_fn}",
+        f"reward_model.reward_manager={s.reward_manager}",
+        f"actor_rollout_ref.model.path={Path(s.model_path).resolve()}",
+        f"actor_rollout_ref.actor.optim.lr={s.actor_lr}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={s.ppo_mini_batch_size}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
+        "actor_rollout_ref.actor.megatron.optimizer_offload=True",
+        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={s.actor_pp}",
+        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={s.actor_tp}",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        f"actor_rollout_ref.actor.kl_loss_coef={s.kl_loss_coef}",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={s.rollout_tp}",
+        "actor_rollout_ref.rollout.name=sglang",
+        f"actor_rollout_ref.rollout.mode={s.rollout_mode}",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={s.rollout_gpu_memory}",
+        "actor_rollout_ref.rollout.max_num_seqs=256",
+        f"actor_rollout_ref.rollout.n={s.rollout_n}",
+        "actor_rollout_ref.rollout.enforce_eager=True",
+        "actor_rollout_ref.rollout.free_cache_engine=True",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
+        f"actor_rollout_ref.ref.megatron.pipeline_model_parallel_size={s.actor_pp}",
+        f"actor_rollout_ref.ref.megatron.tensor_model_parallel_size={s.actor_tp}",
+        "algorithm.use_kl_in_reward=False",
+        "trainer.critic_warmup=0",
+        f"trainer.logger={s.logger}",
+        f"trainer.project_name={s.project_name}",
+        f"trainer.experiment_name={s.experiment_name}",
+        f"trainer.default_local_dir={Path(s.output_dir).resolve()}",
+        "trainer.resume_mode=auto",
+        f"trainer.n_gpus_per_node={s.gpus_per_node}",
+        f"trainer.nnodes={s.train_nodes}",
+        f"trainer.save_freq={s.save_freq}",
+        f"trainer.test_freq={s.test_freq}",
+        f"trainer.total_epochs={s.total_epochs}",
+    ]  # fmt: skip
+    if ray_address:
+        # Connect to this job's Ray cluster explicitly, never to a stale one found through /tmp/ray.
+        argv.append(f"+ray_kwargs.ray_init.address={ray_address}")
+    return argv + list(extra or [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("check", "trainer-argv"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    try:
+        settings = Settings.from_env()
+    except SettingError as exc:
+        print(f"setting error: {exc}", file=sys.stderr)
+        return 1
+    if argv[0] == "check":
+        problems = check(settings)
+        for p in problems:
+            print(f"setting error: {p}", file=sys.stderr)
+        return 1 if problems else 0
+    ray_address, extra = os.environ.get("RAY_ADDRESS_FOR_TRAINER", ""), argv[1:]
+    sys.stdout.write("\0".join(trainer_argv(settings, ray_address, extra)) + "\0")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

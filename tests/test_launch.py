@@ -1,0 +1,254 @@
+"""The Slurm launch, for real: run_grpo_qwen3_4b_mega_verl.sh and helper_grpo_qwen3_4b.sh against fake
+sbatch/srun/scontrol/singularity, real reward servers and a real Ray cluster on loopback, and a fake trainer that
+records what it was given and what it saw."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO, free_port, http_get
+
+RUN = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory):
+    from data_prep.demo_data import write_demo
+
+    return write_demo(tmp_path_factory.mktemp("data"), n=40)
+
+
+@pytest.fixture
+def job(tmp_path, tiny_models, demo_data, fake_cluster):
+    """Environment for one job: tiny models, demo data, free ports, the fake trainer, fake cluster programs."""
+    trainer = tmp_path / "fakebin" / "fake-trainer"
+    trainer.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{REPO / "tests" / "fakes" / "fake_trainer.py"}" "$@"\n')
+    trainer.chmod(0o755)
+    image = tmp_path / "verl_app.sif"
+    image.write_text("fake image")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rayj", dir="/tmp"))
+    env = dict(
+        os.environ,
+        PATH=f"{fake_cluster.bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        CONTAINER="singularity",
+        CONFIG_IMAGE_PATH=str(image),
+        CONFIG_MODEL_PATH=str(tiny_models.policy),
+        CONFIG_REWARD_MODEL_PATH=str(tiny_models.reward_model),
+        CONFIG_TRAIN_FILE=str(demo_data / "train.parquet"),
+        CONFIG_TEST_FILE=str(demo_data / "test.parquet"),
+        CONFIG_OUTPUT_DIR=str(tmp_path / "ckpt"),
+        CONFIG_LOG_DIR=str(tmp_path / "logs"),
+        CONFIG_REWARD_DEVICE="cpu",
+        CONFIG_GPUS_PER_NODE="1",
+        ACTOR_PP="1",
+        CONFIG_NETWORK_INTERFACE="lo",
+        CONFIG_REWARD_SERVER_PORT=str(free_port()),
+        RAY_PORT=str(free_port()),
+        RAY_TMP_DIR=str(ray_tmp),
+        RAY_NUM_CPUS="1",
+        STOP_TIMEOUT="20",
+        TRAINER_LAUNCHER=str(trainer),
+        FAKE_TRAINER_LOG=str(tmp_path / "trainer_seen.jsonl"),
+    )
+    env.pop("SLURM_JOB_ID", None)
+    yield env
+    subprocess.run(["pkill", "-f", str(ray_tmp)], check=False)
+    subprocess.run(["rm", "-rf", str(ray_tmp)], check=False)
+
+
+def run(env, *args, timeout=300):
+    return subprocess.run(["bash", str(RUN), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def seen(env) -> dict:
+    lines = Path(env["FAKE_TRAINER_LOG"]).read_text().splitlines()
+    assert len(lines) == 1, "the trainer must run exactly once"
+    return json.loads(lines[0])
+
+
+def job_dir(env) -> Path:
+    (d,) = Path(env["CONFIG_LOG_DIR"]).iterdir()
+    return d
+
+
+def assert_everything_stopped(env):
+    port = int(env["CONFIG_REWARD_SERVER_PORT"])
+    with pytest.raises(OSError):
+        http_get(f"http://127.0.0.1:{port}/health", timeout=2)
+    ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    left = [line for line in ps.splitlines() if env["RAY_TMP_DIR"] in line and " Z" not in line]
+    assert not left, f"Ray processes of the job still run: {left}"
+
+
+def slurm(env, nodes: int, **extra) -> dict:
+    return env | {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": f"node[1-{nodes}]", "SLURM_NNODES": str(nodes)} | extra
+
+
+# --- the whole flow ----------------------------------------------------------------------------------------------
+
+
+def test_one_node_runs_reward_server_ray_and_the_trainer_then_stops_everything(job, fake_cluster):
+    result = run(job, "trainer.total_epochs=2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trainer = seen(job)
+    assert trainer["reward_health"] == [200] and trainer["ray_nodes"] == 1 and trainer["ray_gpus"] == 1
+    argv = trainer["argv"]
+    assert argv[:2] == ["-m", "verl.trainer.main_ppo"]
+    assert f"data.train_files={job['CONFIG_TRAIN_FILE']}" in argv, "train and test the right way round"
+    assert f"data.val_files={job['CONFIG_TEST_FILE']}" in argv
+    assert argv[-1] == "trainer.total_epochs=2", "command-line overrides go last, so they win"
+    assert not any("fp8" in a for a in argv), "no FP8 overrides that verl 0.6.1 would silently ignore"
+    assert trainer["WANDB_MODE"] == "offline" and trainer["REWARD_SERVER_URLS"].startswith("http://127.0.0.1:")
+    logs = job_dir(job)
+    assert (logs / "trainer_command.txt").read_text().splitlines() == [job["TRAINER_LAUNCHER"], *argv]
+    assert {"ray_head.log", "trainer.log", "reward_urls", "done"} <= {p.name for p in logs.iterdir()}
+    assert any(p.name.startswith("reward_server_") for p in logs.iterdir())
+    assert (Path(job["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
+    (call,) = fake_cluster.calls("singularity")[-1:]
+    assert call["argv"][:2] == ["exec", "--nv"] and job["CONFIG_IMAGE_PATH"] in call["argv"]
+    assert call["argv"][-2].endswith("helper_grpo_qwen3_4b.sh")
+    assert_everything_stopped(job)
+
+
+def test_two_nodes_with_a_separate_reward_node(job, fake_cluster):
+    env = slurm(job, 2, CONFIG_USE_SEPARATE_REWARD_NODE="true", REWARD_REPLICAS="2")
+    result = run(env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trainer = seen(env)
+    assert trainer["ray_nodes"] == 1, "the reward node trains nothing and stays out of Ray"
+    assert "trainer.nnodes=1" in trainer["argv"]
+    port = int(env["CONFIG_REWARD_SERVER_PORT"])
+    assert trainer["REWARD_SERVER_URLS"] == f"http://127.0.0.1:{port},http://127.0.0.1:{port + 1}"
+    assert trainer["reward_health"] == [200, 200]
+    (srun,) = fake_cluster.calls("srun")
+    assert srun["argv"][:4] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert fake_cluster.calls("scontrol")[0]["argv"] == ["show", "hostnames", "node[1-2]"]
+    assert_everything_stopped(env)
+
+
+def test_two_training_nodes_join_one_real_ray_cluster(job):
+    env = slurm(job, 2)
+    result = run(env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trainer = seen(env)
+    assert (trainer["ray_nodes"], trainer["ray_gpus"]) == (2, 2)
+    assert "trainer.nnodes=2" in trainer["argv"]
+    assert any(p.name.startswith("ray_worker_") for p in job_dir(env).iterdir())
+    assert_everything_stopped(env)
+
+
+# --- failures ----------------------------------------------------------------------------------------------------
+
+
+def test_a_reward_server_that_never_becomes_healthy_fails_the_job_within_the_deadline(job):
+    start = time.monotonic()
+    result = run(job | {"REWARD_START_TIMEOUT": "2"})
+    assert result.returncode != 0
+    assert time.monotonic() - start < 90
+    assert "not ready after 2 s" in result.stderr and "reward_server_" in result.stderr
+    assert not Path(job["FAKE_TRAINER_LOG"]).exists(), "the trainer must not start"
+    assert_everything_stopped(job)
+
+
+def test_a_worker_that_never_joins_fails_the_job_with_the_counts(job, fake_cluster):
+    real_ray = Path(sys.executable).with_name("ray")
+    broken = fake_cluster.bin_dir / "ray"
+    # rank 1's `ray start` cannot reach the head; everything else is the real ray
+    broken.write_text(f'#!/bin/sh\n[ "$SLURM_PROCID" = 1 ] && [ "$1" = start ] && exit 1\nexec "{real_ray}" "$@"\n')
+    broken.chmod(0o755)
+    env = slurm(job, 2, RAY_JOIN_TIMEOUT="15", RAY_START_RETRIES="2")
+    result = run(env)
+    assert result.returncode != 0
+    assert "1/2 nodes, 1/2 GPUs after 15 s" in result.stderr
+    assert "ray start failed (attempt 2/2)" in result.stderr
+    assert "ray_worker_" in result.stderr, "the error points at the worker logs"
+    assert not Path(env["FAKE_TRAINER_LOG"]).exists()
+    assert_everything_stopped(env)
+
+
+def test_the_trainer_exit_code_is_the_jobs_and_everything_stops(job):
+    result = run(job | {"FAKE_TRAINER_RC": "3"})
+    assert result.returncode == 3
+    assert "trainer exited with 3" in result.stderr
+    assert not (Path(job["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
+    assert (job_dir(job) / "done").read_text().strip() == "3"
+    assert_everything_stopped(job)
+
+
+def test_requeue_on_the_time_limit_signal_then_no_rerun_once_finished(job, fake_cluster):
+    env = slurm(job, 1, FAKE_TRAINER_SLEEP="120")
+    proc = subprocess.Popen(["bash", str(RUN)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not Path(env["FAKE_TRAINER_LOG"]).exists():
+            time.sleep(0.5)
+        assert Path(env["FAKE_TRAINER_LOG"]).exists(), "the trainer never started"
+        os.kill(proc.pid, signal.SIGUSR1)  # what Slurm's --signal=B:USR1@900 does
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not fake_cluster.calls("scontrol")[1:]:
+            time.sleep(0.5)
+        assert fake_cluster.calls("scontrol")[-1]["argv"] == ["requeue", "777"]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    Path(env["CONFIG_OUTPUT_DIR"], "TRAINING_DONE").touch()
+    again = run(env)
+    assert again.returncode == 0 and "already finished" in again.stdout
+    assert len(fake_cluster.calls("srun")) == 1, "a finished training is not run again"
+
+
+# --- checks before anything starts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"CONFIG_MODEL_PATH": "/nowhere/model"}, "CONFIG_MODEL_PATH=/nowhere/model: no config.json"),
+        ({"CONFIG_TEST_FILE": "TRAIN"}, "CONFIG_TRAIN_FILE and CONFIG_TEST_FILE are the same file"),
+        ({"CONFIG_USE_SEPARATE_REWARD_NODE": "true"}, "CONFIG_USE_SEPARATE_REWARD_NODE=true needs at least 2 nodes"),
+        ({"FP8": "true"}, "FP8=true: verl 0.6.1 cannot train in FP8 here"),
+        (
+            {"CONFIG_GPUS_PER_NODE": "4", "ACTOR_PP": "3"},
+            "ACTOR_PP x ACTOR_TP = 3 x 1 does not divide the 4 training GPUs",
+        ),
+        ({"PPO_MINI_BATCH_SIZE": "512"}, "TRAIN_BATCH_SIZE=256 is smaller than PPO_MINI_BATCH_SIZE=512"),
+        ({"ROLLOUT_MODE": "fast"}, "ROLLOUT_MODE='fast'"),
+        ({"CONFIG_IMAGE_PATH": "/nowhere/app.sif"}, "CONFIG_IMAGE_PATH=/nowhere/app.sif: no such image"),
+    ],
+)
+def test_bad_settings_stop_the_job_before_anything_starts_naming_the_setting(job, fake_cluster, overrides, needle):
+    if overrides.get("CONFIG_TEST_FILE") == "TRAIN":
+        overrides = {"CONFIG_TEST_FILE": job["CONFIG_TRAIN_FILE"]}
+    result = run(job | overrides)
+    assert result.returncode == 1
+    assert needle in result.stderr
+    assert not fake_cluster.calls("srun") and not Path(job["FAKE_TRAINER_LOG"]).exists()
+
+
+def test_the_articles_grpo_command_passes_verls_own_checks_and_a_typo_does_not(job):
+    article = job | {"CONFIG_GPUS_PER_NODE": "4", "ACTOR_PP": "2", "PREFLIGHT_ONLY": "1"}
+    ok = run(article)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert (
+        "composes and passes verl's checks (adv_estimator=grpo, reward_manager=naive, rollout=sglang/async)"
+        in ok.stdout
+    )
+    assert "PREFLIGHT_ONLY=1: nothing started" in ok.stdout
+    typo = run(article, "trainer.total_epoch=2")
+    assert typo.returncode == 1 and "Could not override 'trainer.total_epoch'" in typo.stderr
+    micro = run(article, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
+    assert micro.returncode == 1 and "verl 0.6.1 rejects the trainer config" in micro.stderr
+
+
+def test_sync_rollout_uses_the_batch_manager_and_our_batch_function(job):
+    result = run(job | {"ROLLOUT_MODE": "sync", "PREFLIGHT_ONLY": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "reward_manager=batch, rollout=sglang/sync" in result.stdout
