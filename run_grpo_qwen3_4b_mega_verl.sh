@@ -125,8 +125,16 @@ preflight() {
   fi
   (cd "$repo" && "${wrap[@]}" python3 -m launch.settings check) ||
     die "fix the settings above (top of run_grpo_qwen3_4b_mega_verl.sh, or the environment); nothing was started"
+  if [[ -n "${SLURM_GPUS_ON_NODE:-}" && "$SLURM_GPUS_ON_NODE" != "$CONFIG_GPUS_PER_NODE" ]]; then
+    die "Slurm gave $SLURM_GPUS_ON_NODE GPUs per node but CONFIG_GPUS_PER_NODE=$CONFIG_GPUS_PER_NODE: make #SBATCH --gpus-per-node match"
+  fi
   (cd "$repo" && "${wrap[@]}" python3 -m launch.preflight "$@") ||
     die "verl's own config checks failed (above); nothing was started"
+  # The data as verl will read it: schema row by row, and prompt lengths in the policy's tokens (over-long prompts
+  # are dropped by data.filter_overlong_prompts, so they are counted, not fatal).
+  (cd "$repo" && "${wrap[@]}" python3 -m data_prep.validate "$CONFIG_TRAIN_FILE" "$CONFIG_TEST_FILE" \
+    --tokenizer "$CONFIG_MODEL_PATH" --max-prompt-length "$MAX_PROMPT_LENGTH" --overlong warn) ||
+    die "the train/test parquet files have errors (above): fix them or rebuild with python -m data_prep.build"
   log "checks passed"
 }
 

@@ -252,3 +252,27 @@ def test_sync_rollout_uses_the_batch_manager_and_our_batch_function(job):
     result = run(job | {"ROLLOUT_MODE": "sync", "PREFLIGHT_ONLY": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "reward_manager=batch, rollout=sglang/sync" in result.stdout
+
+
+def test_broken_data_stops_the_job_before_the_queue_with_the_row(job, fake_cluster, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(job["CONFIG_TRAIN_FILE"]).to_pylist()
+    rows[2]["reward_model"] = {"style": "model", "ground_truth": ""}
+    broken = tmp_path / "broken_train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), broken)
+    result = run(job | {"CONFIG_TRAIN_FILE": str(broken), "PREFLIGHT_ONLY": "1"})
+    assert result.returncode == 1
+    assert "row 3: reward_model.ground_truth is missing or empty" in result.stdout
+    assert "train/test parquet files have errors" in result.stderr
+    ok = run(job | {"PREFLIGHT_ONLY": "1", "MAX_PROMPT_LENGTH": "40"})
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "over the limit of 40" in ok.stdout and "dropped by data.filter_overlong_prompts" in ok.stdout
+
+
+def test_a_gpu_count_that_disagrees_with_the_allocation_is_refused(job, fake_cluster):
+    result = run(slurm(job, 1, SLURM_GPUS_ON_NODE="8"))
+    assert result.returncode == 1
+    assert "Slurm gave 8 GPUs per node but CONFIG_GPUS_PER_NODE=1" in result.stderr
+    assert not fake_cluster.calls("srun")

@@ -80,7 +80,7 @@ def test_latest_step_tied_config_merges_with_the_flag_and_verifies(merge_env, ti
 
 def test_an_untied_model_keeps_its_lm_head(merge_env, tiny_models, tmp_path):
     make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=False)
-    result = run(merge_env, STEP="10")
+    result = run(merge_env, STEP="10", VERIFY_LOAD="1")
     assert result.returncode == 0, result.stdout + result.stderr
     (argv,) = merger_calls(merge_env)
     assert "--tie-word-embedding" not in argv and "global_step_10" in argv[argv.index("--local_dir") + 1]

@@ -258,6 +258,23 @@ def test_cuda_out_of_memory_splits_the_micro_batch_and_the_server_keeps_serving(
         assert c.post("/score", json=items[0]).status_code == 200
 
 
+def test_a_compile_that_fails_at_warm_up_falls_back_to_eager_and_scores_the_same(tiny_models):
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", compile="off")
+    eager = RewardScorer.load(cfg)
+    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7]
+    expected = eager.score_ids(seqs)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor: no C++ compiler (simulated)")
+
+    for layer in eager.base.layers:  # what a failed torch.compile looks like at the first call
+        layer._compiled_call_impl = broken
+    eager.compiled = True
+    eager.warm_up()
+    assert eager.compiled is False
+    assert eager.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
+
+
 def test_plain_text_fallback_when_the_tokenizer_has_no_chat_template(tiny_models, reference):
     cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu")
     scorer = RewardScorer.load(cfg)
