@@ -41,8 +41,20 @@ CONFIG_NETWORK_INTERFACE="${CONFIG_NETWORK_INTERFACE:-}"        # e.g. ib0: Ray,
 WANDB_PROJECT="${WANDB_PROJECT:-llm_safe_hack}"                 # trainer.project_name
 WANDB_MODE="${WANDB_MODE:-offline}"                             # offline: `wandb sync` later from the login node
 TRAINER_LOGGER="${TRAINER_LOGGER:-[console,wandb]}"             # trainer.logger
-# The article's training settings (GRPO, corrected).
+# What to train: the article's GRPO by default.
+ALGORITHM="${ALGORITHM:-grpo}"                                  # grpo | ppo (GAE, with a critic) | dapo
+TRAINER_MODE="${TRAINER_MODE:-sync}"                            # sync | one_step_off (rollout on its own GPUs; fsdp2)
+STRATEGY="${STRATEGY:-megatron}"                                # megatron | fsdp2
 ROLLOUT_MODE="${ROLLOUT_MODE:-async}"                           # async (naive reward manager) | sync (batch manager)
+REWARD_MANAGER="${REWARD_MANAGER:-auto}"                        # auto: batch (sync), naive (async), dapo (DAPO)
+CRITIC_MODEL_PATH="${CRITIC_MODEL_PATH:-}"                      # PPO's critic; empty = the policy
+CRITIC_LR="${CRITIC_LR:-1e-5}"
+CRITIC_PP="${CRITIC_PP:-1}"                                     # Megatron pipeline parallel of the critic
+CRITIC_TP="${CRITIC_TP:-1}"                                     # Megatron tensor parallel of the critic
+DAPO_DYNAMIC_SAMPLING="${DAPO_DYNAMIC_SAMPLING:-false}"         # true: recipe.dapo's group filtering (sync rollout)
+OVERLONG_BUFFER_LEN="${OVERLONG_BUFFER_LEN:-0}"                 # DAPO's soft length penalty zone; 0 = a quarter
+ROLLOUT_GPUS_PER_NODE="${ROLLOUT_GPUS_PER_NODE:-0}"             # one_step_off: GPUs per node for generation only
+# The article's training settings (corrected).
 TRAIN_BATCH_SIZE="${TRAIN_BATCH_SIZE:-256}"                     # prompts per step
 MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"
 MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-4096}"
@@ -92,7 +104,8 @@ export_settings() {
     WANDB_MODE TRAINER_LOGGER ROLLOUT_MODE TRAIN_BATCH_SIZE MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH ACTOR_LR \
     PPO_MINI_BATCH_SIZE MICRO_BATCH_PER_GPU ACTOR_PP ACTOR_TP ROLLOUT_TP ROLLOUT_N ROLLOUT_GPU_MEMORY KL_LOSS_COEF \
     PROJECT_NAME EXPERIMENT_NAME SAVE_FREQ TEST_FREQ TOTAL_EPOCHS FP8 REWARD_START_TIMEOUT RAY_JOIN_TIMEOUT \
-    RAY_START_RETRIES STOP_TIMEOUT TRAINER_LAUNCHER HF_HOME
+    RAY_START_RETRIES STOP_TIMEOUT TRAINER_LAUNCHER HF_HOME ALGORITHM TRAINER_MODE STRATEGY REWARD_MANAGER \
+    CRITIC_MODEL_PATH CRITIC_LR CRITIC_PP CRITIC_TP DAPO_DYNAMIC_SAMPLING OVERLONG_BUFFER_LEN ROLLOUT_GPUS_PER_NODE
   export JOB_LOG_DIR=$job_log_dir
   export RAY_TMP_DIR="${RAY_TMP_DIR:-/tmp/ray_${job_id}}"
   export RAY_NUM_CPUS="${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-$(nproc)}}"

@@ -67,8 +67,8 @@ def main(argv: list[str]) -> int:
     from verl.trainer.ppo.reward import compute_reward, load_reward_manager
 
     t0 = time.monotonic()
-    module, name, overrides = split_command(argv)
-    config = compose(name, overrides)
+    module, path, name, overrides = split_command(argv)
+    config = compose(name, overrides, path)
     validate(config)
     print(f"[ok] {module} --config-name={name}: {len(overrides)} overrides compose and pass verl's own checks")
 

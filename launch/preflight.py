@@ -9,6 +9,7 @@ typed config dataclasses (wrong types). On failure it prints verl's message and 
 """
 
 import sys
+from pathlib import Path
 
 from launch.settings import SettingError, Settings, trainer_argv
 
@@ -26,23 +27,33 @@ SETTING_OF_KEY = {
 }
 
 
-def split_command(argv: list[str]) -> tuple[str, str, list[str]]:
-    """(module, config name, overrides) from a `-m MODULE --config-path=.. --config-name=NAME overrides...` list."""
+def split_command(argv: list[str]) -> tuple[str, str, str, list[str]]:
+    """(module, config path, config name, overrides) from `-m MODULE --config-path=P --config-name=N overrides...`."""
     module = argv[argv.index("-m") + 1]
+    path = next(a.split("=", 1)[1] for a in argv if a.startswith("--config-path="))
     name = next(a.split("=", 1)[1] for a in argv if a.startswith("--config-name="))
-    overrides = [a for a in argv[argv.index("-m") + 2 :] if not a.startswith("--config-")]
-    return module, name, overrides
+    overrides = [
+        a for a in argv[argv.index("-m") + 2 :] if not a.startswith("--config-") and not a.startswith("hydra.")
+    ]
+    return module, path, name, overrides
 
 
-def compose(config_name: str, overrides: list[str]):
-    """verl's own Hydra config with these overrides, every interpolation resolved."""
+def compose(config_name: str, overrides: list[str], config_path: str = "config"):
+    """verl's own Hydra config (or a recipe's, from its absolute folder) with these overrides, resolved."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
+    from hydra import initialize_config_dir, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
     GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+    if Path(config_path).is_absolute():
+        # A recipe's YAML extends ppo_*_trainer through a searchpath relative to the cwd; the package path works
+        # from anywhere.
+        init = initialize_config_dir(config_dir=config_path, version_base=None)
+        overrides = [*overrides, "hydra.searchpath=[pkg://verl.trainer.config]"]
+    else:
+        init = initialize_config_module(config_module="verl.trainer.config", version_base=None)
+    with init:
         cfg = hydra_compose(config_name, overrides=overrides)
     OmegaConf.resolve(cfg)
     return cfg
@@ -74,9 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     except SettingError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
         return 1
-    module, name, overrides = split_command(trainer_argv(settings, extra=extra))
     try:
-        cfg = compose(name, overrides)
+        module, path, name, overrides = split_command(trainer_argv(settings, extra=extra))
+    except SettingError as exc:
+        print(f"preflight: {exc}", file=sys.stderr)
+        return 1
+    try:
+        cfg = compose(name, overrides, path)
         validate(cfg)
     except Exception as exc:  # Hydra's and verl's own errors, reported as they are
         print(

@@ -83,6 +83,17 @@ class Settings:
     total_epochs: int
     fp8: bool
     logger: str
+    algorithm: str = "grpo"
+    trainer_mode: str = "sync"
+    strategy: str = "megatron"
+    reward_manager_setting: str = "auto"
+    critic_model_path: str = ""
+    critic_lr: float = 1e-5
+    critic_pp: int = 1
+    critic_tp: int = 1
+    dapo_dynamic_sampling: bool = False
+    overlong_buffer_len: int = 0
+    rollout_gpus_per_node: int = 0
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -118,6 +129,17 @@ class Settings:
             total_epochs=_int(env, "TOTAL_EPOCHS"),
             fp8=_bool(env, "FP8"),
             logger=_get(env, "TRAINER_LOGGER"),
+            algorithm=_get(env, "ALGORITHM"),
+            trainer_mode=_get(env, "TRAINER_MODE"),
+            strategy=_get(env, "STRATEGY"),
+            reward_manager_setting=_get(env, "REWARD_MANAGER"),
+            critic_model_path=env.get("CRITIC_MODEL_PATH") or _get(env, "CONFIG_MODEL_PATH"),
+            critic_lr=_float(env, "CRITIC_LR"),
+            critic_pp=_int(env, "CRITIC_PP"),
+            critic_tp=_int(env, "CRITIC_TP"),
+            dapo_dynamic_sampling=_bool(env, "DAPO_DYNAMIC_SAMPLING"),
+            overlong_buffer_len=_int(env, "OVERLONG_BUFFER_LEN"),
+            rollout_gpus_per_node=_int(env, "ROLLOUT_GPUS_PER_NODE"),
         )
 
     @property
@@ -126,13 +148,32 @@ class Settings:
 
     @property
     def reward_manager(self) -> str:
-        # batch: our batched function, one request per server a step; verl's async reward loop knows only naive/dapo.
+        """batch (our batched function: one request per server a step) with sync rollout; naive with async (verl's
+        async reward loop knows only naive and dapo); dapo for DAPO (its overlong penalty lives in that manager)."""
+        if self.reward_manager_setting != "auto":
+            return self.reward_manager_setting
+        if self.algorithm == "dapo":
+            return "dapo"
         return "batch" if self.rollout_mode == "sync" else "naive"
+
+    @property
+    def uses_recipe(self) -> str | None:
+        """The verl recipe package this combination runs through, if any (recipes are not in the PyPI wheel)."""
+        if self.trainer_mode == "one_step_off":
+            return "recipe.one_step_off_policy"
+        if self.algorithm == "dapo" and self.dapo_dynamic_sampling:
+            return "recipe.dapo"
+        return None
+
+    @property
+    def training_gpus_per_node(self) -> int:
+        return self.gpus_per_node - (self.rollout_gpus_per_node if self.trainer_mode == "one_step_off" else 0)
 
 
 def check(s: Settings, check_paths: bool = True) -> list[str]:
     """Every problem, each naming the setting to change. Empty when the job can start."""
-    problems = []
+    problems: list[str] = []
+    problems += combination_problems(s)
     if s.container not in ("singularity", "apptainer", "none"):
         problems.append(f"CONTAINER={s.container!r}: use singularity, apptainer or none")
     if s.rollout_mode not in ("sync", "async"):
@@ -153,15 +194,17 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
     if s.gpus_per_node < 1:
         problems.append(f"CONFIG_GPUS_PER_NODE={s.gpus_per_node}: training needs at least 1 GPU per node")
     else:
-        world = s.gpus_per_node * max(s.train_nodes, 1)
-        if world % (s.actor_pp * s.actor_tp):
+        world = s.training_gpus_per_node * max(s.train_nodes, 1)
+        model_parallel = s.actor_pp * s.actor_tp if s.strategy == "megatron" else 1  # FSDP2 shards, no PP/TP
+        if world % model_parallel:
             problems.append(
                 f"ACTOR_PP x ACTOR_TP = {s.actor_pp} x {s.actor_tp} does not divide the {world} training GPUs "
-                f"(CONFIG_GPUS_PER_NODE={s.gpus_per_node} x {s.train_nodes} training nodes)"
+                f"({s.training_gpus_per_node} training GPUs per node x {s.train_nodes} training nodes)"
             )
-        if s.gpus_per_node % s.rollout_tp:
-            problems.append(f"ROLLOUT_TP={s.rollout_tp} does not divide CONFIG_GPUS_PER_NODE={s.gpus_per_node}")
-        dp = world // max(s.actor_pp * s.actor_tp, 1)
+        rollout_gpus = s.rollout_gpus_per_node if s.trainer_mode == "one_step_off" else s.gpus_per_node
+        if rollout_gpus and rollout_gpus % s.rollout_tp:
+            problems.append(f"ROLLOUT_TP={s.rollout_tp} does not divide the {rollout_gpus} rollout GPUs per node")
+        dp = world // model_parallel
         if dp and (s.train_batch_size * s.rollout_n) % (dp * s.micro_batch_per_gpu):
             problems.append(
                 f"TRAIN_BATCH_SIZE x ROLLOUT_N = {s.train_batch_size * s.rollout_n} is not a multiple of data-parallel "
@@ -189,12 +232,172 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
     return problems
 
 
-def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = None) -> list[str]:
-    """The exact trainer command: the article's GRPO settings, corrected, then the user's overrides last."""
-    reward_fn = "safe_hack_reward_batch" if s.reward_manager == "batch" else "safe_hack_reward"
-    argv = [
-        "-m", "verl.trainer.main_ppo", "--config-path=config", "--config-name=ppo_megatron_trainer",
+def combination_problems(s: Settings) -> list[str]:
+    """Combinations verl 0.6.1 (or this image) cannot run, each refused with the reason."""
+    problems = []
+    for name, value, allowed in (
+        ("ALGORITHM", s.algorithm, ("grpo", "ppo", "dapo")),
+        ("TRAINER_MODE", s.trainer_mode, ("sync", "one_step_off")),
+        ("STRATEGY", s.strategy, ("megatron", "fsdp2")),
+        ("REWARD_MANAGER", s.reward_manager_setting, ("auto", "batch", "naive", "dapo")),
+    ):
+        if value not in allowed:
+            problems.append(f"{name}={value!r}: use one of {', '.join(allowed)}")
+    if problems:
+        return problems
+    if s.reward_manager == "batch" and s.rollout_mode == "async":
+        problems.append(
+            "REWARD_MANAGER=batch with ROLLOUT_MODE=async: verl 0.6.1's async reward loop registers only naive and "
+            "dapo (batch raises 'Unknown reward loop manager'); use ROLLOUT_MODE=sync or REWARD_MANAGER=naive"
+        )
+    if s.algorithm == "dapo" and s.reward_manager != "dapo":
+        problems.append(
+            f"ALGORITHM=dapo needs the dapo reward manager (its overlong penalty), not REWARD_MANAGER={s.reward_manager}"
+        )
+    if s.algorithm == "dapo" and s.dapo_dynamic_sampling and s.rollout_mode != "sync":
+        problems.append(
+            "DAPO_DYNAMIC_SAMPLING=true needs ROLLOUT_MODE=sync: recipe.dapo's trainer calls generate_sequences and "
+            "computes rewards itself"
+        )
+    if s.trainer_mode == "one_step_off":
+        if s.strategy == "megatron":
+            problems.append(
+                "TRAINER_MODE=one_step_off with STRATEGY=megatron: verl 0.6.1's one-step-off Megatron workers accept "
+                "only vLLM (they assert rollout.name == 'vllm') and this image has SGLang only; use STRATEGY=fsdp2"
+            )
+        if s.rollout_mode != "sync":
+            problems.append(
+                "TRAINER_MODE=one_step_off needs ROLLOUT_MODE=sync: its async rollout worker raises NotImplementedError "
+                "in verl 0.6.1"
+            )
+        if s.algorithm == "dapo" and s.dapo_dynamic_sampling:
+            problems.append("TRAINER_MODE=one_step_off cannot run DAPO_DYNAMIC_SAMPLING=true (two different recipes)")
+        if not 0 < s.rollout_gpus_per_node < s.gpus_per_node:
+            problems.append(
+                f"TRAINER_MODE=one_step_off gives rollout its own GPUs: set ROLLOUT_GPUS_PER_NODE between 1 and "
+                f"{s.gpus_per_node - 1} (now {s.rollout_gpus_per_node})"
+            )
+    return problems
+
+
+def find_recipe(name: str):
+    """The import spec of a verl recipe package, or None where it is not installed."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+
+
+def _entry(s: Settings) -> list[str]:
+    """`-m MODULE --config-path=... --config-name=...` for this combination."""
+    if s.uses_recipe:
+        spec = find_recipe(s.uses_recipe)
+        if spec is None or not spec.submodule_search_locations:
+            raise SettingError(
+                f"{s.uses_recipe} is not installed here (verl's PyPI wheel holds no recipes): run inside the image "
+                "built from verl_app.def, which installs verl 0.6.1 from its git tag"
+            )
+        config_dir = Path(next(iter(spec.submodule_search_locations))) / "config"
+        if s.uses_recipe == "recipe.dapo":
+            module, name = (
+                "recipe.dapo.main_dapo",
+                "dapo_megatron_trainer" if s.strategy == "megatron" else "dapo_trainer",
+            )
+        else:
+            module, name = "recipe.one_step_off_policy.main_ppo", "one_step_off_ppo_trainer"
+        # The recipe YAML's searchpath is relative to the current folder: make it absolute, so any folder works.
+        return [
+            "-m",
+            module,
+            f"--config-path={config_dir}",
+            f"--config-name={name}",
+            "hydra.searchpath=[pkg://verl.trainer.config]",
+        ]
+    name = "ppo_megatron_trainer" if s.strategy == "megatron" else "ppo_trainer"
+    return ["-m", "verl.trainer.main_ppo", "--config-path=config", f"--config-name={name}"]
+
+
+def _actor_overrides(s: Settings) -> list[str]:
+    a = "actor_rollout_ref"
+    if s.strategy == "megatron":
+        return [
+            f"{a}.actor.megatron.optimizer_offload=True",
+            f"{a}.actor.megatron.pipeline_model_parallel_size={s.actor_pp}",
+            f"{a}.actor.megatron.tensor_model_parallel_size={s.actor_tp}",
+            f"{a}.ref.megatron.pipeline_model_parallel_size={s.actor_pp}",
+            f"{a}.ref.megatron.tensor_model_parallel_size={s.actor_tp}",
+        ]
+    return [
+        f"{a}.actor.strategy=fsdp2",
+        f"{a}.ref.strategy=fsdp2",
+        "critic.strategy=fsdp2",
+        f"{a}.model.enable_gradient_checkpointing=True",
+        f"{a}.actor.fsdp_config.optimizer_offload=True",
+        f"{a}.ref.fsdp_config.param_offload=True",
+    ]
+
+
+def _algorithm_overrides(s: Settings) -> list[str]:
+    a = "actor_rollout_ref.actor"
+    if s.algorithm == "ppo":
+        critic = [
+            "algorithm.adv_estimator=gae",
+            f"critic.model.path={Path(s.critic_model_path).resolve()}",
+            f"critic.optim.lr={s.critic_lr}",
+            f"critic.ppo_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
+        ]
+        if s.strategy == "megatron":
+            critic += [
+                f"critic.megatron.pipeline_model_parallel_size={s.critic_pp}",
+                f"critic.megatron.tensor_model_parallel_size={s.critic_tp}",
+            ]
+        return critic + [f"{a}.use_kl_loss=True", f"{a}.kl_loss_coef={s.kl_loss_coef}", f"{a}.kl_loss_type=low_var_kl"]
+    if s.algorithm == "dapo":
+        out = [
+            "algorithm.adv_estimator=grpo",
+            "algorithm.kl_ctrl.kl_coef=0.0",
+            f"{a}.use_kl_loss=False",
+            f"{a}.kl_loss_coef=0.0",
+            f"{a}.clip_ratio_low=0.2",
+            f"{a}.clip_ratio_high=0.28",
+            f"{a}.clip_ratio_c=10.0",
+            f"{a}.loss_agg_mode=token-mean",
+        ]
+        buffer = s.overlong_buffer_len or s.max_response_length // 4
+        if s.uses_recipe == "recipe.dapo":
+            # The recipe hands reward_model.overlong_buffer to the dapo manager itself, and filters groups.
+            return out + [
+                "reward_model.overlong_buffer.enable=True",
+                f"reward_model.overlong_buffer.len={buffer}",
+                "reward_model.overlong_buffer.penalty_factor=1.0",
+                "algorithm.filter_groups.enable=True",
+                "algorithm.filter_groups.metric=score",
+                "algorithm.filter_groups.max_num_gen_batches=10",
+            ]
+        return out + [
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+            f"+reward_model.reward_kwargs.overlong_buffer_cfg.len={buffer}",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+            f"+reward_model.reward_kwargs.max_resp_len={s.max_response_length}",
+        ]
+    return [
         "algorithm.adv_estimator=grpo",
+        f"{a}.use_kl_loss=True",
+        f"{a}.kl_loss_coef={s.kl_loss_coef}",
+        f"{a}.kl_loss_type=low_var_kl",
+    ]
+
+
+def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = None) -> list[str]:
+    """The exact trainer command for this algorithm, mode and strategy; the user's overrides last."""
+    reward_fn = "safe_hack_reward_batch" if s.reward_manager == "batch" else "safe_hack_reward"
+    a = "actor_rollout_ref"
+    argv = [
+        *_entry(s),
+        *_algorithm_overrides(s),
         f"data.train_files={Path(s.train_file).resolve()}",
         f"data.val_files={Path(s.test_file).resolve()}",
         f"data.return_raw_chat={s.rollout_mode == 'async'}",
@@ -206,29 +409,22 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"custom_reward_function.path={REWARD_FILE}",
         f"custom_reward_function.name={reward_fn}",
         f"reward_model.reward_manager={s.reward_manager}",
-        f"actor_rollout_ref.model.path={Path(s.model_path).resolve()}",
-        f"actor_rollout_ref.actor.optim.lr={s.actor_lr}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={s.ppo_mini_batch_size}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
-        "actor_rollout_ref.actor.megatron.optimizer_offload=True",
-        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={s.actor_pp}",
-        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={s.actor_tp}",
-        "actor_rollout_ref.actor.use_kl_loss=True",
-        f"actor_rollout_ref.actor.kl_loss_coef={s.kl_loss_coef}",
-        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-        "actor_rollout_ref.actor.entropy_coeff=0",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
-        f"actor_rollout_ref.rollout.tensor_model_parallel_size={s.rollout_tp}",
-        "actor_rollout_ref.rollout.name=sglang",
-        f"actor_rollout_ref.rollout.mode={s.rollout_mode}",
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={s.rollout_gpu_memory}",
-        "actor_rollout_ref.rollout.max_num_seqs=256",
-        f"actor_rollout_ref.rollout.n={s.rollout_n}",
-        "actor_rollout_ref.rollout.enforce_eager=True",
-        "actor_rollout_ref.rollout.free_cache_engine=True",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
-        f"actor_rollout_ref.ref.megatron.pipeline_model_parallel_size={s.actor_pp}",
-        f"actor_rollout_ref.ref.megatron.tensor_model_parallel_size={s.actor_tp}",
+        f"{a}.model.path={Path(s.model_path).resolve()}",
+        f"{a}.actor.optim.lr={s.actor_lr}",
+        f"{a}.actor.ppo_mini_batch_size={s.ppo_mini_batch_size}",
+        f"{a}.actor.ppo_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
+        f"{a}.actor.entropy_coeff=0",
+        *_actor_overrides(s),
+        f"{a}.rollout.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
+        f"{a}.rollout.tensor_model_parallel_size={s.rollout_tp}",
+        f"{a}.rollout.name=sglang",
+        f"{a}.rollout.mode={s.rollout_mode}",
+        f"{a}.rollout.gpu_memory_utilization={s.rollout_gpu_memory}",
+        f"{a}.rollout.max_num_seqs=256",
+        f"{a}.rollout.n={s.rollout_n}",
+        f"{a}.rollout.enforce_eager=True",
+        f"{a}.rollout.free_cache_engine=True",
+        f"{a}.ref.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
         "algorithm.use_kl_in_reward=False",
         "trainer.critic_warmup=0",
         f"trainer.logger={s.logger}",
@@ -236,12 +432,19 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"trainer.experiment_name={s.experiment_name}",
         f"trainer.default_local_dir={Path(s.output_dir).resolve()}",
         "trainer.resume_mode=auto",
-        f"trainer.n_gpus_per_node={s.gpus_per_node}",
+        f"trainer.n_gpus_per_node={s.training_gpus_per_node}",
         f"trainer.nnodes={s.train_nodes}",
         f"trainer.save_freq={s.save_freq}",
         f"trainer.test_freq={s.test_freq}",
         f"trainer.total_epochs={s.total_epochs}",
     ]  # fmt: skip
+    if s.trainer_mode == "one_step_off":
+        # Its own rollout GPU pool (a top-level `rollout:` block), and no hybrid engine.
+        argv += [
+            f"{a}.hybrid_engine=False",
+            f"rollout.nnodes={s.train_nodes}",
+            f"rollout.n_gpus_per_node={s.rollout_gpus_per_node}",
+        ]
     if ray_address:
         # Connect to this job's Ray cluster explicitly, never to a stale one found through /tmp/ray.
         argv.append(f"+ray_kwargs.ray_init.address={ray_address}")
@@ -264,7 +467,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"setting error: {p}", file=sys.stderr)
         return 1 if problems else 0
     ray_address, extra = os.environ.get("RAY_ADDRESS_FOR_TRAINER", ""), argv[1:]
-    sys.stdout.write("\0".join(trainer_argv(settings, ray_address, extra)) + "\0")
+    try:
+        command = trainer_argv(settings, ray_address, extra)
+    except SettingError as exc:
+        print(f"setting error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\0".join(command) + "\0")
     return 0
 
 
