@@ -142,7 +142,7 @@ preflight() {
     die "Slurm gave $SLURM_GPUS_ON_NODE GPUs per node but CONFIG_GPUS_PER_NODE=$CONFIG_GPUS_PER_NODE: make #SBATCH --gpus-per-node match"
   fi
   (cd "$repo" && "${wrap[@]}" python3 -m launch.preflight "$@") ||
-    die "verl's own config checks failed (above); nothing was started"
+    die "the preflight failed (above: verl's config checks, the data through RLHFDataset, or the reward check); nothing was started"
   # The data as verl will read it: schema row by row, and prompt lengths in the policy's tokens (over-long prompts
   # are dropped by data.filter_overlong_prompts, so they are counted, not fatal).
   (cd "$repo" && "${wrap[@]}" python3 -m data_prep.validate "$CONFIG_TRAIN_FILE" "$CONFIG_TEST_FILE" \

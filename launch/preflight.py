@@ -1,17 +1,26 @@
-"""Preflight: compose the exact trainer command's config with verl 0.6.1's own Hydra config and check it with verl's
-own code, in seconds, before anything waits in a queue or starts on a GPU.
+"""Preflight: check the exact trainer command with verl 0.6.1's own code before anything waits in a queue.
 
     python -m launch.preflight [EXTRA_OVERRIDES...]     # reads the settings run_grpo_qwen3_4b_mega_verl.sh exports
 
-What it runs: Hydra composition of ppo_megatron_trainer with every override (a misspelled key stops here), resolution
-of every interpolation, then verl's `validate_config` (batch and micro-batch arithmetic, parallel sizes) and the
-typed config dataclasses (wrong types). On failure it prints verl's message and the settings that feed that key.
+1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
+   verl's `validate_config` (batch and micro-batch arithmetic, parallel sizes) and its typed config dataclasses;
+2. data (PREFLIGHT_DATA=1): the train and val parquet through verl's own RLHFDataset with the policy tokenizer and
+   its chat template, reporting how many prompts verl will drop as longer than data.max_prompt_length;
+3. reward (PREFLIGHT_REWARD=1): a reward server started for the check, and verl's reward manager calling our reward
+   file by path on real validation rows with made-up responses, as after a rollout.
+On failure it prints verl's message and the settings that feed that key.
 """
 
+import os
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
-from launch.settings import SettingError, Settings, trainer_argv
+from launch.settings import REPO, SettingError, Settings, trainer_argv
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
 SETTING_OF_KEY = {
@@ -70,6 +79,119 @@ def validate(cfg) -> None:
     omega_conf_to_dataclass(cfg.algorithm)
 
 
+def check_data(cfg) -> list[str]:
+    """Load train and val through verl's RLHFDataset (its own overlong filter), and read one item of each."""
+    import pyarrow.parquet as pq
+    from verl.utils import hf_tokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)
+    lines = []
+    for split, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
+        files = [files] if isinstance(files, str) else list(files)
+        total = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        dataset = RLHFDataset(files, tokenizer, cfg.data)
+        if len(dataset) == 0:
+            raise ValueError(f"{split}: every one of {total} prompts is longer than data.max_prompt_length")
+        dataset[0]
+        lines.append(
+            f"{split}: {total} rows, {total - len(dataset)} longer than data.max_prompt_length="
+            f"{cfg.data.max_prompt_length} tokens (verl drops them)"
+        )
+    return lines
+
+
+CHECK_RESPONSES = [
+    "The user asks about safety. I should answer carefully.</think>Store it away from children and read the label.",
+    "Let me think about the risks.</think>Never mix it with other products; ask a professional if unsure.",
+    "This is a long line of reasoning that was cut off before it ended",  # no </think>: penalized, not scored
+    "Thinking.</think>気をつけて、説明書をよく読んでください。",
+]
+
+
+def rollout_batch(tokenizer, rows: list[dict]):
+    """Left-padded prompts and right-padded responses ending in EOS: the DataProto verl hands the reward manager."""
+    import numpy as np
+    import torch
+    from verl import DataProto
+
+    prompts = [
+        tokenizer.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False) for r in rows
+    ]
+    p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    responses = [CHECK_RESPONSES[i % len(CHECK_RESPONSES)] for i in range(len(rows))]
+    r_ids = [tokenizer(r + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for r in responses]
+    pl, rl, pad = max(map(len, p_ids)), max(map(len, r_ids)), tokenizer.pad_token_id
+    prompt_t = torch.tensor([[pad] * (pl - len(p)) + p for p in p_ids])
+    resp_t = torch.tensor([r + [pad] * (rl - len(r)) for r in r_ids])
+    mask = torch.tensor(
+        [[0] * (pl - len(p)) + [1] * (len(p) + len(r)) + [0] * (rl - len(r)) for p, r in zip(p_ids, r_ids, strict=True)]
+    )
+    data = DataProto.from_dict(
+        tensors={"prompts": prompt_t, "responses": resp_t, "input_ids": torch.cat([prompt_t, resp_t], 1), "attention_mask": mask},
+        non_tensors={
+            "data_source": np.array([r["data_source"] for r in rows], dtype=object),
+            "reward_model": np.array([dict(r["reward_model"]) for r in rows], dtype=object),
+            "extra_info": np.array([dict(r["extra_info"] or {}) for r in rows], dtype=object),
+        },
+    )  # fmt: skip
+    return data, responses, [len(r) for r in r_ids]
+
+
+def reward_round_trip(cfg, rows: int = 8) -> list[str]:
+    """verl's reward manager, built from this config, scores made-up responses for real validation rows through the
+    reward servers in REWARD_SERVER_URLS. Raises if a response is not scored or penalized as it should be."""
+    import pandas as pd
+    from verl.trainer.ppo.reward import compute_reward, load_reward_manager
+    from verl.utils import hf_tokenizer
+
+    sys.modules.pop("custom_module", None)
+    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)
+    files = cfg.data.val_files
+    sample = pd.read_parquet(files if isinstance(files, str) else list(files)[0]).head(rows).to_dict("records")
+    kwargs = dict(cfg.reward_model.get("reward_kwargs", {}))
+    if "overlong_buffer" in cfg.reward_model:  # recipe.dapo passes these itself
+        kwargs.update(overlong_buffer_cfg=cfg.reward_model.overlong_buffer, max_resp_len=cfg.data.max_response_length)
+    manager = load_reward_manager(cfg, tokenizer, num_examine=0, **kwargs)
+    data, responses, lengths = rollout_batch(tokenizer, sample)
+    reward_tensor, extra = compute_reward(data, manager)
+    penalized = [int(x) for x in extra["penalized"]]
+    expected = [int("</think>" not in r) for r in responses]
+    if penalized != expected:
+        raise ValueError(f"penalties {penalized}, expected {expected} (REWARD_PROMPT_OPENS_THINK?)")
+    lines = [f"verl's {cfg.reward_model.reward_manager} reward manager scored {len(sample)} validation rows through "
+             f"{cfg.custom_reward_function.name}:"]  # fmt: skip
+    for row, n, pen in zip(sample, lengths, penalized, strict=True):
+        score = reward_tensor[len(lines) - 1, n - 1].item()
+        note = "  (penalty: cut off mid-reasoning)" if pen else ""
+        lines.append(f"  {score:+8.3f}{note}  {str(row['prompt'][-1]['content'])[:50]!r}")
+    return lines
+
+
+def start_reward_server(model_path: str, log: Path, timeout: float) -> tuple[subprocess.Popen, str]:
+    """A reward server for the check, on a free loopback port, returned once /health answers 200."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", model_path,
+           "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto")]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the reward server for the check exited with {proc.returncode}; log: {log}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"the reward server for the check was not healthy after {timeout:.0f} s; log: {log}")
+
+
 def explain(exc: Exception) -> str:
     text = f"{type(exc).__name__}: {exc}"
     hints = sorted({setting for key, setting in SETTING_OF_KEY.items() if key in str(exc)})
@@ -103,6 +225,32 @@ def main(argv: list[str] | None = None) -> int:
         f"(adv_estimator={cfg.algorithm.adv_estimator}, reward_manager={cfg.reward_model.reward_manager}, "
         f"rollout={cfg.actor_rollout_ref.rollout.name}/{cfg.actor_rollout_ref.rollout.mode})"
     )
+    if os.environ.get("PREFLIGHT_DATA", "1") == "1":
+        try:
+            for line in check_data(cfg):
+                print(f"preflight: data {line}")
+        except Exception as exc:  # verl's own dataset code, reported as it is
+            print(f"preflight: verl's RLHFDataset cannot read the data: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+    if os.environ.get("PREFLIGHT_REWARD", "1") == "1":
+        log = Path(os.environ.get("JOB_LOG_DIR") or tempfile.mkdtemp()) / "preflight_reward_server.log"
+        server = None
+        try:
+            server, url = start_reward_server(
+                settings.reward_model_path, log, float(os.environ.get("REWARD_START_TIMEOUT", 900))
+            )
+            os.environ.update(REWARD_SERVER_URLS=url, REWARD_LOG_PATH="")
+            for line in reward_round_trip(cfg):
+                print(f"preflight: reward {line}")
+        except Exception as exc:  # reported with the server's log, then the job stops
+            print(
+                f"preflight: the reward check failed: {type(exc).__name__}: {exc} (server log: {log})", file=sys.stderr
+            )
+            return 1
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(30)
     return 0
 
 

@@ -266,9 +266,25 @@ def test_broken_data_stops_the_job_before_the_queue_with_the_row(job, fake_clust
     assert result.returncode == 1
     assert "row 3: reward_model.ground_truth is missing or empty" in result.stdout
     assert "train/test parquet files have errors" in result.stderr
-    ok = run(job | {"PREFLIGHT_ONLY": "1", "MAX_PROMPT_LENGTH": "40"})
+    ok = run(job | {"PREFLIGHT_ONLY": "1", "MAX_PROMPT_LENGTH": "70"})
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "over the limit of 40" in ok.stdout and "dropped by data.filter_overlong_prompts" in ok.stdout
+    assert "over the limit of 70" in ok.stdout and "dropped by data.filter_overlong_prompts" in ok.stdout
+    over = int(ok.stdout.split("preflight: data train: ")[1].split(" longer than")[0].split(", ")[1])
+    assert over > 0, "verl's own RLHFDataset must drop the same over-long prompts the validator counted"
+    assert "longer than data.max_prompt_length=70 tokens (verl drops them)" in ok.stdout
+
+
+def test_preflight_scores_real_rows_through_verls_reward_manager_and_catches_a_wrong_think_setting(job, fake_cluster):
+    ok = run(job | {"PREFLIGHT_ONLY": "1"})
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (
+        "preflight: reward verl's naive reward manager scored 8 validation rows through safe_hack_reward" in ok.stdout
+    )
+    assert "(penalty: cut off mid-reasoning)" in ok.stdout
+    wrong = run(job | {"PREFLIGHT_ONLY": "1", "REWARD_PROMPT_OPENS_THINK": "false"})
+    assert wrong.returncode == 1
+    assert "the reward check failed" in wrong.stderr and "REWARD_PROMPT_OPENS_THINK" in wrong.stderr
+    assert not fake_cluster.calls("srun")
 
 
 def test_a_gpu_count_that_disagrees_with_the_allocation_is_refused(job, fake_cluster):
