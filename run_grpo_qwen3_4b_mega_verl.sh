@@ -75,6 +75,8 @@ TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"
 FP8="${FP8:-false}"                                             # verl 0.6.1 cannot train in FP8 here: see the check
 # Behaviour of the job itself.
 PREFLIGHT_ONLY="${PREFLIGHT_ONLY:-0}"                           # 1: run the checks, start nothing
+PREFLIGHT_DATA="${PREFLIGHT_DATA:-1}"                           # read train/val through verl's RLHFDataset first
+PREFLIGHT_REWARD="${PREFLIGHT_REWARD:-1}"                       # score a few rows through a reward server first
 REQUEUE_BEFORE_TIMEOUT="${REQUEUE_BEFORE_TIMEOUT:-1}"           # on the time-limit signal, requeue unless finished
 REWARD_START_TIMEOUT="${REWARD_START_TIMEOUT:-900}"             # seconds for reward servers to become healthy
 RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-600}"                     # seconds for every node to join Ray
@@ -104,7 +106,7 @@ export_settings() {
     WANDB_MODE TRAINER_LOGGER ROLLOUT_MODE TRAIN_BATCH_SIZE MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH ACTOR_LR \
     PPO_MINI_BATCH_SIZE MICRO_BATCH_PER_GPU ACTOR_PP ACTOR_TP ROLLOUT_TP ROLLOUT_N ROLLOUT_GPU_MEMORY KL_LOSS_COEF \
     PROJECT_NAME EXPERIMENT_NAME SAVE_FREQ TEST_FREQ TOTAL_EPOCHS FP8 REWARD_START_TIMEOUT RAY_JOIN_TIMEOUT \
-    RAY_START_RETRIES STOP_TIMEOUT TRAINER_LAUNCHER HF_HOME ALGORITHM TRAINER_MODE STRATEGY REWARD_MANAGER \
+    RAY_START_RETRIES STOP_TIMEOUT TRAINER_LAUNCHER HF_HOME PREFLIGHT_DATA PREFLIGHT_REWARD ALGORITHM TRAINER_MODE STRATEGY REWARD_MANAGER \
     CRITIC_MODEL_PATH CRITIC_LR CRITIC_PP CRITIC_TP DAPO_DYNAMIC_SAMPLING OVERLONG_BUFFER_LEN ROLLOUT_GPUS_PER_NODE
   export JOB_LOG_DIR=$job_log_dir
   export RAY_TMP_DIR="${RAY_TMP_DIR:-/tmp/ray_${job_id}}"

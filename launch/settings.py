@@ -26,20 +26,20 @@ def _get(env, name: str) -> str:
     return env[name]
 
 
-def _int(env, name: str) -> int:
+def _number(env, name: str, kind: type, what: str):
     raw = _get(env, name)
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise SettingError(f"{name}={raw!r} is not a whole number") from None
+        raise SettingError(f"{name}={raw!r} is not {what}") from None
+
+
+def _int(env, name: str) -> int:
+    return _number(env, name, int, "a whole number")
 
 
 def _float(env, name: str) -> float:
-    raw = _get(env, name)
-    try:
-        return float(raw)
-    except ValueError:
-        raise SettingError(f"{name}={raw!r} is not a number") from None
+    return _number(env, name, float, "a number")
 
 
 def _bool(env, name: str) -> bool:

@@ -149,7 +149,8 @@ def test_two_training_nodes_join_one_real_ray_cluster(job):
 
 def test_a_reward_server_that_never_becomes_healthy_fails_the_job_within_the_deadline(job):
     start = time.monotonic()
-    result = run(job | {"REWARD_START_TIMEOUT": "2"})
+    # The preflight's own reward check would stop this first: here it is the job's servers that never get ready.
+    result = run(job | {"REWARD_START_TIMEOUT": "2", "PREFLIGHT_REWARD": "0"})
     assert result.returncode != 0
     assert time.monotonic() - start < 90
     assert "not ready after 2 s" in result.stderr and "reward_server_" in result.stderr
@@ -292,3 +293,10 @@ def test_a_gpu_count_that_disagrees_with_the_allocation_is_refused(job, fake_clu
     assert result.returncode == 1
     assert "Slurm gave 8 GPUs per node but CONFIG_GPUS_PER_NODE=1" in result.stderr
     assert not fake_cluster.calls("srun")
+
+
+def test_a_reward_server_that_cannot_start_fails_the_preflight_naming_its_log(job, fake_cluster):
+    result = run(job | {"REWARD_START_TIMEOUT": "2", "PREFLIGHT_ONLY": "1"})
+    assert result.returncode == 1
+    assert "the reward server for the check was not healthy after 2 s" in result.stderr
+    assert "preflight_reward_server.log" in result.stderr
