@@ -114,7 +114,7 @@ export_settings() {
   export WANDB_DIR="${WANDB_DIR:-$job_log_dir/wandb}"
 }
 
-# in_container CMD...: run CMD the way every node will run it (inside the image, or here with CONTAINER=none).
+# container_cmd: the prefix (NUL-separated) that runs a command the way every node will: in the image, or as is.
 container_cmd() {
   if [[ "$CONTAINER" == none ]]; then
     return
