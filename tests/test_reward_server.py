@@ -85,6 +85,20 @@ def test_batched_scores_equal_one_at_a_time_scores(client):
     assert len(set(round(s, 4) for s in singles)) > 30, "the tiny model must tell these apart for this to mean anything"
 
 
+def test_a_big_request_tokenized_in_slices_keeps_its_order_and_names_the_right_item(tiny_models, reference):
+    items = [{"prompt": f"p{i}", "response": f"answer number {i} " * (1 + i % 5)} for i in range(300)]
+    with make_client(tiny_models) as c:
+        scores = c.post("/score_batch", json={"items": items}).json()["scores"]
+    for i in (0, 127, 128, 257, 299):  # order holds across many micro-batches
+        assert scores[i] == pytest.approx(
+            reference([{"role": "user", "content": f"p{i}"}], items[i]["response"]), abs=1e-5
+        )
+    with make_client(tiny_models, max_length=48, truncation="reject") as c:
+        items[200]["response"] = LONG_ANSWER
+        r = c.post("/score_batch", json={"items": items})
+    assert r.status_code == 413 and "item 200 is" in r.json()["detail"]
+
+
 def test_concurrent_callers_share_forwards_and_get_their_own_scores(tiny_models):
     items = [{"prompt": f"q{i}", "response": LONG_ANSWER[: 20 + 13 * i]} for i in range(24)]
     with make_client(tiny_models, max_wait_ms=50) as c:
