@@ -95,27 +95,70 @@ def build_model(shape: str, out: Path, device: str) -> tuple[Path, float]:
     return out, float(params), words
 
 
-def matmul_tflops(device: str) -> float | None:
-    """Median bf16 rate of an 8192^3 matmul, measured now (clocks drop under load: measure, don't assume)."""
+def matmul_tflops(device: str, seconds: float = 4.0) -> dict | None:
+    """The bf16 rate of back-to-back 8192^3 matmuls, measured now: `burst` over the first ten (cool clocks), and
+    `sustained` as the median of 20-matmul windows over the second half of a `seconds`-long run, about as long as a
+    step keeps the GPU busy (clocks drop under sustained load: measure, don't assume)."""
     if not device.startswith("cuda"):
         return None
     import torch
 
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(10):
+    flop = 2 * 8192**3
+
+    def window(n: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        a @ b
+        for _ in range(n):
+            a @ b
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    del a, b
+        end.synchronize()
+        return start.elapsed_time(end) / 1000 / n
+
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    burst = flop / window(10) / 1e12
+    times: list[tuple[float, float]] = []
+    began = time.monotonic()
+    while time.monotonic() - began < seconds:
+        times.append((time.monotonic() - began, window(20)))
+    sustained = flop / statistics.median(t for at, t in times if at >= seconds / 2) / 1e12
+    a = b = None
     torch.cuda.empty_cache()
-    return 2 * 8192**3 / statistics.median(times) / 1e12
+    return {"burst": burst, "sustained": sustained}
+
+
+_PROFILE = {
+    "forwards": "reward_forward_seconds_count",
+    "forward_launch_s": "reward_forward_seconds_sum",
+    "rows": "reward_batch_rows_sum",
+    "padded_tokens": "reward_padded_tokens_total",
+    "requests": "reward_queue_wait_seconds_count",
+    "queue_wait_s": "reward_queue_wait_seconds_sum",
+    "prepare_s": "reward_prepare_seconds_sum",
+}
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """The server's own counters (from /metrics) that explain a row: micro-batches, rows, padding, waits."""
+    values = {}
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _PROFILE.values():
+            values[name] = float(value)
+    return {key: values.get(name, 0.0) for key, name in _PROFILE.items()}
+
+
+def profile_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    d = {k: after[k] - before[k] for k in before}
+    forwards = max(d["forwards"], 1)
+    return {
+        "micro_batches": d["forwards"], "rows_per_micro_batch": d["rows"] / forwards,
+        "padded_tokens": d["padded_tokens"], "launch_s_total": d["forward_launch_s"],
+        "prepare_s_total": d["prepare_s"], "queue_wait_ms_mean": 1000 * d["queue_wait_s"] / max(d["requests"], 1),
+    }  # fmt: skip
 
 
 def start(cmd: list[str], log: Path, port: int, env: dict, timeout: float = 900) -> subprocess.Popen:
@@ -172,7 +215,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     model_dir, params, words = build_model(args.shape, work / "model", args.device)
     print(f"model {args.shape}: {params / 1e9:.3f}e9 non-embedding parameters, built in {time.monotonic() - t0:.1f} s")
-    ceiling_start = matmul_tflops(args.device)
+    rate_start = matmul_tflops(args.device)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -190,10 +233,13 @@ def main(argv=None) -> int:
 
     rows: list[dict] = []
 
-    def record(name: str, seconds: float, n: int, tokens: int, peak: float | None = None) -> None:
+    def record(name: str, seconds: float, *rest) -> None:
+        """record(name, seconds, n, tokens) or record(name, seconds, server_profile, n, tokens)."""
+        profile, n, tokens = rest if len(rest) == 3 else (None, *rest)
         flop = 2 * params * tokens
         rows.append({"row": name, "wall_s": seconds, "samples": n, "tokens": tokens, "samples_per_s": n / seconds,
-                     "tokens_per_s": tokens / seconds, "tflops": flop / seconds / 1e12, "peak_gib": peak})  # fmt: skip
+                     "tokens_per_s": tokens / seconds, "tflops": flop / seconds / 1e12, "peak_gib": None,
+                     "server": profile})  # fmt: skip
         print(f"  {name:<58} {seconds:8.2f} s  {n / seconds:8.1f} samples/s", flush=True)
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -238,6 +284,12 @@ def main(argv=None) -> int:
         n = len(pairs)
         return (["bench"] * n, [r for _, r in pairs], [p for p, _ in pairs], [{}] * n)
 
+    def profiled(run, pairs):
+        """(wall seconds of `run(pairs)`, what the server's counters say happened meanwhile)."""
+        before = server_counters(url)
+        seconds = run(pairs)
+        return seconds, profile_delta(before, server_counters(url))
+
     def client_batch(pairs):
         t = time.monotonic()
         out = client.safe_hack_reward_batch(*as_batch(pairs))
@@ -260,35 +312,40 @@ def main(argv=None) -> int:
 
     try:
         n = args.samples
-        record("ours, reward client batch function, cold", client_batch(base_pairs), n, base_tokens)
-        warm_client = [client_batch(base_pairs) for _ in range(2)]
-        warm_direct = [direct_batch(base_pairs) for _ in range(2)]
-        record("ours, reward client batch function, warm", min(warm_client), n, base_tokens)
-        record("ours, one POST /score_batch of the whole step, warm", min(warm_direct), n, base_tokens)
-        fresh_pairs, fresh_tokens = step(4321, n)
-        record("ours, reward client batch function, fresh lengths", client_batch(fresh_pairs), n, fresh_tokens)
-        record(f"ours, {args.concurrency} concurrent per-sample callers, warm", concurrent(base_pairs), n, base_tokens)
-        fresh2_pairs, fresh2_tokens = step(8765, n)
+        record("ours, reward client batch function, cold", *profiled(client_batch, base_pairs), n, base_tokens)
+        warm_client = [profiled(client_batch, base_pairs) for _ in range(2)]
+        warm_direct = [profiled(direct_batch, base_pairs) for _ in range(2)]
+        record("ours, reward client batch function, warm", *min(warm_client, key=lambda x: x[0]), n, base_tokens)
         record(
-            f"ours, {args.concurrency} concurrent per-sample callers, fresh lengths",
-            concurrent(fresh2_pairs),
-            n,
-            fresh2_tokens,
+            "ours, one POST /score_batch of the whole step, warm", *min(warm_direct, key=lambda x: x[0]), n, base_tokens
         )
+        fresh_pairs, fresh_tokens = step(4321, n)
+        record("ours, reward client batch function, fresh lengths", *profiled(client_batch, fresh_pairs), n,
+               fresh_tokens)  # fmt: skip
+        record(f"ours, {args.concurrency} concurrent per-sample callers, warm", *profiled(concurrent, base_pairs), n,
+               base_tokens)  # fmt: skip
+        fresh2_pairs, fresh2_tokens = step(8765, n)
+        record(f"ours, {args.concurrency} concurrent per-sample callers, fresh lengths",
+               *profiled(concurrent, fresh2_pairs), n, fresh2_tokens)  # fmt: skip
         peak = peak_gib(url)
     finally:
         stop(proc)
-    ceiling_end = matmul_tflops(args.device)
-    ceiling = max(c for c in (ceiling_start, ceiling_end) if c) if ceiling_start else None
+    rate_end = matmul_tflops(args.device)
+    # The ceiling is the sustained rate (the benchmark page's definition); the first-burst rate is reported beside it.
+    # Of the two measurements (before and after our rows), the higher: the harder ceiling.
+    ceiling = max(r["sustained"] for r in (rate_start, rate_end)) if rate_start else None
+    burst = max(r["burst"] for r in (rate_start, rate_end)) if rate_start else None
     for r in rows:
         r["pct_of_ceiling"] = 100 * r["tflops"] / ceiling if ceiling else None
+        r["pct_of_burst_rate"] = 100 * r["tflops"] / burst if burst else None
         if r["row"].startswith("ours"):
             r["peak_gib"] = peak
-    overhead = 100 * (min(warm_client) / min(warm_direct) - 1)
+    overhead = 100 * (min(t for t, _ in warm_client) / min(t for t, _ in warm_direct) - 1)
     result = {
         "shape": args.shape, "device": args.device, "samples": args.samples, "params_non_embedding": params,
-        "matmul_tflops_start": ceiling_start, "matmul_tflops_end": ceiling_end, "ceiling_tflops": ceiling,
-        "server_startup_s": startup, "client_overhead_pct": overhead, "server_env": args.server_env, "rows": rows,
+        "matmul_tflops_start": rate_start, "matmul_tflops_end": rate_end, "ceiling_tflops": ceiling,
+        "burst_tflops": burst, "server_startup_s": startup, "client_overhead_pct": overhead,
+        "server_env": args.server_env, "rows": rows,
     }  # fmt: skip
     if args.device.startswith("cuda"):
         import torch
@@ -300,17 +357,26 @@ def main(argv=None) -> int:
     result["transformers"] = transformers.__version__
     args.out.write_text(json.dumps(result, indent=2))
 
-    print(
-        f"\nmatmul ceiling: {ceiling_start} TFLOP/s at start, {ceiling_end} at end"
-        if ceiling
-        else "\n(no GPU: no ceiling)"
-    )
-    print(f"{'row':<62} {'wall s':>8} {'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'% ceil':>7} {'peak GiB':>8}")
+    if ceiling:
+        print(f"\nceiling: {ceiling:.0f} TFLOP/s sustained bf16 matmul (first burst {burst:.0f}); "
+              f"start {rate_start}, end {rate_end}")  # fmt: skip
+    else:
+        print("\n(no GPU: no ceiling)")
+    print(f"{'row':<62} {'wall s':>8} {'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'% ceil':>7} {'% burst':>7} "
+          f"{'peak GiB':>8}")  # fmt: skip
     for r in rows:
         pct = f"{r['pct_of_ceiling']:.1f}" if r["pct_of_ceiling"] is not None else "-"
+        pct_burst = f"{r['pct_of_burst_rate']:.1f}" if r["pct_of_burst_rate"] is not None else "-"
         peak_s = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
         print(f"{r['row']:<62} {r['wall_s']:>8.2f} {r['samples_per_s']:>10.1f} {r['tokens_per_s']:>10.0f} "
-              f"{r['tflops']:>8.1f} {pct:>7} {peak_s:>8}")  # fmt: skip
+              f"{r['tflops']:>8.1f} {pct:>7} {pct_burst:>7} {peak_s:>8}")  # fmt: skip
+    print("\nserver side, per row:")
+    for r in rows:
+        if r["server"]:
+            p = r["server"]
+            print(f"  {r['row']:<60} {p['micro_batches']:5.0f} micro-batches x {p['rows_per_micro_batch']:5.1f} rows, "
+                  f"prepare {p['prepare_s_total']:6.2f} s, launch {p['launch_s_total']:6.2f} s, "
+                  f"queue wait {p['queue_wait_ms_mean']:6.1f} ms")  # fmt: skip
     print(f"reward client batch function vs one direct POST (warm): {overhead:+.1f}% wall time")
     print(f"wrote {args.out}")
     return 0

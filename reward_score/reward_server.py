@@ -16,19 +16,22 @@ tokens again. A tokenizer without a chat template falls back to TRL's plain-text
 the server says so at start. Over-long input keeps its LAST `max_length` tokens (the score is read from the last
 token), or is rejected with 413 when `REWARD_TRUNCATION=reject`.
 
-Throughput: requests are tokenized in a thread pool, then one GPU thread gathers everything queued (waiting at most
-`REWARD_MAX_WAIT_MS` for more), sorts it by length, pads each micro-batch to a multiple of `REWARD_PAD_MULTIPLE`
-tokens (a bounded set of shapes), keeps each micro-batch under `REWARD_TOKEN_BUDGET` tokens, and reads every score at
-the row's last real token. A CUDA out-of-memory error splits the micro-batch and retries. The event loop never runs
-model code.
+Throughput: requests are tokenized in a thread pool, then one GPU thread plans every waiting row into micro-batches
+(sorted by length, padded to a multiple of `REWARD_PAD_MULTIPLE` tokens: a bounded set of shapes, each under
+`REWARD_TOKEN_BUDGET` tokens), keeps two of them on the GPU, answers each request as soon as its own rows are scored,
+and plans the next micro-batch from whatever waits then, oldest request first. When idle it waits at most
+`REWARD_MAX_WAIT_MS` for a burst to gather. Every score is read at the row's last real token. A CUDA out-of-memory
+error splits the micro-batch and retries. The event loop never runs model code.
 
 Settings come from the environment (names below); each has a command-line flag that wins (`--help`).
 """
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import hmac
+import importlib.util
 import logging
 import math
 import os
@@ -37,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -270,21 +273,30 @@ class RewardScorer:
         return max(m, math.ceil(n / m) * m)
 
     def score_ids(self, seqs: Sequence[Sequence[int]]) -> list[float]:
-        """Scores in input order. All micro-batches are launched before the one device-to-host copy."""
-        torch = self.torch
-        if not seqs:
-            return []
-        lengths = [len(s) for s in seqs]
-        results: list[tuple[list[int], Any]] = []
-        with torch.inference_mode():
-            for rows in self.plan(lengths):
-                results.extend(self._forward_split(rows, seqs, lengths))
-            order = [i for rows, _ in results for i in rows]
-            values = torch.cat([scores for _, scores in results]).float().cpu().tolist()
+        """Scores in input order: every micro-batch is launched before the first result is read."""
+        launched = [(rows, self.launch([seqs[i] for i in rows])) for rows in self.plan([len(s) for s in seqs])]
         scores = [0.0] * len(seqs)
-        for i, v in zip(order, values, strict=True):
-            scores[i] = v
+        for rows, handle in launched:
+            for i, v in zip(rows, handle.result(), strict=True):
+                scores[i] = v
         return scores
+
+    def launch(self, seqs: Sequence[Sequence[int]]) -> "Launched":
+        """Start the forward of one micro-batch (split on CUDA out-of-memory) without waiting for it to finish."""
+        torch = self.torch
+        lengths = [len(s) for s in seqs]
+        with torch.inference_mode():
+            parts = self._forward_split(list(range(len(seqs))), seqs, lengths)
+            scores = torch.cat([p for _, p in parts]).float()
+        order = [i for rows, _ in parts for i in rows]
+        if scores.device.type != "cuda":
+            return Launched(order, scores, None)
+        # Copy the scores to pinned host memory behind the forward; the event says when they are there.
+        host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
+        host.copy_(scores, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(scores.device))
+        return Launched(order, host, done)
 
     def _forward_split(self, rows: list[int], seqs, lengths) -> list[tuple[list[int], Any]]:
         torch = self.torch
@@ -365,27 +377,61 @@ class RewardScorer:
                 self.score_ids(seqs)
 
 
+class Launched:
+    """A micro-batch on its way through the GPU: `ready()` without blocking, `result()` scores in launch order."""
+
+    def __init__(self, order: list[int], scores, event):
+        self.order, self.scores, self.event = order, scores, event
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def result(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.scores.tolist()
+        out = [0.0] * len(values)
+        for i, v in zip(self.order, values, strict=True):
+            out[i] = v
+        return out
+
+
 # --- cross-request batching ----------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     seqs: list[list[int]]
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     enqueued: float
+    scores: list[float] = field(default_factory=list)
+    left: int = 0  # rows not scored yet
+    failed: bool = False
+
+
+_Row = tuple[_Job, int]
 
 
 class Batcher:
-    """One thread owns the model: it gathers whatever requests are queued and scores them together."""
+    """One thread owns the model. It keeps the GPU busy with micro-batches planned over every row waiting, and
+    answers each request as soon as its own rows are scored.
 
-    def __init__(self, scorer: RewardScorer, max_wait_s: float, quiet_s: float = 0.002, on_batch=None):
+    Up to `depth` micro-batches are queued on the GPU: while one runs, the thread reads the finished one's scores,
+    answers those callers and launches the next from whatever is waiting, new arrivals included. Each launch takes
+    the micro-batch (of the length-sorted plan) holding the oldest waiting row, so no request waits behind later
+    ones. When idle, the first request waits up to `max_wait` for others to join (stopping once `quiet` passes with
+    nothing new)."""
+
+    def __init__(self, scorer: RewardScorer, max_wait_s: float, quiet_s: float = 0.002, on_batch=None, depth: int = 2):
         self.scorer = scorer
         self.max_wait_s = max_wait_s
         self.quiet_s = quiet_s
+        self.depth = depth
         self.on_batch = on_batch  # metrics hook: (jobs, queue_waits)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="reward-gpu", daemon=True)
+        self._stopping = False
 
     def start(self) -> None:
         self._thread.start()
@@ -409,37 +455,95 @@ class Batcher:
         deadline = time.perf_counter() + self.max_wait_s
         while tokens < 4 * self.scorer.token_budget:
             timeout = min(self.quiet_s, deadline - time.perf_counter())
-            try:
-                job = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                return jobs
+            job = self._take(timeout)
             if job is None:
-                self._queue.put(None)  # let _run see the stop after this batch
                 return jobs
             jobs.append(job)
             tokens += sum(len(s) for s in job.seqs)
         return jobs
 
+    def _take(self, timeout: float) -> _Job | None:
+        """The next queued request, waiting at most `timeout` s; None if there is none or the server is stopping."""
+        if self._stopping:
+            return None
+        try:
+            job = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        if job is None:
+            self._stopping = True  # finish what was accepted, then return
+        return job
+
     def _run(self) -> None:
+        waiting: list[_Row] = []
+        flights: collections.deque[tuple[list[_Row], Launched]] = collections.deque()
         while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            jobs = self._gather(first)
-            started = time.perf_counter()
-            if self.on_batch:
-                self.on_batch(jobs, [started - j.enqueued for j in jobs])
-            try:
-                scores = self.scorer.score_ids([s for j in jobs for s in j.seqs])
-            except BaseException as exc:  # delivered to every waiting request, never swallowed
-                for j in jobs:
-                    j.loop.call_soon_threadsafe(_settle, j.future, None, exc)
+            if not waiting and not flights:
+                if self._stopping:
+                    return
+                first = self._queue.get()
+                if first is None:
+                    return
+                self._admit(self._gather(first), waiting)
+            while waiting and len(flights) < self.depth:
+                self._launch(waiting, flights)
+            if not flights:
                 continue
-            offset = 0
-            for j in jobs:
-                part = scores[offset : offset + len(j.seqs)]
-                offset += len(j.seqs)
-                j.loop.call_soon_threadsafe(_settle, j.future, part, None)
+            rows, handle = flights[0]
+            # While the oldest micro-batch runs, take new requests; once a full micro-batch is waiting, queue it behind
+            # the running one.
+            while not handle.ready():
+                job = self._take(0.001)
+                if job is not None:
+                    self._admit([job], waiting)
+                    full = sum(len(j.seqs[i]) for j, i in waiting) >= self.scorer.token_budget
+                    if full and len(flights) < self.depth:
+                        self._launch(waiting, flights)
+                elif self._stopping:
+                    break
+            flights.popleft()
+            try:
+                values = handle.result()
+            except BaseException as exc:  # delivered to every waiting request, never swallowed
+                self._fail({j for j, _ in rows}, exc, waiting)
+                continue
+            for (job, i), value in zip(rows, values, strict=True):
+                if job.failed:
+                    continue
+                job.scores[i] = value
+                job.left -= 1
+                if job.left == 0:
+                    job.loop.call_soon_threadsafe(_settle, job.future, job.scores, None)
+
+    def _admit(self, jobs: list[_Job], waiting: list[_Row]) -> None:
+        now = time.perf_counter()
+        if self.on_batch:
+            self.on_batch(jobs, [now - j.enqueued for j in jobs])
+        for job in jobs:
+            job.scores, job.left = [0.0] * len(job.seqs), len(job.seqs)
+            if not job.seqs:
+                job.loop.call_soon_threadsafe(_settle, job.future, [], None)
+            waiting.extend((job, i) for i in range(len(job.seqs)))
+
+    def _launch(self, waiting: list[_Row], flights) -> None:
+        """Plan every waiting row; launch the micro-batch holding the oldest one and take its rows off `waiting`."""
+        plan = self.scorer.plan([len(j.seqs[i]) for j, i in waiting])
+        oldest = waiting[0][0]
+        chosen = next(rows for rows in plan if any(waiting[i][0] is oldest for i in rows))
+        picked = set(chosen)
+        rows = [waiting[i] for i in chosen]
+        waiting[:] = [row for k, row in enumerate(waiting) if k not in picked]
+        try:
+            flights.append((rows, self.scorer.launch([j.seqs[i] for j, i in rows])))
+        except BaseException as exc:
+            self._fail({j for j, _ in rows}, exc, waiting)
+
+    @staticmethod
+    def _fail(jobs: set[_Job], exc: BaseException, waiting: list[_Row]) -> None:
+        for job in jobs:
+            job.failed = True
+            job.loop.call_soon_threadsafe(_settle, job.future, None, exc)
+        waiting[:] = [row for row in waiting if not row[0].failed]
 
 
 def _settle(future: asyncio.Future, value, exc) -> None:
@@ -477,6 +581,9 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
     )
     m_wait = Histogram("reward_queue_wait_seconds", "time a request waited for the GPU thread", registry=registry)
     m_forward = Histogram("reward_forward_seconds", "time to launch one micro-batch forward", registry=registry)
+    m_prepare = Histogram(
+        "reward_prepare_seconds", "time to render and tokenize one request's items", registry=registry
+    )
     m_peak = Gauge("reward_gpu_memory_peak_bytes", "peak GPU memory reserved by this server", registry=registry)
     m_peak.set_function(lambda: _peak_gpu_bytes(state.get("scorer")))
 
@@ -587,6 +694,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
         active: RewardScorer = state["scorer"]
 
         def prepare() -> list[Encoded]:
+            started = time.perf_counter()
             texts = [
                 active.render(
                     [m.model_dump() for m in it.messages] if it.messages else [{"role": "user", "content": it.prompt}],
@@ -594,7 +702,9 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
                 )
                 for it in items
             ]
-            return active.encode(texts)
+            encoded = active.encode(texts)
+            m_prepare.observe(time.perf_counter() - started)
+            return encoded
 
         try:
             # A few items tokenize in well under a millisecond: a thread hop would cost more than it saves.
@@ -728,6 +838,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("starting with %s", shown)
     import uvicorn
 
+    # uvicorn takes uvloop and httptools (C parsers, less CPU per request) when they are installed.
+    log.info(
+        "HTTP: uvicorn %s, event loop %s, parser %s", uvicorn.__version__,
+        "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        "httptools" if importlib.util.find_spec("httptools") else "h11 (pure Python; pip install httptools)",
+    )  # fmt: skip
     # uvicorn runs the lifespan (model load + warm-up) before it binds the port: until then, connections are refused.
     uvicorn.run(
         create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False

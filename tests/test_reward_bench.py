@@ -20,3 +20,6 @@ def test_the_reward_benchmark_runs_every_row_and_writes_json(tmp_path):
     assert "ours, 4 concurrent per-sample callers, fresh lengths" in rows
     assert all(r["samples"] in (8, 48) and r["tokens"] > r["samples"] * 100 for r in rows.values())
     assert "reward client batch function vs one direct POST" in run.stdout
+    ours = [r for name, r in rows.items() if name.startswith("ours")]
+    assert all(r["server"]["micro_batches"] >= 1 and r["server"]["padded_tokens"] >= r["tokens"] for r in ours)
+    assert "server side, per row:" in run.stdout

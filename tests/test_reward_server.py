@@ -4,6 +4,7 @@ In-process tests use FastAPI's TestClient with the lifespan running (model load,
 process tests start the real `python reward_score/reward_server.py` on a loopback port.
 """
 
+import asyncio
 import json
 import sys
 import threading
@@ -16,7 +17,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reward_score.reward_server import RewardScorer, Settings, create_app, load_settings
+from reward_score.reward_server import Batcher, RewardScorer, Settings, create_app, load_settings
 from tests.support import REPO, free_port, http_get, start_http_server, start_process
 
 LONG_ANSWER = " ".join(f"word{i % 17} step {i}" for i in range(120))
@@ -135,6 +136,128 @@ def test_micro_batches_respect_the_token_budget_and_pad_to_a_bounded_set_of_leng
     scores = scorer.score_ids(seqs)
     assert len(scores) == len(lengths) and all(w % 64 == 0 for _, w, _ in seen)
     assert sum(t for _, _, t in seen) == sum(lengths)
+
+
+class _GatedScorer:
+    """Stands in for the GPU: each launched micro-batch finishes only when the test opens its gate.
+    A row's score is the sum of its ids; a row [666] makes the launch raise."""
+
+    token_budget = 100
+    settings = Settings(pad_multiple=1)
+    plan = RewardScorer.plan
+    padded_length = RewardScorer.padded_length
+
+    def __init__(self):
+        self.launched: list[tuple[list[list[int]], threading.Event]] = []
+
+    def launch(self, seqs):
+        if [666] in seqs:
+            raise RuntimeError("device-side assert (simulated)")
+        gate = threading.Event()
+        self.launched.append((seqs, gate))
+        return _GatedHandle(seqs, gate)
+
+
+class _GatedHandle:
+    def __init__(self, seqs, gate):
+        self.seqs, self.gate = seqs, gate
+
+    def ready(self) -> bool:
+        return self.gate.is_set()
+
+    def result(self) -> list[float]:
+        assert self.gate.wait(10), "result() before the micro-batch finished"
+        return [float(sum(s)) for s in self.seqs]
+
+
+async def _until(condition, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+def _with_batcher(depth: int, body) -> None:
+    async def main():
+        scorer = _GatedScorer()
+        batcher = Batcher(scorer, max_wait_s=0.05, quiet_s=0.02, depth=depth)
+        batcher.start()
+        try:
+            await body(scorer, batcher)
+        finally:
+            for _, gate in scorer.launched:
+                gate.set()
+            batcher.stop()
+
+    asyncio.run(main())
+
+
+def test_a_request_is_answered_when_its_own_micro_batch_finishes():
+    async def body(scorer, batcher):
+        first = asyncio.ensure_future(batcher.score([[1] * 90]))
+        second = asyncio.ensure_future(batcher.score([[2] * 80]))
+        await _until(lambda: len(scorer.launched) == 2)  # too long to share a micro-batch: both queued on the GPU
+        assert [len(s[0]) for s, _ in scorer.launched] == [90, 80]
+        scorer.launched[0][1].set()
+        assert await asyncio.wait_for(first, 5) == [90.0]
+        assert not second.done()
+        scorer.launched[1][1].set()
+        assert await asyncio.wait_for(second, 5) == [160.0]
+
+    _with_batcher(2, body)
+
+
+def test_rows_spread_over_micro_batches_come_back_in_order():
+    async def body(scorer, batcher):
+        seqs = [[1] * 30, [1] * 90, [1] * 10, [1] * 60, [1] * 45]
+        task = asyncio.ensure_future(batcher.score(seqs))
+        while not task.done():
+            await _until(lambda: any(not g.is_set() for _, g in scorer.launched) or task.done())
+            for _, gate in scorer.launched:
+                gate.set()
+        assert await task == [30.0, 90.0, 10.0, 60.0, 45.0]
+        assert len(scorer.launched) >= 3
+        assert all(sum(len(s) for s in seqs) <= 100 or len(seqs) == 1 for seqs, _ in scorer.launched)
+
+    _with_batcher(2, body)
+
+
+def test_the_oldest_waiting_request_goes_first_even_when_longer_ones_arrive_later():
+    async def body(scorer, batcher):
+        blocker = asyncio.ensure_future(batcher.score([[1] * 90]))
+        await _until(lambda: len(scorer.launched) == 1)
+        short = asyncio.ensure_future(batcher.score([[3] * 10]))
+        await asyncio.sleep(0.05)
+        longer = [asyncio.ensure_future(batcher.score([[4] * 95])) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        scorer.launched[0][1].set()
+        await _until(lambda: len(scorer.launched) == 2)
+        assert scorer.launched[1][0] == [[3] * 10], "a length-sorted plan alone would run the longer rows first"
+        for k in (1, 2, 3):
+            await _until(lambda k=k: len(scorer.launched) > k)
+            scorer.launched[k][1].set()
+        assert await asyncio.wait_for(short, 5) == [30.0]
+        assert [await f for f in (blocker, *longer)] == [[90.0], [380.0], [380.0]]
+
+    _with_batcher(1, body)
+
+
+def test_a_failing_micro_batch_fails_only_its_own_requests():
+    async def body(scorer, batcher):
+        bad = asyncio.ensure_future(batcher.score([[666]]))
+        good = asyncio.ensure_future(batcher.score([[5] * 99]))
+        await _until(lambda: len(scorer.launched) == 1)
+        scorer.launched[0][1].set()
+        assert await asyncio.wait_for(good, 5) == [495.0]
+        with pytest.raises(RuntimeError, match="simulated"):
+            await asyncio.wait_for(bad, 5)
+        after = asyncio.ensure_future(batcher.score([[1] * 3]))
+        await _until(lambda: len(scorer.launched) == 2)
+        scorer.launched[1][1].set()
+        assert await asyncio.wait_for(after, 5) == [3.0]
+
+    _with_batcher(2, body)
 
 
 # --- truncation ------------------------------------------------------------------------------------------------
@@ -261,7 +384,7 @@ def test_cuda_out_of_memory_splits_the_micro_batch_and_the_server_keeps_serving(
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_forward(*args, input_ids=input_ids, **kwargs)
 
-    items = [{"prompt": f"q{i}", "response": LONG_ANSWER[: 30 + 11 * i]} for i in range(9)]
+    items = [{"prompt": f"q{i}", "response": LONG_ANSWER[: 100 + i]} for i in range(9)]  # one micro-batch
     with TestClient(create_app(cfg, scorer)) as c:
         expected = c.post("/score_batch", json={"items": items}).json()["scores"]
         monkeypatch.setattr(scorer.base, "forward", forward_that_fits_two_rows)
