@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from data_prep.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
+from launch.ports import free_port  # noqa: E402
 from reward_score import safe_hack_reward_request as client  # noqa: E402
 
 SHAPES = {
@@ -184,14 +185,6 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def peak_gib(url: str) -> float:

@@ -11,7 +11,6 @@ round trip through verl's reward manager on demo responses (launch/demo_round_tr
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,9 @@ from pathlib import Path
 
 from data_prep.demo_data import write_demo
 from data_prep.tiny_models import build_policy_model, build_reward_model
+from launch.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

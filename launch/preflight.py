@@ -12,7 +12,6 @@ On failure it prints verl's message and the settings that feed that key.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from launch.ports import free_port
 from launch.settings import REPO, SettingError, Settings, trainer_argv
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
@@ -170,9 +170,7 @@ def reward_round_trip(cfg, rows: int = 8) -> list[str]:
 
 def start_reward_server(model_path: str, log: Path, timeout: float) -> tuple[subprocess.Popen, str]:
     """A reward server for the check, on a free loopback port, returned once /health answers 200."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto")]  # fmt: skip
     with open(log, "wb") as out:

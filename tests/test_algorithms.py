@@ -1,13 +1,16 @@
 """PPO, GRPO and DAPO from one script: every combination the script accepts is composed with verl 0.6.1's own Hydra
 config and passes its own checks; every combination it refuses says why."""
 
+import hashlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import launch.settings as settings_module
 from launch.preflight import compose, split_command, validate
-from launch.settings import SettingError, Settings, check, find_recipe, trainer_argv
+from launch.settings import SettingError, Settings, check, trainer_argv
 from tests.support import REPO
 
 
@@ -72,35 +75,88 @@ def test_every_accepted_combination_composes_and_passes_verls_checks(env, algori
         assert cfg.reward_model.reward_kwargs.max_resp_len == cfg.data.max_response_length
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"},
-        {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2"},
-    ],
-)
-def test_recipe_combinations_compose_where_the_recipe_is_installed(env, overrides):
+# verl 0.6.1's recipe configs, verbatim (tests/fixtures/verl_v0.6.1_recipes/README.md), with their git blob ids at the tag.
+RECIPES = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"
+RECIPE_BLOBS = {
+    "recipe/dapo/config/dapo_trainer.yaml": "47ac00fd6a055d6c22e3facfa855844302345701",
+    "recipe/dapo/config/dapo_megatron_trainer.yaml": "b846eaeb78ebaa29e5f4c250c2b9f25a906d90c8",
+    "recipe/one_step_off_policy/config/one_step_off_ppo_trainer.yaml": "366d7b0fd72628f73ff5f901fe0b06fbff97f654",
+    "recipe/one_step_off_policy/config/one_step_off_ppo_megatron_trainer.yaml": "b6ea846e200351ab20483e817fec96debccf3228",
+}  # fmt: skip
+
+RECIPE_COMBINATIONS = [
+    {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"},
+    {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync", "STRATEGY": "fsdp2"},
+    {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2"},
+    {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
+     "ALGORITHM": "ppo"},
+    {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
+     "ALGORITHM": "dapo"},
+]  # fmt: skip
+
+
+@pytest.fixture
+def recipes(monkeypatch):
+    """verl's recipe package importable, as in the image (there, from verl's repository at the tag)."""
+    monkeypatch.syspath_prepend(str(RECIPES))
+    yield RECIPES
+    for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:
+        del sys.modules[name]
+
+
+def test_the_recipe_configs_here_are_verls_own_at_the_tag():
+    for path, blob in RECIPE_BLOBS.items():
+        data = (RECIPES / path).read_bytes()
+        assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == blob, f"{path} differs from verl v0.6.1"
+
+
+@pytest.mark.parametrize("overrides", RECIPE_COMBINATIONS)
+def test_recipe_combinations_compose_with_verls_recipe_configs_and_pass_its_checks(env, recipes, overrides):
     s = settings(env, **overrides)
     assert check(s) == []
-    if find_recipe(s.uses_recipe) is None:
-        # verl's PyPI wheel holds no recipes: the image installs them from the git tag (verl_app.def)
-        with pytest.raises(SettingError, match="is not installed here .* verl_app.def"):
-            trainer_argv(s)
-        return
     module, path, name, args = split_command(trainer_argv(s))
+    assert Path(path).is_absolute() and Path(path).is_relative_to(recipes), "the recipe's own config folder"
     cfg = compose(name, args, path)
     validate(cfg)
     assert module.startswith(s.uses_recipe)
+    assert cfg.actor_rollout_ref.actor.strategy == s.strategy and cfg.actor_rollout_ref.rollout.mode == "sync"
+    if s.uses_recipe == "recipe.dapo":
+        assert module == "recipe.dapo.main_dapo"
+        assert name == ("dapo_megatron_trainer" if s.strategy == "megatron" else "dapo_trainer")
+        assert cfg.algorithm.filter_groups.enable is True and cfg.algorithm.filter_groups.metric == "score"
+        assert cfg.reward_model.reward_manager == "dapo" and cfg.reward_model.overlong_buffer.enable is True
+        assert cfg.data.gen_batch_size >= cfg.data.train_batch_size
+    else:
+        assert (module, name) == ("recipe.one_step_off_policy.main_ppo", "one_step_off_ppo_trainer")
+        assert cfg.actor_rollout_ref.hybrid_engine is False
+        assert (cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node) == (1, 2)
+        assert cfg.trainer.n_gpus_per_node == s.gpus_per_node - 2
+    if s.algorithm == "ppo":
+        assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.strategy == s.strategy
 
 
-def test_one_step_off_splits_the_gpus_between_training_and_rollout(env):
+def test_a_misspelled_override_on_a_recipe_command_stops_in_verls_config_code(env, recipes):
+    s = settings(env, ALGORITHM="dapo", DAPO_DYNAMIC_SAMPLING="true", ROLLOUT_MODE="sync")
+    module, path, name, args = split_command(trainer_argv(s, extra=["algorithm.filter_group.enable=False"]))
+    with pytest.raises(Exception, match="filter_group"):
+        compose(name, args, path)
+
+
+@pytest.mark.parametrize("overrides", RECIPE_COMBINATIONS[::2])
+def test_recipe_combinations_are_refused_where_verl_has_no_recipes(env, overrides, monkeypatch):
+    monkeypatch.setattr(settings_module, "find_recipe", lambda name: None)  # verl from PyPI: no recipe/ folder
+    s = settings(env, **overrides)
+    with pytest.raises(SettingError, match=f"{s.uses_recipe} is not installed here .* verl_app.def"):
+        trainer_argv(s)
+
+
+def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes):
     s = settings(env, TRAINER_MODE="one_step_off", STRATEGY="fsdp2", ROLLOUT_MODE="sync", ROLLOUT_GPUS_PER_NODE=1)
     assert s.training_gpus_per_node == 3
     assert any("is not a multiple of data-parallel size 3" in p for p in check(s)), "the batch must split over 3 GPUs"
-    if find_recipe("recipe.one_step_off_policy") is not None:
-        argv = trainer_argv(s)
-        assert "actor_rollout_ref.hybrid_engine=False" in argv and "rollout.n_gpus_per_node=1" in argv
-        assert "trainer.n_gpus_per_node=3" in argv
+    argv = trainer_argv(s)
+    assert "actor_rollout_ref.hybrid_engine=False" in argv and "rollout.n_gpus_per_node=1" in argv
+    assert "trainer.n_gpus_per_node=3" in argv
 
 
 @pytest.mark.parametrize(

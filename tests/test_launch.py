@@ -288,6 +288,32 @@ def test_preflight_scores_real_rows_through_verls_reward_manager_and_catches_a_w
     assert not fake_cluster.calls("srun")
 
 
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"},
+            "recipe.dapo.main_dapo --config-name=dapo_megatron_trainer",
+        ),
+        (
+            {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
+             "CONFIG_GPUS_PER_NODE": "4"},
+            "recipe.one_step_off_policy.main_ppo --config-name=one_step_off_ppo_trainer",
+        ),
+    ],
+)  # fmt: skip
+def test_recipe_commands_pass_the_whole_preflight_with_verls_recipe_configs(job, fake_cluster, overrides, expected):
+    """What the image runs first for a recipe: its config, the data and the reward round trip, before the queue.
+    Here verl's recipe configs come from the verbatim copy in tests/fixtures (the image has verl's repository)."""
+    recipes = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"
+    result = run(job | overrides | {"PREFLIGHT_ONLY": "1", "CONTAINER": "none", "PYTHONPATH": str(recipes)})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert f"preflight: {expected} with" in result.stdout and "composes and passes verl's checks" in result.stdout
+    manager = "dapo" if "dapo" in expected else "batch"
+    assert f"preflight: reward verl's {manager} reward manager scored 8 validation rows" in result.stdout
+    assert not fake_cluster.calls("srun")
+
+
 def test_a_gpu_count_that_disagrees_with_the_allocation_is_refused(job, fake_cluster):
     result = run(slurm(job, 1, SLURM_GPUS_ON_NODE="8"))
     assert result.returncode == 1
