@@ -18,7 +18,8 @@ token), or is rejected with 413 when `REWARD_TRUNCATION=reject`.
 
 Throughput: requests are tokenized in a thread pool, then one GPU thread plans every waiting row into micro-batches
 (sorted by length, padded to a multiple of `REWARD_PAD_MULTIPLE` tokens: a bounded set of shapes, each under
-`REWARD_TOKEN_BUDGET` tokens), keeps two of them on the GPU, answers each request as soon as its own rows are scored,
+`REWARD_TOKEN_BUDGET` tokens; where lengths are mixed, several short sequences share a row, each with its own positions
+and a block-diagonal causal mask), keeps two of them on the GPU, answers each request as soon as its own rows are scored,
 and plans the next micro-batch from whatever waits then, oldest request first. When idle it waits at most
 `REWARD_MAX_WAIT_MS` for a burst to gather. Every score is read at the row's last real token. A CUDA out-of-memory
 error splits the micro-batch and retries. The event loop never runs model code.
@@ -162,6 +163,39 @@ class Encoded:
     truncated: bool
 
 
+PACK_WHEN = 0.8  # pack a micro-batch's sequences several to a row when that needs at most 80% of the rows
+
+
+class _Packer:
+    """First-fit decreasing: sequences, fed longest first, go into the first row of `width` tokens with room left."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.rooms: list[int] = []
+        self.bins: list[list[int]] = []
+        self.max_room = 0
+
+    def slot(self, n: int) -> int:
+        """The row a sequence of n tokens would go to (len(rooms): a new one)."""
+        if n <= self.max_room:
+            for b, room in enumerate(self.rooms):
+                if n <= room:
+                    return b
+        return len(self.rooms)
+
+    def add(self, i: int, n: int, slot: int) -> None:
+        if slot == len(self.rooms):
+            self.rooms.append(self.width - n)
+            self.bins.append([i])
+            self.max_room = max(self.max_room, self.width - n)
+            return
+        emptiest = self.rooms[slot] == self.max_room
+        self.rooms[slot] -= n
+        self.bins[slot].append(i)
+        if emptiest:
+            self.max_room = max(self.rooms)
+
+
 class RewardScorer:
     """The model, its tokenizer and the formatting rule; `score_ids` runs micro-batched forwards (any thread)."""
 
@@ -180,6 +214,9 @@ class RewardScorer:
         # (a response may contain the pad token's text), and the head runs on B rows instead of B x L.
         self.base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         self.head = getattr(model, "score", None)
+        # Packing needs the fast path and an attention that takes a boolean 4D mask as given (sdpa).
+        attention = getattr(model.config, "_attn_implementation", None)
+        self.can_pack = self.base is not None and self.head is not None and attention == "sdpa"
         self.backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
         if self.backend is not None:
             # Never mutated after this, so threads may encode concurrently.
@@ -251,19 +288,28 @@ class RewardScorer:
     # -- batching -----------------------------------------------------------------------------------------------
 
     def plan(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Group row indices into micro-batches: longest first, padded length x rows within the token budget."""
+        """Group row indices into micro-batches, longest first, each within the token budget as it will run: padded
+        rows, or rows packed several to a padded row where that saves at least a fifth of the rows (`_Packer`)."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         batches: list[list[int]] = []
         current: list[int] = []
-        padded = 0
+        packer: _Packer | None = None
         for i in order:
-            if not current:
-                current, padded = [i], self.padded_length(lengths[i])
-            elif (len(current) + 1) * padded <= self.token_budget and len(current) < self.settings.max_batch_rows:
-                current.append(i)
-            else:
+            if packer is not None and len(current) < self.settings.max_batch_rows:
+                slot = packer.slot(lengths[i])
+                bins = len(packer.rooms) + (slot == len(packer.rooms))
+                if self.can_pack and bins <= PACK_WHEN * (len(current) + 1):
+                    rows = bins
+                else:
+                    rows = len(current) + 1
+                if rows * packer.width <= self.token_budget:
+                    current.append(i)
+                    packer.add(i, lengths[i], slot)
+                    continue
+            if current:
                 batches.append(current)
-                current, padded = [i], self.padded_length(lengths[i])
+            current, packer = [i], _Packer(self.width_for(lengths[i]))
+            packer.add(i, lengths[i], 0)
         if current:
             batches.append(current)
         return batches
@@ -271,6 +317,10 @@ class RewardScorer:
     def padded_length(self, n: int) -> int:
         m = self.settings.pad_multiple
         return max(m, math.ceil(n / m) * m)
+
+    def width_for(self, longest: int) -> int:
+        """The padded width of a micro-batch whose longest row has `longest` tokens."""
+        return min(self.padded_length(longest), max(longest, self.settings.max_length))
 
     def score_ids(self, seqs: Sequence[Sequence[int]]) -> list[float]:
         """Scores in input order: every micro-batch is launched before the first result is read."""
@@ -318,8 +368,17 @@ class RewardScorer:
     def _forward(self, rows: list[int], seqs, lengths):
         torch = self.torch
         start = time.perf_counter()
-        longest = max(lengths[i] for i in rows)
-        width = min(self.padded_length(longest), max(longest, self.settings.max_length))
+        width = self.width_for(max(lengths[i] for i in rows))
+        if self.can_pack and len(rows) > 1:
+            packer = _Packer(width)
+            for i in sorted(rows, key=lambda i: -lengths[i]):
+                packer.add(i, lengths[i], packer.slot(lengths[i]))
+            if len(packer.bins) <= PACK_WHEN * len(rows):
+                scores = self._forward_packed(rows, packer.bins, seqs, lengths, width)
+                if self.on_forward:
+                    tokens = sum(lengths[i] for i in rows)
+                    self.on_forward(len(packer.bins), width, tokens, time.perf_counter() - start)
+                return scores
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         for r, i in enumerate(rows):
             ids[r, : lengths[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
@@ -339,6 +398,37 @@ class RewardScorer:
         if self.on_forward:
             self.on_forward(len(rows), width, sum(lengths[i] for i in rows), time.perf_counter() - start)
         return scores
+
+    def _forward_packed(self, rows: list[int], bins: list[list[int]], seqs, lengths, width: int):
+        """Several sequences to a row: each restarts its positions and attends only to itself (a block-diagonal causal
+        mask), so it scores exactly as alone; the score is read at each sequence's own last token."""
+        torch = self.torch
+        ids = torch.full((len(bins), width), self.pad_id, dtype=torch.long)
+        positions = torch.zeros((len(bins), width), dtype=torch.long)
+        segment = torch.full((len(bins), width), -1, dtype=torch.long)  # the padding after the last sequence: -1
+        where: dict[int, tuple[int, int]] = {}
+        for b, members in enumerate(bins):
+            offset = 0
+            for k, i in enumerate(members):
+                n = lengths[i]
+                ids[b, offset : offset + n] = torch.as_tensor(seqs[i], dtype=torch.long)
+                positions[b, offset : offset + n] = torch.arange(n)
+                segment[b, offset : offset + n] = k
+                where[i] = (b, offset + n - 1)
+                offset += n
+        row_of = torch.as_tensor([where[i][0] for i in rows], dtype=torch.long)
+        last = torch.as_tensor([where[i][1] for i in rows], dtype=torch.long)
+        ids, positions, segment, row_of, last = (
+            t.to(self.device, non_blocking=True) for t in (ids, positions, segment, row_of, last)
+        )
+        # True where query position q may attend to key position k: same sequence, k <= q. The padding is a block
+        # of its own (no fully masked query row: those give NaN, which would spread).
+        causal = torch.ones((width, width), dtype=torch.bool, device=ids.device).tril()
+        mask = (segment[:, :, None] == segment[:, None, :]) & causal
+        hidden = self.base(
+            input_ids=ids, attention_mask=mask[:, None], position_ids=positions, use_cache=False
+        ).last_hidden_state
+        return self.head(hidden[row_of, last])[:, 0]
 
     def compile_layers(self) -> bool:
         """torch.compile each decoder layer (dynamic shapes): fused kernels, far fewer launches. False if unavailable."""
@@ -364,7 +454,9 @@ class RewardScorer:
         With REWARD_COMPILE this compiles; a failure there falls back to eager with a warning, never to a crash."""
         base = self.encode([self.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
         ids = (base * (1 + 200 // len(base)))[: min(200, self.settings.max_length)]
-        shapes = [[ids], [ids, ids[: len(ids) // 2]], [ids[:100]] * 3, [ids[:37]]]
+        # Padded: one row, two rows, three equal rows. Packed (two or more sequences to a row): one row, two rows.
+        shapes = [[ids], [ids, ids[: len(ids) // 2]], [ids[:100]] * 3, [ids[:37]], [ids[:150], ids[:40]],
+                  [ids[:200], ids[:50], ids[:37]]]  # fmt: skip
         try:
             for seqs in shapes:
                 self.score_ids(seqs)

@@ -126,16 +126,40 @@ def test_micro_batches_respect_the_token_budget_and_pad_to_a_bounded_set_of_leng
     lengths = [5, 700, 64, 65, 300, 129, 1, 1000, 64, 200]
     plan = scorer.plan(lengths)
     assert sorted(i for rows in plan for i in rows) == list(range(len(lengths)))
-    for rows in plan:
-        width = scorer.padded_length(max(lengths[i] for i in rows))
-        assert width % 64 == 0
-        assert len(rows) == 1 or len(rows) * width <= 512
     seen = []
     scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width, tokens))
     seqs = [[7] * n for n in lengths]
     scores = scorer.score_ids(seqs)
-    assert len(scores) == len(lengths) and all(w % 64 == 0 for _, w, _ in seen)
+    assert len(scores) == len(lengths) and len(seen) == len(plan)
+    for rows, width, _ in seen:  # rows as run: packed rows count once however many sequences they hold
+        assert width % 64 == 0
+        assert rows == 1 or rows * width <= 512
     assert sum(t for _, _, t in seen) == sum(lengths)
+
+
+def test_mixed_lengths_are_packed_several_to_a_row_and_score_as_alone(tiny_models):
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", token_budget=4096, pad_multiple=64)
+    scorer = RewardScorer.load(cfg)
+    rng = torch.Generator().manual_seed(3)
+    lengths = [250, 31, 90, 7, 160, 64, 12, 200, 45, 128]
+    seqs = [torch.randint(10, 200, (n,), generator=rng).tolist() for n in lengths]
+    alone = [scorer.score_ids([s])[0] for s in seqs]
+    seen = []
+    scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width, tokens))
+    together = scorer.score_ids(seqs)
+    assert together == pytest.approx(alone, abs=1e-5)
+    ((rows, width, tokens),) = seen
+    assert width == 256 and rows <= 0.8 * len(lengths), f"{len(lengths)} sequences in {rows} rows: not packed"
+    assert rows * width < len(lengths) * width and tokens == sum(lengths)
+
+
+def test_rows_of_similar_length_are_padded_not_packed(tiny_models):
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", token_budget=4096, pad_multiple=64)
+    scorer = RewardScorer.load(cfg)
+    seen = []
+    scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width))
+    scorer.score_ids([[7] * n for n in (250, 240, 231, 200, 199)])
+    assert seen == [(5, 256)]
 
 
 class _GatedScorer:
@@ -144,8 +168,10 @@ class _GatedScorer:
 
     token_budget = 100
     settings = Settings(pad_multiple=1)
+    can_pack = False
     plan = RewardScorer.plan
     padded_length = RewardScorer.padded_length
+    width_for = RewardScorer.width_for
 
     def __init__(self):
         self.launched: list[tuple[list[list[int]], threading.Event]] = []
