@@ -570,42 +570,54 @@ class Batcher:
         waiting: list[_Row] = []
         flights: collections.deque[tuple[list[_Row], Launched]] = collections.deque()
         while True:
-            if not waiting and not flights:
-                if self._stopping:
-                    return
-                first = self._queue.get()
-                if first is None:
-                    return
-                self._admit(self._gather(first), waiting)
-            while waiting and len(flights) < self.depth:
-                self._launch(waiting, flights)
-            if not flights:
-                continue
-            rows, handle = flights[0]
-            # While the oldest micro-batch runs, take new requests; once a full micro-batch is waiting, queue it behind
-            # the running one.
-            while not handle.ready():
-                job = self._take(0.001)
-                if job is not None:
-                    self._admit([job], waiting)
-                    full = sum(len(j.seqs[i]) for j, i in waiting) >= self.scorer.token_budget
-                    if full and len(flights) < self.depth:
-                        self._launch(waiting, flights)
-                elif self._stopping:
-                    break
-            flights.popleft()
             try:
-                values = handle.result()
-            except BaseException as exc:  # delivered to every waiting request, never swallowed
-                self._fail({j for j, _ in rows}, exc, waiting)
+                if not self._step(waiting, flights):
+                    return
+            except BaseException as exc:  # the thread must not die with requests waiting on it
+                log.exception("GPU thread: unexpected error; failing the requests it holds and serving on")
+                held = {j for rows, _ in flights for j, _ in rows} | {j for j, _ in waiting}
+                flights.clear()
+                self._fail(held, exc, waiting)
+
+    def _step(self, waiting: list[_Row], flights) -> bool:
+        """Admit, launch, then wait for the oldest micro-batch and answer its requests. False: stop the thread."""
+        if not waiting and not flights:
+            if self._stopping:
+                return False
+            first = self._queue.get()
+            if first is None:
+                return False
+            self._admit(self._gather(first), waiting)
+        while waiting and len(flights) < self.depth:
+            self._launch(waiting, flights)
+        if not flights:
+            return True
+        rows, handle = flights[0]
+        # While the oldest micro-batch runs, take new requests; once a full micro-batch is waiting, queue it behind
+        # the running one.
+        while not handle.ready():
+            job = self._take(0.001)
+            if job is not None:
+                self._admit([job], waiting)
+                full = sum(len(j.seqs[i]) for j, i in waiting) >= self.scorer.token_budget
+                if full and len(flights) < self.depth:
+                    self._launch(waiting, flights)
+            elif self._stopping:
+                break
+        flights.popleft()
+        try:
+            values = handle.result()
+        except BaseException as exc:  # delivered to every request in this micro-batch, never swallowed
+            self._fail({j for j, _ in rows}, exc, waiting)
+            return True
+        for (job, i), value in zip(rows, values, strict=True):
+            if job.failed:
                 continue
-            for (job, i), value in zip(rows, values, strict=True):
-                if job.failed:
-                    continue
-                job.scores[i] = value
-                job.left -= 1
-                if job.left == 0:
-                    job.loop.call_soon_threadsafe(_settle, job.future, job.scores, None)
+            job.scores[i] = value
+            job.left -= 1
+            if job.left == 0:
+                _answer(job, job.scores, None)
+        return True
 
     def _admit(self, jobs: list[_Job], waiting: list[_Row]) -> None:
         now = time.perf_counter()
@@ -614,7 +626,7 @@ class Batcher:
         for job in jobs:
             job.scores, job.left = [0.0] * len(job.seqs), len(job.seqs)
             if not job.seqs:
-                job.loop.call_soon_threadsafe(_settle, job.future, [], None)
+                _answer(job, [], None)
             waiting.extend((job, i) for i in range(len(job.seqs)))
 
     def _launch(self, waiting: list[_Row], flights) -> None:
@@ -634,8 +646,14 @@ class Batcher:
     def _fail(jobs: set[_Job], exc: BaseException, waiting: list[_Row]) -> None:
         for job in jobs:
             job.failed = True
-            job.loop.call_soon_threadsafe(_settle, job.future, None, exc)
+            _answer(job, None, exc)
         waiting[:] = [row for row in waiting if not row[0].failed]
+
+
+def _answer(job: _Job, value, exc) -> None:
+    """Hand a result to the request's event loop (from the GPU thread); a loop already closed has nobody waiting."""
+    with contextlib.suppress(RuntimeError):
+        job.loop.call_soon_threadsafe(_settle, job.future, value, exc)
 
 
 def _settle(future: asyncio.Future, value, exc) -> None:

@@ -164,7 +164,7 @@ def test_rows_of_similar_length_are_padded_not_packed(tiny_models):
 
 class _GatedScorer:
     """Stands in for the GPU: each launched micro-batch finishes only when the test opens its gate.
-    A row's score is the sum of its ids; a row [666] makes the launch raise."""
+    A row's score is the sum of its ids; a row [666] makes the launch raise, [777] the wait for its result."""
 
     token_budget = 100
     settings = Settings(pad_multiple=1)
@@ -189,6 +189,8 @@ class _GatedHandle:
         self.seqs, self.gate = seqs, gate
 
     def ready(self) -> bool:
+        if [777] in self.seqs:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
         return self.gate.is_set()
 
     def result(self) -> list[float]:
@@ -282,6 +284,19 @@ def test_a_failing_micro_batch_fails_only_its_own_requests():
         await _until(lambda: len(scorer.launched) == 2)
         scorer.launched[1][1].set()
         assert await asyncio.wait_for(after, 5) == [3.0]
+
+    _with_batcher(2, body)
+
+
+def test_an_error_while_waiting_on_the_gpu_fails_the_requests_held_and_the_thread_serves_on():
+    async def body(scorer, batcher):
+        broken = asyncio.ensure_future(batcher.score([[777]]))
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await asyncio.wait_for(broken, 5)
+        after = asyncio.ensure_future(batcher.score([[2] * 4]))
+        await _until(lambda: len(scorer.launched) == 2)
+        scorer.launched[1][1].set()
+        assert await asyncio.wait_for(after, 5) == [8.0]
 
     _with_batcher(2, body)
 
