@@ -139,6 +139,7 @@ _PROFILE = {
     "requests": "reward_queue_wait_seconds_count",
     "queue_wait_s": "reward_queue_wait_seconds_sum",
     "prepare_s": "reward_prepare_seconds_sum",
+    "prepare_passes": "reward_prepare_seconds_count",
 }
 
 
@@ -158,7 +159,8 @@ def profile_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {
         "micro_batches": d["forwards"], "rows_per_micro_batch": d["rows"] / forwards,
         "padded_tokens": d["padded_tokens"], "launch_s_total": d["forward_launch_s"],
-        "prepare_s_total": d["prepare_s"], "queue_wait_ms_mean": 1000 * d["queue_wait_s"] / max(d["requests"], 1),
+        "prepare_s_total": d["prepare_s"], "prepare_passes": d["prepare_passes"],
+        "queue_wait_ms_mean": 1000 * d["queue_wait_s"] / max(d["requests"], 1),
     }  # fmt: skip
 
 
@@ -368,7 +370,7 @@ def main(argv=None) -> int:
         if r["server"]:
             p = r["server"]
             print(f"  {r['row']:<60} {p['micro_batches']:5.0f} micro-batches x {p['rows_per_micro_batch']:5.1f} rows, "
-                  f"prepare {p['prepare_s_total']:6.2f} s, launch {p['launch_s_total']:6.2f} s, "
+                  f"prepare {p['prepare_s_total']:6.2f} s in {p['prepare_passes']:4.0f} passes, launch {p['launch_s_total']:6.2f} s, "
                   f"queue wait {p['queue_wait_ms_mean']:6.1f} ms")  # fmt: skip
     print(f"reward client batch function vs one direct POST (warm): {overhead:+.1f}% wall time")
     print(f"wrote {args.out}")

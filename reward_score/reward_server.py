@@ -30,6 +30,7 @@ Settings come from the environment (names below); each has a command-line flag t
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import hmac
 import importlib.util
@@ -157,6 +158,10 @@ class InputTooLong(ValueError):
     """An item is longer than max_length under REWARD_TRUNCATION=reject, or cannot fit in memory alone."""
 
 
+class ConversationRefused(ValueError):
+    """The chat template raised on these messages (e.g. Qwen3's "No user query found in messages.")."""
+
+
 @dataclass
 class Encoded:
     ids: list[int]
@@ -200,9 +205,11 @@ class RewardScorer:
     """The model, its tokenizer and the formatting rule; `score_ids` runs micro-batched forwards (any thread)."""
 
     def __init__(self, model, tokenizer, device: str, settings: Settings):
+        import jinja2
         import torch
 
         self.torch = torch
+        self._template_error = jinja2.TemplateError
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
@@ -217,6 +224,13 @@ class RewardScorer:
         # Packing needs the fast path and an attention that takes a boolean 4D mask as given (sdpa).
         attention = getattr(model.config, "_attn_implementation", None)
         self.can_pack = self.base is not None and self.head is not None and attention == "sdpa"
+        # Hand the model its per-layer mask mapping ourselves (warm_up checks the model takes it and scores the same)?
+        layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        self.can_map_mask = self.base is not None and self.head is not None and layer_types == {"full_attention"}
+        self.mask_mapping = False
+        # Inputs go to the GPU from pinned memory: a copy from pageable memory waits for the GPU to finish what is
+        # queued before it, so launching the next micro-batch would wait for the running one.
+        self.pin = device.startswith("cuda")
         self.backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
         if self.backend is not None:
             # Never mutated after this, so threads may encode concurrently.
@@ -262,28 +276,36 @@ class RewardScorer:
         """The exact text the reward model was trained on for this conversation."""
         if self.chat_template:
             conversation = [*messages, {"role": "assistant", "content": response}]
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+            try:
+                return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+            except self._template_error as exc:  # the template's own raise_exception(...): a wrong conversation
+                raise ConversationRefused(f"the reward model's chat template refused these messages: {exc}") from None
         # TRL's plain-text rule: prompt then completion, EOS appended.
         eos = self.tokenizer.eos_token or ""
         text = "\n".join(m["content"] for m in messages) + response
         return text if text.endswith(eos) else text + eos
 
-    def encode(self, texts: list[str]) -> list[Encoded]:
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, no special tokens added (the template has them); any thread. The Rust tokenizer
+        encodes a list on every core without holding the GIL; `encode_batch_fast` (tokenizers >= 0.21) also skips the
+        character offsets nobody reads here."""
         if self.backend is not None:
-            all_ids = [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
-        else:
-            with self._slow_lock:
-                all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        out = []
+            encode = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
+        with self._slow_lock:
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def fit(self, ids: list[int], where: str) -> Encoded:
+        """`ids` within max_length: over-long input keeps its last tokens, or is refused under REWARD_TRUNCATION=reject."""
         limit = self.settings.max_length
-        for i, ids in enumerate(all_ids):
-            if len(ids) <= limit:
-                out.append(Encoded(list(ids), False))
-            elif self.settings.truncation == "reject":
-                raise InputTooLong(f"item {i} is {len(ids)} tokens; the limit is {limit} (REWARD_MAX_LENGTH)")
-            else:
-                out.append(Encoded(list(ids[-limit:]), True))
-        return out
+        if len(ids) <= limit:
+            return Encoded(ids, False)
+        if self.settings.truncation == "reject":
+            raise InputTooLong(f"{where} is {len(ids)} tokens; the limit is {limit} (REWARD_MAX_LENGTH)")
+        return Encoded(ids[-limit:], True)
+
+    def encode(self, texts: list[str]) -> list[Encoded]:
+        return [self.fit(ids, f"item {i}") for i, ids in enumerate(self.tokenize(texts))]
 
     # -- batching -----------------------------------------------------------------------------------------------
 
@@ -379,10 +401,10 @@ class RewardScorer:
                     tokens = sum(lengths[i] for i in rows)
                     self.on_forward(len(packer.bins), width, tokens, time.perf_counter() - start)
                 return scores
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, pin_memory=self.pin)
         for r, i in enumerate(rows):
             ids[r, : lengths[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
-        last = torch.as_tensor([lengths[i] - 1 for i in rows], dtype=torch.long)
+        last = torch.tensor([lengths[i] - 1 for i in rows], dtype=torch.long, pin_memory=self.pin)
         ids, last = ids.to(self.device, non_blocking=True), last.to(self.device, non_blocking=True)
         if self.base is not None and self.head is not None:
             # Padding is on the right and attention is causal: a real token never attends to a later (pad) position,
@@ -390,7 +412,7 @@ class RewardScorer:
             # last real token.
             # use_cache=False: no KV cache (GBs at a 32k-token budget), and no per-layer cache state for compile to
             # guard on (with it, every layer recompiles until torch gives up and runs eager).
-            hidden = self.base(input_ids=ids, use_cache=False).last_hidden_state
+            hidden = self._hidden(ids)
             scores = self.head(hidden[torch.arange(len(rows), device=hidden.device), last])[:, 0]
         else:
             mask = (torch.arange(width)[None, :] < torch.as_tensor([lengths[i] for i in rows])[:, None]).long()
@@ -403,9 +425,10 @@ class RewardScorer:
         """Several sequences to a row: each restarts its positions and attends only to itself (a block-diagonal causal
         mask), so it scores exactly as alone; the score is read at each sequence's own last token."""
         torch = self.torch
-        ids = torch.full((len(bins), width), self.pad_id, dtype=torch.long)
-        positions = torch.zeros((len(bins), width), dtype=torch.long)
-        segment = torch.full((len(bins), width), -1, dtype=torch.long)  # the padding after the last sequence: -1
+        ids = torch.full((len(bins), width), self.pad_id, dtype=torch.long, pin_memory=self.pin)
+        positions = torch.zeros((len(bins), width), dtype=torch.long, pin_memory=self.pin)
+        # The padding after the last sequence: segment -1.
+        segment = torch.full((len(bins), width), -1, dtype=torch.long, pin_memory=self.pin)
         where: dict[int, tuple[int, int]] = {}
         for b, members in enumerate(bins):
             offset = 0
@@ -416,8 +439,8 @@ class RewardScorer:
                 segment[b, offset : offset + n] = k
                 where[i] = (b, offset + n - 1)
                 offset += n
-        row_of = torch.as_tensor([where[i][0] for i in rows], dtype=torch.long)
-        last = torch.as_tensor([where[i][1] for i in rows], dtype=torch.long)
+        row_of = torch.tensor([where[i][0] for i in rows], dtype=torch.long, pin_memory=self.pin)
+        last = torch.tensor([where[i][1] for i in rows], dtype=torch.long, pin_memory=self.pin)
         ids, positions, segment, row_of, last = (
             t.to(self.device, non_blocking=True) for t in (ids, positions, segment, row_of, last)
         )
@@ -425,10 +448,18 @@ class RewardScorer:
         # of its own (no fully masked query row: those give NaN, which would spread).
         causal = torch.ones((width, width), dtype=torch.bool, device=ids.device).tril()
         mask = (segment[:, :, None] == segment[:, None, :]) & causal
-        hidden = self.base(
-            input_ids=ids, attention_mask=mask[:, None], position_ids=positions, use_cache=False
-        ).last_hidden_state
+        hidden = self._hidden(ids, mask[:, None], positions)
         return self.head(hidden[row_of, last])[:, 0]
+
+    def _hidden(self, ids, mask=None, positions=None):
+        """The base model's last hidden states. No mask means causal attention over right-padded rows.
+
+        With `mask_mapping` the mask goes in as the per-layer mapping the model would build ({"full_attention":
+        mask}), so transformers builds none: for a missing mask it would look for packed sequences on the GPU and
+        wait for the answer (transformers 5.x) or build a full mask and lose the fused causal kernel (4.56)."""
+        attention = {"full_attention": mask} if self.mask_mapping else mask
+        out = self.base(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False)
+        return out.last_hidden_state
 
     def compile_layers(self) -> bool:
         """torch.compile each decoder layer (dynamic shapes): fused kernels, far fewer launches. False if unavailable."""
@@ -454,6 +485,7 @@ class RewardScorer:
         With REWARD_COMPILE this compiles; a failure there falls back to eager with a warning, never to a crash."""
         base = self.encode([self.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
         ids = (base * (1 + 200 // len(base)))[: min(200, self.settings.max_length)]
+        self._choose_mask_path([ids, ids[: len(ids) // 2]])
         # Padded: one row, two rows, three equal rows. Packed (two or more sequences to a row): one row, two rows.
         shapes = [[ids], [ids, ids[: len(ids) // 2]], [ids[:100]] * 3, [ids[:37]], [ids[:150], ids[:40]],
                   [ids[:200], ids[:50], ids[:37]]]  # fmt: skip
@@ -467,6 +499,34 @@ class RewardScorer:
             self.uncompile_layers()
             for seqs in shapes:
                 self.score_ids(seqs)
+
+    def _choose_mask_path(self, seqs: list[list[int]]) -> None:
+        """Use the mask mapping where the model takes it and scores as it does building its own mask. Decided
+        eager, so that a compile failure is not mistaken for the model's answer."""
+        if not self.can_map_mask:
+            return
+        layers = list(getattr(self.base, "layers", []))
+        compiled = [getattr(layer, "_compiled_call_impl", None) for layer in layers]
+        for layer in layers:
+            layer._compiled_call_impl = None
+        try:
+            expected = self.score_ids(seqs)
+            self.mask_mapping = True
+            try:
+                got, why = self.score_ids(seqs), ""
+            except Exception as exc:  # noqa: BLE001 - a model whose forward does not take the mapping
+                got, why = None, f"{type(exc).__name__}: {exc}"
+            tolerance = 1e-4 if self.dtype == "float32" else 5e-2
+            if got is not None and any(
+                abs(a - b) > tolerance * max(1.0, abs(b)) for a, b in zip(got, expected, strict=True)
+            ):
+                why = f"scores {got} differ from {expected}"
+            if why:
+                log.warning("the model does not take a per-layer mask mapping (%s); transformers builds masks", why)
+                self.mask_mapping = False
+        finally:
+            for layer, call in zip(layers, compiled, strict=True):
+                layer._compiled_call_impl = call
 
 
 class Launched:
@@ -588,22 +648,23 @@ class Batcher:
             if first is None:
                 return False
             self._admit(self._gather(first), waiting)
+        self._admit(self._queued(), waiting)
         while waiting and len(flights) < self.depth:
             self._launch(waiting, flights)
         if not flights:
             return True
         rows, handle = flights[0]
-        # While the oldest micro-batch runs, take new requests; once a full micro-batch is waiting, queue it behind
-        # the running one.
+        # While the oldest micro-batch runs, take new requests. The next one goes in behind it once a full token
+        # budget waits or the oldest waiting row has waited `max_wait` (by then the requests that the last answers
+        # set off have landed), so the GPU neither idles between micro-batches nor runs them in small pieces.
         while not handle.ready():
             job = self._take(0.001)
             if job is not None:
                 self._admit([job], waiting)
-                full = sum(len(j.seqs[i]) for j, i in waiting) >= self.scorer.token_budget
-                if full and len(flights) < self.depth:
-                    self._launch(waiting, flights)
             elif self._stopping:
                 break
+            if waiting and len(flights) < self.depth and self._due(waiting):
+                self._launch(waiting, flights)
         flights.popleft()
         try:
             values = handle.result()
@@ -618,6 +679,18 @@ class Batcher:
             if job.left == 0:
                 _answer(job, job.scores, None)
         return True
+
+    def _queued(self) -> list[_Job]:
+        """Every request queued now, without waiting."""
+        jobs = []
+        while (job := self._take(0)) is not None:
+            jobs.append(job)
+        return jobs
+
+    def _due(self, waiting: list[_Row]) -> bool:
+        if time.perf_counter() - waiting[0][0].enqueued >= self.max_wait_s:
+            return True
+        return sum(len(j.seqs[i]) for j, i in waiting) >= self.scorer.token_budget
 
     def _admit(self, jobs: list[_Job], waiting: list[_Row]) -> None:
         now = time.perf_counter()
@@ -665,6 +738,69 @@ def _settle(future: asyncio.Future, value, exc) -> None:
         future.set_result(value)
 
 
+Conversation = tuple[list[dict[str, str]], str]  # (messages before the answer, the answer)
+
+
+class Preparer:
+    """Renders and tokenizes requests off the event loop, all that are waiting in one pass.
+
+    While a pass runs in a worker thread, new requests queue; the next pass takes them together. One pass over many
+    texts is one `tokenize` call, which runs on every core without the GIL; tokenizing each single-item request on
+    the event loop held it ~1.5 ms per request, most of what 64 per-sample callers waited on. A conversation the chat
+    template refuses fails its own request only."""
+
+    def __init__(self, scorer: RewardScorer, run_in_thread, on_pass=None):
+        self.scorer = scorer
+        self.run_in_thread = run_in_thread  # (fn, *args) -> awaitable
+        self.on_pass = on_pass  # metrics hook: (requests, items, seconds)
+        self._waiting: list[tuple[list[Conversation], asyncio.Future]] = []
+        self._drainer: asyncio.Task | None = None
+
+    async def ids(self, conversations: list[Conversation]) -> list[list[int]]:
+        """The token ids of each conversation, in order; raises ConversationRefused for a template's refusal."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._waiting.append((conversations, future))
+        if self._drainer is None:
+            self._drainer = loop.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                taken, self._waiting = self._waiting, []
+                try:
+                    results = await self.run_in_thread(self._pass, [convs for convs, _ in taken])
+                except BaseException as exc:  # noqa: BLE001 - handed to every caller of this pass, never swallowed
+                    results = [exc] * len(taken)
+                for (_, future), result in zip(taken, results, strict=True):
+                    if future.done():  # the caller went away
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._drainer = None
+
+    def _pass(self, requests: list[list[Conversation]]) -> list[list[list[int]] | BaseException]:
+        started = time.perf_counter()
+        texts: list[str] = []
+        spans: list[tuple[int, int] | BaseException] = []
+        for conversations in requests:
+            try:
+                rendered = [self.scorer.render(messages, response) for messages, response in conversations]
+            except ConversationRefused as exc:
+                spans.append(exc)
+                continue
+            spans.append((len(texts), len(texts) + len(rendered)))
+            texts.extend(rendered)
+        ids = self.scorer.tokenize(texts) if texts else []
+        if self.on_pass:
+            self.on_pass(len(requests), len(texts), time.perf_counter() - started)
+        return [span if isinstance(span, BaseException) else ids[span[0] : span[1]] for span in spans]
+
+
 # --- HTTP ----------------------------------------------------------------------------------------------------
 
 
@@ -692,7 +828,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
     m_wait = Histogram("reward_queue_wait_seconds", "time a request waited for the GPU thread", registry=registry)
     m_forward = Histogram("reward_forward_seconds", "time to launch one micro-batch forward", registry=registry)
     m_prepare = Histogram(
-        "reward_prepare_seconds", "time to render and tokenize one request's items", registry=registry
+        "reward_prepare_seconds", "time of one render-and-tokenize pass (all requests waiting)", registry=registry
     )
     m_peak = Gauge("reward_gpu_memory_peak_bytes", "peak GPU memory reserved by this server", registry=registry)
     m_peak.set_function(lambda: _peak_gpu_bytes(state.get("scorer")))
@@ -745,10 +881,21 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
             on_batch=lambda jobs, waits: [m_wait.observe(w) for w in waits],
         )
         batcher.start()
-        state.update(scorer=active, batcher=batcher)
+        # One pass at a time, in a thread of its own (cheaper to reach than anyio's pool, ~0.1 ms a pass).
+        prepare_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-prepare")
+
+        async def in_prepare_thread(fn, *args):
+            return await asyncio.get_running_loop().run_in_executor(prepare_thread, fn, *args)
+
+        preparer = Preparer(
+            active, in_prepare_thread, on_pass=lambda requests, items, seconds: m_prepare.observe(seconds)
+        )
+        state.update(scorer=active, batcher=batcher, preparer=preparer)
         log.info(
-            "ready: model=%s device=%s dtype=%s compiled=%s max_length=%d truncation=%s format=%s token_budget=%d",
-            settings.model_path, active.device, active.dtype, active.compiled, settings.max_length, settings.truncation,
+            "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s max_length=%d truncation=%s format=%s "
+            "token_budget=%d",
+            settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, settings.max_length,
+            settings.truncation,
             "chat template" if active.chat_template else "plain text (the tokenizer has no chat template)",
             active.token_budget,
         )  # fmt: skip
@@ -756,6 +903,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
             yield
         finally:
             batcher.stop()
+            prepare_thread.shutdown(wait=False)
             state.clear()
 
     app = FastAPI(title="reward model server", lifespan=lifespan)
@@ -801,25 +949,18 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
     async def score_items(items: list[ScoreItem], endpoint: str) -> tuple[list[float], list[bool]]:
         if "batcher" not in state:
             raise fail(503, "not_ready", "the model is not loaded yet", endpoint)
-        active: RewardScorer = state["scorer"]
-
-        def prepare() -> list[Encoded]:
-            started = time.perf_counter()
-            texts = [
-                active.render(
-                    [m.model_dump() for m in it.messages] if it.messages else [{"role": "user", "content": it.prompt}],
-                    it.response,
-                )
-                for it in items
-            ]
-            encoded = active.encode(texts)
-            m_prepare.observe(time.perf_counter() - started)
-            return encoded
-
+        conversations = [
+            ([m.model_dump() for m in it.messages] if it.messages else [{"role": "user", "content": it.prompt}],
+             it.response)
+            for it in items
+        ]  # fmt: skip
         try:
-            # A few items tokenize in well under a millisecond: a thread hop would cost more than it saves.
-            encoded = prepare() if len(items) <= 4 else await run_in_threadpool(prepare)
+            ids = await state["preparer"].ids(conversations)
+            encoded = [state["scorer"].fit(x, f"item {i}") for i, x in enumerate(ids)]
             scores = await state["batcher"].score([e.ids for e in encoded])
+        except ConversationRefused as exc:
+            where = "messages" if endpoint == "/score" else "items[].messages"
+            raise fail(422, "template_refused", f"{where}: {exc}", endpoint) from None
         except InputTooLong as exc:
             raise fail(413, "too_long", str(exc), endpoint) from None
         truncated = [e.truncated for e in encoded]
@@ -865,6 +1006,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
             "truncation": settings.truncation,
             "format": "chat_template" if active.chat_template else "plain_text",
             "compiled": active.compiled,
+            "mask_mapping": active.mask_mapping,
             "auth": bool(settings.auth_token),
         }
 

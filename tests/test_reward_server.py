@@ -17,7 +17,15 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reward_score.reward_server import Batcher, RewardScorer, Settings, create_app, load_settings
+from reward_score.reward_server import (
+    Batcher,
+    ConversationRefused,
+    Preparer,
+    RewardScorer,
+    Settings,
+    create_app,
+    load_settings,
+)
 from tests.support import REPO, free_port, http_get, start_http_server, start_process
 
 LONG_ANSWER = " ".join(f"word{i % 17} step {i}" for i in range(120))
@@ -271,6 +279,25 @@ def test_the_oldest_waiting_request_goes_first_even_when_longer_ones_arrive_late
     _with_batcher(1, body)
 
 
+def test_while_one_micro_batch_runs_the_next_goes_in_once_its_rows_waited_max_wait():
+    async def body(scorer, batcher):
+        running = asyncio.ensure_future(batcher.score([[1] * 90]))
+        await _until(lambda: len(scorer.launched) == 1)
+        started = asyncio.get_running_loop().time()
+        small = [asyncio.ensure_future(batcher.score([[2] * 5])) for _ in range(3)]  # far below the token budget
+        await _until(lambda: len(scorer.launched) == 2)
+        waited = asyncio.get_running_loop().time() - started
+        assert waited >= 0.04, f"launched after {waited:.3f} s: it should wait max_wait (0.05 s) for more to join"
+        assert scorer.launched[1][0] == [[2] * 5] * 3, "the requests that landed together share one micro-batch"
+        assert not running.done(), "queued behind the running micro-batch, not after it"
+        for _, gate in scorer.launched:
+            gate.set()
+        assert await asyncio.wait_for(running, 5) == [90.0]
+        assert [await asyncio.wait_for(f, 5) for f in small] == [[10.0]] * 3
+
+    _with_batcher(2, body)
+
+
 def test_a_failing_micro_batch_fails_only_its_own_requests():
     async def body(scorer, batcher):
         bad = asyncio.ensure_future(batcher.score([[666]]))
@@ -299,6 +326,98 @@ def test_an_error_while_waiting_on_the_gpu_fails_the_requests_held_and_the_threa
         assert await asyncio.wait_for(after, 5) == [8.0]
 
     _with_batcher(2, body)
+
+
+# --- tokenizing off the event loop ------------------------------------------------------------------------------
+
+# Qwen3's template refuses a conversation without a user turn with this very message.
+REFUSING_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('No user query found in messages.') }}"
+    "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def cpu_scorer(tiny_models):
+    return RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+
+
+def _conversation(i: int):
+    return [{"role": "user", "content": f"question {i}"}], f"answer {i} " * (1 + i % 4)
+
+
+def test_requests_waiting_together_are_tokenized_in_one_pass(cpu_scorer):
+    passes = []
+    preparer = Preparer(cpu_scorer, asyncio.to_thread, on_pass=lambda requests, items, s: passes.append(items))
+
+    async def main():
+        return await asyncio.gather(*(preparer.ids([_conversation(i)]) for i in range(10)))
+
+    got = asyncio.run(main())
+    assert passes == [10], "ten requests waiting together must share one tokenizer call"
+    expected = cpu_scorer.tokenize([cpu_scorer.render(*_conversation(i)) for i in range(10)])
+    assert got == [[ids] for ids in expected]
+
+
+def test_requests_arriving_during_a_pass_go_together_in_the_next(cpu_scorer):
+    passes = []
+    gate = threading.Event()
+
+    async def gated_thread(fn, *args):
+        return await asyncio.to_thread(lambda: gate.wait(5) and fn(*args))
+
+    preparer = Preparer(cpu_scorer, gated_thread, on_pass=lambda requests, items, s: passes.append((requests, items)))
+
+    async def main():
+        first = asyncio.ensure_future(preparer.ids([_conversation(0), _conversation(1)]))
+        await asyncio.sleep(0.05)  # the first pass is running (held at the gate)
+        later = [asyncio.ensure_future(preparer.ids([_conversation(i)])) for i in (2, 3, 4)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await first, await asyncio.gather(*later)
+
+    first, later = asyncio.run(main())
+    assert passes == [(1, 2), (3, 3)]
+    assert len(first) == 2 and [len(x) for x in later] == [1, 1, 1]
+    assert later[2][0] == cpu_scorer.tokenize([cpu_scorer.render(*_conversation(4))])[0]
+
+
+def test_a_conversation_the_template_refuses_fails_only_its_own_request(tiny_models):
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu")
+    scorer = RewardScorer.load(cfg)
+    scorer.tokenizer.chat_template = REFUSING_TEMPLATE
+    preparer = Preparer(scorer, asyncio.to_thread)
+    bad = ([{"role": "tool", "content": "42"}], "ok")
+
+    async def main():
+        return await asyncio.gather(
+            preparer.ids([_conversation(1)]), preparer.ids([_conversation(2), bad]), preparer.ids([_conversation(3)]),
+            return_exceptions=True,
+        )  # fmt: skip
+
+    good1, refused, good3 = asyncio.run(main())
+    assert isinstance(refused, ConversationRefused) and "No user query found" in str(refused)
+    assert good1 == scorer.tokenize([scorer.render(*_conversation(1))])
+    assert good3 == scorer.tokenize([scorer.render(*_conversation(3))])
+
+    with TestClient(create_app(cfg, scorer)) as c:
+        r = c.post("/score", json={"messages": bad[0], "response": "ok"})
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"].startswith("messages: the reward model's chat template refused")
+        assert c.post("/score", json={"prompt": "hi", "response": "ok"}).status_code == 200
+        assert metric(c, 'reward_errors_total{kind="template_refused"}') == 1
+
+
+def test_tokenizing_falls_back_to_encode_batch_where_encode_batch_fast_is_missing(cpu_scorer, monkeypatch):
+    texts = [cpu_scorer.render(*_conversation(i)) for i in range(5)]
+    fast = cpu_scorer.tokenize(texts)
+
+    class OldTokenizers:  # tokenizers < 0.21: no encode_batch_fast
+        def __init__(self, backend):
+            self.encode_batch = backend.encode_batch
+
+    monkeypatch.setattr(cpu_scorer, "backend", OldTokenizers(cpu_scorer.backend))
+    assert cpu_scorer.tokenize(texts) == fast
 
 
 # --- truncation ------------------------------------------------------------------------------------------------
@@ -451,6 +570,49 @@ def test_a_compile_that_fails_at_warm_up_falls_back_to_eager_and_scores_the_same
     eager.warm_up()
     assert eager.compiled is False
     assert eager.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
+
+
+def test_the_model_gets_its_mask_mapping_from_us_and_scores_the_same(tiny_models, client):
+    assert client.get("/health").json()["mask_mapping"] is True
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu")
+    scorer = RewardScorer.load(cfg)
+    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7, [11] * 3]
+    built_by_transformers = scorer.score_ids(seqs)  # padded and packed micro-batches, transformers' own masks
+    scorer.warm_up()
+    assert scorer.mask_mapping is True
+    assert scorer.score_ids(seqs) == pytest.approx(built_by_transformers, abs=1e-5)
+    assert scorer.score_ids([seqs[0]]) == pytest.approx([built_by_transformers[0]], abs=1e-5)
+
+
+@pytest.mark.parametrize("how", ["refuses", "misreads"])
+def test_a_model_that_does_not_take_the_mask_mapping_builds_its_own_masks(tiny_models, monkeypatch, caplog, how):
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7, [11] * 3]
+    expected = scorer.score_ids(seqs)
+    forward = scorer.base.forward
+
+    def older_model(*args, attention_mask=None, **kwargs):  # a forward written before per-layer mask mappings
+        if isinstance(attention_mask, dict):
+            if how == "refuses":
+                raise AttributeError("'dict' object has no attribute 'ndim'")
+            kwargs["inputs_embeds"] = scorer.base.embed_tokens(kwargs.pop("input_ids")) * 2  # runs, scores wrong
+            attention_mask = attention_mask["full_attention"]
+        return forward(*args, attention_mask=attention_mask, **kwargs)
+
+    monkeypatch.setattr(scorer.base, "forward", older_model)
+    scorer.warm_up()
+    assert scorer.mask_mapping is False
+    assert "does not take a per-layer mask mapping" in caplog.text
+    assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
+
+
+def test_models_with_sliding_window_layers_keep_transformers_masks(tiny_models):
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+    scorer.model.config.layer_types = ["full_attention", "sliding_attention"]
+    again = RewardScorer(scorer.model, scorer.tokenizer, "cpu", scorer.settings)
+    assert again.can_map_mask is False
+    again.warm_up()
+    assert again.mask_mapping is False
 
 
 def test_plain_text_fallback_when_the_tokenizer_has_no_chat_template(tiny_models, reference):
