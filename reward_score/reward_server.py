@@ -660,7 +660,7 @@ class Batcher:
         while not handle.ready():
             job = self._take(0.001)
             if job is not None:
-                self._admit([job], waiting)
+                self._admit([job, *self._queued()], waiting)  # all that queued while a launch held this thread
             elif self._stopping:
                 break
             if waiting and len(flights) < self.depth and self._due(waiting):

@@ -8,6 +8,7 @@ import asyncio
 import json
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from reward_score.reward_server import (
     Preparer,
     RewardScorer,
     Settings,
+    _Job,
     create_app,
     load_settings,
 )
@@ -294,6 +296,27 @@ def test_while_one_micro_batch_runs_the_next_goes_in_once_its_rows_waited_max_wa
             gate.set()
         assert await asyncio.wait_for(running, 5) == [90.0]
         assert [await asyncio.wait_for(f, 5) for f in small] == [[10.0]] * 3
+
+    _with_batcher(2, body)
+
+
+def test_requests_that_queued_while_the_thread_was_busy_go_in_one_micro_batch():
+    async def body(scorer, batcher):
+        running = asyncio.ensure_future(batcher.score([[1] * 90]))
+        await _until(lambda: len(scorer.launched) == 1)
+        loop = asyncio.get_running_loop()
+        # Three requests that have waited past max_wait already (as while a launch held the thread), queued at once.
+        jobs = [_Job([[k] * 5], loop.create_future(), loop, time.perf_counter() - 1) for k in (2, 3, 4)]
+        with batcher._queue.mutex:
+            batcher._queue.queue.extend(jobs)
+            batcher._queue.not_empty.notify()
+        await _until(lambda: len(scorer.launched) == 2)
+        await asyncio.sleep(0.05)
+        assert len(scorer.launched) == 2 and len(scorer.launched[1][0]) == 3, "one micro-batch, not one per request"
+        for _, gate in scorer.launched:
+            gate.set()
+        assert [await asyncio.wait_for(j.future, 5) for j in jobs] == [[10.0], [15.0], [20.0]]
+        assert await running == [90.0]
 
     _with_batcher(2, body)
 
