@@ -16,13 +16,16 @@ tokens again. A tokenizer without a chat template falls back to TRL's plain-text
 the server says so at start. Over-long input keeps its LAST `max_length` tokens (the score is read from the last
 token), or is rejected with 413 when `REWARD_TRUNCATION=reject`.
 
-Throughput: requests are tokenized in a thread pool, then one GPU thread plans every waiting row into micro-batches
-(sorted by length, padded to a multiple of `REWARD_PAD_MULTIPLE` tokens: a bounded set of shapes, each under
-`REWARD_TOKEN_BUDGET` tokens; where lengths are mixed, several short sequences share a row, each with its own positions
-and a block-diagonal causal mask), keeps two of them on the GPU, answers each request as soon as its own rows are scored,
-and plans the next micro-batch from whatever waits then, oldest request first. When idle it waits at most
-`REWARD_MAX_WAIT_MS` for a burst to gather. Every score is read at the row's last real token. A CUDA out-of-memory
-error splits the micro-batch and retries. The event loop never runs model code.
+Throughput: requests are rendered and tokenized off the event loop, all that wait in one pass; then one GPU thread
+plans every waiting row into micro-batches (sorted by length, padded to a multiple of `REWARD_PAD_MULTIPLE` tokens: a
+bounded set of shapes, each under `REWARD_TOKEN_BUDGET` tokens; where lengths are mixed, several short sequences share
+a row, each with its own positions and a block-diagonal causal mask), keeps two of them on the GPU, answers each
+request as soon as its own rows are scored, and plans the next micro-batch from whatever waits then, oldest request
+first. When idle it waits at most `REWARD_MAX_WAIT_MS` for a burst to gather; while one micro-batch runs, the next goes
+in behind it once a full budget or `REWARD_MAX_WAIT_MS` has passed. Every score is read at the row's last real token.
+Launching does not wait for the running micro-batch (pinned inputs; the model gets its mask mapping from us, not one
+built by transformers that synchronises). A CUDA out-of-memory error splits the micro-batch and retries. The event
+loop never runs model code.
 
 Settings come from the environment (names below); each has a command-line flag that wins (`--help`).
 """
@@ -570,7 +573,8 @@ class Batcher:
     answers each request as soon as its own rows are scored.
 
     Up to `depth` micro-batches are queued on the GPU: while one runs, the thread reads the finished one's scores,
-    answers those callers and launches the next from whatever is waiting, new arrivals included. Each launch takes
+    answers those callers and launches the next from whatever is waiting, new arrivals included; the next goes in
+    behind a running one once a full token budget waits or its oldest row has waited `max_wait`. Each launch takes
     the micro-batch (of the length-sorted plan) holding the oldest waiting row, so no request waits behind later
     ones. When idle, the first request waits up to `max_wait` for others to join (stopping once `quiet` passes with
     nothing new)."""
