@@ -19,9 +19,11 @@
 # --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a separate reward node).
 set -euo pipefail
 
-# ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [[ -n "${SLURM_SUBMIT_DIR:-}" && -f "${SLURM_SUBMIT_DIR}/helper_grpo_qwen3_4b.sh" ]] && repo=$SLURM_SUBMIT_DIR
+
+# ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
+set -a  # every setting below is exported as it is set: the helper and the Python checks read these same names
 CONTAINER="${CONTAINER:-singularity}"                          # singularity | apptainer | none (verl installed here)
 CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/verl_app.sif}"    # built from verl_app.def
 CONFIG_MODEL_PATH="${CONFIG_MODEL_PATH:-$repo/models/Qwen3-4B-Thinking-2507}"            # the policy
@@ -84,6 +86,7 @@ RAY_START_RETRIES="${RAY_START_RETRIES:-3}"
 STOP_TIMEOUT="${STOP_TIMEOUT:-30}"                              # seconds to stop servers and Ray at the end
 TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}"                 # what runs `-m verl.trainer.main_ppo ...`
 HF_HOME="${HF_HOME:-$repo/.cache/huggingface}"                  # datasets cache (HOME may be read-only in the image)
+set +a
 # ------------------------------------------------------------------------------------------------------------------
 
 # shellcheck source=launch/common.sh
@@ -93,21 +96,13 @@ job_id=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)-$$}
 job_log_dir="$CONFIG_LOG_DIR/${job_id}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}"
 srun_pid=""
 
-# Every setting the helper and the Python checks read, exported once; paths made absolute for every node.
+# export_settings: the settings' paths made absolute for every node, and what the job derives from them.
 export_settings() {
   local name
   for name in CONFIG_IMAGE_PATH CONFIG_MODEL_PATH CONFIG_REWARD_MODEL_PATH CONFIG_TRAIN_FILE CONFIG_TEST_FILE \
     CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME; do
     printf -v "$name" '%s' "$(realpath -m "${!name}")"
   done
-  export CONTAINER CONFIG_IMAGE_PATH CONFIG_MODEL_PATH CONFIG_REWARD_MODEL_PATH CONFIG_TRAIN_FILE CONFIG_TEST_FILE \
-    CONFIG_OUTPUT_DIR CONFIG_LOG_DIR CONFIG_GPUS_PER_NODE CONFIG_USE_SEPARATE_REWARD_NODE CONFIG_REWARD_DEVICE \
-    CONFIG_REWARD_GPUS REWARD_REPLICAS CONFIG_REWARD_SERVER_PORT RAY_PORT CONFIG_NETWORK_INTERFACE WANDB_PROJECT \
-    WANDB_MODE TRAINER_LOGGER ROLLOUT_MODE TRAIN_BATCH_SIZE MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH ACTOR_LR \
-    PPO_MINI_BATCH_SIZE MICRO_BATCH_PER_GPU ACTOR_PP ACTOR_TP ROLLOUT_TP ROLLOUT_N ROLLOUT_GPU_MEMORY KL_LOSS_COEF \
-    PROJECT_NAME EXPERIMENT_NAME SAVE_FREQ TEST_FREQ TOTAL_EPOCHS FP8 REWARD_START_TIMEOUT RAY_JOIN_TIMEOUT \
-    RAY_START_RETRIES STOP_TIMEOUT TRAINER_LAUNCHER HF_HOME PREFLIGHT_DATA PREFLIGHT_REWARD ALGORITHM TRAINER_MODE STRATEGY REWARD_MANAGER \
-    CRITIC_MODEL_PATH CRITIC_LR CRITIC_PP CRITIC_TP DAPO_DYNAMIC_SAMPLING OVERLONG_BUFFER_LEN ROLLOUT_GPUS_PER_NODE
   export JOB_LOG_DIR=$job_log_dir
   export RAY_TMP_DIR="${RAY_TMP_DIR:-/tmp/ray_${job_id}}"
   export RAY_NUM_CPUS="${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-$(nproc)}}"
@@ -128,6 +123,8 @@ container_cmd() {
   printf '%s\0' "$CONTAINER" exec --nv "${binds[@]}" --pwd "$repo" --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH"
 }
 
+# preflight: what must run before Python exists here (the image, the container program, Slurm's GPU count), then
+# launch.preflight in one container start: settings, verl's config checks, the data, the reward round trip.
 preflight() {
   log_phase "checks: settings, files, and the trainer config through verl's own code"
   local -a wrap
@@ -138,18 +135,11 @@ preflight() {
   if [[ "$CONTAINER" != none ]] && ! command -v "$CONTAINER" >/dev/null; then
     die "CONTAINER=$CONTAINER but '$CONTAINER' is not on PATH (module load it, or CONTAINER=apptainer|none)"
   fi
-  (cd "$repo" && "${wrap[@]}" python3 -m launch.settings check) ||
-    die "fix the settings above (top of run_grpo_qwen3_4b_mega_verl.sh, or the environment); nothing was started"
   if [[ -n "${SLURM_GPUS_ON_NODE:-}" && "$SLURM_GPUS_ON_NODE" != "$CONFIG_GPUS_PER_NODE" ]]; then
     die "Slurm gave $SLURM_GPUS_ON_NODE GPUs per node but CONFIG_GPUS_PER_NODE=$CONFIG_GPUS_PER_NODE: make #SBATCH --gpus-per-node match"
   fi
   (cd "$repo" && "${wrap[@]}" python3 -m launch.preflight "$@") ||
-    die "the preflight failed (above: verl's config checks, the data through RLHFDataset, or the reward check); nothing was started"
-  # The data as verl will read it: schema row by row, and prompt lengths in the policy's tokens (over-long prompts
-  # are dropped by data.filter_overlong_prompts, so they are counted, not fatal).
-  (cd "$repo" && "${wrap[@]}" python3 -m data_prep.validate "$CONFIG_TRAIN_FILE" "$CONFIG_TEST_FILE" \
-    --tokenizer "$CONFIG_MODEL_PATH" --max-prompt-length "$MAX_PROMPT_LENGTH" --overlong warn) ||
-    die "the train/test parquet files have errors (above): fix them or rebuild with python -m data_prep.build"
+    die "the preflight failed (above: the settings, verl's config checks, the data or the reward check); nothing was started"
   log "checks passed"
 }
 

@@ -153,25 +153,33 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    ok = validate_files(
+        args.files, tokenizer, args.max_prompt_length, args.overlong, json.loads(args.chat_template_kwargs)
+    )
+    return 0 if ok else 1
+
+
+def validate_files(paths, tokenizer=None, max_prompt_length=None, overlong="error", template_kwargs=None) -> bool:
+    """Check each file and print its summary; False when any has errors (or over-long prompts, with overlong=error)."""
     failed = False
     totals = Counter()
-    for path in args.files:
+    for path in map(Path, paths):
         if not path.is_file():
             print(f"{path}: no such file", file=sys.stderr)
             failed = True
             continue
-        report = validate_file(path, tokenizer, args.max_prompt_length, json.loads(args.chat_template_kwargs))
-        print(summary(report, args.max_prompt_length))
+        report = validate_file(path, tokenizer, max_prompt_length, template_kwargs)
+        print(summary(report, max_prompt_length))
         totals.update(rows=report.rows, errors=report.error_count, over=report.over_limit)
         failed |= report.error_count > 0 or report.rows == 0
         if report.rows == 0:
             print(f"  {path} has no rows", file=sys.stderr)
-        if report.over_limit and args.overlong == "error":
+        if report.over_limit and overlong == "error":
             failed = True
-    if totals["over"] and args.overlong == "warn":
+    if totals["over"] and overlong == "warn":
         print(f"warning: {totals['over']} prompts over the limit will be dropped by data.filter_overlong_prompts")
     print("FAILED" if failed else "OK")
-    return 1 if failed else 0
+    return not failed
 
 
 if __name__ == "__main__":

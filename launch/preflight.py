@@ -2,10 +2,13 @@
 
     python -m launch.preflight [EXTRA_OVERRIDES...]     # reads the settings run_grpo_qwen3_4b_mega_verl.sh exports
 
+The job's one check, in one process (one container start; the policy tokenizer loaded once):
+0. settings: launch.settings.check, one line per problem naming the setting;
 1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
    verl's `validate_config` (batch and micro-batch arithmetic, parallel sizes) and its typed config dataclasses;
-2. data (PREFLIGHT_DATA=1): the train and val parquet through verl's own RLHFDataset with the policy tokenizer and
-   its chat template, reporting how many prompts verl will drop as longer than data.max_prompt_length;
+2. data: every row's schema and prompt length (data_prep.validate); with PREFLIGHT_DATA=1 also the train and val
+   parquet through verl's own RLHFDataset with the policy tokenizer and its chat template, reporting how many prompts
+   verl will drop as longer than data.max_prompt_length;
 3. reward (PREFLIGHT_REWARD=1): a reward server started for the check, and verl's reward manager calling our reward
    file by path on real validation rows with made-up responses, as after a rollout.
 On failure it prints verl's message and the settings that feed that key.
@@ -20,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from launch.ports import free_port
-from launch.settings import REPO, SettingError, Settings, trainer_argv
+from launch.settings import REPO, SettingError, Settings, check, trainer_argv
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
 SETTING_OF_KEY = {
@@ -79,13 +82,11 @@ def validate(cfg) -> None:
     omega_conf_to_dataclass(cfg.algorithm)
 
 
-def check_data(cfg) -> list[str]:
+def check_data(cfg, tokenizer) -> list[str]:
     """Load train and val through verl's RLHFDataset (its own overlong filter), and read one item of each."""
     import pyarrow.parquet as pq
-    from verl.utils import hf_tokenizer
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)
     lines = []
     for split, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
         files = [files] if isinstance(files, str) else list(files)
@@ -138,7 +139,7 @@ def rollout_batch(tokenizer, rows: list[dict]):
     return data, responses, [len(r) for r in r_ids]
 
 
-def reward_round_trip(cfg, rows: int = 8) -> list[str]:
+def reward_round_trip(cfg, tokenizer=None, rows: int = 8) -> list[str]:
     """verl's reward manager, built from this config, scores made-up responses for real validation rows through the
     reward servers in REWARD_SERVER_URLS. Raises if a response is not scored or penalized as it should be."""
     import pandas as pd
@@ -146,7 +147,7 @@ def reward_round_trip(cfg, rows: int = 8) -> list[str]:
     from verl.utils import hf_tokenizer
 
     sys.modules.pop("custom_module", None)
-    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)
+    tokenizer = tokenizer or hf_tokenizer(cfg.actor_rollout_ref.model.path)
     files = cfg.data.val_files
     sample = pd.read_parquet(files if isinstance(files, str) else list(files)[0]).head(rows).to_dict("records")
     kwargs = dict(cfg.reward_model.get("reward_kwargs", {}))
@@ -198,12 +199,36 @@ def explain(exc: Exception) -> str:
     return text
 
 
+def check_rows(cfg, tokenizer) -> bool:
+    """Row by row, as data_prep.validate does: the schema verl's dataset and reward managers read, and prompt lengths
+    in the policy's tokens (over-long prompts are dropped by data.filter_overlong_prompts: counted, not fatal)."""
+    from data_prep.validate import validate_files
+
+    files = [
+        f
+        for split in (cfg.data.train_files, cfg.data.val_files)
+        for f in ([split] if isinstance(split, str) else split)
+    ]
+    template_kwargs = dict(cfg.data.get("apply_chat_template_kwargs") or {})
+    return validate_files(files, tokenizer, cfg.data.max_prompt_length, "warn", template_kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every check, in the order that fails cheapest first; one line per problem, naming what to change."""
     extra = sys.argv[1:] if argv is None else argv
     try:
         settings = Settings.from_env()
     except SettingError as exc:
-        print(f"preflight: {exc}", file=sys.stderr)
+        print(f"setting error: {exc}", file=sys.stderr)
+        return 1
+    problems = check(settings)
+    for problem in problems:
+        print(f"setting error: {problem}", file=sys.stderr)
+    if problems:
+        print(
+            "preflight: fix the settings above (top of run_grpo_qwen3_4b_mega_verl.sh, or the environment)",
+            file=sys.stderr,
+        )
         return 1
     try:
         module, path, name, overrides = split_command(trainer_argv(settings, extra=extra))
@@ -223,9 +248,19 @@ def main(argv: list[str] | None = None) -> int:
         f"(adv_estimator={cfg.algorithm.adv_estimator}, reward_manager={cfg.reward_model.reward_manager}, "
         f"rollout={cfg.actor_rollout_ref.rollout.name}/{cfg.actor_rollout_ref.rollout.mode})"
     )
+    from verl.utils import hf_tokenizer
+
+    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)  # the policy's, loaded once for every check below
+    if not check_rows(cfg, tokenizer):
+        print(
+            "preflight: the train/test parquet files have errors (above): fix them or rebuild with "
+            "python -m data_prep.build",
+            file=sys.stderr,
+        )
+        return 1
     if os.environ.get("PREFLIGHT_DATA", "1") == "1":
         try:
-            for line in check_data(cfg):
+            for line in check_data(cfg, tokenizer):
                 print(f"preflight: data {line}")
         except Exception as exc:  # verl's own dataset code, reported as it is
             print(f"preflight: verl's RLHFDataset cannot read the data: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -238,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 settings.reward_model_path, log, float(os.environ.get("REWARD_START_TIMEOUT", 900))
             )
             os.environ.update(REWARD_SERVER_URLS=url, REWARD_LOG_PATH="")
-            for line in reward_round_trip(cfg):
+            for line in reward_round_trip(cfg, tokenizer):
                 print(f"preflight: reward {line}")
         except Exception as exc:  # reported with the server's log, then the job stops
             print(

@@ -9,7 +9,7 @@ them; this module reads them from the environment and never invents its own.
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -20,127 +20,86 @@ class SettingError(ValueError):
     pass
 
 
-def _get(env, name: str) -> str:
-    if name not in env:
-        raise SettingError(f"{name} is not set (it has a default in run_grpo_qwen3_4b_mega_verl.sh: run through it)")
-    return env[name]
-
-
-def _number(env, name: str, kind: type, what: str):
-    raw = _get(env, name)
+def _parse(kind: type, name: str, raw: str):
+    """One setting's text as its field's type; a bad value names the setting."""
+    if kind is bool:
+        value = raw.lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off", ""):
+            return False
+        raise SettingError(f"{name}={raw!r}: use true or false")
     try:
         return kind(raw)
     except ValueError:
+        what = "a whole number" if kind is int else "a number"
         raise SettingError(f"{name}={raw!r} is not {what}") from None
 
 
-def _int(env, name: str) -> int:
-    return _number(env, name, int, "a whole number")
-
-
-def _float(env, name: str) -> float:
-    return _number(env, name, float, "a number")
-
-
-def _bool(env, name: str) -> bool:
-    raw = _get(env, name).lower()
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off", ""):
-        return False
-    raise SettingError(f"{name}={raw!r}: use true or false")
+def setting(name: str):
+    """A field read from the environment variable NAME, which the run script's settings block exports."""
+    return field(metadata={"env": name})
 
 
 @dataclass(frozen=True)
 class Settings:
-    container: str
-    image: str
-    model_path: str
-    reward_model_path: str
-    train_file: str
-    test_file: str
-    output_dir: str
-    nnodes: int
-    gpus_per_node: int
-    separate_reward_node: bool
-    rollout_mode: str
-    train_batch_size: int
-    max_prompt_length: int
-    max_response_length: int
-    actor_lr: float
-    ppo_mini_batch_size: int
-    micro_batch_per_gpu: int
-    actor_pp: int
-    actor_tp: int
-    rollout_tp: int
-    rollout_n: int
-    rollout_gpu_memory: float
-    kl_loss_coef: float
-    project_name: str
-    experiment_name: str
-    save_freq: int
-    test_freq: int
-    total_epochs: int
-    fp8: bool
-    logger: str
-    algorithm: str = "grpo"
-    trainer_mode: str = "sync"
-    strategy: str = "megatron"
-    reward_manager_setting: str = "auto"
-    critic_model_path: str = ""
-    critic_lr: float = 1e-5
-    critic_pp: int = 1
-    critic_tp: int = 1
-    dapo_dynamic_sampling: bool = False
-    overlong_buffer_len: int = 0
-    rollout_gpus_per_node: int = 0
+    """The settings block of run_grpo_qwen3_4b_mega_verl.sh, read. That block holds every default: a new setting is a
+    line there and a line here, and nothing here has a default of its own."""
+
+    container: str = setting("CONTAINER")
+    image: str = setting("CONFIG_IMAGE_PATH")
+    model_path: str = setting("CONFIG_MODEL_PATH")
+    reward_model_path: str = setting("CONFIG_REWARD_MODEL_PATH")
+    train_file: str = setting("CONFIG_TRAIN_FILE")
+    test_file: str = setting("CONFIG_TEST_FILE")
+    output_dir: str = setting("CONFIG_OUTPUT_DIR")
+    gpus_per_node: int = setting("CONFIG_GPUS_PER_NODE")
+    separate_reward_node: bool = setting("CONFIG_USE_SEPARATE_REWARD_NODE")
+    rollout_mode: str = setting("ROLLOUT_MODE")
+    train_batch_size: int = setting("TRAIN_BATCH_SIZE")
+    max_prompt_length: int = setting("MAX_PROMPT_LENGTH")
+    max_response_length: int = setting("MAX_RESPONSE_LENGTH")
+    actor_lr: float = setting("ACTOR_LR")
+    ppo_mini_batch_size: int = setting("PPO_MINI_BATCH_SIZE")
+    micro_batch_per_gpu: int = setting("MICRO_BATCH_PER_GPU")
+    actor_pp: int = setting("ACTOR_PP")
+    actor_tp: int = setting("ACTOR_TP")
+    rollout_tp: int = setting("ROLLOUT_TP")
+    rollout_n: int = setting("ROLLOUT_N")
+    rollout_gpu_memory: float = setting("ROLLOUT_GPU_MEMORY")
+    kl_loss_coef: float = setting("KL_LOSS_COEF")
+    project_name: str = setting("PROJECT_NAME")
+    experiment_name: str = setting("EXPERIMENT_NAME")
+    save_freq: int = setting("SAVE_FREQ")
+    test_freq: int = setting("TEST_FREQ")
+    total_epochs: int = setting("TOTAL_EPOCHS")
+    fp8: bool = setting("FP8")
+    logger: str = setting("TRAINER_LOGGER")
+    algorithm: str = setting("ALGORITHM")
+    trainer_mode: str = setting("TRAINER_MODE")
+    strategy: str = setting("STRATEGY")
+    reward_manager_setting: str = setting("REWARD_MANAGER")
+    critic_model_path: str = setting("CRITIC_MODEL_PATH")  # empty: the policy (filled in by from_env)
+    critic_lr: float = setting("CRITIC_LR")
+    critic_pp: int = setting("CRITIC_PP")
+    critic_tp: int = setting("CRITIC_TP")
+    dapo_dynamic_sampling: bool = setting("DAPO_DYNAMIC_SAMPLING")
+    overlong_buffer_len: int = setting("OVERLONG_BUFFER_LEN")
+    rollout_gpus_per_node: int = setting("ROLLOUT_GPUS_PER_NODE")
+    nnodes: int = 1  # from Slurm (SLURM_NNODES), not a setting
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
         env = os.environ if env is None else env
-        return cls(
-            container=_get(env, "CONTAINER"),
-            image=_get(env, "CONFIG_IMAGE_PATH"),
-            model_path=_get(env, "CONFIG_MODEL_PATH"),
-            reward_model_path=_get(env, "CONFIG_REWARD_MODEL_PATH"),
-            train_file=_get(env, "CONFIG_TRAIN_FILE"),
-            test_file=_get(env, "CONFIG_TEST_FILE"),
-            output_dir=_get(env, "CONFIG_OUTPUT_DIR"),
-            nnodes=int(env.get("SLURM_NNODES") or env.get("CONFIG_NUM_NODES") or 1),
-            gpus_per_node=_int(env, "CONFIG_GPUS_PER_NODE"),
-            separate_reward_node=_bool(env, "CONFIG_USE_SEPARATE_REWARD_NODE"),
-            rollout_mode=_get(env, "ROLLOUT_MODE"),
-            train_batch_size=_int(env, "TRAIN_BATCH_SIZE"),
-            max_prompt_length=_int(env, "MAX_PROMPT_LENGTH"),
-            max_response_length=_int(env, "MAX_RESPONSE_LENGTH"),
-            actor_lr=_float(env, "ACTOR_LR"),
-            ppo_mini_batch_size=_int(env, "PPO_MINI_BATCH_SIZE"),
-            micro_batch_per_gpu=_int(env, "MICRO_BATCH_PER_GPU"),
-            actor_pp=_int(env, "ACTOR_PP"),
-            actor_tp=_int(env, "ACTOR_TP"),
-            rollout_tp=_int(env, "ROLLOUT_TP"),
-            rollout_n=_int(env, "ROLLOUT_N"),
-            rollout_gpu_memory=_float(env, "ROLLOUT_GPU_MEMORY"),
-            kl_loss_coef=_float(env, "KL_LOSS_COEF"),
-            project_name=_get(env, "PROJECT_NAME"),
-            experiment_name=_get(env, "EXPERIMENT_NAME"),
-            save_freq=_int(env, "SAVE_FREQ"),
-            test_freq=_int(env, "TEST_FREQ"),
-            total_epochs=_int(env, "TOTAL_EPOCHS"),
-            fp8=_bool(env, "FP8"),
-            logger=_get(env, "TRAINER_LOGGER"),
-            algorithm=_get(env, "ALGORITHM"),
-            trainer_mode=_get(env, "TRAINER_MODE"),
-            strategy=_get(env, "STRATEGY"),
-            reward_manager_setting=_get(env, "REWARD_MANAGER"),
-            critic_model_path=env.get("CRITIC_MODEL_PATH") or _get(env, "CONFIG_MODEL_PATH"),
-            critic_lr=_float(env, "CRITIC_LR"),
-            critic_pp=_int(env, "CRITIC_PP"),
-            critic_tp=_int(env, "CRITIC_TP"),
-            dapo_dynamic_sampling=_bool(env, "DAPO_DYNAMIC_SAMPLING"),
-            overlong_buffer_len=_int(env, "OVERLONG_BUFFER_LEN"),
-            rollout_gpus_per_node=_int(env, "ROLLOUT_GPUS_PER_NODE"),
-        )
+        read = [f for f in fields(cls) if "env" in f.metadata]
+        missing = [f.metadata["env"] for f in read if f.metadata["env"] not in env]
+        if missing:
+            raise SettingError(
+                f"{', '.join(missing)} not set (the defaults live in run_grpo_qwen3_4b_mega_verl.sh: run through it)"
+            )
+        values = {f.name: _parse(f.type, f.metadata["env"], env[f.metadata["env"]]) for f in read}
+        values["critic_model_path"] = values["critic_model_path"] or values["model_path"]
+        return cls(**values, nnodes=int(env.get("SLURM_NNODES") or env.get("CONFIG_NUM_NODES") or 1))
 
     @property
     def train_nodes(self) -> int:

@@ -18,7 +18,7 @@ from tests.support import REPO
 def env(tiny_models, tmp_path):
     """The settings block's defaults (as run_grpo_qwen3_4b_mega_verl.sh exports them), on tiny models."""
     out = subprocess.run(
-        ["bash", "-c", f'set -a; source <(sed -n "/^# ---- settings/,/^# ------------/p" {REPO / "run_grpo_qwen3_4b_mega_verl.sh"}); env -0'],
+        ["bash", "-c", f'source <(sed -n "/^# ---- settings/,/^# ------------/p" {REPO / "run_grpo_qwen3_4b_mega_verl.sh"}); env -0'],
         capture_output=True, text=True, check=True, cwd=REPO,
     ).stdout  # fmt: skip
     defaults = dict(kv.split("=", 1) for kv in out.split("\0") if "=" in kv)

@@ -1,0 +1,51 @@
+"""Each setting is written once: a line in the run script's settings block, which exports it, and a field in
+launch.settings that reads that same name with no default of its own."""
+
+import re
+import subprocess
+from dataclasses import MISSING, fields
+
+import pytest
+
+from launch.settings import SettingError, Settings
+from tests.support import REPO
+
+RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
+
+
+def block_environment() -> dict[str, str]:
+    """What the settings block alone puts in the environment of the programs it starts (no `set -a` of ours)."""
+    out = subprocess.run(
+        ["bash", "-c", f'source <(sed -n "/^# ---- settings/,/^# ------------/p" {RUN_SCRIPT}); env -0'],
+        capture_output=True, text=True, check=True, cwd=REPO, env={"PATH": "/usr/bin:/bin"},
+    ).stdout  # fmt: skip
+    return dict(kv.split("=", 1) for kv in out.split("\0") if "=" in kv)
+
+
+def block_names() -> list[str]:
+    block = RUN_SCRIPT.read_text().split("# ---- settings", 1)[1].split("\n# ------------", 1)[0]
+    return re.findall(r'^([A-Z][A-Z0-9_]*)="\$\{\1:-', block, flags=re.M)
+
+
+def test_every_setting_in_the_block_is_exported_by_the_block_itself():
+    names, env = block_names(), block_environment()
+    assert len(names) > 40
+    assert [n for n in names if n not in env] == []
+
+
+def test_python_reads_only_names_the_block_sets_and_invents_no_defaults():
+    read = {f.metadata["env"]: f for f in fields(Settings) if "env" in f.metadata}
+    assert set(read) <= set(block_names()), set(read) - set(block_names())
+    assert all(f.default is MISSING and f.default_factory is MISSING for f in read.values())
+    settings = Settings.from_env(block_environment())
+    assert settings.train_batch_size == 256 and settings.separate_reward_node is False
+
+
+def test_a_missing_or_malformed_setting_names_itself():
+    env = block_environment()
+    with pytest.raises(SettingError, match="TRAIN_BATCH_SIZE not set"):
+        Settings.from_env({k: v for k, v in env.items() if k != "TRAIN_BATCH_SIZE"})
+    with pytest.raises(SettingError, match="ACTOR_LR='fast' is not a number"):
+        Settings.from_env(env | {"ACTOR_LR": "fast"})
+    with pytest.raises(SettingError, match="FP8='maybe': use true or false"):
+        Settings.from_env(env | {"FP8": "maybe"})
