@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from data_prep.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
-from launch.ports import free_port  # noqa: E402
+from launch.procs import free_port, start_server, stop_process  # noqa: E402
 from reward_score import safe_hack_reward_request as client  # noqa: E402
 
 SHAPES = {
@@ -164,29 +163,9 @@ def profile_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     }  # fmt: skip
 
 
-def start(cmd: list[str], log: Path, port: int, env: dict, timeout: float = 900) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[1]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"{cmd[1]} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def start(cmd: list[str], log: Path, port: int, env: dict, timeout: float = 900):
+    """`cmd` (a server on `port`), returned once its /health answers 200."""
+    return start_server(cmd, log, f"http://127.0.0.1:{port}/health", timeout, env, name=Path(cmd[1]).name)
 
 
 def peak_gib(url: str) -> float:
@@ -259,7 +238,7 @@ def main(argv=None) -> int:
                     f"article server, sequential per-sample client, {label}", time.monotonic() - t, len(pairs), tokens
                 )
         finally:
-            stop(proc)
+            stop_process(proc, 30)
 
     # --- ours ---
     port = free_port()
@@ -324,7 +303,7 @@ def main(argv=None) -> int:
                *profiled(concurrent, fresh2_pairs), n, fresh2_tokens)  # fmt: skip
         peak = peak_gib(url)
     finally:
-        stop(proc)
+        stop_process(proc, 30)
     rate_end = matmul_tflops(args.device)
     # The ceiling is the sustained rate (the benchmark page's definition); the first-burst rate is reported beside it.
     # Of the two measurements (before and after our rows), the higher: the harder ceiling.

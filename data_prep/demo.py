@@ -18,7 +18,7 @@ from pathlib import Path
 
 from data_prep.demo_data import write_demo
 from data_prep.tiny_models import build_policy_model, build_reward_model
-from launch.ports import free_port
+from launch.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

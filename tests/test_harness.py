@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from launch import procs
 from tests.fakes.fake_cluster import expand_hostlist
 from tests.support import REPO, free_port, http_get, start_http_server, start_process, wait_for_http
 
@@ -167,6 +168,17 @@ def test_wait_for_http_fails_fast_with_the_log_when_the_process_dies(tmp_path):
     )
     with pytest.raises(RuntimeError, match="boom: bad model path"):
         wait_for_http(proc, f"http://127.0.0.1:{free_port()}/health", timeout=30)
+
+
+def test_a_server_that_never_gets_healthy_times_out_naming_the_url_and_is_stopped(tmp_path, monkeypatch):
+    url = f"http://127.0.0.1:{free_port()}/health"
+    started = []
+    real_start = procs.start_process
+    monkeypatch.setattr(procs, "start_process", lambda *a, **k: started.append(real_start(*a, **k)) or started[-1])
+    with pytest.raises(TimeoutError, match=f"the silent one: {url} not ready after 1 s"):
+        procs.start_server([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "silent.log", url, 1,
+                           name="the silent one")  # fmt: skip
+    assert started[0].poll() is not None, "a server that never got healthy must not be left running"
 
 
 def test_caches_and_home_point_into_the_test_tmp_dir(isolated_env):
