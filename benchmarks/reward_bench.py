@@ -1,6 +1,6 @@
 """Reward scoring benchmark: one GRPO step (1024 pairs) through the article's design and through ours, over HTTP.
 
-The workload, baseline and ceiling are those of ../shared/docs/reward-benchmark.md:
+The workload, baseline and ceiling are those of docs/reward-benchmark.md:
 - 1024 (prompt, response) pairs; prompt lengths uniform in [100, 600] tokens, response lengths lognormal (median 300,
   sigma 0.8) clipped to [10, 1800], each pair clipped to 2048 tokens; seed 1234, fresh lengths from other seeds;
 - a Qwen3ForSequenceClassification of Qwen3-1.7B's shape with random weights (bf16 on GPU), and a word-level
