@@ -31,7 +31,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from data_prep.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
+from demo.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
 from launch.procs import free_port, start_server, stop_process  # noqa: E402
 from reward_score import safe_hack_reward_request as client  # noqa: E402
 
@@ -243,8 +243,8 @@ def main(argv=None) -> int:
     # --- ours ---
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server_env = dict(env, CONFIG_REWARD_MODEL_PATH=str(model_dir), CONFIG_REWARD_DEVICE=args.device,
-                      CONFIG_REWARD_SERVER_PORT=str(port), REWARD_SERVER_HOST="127.0.0.1")  # fmt: skip
+    server_env = dict(env, REWARD_MODEL_PATH=str(model_dir), REWARD_DEVICE=args.device, REWARD_PORT=str(port),
+                      REWARD_HOST="127.0.0.1")  # fmt: skip
     server_env.update(kv.split("=", 1) for kv in args.server_env)
     t = time.monotonic()
     proc = start(

@@ -1,7 +1,7 @@
 """Reward model server: scores (prompt, response) pairs exactly as TRL trained the model, batched across requests.
 
     python reward_score/reward_server.py --model-path /models/Unsafe-Reward-Qwen3-1.7B --port 8000
-    CONFIG_REWARD_MODEL_PATH=... CONFIG_REWARD_DEVICE=cuda:0 python -m reward_score.reward_server
+    REWARD_MODEL_PATH=... REWARD_DEVICE=cuda:0 REWARD_PORT=8000 python -m reward_score.reward_server
 
 API
     GET  /health       200 {model_path, device, dtype, max_length, ...} once the model is loaded and warmed up;

@@ -710,17 +710,24 @@ def test_plain_text_fallback_when_the_tokenizer_has_no_chat_template(tiny_models
 # --- settings ----------------------------------------------------------------------------------------------------
 
 
-def test_flags_win_over_the_environment_and_the_article_names_are_read():
-    env = {"CONFIG_REWARD_MODEL_PATH": "/m", "CONFIG_REWARD_DEVICE": "cuda:1", "CONFIG_REWARD_SERVER_PORT": "8100"}
+def test_flags_win_over_the_environment_and_the_servers_own_names_are_read():
+    env = {"REWARD_MODEL_PATH": "/m", "REWARD_DEVICE": "cuda:1", "REWARD_PORT": "8100", "REWARD_HOST": "127.0.0.1"}
     s = load_settings(["--port", "9001"], env)
-    assert (s.model_path, s.device, s.port) == ("/m", "cuda:1", 9001)
+    assert (s.model_path, s.device, s.port, s.host) == ("/m", "cuda:1", 9001, "127.0.0.1")
+
+
+def test_the_launch_scripts_settings_are_not_read_as_the_servers_own():
+    """The run script exports CONFIG_REWARD_SERVER_PORT as the FIRST of several ports; each server gets --port."""
+    env = {"CONFIG_REWARD_MODEL_PATH": "/m", "CONFIG_REWARD_DEVICE": "cuda:1", "CONFIG_REWARD_SERVER_PORT": "8100"}
+    s = load_settings([], env)
+    assert (s.model_path, s.device, s.port) == ("", "auto", 8000)
 
 
 @pytest.mark.parametrize(
     "env, needle",
     [
-        ({"CONFIG_REWARD_SERVER_PORT": "eighty"}, "CONFIG_REWARD_SERVER_PORT"),
-        ({"CONFIG_REWARD_DEVICE": "gpu"}, "CONFIG_REWARD_DEVICE"),
+        ({"REWARD_PORT": "eighty"}, "REWARD_PORT"),
+        ({"REWARD_DEVICE": "gpu"}, "REWARD_DEVICE"),
         ({"REWARD_TRUNCATION": "right"}, "REWARD_TRUNCATION"),
         ({"REWARD_MAX_LENGTH": "0"}, "REWARD_MAX_LENGTH"),
     ],

@@ -79,7 +79,7 @@ class RewardScorer:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise RuntimeError(f"CONFIG_REWARD_DEVICE={device} but torch sees no CUDA device; use cpu or auto")
+            raise RuntimeError(f"--device {device} (REWARD_DEVICE) but torch sees no CUDA device; use cpu or auto")
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
         model = AutoModelForSequenceClassification.from_pretrained(

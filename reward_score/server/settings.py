@@ -1,6 +1,8 @@
 """The reward server's settings: each one's environment variable, flag and help, read and checked in one place.
 
-Defaults, then the environment, then command-line flags (which win). Nothing else in the server reads the environment.
+Defaults, then the environment, then command-line flags (which win). Nothing else in the server reads the environment,
+and it reads only its own REWARD_* names: the launch scripts' CONFIG_* settings (CONFIG_REWARD_SERVER_PORT is the
+*first* port of several servers) reach a server as flags, never by being inherited.
 """
 
 import argparse
@@ -38,10 +40,10 @@ class Settings:
 
 
 _SETTINGS: dict[str, tuple[str, str]] = {
-    "model_path": ("CONFIG_REWARD_MODEL_PATH", "folder of the reward model (config.json, weights, tokenizer)"),
-    "device": ("CONFIG_REWARD_DEVICE", "cpu | cuda | cuda:N | auto (cuda if available)"),
-    "host": ("REWARD_SERVER_HOST", "address to bind (0.0.0.0: reachable from the other nodes)"),
-    "port": ("CONFIG_REWARD_SERVER_PORT", "port to listen on"),
+    "model_path": ("REWARD_MODEL_PATH", "folder of the reward model (config.json, weights, tokenizer)"),
+    "device": ("REWARD_DEVICE", "cpu | cuda | cuda:N | auto (cuda if available)"),
+    "host": ("REWARD_HOST", "address to bind (0.0.0.0: reachable from the other nodes)"),
+    "port": ("REWARD_PORT", "port to listen on"),
     "max_length": ("REWARD_MAX_LENGTH", "tokens scored per pair; longer input keeps its last tokens"),
     "truncation": ("REWARD_TRUNCATION", "left: keep the last max_length tokens; reject: answer 413"),
     "token_budget": ("REWARD_TOKEN_BUDGET", "padded tokens per forward (0: 32768 on GPU, 8192 on CPU)"),
@@ -92,7 +94,7 @@ def load_settings(
     if settings.truncation not in ("left", "reject"):
         problems.append(f"REWARD_TRUNCATION must be 'left' or 'reject', got {settings.truncation!r}")
     if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):
-        problems.append(f"CONFIG_REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
+        problems.append(f"REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
     for name in ("max_length", "max_batch_rows", "pad_multiple", "max_items", "max_chars", "max_body_bytes"):
         if getattr(settings, name) < 1:
             problems.append(f"{_SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
@@ -104,10 +106,10 @@ def load_settings(
 def check_model_path(path: str) -> str | None:
     """Why `path` cannot be a reward model folder, or None. Checked before anything starts."""
     if not path:
-        return "CONFIG_REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
+        return "REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
     folder = Path(path)
     if not folder.is_dir():
-        return f"CONFIG_REWARD_MODEL_PATH={path}: no such directory"
+        return f"the reward model path {path} (--model-path, REWARD_MODEL_PATH): no such directory"
     if not (folder / "config.json").is_file():
-        return f"CONFIG_REWARD_MODEL_PATH={path}: no config.json there (is it the folder save_pretrained wrote?)"
+        return f"the reward model path {path}: no config.json there (is it the folder save_pretrained wrote?)"
     return None
