@@ -80,7 +80,9 @@ def wait_for_http(
         except OSError as e:
             last = repr(e)
         time.sleep(interval)
-    raise TimeoutError(f"{name}: {url} not ready after {timeout:.0f} s (last: {last}); log {log}:\n{tail(log)}")
+    raise TimeoutError(
+        f"{name} was not healthy after {timeout:.0f} s (GET {url}, last: {last}); log {log}:\n{tail(log)}"
+    )
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:

@@ -175,7 +175,7 @@ def test_a_server_that_never_gets_healthy_times_out_naming_the_url_and_is_stoppe
     started = []
     real_start = procs.start_process
     monkeypatch.setattr(procs, "start_process", lambda *a, **k: started.append(real_start(*a, **k)) or started[-1])
-    with pytest.raises(TimeoutError, match=f"the silent one: {url} not ready after 1 s"):
+    with pytest.raises(TimeoutError, match=f"the silent one was not healthy after 1 s \\(GET {url}"):
         procs.start_server([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "silent.log", url, 1,
                            name="the silent one")  # fmt: skip
     assert started[0].poll() is not None, "a server that never got healthy must not be left running"
