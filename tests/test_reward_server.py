@@ -632,6 +632,18 @@ def test_cuda_out_of_memory_splits_the_micro_batch_and_the_server_keeps_serving(
         assert c.post("/score", json=items[0]).status_code == 200
 
 
+def test_a_nan_score_is_an_internal_error_never_a_score(tiny_models, monkeypatch):
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu")
+    scorer = RewardScorer.load(cfg)
+    with TestClient(create_app(cfg, scorer), raise_server_exceptions=False) as c:
+        monkeypatch.setattr(scorer.head, "forward", lambda hidden: torch.full((hidden.shape[0], 1), float("nan")))
+        for path, body in (("/score", {"prompt": "hi", "response": "ok"}),
+                           ("/score_batch", {"items": [{"prompt": "hi", "response": "ok"}] * 3})):  # fmt: skip
+            r = c.post(path, json=body)
+            assert r.status_code == 500 and "internal error" in r.json()["detail"], (path, r.text)
+        assert metric(c, 'reward_errors_total{kind="internal"}') == 2
+
+
 def test_a_compile_that_fails_at_warm_up_falls_back_to_eager_and_scores_the_same(tiny_models):
     cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", compile="off")
     eager = RewardScorer.load(cfg)

@@ -16,7 +16,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictStr, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from reward_score.server.batcher import Batcher, Preparer
@@ -65,16 +65,14 @@ class ScoreBatchRequest(BaseModel):
     items: list[ScoreItem] = Field(min_length=1)
 
 
-# Responses keep a NaN score as NaN (what the model said), not null.
+# A NaN or infinite score is a broken model, never a score: building the response raises, and the caller gets a 500.
 class ScoreResponse(BaseModel):
-    model_config = ConfigDict(ser_json_inf_nan="constants")
-    score: float
+    score: FiniteFloat
     truncated: bool
 
 
 class ScoreBatchResponse(BaseModel):
-    model_config = ConfigDict(ser_json_inf_nan="constants")
-    scores: list[float]
+    scores: list[FiniteFloat]
     truncated: list[bool]
 
 
