@@ -32,7 +32,7 @@ $(STAMP): requirements/reward.txt requirements/test.txt requirements/constraints
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/python -m data_prep.demo
+	$(BIN)/python -m demo.run
 
 lint: $(STAMP)
 	shellcheck --external-sources $(shell_files)

@@ -1,6 +1,6 @@
 """Reward scoring benchmark: one GRPO step (1024 pairs) through the article's design and through ours, over HTTP.
 
-The workload, baseline and ceiling are those of ../shared/docs/reward-benchmark.md:
+The workload, baseline and ceiling are those of docs/reward-benchmark.md:
 - 1024 (prompt, response) pairs; prompt lengths uniform in [100, 600] tokens, response lengths lognormal (median 300,
   sigma 0.8) clipped to [10, 1800], each pair clipped to 2048 tokens; seed 1234, fresh lengths from other seeds;
 - a Qwen3ForSequenceClassification of Qwen3-1.7B's shape with random weights (bf16 on GPU), and a word-level
@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,8 +31,8 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from data_prep.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
-from launch.ports import free_port  # noqa: E402
+from demo.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
+from launch.procs import free_port, start_server, stop_process  # noqa: E402
 from reward_score import safe_hack_reward_request as client  # noqa: E402
 
 SHAPES = {
@@ -164,29 +163,9 @@ def profile_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     }  # fmt: skip
 
 
-def start(cmd: list[str], log: Path, port: int, env: dict, timeout: float = 900) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[1]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"{cmd[1]} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def start(cmd: list[str], log: Path, port: int, env: dict, timeout: float = 900):
+    """`cmd` (a server on `port`), returned once its /health answers 200."""
+    return start_server(cmd, log, f"http://127.0.0.1:{port}/health", timeout, env, name=Path(cmd[1]).name)
 
 
 def peak_gib(url: str) -> float:
@@ -259,13 +238,13 @@ def main(argv=None) -> int:
                     f"article server, sequential per-sample client, {label}", time.monotonic() - t, len(pairs), tokens
                 )
         finally:
-            stop(proc)
+            stop_process(proc, 30)
 
     # --- ours ---
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server_env = dict(env, CONFIG_REWARD_MODEL_PATH=str(model_dir), CONFIG_REWARD_DEVICE=args.device,
-                      CONFIG_REWARD_SERVER_PORT=str(port), REWARD_SERVER_HOST="127.0.0.1")  # fmt: skip
+    server_env = dict(env, REWARD_MODEL_PATH=str(model_dir), REWARD_DEVICE=args.device, REWARD_PORT=str(port),
+                      REWARD_HOST="127.0.0.1")  # fmt: skip
     server_env.update(kv.split("=", 1) for kv in args.server_env)
     t = time.monotonic()
     proc = start(
@@ -324,7 +303,7 @@ def main(argv=None) -> int:
                *profiled(concurrent, fresh2_pairs), n, fresh2_tokens)  # fmt: skip
         peak = peak_gib(url)
     finally:
-        stop(proc)
+        stop_process(proc, 30)
     rate_end = matmul_tflops(args.device)
     # The ceiling is the sustained rate (the benchmark page's definition); the first-burst rate is reported beside it.
     # Of the two measurements (before and after our rows), the higher: the harder ceiling.

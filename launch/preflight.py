@@ -18,11 +18,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
-from launch.ports import free_port
+from launch.procs import free_port, start_server, stop_process
 from launch.settings import REPO, SettingError, Settings, check, trainer_argv
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
@@ -174,21 +172,8 @@ def start_reward_server(model_path: str, log: Path, timeout: float) -> tuple[sub
     port = free_port()
     cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto")]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the reward server for the check exited with {proc.returncode}; log: {log}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"the reward server for the check was not healthy after {timeout:.0f} s; log: {log}")
+    url = f"http://127.0.0.1:{port}"
+    return start_server(cmd, log, url + "/health", timeout, name="the reward server for the check"), url
 
 
 def explain(exc: Exception) -> str:
@@ -282,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         finally:
             if server is not None:
-                server.terminate()
-                server.wait(30)
+                stop_process(server, 30)
     return 0
 
 

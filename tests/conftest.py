@@ -47,7 +47,7 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """A tiny reward model and policy built from configs once per session (nothing downloaded)."""
-    from data_prep.tiny_models import build_policy_model, build_reward_model
+    from demo.tiny_models import build_policy_model, build_reward_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     return SimpleNamespace(

@@ -3,43 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch.ports import free_port  # noqa: F401  (the tests import it from here)
+from launch import procs
+from launch.procs import free_port, http_get, tail  # noqa: F401  (the tests import them from here)
 
 REPO = Path(__file__).resolve().parent.parent
 FAKES = Path(__file__).resolve().parent / "fakes"
 FAKE_PROGRAMS = ("sbatch", "srun", "scontrol", "singularity", "apptainer")
 
 
-def tail(path: Path | str, lines: int = 40) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return f"(no log at {path})"
-
-
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    """GET without raising on 4xx/5xx; (status, body). Connection errors propagate."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
 @dataclass
 class Process:
-    """A background process whose output goes to a log file (never an undrained pipe)."""
+    """A background process whose output goes to a log file, with the URL it serves once it is ready."""
 
     popen: subprocess.Popen
     log: Path
@@ -50,47 +30,16 @@ class Process:
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM the process group, SIGKILL after `timeout`; return the exit code."""
-        if self.alive():
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-        return self.popen.returncode
+        return procs.stop_process(self.popen, timeout)
 
 
 def start_process(cmd: Sequence[str], log: Path, env: Mapping[str, str] | None = None, cwd: Path = REPO) -> Process:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        popen = subprocess.Popen(
-            list(cmd),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else None,
-            cwd=cwd,
-            start_new_session=True,  # its own process group, so stop() also ends its children
-        )
-    return Process(popen, log)
+    return Process(procs.start_process(cmd, log, env, cwd), log)
 
 
 def wait_for_http(proc: Process, url: str, timeout: float = 60.0, expect: int = 200) -> None:
     """Poll `url` until it answers `expect`; fail early if the process dies, with its log tail."""
-    deadline = time.monotonic() + timeout
-    last = "no answer yet"
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"process exited with {proc.popen.returncode} before {url} was ready:\n{tail(proc.log)}")
-        try:
-            status, body = http_get(url, timeout=2.0)
-            if status == expect:
-                return
-            last = f"HTTP {status}: {body[:200]!r}"
-        except OSError as e:
-            last = repr(e)
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout:.0f} s (last: {last}):\n{tail(proc.log)}")
+    procs.wait_for_http(proc.popen, url, proc.log, timeout, expect)
 
 
 def start_http_server(
@@ -102,14 +51,8 @@ def start_http_server(
     timeout: float = 90.0,
 ) -> Process:
     """Start a server on 127.0.0.1:`port` and return once `health` answers 200."""
-    proc = start_process(cmd, log, env)
-    proc.url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_http(proc, proc.url + health, timeout)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
+    url = f"http://127.0.0.1:{port}"
+    return Process(procs.start_server(cmd, log, url + health, timeout, env, REPO), log, url)
 
 
 @dataclass

@@ -277,3 +277,16 @@ def test_validate_reports_broken_rows_by_number_and_duplicates(tmp_path, capsys)
     pq.write_table(pa.Table.from_pylist([{"text": "no verl columns"}]), path)
     assert validate_main([str(path)]) == 1
     assert "columns ['data_source', 'prompt', 'reward_model'] are missing" in capsys.readouterr().out
+
+
+def test_the_data_builders_import_neither_the_launch_code_nor_the_demo():
+    """data_prep/ is what a user runs to build data: it must not pull in the launch scripts' code or the demo's."""
+    import ast
+
+    for path in sorted((REPO / "data_prep").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.append(node.module)
+            for name in names:
+                assert name.split(".")[0] not in ("launch", "demo"), f"{path.name} imports {name}"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from launch import procs
 from tests.fakes.fake_cluster import expand_hostlist
 from tests.support import REPO, free_port, http_get, start_http_server, start_process, wait_for_http
 
@@ -169,6 +170,17 @@ def test_wait_for_http_fails_fast_with_the_log_when_the_process_dies(tmp_path):
         wait_for_http(proc, f"http://127.0.0.1:{free_port()}/health", timeout=30)
 
 
+def test_a_server_that_never_gets_healthy_times_out_naming_the_url_and_is_stopped(tmp_path, monkeypatch):
+    url = f"http://127.0.0.1:{free_port()}/health"
+    started = []
+    real_start = procs.start_process
+    monkeypatch.setattr(procs, "start_process", lambda *a, **k: started.append(real_start(*a, **k)) or started[-1])
+    with pytest.raises(TimeoutError, match=f"the silent one was not healthy after 1 s \\(GET {url}"):
+        procs.start_server([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "silent.log", url, 1,
+                           name="the silent one")  # fmt: skip
+    assert started[0].poll() is not None, "a server that never got healthy must not be left running"
+
+
 def test_caches_and_home_point_into_the_test_tmp_dir(isolated_env):
     for key in ("HOME", "TMPDIR", "HF_HOME", "XDG_CACHE_HOME", "WANDB_DIR"):
         assert Path(os.environ[key]).is_relative_to(isolated_env), key
@@ -222,3 +234,22 @@ def test_repository_layout_has_every_entry_point():
         ".ci/run",
     ):
         assert (REPO / name).exists(), name
+
+
+def test_the_readme_file_tree_names_only_files_that_exist():
+    tree = (REPO / "README.md").read_text().split("## Files", 1)[1].split("```", 2)[1]
+    for line in tree.strip().splitlines():
+        first, *more = line.split("  ", 1)[0].strip().split(", ")
+        folder = Path(first).parent if "/" in first else Path()
+        for name in [first, *(m if "/" in m else str(folder / m) for m in more)]:
+            assert (REPO / name).exists(), f"the README's file tree names {name}, which does not exist"
+
+
+def test_nothing_in_the_repository_points_outside_it():
+    """A user's clone has only this repository: docs live in docs/, never in a sibling folder."""
+    outside = "../" + "shared"
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for name in tracked:
+        path = REPO / name
+        if path.is_file() and path.suffix in (".py", ".md", ".sh", ".txt", ".toml", ".def", ""):
+            assert outside not in path.read_text(errors="replace"), f"{name} cites {outside}"

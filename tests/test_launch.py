@@ -20,7 +20,7 @@ RUN = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
 
 @pytest.fixture(scope="module")
 def demo_data(tmp_path_factory):
-    from data_prep.demo_data import write_demo
+    from demo.data import write_demo
 
     return write_demo(tmp_path_factory.mktemp("data"), n=40)
 

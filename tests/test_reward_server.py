@@ -4,8 +4,10 @@ In-process tests use FastAPI's TestClient with the lifespan running (model load,
 process tests start the real `python reward_score/reward_server.py` on a loopback port.
 """
 
+import ast
 import asyncio
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -18,16 +20,11 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reward_score.reward_server import (
-    Batcher,
-    ConversationRefused,
-    Preparer,
-    RewardScorer,
-    Settings,
-    _Job,
-    create_app,
-    load_settings,
-)
+from reward_score.server.app import create_app
+from reward_score.server.batcher import Batcher, Preparer, _Job
+from reward_score.server.planner import Planner
+from reward_score.server.runner import ConversationRefused, RewardScorer
+from reward_score.server.settings import Settings, load_settings
 from tests.support import REPO, free_port, http_get, start_http_server, start_process
 
 LONG_ANSWER = " ".join(f"word{i % 17} step {i}" for i in range(120))
@@ -134,7 +131,7 @@ def test_micro_batches_respect_the_token_budget_and_pad_to_a_bounded_set_of_leng
     cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", token_budget=512, pad_multiple=64)
     scorer = RewardScorer.load(cfg)
     lengths = [5, 700, 64, 65, 300, 129, 1, 1000, 64, 200]
-    plan = scorer.plan(lengths)
+    plan = scorer.planner.plan(lengths)
     assert sorted(i for rows in plan for i in rows) == list(range(len(lengths)))
     seen = []
     scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width, tokens))
@@ -176,12 +173,7 @@ class _GatedScorer:
     """Stands in for the GPU: each launched micro-batch finishes only when the test opens its gate.
     A row's score is the sum of its ids; a row [666] makes the launch raise, [777] the wait for its result."""
 
-    token_budget = 100
-    settings = Settings(pad_multiple=1)
-    can_pack = False
-    plan = RewardScorer.plan
-    padded_length = RewardScorer.padded_length
-    width_for = RewardScorer.width_for
+    planner = Planner(token_budget=100, pad_multiple=1)
 
     def __init__(self):
         self.launched: list[tuple[list[list[int]], threading.Event]] = []
@@ -349,6 +341,68 @@ def test_an_error_while_waiting_on_the_gpu_fails_the_requests_held_and_the_threa
         assert await asyncio.wait_for(after, 5) == [8.0]
 
     _with_batcher(2, body)
+
+
+# --- the planner and the package's layers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lengths, pack, expected",
+    [
+        # mixed lengths, packing allowed: 10 sequences (987 tokens) in 4 rows of 256 (first-fit, longest first)
+        ([250, 31, 90, 7, 160, 64, 12, 200, 45, 128], True, (256, 4)),
+        # the same lengths where the model cannot pack: one padded row each
+        ([250, 31, 90, 7, 160, 64, 12, 200, 45, 128], False, (256, None)),
+        # similar lengths: packing would save no row, so they are padded
+        ([250, 240, 231, 200, 199], True, (256, None)),
+        # one sequence is never packed, and its width is the next multiple of 64
+        ([65], True, (128, None)),
+    ],
+)
+def test_the_planner_alone_decides_how_a_micro_batch_is_laid_out(lengths, pack, expected):
+    layout = Planner(token_budget=4096, pad_multiple=64, pack=pack).layout(lengths)
+    width, rows = expected
+    assert layout.width == width
+    if rows is None:
+        assert layout.bins is None
+    else:
+        assert len(layout.bins) == rows and sorted(k for b in layout.bins for k in b) == list(range(len(lengths)))
+        assert all(sum(lengths[k] for k in b) <= width for b in layout.bins)
+
+
+def test_the_planner_keeps_every_micro_batch_within_the_token_budget_as_it_runs():
+    planner = Planner(token_budget=512, pad_multiple=64, pack=True)
+    lengths = [5, 700, 64, 65, 300, 129, 1, 1000, 64, 200, 33, 17, 90]
+    plan = planner.plan(lengths)
+    assert sorted(i for rows in plan for i in rows) == list(range(len(lengths)))
+    for rows in plan:
+        layout = planner.layout([lengths[i] for i in rows])
+        row_count = len(rows) if layout.bins is None else len(layout.bins)
+        assert row_count == 1 or row_count * layout.width <= 512, (rows, layout)
+
+
+def test_the_planner_and_the_settings_load_without_torch():
+    code = (
+        "import sys\n"
+        "from reward_score.server.planner import Planner\n"
+        "from reward_score.server.settings import load_settings\n"
+        "Planner(token_budget=64).plan([3, 70, 5])\n"
+        "assert 'torch' not in sys.modules and 'fastapi' not in sys.modules, sorted(sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+def test_each_part_of_the_server_imports_only_the_parts_before_it():
+    chain = ["settings", "planner", "runner", "batcher", "app"]
+    for k, name in enumerate(chain):
+        tree = ast.parse((REPO / "reward_score" / "server" / f"{name}.py").read_text())
+        imported = {
+            node.module.split(".")[2]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reward_score.server.")
+        }
+        assert imported <= set(chain[:k]), f"{name}.py imports {sorted(imported - set(chain[:k]))}, later in the chain"
 
 
 # --- tokenizing off the event loop ------------------------------------------------------------------------------
@@ -578,6 +632,18 @@ def test_cuda_out_of_memory_splits_the_micro_batch_and_the_server_keeps_serving(
         assert c.post("/score", json=items[0]).status_code == 200
 
 
+def test_a_nan_score_is_an_internal_error_never_a_score(tiny_models, monkeypatch):
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu")
+    scorer = RewardScorer.load(cfg)
+    with TestClient(create_app(cfg, scorer), raise_server_exceptions=False) as c:
+        monkeypatch.setattr(scorer.head, "forward", lambda hidden: torch.full((hidden.shape[0], 1), float("nan")))
+        for path, body in (("/score", {"prompt": "hi", "response": "ok"}),
+                           ("/score_batch", {"items": [{"prompt": "hi", "response": "ok"}] * 3})):  # fmt: skip
+            r = c.post(path, json=body)
+            assert r.status_code == 500 and "internal error" in r.json()["detail"], (path, r.text)
+        assert metric(c, 'reward_errors_total{kind="internal"}') == 2
+
+
 def test_a_compile_that_fails_at_warm_up_falls_back_to_eager_and_scores_the_same(tiny_models):
     cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", compile="off")
     eager = RewardScorer.load(cfg)
@@ -656,17 +722,24 @@ def test_plain_text_fallback_when_the_tokenizer_has_no_chat_template(tiny_models
 # --- settings ----------------------------------------------------------------------------------------------------
 
 
-def test_flags_win_over_the_environment_and_the_article_names_are_read():
-    env = {"CONFIG_REWARD_MODEL_PATH": "/m", "CONFIG_REWARD_DEVICE": "cuda:1", "CONFIG_REWARD_SERVER_PORT": "8100"}
+def test_flags_win_over_the_environment_and_the_servers_own_names_are_read():
+    env = {"REWARD_MODEL_PATH": "/m", "REWARD_DEVICE": "cuda:1", "REWARD_PORT": "8100", "REWARD_HOST": "127.0.0.1"}
     s = load_settings(["--port", "9001"], env)
-    assert (s.model_path, s.device, s.port) == ("/m", "cuda:1", 9001)
+    assert (s.model_path, s.device, s.port, s.host) == ("/m", "cuda:1", 9001, "127.0.0.1")
+
+
+def test_the_launch_scripts_settings_are_not_read_as_the_servers_own():
+    """The run script exports CONFIG_REWARD_SERVER_PORT as the FIRST of several ports; each server gets --port."""
+    env = {"CONFIG_REWARD_MODEL_PATH": "/m", "CONFIG_REWARD_DEVICE": "cuda:1", "CONFIG_REWARD_SERVER_PORT": "8100"}
+    s = load_settings([], env)
+    assert (s.model_path, s.device, s.port) == ("", "auto", 8000)
 
 
 @pytest.mark.parametrize(
     "env, needle",
     [
-        ({"CONFIG_REWARD_SERVER_PORT": "eighty"}, "CONFIG_REWARD_SERVER_PORT"),
-        ({"CONFIG_REWARD_DEVICE": "gpu"}, "CONFIG_REWARD_DEVICE"),
+        ({"REWARD_PORT": "eighty"}, "REWARD_PORT"),
+        ({"REWARD_DEVICE": "gpu"}, "REWARD_DEVICE"),
         ({"REWARD_TRUNCATION": "right"}, "REWARD_TRUNCATION"),
         ({"REWARD_MAX_LENGTH": "0"}, "REWARD_MAX_LENGTH"),
     ],

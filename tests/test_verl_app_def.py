@@ -60,3 +60,18 @@ def test_the_images_check_passes_in_the_test_environment():
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ok   import verl.model_merger" in run.stdout
+
+
+def test_the_servers_files_the_image_copies_are_all_it_needs(tmp_path):
+    """%files copies parts of the repository to /opt/verl-slurm; the reward server there must start (--help) alone."""
+    for line in section("files").strip().splitlines():
+        source, dest = line.split()
+        target = tmp_path / Path(dest).relative_to("/opt/verl-slurm")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / source, target)
+    run = subprocess.run(
+        [sys.executable, str(tmp_path / "reward_score" / "reward_server.py"), "--help"],
+        cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHONNOUSERSITE": "1"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "REWARD_TOKEN_BUDGET" in run.stdout

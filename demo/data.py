@@ -1,6 +1,6 @@
 """A small demo dataset (English and Japanese safety prompts) for the launch scripts' embedded default.
 
-python -m data_prep.demo_data OUT_DIR      # writes OUT_DIR/demo.jsonl, then OUT_DIR/train.parquet, test.parquet
+python -m demo.data OUT_DIR           # writes OUT_DIR/demo.jsonl, then OUT_DIR/train.parquet, test.parquet
 """
 
 import argparse

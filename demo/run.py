@@ -3,9 +3,9 @@
 Builds a tiny policy and reward model from configs and the demo dataset under demo_out/, then runs the real
 run_grpo_qwen3_4b_mega_verl.sh on this machine (no container): its checks and verl's own config checks of the full
 GRPO command, a reward server polled until healthy, a real Ray head, and, where the trainer would start, the reward
-round trip through verl's reward manager on demo responses (launch/demo_round_trip.py). Exits with the job's code.
+round trip through verl's reward manager on demo responses (demo/round_trip.py). Exits with the job's code.
 
-    python -m data_prep.demo [--out demo_out]
+    python -m demo.run [--out demo_out]        # what `make demo` runs
 """
 
 import argparse
@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from data_prep.demo_data import write_demo
-from data_prep.tiny_models import build_policy_model, build_reward_model
-from launch.ports import free_port
+from demo.data import write_demo
+from demo.tiny_models import build_policy_model, build_reward_model
+from launch.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         CONFIG_NETWORK_INTERFACE=os.environ.get("CONFIG_NETWORK_INTERFACE", "lo"),
         CONFIG_REWARD_SERVER_PORT=str(free_port()),
         RAY_PORT=str(free_port()),
-        TRAINER_LAUNCHER=str(REPO / "launch" / "demo_round_trip.py"),
+        TRAINER_LAUNCHER=str(REPO / "demo" / "round_trip.py"),
         HF_HOME=str(out / "cache" / "huggingface"),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     )

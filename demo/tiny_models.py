@@ -10,7 +10,7 @@ the models are randomly initialised from a `Qwen3Config`. They keep the properti
 - the reward model is a `Qwen3ForSequenceClassification` with `num_labels=1` and `pad_token_id` set, so batched
   scoring reads the last non-pad token.
 
-    python -m data_prep.tiny_models OUT_DIR        # writes OUT_DIR/reward_model and OUT_DIR/policy
+    python -m demo.tiny_models OUT_DIR        # writes OUT_DIR/reward_model and OUT_DIR/policy
 """
 
 from __future__ import annotations

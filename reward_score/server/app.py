@@ -1,0 +1,318 @@
+"""HTTP: the FastAPI app, its request and response bodies, limits, authorization and Prometheus metrics.
+
+The model loads in the lifespan, so uvicorn binds the port (and /health answers) only once the server can score.
+Handlers validate, then hand conversations to the Preparer (tokenizing) and ids to the Batcher (the GPU thread): the
+event loop never runs model code.
+"""
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hmac
+import logging
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictStr, model_validator
+from starlette.concurrency import run_in_threadpool
+
+from reward_score.server.batcher import Batcher, Preparer
+from reward_score.server.runner import ConversationRefused, InputTooLong, RewardScorer
+from reward_score.server.settings import Settings
+
+log = logging.getLogger("reward_server")
+
+
+# --- bodies --------------------------------------------------------------------------------------------------
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: StrictStr = Field(min_length=1, max_length=64)
+    content: StrictStr
+
+
+class ScoreItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    prompt: StrictStr | None = None
+    messages: list[Message] | None = None
+    response: StrictStr
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (text) or 'messages' (a chat list)")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("'prompt' is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' is empty")
+        if not self.response.strip():
+            raise ValueError("'response' is empty")
+        return self
+
+    def conversation(self) -> tuple[list[dict[str, str]], str]:
+        """(messages before the answer, the answer): a bare prompt is one user turn."""
+        messages = (
+            [m.model_dump() for m in self.messages] if self.messages else [{"role": "user", "content": self.prompt}]
+        )
+        return messages, self.response
+
+
+class ScoreBatchRequest(BaseModel):
+    items: list[ScoreItem] = Field(min_length=1)
+
+
+# A NaN or infinite score is a broken model, never a score: building the response raises, and the caller gets a 500.
+class ScoreResponse(BaseModel):
+    score: FiniteFloat
+    truncated: bool
+
+
+class ScoreBatchResponse(BaseModel):
+    scores: list[FiniteFloat]
+    truncated: list[bool]
+
+
+# --- metrics -------------------------------------------------------------------------------------------------
+
+
+class Metrics:
+    """The Prometheus series /metrics serves, in a registry of this app's own (several apps may share a process)."""
+
+    def __init__(self, peak_gpu_bytes):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("reward_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)  # fmt: skip
+        self.samples = Counter("reward_samples", "pairs scored", registry=r)
+        self.tokens = Counter("reward_tokens", "real tokens scored", registry=r)
+        self.padded = Counter("reward_padded_tokens", "tokens including padding", registry=r)
+        self.truncated = Counter("reward_truncations", "pairs longer than max_length whose start was cut", registry=r)
+        self.errors = Counter("reward_errors", "errors by kind", ["kind"], registry=r)
+        self.batch = Histogram("reward_batch_rows", "rows per forward", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+                               registry=r)  # fmt: skip
+        self.wait = Histogram("reward_queue_wait_seconds", "time a request waited for the GPU thread", registry=r)
+        self.forward = Histogram("reward_forward_seconds", "time to launch one micro-batch forward", registry=r)
+        self.prepare = Histogram("reward_prepare_seconds", "time of one render-and-tokenize pass (all requests waiting)",
+                                 registry=r)  # fmt: skip
+        peak = Gauge("reward_gpu_memory_peak_bytes", "peak GPU memory reserved by this server", registry=r)
+        peak.set_function(peak_gpu_bytes)
+
+    def on_forward(self, rows: int, width: int, tokens: int, seconds: float) -> None:
+        self.batch.observe(rows)
+        self.forward.observe(seconds)
+        self.tokens.inc(tokens)
+        self.padded.inc(rows * width)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _peak_gpu_bytes(scorer) -> float:
+    if scorer is None or not scorer.device.startswith("cuda"):
+        return 0.0
+    return float(scorer.torch.cuda.max_memory_reserved(scorer.device))
+
+
+class _BodyLimit:
+    """Pure ASGI middleware: 413 for a body over `limit` bytes, by Content-Length or while it streams in."""
+
+    def __init__(self, app, limit: int, on_reject=None):
+        self.app, self.limit, self.on_reject = app, limit, on_reject
+
+    def _error(self):
+        from starlette.exceptions import HTTPException
+
+        if self.on_reject:
+            self.on_reject()
+        return HTTPException(413, detail=f"request body over {self.limit} bytes (REWARD_MAX_BODY_BYTES)")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            error = self._error()
+            return await JSONResponse({"detail": error.detail}, status_code=413)(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    # An HTTPException passes through FastAPI's body parsing and becomes this 413.
+                    raise self._error()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+# --- the app -------------------------------------------------------------------------------------------------
+
+
+def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAPI:
+    """The FastAPI app. The model loads in the lifespan (or `scorer` is used as given, for tests)."""
+    state: dict[str, Any] = {}
+    metrics = Metrics(lambda: _peak_gpu_bytes(state.get("scorer")))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        active = scorer or await run_in_threadpool(RewardScorer.load, settings)
+        active.on_forward = metrics.on_forward
+        active.on_oom = lambda: metrics.errors.labels("cuda_oom_split").inc()
+        await run_in_threadpool(active.warm_up)
+        batcher = Batcher(
+            active,
+            settings.max_wait_ms / 1000,
+            settings.quiet_ms / 1000,
+            on_batch=lambda jobs, waits: [metrics.wait.observe(w) for w in waits],
+        )
+        batcher.start()
+        # One pass at a time, in a thread of its own (cheaper to reach than anyio's pool, ~0.1 ms a pass).
+        prepare_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-prepare")
+
+        async def in_prepare_thread(fn, *args):
+            return await asyncio.get_running_loop().run_in_executor(prepare_thread, fn, *args)
+
+        preparer = Preparer(
+            active, in_prepare_thread, on_pass=lambda requests, items, seconds: metrics.prepare.observe(seconds)
+        )
+        state.update(scorer=active, batcher=batcher, preparer=preparer)
+        log.info(
+            "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s max_length=%d truncation=%s format=%s "
+            "token_budget=%d",
+            settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, settings.max_length,
+            settings.truncation,
+            "chat template" if active.chat_template else "plain text (the tokenizer has no chat template)",
+            active.planner.token_budget,
+        )  # fmt: skip
+        try:
+            yield
+        finally:
+            batcher.stop()
+            prepare_thread.shutdown(wait=False)
+            state.clear()
+
+    app = FastAPI(title="reward model server", lifespan=lifespan)
+    app.add_middleware(
+        _BodyLimit, limit=settings.max_body_bytes, on_reject=lambda: metrics.errors.labels("body_too_large").inc()
+    )
+
+    def fail(status: int, kind: str, detail: str, endpoint: str) -> HTTPException:
+        metrics.errors.labels(kind).inc()
+        metrics.requests.labels(endpoint, str(status)).inc()
+        return HTTPException(status_code=status, detail=detail)
+
+    def authorize(request: Request, endpoint: str) -> None:
+        if not settings.auth_token:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {settings.auth_token}".encode()):
+            raise fail(
+                401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>' (REWARD_SERVER_TOKEN)", endpoint
+            )
+
+    def check_limits(items: list[ScoreItem], endpoint: str) -> None:
+        if len(items) > settings.max_items:
+            raise fail(
+                413,
+                "too_many_items",
+                f"{len(items)} items; the limit is {settings.max_items} (REWARD_MAX_ITEMS)",
+                endpoint,
+            )
+        for i, item in enumerate(items):
+            where = f"items[{i}]." if endpoint == "/score_batch" else ""
+            texts = [("prompt", item.prompt or "")] + [
+                (f"messages[{k}].content", m.content) for k, m in enumerate(item.messages or [])
+            ]
+            for name, text in [*texts, ("response", item.response)]:
+                if len(text) > settings.max_chars:
+                    raise fail(
+                        413, "string_too_long",
+                        f"{where}{name} is {len(text)} characters; the limit is {settings.max_chars} (REWARD_MAX_CHARS)",
+                        endpoint,
+                    )  # fmt: skip
+
+    async def score_items(items: list[ScoreItem], endpoint: str) -> tuple[list[float], list[bool]]:
+        if "batcher" not in state:
+            raise fail(503, "not_ready", "the model is not loaded yet", endpoint)
+        try:
+            ids = await state["preparer"].ids([it.conversation() for it in items])
+            encoded = [state["scorer"].fit(x, f"item {i}") for i, x in enumerate(ids)]
+            scores = await state["batcher"].score([e.ids for e in encoded])
+        except ConversationRefused as exc:
+            where = "messages" if endpoint == "/score" else "items[].messages"
+            raise fail(422, "template_refused", f"{where}: {exc}", endpoint) from None
+        except InputTooLong as exc:
+            raise fail(413, "too_long", str(exc), endpoint) from None
+        truncated = [e.truncated for e in encoded]
+        metrics.samples.inc(len(items))
+        metrics.truncated.inc(sum(truncated))
+        metrics.requests.labels(endpoint, "200").inc()
+        return scores, truncated
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        # Name each bad field and why, without echoing the (possibly huge) input back.
+        problems = []
+        for err in exc.errors()[:20]:
+            if err.get("type") == "json_invalid":
+                problems.append(f"body: not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
+                continue
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        metrics.errors.labels("invalid_request").inc()
+        metrics.requests.labels(request.url.path, "422").inc()
+        return JSONResponse(status_code=422, content={"detail": problems})
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        metrics.errors.labels("internal").inc()
+        metrics.requests.labels(request.url.path, "500").inc()
+        return JSONResponse(
+            status_code=500, content={"detail": f"internal error ({type(exc).__name__}); see the server log"}
+        )
+
+    @app.get("/health")
+    async def health():
+        if "scorer" not in state:
+            return JSONResponse(status_code=503, content={"status": "loading"})
+        active: RewardScorer = state["scorer"]
+        return {
+            "status": "ok",
+            "model_path": settings.model_path,
+            "device": active.device,
+            "dtype": active.dtype,
+            "max_length": settings.max_length,
+            "truncation": settings.truncation,
+            "format": "chat_template" if active.chat_template else "plain_text",
+            "compiled": active.compiled,
+            "mask_mapping": active.mask_mapping,
+            "auth": bool(settings.auth_token),
+        }
+
+    @app.post("/score", response_model=ScoreResponse)
+    async def score(item: ScoreItem, request: Request):
+        authorize(request, "/score")
+        check_limits([item], "/score")
+        scores, truncated = await score_items([item], "/score")
+        return ScoreResponse(score=scores[0], truncated=truncated[0])
+
+    @app.post("/score_batch", response_model=ScoreBatchResponse)
+    async def score_batch(body: ScoreBatchRequest, request: Request):
+        authorize(request, "/score_batch")
+        check_limits(body.items, "/score_batch")
+        scores, truncated = await score_items(body.items, "/score_batch")
+        return ScoreBatchResponse(scores=scores, truncated=truncated)
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request):
+        authorize(request, "/metrics")
+        return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,338 @@
+"""The model: load it, format and tokenize pairs, and run the micro-batches the planner lays out (padded rows, or
+several sequences packed to a row), warm-up, per-layer compile and the choice of mask path. Any thread may call it;
+the batcher (batcher.py) owns when. torch and transformers are imported only when a model loads, so `--help` and the
+settings checks run without them."""
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from reward_score.server.planner import Planner
+from reward_score.server.settings import Settings
+
+log = logging.getLogger("reward_server")
+
+
+class InputTooLong(ValueError):
+    """An item is longer than max_length under REWARD_TRUNCATION=reject, or cannot fit in memory alone."""
+
+
+class ConversationRefused(ValueError):
+    """The chat template raised on these messages (e.g. Qwen3's "No user query found in messages.")."""
+
+
+@dataclass
+class Encoded:
+    ids: list[int]
+    truncated: bool
+
+
+class RewardScorer:
+    """The model, its tokenizer and the formatting rule; `score_ids` runs micro-batched forwards (any thread)."""
+
+    def __init__(self, model, tokenizer, device: str, settings: Settings):
+        import jinja2
+        import torch
+
+        self.torch = torch
+        self._template_error = jinja2.TemplateError
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.settings = settings
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.chat_template = bool(getattr(tokenizer, "chat_template", None))
+        # The fast path reads the score at each row's last real token itself: no reliance on pad_token_id detection
+        # (a response may contain the pad token's text), and the head runs on B rows instead of B x L.
+        self.base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        self.head = getattr(model, "score", None)
+        # Packing needs the fast path and an attention that takes a boolean 4D mask as given (sdpa).
+        attention = getattr(model.config, "_attn_implementation", None)
+        self.can_pack = self.base is not None and self.head is not None and attention == "sdpa"
+        self.planner = Planner.for_settings(settings, device, pack=self.can_pack)
+        # Hand the model its per-layer mask mapping ourselves (warm_up checks the model takes it and scores the same)?
+        layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        self.can_map_mask = self.base is not None and self.head is not None and layer_types == {"full_attention"}
+        self.mask_mapping = False
+        # Inputs go to the GPU from pinned memory: a copy from pageable memory waits for the GPU to finish what is
+        # queued before it, so launching the next micro-batch would wait for the running one.
+        self.pin = device.startswith("cuda")
+        self.backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+        if self.backend is not None:
+            # Never mutated after this, so threads may encode concurrently.
+            self.backend.no_truncation()
+            self.backend.no_padding()
+        self._slow_lock = threading.Lock()
+        self.on_forward = None  # metrics hook: (rows, padded_len, real_tokens, seconds)
+        self.on_oom = None  # metrics hook: a micro-batch was split after a CUDA out-of-memory error
+        self.compiled = False
+
+    @classmethod
+    def load(cls, settings: Settings) -> "RewardScorer":
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        device = settings.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"--device {device} (REWARD_DEVICE) but torch sees no CUDA device; use cpu or auto")
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            settings.model_path, dtype=dtype, num_labels=1, attn_implementation="sdpa"
+        )
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = (
+                tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            )
+        model.to(device).eval()
+        scorer = cls(model, tokenizer, device, settings)
+        if settings.compile == "layers" or (settings.compile == "auto" and device.startswith("cuda")):
+            scorer.compile_layers()
+        return scorer
+
+    @property
+    def dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    # -- formatting ---------------------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, str]], response: str) -> str:
+        """The exact text the reward model was trained on for this conversation."""
+        if self.chat_template:
+            conversation = [*messages, {"role": "assistant", "content": response}]
+            try:
+                return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+            except self._template_error as exc:  # the template's own raise_exception(...): a wrong conversation
+                raise ConversationRefused(f"the reward model's chat template refused these messages: {exc}") from None
+        # TRL's plain-text rule: prompt then completion, EOS appended.
+        eos = self.tokenizer.eos_token or ""
+        text = "\n".join(m["content"] for m in messages) + response
+        return text if text.endswith(eos) else text + eos
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, no special tokens added (the template has them); any thread. The Rust tokenizer
+        encodes a list on every core without holding the GIL; `encode_batch_fast` (tokenizers >= 0.21) also skips the
+        character offsets nobody reads here."""
+        if self.backend is not None:
+            encode = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
+        with self._slow_lock:
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def fit(self, ids: list[int], where: str) -> Encoded:
+        """`ids` within max_length: over-long input keeps its last tokens, or is refused under REWARD_TRUNCATION=reject."""
+        limit = self.settings.max_length
+        if len(ids) <= limit:
+            return Encoded(ids, False)
+        if self.settings.truncation == "reject":
+            raise InputTooLong(f"{where} is {len(ids)} tokens; the limit is {limit} (REWARD_MAX_LENGTH)")
+        return Encoded(ids[-limit:], True)
+
+    def encode(self, texts: list[str]) -> list[Encoded]:
+        return [self.fit(ids, f"item {i}") for i, ids in enumerate(self.tokenize(texts))]
+
+    def score_ids(self, seqs: Sequence[Sequence[int]]) -> list[float]:
+        """Scores in input order: every micro-batch is launched before the first result is read."""
+        plan = self.planner.plan([len(s) for s in seqs])
+        launched = [(rows, self.launch([seqs[i] for i in rows])) for rows in plan]
+        scores = [0.0] * len(seqs)
+        for rows, handle in launched:
+            for i, v in zip(rows, handle.result(), strict=True):
+                scores[i] = v
+        return scores
+
+    def launch(self, seqs: Sequence[Sequence[int]]) -> "Launched":
+        """Start the forward of one micro-batch (split on CUDA out-of-memory) without waiting for it to finish."""
+        torch = self.torch
+        lengths = [len(s) for s in seqs]
+        with torch.inference_mode():
+            parts = self._forward_split(list(range(len(seqs))), seqs, lengths)
+            scores = torch.cat([p for _, p in parts]).float()
+        order = [i for rows, _ in parts for i in rows]
+        if scores.device.type != "cuda":
+            return Launched(order, scores, None)
+        # Copy the scores to pinned host memory behind the forward; the event says when they are there.
+        host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
+        host.copy_(scores, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(scores.device))
+        return Launched(order, host, done)
+
+    def _forward_split(self, rows: list[int], seqs, lengths) -> list[tuple[list[int], Any]]:
+        torch = self.torch
+        try:
+            return [(rows, self._forward(rows, seqs, lengths))]
+        except torch.cuda.OutOfMemoryError:
+            if len(rows) == 1:
+                raise InputTooLong(
+                    f"a single sequence of {lengths[rows[0]]} tokens does not fit in GPU memory; lower REWARD_MAX_LENGTH"
+                ) from None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            half = len(rows) // 2
+            log.warning("CUDA out of memory on %d rows; retrying as %d + %d", len(rows), half, len(rows) - half)
+            if self.on_oom:
+                self.on_oom()
+            return self._forward_split(rows[:half], seqs, lengths) + self._forward_split(rows[half:], seqs, lengths)
+
+    def _forward(self, rows: list[int], seqs, lengths):
+        torch = self.torch
+        start = time.perf_counter()
+        layout = self.planner.layout([lengths[i] for i in rows])
+        width = layout.width
+        if layout.bins is not None:
+            bins = [[rows[k] for k in members] for members in layout.bins]
+            scores = self._forward_packed(rows, bins, seqs, lengths, width)
+            if self.on_forward:
+                self.on_forward(len(bins), width, sum(lengths[i] for i in rows), time.perf_counter() - start)
+            return scores
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, pin_memory=self.pin)
+        for r, i in enumerate(rows):
+            ids[r, : lengths[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
+        last = torch.tensor([lengths[i] - 1 for i in rows], dtype=torch.long, pin_memory=self.pin)
+        ids, last = ids.to(self.device, non_blocking=True), last.to(self.device, non_blocking=True)
+        if self.base is not None and self.head is not None:
+            # Padding is on the right and attention is causal: a real token never attends to a later (pad) position,
+            # so no mask is needed. Attention then takes the fused causal kernel, and the score is read at each row's
+            # last real token.
+            # use_cache=False: no KV cache (GBs at a 32k-token budget), and no per-layer cache state for compile to
+            # guard on (with it, every layer recompiles until torch gives up and runs eager).
+            hidden = self._hidden(ids)
+            scores = self.head(hidden[torch.arange(len(rows), device=hidden.device), last])[:, 0]
+        else:
+            mask = (torch.arange(width)[None, :] < torch.as_tensor([lengths[i] for i in rows])[:, None]).long()
+            scores = self.model(input_ids=ids, attention_mask=mask.to(self.device), use_cache=False).logits[:, 0]
+        if self.on_forward:
+            self.on_forward(len(rows), width, sum(lengths[i] for i in rows), time.perf_counter() - start)
+        return scores
+
+    def _forward_packed(self, rows: list[int], bins: list[list[int]], seqs, lengths, width: int):
+        """Several sequences to a row: each restarts its positions and attends only to itself (a block-diagonal causal
+        mask), so it scores exactly as alone; the score is read at each sequence's own last token."""
+        torch = self.torch
+        ids = torch.full((len(bins), width), self.pad_id, dtype=torch.long, pin_memory=self.pin)
+        positions = torch.zeros((len(bins), width), dtype=torch.long, pin_memory=self.pin)
+        # The padding after the last sequence: segment -1.
+        segment = torch.full((len(bins), width), -1, dtype=torch.long, pin_memory=self.pin)
+        where: dict[int, tuple[int, int]] = {}
+        for b, members in enumerate(bins):
+            offset = 0
+            for k, i in enumerate(members):
+                n = lengths[i]
+                ids[b, offset : offset + n] = torch.as_tensor(seqs[i], dtype=torch.long)
+                positions[b, offset : offset + n] = torch.arange(n)
+                segment[b, offset : offset + n] = k
+                where[i] = (b, offset + n - 1)
+                offset += n
+        row_of = torch.tensor([where[i][0] for i in rows], dtype=torch.long, pin_memory=self.pin)
+        last = torch.tensor([where[i][1] for i in rows], dtype=torch.long, pin_memory=self.pin)
+        ids, positions, segment, row_of, last = (
+            t.to(self.device, non_blocking=True) for t in (ids, positions, segment, row_of, last)
+        )
+        # True where query position q may attend to key position k: same sequence, k <= q. The padding is a block
+        # of its own (no fully masked query row: those give NaN, which would spread).
+        causal = torch.ones((width, width), dtype=torch.bool, device=ids.device).tril()
+        mask = (segment[:, :, None] == segment[:, None, :]) & causal
+        hidden = self._hidden(ids, mask[:, None], positions)
+        return self.head(hidden[row_of, last])[:, 0]
+
+    def _hidden(self, ids, mask=None, positions=None):
+        """The base model's last hidden states. No mask means causal attention over right-padded rows.
+
+        With `mask_mapping` the mask goes in as the per-layer mapping the model would build ({"full_attention":
+        mask}), so transformers builds none: for a missing mask it would look for packed sequences on the GPU and
+        wait for the answer (transformers 5.x) or build a full mask and lose the fused causal kernel (4.56)."""
+        attention = {"full_attention": mask} if self.mask_mapping else mask
+        out = self.base(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False)
+        return out.last_hidden_state
+
+    def compile_layers(self) -> bool:
+        """torch.compile each decoder layer (dynamic shapes): fused kernels, far fewer launches. False if unavailable."""
+        torch = self.torch
+        layers = getattr(self.base, "layers", None)
+        if layers is None or not hasattr(torch, "compile") or not hasattr(layers[0], "compile"):
+            log.warning(
+                "REWARD_COMPILE: this model or torch %s cannot compile per layer; serving eager", torch.__version__
+            )
+            return False
+        for layer in layers:
+            layer.compile(dynamic=True)
+        self.compiled = True
+        return True
+
+    def uncompile_layers(self) -> None:
+        for layer in getattr(self.base, "layers", []):
+            layer._compiled_call_impl = None
+        self.compiled = False
+
+    def warm_up(self) -> None:
+        """Run the shapes served traffic starts with (one row, several rows, two lengths), so /health means ready.
+        With REWARD_COMPILE this compiles; a failure there falls back to eager with a warning, never to a crash."""
+        base = self.encode([self.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
+        ids = (base * (1 + 200 // len(base)))[: min(200, self.settings.max_length)]
+        self._choose_mask_path([ids, ids[: len(ids) // 2]])
+        # Padded: one row, two rows, three equal rows. Packed (two or more sequences to a row): one row, two rows.
+        shapes = [[ids], [ids, ids[: len(ids) // 2]], [ids[:100]] * 3, [ids[:37]], [ids[:150], ids[:40]],
+                  [ids[:200], ids[:50], ids[:37]]]  # fmt: skip
+        try:
+            for seqs in shapes:
+                self.score_ids(seqs)
+        except Exception as exc:
+            if not self.compiled:
+                raise
+            log.warning("REWARD_COMPILE: compiling failed (%s: %s); serving eager", type(exc).__name__, exc)
+            self.uncompile_layers()
+            for seqs in shapes:
+                self.score_ids(seqs)
+
+    def _choose_mask_path(self, seqs: list[list[int]]) -> None:
+        """Use the mask mapping where the model takes it and scores as it does building its own mask. Decided
+        eager, so that a compile failure is not mistaken for the model's answer."""
+        if not self.can_map_mask:
+            return
+        layers = list(getattr(self.base, "layers", []))
+        compiled = [getattr(layer, "_compiled_call_impl", None) for layer in layers]
+        for layer in layers:
+            layer._compiled_call_impl = None
+        try:
+            expected = self.score_ids(seqs)
+            self.mask_mapping = True
+            try:
+                got, why = self.score_ids(seqs), ""
+            except Exception as exc:  # noqa: BLE001 - a model whose forward does not take the mapping
+                got, why = None, f"{type(exc).__name__}: {exc}"
+            tolerance = 1e-4 if self.dtype == "float32" else 5e-2
+            if got is not None and any(
+                abs(a - b) > tolerance * max(1.0, abs(b)) for a, b in zip(got, expected, strict=True)
+            ):
+                why = f"scores {got} differ from {expected}"
+            if why:
+                log.warning("the model does not take a per-layer mask mapping (%s); transformers builds masks", why)
+                self.mask_mapping = False
+        finally:
+            for layer, call in zip(layers, compiled, strict=True):
+                layer._compiled_call_impl = call
+
+
+class Launched:
+    """A micro-batch on its way through the GPU: `ready()` without blocking, `result()` scores in launch order."""
+
+    def __init__(self, order: list[int], scores, event):
+        self.order, self.scores, self.event = order, scores, event
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def result(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.scores.tolist()
+        out = [0.0] * len(values)
+        for i, v in zip(self.order, values, strict=True):
+            out[i] = v
+        return out

@@ -1,0 +1,115 @@
+"""The reward server's settings: each one's environment variable, flag and help, read and checked in one place.
+
+Defaults, then the environment, then command-line flags (which win). Nothing else in the server reads the environment,
+and it reads only its own REWARD_* names: the launch scripts' CONFIG_* settings (CONFIG_REWARD_SERVER_PORT is the
+*first* port of several servers) reach a server as flags, never by being inherited.
+"""
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting: (environment variable, flag, help) in `_SETTINGS` below."""
+
+    model_path: str = ""
+    device: str = "auto"
+    host: str = "0.0.0.0"
+    port: int = 8000
+    max_length: int = 4096
+    truncation: Literal["left", "reject"] = "left"
+    token_budget: int = 0  # 0: 32768 on a GPU, 8192 on the CPU
+    max_batch_rows: int = 256
+    pad_multiple: int = 64
+    max_wait_ms: float = 20.0
+    quiet_ms: float = 2.0
+    compile: str = "auto"
+    max_items: int = 4096
+    max_chars: int = 262_144
+    max_body_bytes: int = 64 * 1024 * 1024
+    auth_token: str = ""
+    log_level: str = "info"
+
+    def effective_token_budget(self, device: str) -> int:
+        return self.token_budget or (32768 if device.startswith("cuda") else 8192)
+
+
+_SETTINGS: dict[str, tuple[str, str]] = {
+    "model_path": ("REWARD_MODEL_PATH", "folder of the reward model (config.json, weights, tokenizer)"),
+    "device": ("REWARD_DEVICE", "cpu | cuda | cuda:N | auto (cuda if available)"),
+    "host": ("REWARD_HOST", "address to bind (0.0.0.0: reachable from the other nodes)"),
+    "port": ("REWARD_PORT", "port to listen on"),
+    "max_length": ("REWARD_MAX_LENGTH", "tokens scored per pair; longer input keeps its last tokens"),
+    "truncation": ("REWARD_TRUNCATION", "left: keep the last max_length tokens; reject: answer 413"),
+    "token_budget": ("REWARD_TOKEN_BUDGET", "padded tokens per forward (0: 32768 on GPU, 8192 on CPU)"),
+    "max_batch_rows": ("REWARD_MAX_BATCH_ROWS", "rows per forward at most"),
+    "pad_multiple": ("REWARD_PAD_MULTIPLE", "pad each batch to a multiple of this many tokens"),
+    "max_wait_ms": ("REWARD_MAX_WAIT_MS", "longest the GPU thread gathers requests into one batch"),
+    "quiet_ms": ("REWARD_QUIET_MS", "gathering stops early once no request arrived for this long"),
+    "compile": ("REWARD_COMPILE", "auto (per-layer torch.compile on GPU) | layers | off"),
+    "max_items": ("REWARD_MAX_ITEMS", "items per /score_batch request at most"),
+    "max_chars": ("REWARD_MAX_CHARS", "characters per prompt, message or response at most"),
+    "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "request body size at most"),
+    "auth_token": ("REWARD_SERVER_TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
+    "log_level": ("REWARD_LOG_LEVEL", "debug | info | warning"),
+}
+
+
+def load_settings(
+    argv: Sequence[str] | None = None, environ: dict[str, str] | None = None, description: str | None = None
+) -> Settings:
+    """Defaults, then the environment, then command-line flags (which win). Bad values exit with the name to fix.
+    `description` heads `--help` (the entry point's docstring)."""
+    environ = dict(os.environ if environ is None else environ)
+    parser = argparse.ArgumentParser(
+        prog="reward_server", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    defaults = Settings()
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        env_name, help_text = _SETTINGS[f.name]
+        kind = type(getattr(defaults, f.name))
+        raw = environ.get(env_name)
+        if raw not in (None, ""):
+            try:
+                values[f.name] = kind(raw)
+            except ValueError:
+                parser.error(f"{env_name}={raw!r} is not a valid {kind.__name__}")
+        flag = "--" + f.name.replace("_", "-")
+        default_shown = "(set)" if f.name == "auth_token" else getattr(defaults, f.name)
+        parser.add_argument(
+            flag, type=kind, default=None, help=f"{help_text} [env {env_name}; default {default_shown}]"
+        )
+    args = parser.parse_args(argv)
+    values.update({k: v for k, v in vars(args).items() if v is not None})
+    settings = replace(defaults, **values)
+    problems = []
+    if settings.compile not in ("auto", "layers", "off"):
+        problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
+    if settings.truncation not in ("left", "reject"):
+        problems.append(f"REWARD_TRUNCATION must be 'left' or 'reject', got {settings.truncation!r}")
+    if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):
+        problems.append(f"REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
+    for name in ("max_length", "max_batch_rows", "pad_multiple", "max_items", "max_chars", "max_body_bytes"):
+        if getattr(settings, name) < 1:
+            problems.append(f"{_SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
+    if problems:
+        parser.error("; ".join(problems))
+    return settings
+
+
+def check_model_path(path: str) -> str | None:
+    """Why `path` cannot be a reward model folder, or None. Checked before anything starts."""
+    if not path:
+        return "REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
+    folder = Path(path)
+    if not folder.is_dir():
+        return f"the reward model path {path} (--model-path, REWARD_MODEL_PATH): no such directory"
+    if not (folder / "config.json").is_file():
+        return f"the reward model path {path}: no config.json there (is it the folder save_pretrained wrote?)"
+    return None
