@@ -1,6 +1,6 @@
 # Two commands do all setup on a fresh machine (see README.md):
 #   make demo   the main job on its embedded default: tiny models, no Slurm, no GPU
-#   make test   shellcheck + ruff + every test, then the reward tests on the oldest web stack (what CI runs)
+#   make test   shellcheck + ruff + every test, then the reward tests on the oldest stack we support (what CI runs)
 # Both create the virtual environment in .venv first if it is missing or older than requirements/.
 
 SHELL := bash
@@ -31,7 +31,7 @@ $(STAMP): requirements/reward.txt requirements/reward-newest.txt requirements/te
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements/test.txt -c requirements/constraints.txt
 	touch $@
 
-# The oldest web stack we support (our base images', requirements/reward-oldest.txt): a few small packages in a
+# The oldest reward stack we support (our base images', requirements/reward-oldest.txt): a few packages in a
 # folder that goes first on PYTHONPATH, over the environment above.
 OLDEST := $(VENV)/reward-oldest
 $(OLDEST)/.installed: requirements/reward-oldest.txt $(STAMP)
@@ -48,7 +48,7 @@ lint: $(STAMP)
 	ruff format --check .
 
 # pytest exits 5 when it collected nothing: the suite is never empty, so that is a failure like any other.
-# The second run: the reward server and client tests, and verl's uvicorn pattern, on the oldest web stack.
+# The second run: the reward server and client tests, and verl's uvicorn pattern, on the oldest stack (transformers included).
 OLDEST_TESTS := tests/test_reward_server.py tests/test_reward_client.py tests/test_reward_stack.py
 test: lint $(OLDEST)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

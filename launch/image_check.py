@@ -19,6 +19,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -105,7 +106,13 @@ def detect_engine() -> str:
 
 
 def gpu_visible() -> bool:
-    return any(Path("/dev").glob("nvidia[0-9]*"))
+    """The CUDA driver loads and sees a device: `--nv` bound it in (Singularity shows /dev/nvidia* without it too)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libcuda.so.1").cuInit(0) == 0
+    except OSError:
+        return False
 
 
 def modules_to_check(engine: str, recipes: bool, megatron: bool) -> list[Module]:
@@ -173,6 +180,7 @@ def verl_style_server_listens(timeout: float = 20.0) -> bool:
     except OSError:
         return False
     finally:
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # its lifespan task is cancelled on stop
         stop.set()
         thread.join(timeout=5)
 
