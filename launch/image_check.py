@@ -83,7 +83,11 @@ ENGINES = {
 ENGINE_RECIPES = {
     "sglang": [],
     "vllm": [
-        Module("recipe.one_step_off_policy.distributed_util", why="one-step-off's weight sync (imports vllm)"),
+        Module("recipe.one_step_off_policy.distributed_util", why="one-step-off's weight sync"),
+        # ...which imports these inside stateless_init_process_group, when the trainer starts: importing the
+        # module alone would not show them missing.
+        Module("vllm.distributed.utils", why="distributed_util.py: StatelessProcessGroup"),
+        Module("vllm.distributed.device_communicators.pynccl", gpu=True, why="distributed_util.py: PyNcclCommunicator"),
         Module("recipe.one_step_off_policy.fsdp_workers", gpu=True, why="one-step-off, STRATEGY=fsdp2"),
         Module("recipe.one_step_off_policy.megatron_workers", gpu=True, why="one-step-off, STRATEGY=megatron"),
     ],

@@ -173,6 +173,8 @@ def test_the_sglang_image_checks_sglangs_servers_and_the_vllm_image_checks_one_s
     assert {"vllm", "verl.workers.rollout.vllm_rollout.vllm_async_server"} <= vllm
     # recipe/one_step_off_policy/distributed_util.py imports vllm.distributed: one-step-off runs on the vLLM image only
     assert "recipe.one_step_off_policy.distributed_util" in vllm
+    # ...which imports vllm only inside its function, so the check imports what that function imports
+    assert {"vllm.distributed.utils", "vllm.distributed.device_communicators.pynccl"} <= vllm
     assert not any(name.startswith("vllm") or "distributed_util" in name for name in sglang)
 
 
