@@ -216,3 +216,37 @@ def test_pip_check_lines_the_build_added_fail_except_verls_own_requirements():
     broken, notes = image_check.new_pip_check_lines(before, after)
     assert broken == ["fastapi 0.117.1 has requirement starlette<0.49.0,>=0.40.0, but you have starlette 1.10.0."]
     assert notes == ["verl 0.6.1 has requirement tensordict<=0.10.0,!=0.9.0,>=0.8.0, but you have tensordict 0.6.2."]
+
+
+def test_post_on_a_base_holding_the_oldest_stack_adds_nothing_and_a_pinned_upgrade_is_caught(tmp_path):
+    """%post's own steps, run against a stand-in base (a venv holding the older base image's web stack, from PyPI):
+    record the base, the install line as written, then the check. Nothing is added or moved; then an upgrade like
+    the old def's exact pins (fastapi 0.165) is named by the same check."""
+    base, record = tmp_path / "base", tmp_path / "verl_app"
+    subprocess.run([sys.executable, "-m", "venv", str(base)], check=True)
+    python = str(base / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PYTHONPATH")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="https://pypi.org/simple", PIP_DISABLE_PIP_VERSION_CHECK="1")
+
+    def sh(*cmd: str) -> subprocess.CompletedProcess:
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        return run
+
+    reward_txt = str(REPO / "requirements" / "reward.txt")
+    sh(python, "-m", "pip", "install", "-q", "packaging", "-r", reward_txt,
+       "-c", str(REPO / "requirements" / "base-images" / "vllm.txt"))  # fmt: skip
+    sh(python, str(REPO / "launch" / "image_check.py"), "--record-base", str(record))
+    reward_line = next(args for args in pip_installs(section("post")) if "-r" in args)
+    args = [a.replace("/opt/verl_app", str(record)).replace("/opt/verl-slurm/requirements/reward.txt", reward_txt)
+            for a in reward_line]  # fmt: skip
+    sh(python, "-m", "pip", "install", *args)
+    compare = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
+               f"from launch import image_check; print(image_check.check_base_untouched(Path({str(record)!r})))")  # fmt: skip
+    out = sh(python, "-c", compare).stdout
+    assert "base packages unchanged; added: -" in out and out.strip().endswith("[]"), out
+    assert "fastapi==0.116.1" in (record / "base-constraints.txt").read_text().splitlines()
+
+    sh(python, "-m", "pip", "install", "-q", "fastapi==0.165.0")  # what the image installed before
+    out = sh(python, "-c", compare).stdout
+    assert "the build changed a base package: fastapi 0.116.1 -> 0.165.0" in out, out
