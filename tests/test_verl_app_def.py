@@ -110,8 +110,8 @@ def test_the_image_installs_lower_bounds_only():
 
 def test_the_images_verl_tag_is_the_version_the_tests_pin():
     verl_pin = re.search(r"^verl==(\S+)", (REPO / "requirements" / "test.txt").read_text(), re.M).group(1)
-    assert arguments()["VERL_TAG"] == f"v{verl_pin}"
-    assert "--branch '{{ VERL_TAG }}'" in section("post")
+    assert f"VERL_TAG=v{verl_pin}" in section("post") and '--branch "$VERL_TAG"' in section("post")
+    assert f"verl/tree/v{verl_pin}" in section("labels")
 
 
 def test_the_files_the_image_copies_exist_and_cover_what_its_check_loads():
