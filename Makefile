@@ -1,6 +1,6 @@
 # Two commands do all setup on a fresh machine (see README.md):
 #   make demo   the main job on its embedded default: tiny models, no Slurm, no GPU
-#   make test   shellcheck + ruff + every test (what CI runs, through .ci/run)
+#   make test   shellcheck + ruff + every test, then the reward tests on the oldest stack we support (what CI runs)
 # Both create the virtual environment in .venv first if it is missing or older than requirements/.
 
 SHELL := bash
@@ -25,10 +25,18 @@ help:
 env: $(STAMP)
 
 # torch first, from the local CPU build: anything that pulls torch before it would download a multi-GB CUDA build.
-$(STAMP): requirements/reward.txt requirements/test.txt requirements/constraints.txt
+$(STAMP): requirements/reward.txt requirements/reward-newest.txt requirements/test.txt requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements/test.txt -c requirements/constraints.txt
+	touch $@
+
+# The oldest reward stack we support (our base images', requirements/reward-oldest.txt): a few packages in a
+# folder that goes first on PYTHONPATH, over the environment above.
+OLDEST := $(VENV)/reward-oldest
+$(OLDEST)/.installed: requirements/reward-oldest.txt $(STAMP)
+	rm -rf $(OLDEST)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(OLDEST) -r requirements/reward-oldest.txt
 	touch $@
 
 demo: $(STAMP)
@@ -40,8 +48,11 @@ lint: $(STAMP)
 	ruff format --check .
 
 # pytest exits 5 when it collected nothing: the suite is never empty, so that is a failure like any other.
-test: lint
+# The second run: the reward server and client tests, and verl's uvicorn pattern, on the oldest stack (transformers included).
+OLDEST_TESTS := tests/test_reward_server.py tests/test_reward_client.py tests/test_reward_stack.py
+test: lint $(OLDEST)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest $(OLDEST_TESTS)
 
 clean-env:
 	rm -rf $(VENV)

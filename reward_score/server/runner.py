@@ -16,6 +16,12 @@ from reward_score.server.settings import Settings
 log = logging.getLogger("reward_server")
 
 
+def _transformers_at_least(major: int, minor: int) -> bool:
+    import transformers
+
+    return tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (major, minor)
+
+
 class InputTooLong(ValueError):
     """An item is longer than max_length under REWARD_TRUNCATION=reject, or cannot fit in memory alone."""
 
@@ -82,8 +88,10 @@ class RewardScorer:
             raise RuntimeError(f"--device {device} (REWARD_DEVICE) but torch sees no CUDA device; use cpu or auto")
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+        # transformers < 4.56 (the vLLM base image holds 4.55.4) names the argument torch_dtype
+        dtype_arg = "dtype" if _transformers_at_least(4, 56) else "torch_dtype"
         model = AutoModelForSequenceClassification.from_pretrained(
-            settings.model_path, dtype=dtype, num_labels=1, attn_implementation="sdpa"
+            settings.model_path, **{dtype_arg: dtype}, num_labels=1, attn_implementation="sdpa"
         )
         if model.config.pad_token_id is None:
             model.config.pad_token_id = (
