@@ -202,7 +202,8 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
     """POST to one server after another until one answers 200, within `retry_seconds`.
 
     Connection errors, timeouts and 5xx are retried with exponential backoff and jitter, moving to the next server
-    each time; a 4xx is the request's fault and raises at once with the server's message.
+    each time, until the budget is spent: a backoff that would cross the deadline is cut short so the last attempt
+    lands at the deadline. A 4xx is the request's fault and raises at once with the server's message.
     """
     session = _get_session()
     headers = {"Authorization": f"Bearer {config.auth_token}"} if config.auth_token else {}
@@ -212,10 +213,11 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
     last_error = "no attempt made"
     for attempt in itertools.count():
         url = servers[(start + attempt) % len(servers)] + path
+        # A connect that hangs (a node gone, packets dropped) may not overrun the budget by more than half a second;
+        # a server that accepted is scoring, so the read keeps its own timeout.
+        connect = max(0.5, min(config.connect_timeout, deadline - time.monotonic()))
         try:
-            resp = session.post(
-                url, json=payload, headers=headers, timeout=(config.connect_timeout, config.read_timeout)
-            )
+            resp = session.post(url, json=payload, headers=headers, timeout=(connect, config.read_timeout))
         except (requests.ConnectionError, requests.Timeout) as exc:
             last_error = f"{url}: {type(exc).__name__}: {exc}"
         else:
@@ -224,15 +226,15 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
             if 400 <= resp.status_code < 500:
                 raise RewardRequestRejected(f"{url} refused the request with {resp.status_code}: {resp.text[:500]}")
             last_error = f"{url}: HTTP {resp.status_code}: {resp.text[:300]}"
-        delay = min(10.0, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)
-        if time.monotonic() + delay > deadline:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
             where = config.server_log or "the reward server log in the job's log folder"
             raise RewardServerError(
                 f"reward server(s) {', '.join(servers)} did not score within {config.retry_seconds:.0f} s "
                 f"({attempt + 1} attempts); last error: {last_error}. Check {where}. "
                 "Failing the step instead of inventing scores (REWARD_ON_FAILURE=min_score opts out)."
             )
-        time.sleep(delay)
+        time.sleep(min(remaining, min(10.0, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)))
     raise AssertionError("unreachable")
 
 

@@ -5,9 +5,11 @@ reward_score/safe_hack_reward_request.py by path, against the real reward server
 """
 
 import asyncio
+import http.server
 import json
 import multiprocessing
 import sys
+import threading
 import time
 
 import numpy as np
@@ -279,6 +281,52 @@ def test_a_dead_server_raises_within_the_retry_budget_naming_the_servers(monkeyp
         safe_hack_reward("s", "x</think>answer", "q", {}, server_urls=dead, retry_seconds=2)
     assert time.monotonic() - start < 6
     assert dead in str(exc.value) and "/jobs/42/reward_server_0.log" in str(exc.value)
+
+
+def test_a_dead_server_with_a_6_s_budget_is_retried_until_the_deadline_not_less(monkeypatch):
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr(client, "_session", None)
+    start = time.monotonic()
+    with pytest.raises(RewardServerError, match="did not score within 6 s"):
+        safe_hack_reward("s", "x</think>answer", "q", {}, server_urls=dead, retry_seconds=6)
+    elapsed = time.monotonic() - start
+    # The old loop gave up as soon as the next backoff would cross the deadline: anywhere from 2 to 6 s.
+    assert 6 <= elapsed < 7, f"gave up after {elapsed:.2f} s of a 6 s budget"
+
+
+@pytest.fixture
+def failing_server():
+    """A server that answers every POST with 503 and records when each attempt arrived."""
+    arrivals: list[float] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            arrivals.append(time.monotonic())
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(503)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"busy")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", arrivals
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_failing_server_gets_its_last_attempt_at_the_deadline(monkeypatch, failing_server):
+    url, arrivals = failing_server
+    monkeypatch.setattr(client, "_session", None)
+    start = time.monotonic()
+    with pytest.raises(RewardServerError, match="HTTP 503"):
+        safe_hack_reward("s", "x</think>answer", "q", {}, server_urls=url, retry_seconds=4)
+    assert arrivals[-1] - start >= 3.9, [round(t - start, 2) for t in arrivals]
+    assert time.monotonic() - start < 5
 
 
 def test_the_server_killed_mid_run_fails_the_step_or_under_the_opt_in_policy_scores_min(
