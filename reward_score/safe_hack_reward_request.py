@@ -55,6 +55,7 @@ class Config:
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
     retry_seconds: float = 180.0  # total time spent retrying one request before giving up
+    breaker_seconds: float = 30.0  # after a spent budget, later calls fail at once for this long (0: off)
     log_path: str = ""  # JSONL reward log; empty: no log
     log_texts: str = "head"  # full | head | none
     log_head_chars: int = 300
@@ -198,13 +199,57 @@ def _get_session() -> requests.Session:
         return _session
 
 
+class _Breaker:
+    """Per process and server list: once a request spends its whole retry budget, the next calls fail at once.
+
+    verl's `compute_reward` calls the reward function a second time when it raises, and its naive manager scores one
+    sample per call: without this, an outage would cost two budgets before the step fails (or one per sample under
+    REWARD_ON_FAILURE=min_score). It closes on any success (a request already in flight) or after breaker_seconds.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, ...], tuple[float, str]] = {}  # servers -> (monotonic time it opened, error)
+
+    def check(self, config: Config) -> None:
+        """Raise RewardServerError if the breaker for these servers is open."""
+        if config.breaker_seconds <= 0:
+            return
+        with self._lock:
+            opened, error = self._open.get(config.server_urls, (None, ""))
+            if opened is None:
+                return
+            age = time.monotonic() - opened
+            if age >= config.breaker_seconds:
+                del self._open[config.server_urls]
+                return
+        raise RewardServerError(
+            f"{error} (this process gave up on them {age:.1f} s ago: failing at once instead of waiting the budget "
+            f"again, for {config.breaker_seconds - age:.0f} s more, REWARD_BREAKER_SECONDS)"
+        )
+
+    def trip(self, config: Config, error: str) -> None:
+        if config.breaker_seconds > 0:
+            with self._lock:
+                self._open[config.server_urls] = (time.monotonic(), error)
+
+    def reset(self, config: Config) -> None:
+        with self._lock:
+            self._open.pop(config.server_urls, None)
+
+
+_breaker = _Breaker()
+
+
 def post_json(config: Config, path: str, payload: dict) -> dict:
     """POST to one server after another until one answers 200, within `retry_seconds`.
 
     Connection errors, timeouts and 5xx are retried with exponential backoff and jitter, moving to the next server
     each time, until the budget is spent: a backoff that would cross the deadline is cut short so the last attempt
-    lands at the deadline. A 4xx is the request's fault and raises at once with the server's message.
+    lands at the deadline. A 4xx is the request's fault and raises at once with the server's message. After a spent
+    budget, calls fail at once for a while (`_Breaker`).
     """
+    _breaker.check(config)
     session = _get_session()
     headers = {"Authorization": f"Bearer {config.auth_token}"} if config.auth_token else {}
     servers = config.server_urls
@@ -222,6 +267,7 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
             last_error = f"{url}: {type(exc).__name__}: {exc}"
         else:
             if resp.status_code == 200:
+                _breaker.reset(config)
                 return resp.json()
             if 400 <= resp.status_code < 500:
                 raise RewardRequestRejected(f"{url} refused the request with {resp.status_code}: {resp.text[:500]}")
@@ -229,11 +275,13 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             where = config.server_log or "the reward server log in the job's log folder"
-            raise RewardServerError(
+            error = (
                 f"reward server(s) {', '.join(servers)} did not score within {config.retry_seconds:.0f} s "
                 f"({attempt + 1} attempts); last error: {last_error}. Check {where}. "
                 "Failing the step instead of inventing scores (REWARD_ON_FAILURE=min_score opts out)."
             )
+            _breaker.trip(config, error)
+            raise RewardServerError(error)
         time.sleep(min(remaining, min(10.0, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)))
     raise AssertionError("unreachable")
 

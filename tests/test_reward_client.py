@@ -11,6 +11,7 @@ import multiprocessing
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -294,39 +295,140 @@ def test_a_dead_server_with_a_6_s_budget_is_retried_until_the_deadline_not_less(
     assert 6 <= elapsed < 7, f"gave up after {elapsed:.2f} s of a 6 s budget"
 
 
+class ScriptedServer:
+    """A stand-in server on loopback: every POST answers `status` (503 until told otherwise, 200 with a score of 1),
+    and the time of each attempt is recorded."""
+
+    def __init__(self) -> None:
+        self.status, self.arrivals = 503, []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                server.arrivals.append(time.monotonic())
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = json.dumps({"score": 1.0, "truncated": False}).encode() if server.status == 200 else b"busy"
+                self.send_response(server.status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 @pytest.fixture
-def failing_server():
-    """A server that answers every POST with 503 and records when each attempt arrived."""
-    arrivals: list[float] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            arrivals.append(time.monotonic())
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(503)
-            self.send_header("Content-Length", "4")
-            self.end_headers()
-            self.wfile.write(b"busy")
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", arrivals
-    httpd.shutdown()
-    httpd.server_close()
+def scripted():
+    server = ScriptedServer()
+    yield server
+    server.close()
 
 
-def test_a_failing_server_gets_its_last_attempt_at_the_deadline(monkeypatch, failing_server):
-    url, arrivals = failing_server
+@pytest.fixture(autouse=True)
+def fresh_breaker(monkeypatch):
+    """Each test starts with the circuit breaker closed (it is per process, and pytest is one process)."""
+    monkeypatch.setattr(client, "_breaker", client._Breaker())
+
+
+def test_a_failing_server_gets_its_last_attempt_at_the_deadline(monkeypatch, scripted):
     monkeypatch.setattr(client, "_session", None)
     start = time.monotonic()
     with pytest.raises(RewardServerError, match="HTTP 503"):
-        safe_hack_reward("s", "x</think>answer", "q", {}, server_urls=url, retry_seconds=4)
-    assert arrivals[-1] - start >= 3.9, [round(t - start, 2) for t in arrivals]
+        safe_hack_reward("s", "x</think>answer", "q", {}, server_urls=scripted.url, retry_seconds=4)
+    assert scripted.arrivals[-1] - start >= 3.9, [round(t - start, 2) for t in scripted.arrivals]
     assert time.monotonic() - start < 5
+
+
+def _timed(fn, *args, **kwargs):
+    start = time.monotonic()
+    try:
+        return fn(*args, **kwargs), time.monotonic() - start
+    except RewardServerError as exc:
+        return exc, time.monotonic() - start
+
+
+def test_after_a_spent_budget_the_next_call_fails_at_once_until_the_cool_down_ends(monkeypatch, scripted):
+    monkeypatch.setattr(client, "_session", None)
+    call = ("s", "x</think>answer", "q", {})
+    kwargs = {"server_urls": scripted.url, "retry_seconds": 1.5, "breaker_seconds": 3}
+    first, first_s = _timed(safe_hack_reward, *call, **kwargs)
+    attempts = len(scripted.arrivals)
+    second, second_s = _timed(safe_hack_reward, *call, **kwargs)
+    assert isinstance(first, RewardServerError) and first_s >= 1.5
+    assert isinstance(second, RewardServerError) and second_s < 0.1, "the open breaker fails without waiting"
+    assert "REWARD_BREAKER_SECONDS" in str(second) and "HTTP 503" in str(second), "it says why, and the setting"
+    assert len(scripted.arrivals) == attempts, "no request reaches the server while it is open"
+    time.sleep(3 - second_s)
+    scripted.status = 200
+    assert safe_hack_reward(*call, **kwargs)["score"] == 1.0, "after the cool-down, calls try again"
+
+
+def test_a_breaker_of_zero_seconds_waits_the_budget_every_time(monkeypatch):
+    dead = f"http://127.0.0.1:{free_port()}"
+    kwargs = {"server_urls": dead, "retry_seconds": 1, "breaker_seconds": 0}
+    for _ in range(2):
+        error, seconds = _timed(safe_hack_reward, "s", "x</think>answer", "q", {}, **kwargs)
+        assert isinstance(error, RewardServerError) and seconds >= 1
+
+
+def test_a_success_in_flight_closes_the_breaker(monkeypatch, scripted):
+    monkeypatch.setattr(client, "_session", None)
+    call = ("s", "x</think>answer", "q", {})
+    kwargs = {"server_urls": scripted.url, "breaker_seconds": 600}
+    with ThreadPoolExecutor(1) as pool:
+        patient = pool.submit(safe_hack_reward, *call, **kwargs, retry_seconds=30)  # started before the outage ends
+        assert isinstance(_timed(safe_hack_reward, *call, **kwargs, retry_seconds=1)[0], RewardServerError)
+        assert isinstance(_timed(safe_hack_reward, *call, **kwargs, retry_seconds=1)[0], RewardServerError)
+        scripted.status = 200
+        assert patient.result(timeout=20)["score"] == 1.0
+    assert safe_hack_reward(*call, **kwargs, retry_seconds=1)["score"] == 1.0, "closed by the success, not by time"
+
+
+@pytest.mark.parametrize("manager, function", [("naive", "safe_hack_reward"), ("batch", "safe_hack_reward_batch")])
+def test_an_outage_fails_verls_step_in_one_retry_budget_not_two(tiny_models, monkeypatch, tmp_path, manager, function):
+    from transformers import AutoTokenizer
+    from verl.trainer.ppo.reward import compute_reward, load_reward_manager
+
+    sys.modules.pop("custom_module", None)
+    monkeypatch.setenv("REWARD_SERVER_URLS", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("REWARD_RETRY_SECONDS", "3")
+    monkeypatch.setattr(client, "_session", None)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    reward_fn = load_reward_manager(verl_config(manager, function), tokenizer, num_examine=0)
+    data, _ = make_data(tokenizer)
+    start = time.monotonic()
+    with pytest.raises(Exception, match="REWARD_BREAKER_SECONDS") as exc:  # verl calls it again when it raises
+        compute_reward(data, reward_fn)
+    elapsed = time.monotonic() - start
+    assert type(exc.value).__name__ == "RewardServerError"  # the class of verl's own copy of the file
+    assert 3 <= elapsed < 4, f"the step failed after {elapsed:.1f} s; without the breaker it takes two budgets (6 s)"
+
+
+def test_under_min_score_an_outage_costs_one_budget_per_step_not_one_per_sample(tiny_models, monkeypatch, tmp_path):
+    from transformers import AutoTokenizer
+    from verl.trainer.ppo.reward import compute_reward, load_reward_manager
+
+    sys.modules.pop("custom_module", None)
+    monkeypatch.setenv("REWARD_SERVER_URLS", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("REWARD_RETRY_SECONDS", "2")
+    monkeypatch.setenv("REWARD_ON_FAILURE", "min_score")
+    monkeypatch.setattr(client, "_session", None)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    reward_fn = load_reward_manager(verl_config("naive", "safe_hack_reward"), tokenizer, num_examine=0)
+    data, _ = make_data(tokenizer)
+    start = time.monotonic()
+    _, extra = compute_reward(data, reward_fn)
+    elapsed = time.monotonic() - start
+    assert list(extra["failed"]) == [1, 1, 1, 0, 0] and list(extra["score"]) == [-40.0] * 5
+    assert 2 <= elapsed < 3, f"{elapsed:.1f} s: the naive manager asks once per sample, 3 samples would take 6 s"
 
 
 def test_the_server_killed_mid_run_fails_the_step_or_under_the_opt_in_policy_scores_min(
