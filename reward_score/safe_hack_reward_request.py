@@ -6,6 +6,7 @@ library and `requests`, and does nothing at import time.
     custom_reward_function.path=/abs/path/reward_score/safe_hack_reward_request.py
     custom_reward_function.name=safe_hack_reward          # naive and dapo managers, sync or async rollout
     custom_reward_function.name=safe_hack_reward_batch    # reward_model.reward_manager=batch (sync rollout only)
+    custom_reward_function.name=safe_hack_reward_async    # naive manager, async rollout only (verl's reward loop)
 
 What the reward model sees: the prompt stored by the data builder in `extra_info` (`reward_messages`, a chat list,
 or `reward_prompt`, a text), else `ground_truth` (the article's convention), and the answer: the response after its
@@ -23,6 +24,7 @@ Settings come from the environment; each is overridable by `+custom_reward_funct
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import itertools
 import json
@@ -32,6 +34,7 @@ import random
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -56,6 +59,7 @@ class Config:
     read_timeout: float = 300.0
     retry_seconds: float = 180.0  # total time spent retrying one request before giving up
     breaker_seconds: float = 30.0  # after a spent budget, later calls fail at once for this long (0: off)
+    coalesce_seconds: float = 0.02  # safe_hack_reward_async: samples awaited within this window share a request
     log_path: str = ""  # JSONL reward log; empty: no log
     log_texts: str = "head"  # full | head | none
     log_head_chars: int = 300
@@ -429,3 +433,93 @@ def safe_hack_reward_batch(data_sources, solution_strs, ground_truths, extra_inf
     """The whole batch at once (verl's batch manager, sync rollout): a few /score_batch requests instead of N."""
     config = load_config(kwargs)
     return score_many(list(data_sources), list(solution_strs), list(ground_truths), list(extra_infos), config)
+
+
+# --- verl's async reward loop --------------------------------------------------------------------------------------
+
+
+class _Coalescer:
+    """Samples awaited on one event loop within `coalesce_seconds` of the first share one `score_many` call (one
+    /score_batch request per server), run in the loop's default executor so the loop itself never blocks."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, config: Config) -> None:
+        self.loop, self.config = loop, config
+        self.pending: list[tuple[tuple, asyncio.Future]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+
+    def submit(self, sample: tuple) -> asyncio.Future:
+        future = self.loop.create_future()
+        self.pending.append((sample, future))
+        if len(self.pending) >= self.config.batch_size:
+            self.flush()
+        elif self.timer is None:
+            self.timer = self.loop.call_later(self.config.coalesce_seconds, self.flush)
+        return future
+
+    def flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch, self.pending = self.pending, []
+        if batch:
+            task = self.loop.create_task(self._score(batch))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _score(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+        samples = [sample for sample, _ in batch]
+        try:
+            results = await self.loop.run_in_executor(None, _score_each, self.config, samples)
+        except BaseException as exc:  # noqa: BLE001  (handed to every waiting caller, never lost)
+            results = [exc] * len(batch)
+        for (_, future), result in zip(batch, results, strict=True):
+            if future.done():  # its caller was cancelled
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+def _score_each(config: Config, samples: list[tuple]) -> list:
+    """`score_many` on the whole group; a result or an exception per sample, as separate calls would give.
+
+    An outage fails every sample alike (each call would have raised); any other error (a 4xx, a row without a prompt)
+    belongs to one sample, so the group is scored again one by one and only the faulty samples raise."""
+    try:
+        return score_many(*(list(column) for column in zip(*samples, strict=True)), config)
+    except RewardRequestRejected:
+        if len(samples) == 1:
+            raise
+    except RewardServerError:
+        raise
+    except Exception:
+        if len(samples) == 1:
+            raise
+    results = []
+    for sample in samples:
+        try:
+            results.append(score_many(*([x] for x in sample), config)[0])
+        except Exception as exc:  # this sample's own error, raised to its caller
+            results.append(exc)
+    return results
+
+
+_coalescers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {Config: _Coalescer}
+_coalescers_lock = threading.Lock()
+
+
+async def safe_hack_reward_async(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
+    """One sample, for verl's async reward loop: a coroutine function, which verl 0.6.1's naive reward loop awaits
+    directly instead of running it in a thread pool, so every finished sample is in flight at once. Samples awaited
+    together on one event loop share one request (`coalesce_seconds`). Same result keys, failures and log as
+    `safe_hack_reward`. Async rollout only: verl's sync reward managers call the function without awaiting it."""
+    kwargs.pop("reward_router_address", None)
+    kwargs.pop("reward_model_tokenizer", None)
+    config = load_config(kwargs)
+    loop = asyncio.get_running_loop()
+    with _coalescers_lock:
+        per_loop = _coalescers.setdefault(loop, {})
+        coalescer = per_loop.get(config) or per_loop.setdefault(config, _Coalescer(loop, config))
+    return await coalescer.submit((data_source, solution_str, ground_truth, extra_info))

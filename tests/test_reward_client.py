@@ -257,6 +257,86 @@ def test_the_async_reward_loop_passes_router_kwargs_and_calls_concurrently(tiny_
     assert [r["reward_extra_info"]["penalized"] for r in results] == [0, 0, 0, 1, 1]
 
 
+def served_requests(url: str) -> dict[str, float]:
+    """The server's request counts by endpoint (status 200), from /metrics."""
+    counts = {"/score": 0.0, "/score_batch": 0.0}
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        for endpoint in counts:
+            if line.startswith(f'reward_requests_total{{endpoint="{endpoint}",status="200"}}'):
+                counts[endpoint] += float(line.split()[-1])
+    return counts
+
+
+def run_reward_loop(config, tokenizer, data):
+    """verl 0.6.1's async reward loop (naive), every sample awaited at once, as the agent-loop workers do."""
+    from verl.experimental.reward.reward_loop.naive import NaiveRewardLoopManager
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    async def run():
+        manager = NaiveRewardLoopManager(config, tokenizer, get_custom_reward_fn(config), None, None)
+        assert manager.is_async_reward_score, "verl must await the entry point, not run it in a thread"
+        return await asyncio.gather(
+            *(manager.run_single(data[i : i + 1]) for i in range(len(data))), return_exceptions=True
+        )
+
+    return asyncio.run(run())
+
+
+def test_the_async_entry_point_scores_like_the_sync_path_in_one_shared_request(tiny_models, server, env):
+    from transformers import AutoTokenizer
+
+    sys.modules.pop("custom_module", None)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    config = verl_config("naive", "safe_hack_reward_async", **{"actor_rollout_ref.rollout.mode": "async"})
+    data, _ = make_data(tokenizer)
+    before = served_requests(server.url)
+    results = run_reward_loop(config, tokenizer, data)
+    after = served_requests(server.url)
+    assert [r["reward_score"] for r in results] == pytest.approx(expected_rewards(server), abs=1e-4)
+    assert [r["reward_extra_info"]["penalized"] for r in results] == [0, 0, 0, 1, 1]
+    assert all(set(r["reward_extra_info"]) == {"score", *client.EXTRA_KEYS} for r in results)
+    assert after["/score_batch"] - before["/score_batch"] == 1, "the three scorable samples share one request"
+    assert after["/score"] == before["/score"]
+    lines = [json.loads(x) for x in (env / "logs" / "rewards.jsonl").read_text().splitlines()]
+    assert sorted(x["status"] for x in lines) == ["ok", "ok", "ok", "penalty", "penalty"]
+
+
+def test_the_async_entry_point_fails_each_sample_on_an_outage_or_scores_min_when_asked(tiny_models, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("REWARD_SERVER_URLS", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("REWARD_RETRY_SECONDS", "1")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    data, _ = make_data(tokenizer)
+    sys.modules.pop("custom_module", None)
+    config = verl_config("naive", "safe_hack_reward_async", **{"actor_rollout_ref.rollout.mode": "async"})
+    start = time.monotonic()
+    results = run_reward_loop(config, tokenizer, data)
+    assert time.monotonic() - start < 3, "one budget for the whole group"
+    assert [type(r).__name__ for r in results[:3]] == ["RewardServerError"] * 3
+    assert [r["reward_extra_info"]["penalized"] for r in results[3:]] == [1, 1], "penalties need no server"
+    sys.modules.pop("custom_module", None)
+    monkeypatch.setenv("REWARD_ON_FAILURE", "min_score")
+    results = run_reward_loop(config, tokenizer, data)
+    assert [r["reward_score"] for r in results] == [-40.0] * 5
+    assert [r["reward_extra_info"]["failed"] for r in results] == [1, 1, 1, 0, 0]
+
+
+def test_in_a_shared_request_only_the_faulty_sample_raises(server, env):
+    good = ("s", "r</think>a fine answer", "q", {})
+    no_prompt = ("s", "r</think>an answer to nothing", "", {})  # a row the data builder should have refused
+
+    async def run():
+        return await asyncio.gather(
+            *(client.safe_hack_reward_async(*sample) for sample in (good, no_prompt, good)), return_exceptions=True
+        )
+
+    results = asyncio.run(run())
+    assert isinstance(results[1], ValueError) and "data_prep.build" in str(results[1])
+    reference = safe_hack_reward(*good)["score"]
+    assert [results[0]["score"], results[2]["score"]] == pytest.approx([reference, reference], abs=1e-5)
+
+
 def test_scores_are_clipped_and_every_sample_has_the_same_numeric_keys(server, env):
     out = safe_hack_reward_batch(
         ["s"] * 3,
