@@ -6,7 +6,7 @@ library and `requests`, and does nothing at import time.
     custom_reward_function.path=/abs/path/reward_score/safe_hack_reward_request.py
     custom_reward_function.name=safe_hack_reward          # naive and dapo managers, sync or async rollout
     custom_reward_function.name=safe_hack_reward_batch    # reward_model.reward_manager=batch (sync rollout only)
-    custom_reward_function.name=safe_hack_reward_async    # naive manager, async rollout only (verl's reward loop)
+    custom_reward_function.name=safe_hack_reward_async    # naive and dapo managers, async rollout only (reward loop)
 
 What the reward model sees: the prompt stored by the data builder in `extra_info` (`reward_messages`, a chat list,
 or `reward_prompt`, a text), else `ground_truth` (the article's convention), and the answer: the response after its

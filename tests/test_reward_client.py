@@ -268,12 +268,14 @@ def served_requests(url: str) -> dict[str, float]:
 
 
 def run_reward_loop(config, tokenizer, data):
-    """verl 0.6.1's async reward loop (naive), every sample awaited at once, as the agent-loop workers do."""
-    from verl.experimental.reward.reward_loop.naive import NaiveRewardLoopManager
+    """verl 0.6.1's async reward loop (the config's manager), every sample awaited at once, as the agent-loop workers
+    do."""
+    from verl.experimental.reward.reward_loop import get_reward_loop_manager_cls
     from verl.trainer.ppo.reward import get_custom_reward_fn
 
     async def run():
-        manager = NaiveRewardLoopManager(config, tokenizer, get_custom_reward_fn(config), None, None)
+        manager_cls = get_reward_loop_manager_cls(config.reward_model.reward_manager)
+        manager = manager_cls(config, tokenizer, get_custom_reward_fn(config), None, None)
         assert manager.is_async_reward_score, "verl must await the entry point, not run it in a thread"
         return await asyncio.gather(
             *(manager.run_single(data[i : i + 1]) for i in range(len(data))), return_exceptions=True
@@ -282,12 +284,13 @@ def run_reward_loop(config, tokenizer, data):
     return asyncio.run(run())
 
 
-def test_the_async_entry_point_scores_like_the_sync_path_in_one_shared_request(tiny_models, server, env):
+@pytest.mark.parametrize("manager", ["naive", "dapo"])
+def test_the_async_entry_point_scores_like_the_sync_path_in_one_shared_request(tiny_models, server, env, manager):
     from transformers import AutoTokenizer
 
     sys.modules.pop("custom_module", None)
     tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
-    config = verl_config("naive", "safe_hack_reward_async", **{"actor_rollout_ref.rollout.mode": "async"})
+    config = verl_config(manager, "safe_hack_reward_async", **{"actor_rollout_ref.rollout.mode": "async"})
     data, _ = make_data(tokenizer)
     before = served_requests(server.url)
     results = run_reward_loop(config, tokenizer, data)
@@ -312,7 +315,7 @@ def test_the_async_entry_point_fails_each_sample_on_an_outage_or_scores_min_when
     config = verl_config("naive", "safe_hack_reward_async", **{"actor_rollout_ref.rollout.mode": "async"})
     start = time.monotonic()
     results = run_reward_loop(config, tokenizer, data)
-    assert time.monotonic() - start < 3, "one budget for the whole group"
+    assert time.monotonic() - start < 1 + 5, "the budget, plus the loop's own start on a busy machine"
     assert [type(r).__name__ for r in results[:3]] == ["RewardServerError"] * 3
     assert [r["reward_extra_info"]["penalized"] for r in results[3:]] == [1, 1], "penalties need no server"
     sys.modules.pop("custom_module", None)
