@@ -485,20 +485,27 @@ class _Coalescer:
 def _score_each(config: Config, samples: list[tuple]) -> list:
     """`score_many` on the whole group; a result or an exception per sample, as separate calls would give.
 
-    An outage fails every sample alike (each call would have raised); any other error (a 4xx, a row without a prompt)
-    belongs to one sample, so the group is scored again one by one and only the faulty samples raise."""
+    An outage fails every sample that needed a server (each call would have raised), while a penalized sample still
+    gets its penalty; any other error (a 4xx, a row without a prompt) belongs to one sample, so the group is scored
+    again one by one and only the faulty samples raise."""
+    outage = None
     try:
         return score_many(*(list(column) for column in zip(*samples, strict=True)), config)
     except RewardRequestRejected:
         if len(samples) == 1:
             raise
-    except RewardServerError:
-        raise
+    except RewardServerError as exc:
+        if len(samples) == 1:
+            raise
+        outage = exc
     except Exception:
         if len(samples) == 1:
             raise
     results = []
     for sample in samples:
+        if outage is not None and not split_answer(str(sample[1]), config.prompt_opens_think).penalty_reason:
+            results.append(outage)
+            continue
         try:
             results.append(score_many(*([x] for x in sample), config)[0])
         except Exception as exc:  # this sample's own error, raised to its caller

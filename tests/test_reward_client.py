@@ -340,6 +340,19 @@ def test_in_a_shared_request_only_the_faulty_sample_raises(server, env):
     assert [results[0]["score"], results[2]["score"]] == pytest.approx([reference, reference], abs=1e-5)
 
 
+def test_in_a_shared_request_an_outage_fails_the_scored_samples_and_still_penalizes_the_cut_off_one(monkeypatch):
+    dead = f"http://127.0.0.1:{free_port()}"
+    samples = [("s", "r</think>an answer", "q", {}), ("s", "cut off, never closed", "q", {})]
+
+    async def run():
+        calls = (client.safe_hack_reward_async(*x, server_urls=dead, retry_seconds=1) for x in samples)
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    scored, cut_off = asyncio.run(run())
+    assert isinstance(scored, RewardServerError) and dead in str(scored)
+    assert cut_off["penalized"] == 1.0 and cut_off["score"] == -40.0, "as safe_hack_reward gives it, with no server"
+
+
 def test_scores_are_clipped_and_every_sample_has_the_same_numeric_keys(server, env):
     out = safe_hack_reward_batch(
         ["s"] * 3,
