@@ -124,6 +124,10 @@ def wait(args) -> int:
                 connected, last = True, (record["nodes"], record["gpus"])
                 if ready(*last, args):
                     print(f"ray cluster ready: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs")
+                    try:  # the probe disconnects from Ray on its own (ray.shutdown); killed only if that hangs
+                        proc.wait(5)
+                    except subprocess.TimeoutExpired:
+                        pass
                     return 0
             if not chunk:  # the probe ended without a complete cluster: a failed connection, retried
                 if proc.wait() != 0 and last_error is None:
