@@ -513,7 +513,7 @@ def _score_each(config: Config, samples: list[tuple]) -> list:
     return results
 
 
-_coalescers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {Config: _Coalescer}
+_coalescers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {repr(Config): _Coalescer}
 _coalescers_lock = threading.Lock()
 
 
@@ -528,5 +528,6 @@ async def safe_hack_reward_async(data_source, solution_str, ground_truth, extra_
     loop = asyncio.get_running_loop()
     with _coalescers_lock:
         per_loop = _coalescers.setdefault(loop, {})
-        coalescer = per_loop.get(config) or per_loop.setdefault(config, _Coalescer(loop, config))
+        key = repr(config)  # not the Config itself: a NaN penalty parsed from the environment never equals itself
+        coalescer = per_loop.get(key) or per_loop.setdefault(key, _Coalescer(loop, config))
     return await coalescer.submit((data_source, solution_str, ground_truth, extra_info))

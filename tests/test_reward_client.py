@@ -325,6 +325,23 @@ def test_the_async_entry_point_fails_each_sample_on_an_outage_or_scores_min_when
     assert [r["reward_extra_info"]["failed"] for r in results] == [1, 1, 1, 0, 0]
 
 
+@pytest.mark.parametrize("window, requests_expected", [(0.5, 1), (0.01, 3)])
+def test_samples_share_a_request_only_within_the_coalesce_window(server, env, window, requests_expected):
+    async def run():
+        async def later(k):
+            await asyncio.sleep(0.1 * k)
+            return await client.safe_hack_reward_async("s", f"r</think>answer {k}", "q", {}, coalesce_seconds=window)
+
+        return await asyncio.gather(*(later(k) for k in range(3)))
+
+    before = served_requests(server.url)
+    results = asyncio.run(run())
+    after = served_requests(server.url)
+    assert all(r["failed"] == 0 and r["penalized"] == 0 for r in results)
+    sent = after["/score_batch"] - before["/score_batch"] + after["/score"] - before["/score"]
+    assert sent == requests_expected
+
+
 def test_in_a_shared_request_only_the_faulty_sample_raises(server, env):
     good = ("s", "r</think>a fine answer", "q", {})
     no_prompt = ("s", "r</think>an answer to nothing", "", {})  # a row the data builder should have refused
