@@ -7,6 +7,7 @@ Exit 0 when ready; 1 on timeout ("1/2 nodes, 4/8 GPUs after 600 s") or when a wa
 `ray.init` can block with no limit (an address that accepts TCP and never answers; two jobs on one node sharing Ray's
 default ports hung past 240 s), so the connection and the counting run in a child process (`probe`), which reports
 one JSON line per poll; this process keeps the deadline and the watched PIDs, and kills the child when either ends.
+The timeout counts from when the probe has imported Ray (a few seconds, itself bounded by the timeout).
 """
 
 import argparse
@@ -62,6 +63,7 @@ def probe(args) -> int:
     threading.Thread(target=guard, daemon=True).start()
     import ray
 
+    emit({"imported": True})
     try:
         ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
     except Exception as exc:  # the head may still be starting: the parent starts another probe
@@ -93,9 +95,11 @@ def wait(args) -> int:
         print(f"ray_cluster: ray is not installed for {sys.executable}", file=sys.stderr)
         return 1
     start = time.monotonic()
-    deadline = start + args.timeout
+    # The timeout counts from when the first probe has imported Ray (as it did when this process imported Ray itself
+    # before its clock started), and the import itself must finish within the timeout too.
+    deadline, clock_started = start + args.timeout, False
     last, connected, last_error = (0, 0.0), False, None
-    proc, pending, since, next_start = None, b"", 0.0, start
+    proc, pending, since, next_start = None, b"", None, start  # since: when the running probe called ray.init
     try:
         while (now := time.monotonic()) < deadline:
             dead = [pid for pid in args.watch_pid if not alive(pid)]
@@ -106,8 +110,9 @@ def wait(args) -> int:
                 if now < next_start:
                     time.sleep(min(0.5, next_start - now, deadline - now))
                     continue
-                proc = subprocess.Popen(probe_command(args, deadline - now + 5), stdout=subprocess.PIPE)
-                pending, since = b"", now
+                lifetime = deadline - now + (0 if clock_started else args.timeout) + 5
+                proc = subprocess.Popen(probe_command(args, lifetime), stdout=subprocess.PIPE)
+                pending, since = b"", None
             readable, _, _ = select.select([proc.stdout], [], [], max(0.0, min(0.5, deadline - now)))
             if not readable:
                 continue
@@ -118,6 +123,11 @@ def wait(args) -> int:
                 if not line.startswith(PROBE_PREFIX.encode()):
                     continue
                 record = json.loads(line[len(PROBE_PREFIX) :])
+                if "imported" in record:
+                    since = time.monotonic()
+                    if not clock_started:
+                        deadline, clock_started = since + args.timeout, True
+                    continue
                 if "error" in record:
                     last_error = record["error"]
                     continue
@@ -137,6 +147,8 @@ def wait(args) -> int:
         stop(proc)
     if connected:
         where = ""
+    elif proc is not None and since is None:
+        where = f" (could not connect: the probe had not even imported ray after {time.monotonic() - start:.0f} s)"
     elif proc is not None and time.monotonic() - since > 1:
         where = f" (could not connect: ray.init(address={args.address!r}) had not returned after {time.monotonic() - since:.0f} s"
         where += f"; the attempt before it: {last_error})" if last_error else ")"
