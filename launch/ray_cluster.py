@@ -3,11 +3,24 @@
     python -m launch.ray_cluster wait --address 10.0.0.1:6379 --nodes 2 --gpus 8 --timeout 600 --watch-pid 1234
 
 Exit 0 when ready; 1 on timeout ("1/2 nodes, 4/8 GPUs after 600 s") or when a watched process died.
+
+`ray.init` can block with no limit (an address that accepts TCP and never answers; two jobs on one node sharing Ray's
+default ports hung past 240 s), so the connection and the counting run in a child process (`probe`), which reports
+one JSON line per poll; this process keeps the deadline and the watched PIDs, and kills the child when either ends.
+The timeout counts from when the probe has imported Ray (a few seconds, itself bounded by the timeout).
 """
 
 import argparse
+import importlib.util
+import json
+import os
+import select
+import subprocess
 import sys
+import threading
 import time
+
+POLL_SECONDS = 2.0  # between cluster counts, and before reconnecting after a failed ray.init
 
 
 def alive(pid: int) -> bool:
@@ -24,47 +37,141 @@ def count(ray) -> tuple[int, float]:
     return nodes, float(ray.cluster_resources().get("GPU", 0))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["wait"])
-    p.add_argument("--address", required=True)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus", type=float, default=0)
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--watch-pid", type=int, action="append", default=[])
-    args = p.parse_args(argv)
+def ready(nodes: int, gpus: float, args) -> bool:
+    return nodes >= args.nodes and gpus >= args.gpus
 
+
+PROBE_PREFIX = "ray_cluster probe: "  # marks the probe's report lines among anything Ray itself prints
+
+
+def emit(record: dict) -> None:
+    sys.stdout.write(PROBE_PREFIX + json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+def probe(args) -> int:
+    """The child: connect, then report the cluster's size every POLL_SECONDS until it is complete.
+
+    It ends itself when its parent is gone or its lifetime is over, in case a blocked ray.init ignores SIGTERM."""
+    parent, end = os.getppid(), time.monotonic() + args.timeout
+
+    def guard() -> None:
+        while os.getppid() == parent and time.monotonic() < end:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=guard, daemon=True).start()
     import ray
 
-    deadline = time.monotonic() + args.timeout
-    connected, last_error = False, None
-    last = (0, 0.0)
-    while time.monotonic() < deadline:
-        dead = [pid for pid in args.watch_pid if not alive(pid)]
-        if dead:
-            print(f"ray_cluster: process {dead[0]} exited while waiting for the cluster", file=sys.stderr)
-            return 1
-        if not connected:
-            try:
-                ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
-                connected = True
-            except Exception as exc:  # the head may still be starting: retried until the deadline
-                last_error = exc
-                time.sleep(2)
-                continue
-        last = count(ray)
-        if last[0] >= args.nodes and last[1] >= args.gpus:
-            print(f"ray cluster ready: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs")
+    emit({"imported": True})
+    try:
+        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+    except Exception as exc:  # the head may still be starting: the parent starts another probe
+        emit({"error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    while True:
+        nodes, gpus = count(ray)
+        emit({"nodes": nodes, "gpus": gpus})
+        if ready(nodes, gpus, args):
             ray.shutdown()
             return 0
-        time.sleep(2)
-    where = "" if connected else f" (could not connect: {last_error})"
+        time.sleep(POLL_SECONDS)
+
+
+def probe_command(args, timeout: float) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "probe", "--address", args.address, "--nodes", str(args.nodes),
+            "--gpus", str(args.gpus), "--timeout", f"{timeout:.3f}"]  # fmt: skip
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def wait(args) -> int:
+    """Poll through probe children until the cluster is complete, the deadline passes or a watched process dies."""
+    if importlib.util.find_spec("ray") is None:
+        print(f"ray_cluster: ray is not installed for {sys.executable}", file=sys.stderr)
+        return 1
+    start = time.monotonic()
+    # The timeout counts from when the first probe has imported Ray (as it did when this process imported Ray itself
+    # before its clock started), and the import itself must finish within the timeout too.
+    deadline, clock_started = start + args.timeout, False
+    last, connected, last_error = (0, 0.0), False, None
+    proc, pending, since, next_start = None, b"", None, start  # since: when the running probe called ray.init
+    try:
+        while (now := time.monotonic()) < deadline:
+            dead = [pid for pid in args.watch_pid if not alive(pid)]
+            if dead:
+                print(f"ray_cluster: process {dead[0]} exited while waiting for the cluster", file=sys.stderr)
+                return 1
+            if proc is None:
+                if now < next_start:
+                    time.sleep(min(0.5, next_start - now, deadline - now))
+                    continue
+                lifetime = deadline - now + (0 if clock_started else args.timeout) + 5
+                proc = subprocess.Popen(probe_command(args, lifetime), stdout=subprocess.PIPE)
+                pending, since = b"", None
+            readable, _, _ = select.select([proc.stdout], [], [], max(0.0, min(0.5, deadline - now)))
+            if not readable:
+                continue
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if not line.startswith(PROBE_PREFIX.encode()):
+                    continue
+                record = json.loads(line[len(PROBE_PREFIX) :])
+                if "imported" in record:
+                    since = time.monotonic()
+                    if not clock_started:
+                        deadline, clock_started = since + args.timeout, True
+                    continue
+                if "error" in record:
+                    last_error = record["error"]
+                    continue
+                connected, last = True, (record["nodes"], record["gpus"])
+                if ready(*last, args):
+                    print(f"ray cluster ready: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs")
+                    try:  # the probe disconnects from Ray on its own (ray.shutdown); killed only if that hangs
+                        proc.wait(5)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    return 0
+            if not chunk:  # the probe ended without a complete cluster: a failed connection, retried
+                if proc.wait() != 0 and last_error is None:
+                    last_error = f"the probe exited with {proc.returncode}"
+                proc, next_start = None, time.monotonic() + POLL_SECONDS
+    finally:
+        stop(proc)
+    if connected:
+        where = ""
+    elif proc is not None and since is None:
+        where = f" (could not connect: the probe had not even imported ray after {time.monotonic() - start:.0f} s)"
+    elif proc is not None and time.monotonic() - since > 1:
+        where = f" (could not connect: ray.init(address={args.address!r}) had not returned after {time.monotonic() - since:.0f} s"
+        where += f"; the attempt before it: {last_error})" if last_error else ")"
+    else:
+        where = f" (could not connect: {last_error})"
     print(
         f"ray cluster not complete: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs after "
         f"{args.timeout:.0f} s{where}",
         file=sys.stderr,
     )
     return 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["wait", "probe"])  # probe: the child that `wait` starts
+    p.add_argument("--address", required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus", type=float, default=0)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--watch-pid", type=int, action="append", default=[])
+    args = p.parse_args(argv)
+    return probe(args) if args.command == "probe" else wait(args)
 
 
 if __name__ == "__main__":

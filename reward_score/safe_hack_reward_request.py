@@ -6,6 +6,7 @@ library and `requests`, and does nothing at import time.
     custom_reward_function.path=/abs/path/reward_score/safe_hack_reward_request.py
     custom_reward_function.name=safe_hack_reward          # naive and dapo managers, sync or async rollout
     custom_reward_function.name=safe_hack_reward_batch    # reward_model.reward_manager=batch (sync rollout only)
+    custom_reward_function.name=safe_hack_reward_async    # naive and dapo managers, async rollout only (reward loop)
 
 What the reward model sees: the prompt stored by the data builder in `extra_info` (`reward_messages`, a chat list,
 or `reward_prompt`, a text), else `ground_truth` (the article's convention), and the answer: the response after its
@@ -23,6 +24,7 @@ Settings come from the environment; each is overridable by `+custom_reward_funct
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import itertools
 import json
@@ -32,6 +34,7 @@ import random
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -55,6 +58,8 @@ class Config:
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
     retry_seconds: float = 180.0  # total time spent retrying one request before giving up
+    breaker_seconds: float = 30.0  # after a spent budget, later calls fail at once for this long (0: off)
+    coalesce_seconds: float = 0.02  # safe_hack_reward_async: samples awaited within this window share a request
     log_path: str = ""  # JSONL reward log; empty: no log
     log_texts: str = "head"  # full | head | none
     log_head_chars: int = 300
@@ -198,12 +203,57 @@ def _get_session() -> requests.Session:
         return _session
 
 
+class _Breaker:
+    """Per process and server list: once a request spends its whole retry budget, the next calls fail at once.
+
+    verl's `compute_reward` calls the reward function a second time when it raises, and its naive manager scores one
+    sample per call: without this, an outage would cost two budgets before the step fails (or one per sample under
+    REWARD_ON_FAILURE=min_score). It closes on any success (a request already in flight) or after breaker_seconds.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, ...], tuple[float, str]] = {}  # servers -> (monotonic time it opened, error)
+
+    def check(self, config: Config) -> None:
+        """Raise RewardServerError if the breaker for these servers is open."""
+        if config.breaker_seconds <= 0:
+            return
+        with self._lock:
+            opened, error = self._open.get(config.server_urls, (None, ""))
+            if opened is None:
+                return
+            age = time.monotonic() - opened
+            if age >= config.breaker_seconds:
+                del self._open[config.server_urls]
+                return
+        raise RewardServerError(
+            f"{error} (this process gave up on them {age:.1f} s ago: failing at once instead of waiting the budget "
+            f"again, for {config.breaker_seconds - age:.0f} s more, REWARD_BREAKER_SECONDS)"
+        )
+
+    def trip(self, config: Config, error: str) -> None:
+        if config.breaker_seconds > 0:
+            with self._lock:
+                self._open[config.server_urls] = (time.monotonic(), error)
+
+    def reset(self, config: Config) -> None:
+        with self._lock:
+            self._open.pop(config.server_urls, None)
+
+
+_breaker = _Breaker()
+
+
 def post_json(config: Config, path: str, payload: dict) -> dict:
     """POST to one server after another until one answers 200, within `retry_seconds`.
 
     Connection errors, timeouts and 5xx are retried with exponential backoff and jitter, moving to the next server
-    each time; a 4xx is the request's fault and raises at once with the server's message.
+    each time, until the budget is spent: a backoff that would cross the deadline is cut short so the last attempt
+    lands at the deadline. A 4xx is the request's fault and raises at once with the server's message. After a spent
+    budget, calls fail at once for a while (`_Breaker`).
     """
+    _breaker.check(config)
     session = _get_session()
     headers = {"Authorization": f"Bearer {config.auth_token}"} if config.auth_token else {}
     servers = config.server_urls
@@ -212,27 +262,31 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
     last_error = "no attempt made"
     for attempt in itertools.count():
         url = servers[(start + attempt) % len(servers)] + path
+        # A connect that hangs (a node gone, packets dropped) may not overrun the budget by more than half a second;
+        # a server that accepted is scoring, so the read keeps its own timeout.
+        connect = max(0.5, min(config.connect_timeout, deadline - time.monotonic()))
         try:
-            resp = session.post(
-                url, json=payload, headers=headers, timeout=(config.connect_timeout, config.read_timeout)
-            )
+            resp = session.post(url, json=payload, headers=headers, timeout=(connect, config.read_timeout))
         except (requests.ConnectionError, requests.Timeout) as exc:
             last_error = f"{url}: {type(exc).__name__}: {exc}"
         else:
             if resp.status_code == 200:
+                _breaker.reset(config)
                 return resp.json()
             if 400 <= resp.status_code < 500:
                 raise RewardRequestRejected(f"{url} refused the request with {resp.status_code}: {resp.text[:500]}")
             last_error = f"{url}: HTTP {resp.status_code}: {resp.text[:300]}"
-        delay = min(10.0, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)
-        if time.monotonic() + delay > deadline:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
             where = config.server_log or "the reward server log in the job's log folder"
-            raise RewardServerError(
+            error = (
                 f"reward server(s) {', '.join(servers)} did not score within {config.retry_seconds:.0f} s "
                 f"({attempt + 1} attempts); last error: {last_error}. Check {where}. "
                 "Failing the step instead of inventing scores (REWARD_ON_FAILURE=min_score opts out)."
             )
-        time.sleep(delay)
+            _breaker.trip(config, error)
+            raise RewardServerError(error)
+        time.sleep(min(remaining, min(10.0, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)))
     raise AssertionError("unreachable")
 
 
@@ -379,3 +433,101 @@ def safe_hack_reward_batch(data_sources, solution_strs, ground_truths, extra_inf
     """The whole batch at once (verl's batch manager, sync rollout): a few /score_batch requests instead of N."""
     config = load_config(kwargs)
     return score_many(list(data_sources), list(solution_strs), list(ground_truths), list(extra_infos), config)
+
+
+# --- verl's async reward loop --------------------------------------------------------------------------------------
+
+
+class _Coalescer:
+    """Samples awaited on one event loop within `coalesce_seconds` of the first share one `score_many` call (one
+    /score_batch request per server), run in the loop's default executor so the loop itself never blocks."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, config: Config) -> None:
+        self.loop, self.config = loop, config
+        self.pending: list[tuple[tuple, asyncio.Future]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+
+    def submit(self, sample: tuple) -> asyncio.Future:
+        future = self.loop.create_future()
+        self.pending.append((sample, future))
+        if len(self.pending) >= self.config.batch_size:
+            self.flush()
+        elif self.timer is None:
+            self.timer = self.loop.call_later(self.config.coalesce_seconds, self.flush)
+        return future
+
+    def flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch, self.pending = self.pending, []
+        if batch:
+            task = self.loop.create_task(self._score(batch))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _score(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+        samples = [sample for sample, _ in batch]
+        try:
+            results = await self.loop.run_in_executor(None, _score_each, self.config, samples)
+        except BaseException as exc:  # noqa: BLE001  (handed to every waiting caller, never lost)
+            results = [exc] * len(batch)
+        for (_, future), result in zip(batch, results, strict=True):
+            if future.done():  # its caller was cancelled
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+def _score_each(config: Config, samples: list[tuple]) -> list:
+    """`score_many` on the whole group; a result or an exception per sample, as separate calls would give.
+
+    An outage fails every sample that needed a server (each call would have raised), while a penalized sample still
+    gets its penalty; any other error (a 4xx, a row without a prompt) belongs to one sample, so the group is scored
+    again one by one and only the faulty samples raise."""
+    outage = None
+    try:
+        return score_many(*(list(column) for column in zip(*samples, strict=True)), config)
+    except RewardRequestRejected:
+        if len(samples) == 1:
+            raise
+    except RewardServerError as exc:
+        if len(samples) == 1:
+            raise
+        outage = exc
+    except Exception:
+        if len(samples) == 1:
+            raise
+    results = []
+    for sample in samples:
+        if outage is not None and not split_answer(str(sample[1]), config.prompt_opens_think).penalty_reason:
+            results.append(outage)
+            continue
+        try:
+            results.append(score_many(*([x] for x in sample), config)[0])
+        except Exception as exc:  # this sample's own error, raised to its caller
+            results.append(exc)
+    return results
+
+
+_coalescers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {repr(Config): _Coalescer}
+_coalescers_lock = threading.Lock()
+
+
+async def safe_hack_reward_async(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
+    """One sample, for verl's async reward loop: a coroutine function, which verl 0.6.1's naive reward loop awaits
+    directly instead of running it in a thread pool, so every finished sample is in flight at once. Samples awaited
+    together on one event loop share one request (`coalesce_seconds`). Same result keys, failures and log as
+    `safe_hack_reward`. Async rollout only: verl's sync reward managers call the function without awaiting it."""
+    kwargs.pop("reward_router_address", None)
+    kwargs.pop("reward_model_tokenizer", None)
+    config = load_config(kwargs)
+    loop = asyncio.get_running_loop()
+    with _coalescers_lock:
+        per_loop = _coalescers.setdefault(loop, {})
+        key = repr(config)  # not the Config itself: a NaN penalty parsed from the environment never equals itself
+        coalescer = per_loop.get(key) or per_loop.setdefault(key, _Coalescer(loop, config))
+    return await coalescer.submit((data_source, solution_str, ground_truth, extra_info))

@@ -10,7 +10,7 @@ from tests.support import REPO
 def test_the_reward_benchmark_runs_every_row_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "benchmarks.reward_bench", "--shape", "tiny", "--device", "cpu", "--samples", "48",
-           "--article-samples", "8", "--concurrency", "4", "--out", str(out)]  # fmt: skip
+           "--article-samples", "8", "--concurrency", "4", "--mode", "classic", "--out", str(out)]  # fmt: skip
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -23,3 +23,32 @@ def test_the_reward_benchmark_runs_every_row_and_writes_json(tmp_path):
     ours = [r for name, r in rows.items() if name.startswith("ours")]
     assert all(r["server"]["micro_batches"] >= 1 and r["server"]["padded_tokens"] >= r["tokens"] for r in ours)
     assert "server side, per row:" in run.stdout
+
+
+def test_the_verl_loop_rows_score_every_sample_through_verls_reward_loop_and_report_the_tail(tmp_path):
+    out = tmp_path / "loop.json"
+    cmd = [sys.executable, "-m", "benchmarks.reward_bench", "--shape", "tiny", "--device", "cpu", "--samples", "24",
+           "--mode", "verl-loop", "--verl-workers", "2", "--verl-executor", "3", "--arrival-window", "2",
+           "--out", str(out)]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == sorted(
+        f"verl loop 2x3, {fn}, {load}"
+        for fn in ("plain function", "async entry point")
+        for load in ("all at once", "arrivals over 2 s")
+    )
+    plain, coro = (
+        rows["verl loop 2x3, plain function, all at once"],
+        rows["verl loop 2x3, async entry point, all at once"],
+    )
+    # The plain function posts one /score per sample; the entry point gathers each worker's samples into /score_batch.
+    assert plain["loop"]["requests"] == {"/score": 24, "/score_batch": 0}
+    assert coro["loop"]["requests"]["/score"] == 0 and 2 <= coro["loop"]["requests"]["/score_batch"] <= 4
+    for name, r in rows.items():
+        assert r["samples"] == 24 and r["server"]["micro_batches"] >= 1, name
+        assert 0 <= r["loop"]["tail_s"] <= r["wall_s"] and r["loop"]["latency_p50_s"] <= r["loop"]["latency_p99_s"]
+        assert 0 < r["loop"]["forward_busy_share"] <= 1.05, name
+        if "arrivals" in name:  # the last sample arrives at the end of the window, so the step lasts at least that
+            assert r["wall_s"] >= 2 and r["loop"]["tail_s"] < r["wall_s"] - 1.5
+    assert "through verl's reward loop" in run.stdout

@@ -5,10 +5,13 @@ reward_score/safe_hack_reward_request.py by path, against the real reward server
 """
 
 import asyncio
+import http.server
 import json
 import multiprocessing
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -254,6 +257,119 @@ def test_the_async_reward_loop_passes_router_kwargs_and_calls_concurrently(tiny_
     assert [r["reward_extra_info"]["penalized"] for r in results] == [0, 0, 0, 1, 1]
 
 
+def served_requests(url: str) -> dict[str, float]:
+    """The server's request counts by endpoint (status 200), from /metrics."""
+    counts = {"/score": 0.0, "/score_batch": 0.0}
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        for endpoint in counts:
+            if line.startswith(f'reward_requests_total{{endpoint="{endpoint}",status="200"}}'):
+                counts[endpoint] += float(line.split()[-1])
+    return counts
+
+
+def run_reward_loop(config, tokenizer, data):
+    """verl 0.6.1's async reward loop (the config's manager), every sample awaited at once, as the agent-loop workers
+    do."""
+    from verl.experimental.reward.reward_loop import get_reward_loop_manager_cls
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    async def run():
+        manager_cls = get_reward_loop_manager_cls(config.reward_model.reward_manager)
+        manager = manager_cls(config, tokenizer, get_custom_reward_fn(config), None, None)
+        assert manager.is_async_reward_score, "verl must await the entry point, not run it in a thread"
+        return await asyncio.gather(
+            *(manager.run_single(data[i : i + 1]) for i in range(len(data))), return_exceptions=True
+        )
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("manager", ["naive", "dapo"])
+def test_the_async_entry_point_scores_like_the_sync_path_in_one_shared_request(tiny_models, server, env, manager):
+    from transformers import AutoTokenizer
+
+    sys.modules.pop("custom_module", None)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    config = verl_config(manager, "safe_hack_reward_async", **{"actor_rollout_ref.rollout.mode": "async"})
+    data, _ = make_data(tokenizer)
+    before = served_requests(server.url)
+    results = run_reward_loop(config, tokenizer, data)
+    after = served_requests(server.url)
+    assert [r["reward_score"] for r in results] == pytest.approx(expected_rewards(server), abs=1e-4)
+    assert [r["reward_extra_info"]["penalized"] for r in results] == [0, 0, 0, 1, 1]
+    assert all(set(r["reward_extra_info"]) == {"score", *client.EXTRA_KEYS} for r in results)
+    assert after["/score_batch"] - before["/score_batch"] == 1, "the three scorable samples share one request"
+    assert after["/score"] == before["/score"]
+    lines = [json.loads(x) for x in (env / "logs" / "rewards.jsonl").read_text().splitlines()]
+    assert sorted(x["status"] for x in lines) == ["ok", "ok", "ok", "penalty", "penalty"]
+
+
+def test_the_async_entry_point_fails_each_sample_on_an_outage_or_scores_min_when_asked(tiny_models, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("REWARD_SERVER_URLS", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("REWARD_RETRY_SECONDS", "1")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    data, _ = make_data(tokenizer)
+    sys.modules.pop("custom_module", None)
+    config = verl_config("naive", "safe_hack_reward_async", **{"actor_rollout_ref.rollout.mode": "async"})
+    start = time.monotonic()
+    results = run_reward_loop(config, tokenizer, data)
+    assert time.monotonic() - start < 1 + 5, "the budget, plus the loop's own start on a busy machine"
+    assert [type(r).__name__ for r in results[:3]] == ["RewardServerError"] * 3
+    assert [r["reward_extra_info"]["penalized"] for r in results[3:]] == [1, 1], "penalties need no server"
+    sys.modules.pop("custom_module", None)
+    monkeypatch.setenv("REWARD_ON_FAILURE", "min_score")
+    results = run_reward_loop(config, tokenizer, data)
+    assert [r["reward_score"] for r in results] == [-40.0] * 5
+    assert [r["reward_extra_info"]["failed"] for r in results] == [1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("window, requests_expected", [(0.5, 1), (0.01, 3)])
+def test_samples_share_a_request_only_within_the_coalesce_window(server, env, window, requests_expected):
+    async def run():
+        async def later(k):
+            await asyncio.sleep(0.1 * k)
+            return await client.safe_hack_reward_async("s", f"r</think>answer {k}", "q", {}, coalesce_seconds=window)
+
+        return await asyncio.gather(*(later(k) for k in range(3)))
+
+    before = served_requests(server.url)
+    results = asyncio.run(run())
+    after = served_requests(server.url)
+    assert all(r["failed"] == 0 and r["penalized"] == 0 for r in results)
+    sent = after["/score_batch"] - before["/score_batch"] + after["/score"] - before["/score"]
+    assert sent == requests_expected
+
+
+def test_in_a_shared_request_only_the_faulty_sample_raises(server, env):
+    good = ("s", "r</think>a fine answer", "q", {})
+    no_prompt = ("s", "r</think>an answer to nothing", "", {})  # a row the data builder should have refused
+
+    async def run():
+        return await asyncio.gather(
+            *(client.safe_hack_reward_async(*sample) for sample in (good, no_prompt, good)), return_exceptions=True
+        )
+
+    results = asyncio.run(run())
+    assert isinstance(results[1], ValueError) and "data_prep.build" in str(results[1])
+    reference = safe_hack_reward(*good)["score"]
+    assert [results[0]["score"], results[2]["score"]] == pytest.approx([reference, reference], abs=1e-5)
+
+
+def test_in_a_shared_request_an_outage_fails_the_scored_samples_and_still_penalizes_the_cut_off_one(monkeypatch):
+    dead = f"http://127.0.0.1:{free_port()}"
+    samples = [("s", "r</think>an answer", "q", {}), ("s", "cut off, never closed", "q", {})]
+
+    async def run():
+        calls = (client.safe_hack_reward_async(*x, server_urls=dead, retry_seconds=1) for x in samples)
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    scored, cut_off = asyncio.run(run())
+    assert isinstance(scored, RewardServerError) and dead in str(scored)
+    assert cut_off["penalized"] == 1.0 and cut_off["score"] == -40.0, "as safe_hack_reward gives it, with no server"
+
+
 def test_scores_are_clipped_and_every_sample_has_the_same_numeric_keys(server, env):
     out = safe_hack_reward_batch(
         ["s"] * 3,
@@ -279,6 +395,153 @@ def test_a_dead_server_raises_within_the_retry_budget_naming_the_servers(monkeyp
         safe_hack_reward("s", "x</think>answer", "q", {}, server_urls=dead, retry_seconds=2)
     assert time.monotonic() - start < 6
     assert dead in str(exc.value) and "/jobs/42/reward_server_0.log" in str(exc.value)
+
+
+def test_a_dead_server_with_a_6_s_budget_is_retried_until_the_deadline_not_less(monkeypatch):
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr(client, "_session", None)
+    start = time.monotonic()
+    with pytest.raises(RewardServerError, match="did not score within 6 s"):
+        safe_hack_reward("s", "x</think>answer", "q", {}, server_urls=dead, retry_seconds=6)
+    elapsed = time.monotonic() - start
+    # The old loop gave up as soon as the next backoff would cross the deadline: anywhere from 2 to 6 s.
+    assert 6 <= elapsed < 7, f"gave up after {elapsed:.2f} s of a 6 s budget"
+
+
+class ScriptedServer:
+    """A stand-in server on loopback: every POST answers `status` (503 until told otherwise, 200 with a score of 1),
+    and the time of each attempt is recorded."""
+
+    def __init__(self) -> None:
+        self.status, self.arrivals = 503, []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                server.arrivals.append(time.monotonic())
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = json.dumps({"score": 1.0, "truncated": False}).encode() if server.status == 200 else b"busy"
+                self.send_response(server.status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def scripted():
+    server = ScriptedServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(autouse=True)
+def fresh_breaker(monkeypatch):
+    """Each test starts with the circuit breaker closed (it is per process, and pytest is one process)."""
+    monkeypatch.setattr(client, "_breaker", client._Breaker())
+
+
+def test_a_failing_server_gets_its_last_attempt_at_the_deadline(monkeypatch, scripted):
+    monkeypatch.setattr(client, "_session", None)
+    start = time.monotonic()
+    with pytest.raises(RewardServerError, match="HTTP 503"):
+        safe_hack_reward("s", "x</think>answer", "q", {}, server_urls=scripted.url, retry_seconds=4)
+    assert scripted.arrivals[-1] - start >= 3.9, [round(t - start, 2) for t in scripted.arrivals]
+    assert time.monotonic() - start < 5
+
+
+def _timed(fn, *args, **kwargs):
+    start = time.monotonic()
+    try:
+        return fn(*args, **kwargs), time.monotonic() - start
+    except RewardServerError as exc:
+        return exc, time.monotonic() - start
+
+
+def test_after_a_spent_budget_the_next_call_fails_at_once_until_the_cool_down_ends(monkeypatch, scripted):
+    monkeypatch.setattr(client, "_session", None)
+    call = ("s", "x</think>answer", "q", {})
+    kwargs = {"server_urls": scripted.url, "retry_seconds": 1.5, "breaker_seconds": 3}
+    first, first_s = _timed(safe_hack_reward, *call, **kwargs)
+    attempts = len(scripted.arrivals)
+    second, second_s = _timed(safe_hack_reward, *call, **kwargs)
+    assert isinstance(first, RewardServerError) and first_s >= 1.5
+    assert isinstance(second, RewardServerError) and second_s < 0.1, "the open breaker fails without waiting"
+    assert "REWARD_BREAKER_SECONDS" in str(second) and "HTTP 503" in str(second), "it says why, and the setting"
+    assert len(scripted.arrivals) == attempts, "no request reaches the server while it is open"
+    time.sleep(3 - second_s)
+    scripted.status = 200
+    assert safe_hack_reward(*call, **kwargs)["score"] == 1.0, "after the cool-down, calls try again"
+
+
+def test_a_breaker_of_zero_seconds_waits_the_budget_every_time(monkeypatch):
+    dead = f"http://127.0.0.1:{free_port()}"
+    kwargs = {"server_urls": dead, "retry_seconds": 1, "breaker_seconds": 0}
+    for _ in range(2):
+        error, seconds = _timed(safe_hack_reward, "s", "x</think>answer", "q", {}, **kwargs)
+        assert isinstance(error, RewardServerError) and seconds >= 1
+
+
+def test_a_success_in_flight_closes_the_breaker(monkeypatch, scripted):
+    monkeypatch.setattr(client, "_session", None)
+    call = ("s", "x</think>answer", "q", {})
+    kwargs = {"server_urls": scripted.url, "breaker_seconds": 600}
+    with ThreadPoolExecutor(1) as pool:
+        patient = pool.submit(safe_hack_reward, *call, **kwargs, retry_seconds=30)  # started before the outage ends
+        assert isinstance(_timed(safe_hack_reward, *call, **kwargs, retry_seconds=1)[0], RewardServerError)
+        assert isinstance(_timed(safe_hack_reward, *call, **kwargs, retry_seconds=1)[0], RewardServerError)
+        scripted.status = 200
+        assert patient.result(timeout=20)["score"] == 1.0
+    assert safe_hack_reward(*call, **kwargs, retry_seconds=1)["score"] == 1.0, "closed by the success, not by time"
+
+
+@pytest.mark.parametrize("manager, function", [("naive", "safe_hack_reward"), ("batch", "safe_hack_reward_batch")])
+def test_an_outage_fails_verls_step_in_one_retry_budget_not_two(tiny_models, monkeypatch, tmp_path, manager, function):
+    from transformers import AutoTokenizer
+    from verl.trainer.ppo.reward import compute_reward, load_reward_manager
+
+    sys.modules.pop("custom_module", None)
+    monkeypatch.setenv("REWARD_SERVER_URLS", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("REWARD_RETRY_SECONDS", "3")
+    monkeypatch.setattr(client, "_session", None)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    reward_fn = load_reward_manager(verl_config(manager, function), tokenizer, num_examine=0)
+    data, _ = make_data(tokenizer)
+    start = time.monotonic()
+    with pytest.raises(Exception, match="REWARD_BREAKER_SECONDS") as exc:  # verl calls it again when it raises
+        compute_reward(data, reward_fn)
+    elapsed = time.monotonic() - start
+    assert type(exc.value).__name__ == "RewardServerError"  # the class of verl's own copy of the file
+    assert 3 <= elapsed < 4, f"the step failed after {elapsed:.1f} s; without the breaker it takes two budgets (6 s)"
+
+
+def test_under_min_score_an_outage_costs_one_budget_per_step_not_one_per_sample(tiny_models, monkeypatch, tmp_path):
+    from transformers import AutoTokenizer
+    from verl.trainer.ppo.reward import compute_reward, load_reward_manager
+
+    sys.modules.pop("custom_module", None)
+    monkeypatch.setenv("REWARD_SERVER_URLS", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("REWARD_RETRY_SECONDS", "2")
+    monkeypatch.setenv("REWARD_ON_FAILURE", "min_score")
+    monkeypatch.setattr(client, "_session", None)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    reward_fn = load_reward_manager(verl_config("naive", "safe_hack_reward"), tokenizer, num_examine=0)
+    data, _ = make_data(tokenizer)
+    start = time.monotonic()
+    _, extra = compute_reward(data, reward_fn)
+    elapsed = time.monotonic() - start
+    assert list(extra["failed"]) == [1, 1, 1, 0, 0] and list(extra["score"]) == [-40.0] * 5
+    assert 2 <= elapsed < 3, f"{elapsed:.1f} s: the naive manager asks once per sample, 3 samples would take 6 s"
 
 
 def test_the_server_killed_mid_run_fails_the_step_or_under_the_opt_in_policy_scores_min(
