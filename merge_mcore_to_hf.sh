@@ -73,12 +73,17 @@ decide_tie() {
   esac
   local from_config
   from_config=$(cd "$repo" && "${wrap[@]}" python3 -m launch.verify_hf "$step_dir/huggingface" --show-tie) ||
-    die "transformers cannot read $step_dir/huggingface/config.json (output above): set TIE_WORD_EMBEDDINGS=true|false"
+    from_config=unreadable
+  if [[ "$from_config" != true && "$from_config" != false ]]; then
+    [[ "$TIE_WORD_EMBEDDINGS" != auto ]] ||
+      die "transformers cannot read $step_dir/huggingface/config.json (output above): set TIE_WORD_EMBEDDINGS=true|false"
+    from_config=unreadable
+  fi
   tie=$from_config
   [[ "$TIE_WORD_EMBEDDINGS" == auto ]] || tie=$TIE_WORD_EMBEDDINGS
   log "tied embeddings: $tie (config.json says $from_config, as transformers reads it;" \
     "TIE_WORD_EMBEDDINGS=$TIE_WORD_EMBEDDINGS)"
-  [[ "$tie" == "$from_config" ]] ||
+  [[ "$tie" == "$from_config" || "$from_config" == unreadable ]] ||
     err "TIE_WORD_EMBEDDINGS=$tie overrides the checkpoint's config.json ($from_config): the result follows your setting"
 }
 

@@ -140,6 +140,16 @@ def test_a_config_without_the_tie_key_is_read_as_transformers_reads_it(
     assert ("lm_head.weight" in stored) is not flag
 
 
+def test_an_unreadable_config_is_merged_as_the_tie_setting_says(merge_env, tiny_models, tmp_path):
+    root = make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True)
+    config = root / "global_step_20" / "actor" / "huggingface" / "config.json"
+    config.write_text(config.read_text().replace('"qwen3"', '"qwen3-custom"'))  # a model type transformers lacks
+    result = run(merge_env, TARGET_DIR=str(tmp_path / "hf"), TIE_WORD_EMBEDDINGS="true")
+    (argv,) = merger_calls(merge_env)
+    assert "--tie-word-embedding" in argv, "the setting decides when transformers cannot"
+    assert "tied embeddings: true (config.json says unreadable" in result.stdout
+
+
 def test_a_critic_with_only_megatron_weights_is_refused_naming_verl_s_merger(merge_env, tiny_models, tmp_path):
     make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True, roles=("actor", "critic"))
     result = run(merge_env, ROLE="critic", TARGET_DIR=str(tmp_path / "critic_hf"))
@@ -255,6 +265,7 @@ def test_a_checkpoint_that_already_holds_hf_weights_is_copied_and_verified(merge
         ("not_verl", {}, "huggingface/config.json is missing: is CKPT_ROOT a verl checkpoint folder?"),
         ("target_exists", {}, "already exists: choose another or remove it"),
         ("ok", {"TIE_WORD_EMBEDDINGS": "maybe"}, "TIE_WORD_EMBEDDINGS=maybe"),
+        ("bad_config", {}, "transformers cannot read"),
     ],
 )
 def test_bad_input_names_the_setting_and_changes_nothing(merge_env, tiny_models, tmp_path, setup, extra, needle):
@@ -264,6 +275,8 @@ def test_bad_input_names_the_setting_and_changes_nothing(merge_env, tiny_models,
         (root / "latest_checkpointed_iteration.txt").unlink()
     if setup == "not_verl":
         (root / "global_step_20" / "actor" / "huggingface" / "config.json").unlink()
+    if setup == "bad_config":
+        (root / "global_step_20" / "actor" / "huggingface" / "config.json").write_text('{"model_type": "no-such"}')
     if setup == "target_exists":
         target.mkdir()
         (target / "keep.txt").write_text("mine")
