@@ -62,15 +62,15 @@ resolve_step() {
 # decide_tie: the actor's tie_word_embeddings as transformers reads config.json (run in the image, which has
 # transformers): without the key, the config class's default for that model type (Qwen3 and Llama: untied).
 decide_tie() {
+  case "$TIE_WORD_EMBEDDINGS" in
+    auto | true | false) ;;
+    *) die "TIE_WORD_EMBEDDINGS=$TIE_WORD_EMBEDDINGS: use auto, true or false" ;;
+  esac
   if [[ "$ROLE" == critic ]]; then
     tie=false
     log "critic: its output layer is the [1, hidden] value head, never tied (verl builds the critic untied)"
     return
   fi
-  case "$TIE_WORD_EMBEDDINGS" in
-    auto | true | false) ;;
-    *) die "TIE_WORD_EMBEDDINGS=$TIE_WORD_EMBEDDINGS: use auto, true or false" ;;
-  esac
   local from_config
   from_config=$(cd "$repo" && "${wrap[@]}" python3 -m launch.verify_hf "$step_dir/huggingface" --show-tie) ||
     from_config=unreadable
@@ -116,11 +116,12 @@ move_into_place() {
 }
 
 merge() {
-  local tmp="$TARGET_DIR.tmp.$$"
-  rm -rf "$tmp"
+  # a folder of this job's own beside TARGET_DIR (host and PID: two jobs on two nodes can have the same PID)
+  local tmp="$TARGET_DIR.tmp.${HOSTNAME%%.*}.$$"
+  mkdir "$tmp" || die "$tmp exists: another merge is writing there; nothing was changed"
   if has_hf_weights; then
     log_phase "the checkpoint already holds Hugging Face weights: copying $step_dir/huggingface"
-    cp -r "$step_dir/huggingface" "$tmp"
+    cp -r "$step_dir/huggingface/." "$tmp"
   else
     local -a cmd
     cmd=("$MERGER_LAUNCHER" -m verl.model_merger merge --backend megatron --local_dir "$step_dir" --target_dir "$tmp")

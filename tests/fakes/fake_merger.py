@@ -51,7 +51,7 @@ def main() -> int:
         state.pop("lm_head.weight", None)
     if broken == "extra_lm_head":
         state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-    target.mkdir(parents=True)
+    target.mkdir(parents=True, exist_ok=True)  # as verl: os.makedirs(target_dir, exist_ok=True)
     names = sorted(state)
     halves = {
         "model-00001-of-00002.safetensors": names[: len(names) // 2],
