@@ -160,6 +160,27 @@ def test_a_critic_with_only_megatron_weights_is_refused_naming_verl_s_merger(mer
     assert not (tmp_path / "critic_hf").exists() and not list(tmp_path.glob("critic_hf*"))
 
 
+def test_verl_s_merger_still_builds_a_causal_lm_so_a_critic_merge_stays_refused():
+    """The refusal's premise, read from the installed verl: if a release builds value models, revisit ROLE=critic."""
+    import verl
+
+    source = (Path(verl.__file__).parent / "model_merger" / "megatron_model_merger.py").read_text()
+    assert verl.__version__ == "0.6.1"
+    assert "value=False," in source and "value=self.config.is_value_model" not in source
+
+
+def test_an_actor_s_lm_head_is_not_taken_for_a_value_head(tiny_models, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from launch.critic_to_hf import NotACritic, to_value_model
+
+    config = AutoConfig.from_pretrained(tiny_models.policy, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "actor")
+    with pytest.raises(NotACritic, match=r"lm_head.weight in .* has shape \[\d+, \d+\], a value head is \[1, "):
+        to_value_model(tmp_path / "actor")
+    assert "ForTokenClassification" not in (tmp_path / "actor" / "config.json").read_text(), "nothing rewritten"
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_verl_s_critic_save_becomes_a_value_model_transformers_loads(merge_env, tiny_models, tmp_path, tied):
     import torch
