@@ -64,6 +64,10 @@ def to_value_model(folder: Path) -> str:
     classes = AutoModelForTokenClassification._model_mapping
     if type(config) not in classes:
         raise NotACritic(f"transformers has no token-classification model for model_type={config.model_type}")
+    with torch.device("meta"):
+        names = set(classes[type(config)](config).state_dict())
+    if not {"score.weight", "score.bias"} <= names:
+        raise NotACritic(f"{classes[type(config)].__name__} has no score layer to hold the value head")
     tensors["score.weight"] = head
     tensors["score.bias"] = torch.zeros(1, dtype=head.dtype)
     save_file(tensors, str(shard), metadata={"format": "pt"})

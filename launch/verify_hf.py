@@ -114,9 +114,8 @@ def verify(target: Path, tied: bool, value_model: bool = False, load: bool = Fal
         if expected[name] != stored[name]:
             problems.append(f"{name} has shape {list(stored[name])}, the config implies {list(expected[name])}")
     if value_model and "score.weight" not in stored:
-        problems.append(
-            f"the value head score.weight {list(expected['score.weight'])} is missing: a critic without its head"
-        )
+        shape = list(expected.get("score.weight", ()))
+        problems.append(f"the value head score.weight {shape} is missing: a critic without its head")
     if not tied and not value_model and "lm_head.weight" not in stored:
         problems.append(
             "lm_head.weight is missing although the embeddings are untied (merged with --tie-word-embedding?)"
