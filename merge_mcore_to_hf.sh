@@ -12,8 +12,10 @@
 #   sbatch --export=ALL,STEP=50,ROLE=critic merge_mcore_to_hf.sh
 #   CONTAINER=none bash merge_mcore_to_hf.sh                     # on a GPU workstation, verl installed locally
 #
-# verl 0.6.1's merger needs one GPU and NCCL (no Ray). Tied embeddings are read from the checkpoint's config, not
-# assumed: passing --tie-word-embedding for an untied model (Qwen3-8B and larger) silently drops its lm_head.
+# verl 0.6.1's merger needs one GPU and NCCL (no Ray). Tied embeddings are read from the checkpoint's config as
+# transformers reads it, not assumed: passing --tie-word-embedding for an untied model (Qwen3-8B and larger) silently
+# drops its lm_head. A critic is converted only from the Hugging Face weights verl saved beside it while training
+# (critic.checkpoint.save_contents with hf_model): verl's merger cannot build a value model (see refuse_critic_merge).
 set -euo pipefail
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
@@ -23,9 +25,9 @@ CONTAINER="${CONTAINER:-singularity}"                           # singularity | 
 CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/verl_app.sif}"
 CKPT_ROOT="${CKPT_ROOT:-${CONFIG_OUTPUT_DIR:-$repo/checkpoints/qwen3_4b_grpo_megatron}}"  # the trainer's output dir
 STEP="${STEP:-latest}"                                           # latest (the tracker file) or a step number
-ROLE="${ROLE:-actor}"                                            # actor | critic (a value model)
+ROLE="${ROLE:-actor}"                                            # actor | critic (needs hf_model saved, see README)
 TARGET_DIR="${TARGET_DIR:-}"                                     # empty: $repo/hf_models/<run>-step<N>[-critic]
-TIE_WORD_EMBEDDINGS="${TIE_WORD_EMBEDDINGS:-auto}"               # auto (from the config) | true | false
+TIE_WORD_EMBEDDINGS="${TIE_WORD_EMBEDDINGS:-auto}"               # auto (config.json, via transformers) | true | false
 VERIFY_LOAD="${VERIFY_LOAD:-0}"                                  # 1: also load the result with transformers (meta)
 MERGER_LAUNCHER="${MERGER_LAUNCHER:-python3}"                    # what runs `-m verl.model_merger ...`
 # ------------------------------------------------------------------------------------------------------------------
@@ -57,17 +59,31 @@ resolve_step() {
   [[ ! -e "$TARGET_DIR" ]] || die "TARGET_DIR=$TARGET_DIR already exists: choose another or remove it (nothing was changed)"
 }
 
+# decide_tie: the actor's tie_word_embeddings as transformers reads config.json (run in the image, which has
+# transformers): without the key, the config class's default for that model type (Qwen3 and Llama: untied).
 decide_tie() {
-  local from_config
-  from_config=$(python3 -c 'import json,sys; print(str(json.load(open(sys.argv[1])).get("tie_word_embeddings", True)).lower())' \
-    "$step_dir/huggingface/config.json")
   case "$TIE_WORD_EMBEDDINGS" in
-    auto) tie=$from_config ;;
-    true | false) tie=$TIE_WORD_EMBEDDINGS ;;
+    auto | true | false) ;;
     *) die "TIE_WORD_EMBEDDINGS=$TIE_WORD_EMBEDDINGS: use auto, true or false" ;;
   esac
-  log "tied embeddings: $tie (config.json says $from_config; TIE_WORD_EMBEDDINGS=$TIE_WORD_EMBEDDINGS)"
-  [[ "$tie" == "$from_config" ]] ||
+  if [[ "$ROLE" == critic ]]; then
+    tie=false
+    log "critic: its output layer is the [1, hidden] value head, never tied (verl builds the critic untied)"
+    return
+  fi
+  local from_config
+  from_config=$(cd "$repo" && "${wrap[@]}" python3 -m launch.verify_hf "$step_dir/huggingface" --show-tie) ||
+    from_config=unreadable
+  if [[ "$from_config" != true && "$from_config" != false ]]; then
+    [[ "$TIE_WORD_EMBEDDINGS" != auto ]] ||
+      die "transformers cannot read $step_dir/huggingface/config.json (output above): set TIE_WORD_EMBEDDINGS=true|false"
+    from_config=unreadable
+  fi
+  tie=$from_config
+  [[ "$TIE_WORD_EMBEDDINGS" == auto ]] || tie=$TIE_WORD_EMBEDDINGS
+  log "tied embeddings: $tie (config.json says $from_config, as transformers reads it;" \
+    "TIE_WORD_EMBEDDINGS=$TIE_WORD_EMBEDDINGS)"
+  [[ "$tie" == "$from_config" || "$from_config" == unreadable ]] ||
     err "TIE_WORD_EMBEDDINGS=$tie overrides the checkpoint's config.json ($from_config): the result follows your setting"
 }
 
@@ -76,44 +92,87 @@ has_hf_weights() {
   compgen -G "$step_dir/huggingface/*.safetensors" >/dev/null
 }
 
+# refuse_critic_merge: a critic with only Megatron weights cannot be merged into a value model by verl 0.6.1.
+refuse_critic_merge() {
+  [[ "$ROLE" == critic ]] && ! has_hf_weights || return 0
+  die "ROLE=critic: $step_dir holds only Megatron weights, and verl 0.6.1's merger cannot make a value model of them:" \
+    "verl/model_merger/megatron_model_merger.py (_load_state_dicts) always builds a causal LM (init_mcore_model(...," \
+    "value=False)), so the critic's [1, hidden] value head is dropped (tied config) or fails to load on its shape" \
+    "(untied); --is-value-model does not change that. To resume training, no merge is needed (the trainer resumes" \
+    "from CKPT_ROOT). For a Hugging Face value model, have verl save one while training: add the Hydra override" \
+    "'critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]' to the training job, then run this on a step" \
+    "saved with it. Nothing was written."
+}
+
+# move_into_place SRC DEST: rename SRC to DEST only when nothing is at DEST. mkdir claims the name (it fails if
+# anything is there); rename(2) then replaces that empty folder, and fails if something was written into it since.
+move_into_place() {
+  local src=$1 dest=$2
+  mkdir "$dest" 2>/dev/null || return 1
+  mv -T "$src" "$dest" 2>/dev/null || {
+    rmdir "$dest" 2>/dev/null || true
+    return 1
+  }
+}
+
 merge() {
-  local tmp="$TARGET_DIR.tmp.$$"
-  mkdir -p "$(dirname "$TARGET_DIR")"
-  rm -rf "$tmp"
+  # a folder of this job's own beside TARGET_DIR (host and PID: two jobs on two nodes can have the same PID)
+  local tmp="$TARGET_DIR.tmp.${HOSTNAME%%.*}.$$"
+  mkdir "$tmp" || die "$tmp exists: another merge is writing there; nothing was changed"
   if has_hf_weights; then
     log_phase "the checkpoint already holds Hugging Face weights: copying $step_dir/huggingface"
-    cp -r "$step_dir/huggingface" "$tmp"
+    cp -r "$step_dir/huggingface/." "$tmp"
   else
     local -a cmd
     cmd=("$MERGER_LAUNCHER" -m verl.model_merger merge --backend megatron --local_dir "$step_dir" --target_dir "$tmp")
     [[ "$tie" == true ]] && cmd+=(--tie-word-embedding)
-    [[ "$ROLE" == critic ]] && cmd+=(--is-value-model)
     log_phase "merging: ${cmd[*]}"
     "${wrap[@]}" "${cmd[@]}" || { rm -rf "$tmp"; die "the merger failed (output above); nothing was written to $TARGET_DIR"; }
   fi
-  local -a verify=(python3 -m launch.verify_hf "$tmp" --tied "$tie")
-  [[ "$ROLE" == critic ]] && verify+=(--value-model)
-  [[ "$VERIFY_LOAD" == 1 ]] && verify+=(--load)
-  log_phase "verifying"
-  if ! (cd "$repo" && "${wrap[@]}" "${verify[@]}"); then
-    mv "$tmp" "$TARGET_DIR.failed"
-    die "the merged model is incomplete; kept for inspection at $TARGET_DIR.failed"
+  local -a verify=(python3 -m launch.verify_hf "$tmp")
+  if [[ "$ROLE" == critic ]]; then
+    verify+=(--value-model)
+  else
+    verify+=(--tied "$tie")
   fi
-  mv "$tmp" "$TARGET_DIR"
+  [[ "$VERIFY_LOAD" == 1 ]] && verify+=(--load)
+  local ok=1
+  if [[ "$ROLE" == critic ]]; then
+    log_phase "converting verl's critic save into a value model (launch/critic_to_hf.py)"
+    (cd "$repo" && "${wrap[@]}" python3 -m launch.critic_to_hf "$tmp") || ok=0
+  fi
+  if ((ok)); then
+    log_phase "verifying"
+    (cd "$repo" && "${wrap[@]}" "${verify[@]}") || ok=0
+  fi
+  if ((!ok)); then
+    move_into_place "$tmp" "$TARGET_DIR.failed" ||
+      die "the result is incomplete (above); $TARGET_DIR.failed exists already, so it is kept at $tmp"
+    die "the result is incomplete (above); kept for inspection at $TARGET_DIR.failed"
+  fi
+  move_into_place "$tmp" "$TARGET_DIR" ||
+    die "TARGET_DIR=$TARGET_DIR appeared while this job merged (another merge of the same step?): it was left as it" \
+      "is, and this job's verified result is kept at $tmp; compare them, then keep one"
   log "done: $TARGET_DIR"
+}
+
+# container_wrap: the command prefix that runs a program in the image (empty for CONTAINER=none).
+container_wrap() {
+  wrap=()
+  mkdir -p "$(dirname "$TARGET_DIR")" # the merge writes beside TARGET_DIR; the image binds that folder
+  [[ "$CONTAINER" != none ]] || return 0
+  [[ -f "$CONFIG_IMAGE_PATH" ]] || die "CONFIG_IMAGE_PATH=$CONFIG_IMAGE_PATH: no such image"
+  command -v "$CONTAINER" >/dev/null || die "CONTAINER=$CONTAINER is not on PATH (module load it, or CONTAINER=none)"
+  wrap=("$CONTAINER" exec --nv --bind "$repo" --bind "$CKPT_ROOT" --bind "$(dirname "$TARGET_DIR")" --pwd "$repo"
+    --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH")
 }
 
 main() {
   log_phase "merge ${ROLE} of $CKPT_ROOT (STEP=$STEP)"
   resolve_step
+  refuse_critic_merge
+  container_wrap
   decide_tie
-  wrap=()
-  if [[ "$CONTAINER" != none ]]; then
-    [[ -f "$CONFIG_IMAGE_PATH" ]] || die "CONFIG_IMAGE_PATH=$CONFIG_IMAGE_PATH: no such image"
-    command -v "$CONTAINER" >/dev/null || die "CONTAINER=$CONTAINER is not on PATH (module load it, or CONTAINER=none)"
-    wrap=("$CONTAINER" exec --nv --bind "$repo" --bind "$CKPT_ROOT" --bind "$(dirname "$TARGET_DIR")" --pwd "$repo"
-      --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH")
-  fi
   merge
 }
 

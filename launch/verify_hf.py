@@ -1,10 +1,15 @@
-"""Prove a merged Hugging Face checkpoint is complete: files, shards, tensor names and shapes, lm_head, parameter count.
+"""Prove a merged Hugging Face checkpoint is complete: files, shards, tensor names and shapes, head, parameter count.
 
-    python -m launch.verify_hf TARGET_DIR --tied true|false [--value-model] [--load]
+    python -m launch.verify_hf TARGET_DIR --tied true|false [--load]     # an actor (a causal LM)
+    python -m launch.verify_hf TARGET_DIR --value-model [--load]         # a critic (a value model)
+    python -m launch.verify_hf CONFIG_DIR --show-tie                     # print true|false: what transformers reads
 
 The expected tensors come from the checkpoint's own config.json: the model is built on the meta device (no memory),
 and every tensor it has must be in the safetensors files with the same shape, nothing missing, nothing extra.
-`lm_head.weight` must be present exactly when the embeddings are untied. Exit 1 with every mismatch listed.
+An actor has `lm_head.weight` exactly when its embeddings are untied. A critic is a <Model>ForTokenClassification with
+num_labels=1 (what verl's FSDP critic loads, and a head verl's Megatron critic loader accepts): its value head
+`score.weight` is [1, hidden]. `--load` also loads it with transformers and fails on any weight it would have to
+initialise. Exit 1 with every mismatch listed.
 """
 
 import argparse
@@ -45,22 +50,39 @@ def stored_tensors(target: Path) -> tuple[dict[str, tuple[int, ...]], list[str],
     return shapes, problems, len(shards)
 
 
+def config_tie(config_dir: Path) -> bool:
+    """tie_word_embeddings as transformers reads config.json: without the key, the config class's default for that
+    model type (Qwen3 and Llama: untied; Gemma: tied), not PretrainedConfig's True."""
+    from transformers import AutoConfig
+
+    return bool(AutoConfig.from_pretrained(config_dir).tie_word_embeddings)
+
+
+def value_model_problems(config) -> list[str]:
+    """A critic's config must describe a token-classification model with one output: the value."""
+    arch = (config.architectures or ["(none)"])[0]
+    if "ForTokenClassification" not in arch or config.num_labels != 1:
+        return [
+            f"config.json describes {arch} with num_labels={config.num_labels}: a critic is saved as "
+            "<Model>ForTokenClassification with num_labels=1 (its value head); is this an actor's checkpoint?"
+        ]
+    return []
+
+
 def expected_tensors(target: Path, tied: bool, value_model: bool) -> dict[str, tuple[int, ...]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     config = AutoConfig.from_pretrained(target)
-    config.tie_word_embeddings = tied
-    arch = (config.architectures or [""])[0]
-    auto = AutoModelForTokenClassification if "ForTokenClassification" in arch else AutoModelForCausalLM
+    auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    if not value_model:
+        config.tie_word_embeddings = tied
     with torch.device("meta"):
         model = auto.from_config(config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if tied:
+    if tied and not value_model:
         # save_pretrained stores a tied lm_head once, as the embedding
         shapes = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
-    if value_model:
-        shapes = {k: v for k, v in shapes.items() if not k.startswith(("lm_head.", "score."))}
     return shapes
 
 
@@ -76,32 +98,39 @@ def verify(target: Path, tied: bool, value_model: bool = False, load: bool = Fal
         )
     stored, shard_problems, shards = stored_tensors(target)
     problems += shard_problems
+    if value_model:
+        from transformers import AutoConfig
+
+        config_problems = value_model_problems(AutoConfig.from_pretrained(target))
+        if config_problems:
+            return problems + config_problems, ""
     expected = expected_tensors(target, tied, value_model)
-    heads = {k: v for k, v in stored.items() if k.startswith(("lm_head.", "score."))} if value_model else {}
-    body = {k: v for k, v in stored.items() if k not in heads}
-    for name in sorted(set(expected) - set(body)):
+    for name in sorted(set(expected) - set(stored)):
         problems.append(f"missing tensor {name} {list(expected[name])}")
-    for name in sorted(set(body) - set(expected)):
+    for name in sorted(set(stored) - set(expected)):
         why = " (the config says the embeddings are tied)" if name == "lm_head.weight" else ""
-        problems.append(f"unexpected tensor {name} {list(body[name])}{why}")
-    for name in sorted(set(expected) & set(body)):
-        if expected[name] != body[name]:
-            problems.append(f"{name} has shape {list(body[name])}, the config implies {list(expected[name])}")
+        problems.append(f"unexpected tensor {name} {list(stored[name])}{why}")
+    for name in sorted(set(expected) & set(stored)):
+        if expected[name] != stored[name]:
+            problems.append(f"{name} has shape {list(stored[name])}, the config implies {list(expected[name])}")
+    if value_model and "score.weight" not in stored:
+        shape = list(expected.get("score.weight", ()))
+        problems.append(f"the value head score.weight {shape} is missing: a critic without its head")
     if not tied and not value_model and "lm_head.weight" not in stored:
         problems.append(
             "lm_head.weight is missing although the embeddings are untied (merged with --tie-word-embedding?)"
         )
     params = sum(_numel(s) for s in stored.values())
-    expected_params = sum(_numel(s) for s in expected.values()) + sum(_numel(s) for s in heads.values())
+    expected_params = sum(_numel(s) for s in expected.values())
     if not problems and params != expected_params:
         problems.append(f"{params} parameters stored, the config implies {expected_params}")
     if load and not problems:
-        problems += _load_on_meta(target)
-    summary = (
-        f"{target}: {len(stored)} tensors in {shards} shard(s), {params / 1e9:.3f}e9 parameters, "
-        f"{'tied embeddings, no lm_head' if tied else 'untied embeddings, lm_head present'}"
-        + (f", value head {sorted(heads)}" if value_model else "")
-    )
+        problems += _load_on_meta(target, value_model)
+    if value_model:
+        head = f"value model, value head score.weight {list(stored.get('score.weight', ()))}"
+    else:
+        head = "tied embeddings, no lm_head" if tied else "untied embeddings, lm_head present"
+    summary = f"{target}: {len(stored)} tensors in {shards} shard(s), {params / 1e9:.3f}e9 parameters, {head}"
     return problems, summary
 
 
@@ -112,23 +141,36 @@ def _numel(shape) -> int:
     return n
 
 
-def _load_on_meta(target: Path) -> list[str]:
-    try:
-        from transformers import AutoModelForCausalLM
+def _load_on_meta(target: Path, value_model: bool = False) -> list[str]:
+    """Load it as verl would (a critic: AutoModelForTokenClassification, verl/utils/model.py load_valuehead_model);
+    any weight transformers would have to initialise, or could not place, is a failure."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-        AutoModelForCausalLM.from_pretrained(target, device_map="meta")
+    auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    try:
+        _, info = auto.from_pretrained(target, device_map="meta", output_loading_info=True)
     except Exception as exc:  # reported as a verification failure, with transformers' words
-        return [f"transformers cannot load it: {type(exc).__name__}: {exc}"]
-    return []
+        return [f"transformers cannot load it as {auto.__name__}: {type(exc).__name__}: {exc}"]
+    return [
+        f"{auto.__name__}.from_pretrained: {what.replace('_', ' ')} {info[what]}"
+        for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+        if info.get(what)
+    ]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", type=Path)
-    p.add_argument("--tied", choices=["true", "false"], required=True)
-    p.add_argument("--value-model", action="store_true")
+    p.add_argument("--tied", choices=["true", "false"], help="an actor's embeddings (required unless --value-model)")
+    p.add_argument("--value-model", action="store_true", help="a critic: a token-classification model, one label")
     p.add_argument("--load", action="store_true", help="also load it with transformers on the meta device")
+    p.add_argument("--show-tie", action="store_true", help="print tie_word_embeddings as transformers reads it; exit")
     args = p.parse_args(argv)
+    if args.show_tie:
+        print(str(config_tie(args.target)).lower())
+        return 0
+    if args.tied is None and not args.value_model:
+        p.error("--tied true|false is required for an actor (or pass --value-model for a critic)")
     problems, summary = verify(args.target, args.tied == "true", args.value_model, args.load)
     for problem in problems:
         print(f"verify: {problem}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """merge_mcore_to_hf.sh: picks the right step, decides the tie flag from the config, and proves the result complete.
 
 The merger is a fake that writes a tiny HF checkpoint as verl's would (tests/fakes/fake_merger.py); the script, the
-checks and the verification are real."""
+checks, the critic conversion and the verification are real."""
 
 import json
 import os
@@ -12,13 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from launch import verify_hf
+from tests.fakes.fake_merger import save_critic_like_verl
 from tests.support import REPO
 
 MERGE = REPO / "merge_mcore_to_hf.sh"
 
 
-def make_checkpoint(root: Path, policy: Path, steps=(10, 20), tied=True, roles=("actor",)) -> Path:
-    """The folder layout verl 0.6.1's trainer writes: tracker file, global_step_N/<role>/huggingface (+ dist_ckpt)."""
+def make_checkpoint(root: Path, policy: Path, steps=(10, 20), tied=True, roles=("actor",), model_type=None) -> Path:
+    """The folder layout verl 0.6.1's trainer writes: tracker file, global_step_N/<role>/huggingface (+ dist_ckpt).
+    tied=None leaves tie_word_embeddings out of config.json; model_type="gemma" swaps in a tiny Gemma config."""
     for step in steps:
         for role in roles:
             hf = root / f"global_step_{step}" / role / "huggingface"
@@ -26,7 +29,15 @@ def make_checkpoint(root: Path, policy: Path, steps=(10, 20), tied=True, roles=(
             for weights in hf.glob("*.safetensors"):
                 weights.unlink()  # by default only config and tokenizer are saved beside dist_ckpt
             config = json.loads((hf / "config.json").read_text())
-            config["tie_word_embeddings"] = tied
+            if model_type == "gemma":
+                config = dict(
+                    model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=config["vocab_size"],
+                    hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=8,
+                )  # fmt: skip
+            config.pop("tie_word_embeddings", None)
+            if tied is not None:
+                config["tie_word_embeddings"] = tied
             (hf / "config.json").write_text(json.dumps(config))
             (hf.parent / "dist_ckpt").mkdir()
     (root / "latest_checkpointed_iteration.txt").write_text(f"{steps[-1]}\n")
@@ -108,13 +119,151 @@ def test_broken_output_is_rejected_and_kept_aside(merge_env, tiny_models, tmp_pa
     assert not target.exists() and (tmp_path / "hf.failed").exists()
 
 
-def test_the_critic_is_merged_as_a_value_model(merge_env, tiny_models, tmp_path):
-    make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True, roles=("actor", "critic"))
-    result = run(merge_env, ROLE="critic", TARGET_DIR=str(tmp_path / "critic_hf"))
+@pytest.mark.parametrize(
+    "model_type, tied, flag",
+    [
+        (None, None, False),  # Qwen3 without the key: transformers reads it untied, so lm_head must be kept
+        ("gemma", None, True),  # Gemma without the key: tied by its config class's default
+    ],
+)
+def test_a_config_without_the_tie_key_is_read_as_transformers_reads_it(
+    merge_env, tiny_models, tmp_path, model_type, tied, flag
+):
+    make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=tied, model_type=model_type)
+    target = tmp_path / "hf"
+    result = run(merge_env, TARGET_DIR=str(target), VERIFY_LOAD="1")
     assert result.returncode == 0, result.stdout + result.stderr
     (argv,) = merger_calls(merge_env)
-    assert "--is-value-model" in argv and argv[argv.index("--local_dir") + 1].endswith("global_step_20/critic")
-    assert "value head ['lm_head.weight']" in result.stdout
+    assert ("--tie-word-embedding" in argv) is flag
+    assert f"tied embeddings: {str(flag).lower()} (config.json says {str(flag).lower()}" in result.stdout
+    stored, _, _ = verify_hf.stored_tensors(target)
+    assert ("lm_head.weight" in stored) is not flag
+
+
+def test_an_unreadable_config_is_merged_as_the_tie_setting_says(merge_env, tiny_models, tmp_path):
+    root = make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True)
+    config = root / "global_step_20" / "actor" / "huggingface" / "config.json"
+    config.write_text(config.read_text().replace('"qwen3"', '"qwen3-custom"'))  # a model type transformers lacks
+    result = run(merge_env, TARGET_DIR=str(tmp_path / "hf"), TIE_WORD_EMBEDDINGS="true")
+    (argv,) = merger_calls(merge_env)
+    assert "--tie-word-embedding" in argv, "the setting decides when transformers cannot"
+    assert "tied embeddings: true (config.json says unreadable" in result.stdout
+
+
+def test_a_critic_with_only_megatron_weights_is_refused_naming_verl_s_merger(merge_env, tiny_models, tmp_path):
+    make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True, roles=("actor", "critic"))
+    result = run(merge_env, ROLE="critic", TARGET_DIR=str(tmp_path / "critic_hf"))
+    assert result.returncode == 1
+    assert "verl/model_merger/megatron_model_merger.py" in result.stderr and "value=False" in result.stderr
+    assert "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]" in result.stderr
+    assert merger_calls(merge_env) == [], "verl's merger would drop the value head: it is never started"
+    assert not (tmp_path / "critic_hf").exists() and not list(tmp_path.glob("critic_hf*"))
+
+
+def test_verl_s_merger_still_builds_a_causal_lm_so_a_critic_merge_stays_refused():
+    """The refusal's premise, read from the installed verl: if a release builds value models, revisit ROLE=critic."""
+    import verl
+
+    source = (Path(verl.__file__).parent / "model_merger" / "megatron_model_merger.py").read_text()
+    assert verl.__version__ == "0.6.1"
+    assert "value=False," in source and "value=self.config.is_value_model" not in source
+
+
+def test_an_actor_s_lm_head_is_not_taken_for_a_value_head(tiny_models, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from launch.critic_to_hf import NotACritic, to_value_model
+
+    config = AutoConfig.from_pretrained(tiny_models.policy, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "actor")
+    with pytest.raises(NotACritic, match=r"lm_head.weight in .* has shape \[\d+, \d+\], a value head is \[1, "):
+        to_value_model(tmp_path / "actor")
+    assert "ForTokenClassification" not in (tmp_path / "actor" / "config.json").read_text(), "nothing rewritten"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_verl_s_critic_save_becomes_a_value_model_transformers_loads(merge_env, tiny_models, tmp_path, tied):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForTokenClassification
+
+    root = make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=tied, roles=("actor", "critic"))
+    saved = root / "global_step_20" / "critic" / "huggingface"
+    save_critic_like_verl(saved, saved, head=True)
+    (head,) = [t["lm_head.weight"] for f in saved.glob("*.safetensors") if "lm_head.weight" in (t := load_file(f))]
+    target = tmp_path / "critic_hf"
+    result = run(merge_env, ROLE="critic", TARGET_DIR=str(target), VERIFY_LOAD="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert merger_calls(merge_env) == [] and "already holds Hugging Face weights" in result.stdout
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    assert f"value head score.weight [1, {hidden}]" in result.stdout
+    model, info = AutoModelForTokenClassification.from_pretrained(target, output_loading_info=True)
+    assert type(model).__name__ == "Qwen3ForTokenClassification" and model.config.num_labels == 1
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert torch.equal(model.score.weight.detach(), head), "the trained head, not a fresh one"
+
+
+def test_a_headless_critic_save_is_rejected_and_kept_aside(merge_env, tiny_models, tmp_path):
+    root = make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True, roles=("actor", "critic"))
+    saved = root / "global_step_20" / "critic" / "huggingface"
+    save_critic_like_verl(saved, saved, head=False)
+    target = tmp_path / "critic_hf"
+    result = run(merge_env, ROLE="critic", TARGET_DIR=str(target))
+    assert result.returncode == 1
+    assert "a headless critic" in result.stderr
+    assert not target.exists() and (tmp_path / "critic_hf.failed").exists()
+
+
+@pytest.mark.parametrize("drop", [("score.weight", "score.bias"), ()])
+def test_verify_requires_the_value_head_of_a_critic(tiny_models, tmp_path, drop):
+    """A token-classification model with num_labels=1 saved without its score layer fails; with it, it passes."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(tiny_models.policy, num_labels=1, architectures=None)
+    model = AutoModelForTokenClassification.from_config(config)
+    state = {k: v for k, v in model.state_dict().items() if k not in drop}
+    model.save_pretrained(tmp_path / "critic", state_dict=state)
+    for f in Path(tiny_models.policy).glob("tokenizer*"):
+        shutil.copy(f, tmp_path / "critic")
+    problems, _ = verify_hf.verify(tmp_path / "critic", tied=False, value_model=True, load=True)
+    if drop:
+        assert any("value head score.weight" in p and "is missing" in p for p in problems), problems
+    else:
+        assert problems == []
+
+
+def test_verify_rejects_an_actor_passed_as_a_critic(merge_env, tiny_models, tmp_path):
+    make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=False)
+    target = tmp_path / "hf"
+    assert run(merge_env, TARGET_DIR=str(target)).returncode == 0
+    problems, _ = verify_hf.verify(target, tied=False, value_model=True)
+    assert any("describes Qwen3ForCausalLM with num_labels=2" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("rival", ["full", "empty"])
+def test_a_target_that_appears_during_the_merge_is_left_alone_and_the_result_kept(
+    merge_env, tiny_models, tmp_path, rival
+):
+    make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True)
+    target = tmp_path / "hf"
+    result = run(merge_env, TARGET_DIR=str(target), FAKE_MERGER_RIVAL=f"{rival}:{target}")
+    assert result.returncode == 1, result.stdout
+    assert f"TARGET_DIR={target} appeared while this job merged" in result.stderr
+    assert [p.name for p in target.iterdir()] == (["rival.txt"] if rival == "full" else [])
+    (kept,) = tmp_path.glob("hf.tmp.*")
+    assert str(kept) in result.stderr and "done:" not in result.stdout
+    assert verify_hf.verify(kept, tied=True)[0] == [], "the verified result is kept whole"
+
+
+def test_a_failed_result_never_lands_inside_an_existing_failed_folder(merge_env, tiny_models, tmp_path):
+    make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True)
+    (tmp_path / "hf.failed").mkdir()
+    (tmp_path / "hf.failed" / "old.txt").write_text("an earlier failure")
+    result = run(merge_env, TARGET_DIR=str(tmp_path / "hf"), FAKE_MERGER_BREAK="missing_shard")
+    assert result.returncode == 1
+    assert "hf.failed exists already, so it is kept at" in result.stderr
+    assert [p.name for p in (tmp_path / "hf.failed").iterdir()] == ["old.txt"]
+    assert len(list(tmp_path.glob("hf.tmp.*"))) == 1
 
 
 def test_a_checkpoint_that_already_holds_hf_weights_is_copied_and_verified(merge_env, tiny_models, tmp_path):
@@ -137,6 +286,7 @@ def test_a_checkpoint_that_already_holds_hf_weights_is_copied_and_verified(merge
         ("not_verl", {}, "huggingface/config.json is missing: is CKPT_ROOT a verl checkpoint folder?"),
         ("target_exists", {}, "already exists: choose another or remove it"),
         ("ok", {"TIE_WORD_EMBEDDINGS": "maybe"}, "TIE_WORD_EMBEDDINGS=maybe"),
+        ("bad_config", {}, "transformers cannot read"),
     ],
 )
 def test_bad_input_names_the_setting_and_changes_nothing(merge_env, tiny_models, tmp_path, setup, extra, needle):
@@ -146,6 +296,8 @@ def test_bad_input_names_the_setting_and_changes_nothing(merge_env, tiny_models,
         (root / "latest_checkpointed_iteration.txt").unlink()
     if setup == "not_verl":
         (root / "global_step_20" / "actor" / "huggingface" / "config.json").unlink()
+    if setup == "bad_config":
+        (root / "global_step_20" / "actor" / "huggingface" / "config.json").write_text('{"model_type": "no-such"}')
     if setup == "target_exists":
         target.mkdir()
         (target / "keep.txt").write_text("mine")

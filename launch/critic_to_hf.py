@@ -1,0 +1,101 @@
+"""verl 0.6.1's Hugging Face save of a critic -> a value model that transformers and verl's critics load.
+
+    python -m launch.critic_to_hf FOLDER      # rewrites FOLDER in place (the merge's temporary copy)
+
+With `hf_model` in `critic.checkpoint.save_contents`, verl's Megatron checkpoint manager saves the critic through the
+policy's causal-LM class, its value head stored as `lm_head.weight` of shape [1, hidden]
+(verl/utils/checkpoint/megatron_checkpoint_manager.py, verl/models/mcore/saver.py with is_value_model=True).
+AutoModelForCausalLM cannot load that (the shape), and AutoModelForTokenClassification, which verl's FSDP critic loads
+(verl/utils/model.py, load_valuehead_model), would skip it and start from a random head. So the head becomes
+`score.weight` and config.json a <Model>ForTokenClassification with num_labels=1; verl's Megatron critic loader also
+takes `score.weight` of shape [1, hidden] (verl/models/mcore/loader.py).
+
+The head's bias: verl's critic output layer has one (LinearForLastLayer, bias=True) but verl's saver keeps only the
+weight, so `score.bias` is written as 0 and the values differ from the trained critic's by that constant.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HEAD = "lm_head.weight"
+
+
+class NotACritic(ValueError):
+    """The folder does not hold verl's save of a critic (no [1, hidden] head, or a full lm_head)."""
+
+
+def _shards(folder: Path) -> tuple[dict[str, str], Path | None]:
+    """{tensor name: shard file} and the index file, if the weights are sharded."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"]), index
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise NotACritic(f"{folder}: no model.safetensors and no model.safetensors.index.json")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single.name for name in f.keys()}, None
+
+
+def to_value_model(folder: Path) -> str:
+    """Rewrite verl's critic save in `folder` as a token-classification value model; returns what was done."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(folder)
+    hidden = config.hidden_size
+    weight_map, index = _shards(folder)
+    if HEAD not in weight_map:
+        raise NotACritic(
+            f"{folder} has no {HEAD} [1, {hidden}]: the critic's value head was not saved (a headless critic)"
+        )
+    shard = folder / weight_map[HEAD]
+    tensors = load_file(str(shard))
+    head = tensors.pop(HEAD)
+    if tuple(head.shape) != (1, hidden):
+        raise NotACritic(
+            f"{HEAD} in {folder} has shape {list(head.shape)}, a value head is [1, {hidden}]: is this an actor's "
+            "checkpoint (ROLE=actor)?"
+        )
+    classes = AutoModelForTokenClassification._model_mapping
+    if type(config) not in classes:
+        raise NotACritic(f"transformers has no token-classification model for model_type={config.model_type}")
+    with torch.device("meta"):
+        names = set(classes[type(config)](config).state_dict())
+    if not {"score.weight", "score.bias"} <= names:
+        raise NotACritic(f"{classes[type(config)].__name__} has no score layer to hold the value head")
+    tensors["score.weight"] = head
+    tensors["score.bias"] = torch.zeros(1, dtype=head.dtype)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    if index is not None:
+        data = json.loads(index.read_text())
+        data["weight_map"].pop(HEAD)
+        data["weight_map"].update({"score.weight": shard.name, "score.bias": shard.name})
+        data.get("metadata", {}).pop("total_size", None)  # no longer exact; transformers does not need it
+        index.write_text(json.dumps(data, indent=2))
+    config.architectures = [classes[type(config)].__name__]
+    config.num_labels = 1
+    config.tie_word_embeddings = False  # verl builds the critic untied (megatron_workers.py, critic init)
+    config.save_pretrained(folder)
+    return f"{HEAD} {list(head.shape)} -> score.weight (score.bias = 0), config.json -> {config.architectures[0]}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path)
+    args = p.parse_args(argv)
+    try:
+        done = to_value_model(args.folder)
+    except NotACritic as exc:
+        print(f"critic_to_hf: {exc}", file=sys.stderr)
+        return 1
+    print(f"critic_to_hf: {done}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
