@@ -86,13 +86,21 @@ def test_every_accepted_combination_composes_and_passes_verls_checks(env, algori
         assert cfg.reward_model.reward_kwargs.max_resp_len == cfg.data.max_response_length
 
 
-# verl 0.6.1's recipe configs, verbatim (tests/fixtures/verl_v0.6.1_recipes/README.md), with their git blob ids at the tag.
+# verl 0.6.1's recipe configs and code, verbatim (tests/fixtures/verl_v0.6.1_recipes/README.md), with their git blob ids at the tag.
 RECIPES = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"
 RECIPE_BLOBS = {
     "recipe/dapo/config/dapo_trainer.yaml": "47ac00fd6a055d6c22e3facfa855844302345701",
     "recipe/dapo/config/dapo_megatron_trainer.yaml": "b846eaeb78ebaa29e5f4c250c2b9f25a906d90c8",
     "recipe/one_step_off_policy/config/one_step_off_ppo_trainer.yaml": "366d7b0fd72628f73ff5f901fe0b06fbff97f654",
     "recipe/one_step_off_policy/config/one_step_off_ppo_megatron_trainer.yaml": "b6ea846e200351ab20483e817fec96debccf3228",
+    "recipe/one_step_off_policy/main_ppo.py": "ec87e924ce353b539755195f816d9784d4ef9c8d",
+    "recipe/one_step_off_policy/ray_trainer.py": "f5c1c4612f1ae23b0898958803a369378a05021d",
+    "recipe/one_step_off_policy/fsdp_workers.py": "ec28279652aeddb02c5ac559d7d6452b992604ff",
+    "recipe/one_step_off_policy/megatron_workers.py": "8d72edf2138596f252d9fb8370c7d8bad7782ef4",
+    "recipe/one_step_off_policy/distributed_util.py": "75403ae1423bf42ce10d47daf39edb1928a2b455",
+    "recipe/one_step_off_policy/utils.py": "1879b0672fa68eda19a1b8e6553f4354b17816fe",
+    "recipe/dapo/main_dapo.py": "3fdfeb36fb206f3ba46dd04c8a8e896930d2cfdd",
+    "recipe/dapo/dapo_ray_trainer.py": "18995f677871f78e57f35aba8c645d2f165c8e2f",
 }  # fmt: skip
 
 RECIPE_COMBINATIONS = [
@@ -118,7 +126,7 @@ def recipes(monkeypatch):
         del sys.modules[name]
 
 
-def test_the_recipe_configs_here_are_verls_own_at_the_tag():
+def test_the_recipe_files_here_are_verls_own_at_the_tag():
     for path, blob in RECIPE_BLOBS.items():
         data = (RECIPES / path).read_bytes()
         assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == blob, f"{path} differs from verl v0.6.1"
