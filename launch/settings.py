@@ -236,10 +236,13 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         if rollout_gpus and rollout_gpus % s.rollout_tp:
             problems.append(f"ROLLOUT_TP={s.rollout_tp} does not divide the {rollout_gpus} rollout GPUs per node")
         dp = world // model_parallel
-        if dp and (s.train_batch_size * s.rollout_n) % (dp * s.micro_batch_per_gpu):
+        # Megatron: verl's validate_config asks for dp x micro-batch; FSDP2 batches by tokens (use_dynamic_bsz), and
+        # only the per-GPU split of each step remains (the preflight checks the rest on the composed config).
+        micro = s.micro_batch_per_gpu if s.strategy == "megatron" else 1
+        if dp and (s.train_batch_size * s.rollout_n) % (dp * micro):
             problems.append(
                 f"TRAIN_BATCH_SIZE x ROLLOUT_N = {s.train_batch_size * s.rollout_n} is not a multiple of data-parallel "
-                f"size {dp} x MICRO_BATCH_PER_GPU {s.micro_batch_per_gpu}"
+                f"size {dp}" + (f" x MICRO_BATCH_PER_GPU {micro}" if s.strategy == "megatron" else "")
             )
     if s.train_batch_size < s.ppo_mini_batch_size:
         problems.append(
