@@ -214,17 +214,17 @@ ONE_STEP_OFF_VLLM = ("vllm.distributed.device_communicators.pynccl", "vllm.distr
 
 
 def trainer_modules(module: str, cfg) -> list[str]:
-    """What the trainer command imports before it can train: the rollout engine, the entry module, the recipe's
-    trainer and the workers for this strategy (main_ppo and the recipes pick them by actor.strategy)."""
-    workers = "megatron_workers" if cfg.actor_rollout_ref.actor.strategy == "megatron" else "fsdp_workers"
+    """What the trainer command imports before it can train: the rollout engine, the entry module, and a recipe's
+    trainer (and for one-step-off its workers for this strategy, which it picks by actor.strategy). verl's own
+    worker modules are the image's to check (its %test): Megatron's pull in TransformerEngine, which a login node
+    without a GPU driver may not load."""
     modules = [cfg.actor_rollout_ref.rollout.name, module]
     if module.startswith("recipe.one_step_off_policy."):
         package = "recipe.one_step_off_policy"
+        workers = "megatron_workers" if cfg.actor_rollout_ref.actor.strategy == "megatron" else "fsdp_workers"
         modules += [f"{package}.ray_trainer", f"{package}.{workers}", f"{package}.distributed_util", *ONE_STEP_OFF_VLLM]
     elif module.startswith("recipe.dapo."):
-        modules += ["recipe.dapo.dapo_ray_trainer", f"verl.workers.{workers}"]
-    else:
-        modules += [f"verl.workers.{workers}"]
+        modules += ["recipe.dapo.dapo_ray_trainer"]
     return modules
 
 

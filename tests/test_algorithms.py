@@ -317,8 +317,8 @@ def test_a_mini_batch_that_divides_the_batch_passes(env):
 
 def test_the_preflight_stops_the_issues_batch_before_anything_starts(env, tmp_path):
     """PREFLIGHT_ONLY=1 TRAIN_BATCH_SIZE=4 ROLLOUT_N=2 PPO_MINI_BATCH_SIZE=3 used to pass every check."""
-    job = env | {"TRAIN_BATCH_SIZE": "4", "ROLLOUT_N": "2", "PPO_MINI_BATCH_SIZE": "3", "MICRO_BATCH_PER_GPU": "1",
-                 "PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "stand-in"}  # fmt: skip
+    job = env | {"TRAIN_BATCH_SIZE": "4", "ROLLOUT_N": "2", "PPO_MINI_BATCH_SIZE": "3", "PREFLIGHT_DATA": "0",
+                 "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "stand-in"}  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job, capture_output=True, text=True)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "verl 0.6.1 would stop at run time" in run.stderr and "PPO_MINI_BATCH_SIZE" in run.stderr
@@ -480,11 +480,12 @@ def test_the_import_check_covers_the_one_step_off_recipes_modules_and_its_vllm_i
             f"recipe.one_step_off_policy.{workers}", "recipe.one_step_off_policy.distributed_util",
             "vllm.distributed.device_communicators.pynccl", "vllm.distributed.utils",
         ]  # fmt: skip
-    s = settings(env, STRATEGY="fsdp2")
-    assert trainer_modules("verl.trainer.main_ppo", composed(s)) == [
-        "sglang",
-        "verl.trainer.main_ppo",
-        "verl.workers.fsdp_workers",
+    assert trainer_modules("verl.trainer.main_ppo", composed(settings(env))) == ["sglang", "verl.trainer.main_ppo"]
+    dapo = settings(env, ALGORITHM="dapo", DAPO_DYNAMIC_SAMPLING="true", ROLLOUT_MODE="sync", ROLLOUT_ENGINE="vllm")
+    assert trainer_modules("recipe.dapo.main_dapo", composed(dapo)) == [
+        "vllm",
+        "recipe.dapo.main_dapo",
+        "recipe.dapo.dapo_ray_trainer",
     ]
 
 
