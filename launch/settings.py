@@ -248,6 +248,11 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         problems.append(
             f"TRAIN_BATCH_SIZE={s.train_batch_size} is smaller than PPO_MINI_BATCH_SIZE={s.ppo_mini_batch_size}"
         )
+    if s.algorithm == "dapo" and not 0 <= s.overlong_buffer_len <= s.max_response_length:
+        problems.append(
+            f"OVERLONG_BUFFER_LEN={s.overlong_buffer_len}: between 0 (a quarter of the response) and "
+            f"MAX_RESPONSE_LENGTH={s.max_response_length} (verl's dapo manager asserts it when it starts)"
+        )
     if s.algorithm == "dapo":
         try:
             if s.overlong_penalty_factor < 0:

@@ -205,6 +205,8 @@ def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes)
         ({"ALGORITHM": "ppo", "CRITIC_TP": "2"}, "CRITIC_TP=2 differs from ACTOR_TP=1"),
         ({"ALGORITHM": "dapo", "OVERLONG_PENALTY_FACTOR": "big"}, "OVERLONG_PENALTY_FACTOR='big': use auto or a number"),
         ({"ALGORITHM": "dapo", "OVERLONG_PENALTY_FACTOR": "-1"}, "OVERLONG_PENALTY_FACTOR=-1.0: a penalty size"),
+        ({"ALGORITHM": "dapo", "OVERLONG_BUFFER_LEN": "5000"}, "OVERLONG_BUFFER_LEN=5000: between 0 (a quarter of the response) and MAX_RESPONSE_LENGTH=4096"),
+        ({"ALGORITHM": "dapo", "OVERLONG_BUFFER_LEN": "-1"}, "OVERLONG_BUFFER_LEN=-1: between 0"),
         ({"FP8": "true"}, "FP8 training arrived in verl 0.7.0"),
         ({"ALGORITHM": "reinforce"}, "ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         ({"STRATEGY": "fsdp"}, "STRATEGY='fsdp': use one of megatron, fsdp2"),
@@ -217,6 +219,7 @@ def test_refused_combinations_say_why(env, overrides, needle):
 def test_the_settings_block_defaults_are_the_articles_grpo(env):
     s = settings(env)
     assert (s.algorithm, s.strategy, s.trainer_mode, s.rollout_mode) == ("grpo", "megatron", "sync", "async")
+    assert (s.rollout_engine, s.overlong_penalty_factor, s.critic_pp, s.critic_tp) == ("sglang", 35.0, None, None)
     assert (s.train_batch_size, s.max_prompt_length, s.max_response_length, s.rollout_n) == (256, 2048, 4096, 4)
     assert (s.actor_pp, s.actor_tp, s.ppo_mini_batch_size, s.micro_batch_per_gpu, s.save_freq, s.test_freq) == (
         2,
