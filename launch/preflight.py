@@ -103,7 +103,8 @@ def _update_problems(role: str, section, keys: str, batch: int, dp: int, n: int,
     if per_rank < 1:
         return problems + [
             f"{keys}.ppo_mini_batch_size={mini} (PPO_MINI_BATCH_SIZE) x rollout.n={n} = {mini * n} sequences is less "
-            f"than one per data-parallel rank ({dp}): verl's {role} worker asserts its mini-batch is larger than 0"
+            f"than one per data-parallel rank ({dp}): verl's {role} worker would get empty mini-batches (FSDP asserts, "
+            "Megatron's DataLoader refuses batch size 0)"
         ]
     if mini * n % dp:
         problems.append(

@@ -293,6 +293,8 @@ BATCH_CASES = [
      "ppo_micro_batch_size_per_gpu=4 (MICRO_BATCH_PER_GPU) does not divide the mini-batch per rank, 2"),
     # FSDP2 with dynamic batches skips validate_config's batch check: 1024 sequences over 3 GPUs
     ({"STRATEGY": "fsdp2"}, ["trainer.n_gpus_per_node=3"], "1024 sequences do not split evenly over the 3 training GPUs"),
+    # one prompt x one response a mini-batch on 4 ranks: 0 sequences each
+    ({"STRATEGY": "fsdp2", "ROLLOUT_N": 1, "PPO_MINI_BATCH_SIZE": 1}, [], "= 1 sequences is less than one per data-parallel rank (4)"),
     # ppo_epochs 0: the update loop runs no step
     ({}, ["actor_rollout_ref.actor.ppo_epochs=0"], "actor_rollout_ref.actor.ppo_epochs=0: at least 1"),
     # log-prob micro-batches of 0 rows (Megatron, fixed micro-batches)
