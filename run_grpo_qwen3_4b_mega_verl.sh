@@ -45,16 +45,16 @@ WANDB_MODE="${WANDB_MODE:-offline}"                             # offline: `wand
 TRAINER_LOGGER="${TRAINER_LOGGER:-[console,wandb]}"             # trainer.logger
 # What to train: the article's GRPO by default.
 ALGORITHM="${ALGORITHM:-grpo}"                                  # grpo | ppo (GAE, with a critic) | dapo
-TRAINER_MODE="${TRAINER_MODE:-sync}"                            # sync | one_step_off (rollout on its own GPUs; fsdp2)
+TRAINER_MODE="${TRAINER_MODE:-sync}"                            # sync | one_step_off (rollout on its own GPUs; vllm)
 STRATEGY="${STRATEGY:-megatron}"                                # megatron | fsdp2
 ROLLOUT_MODE="${ROLLOUT_MODE:-async}"                           # async (naive reward manager) | sync (batch manager)
+ROLLOUT_ENGINE="${ROLLOUT_ENGINE:-sglang}"                      # sglang (the article's image) | vllm (the vLLM image)
 REWARD_MANAGER="${REWARD_MANAGER:-auto}"                        # auto: batch (sync), naive (async), dapo (DAPO)
 CRITIC_MODEL_PATH="${CRITIC_MODEL_PATH:-}"                      # PPO's critic; empty = the policy
 CRITIC_LR="${CRITIC_LR:-1e-5}"
-CRITIC_PP="${CRITIC_PP:-1}"                                     # Megatron pipeline parallel of the critic
-CRITIC_TP="${CRITIC_TP:-1}"                                     # Megatron tensor parallel of the critic
 DAPO_DYNAMIC_SAMPLING="${DAPO_DYNAMIC_SAMPLING:-false}"         # true: recipe.dapo's group filtering (sync rollout)
 OVERLONG_BUFFER_LEN="${OVERLONG_BUFFER_LEN:-0}"                 # DAPO's soft length penalty zone; 0 = a quarter
+OVERLONG_PENALTY_FACTOR="${OVERLONG_PENALTY_FACTOR:-auto}"      # DAPO's penalty at full length; auto = reward range/2
 ROLLOUT_GPUS_PER_NODE="${ROLLOUT_GPUS_PER_NODE:-0}"             # one_step_off: GPUs per node for generation only
 # The article's training settings (corrected).
 TRAIN_BATCH_SIZE="${TRAIN_BATCH_SIZE:-256}"                     # prompts per step
@@ -63,11 +63,11 @@ MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-4096}"
 ACTOR_LR="${ACTOR_LR:-1e-6}"
 PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-128}"
 MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-4}"                 # actor, rollout log-prob and ref micro batches
-ACTOR_PP="${ACTOR_PP:-2}"                                       # Megatron pipeline parallel (actor and ref)
-ACTOR_TP="${ACTOR_TP:-1}"                                       # Megatron tensor parallel (actor and ref)
-ROLLOUT_TP="${ROLLOUT_TP:-1}"                                   # SGLang tensor parallel
+ACTOR_PP="${ACTOR_PP:-2}"                                       # Megatron pipeline parallel (actor, ref and critic)
+ACTOR_TP="${ACTOR_TP:-1}"                                       # Megatron tensor parallel (actor, ref and critic)
+ROLLOUT_TP="${ROLLOUT_TP:-1}"                                   # rollout engine tensor parallel
 ROLLOUT_N="${ROLLOUT_N:-4}"                                     # responses per prompt (the GRPO group)
-ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-0.4}"                 # SGLang's share of GPU memory
+ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-0.4}"                 # the rollout engine's share of GPU memory
 KL_LOSS_COEF="${KL_LOSS_COEF:-0.001}"
 PROJECT_NAME="${PROJECT_NAME:-$WANDB_PROJECT}"
 EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_4b_grpo_megatron}"

@@ -15,6 +15,7 @@ On failure it prints verl's message and the settings that feed that key.
 """
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,191 @@ def validate(cfg) -> None:
     validate_config(cfg, use_reference_policy=use_ref, use_critic=need_critic(cfg))
     omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     omega_conf_to_dataclass(cfg.algorithm)
+
+
+def _dp_size(cfg, n_gpus: int) -> int:
+    """Data-parallel ranks of the actor, as its workers compute them: Megatron's parallel state is built from the
+    actor's sizes (megatron_workers.py, mpu.initialize_model_parallel); FSDP divides by Ulysses sequence parallel."""
+    actor = cfg.actor_rollout_ref.actor
+    if actor.strategy == "megatron":
+        m = actor.megatron
+        return n_gpus // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size)
+    return n_gpus // (actor.get("ulysses_sequence_parallel_size") or 1)
+
+
+def _update_problems(role: str, section, keys: str, batch: int, dp: int, n: int, fsdp: bool) -> list[str]:
+    """The normalisation every verl 0.6.1 worker applies before its first update, and what it asserts then:
+    mini = ppo_mini_batch_size * rollout.n // data-parallel size per rank (megatron_workers.py, fsdp_workers.py);
+    Megatron's make_iterator asserts it divides the rank's share of the batch (verl/protocol.py), FSDP asserts it is
+    a multiple of ppo_micro_batch_size_per_gpu (fsdp_workers.py)."""
+    problems = []
+    mini, epochs = section.ppo_mini_batch_size, section.ppo_epochs
+    if epochs < 1:
+        problems.append(f"{keys}.ppo_epochs={epochs}: at least 1 (0 updates nothing, silently)")
+    per_rank = mini * n // dp
+    if per_rank < 1:
+        return problems + [
+            f"{keys}.ppo_mini_batch_size={mini} (PPO_MINI_BATCH_SIZE) x rollout.n={n} = {mini * n} sequences is less "
+            f"than one per data-parallel rank ({dp}): verl's {role} worker would get empty mini-batches (FSDP asserts, "
+            "Megatron's DataLoader refuses batch size 0)"
+        ]
+    if mini * n % dp:
+        problems.append(
+            f"{keys}.ppo_mini_batch_size={mini} (PPO_MINI_BATCH_SIZE) x rollout.n={n} = {mini * n} sequences does not "
+            f"split over {dp} data-parallel ranks: verl rounds each rank's mini-batch down to {per_rank}, "
+            f"a different mini-batch from the one set"
+        )
+    if batch % dp == 0 and (batch // dp) % per_rank:
+        problems.append(
+            f"{keys}.ppo_mini_batch_size={mini} (PPO_MINI_BATCH_SIZE) does not divide data.train_batch_size "
+            f"(TRAIN_BATCH_SIZE): each of {dp} data-parallel ranks gets {batch // dp} sequences a step and updates "
+            f"in mini-batches of {per_rank}; verl 0.6.1 "
+            + ("asserts they divide at the first update (verl/protocol.py make_iterator)" if not fsdp else
+               "leaves a short last mini-batch whose gradient is scaled as a full one (dp_actor/dp_critic)")
+        )  # fmt: skip
+    micro = section.get("ppo_micro_batch_size_per_gpu")
+    if fsdp and micro is not None and per_rank % micro:
+        problems.append(
+            f"{keys}.ppo_micro_batch_size_per_gpu={micro} (MICRO_BATCH_PER_GPU) does not divide the mini-batch per "
+            f"rank, {per_rank} (PPO_MINI_BATCH_SIZE x ROLLOUT_N / {dp} ranks): verl's FSDP {role} worker asserts it"
+        )
+    return problems
+
+
+def batch_problems(cfg) -> list[str]:
+    """Every batch relation verl 0.6.1 asserts only at run time (after the queue, the model load and the first
+    rollout), checked on the final composed config, so extra Hydra overrides count. Each names the keys and
+    settings to change."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic
+
+    arr, problems = cfg.actor_rollout_ref, []
+    n, prompts = arr.rollout.n, cfg.data.train_batch_size
+    batch, n_gpus = prompts * n, cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    dp = _dp_size(cfg, n_gpus)
+    if dp < 1:
+        return [f"{n_gpus} training GPUs (trainer.n_gpus_per_node x trainer.nnodes) hold no data-parallel rank of the "
+                "actor's parallel sizes (ACTOR_PP x ACTOR_TP)"]  # fmt: skip
+    if cfg.trainer.get("balance_batch", True) and batch % n_gpus:
+        problems.append(
+            f"data.train_batch_size={prompts} (TRAIN_BATCH_SIZE) x rollout.n={n} (ROLLOUT_N) = {batch} sequences do "
+            f"not split evenly over the {n_gpus} training GPUs: verl's trainer balances every step over all of them "
+            "(trainer.balance_batch; seqlen_balancing.get_seqlen_balanced_partitions asserts equal parts)"
+        )
+    elif batch % dp:
+        problems.append(
+            f"data.train_batch_size={prompts} (TRAIN_BATCH_SIZE) x rollout.n={n} (ROLLOUT_N) = {batch} sequences do "
+            f"not split over {dp} data-parallel ranks (verl/protocol.py DataProto.chunk asserts it)"
+        )
+    fsdp, critic_used = arr.actor.strategy != "megatron", need_critic(cfg)
+    problems += _update_problems("actor", arr.actor, "actor_rollout_ref.actor", batch, dp, n, fsdp)
+    if critic_used:
+        critic = cfg.critic
+        # A Megatron critic shares the actor's process and its parallel state (megatron_workers.py).
+        critic_dp = dp if not fsdp else n_gpus // (critic.get("ulysses_sequence_parallel_size") or 1)
+        problems += _update_problems("critic", critic, "critic", batch, critic_dp, critic.rollout_n, fsdp)
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    budgets = [("actor_rollout_ref.actor", arr.actor.use_dynamic_bsz, "ppo_max_token_len_per_gpu", "ppo_micro_batch_size_per_gpu"),
+               ("actor_rollout_ref.rollout", arr.rollout.log_prob_use_dynamic_bsz, "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu"),
+               ("actor_rollout_ref.ref", arr.ref.log_prob_use_dynamic_bsz, "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu")]  # fmt: skip
+    if critic_used:
+        budgets += [("critic", cfg.critic.use_dynamic_bsz, "ppo_max_token_len_per_gpu", "ppo_micro_batch_size_per_gpu"),
+                    ("critic", cfg.critic.use_dynamic_bsz, "forward_max_token_len_per_gpu", "forward_micro_batch_size_per_gpu")]  # fmt: skip
+    for keys, dynamic, budget, micro in budgets:
+        section = OmegaConf.select(cfg, keys)
+        if dynamic and section.get(budget) is not None and section[budget] < seq:
+            problems.append(
+                f"{keys}.{budget}={section[budget]} is less than one whole sequence, data.max_prompt_length + "
+                f"data.max_response_length = {seq} tokens: verl's dynamic batching asserts it "
+                "(seqlen_balancing.rearrange_micro_batches)"
+            )
+        if not dynamic and section.get(micro) is not None and section[micro] < 1:
+            problems.append(f"{keys}.{micro}={section[micro]} (MICRO_BATCH_PER_GPU): at least 1")
+    return problems
+
+
+# The keys of Megatron's parallel state, set once per process from the actor (megatron_workers.py).
+MEGATRON_PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                          "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                          "expert_tensor_parallel_size")  # fmt: skip
+
+
+def parallel_problems(cfg) -> list[str]:
+    """Ref and critic sizes that differ from the actor's. verl 0.6.1 places actor, ref and critic in one process per
+    GPU and initialises Megatron's parallel state once, from the actor; the others only read it, so their own sizes
+    would be a label that the run does not follow."""
+    from verl.trainer.ppo.utils import need_critic
+
+    if cfg.actor_rollout_ref.actor.strategy != "megatron":
+        return []
+    actor = cfg.actor_rollout_ref.actor.megatron
+    others = [("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron)]
+    if need_critic(cfg):
+        others.append(("critic", cfg.critic.megatron))
+    return [
+        f"{name}.megatron.{key}={section.get(key)} differs from actor_rollout_ref.actor.megatron.{key}="
+        f"{actor.get(key)}: verl 0.6.1 sets Megatron's parallel state once per process, from the actor "
+        "(verl/workers/megatron_workers.py), so this size would be ignored; drop the override"
+        for name, section in others
+        for key in MEGATRON_PARALLEL_KEYS
+        if section.get(key) != actor.get(key)
+    ]
+
+
+# What the one-step-off recipe's weight sync imports whatever the engine (recipe/one_step_off_policy/distributed_util.py,
+# inside stateless_init_process_group, so importing the recipe module alone does not show it).
+ONE_STEP_OFF_VLLM = ("vllm.distributed.device_communicators.pynccl", "vllm.distributed.utils")
+
+
+def trainer_modules(module: str, cfg) -> list[str]:
+    """What the trainer command imports before it can train: the rollout engine, the entry module, and a recipe's
+    trainer (and for one-step-off its workers for this strategy, which it picks by actor.strategy). verl's own
+    worker modules are the image's to check (its %test): Megatron's pull in TransformerEngine, which a login node
+    without a GPU driver may not load."""
+    modules = [cfg.actor_rollout_ref.rollout.name, module]
+    if module.startswith("recipe.one_step_off_policy."):
+        package = "recipe.one_step_off_policy"
+        workers = "megatron_workers" if cfg.actor_rollout_ref.actor.strategy == "megatron" else "fsdp_workers"
+        modules += [f"{package}.ray_trainer", f"{package}.{workers}", f"{package}.distributed_util", *ONE_STEP_OFF_VLLM]
+    elif module.startswith("recipe.dapo."):
+        modules += ["recipe.dapo.dapo_ray_trainer"]
+    return modules
+
+
+_IMPORT_EACH = """
+import importlib, sys
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:
+        print(name, f"{type(exc).__name__}: {exc}".replace("\\n", " ")[:300], sep="\\t", flush=True)
+"""
+
+
+def import_problems(modules: list[str], engine: str, timeout: float = 600) -> list[str]:
+    """Import each module in a fresh interpreter, as the trainer will (this one has already imported verl, and an
+    engine's import may set process-wide state); one line per module that fails, naming it and the fix."""
+    run = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *modules], capture_output=True, text=True,
+                         timeout=timeout)  # fmt: skip
+    if run.returncode:
+        return [f"importing {', '.join(modules)} crashed the interpreter (exit {run.returncode}): {run.stderr[-500:]}"]
+    problems = []
+    for line in run.stdout.splitlines():
+        name, _, error = line.partition("\t")
+        if name.split(".")[0] == engine or name.startswith("vllm."):
+            fix = (f"ROLLOUT_ENGINE={engine} needs {engine} where the trainer runs: use the {engine} image "
+                   f"(CONFIG_IMAGE_PATH), or the engine that image has")  # fmt: skip
+        elif name.startswith("recipe."):
+            fix = "verl's recipes come from its git tag (the image built from verl_app.def has them; PyPI has none)"
+        else:
+            fix = "the trainer's own imports: the image (or local environment) is incomplete"
+        problems.append(f"import {name} fails ({error}): {fix}")
+    return problems
+
+
+def trainer_is_verl() -> bool:
+    """The import check is about verl's trainer; a stand-in TRAINER_LAUNCHER (make demo, the tests) imports none of it."""
+    return re.fullmatch(r"python[0-9.]*", Path(os.environ.get("TRAINER_LAUNCHER", "python3")).name) is not None
 
 
 def check_data(cfg, tokenizer) -> list[str]:
@@ -228,11 +414,26 @@ def main(argv: list[str] | None = None) -> int:
             f"preflight: verl 0.6.1 rejects the trainer config ({module}, {name}):\n  {explain(exc)}", file=sys.stderr
         )
         return 1
+    problems = batch_problems(cfg) + parallel_problems(cfg)
+    for problem in problems:
+        print(f"preflight: verl 0.6.1 would stop at run time: {problem}", file=sys.stderr)
+    if problems:
+        return 1
     print(
         f"preflight: {module} --config-name={name} with {len(overrides)} overrides composes and passes verl's checks "
         f"(adv_estimator={cfg.algorithm.adv_estimator}, reward_manager={cfg.reward_model.reward_manager}, "
         f"rollout={cfg.actor_rollout_ref.rollout.name}/{cfg.actor_rollout_ref.rollout.mode})"
     )
+    if trainer_is_verl():
+        modules = trainer_modules(module, cfg)
+        problems = import_problems(modules, cfg.actor_rollout_ref.rollout.name)
+        for problem in problems:
+            print(f"preflight: the trainer cannot start here: {problem}", file=sys.stderr)
+        if problems:
+            return 1
+        print(f"preflight: the trainer's modules import here: {', '.join(modules)}")
+    else:
+        print(f"preflight: TRAINER_LAUNCHER={os.environ['TRAINER_LAUNCHER']} is a stand-in: verl's imports not checked")
     from verl.utils import hf_tokenizer
 
     tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)  # the policy's, loaded once for every check below

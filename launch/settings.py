@@ -81,12 +81,17 @@ class Settings:
     reward_manager_setting: str = setting("REWARD_MANAGER")
     critic_model_path: str = setting("CRITIC_MODEL_PATH")  # empty: the policy (filled in by from_env)
     critic_lr: float = setting("CRITIC_LR")
-    critic_pp: int = setting("CRITIC_PP")
-    critic_tp: int = setting("CRITIC_TP")
     dapo_dynamic_sampling: bool = setting("DAPO_DYNAMIC_SAMPLING")
     overlong_buffer_len: int = setting("OVERLONG_BUFFER_LEN")
+    overlong_penalty_factor_setting: str = setting("OVERLONG_PENALTY_FACTOR")
     rollout_gpus_per_node: int = setting("ROLLOUT_GPUS_PER_NODE")
-    nnodes: int = 1  # from Slurm (SLURM_NNODES), not a setting
+    rollout_engine: str = setting("ROLLOUT_ENGINE")
+    # Not settings: Slurm's node count, the reward client's score range, and two removed settings still read so that
+    # a stale value is refused, not ignored.
+    nnodes: int = 1
+    reward_score_range: tuple[float, float] = (-40.0, 30.0)
+    critic_pp: int | None = None
+    critic_tp: int | None = None
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -99,7 +104,13 @@ class Settings:
             )
         values = {f.name: _parse(f.type, f.metadata["env"], env[f.metadata["env"]]) for f in read}
         values["critic_model_path"] = values["critic_model_path"] or values["model_path"]
-        return cls(**values, nnodes=int(env.get("SLURM_NNODES") or env.get("CONFIG_NUM_NODES") or 1))
+        for field_name, name in (("critic_pp", "CRITIC_PP"), ("critic_tp", "CRITIC_TP")):
+            values[field_name] = _parse(int, name, env[name]) if env.get(name) else None
+        return cls(
+            **values,
+            nnodes=int(env.get("SLURM_NNODES") or env.get("CONFIG_NUM_NODES") or 1),
+            reward_score_range=_reward_score_range(env),
+        )
 
     @property
     def train_nodes(self) -> int:
@@ -125,8 +136,33 @@ class Settings:
         return None
 
     @property
+    def overlong_penalty_factor(self) -> float:
+        """DAPO's overlong penalty reaches this at MAX_RESPONSE_LENGTH. auto: half the reward range, as in DAPO
+        (scores -1..1, factor 1.0); verl's default 1.0 would be about 1% of our -40..30."""
+        if self.overlong_penalty_factor_setting == "auto":
+            low, high = self.reward_score_range
+            return (high - low) / 2
+        try:
+            return float(self.overlong_penalty_factor_setting)
+        except ValueError:
+            raise SettingError(
+                f"OVERLONG_PENALTY_FACTOR={self.overlong_penalty_factor_setting!r}: use auto or a number"
+            ) from None
+
+    @property
     def training_gpus_per_node(self) -> int:
         return self.gpus_per_node - (self.rollout_gpus_per_node if self.trainer_mode == "one_step_off" else 0)
+
+
+def _reward_score_range(env) -> tuple[float, float]:
+    """REWARD_MIN_SCORE and REWARD_MAX_SCORE as the reward function reads them (its defaults, then the environment)."""
+    from reward_score.safe_hack_reward_request import load_config
+
+    try:
+        config = load_config(environ=dict(env))
+    except (TypeError, ValueError) as exc:
+        raise SettingError(str(exc)) from None
+    return config.min_score, config.max_score
 
 
 def check(s: Settings, check_paths: bool = True) -> list[str]:
@@ -164,15 +200,29 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         if rollout_gpus and rollout_gpus % s.rollout_tp:
             problems.append(f"ROLLOUT_TP={s.rollout_tp} does not divide the {rollout_gpus} rollout GPUs per node")
         dp = world // model_parallel
-        if dp and (s.train_batch_size * s.rollout_n) % (dp * s.micro_batch_per_gpu):
+        # Megatron: verl's validate_config asks for dp x micro-batch; FSDP2 batches by tokens (use_dynamic_bsz), and
+        # only the per-GPU split of each step remains (the preflight checks the rest on the composed config).
+        micro = s.micro_batch_per_gpu if s.strategy == "megatron" else 1
+        if dp and (s.train_batch_size * s.rollout_n) % (dp * micro):
             problems.append(
                 f"TRAIN_BATCH_SIZE x ROLLOUT_N = {s.train_batch_size * s.rollout_n} is not a multiple of data-parallel "
-                f"size {dp} x MICRO_BATCH_PER_GPU {s.micro_batch_per_gpu}"
+                f"size {dp}" + (f" x MICRO_BATCH_PER_GPU {micro}" if s.strategy == "megatron" else "")
             )
     if s.train_batch_size < s.ppo_mini_batch_size:
         problems.append(
             f"TRAIN_BATCH_SIZE={s.train_batch_size} is smaller than PPO_MINI_BATCH_SIZE={s.ppo_mini_batch_size}"
         )
+    if s.algorithm == "dapo" and not 0 <= s.overlong_buffer_len <= s.max_response_length:
+        problems.append(
+            f"OVERLONG_BUFFER_LEN={s.overlong_buffer_len}: between 0 (a quarter of the response) and "
+            f"MAX_RESPONSE_LENGTH={s.max_response_length} (verl's dapo manager asserts it when it starts)"
+        )
+    if s.algorithm == "dapo":
+        try:
+            if s.overlong_penalty_factor < 0:
+                problems.append(f"OVERLONG_PENALTY_FACTOR={s.overlong_penalty_factor}: a penalty size, 0 or more")
+        except SettingError as exc:
+            problems.append(str(exc))
     if not 0 < s.rollout_gpu_memory < 1:
         problems.append(f"ROLLOUT_GPU_MEMORY={s.rollout_gpu_memory}: a share of GPU memory in (0, 1)")
     if check_paths:
@@ -199,6 +249,7 @@ def combination_problems(s: Settings) -> list[str]:
         ("TRAINER_MODE", s.trainer_mode, ("sync", "one_step_off")),
         ("STRATEGY", s.strategy, ("megatron", "fsdp2")),
         ("REWARD_MANAGER", s.reward_manager_setting, ("auto", "batch", "naive", "dapo")),
+        ("ROLLOUT_ENGINE", s.rollout_engine, ("sglang", "vllm")),
     ):
         if value not in allowed:
             problems.append(f"{name}={value!r}: use one of {', '.join(allowed)}")
@@ -218,16 +269,29 @@ def combination_problems(s: Settings) -> list[str]:
             "DAPO_DYNAMIC_SAMPLING=true needs ROLLOUT_MODE=sync: recipe.dapo's trainer calls generate_sequences and "
             "computes rewards itself"
         )
+    if s.algorithm == "ppo" and s.strategy == "megatron":
+        for name, value, actor_name, actor in (
+            ("CRITIC_PP", s.critic_pp, "ACTOR_PP", s.actor_pp),
+            ("CRITIC_TP", s.critic_tp, "ACTOR_TP", s.actor_tp),
+        ):
+            if value is not None and value != actor:
+                problems.append(
+                    f"{name}={value} differs from {actor_name}={actor}: verl 0.6.1 sets Megatron's parallel state once, "
+                    "from the actor (verl/workers/megatron_workers.py; actor, ref and critic share one process per "
+                    f"GPU), so the critic runs with the actor's sizes whatever it says; unset {name}"
+                )
     if s.trainer_mode == "one_step_off":
-        if s.strategy == "megatron":
+        if s.rollout_engine != "vllm":
             problems.append(
-                "TRAINER_MODE=one_step_off with STRATEGY=megatron: verl 0.6.1's one-step-off Megatron workers accept "
-                "only vLLM (they assert rollout.name == 'vllm') and this image has SGLang only; use STRATEGY=fsdp2"
+                f"TRAINER_MODE=one_step_off with ROLLOUT_ENGINE={s.rollout_engine}: verl 0.6.1's one-step-off recipe "
+                "builds its weight-sync group in recipe/one_step_off_policy/distributed_util.py, which imports "
+                "vllm.distributed (pynccl, StatelessProcessGroup) whatever the engine, and the SGLang image has no "
+                "vLLM; use ROLLOUT_ENGINE=vllm with the vLLM image, or TRAINER_MODE=sync"
             )
         if s.rollout_mode != "sync":
             problems.append(
                 "TRAINER_MODE=one_step_off needs ROLLOUT_MODE=sync: its async rollout worker raises NotImplementedError "
-                "in verl 0.6.1"
+                "in verl 0.6.1 (and its Megatron rollout worker asserts rollout.mode == 'sync')"
             )
         if s.algorithm == "dapo" and s.dapo_dynamic_sampling:
             problems.append("TRAINER_MODE=one_step_off cannot run DAPO_DYNAMIC_SAMPLING=true (two different recipes)")
@@ -265,7 +329,10 @@ def _entry(s: Settings) -> list[str]:
                 "dapo_megatron_trainer" if s.strategy == "megatron" else "dapo_trainer",
             )
         else:
-            module, name = "recipe.one_step_off_policy.main_ppo", "one_step_off_ppo_trainer"
+            module, name = (
+                "recipe.one_step_off_policy.main_ppo",
+                "one_step_off_ppo_megatron_trainer" if s.strategy == "megatron" else "one_step_off_ppo_trainer",
+            )
         # The recipe YAML's searchpath is relative to the current folder: make it absolute, so any folder works.
         return [
             "-m",
@@ -288,6 +355,11 @@ def _actor_overrides(s: Settings) -> list[str]:
             f"{a}.ref.megatron.pipeline_model_parallel_size={s.actor_pp}",
             f"{a}.ref.megatron.tensor_model_parallel_size={s.actor_tp}",
         ]
+    # verl's own FSDP examples (examples/*_trainer/*seq_balance*.sh, recipe/dapo): padding removed (flash-attention
+    # varlen over the packed tokens) and micro-batches by token count. The token budget per GPU is what
+    # MICRO_BATCH_PER_GPU full-length sequences take, so the worst case uses no more memory than fixed micro-batches,
+    # and verl asserts it holds at least one whole sequence (seqlen_balancing.rearrange_micro_batches).
+    tokens = s.micro_batch_per_gpu * (s.max_prompt_length + s.max_response_length)
     return [
         f"{a}.actor.strategy=fsdp2",
         f"{a}.ref.strategy=fsdp2",
@@ -295,6 +367,16 @@ def _actor_overrides(s: Settings) -> list[str]:
         f"{a}.model.enable_gradient_checkpointing=True",
         f"{a}.actor.fsdp_config.optimizer_offload=True",
         f"{a}.ref.fsdp_config.param_offload=True",
+        f"{a}.model.use_remove_padding=True",
+        f"{a}.actor.use_dynamic_bsz=True",
+        f"{a}.actor.ppo_max_token_len_per_gpu={tokens}",
+        f"{a}.ref.log_prob_use_dynamic_bsz=True",
+        f"{a}.ref.log_prob_max_token_len_per_gpu={tokens}",
+        f"{a}.rollout.log_prob_use_dynamic_bsz=True",
+        f"{a}.rollout.log_prob_max_token_len_per_gpu={tokens}",
+        "critic.model.use_remove_padding=True",
+        "critic.use_dynamic_bsz=True",
+        f"critic.ppo_max_token_len_per_gpu={tokens}",
     ]
 
 
@@ -308,9 +390,11 @@ def _algorithm_overrides(s: Settings) -> list[str]:
             f"critic.ppo_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
         ]
         if s.strategy == "megatron":
+            # The actor's sizes: Megatron's parallel state is set once per process, from the actor, and the critic
+            # shares that process (verl/workers/megatron_workers.py), so any other value would only be a label.
             critic += [
-                f"critic.megatron.pipeline_model_parallel_size={s.critic_pp}",
-                f"critic.megatron.tensor_model_parallel_size={s.critic_tp}",
+                f"critic.megatron.pipeline_model_parallel_size={s.actor_pp}",
+                f"critic.megatron.tensor_model_parallel_size={s.actor_tp}",
             ]
         return critic + [f"{a}.use_kl_loss=True", f"{a}.kl_loss_coef={s.kl_loss_coef}", f"{a}.kl_loss_type=low_var_kl"]
     if s.algorithm == "dapo":
@@ -330,7 +414,7 @@ def _algorithm_overrides(s: Settings) -> list[str]:
             return out + [
                 "reward_model.overlong_buffer.enable=True",
                 f"reward_model.overlong_buffer.len={buffer}",
-                "reward_model.overlong_buffer.penalty_factor=1.0",
+                f"reward_model.overlong_buffer.penalty_factor={s.overlong_penalty_factor}",
                 "algorithm.filter_groups.enable=True",
                 "algorithm.filter_groups.metric=score",
                 "algorithm.filter_groups.max_num_gen_batches=10",
@@ -338,7 +422,7 @@ def _algorithm_overrides(s: Settings) -> list[str]:
         return out + [
             "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
             f"+reward_model.reward_kwargs.overlong_buffer_cfg.len={buffer}",
-            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+            f"+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor={s.overlong_penalty_factor}",
             "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
             f"+reward_model.reward_kwargs.max_resp_len={s.max_response_length}",
         ]
@@ -376,7 +460,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         *_actor_overrides(s),
         f"{a}.rollout.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
         f"{a}.rollout.tensor_model_parallel_size={s.rollout_tp}",
-        f"{a}.rollout.name=sglang",
+        f"{a}.rollout.name={s.rollout_engine}",
         f"{a}.rollout.mode={s.rollout_mode}",
         f"{a}.rollout.gpu_memory_utilization={s.rollout_gpu_memory}",
         f"{a}.rollout.max_num_seqs=256",

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 import launch.settings as settings_module
-from launch.preflight import compose, split_command, validate
+from launch.preflight import (
+    batch_problems,
+    compose,
+    import_problems,
+    parallel_problems,
+    split_command,
+    trainer_modules,
+    validate,
+)
 from launch.settings import SettingError, Settings, check, trainer_argv
 from tests.support import REPO
 
@@ -39,24 +47,27 @@ def settings(env, **overrides) -> Settings:
 
 
 ACCEPTED = [
-    # (algorithm, rollout mode, strategy): the core main_ppo entry point, no recipe needed
-    (algorithm, mode, strategy)
+    # (algorithm, rollout mode, strategy, engine): the core main_ppo entry point, no recipe needed; verl 0.6.1
+    # registers both engines in both modes (verl/workers/rollout/base.py, _ROLLOUT_REGISTRY)
+    (algorithm, mode, strategy, engine)
     for algorithm in ("grpo", "ppo", "dapo")
     for mode in ("sync", "async")
     for strategy in ("megatron", "fsdp2")
+    for engine in ("sglang", "vllm")
 ]
 
 
-@pytest.mark.parametrize("algorithm, mode, strategy", ACCEPTED)
-def test_every_accepted_combination_composes_and_passes_verls_checks(env, algorithm, mode, strategy):
-    s = settings(env, ALGORITHM=algorithm, ROLLOUT_MODE=mode, STRATEGY=strategy)
+@pytest.mark.parametrize("algorithm, mode, strategy, engine", ACCEPTED)
+def test_every_accepted_combination_composes_and_passes_verls_checks(env, algorithm, mode, strategy, engine):
+    s = settings(env, ALGORITHM=algorithm, ROLLOUT_MODE=mode, STRATEGY=strategy, ROLLOUT_ENGINE=engine)
     assert check(s) == []
     module, path, name, overrides = split_command(trainer_argv(s))
     cfg = compose(name, overrides, path)
     validate(cfg)
+    assert batch_problems(cfg) == [] and parallel_problems(cfg) == []
     assert module == "verl.trainer.main_ppo"
     assert cfg.actor_rollout_ref.actor.strategy == strategy
-    assert cfg.actor_rollout_ref.rollout.mode == mode and cfg.actor_rollout_ref.rollout.name == "sglang"
+    assert cfg.actor_rollout_ref.rollout.mode == mode and cfg.actor_rollout_ref.rollout.name == engine
     expected_manager = "dapo" if algorithm == "dapo" else ("batch" if mode == "sync" else "naive")
     assert cfg.reward_model.reward_manager == expected_manager
     assert cfg.custom_reward_function.name == (
@@ -75,23 +86,34 @@ def test_every_accepted_combination_composes_and_passes_verls_checks(env, algori
         assert cfg.reward_model.reward_kwargs.max_resp_len == cfg.data.max_response_length
 
 
-# verl 0.6.1's recipe configs, verbatim (tests/fixtures/verl_v0.6.1_recipes/README.md), with their git blob ids at the tag.
+# verl 0.6.1's recipe configs and code, verbatim (tests/fixtures/verl_v0.6.1_recipes/README.md), with their git blob ids at the tag.
 RECIPES = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"
 RECIPE_BLOBS = {
     "recipe/dapo/config/dapo_trainer.yaml": "47ac00fd6a055d6c22e3facfa855844302345701",
     "recipe/dapo/config/dapo_megatron_trainer.yaml": "b846eaeb78ebaa29e5f4c250c2b9f25a906d90c8",
     "recipe/one_step_off_policy/config/one_step_off_ppo_trainer.yaml": "366d7b0fd72628f73ff5f901fe0b06fbff97f654",
     "recipe/one_step_off_policy/config/one_step_off_ppo_megatron_trainer.yaml": "b6ea846e200351ab20483e817fec96debccf3228",
+    "recipe/one_step_off_policy/main_ppo.py": "ec87e924ce353b539755195f816d9784d4ef9c8d",
+    "recipe/one_step_off_policy/ray_trainer.py": "f5c1c4612f1ae23b0898958803a369378a05021d",
+    "recipe/one_step_off_policy/fsdp_workers.py": "ec28279652aeddb02c5ac559d7d6452b992604ff",
+    "recipe/one_step_off_policy/megatron_workers.py": "8d72edf2138596f252d9fb8370c7d8bad7782ef4",
+    "recipe/one_step_off_policy/distributed_util.py": "75403ae1423bf42ce10d47daf39edb1928a2b455",
+    "recipe/one_step_off_policy/utils.py": "1879b0672fa68eda19a1b8e6553f4354b17816fe",
+    "recipe/dapo/main_dapo.py": "3fdfeb36fb206f3ba46dd04c8a8e896930d2cfdd",
+    "recipe/dapo/dapo_ray_trainer.py": "18995f677871f78e57f35aba8c645d2f165c8e2f",
 }  # fmt: skip
 
 RECIPE_COMBINATIONS = [
-    {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"},
-    {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync", "STRATEGY": "fsdp2"},
-    {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2"},
-    {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
-     "ALGORITHM": "ppo"},
-    {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
-     "ALGORITHM": "dapo"},
+    # recipe.dapo (dynamic sampling): sync rollout, either strategy, either engine
+    {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync", "STRATEGY": strategy,
+     "ROLLOUT_ENGINE": engine}
+    for strategy in ("megatron", "fsdp2") for engine in ("sglang", "vllm")
+] + [
+    # recipe.one_step_off_policy: sync rollout on vLLM (its weight sync imports vllm), either strategy (the Megatron
+    # rollout worker asserts vllm and sync), every algorithm
+    {"TRAINER_MODE": "one_step_off", "STRATEGY": strategy, "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
+     "ROLLOUT_ENGINE": "vllm", "ALGORITHM": algorithm}
+    for strategy in ("megatron", "fsdp2") for algorithm in ("grpo", "ppo", "dapo")
 ]  # fmt: skip
 
 
@@ -104,7 +126,7 @@ def recipes(monkeypatch):
         del sys.modules[name]
 
 
-def test_the_recipe_configs_here_are_verls_own_at_the_tag():
+def test_the_recipe_files_here_are_verls_own_at_the_tag():
     for path, blob in RECIPE_BLOBS.items():
         data = (RECIPES / path).read_bytes()
         assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == blob, f"{path} differs from verl v0.6.1"
@@ -118,7 +140,9 @@ def test_recipe_combinations_compose_with_verls_recipe_configs_and_pass_its_chec
     assert Path(path).is_absolute() and Path(path).is_relative_to(recipes), "the recipe's own config folder"
     cfg = compose(name, args, path)
     validate(cfg)
+    assert batch_problems(cfg) == [] and parallel_problems(cfg) == []
     assert module.startswith(s.uses_recipe)
+    assert cfg.actor_rollout_ref.rollout.name == s.rollout_engine
     assert cfg.actor_rollout_ref.actor.strategy == s.strategy and cfg.actor_rollout_ref.rollout.mode == "sync"
     if s.uses_recipe == "recipe.dapo":
         assert module == "recipe.dapo.main_dapo"
@@ -127,7 +151,8 @@ def test_recipe_combinations_compose_with_verls_recipe_configs_and_pass_its_chec
         assert cfg.reward_model.reward_manager == "dapo" and cfg.reward_model.overlong_buffer.enable is True
         assert cfg.data.gen_batch_size >= cfg.data.train_batch_size
     else:
-        assert (module, name) == ("recipe.one_step_off_policy.main_ppo", "one_step_off_ppo_trainer")
+        assert module == "recipe.one_step_off_policy.main_ppo"
+        assert name == ("one_step_off_ppo_megatron_trainer" if s.strategy == "megatron" else "one_step_off_ppo_trainer")
         assert cfg.actor_rollout_ref.hybrid_engine is False
         assert (cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node) == (1, 2)
         assert cfg.trainer.n_gpus_per_node == s.gpus_per_node - 2
@@ -151,7 +176,8 @@ def test_recipe_combinations_are_refused_where_verl_has_no_recipes(env, override
 
 
 def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes):
-    s = settings(env, TRAINER_MODE="one_step_off", STRATEGY="fsdp2", ROLLOUT_MODE="sync", ROLLOUT_GPUS_PER_NODE=1)
+    s = settings(env, TRAINER_MODE="one_step_off", STRATEGY="fsdp2", ROLLOUT_MODE="sync", ROLLOUT_GPUS_PER_NODE=1,
+                 ROLLOUT_ENGINE="vllm")  # fmt: skip
     assert s.training_gpus_per_node == 3
     assert any("is not a multiple of data-parallel size 3" in p for p in check(s)), "the batch must split over 3 GPUs"
     argv = trainer_argv(s)
@@ -165,10 +191,22 @@ def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes)
         ({"REWARD_MANAGER": "batch", "ROLLOUT_MODE": "async"}, "async reward loop registers only naive and dapo"),
         ({"ALGORITHM": "dapo", "REWARD_MANAGER": "naive"}, "ALGORITHM=dapo needs the dapo reward manager"),
         ({"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "async"}, "DAPO_DYNAMIC_SAMPLING=true needs ROLLOUT_MODE=sync"),
-        ({"TRAINER_MODE": "one_step_off", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "1"}, "Megatron workers accept only vLLM"),
-        ({"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_GPUS_PER_NODE": "1"}, "one_step_off needs ROLLOUT_MODE=sync"),
-        ({"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync"}, "set ROLLOUT_GPUS_PER_NODE between 1 and 3"),
-        ({"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "1", "ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true"}, "two different recipes"),
+        # one-step-off on SGLang, with either strategy: the recipe's weight sync imports vllm
+        ({"TRAINER_MODE": "one_step_off", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2"}, "recipe/one_step_off_policy/distributed_util.py, which imports vllm.distributed"),
+        ({"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "1"}, "with ROLLOUT_ENGINE=sglang: verl 0.6.1's one-step-off recipe"),
+        # one-step-off with async rollout, either strategy, even on vLLM
+        ({"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_GPUS_PER_NODE": "1", "ROLLOUT_ENGINE": "vllm"}, "one_step_off needs ROLLOUT_MODE=sync"),
+        ({"TRAINER_MODE": "one_step_off", "ROLLOUT_GPUS_PER_NODE": "2", "ROLLOUT_ENGINE": "vllm"}, "asserts rollout.mode == 'sync'"),
+        ({"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_ENGINE": "vllm"}, "set ROLLOUT_GPUS_PER_NODE between 1 and 3"),
+        ({"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "1", "ROLLOUT_ENGINE": "vllm", "ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true"}, "two different recipes"),
+        ({"ROLLOUT_ENGINE": "trtllm"}, "ROLLOUT_ENGINE='trtllm': use one of sglang, vllm"),
+        # the critic shares the actor's Megatron parallel state: a different size is refused, an equal one accepted
+        ({"ALGORITHM": "ppo", "CRITIC_PP": "1"}, "CRITIC_PP=1 differs from ACTOR_PP=2: verl 0.6.1 sets Megatron's parallel state once"),
+        ({"ALGORITHM": "ppo", "CRITIC_TP": "2"}, "CRITIC_TP=2 differs from ACTOR_TP=1"),
+        ({"ALGORITHM": "dapo", "OVERLONG_PENALTY_FACTOR": "big"}, "OVERLONG_PENALTY_FACTOR='big': use auto or a number"),
+        ({"ALGORITHM": "dapo", "OVERLONG_PENALTY_FACTOR": "-1"}, "OVERLONG_PENALTY_FACTOR=-1.0: a penalty size"),
+        ({"ALGORITHM": "dapo", "OVERLONG_BUFFER_LEN": "5000"}, "OVERLONG_BUFFER_LEN=5000: between 0 (a quarter of the response) and MAX_RESPONSE_LENGTH=4096"),
+        ({"ALGORITHM": "dapo", "OVERLONG_BUFFER_LEN": "-1"}, "OVERLONG_BUFFER_LEN=-1: between 0"),
         ({"FP8": "true"}, "FP8 training arrived in verl 0.7.0"),
         ({"ALGORITHM": "reinforce"}, "ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         ({"STRATEGY": "fsdp"}, "STRATEGY='fsdp': use one of megatron, fsdp2"),
@@ -181,6 +219,7 @@ def test_refused_combinations_say_why(env, overrides, needle):
 def test_the_settings_block_defaults_are_the_articles_grpo(env):
     s = settings(env)
     assert (s.algorithm, s.strategy, s.trainer_mode, s.rollout_mode) == ("grpo", "megatron", "sync", "async")
+    assert (s.rollout_engine, s.overlong_penalty_factor, s.critic_pp, s.critic_tp) == ("sglang", 35.0, None, None)
     assert (s.train_batch_size, s.max_prompt_length, s.max_response_length, s.rollout_n) == (256, 2048, 4096, 4)
     assert (s.actor_pp, s.actor_tp, s.ppo_mini_batch_size, s.micro_batch_per_gpu, s.save_freq, s.test_freq) == (
         2,
@@ -203,3 +242,306 @@ def test_the_main_job_without_gpus_runs_every_check_and_the_reward_round_trip(tm
     assert "(penalty: cut off mid-reasoning)" in out
     assert "needs GPUs, not run here" in out and "sbatch run_grpo_qwen3_4b_mega_verl.sh" in out
     assert "make demo: every check passed" in out
+
+
+def test_an_equal_critic_size_is_accepted_and_the_critic_gets_the_actors_sizes(env):
+    s = settings(env, ALGORITHM="ppo", CRITIC_PP=2, CRITIC_TP=1)
+    assert check(s) == []
+    module, path, name, overrides = split_command(trainer_argv(s))
+    cfg = compose(name, overrides, path)
+    critic, actor = cfg.critic.megatron, cfg.actor_rollout_ref.actor.megatron
+    assert (critic.pipeline_model_parallel_size, critic.tensor_model_parallel_size) == (2, 1)
+    assert (critic.pipeline_model_parallel_size, critic.tensor_model_parallel_size) == (
+        actor.pipeline_model_parallel_size,
+        actor.tensor_model_parallel_size,
+    )
+
+
+def composed(s: Settings, extra: list[str] | None = None):
+    module, path, name, overrides = split_command(trainer_argv(s, extra=extra))
+    return compose(name, overrides, path)
+
+
+@pytest.mark.parametrize(
+    "overrides, extra, needle",
+    [
+        # a Hydra override on the command line that sets a critic or ref size the run would not follow
+        ({"ALGORITHM": "ppo"}, ["critic.megatron.tensor_model_parallel_size=2"], "critic.megatron.tensor_model_parallel_size=2 differs from actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"),
+        ({}, ["actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1"], "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1 differs"),
+    ],
+)  # fmt: skip
+def test_ref_and_critic_parallel_sizes_other_than_the_actors_are_refused(env, overrides, extra, needle):
+    cfg = composed(settings(env, **overrides), extra)
+    validate(cfg)  # verl's own checks let it through
+    problems = parallel_problems(cfg)
+    assert any(needle in p for p in problems), problems
+
+
+BATCH_CASES = [
+    # (settings, extra Hydra overrides, what the preflight says): each passes verl's validate_config and would stop at
+    # (or silently change) the first update. Defaults: 4 GPUs, Megatron PP 2 (2 data-parallel ranks), batch 256 x 4.
+    # the issue's own case: mini-batch 3 of 4 prompts (x2 = 6 of 8 sequences, 3 of 4 per rank): make_iterator asserts
+    ({"TRAIN_BATCH_SIZE": 4, "ROLLOUT_N": 2, "PPO_MINI_BATCH_SIZE": 3, "MICRO_BATCH_PER_GPU": 1}, [],
+     "ppo_mini_batch_size=3 (PPO_MINI_BATCH_SIZE) does not divide data.train_batch_size"),
+    # the same through an extra Hydra override, on the defaults (12 sequences a mini-batch, 6 per rank, 512 per rank)
+    ({}, ["actor_rollout_ref.actor.ppo_mini_batch_size=3"], "each of 2 data-parallel ranks gets 512 sequences a step and updates in mini-batches of 6"),
+    # FSDP2 on 4 ranks: 3 x 2 = 6 sequences cannot split over 4 ranks; verl would round down to 1 each
+    ({"STRATEGY": "fsdp2", "TRAIN_BATCH_SIZE": 8, "ROLLOUT_N": 2, "PPO_MINI_BATCH_SIZE": 3, "MICRO_BATCH_PER_GPU": 1}, [],
+     "verl rounds each rank's mini-batch down to 1"),
+    # FSDP2: mini-batch per rank 2 x 4 / 4 = 2, micro-batch 4 per GPU: fsdp_workers asserts divisibility
+    ({"STRATEGY": "fsdp2", "TRAIN_BATCH_SIZE": 8, "PPO_MINI_BATCH_SIZE": 2}, [],
+     "ppo_micro_batch_size_per_gpu=4 (MICRO_BATCH_PER_GPU) does not divide the mini-batch per rank, 2"),
+    # FSDP2 with dynamic batches skips validate_config's batch check: 1024 sequences over 3 GPUs
+    ({"STRATEGY": "fsdp2"}, ["trainer.n_gpus_per_node=3"], "1024 sequences do not split evenly over the 3 training GPUs"),
+    # one prompt x one response a mini-batch on 4 ranks: 0 sequences each
+    ({"STRATEGY": "fsdp2", "ROLLOUT_N": 1, "PPO_MINI_BATCH_SIZE": 1}, [], "= 1 sequences is less than one per data-parallel rank (4)"),
+    # ppo_epochs 0: the update loop runs no step
+    ({}, ["actor_rollout_ref.actor.ppo_epochs=0"], "actor_rollout_ref.actor.ppo_epochs=0: at least 1"),
+    # log-prob micro-batches of 0 rows (Megatron, fixed micro-batches)
+    ({}, ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0"], "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0 (MICRO_BATCH_PER_GPU): at least 1"),
+    # dynamic log-prob batches with a token budget under one sequence (2048 + 4096 tokens)
+    ({"STRATEGY": "fsdp2"}, ["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=4000"], "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=4000 is less than one whole sequence"),
+    # PPO's critic: its own mini-batch on the actor's data-parallel ranks (Megatron shares the parallel state)
+    ({"ALGORITHM": "ppo"}, ["critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size=3 (PPO_MINI_BATCH_SIZE) does not divide"),
+    ({"ALGORITHM": "ppo", "STRATEGY": "fsdp2"}, ["critic.ppo_max_token_len_per_gpu=1024"], "critic.ppo_max_token_len_per_gpu=1024 is less than one whole sequence"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides, extra, needle", BATCH_CASES)
+def test_batch_relations_verl_asserts_at_run_time_are_refused_before_anything_starts(env, overrides, extra, needle):
+    cfg = composed(settings(env, **overrides), extra)
+    validate(cfg)  # verl's own config checks pass: the run would stop (or update differently) only later
+    problems = batch_problems(cfg)
+    assert any(needle in p for p in problems), problems
+
+
+def test_a_mini_batch_that_divides_the_batch_passes(env):
+    s = settings(env, TRAIN_BATCH_SIZE=4, ROLLOUT_N=2, PPO_MINI_BATCH_SIZE=2, MICRO_BATCH_PER_GPU=1)
+    assert check(s) == [] and batch_problems(composed(s)) == []
+
+
+def test_the_preflight_stops_the_issues_batch_before_anything_starts(env, tmp_path):
+    """PREFLIGHT_ONLY=1 TRAIN_BATCH_SIZE=4 ROLLOUT_N=2 PPO_MINI_BATCH_SIZE=3 used to pass every check."""
+    job = env | {"TRAIN_BATCH_SIZE": "4", "ROLLOUT_N": "2", "PPO_MINI_BATCH_SIZE": "3", "PREFLIGHT_DATA": "0",
+                 "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "stand-in"}  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job, capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "verl 0.6.1 would stop at run time" in run.stderr and "PPO_MINI_BATCH_SIZE" in run.stderr
+    fixed = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job | {"PPO_MINI_BATCH_SIZE": "2"},
+                           capture_output=True, text=True)  # fmt: skip
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "is a stand-in: verl's imports not checked" in fixed.stdout
+
+
+def test_fsdp2_carries_verls_padding_removal_and_dynamic_batches(env):
+    s = settings(env, STRATEGY="fsdp2", ALGORITHM="ppo")
+    argv = trainer_argv(s)
+    assert "actor_rollout_ref.model.use_remove_padding=True" in argv and "critic.model.use_remove_padding=True" in argv
+    cfg = composed(s)
+    validate(cfg)
+    assert batch_problems(cfg) == []
+    arr, seq = cfg.actor_rollout_ref, s.max_prompt_length + s.max_response_length
+    assert arr.model.use_remove_padding and cfg.critic.model.use_remove_padding
+    assert arr.actor.use_dynamic_bsz and arr.ref.log_prob_use_dynamic_bsz and arr.rollout.log_prob_use_dynamic_bsz
+    assert cfg.critic.use_dynamic_bsz
+    budgets = {arr.actor.ppo_max_token_len_per_gpu, arr.ref.log_prob_max_token_len_per_gpu,
+               arr.rollout.log_prob_max_token_len_per_gpu, cfg.critic.ppo_max_token_len_per_gpu,
+               cfg.critic.forward_max_token_len_per_gpu}  # fmt: skip
+    assert budgets == {s.micro_batch_per_gpu * seq}
+    # Megatron keeps its own (fixed) micro-batches: nothing of this reaches its command.
+    assert not any("use_dynamic_bsz" in a or "use_remove_padding" in a for a in trainer_argv(settings(env)))
+
+
+def test_the_fsdp2_token_budget_packs_full_length_sequences_as_verl_splits_them(env):
+    """verl's dynamic batching (seqlen_balancing.rearrange_micro_batches, what dp_actor uses) on a rank's share of
+    full-length sequences: no micro-batch holds more tokens than the budget, so memory stays at MICRO_BATCH_PER_GPU
+    full sequences at worst, and short sequences are packed more to a micro-batch."""
+    import torch
+    from tensordict import TensorDict
+    from verl.utils.seqlen_balancing import rearrange_micro_batches
+
+    s = settings(env, STRATEGY="fsdp2", MAX_PROMPT_LENGTH=64, MAX_RESPONSE_LENGTH=192, MICRO_BATCH_PER_GPU=2)
+    budget, seq = composed(s).actor_rollout_ref.actor.ppo_max_token_len_per_gpu, 256
+    full = TensorDict({"input_ids": torch.zeros(8, seq, dtype=torch.long),
+                       "attention_mask": torch.ones(8, seq, dtype=torch.long)}, batch_size=[8])  # fmt: skip
+    micro, _ = rearrange_micro_batches(full, max_token_len=budget)
+    assert [len(m) for m in micro] == [2, 2, 2, 2]
+    short_mask = torch.zeros(8, seq, dtype=torch.long)
+    short_mask[:, :32] = 1
+    short = TensorDict({"input_ids": torch.zeros(8, seq, dtype=torch.long), "attention_mask": short_mask},
+                       batch_size=[8])  # fmt: skip
+    micro, _ = rearrange_micro_batches(short, max_token_len=budget)
+    assert len(micro) == 1, "eight 32-token sequences fit one 512-token micro-batch"
+
+
+def dapo_batch(tokenizer, response_lengths: list[int], max_response: int):
+    """Responses of these token lengths, right-padded to the full response width, as after a rollout."""
+    import numpy as np
+    import torch
+    from verl import DataProto
+
+    prompt = tokenizer("Is it safe?", add_special_tokens=False)["input_ids"]
+    filler = tokenizer(" word", add_special_tokens=False)["input_ids"][0]
+    rows = len(response_lengths)
+    responses = torch.full((rows, max_response), tokenizer.pad_token_id)
+    mask = torch.zeros(rows, len(prompt) + max_response, dtype=torch.long)
+    mask[:, : len(prompt)] = 1
+    for i, n in enumerate(response_lengths):
+        responses[i, :n] = filler
+        mask[i, len(prompt) : len(prompt) + n] = 1
+    prompts = torch.tensor([prompt] * rows)
+    return DataProto.from_dict(
+        tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                 "attention_mask": mask},
+        non_tensors={"data_source": np.array(["safety"] * rows, dtype=object),
+                     "reward_model": np.array([{"ground_truth": "q"}] * rows, dtype=object),
+                     "extra_info": np.array([{} for _ in range(rows)], dtype=object)},
+    )  # fmt: skip
+
+
+def middle_score(**kwargs) -> float:
+    return 0.0  # a mid-range score; what is added to it is verl's overlong penalty alone
+
+
+@pytest.mark.parametrize("path", ["dapo manager", "async reward loop", "recipe.dapo"])
+def test_dapos_overlong_penalty_is_a_meaningful_share_of_the_reward_range(env, recipes, tiny_models, path):
+    """verl's own DAPO code on our command: a response that runs to MAX_RESPONSE_LENGTH loses half the reward range
+    (35 of -40..30), one that stops before the buffer loses nothing, one halfway into the buffer half of it.
+    verl's default factor of 1.0 would be 1.4% of the range."""
+    import asyncio
+
+    from verl.experimental.reward.reward_loop.dapo import DAPORewardLoopManager
+    from verl.utils import hf_tokenizer
+    from verl.workers.reward_manager.dapo import DAPORewardManager
+
+    extra = {"DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"} if path == "recipe.dapo" else {}
+    s = settings(env, ALGORITHM="dapo", MAX_RESPONSE_LENGTH=400, **extra)
+    assert s.overlong_penalty_factor == 35.0
+    cfg = composed(s)
+    tokenizer = hf_tokenizer(str(tiny_models.policy))
+    lengths = [300, 350, 400]  # expected length 300 (a quarter of 400 is the buffer), halfway, the limit
+    data = dapo_batch(tokenizer, lengths, 400)
+    if path == "async reward loop":
+
+        async def score_each():
+            manager = DAPORewardLoopManager(cfg, tokenizer, compute_score=middle_score)
+            return [(await manager.run_single(data[i : i + 1]))["reward_score"] for i in range(len(data))]
+
+        rewards = asyncio.run(score_each())
+    else:
+        if path == "recipe.dapo":  # what recipe/dapo/main_dapo.py hands load_reward_manager
+            kwargs = {
+                "overlong_buffer_cfg": cfg.reward_model.overlong_buffer,
+                "max_resp_len": cfg.data.max_response_length,
+            }
+        else:
+            kwargs = dict(cfg.reward_model.reward_kwargs)
+        manager = DAPORewardManager(tokenizer, num_examine=0, compute_score=middle_score, **kwargs)
+        tensor = manager(data)
+        rewards = [tensor[i, n - 1].item() for i, n in enumerate(lengths)]
+    assert rewards == pytest.approx([0.0, -17.5, -35.0])
+    low, high = s.reward_score_range
+    assert -rewards[-1] / (high - low) == pytest.approx(0.5)
+
+
+def test_the_overlong_penalty_follows_the_reward_range_and_an_explicit_factor_wins(env):
+    assert settings(env, ALGORITHM="dapo", REWARD_MIN_SCORE=-1, REWARD_MAX_SCORE=1).overlong_penalty_factor == 1.0
+    explicit = settings(env, ALGORITHM="dapo", OVERLONG_PENALTY_FACTOR="5")
+    assert "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=5.0" in trainer_argv(explicit)
+    with pytest.raises(SettingError, match="REWARD_MIN_SCORE"):
+        settings(env, REWARD_MIN_SCORE="low")
+
+
+@pytest.fixture
+def fake_vllm(tmp_path):
+    """A folder with a stand-in `vllm` package holding just what the one-step-off recipe's weight sync imports
+    (neither SGLang nor vLLM installs on a CPU machine); put it on PYTHONPATH to make vllm importable."""
+    root = tmp_path / "fake_engines"
+    files = {
+        "vllm/__init__.py": "",
+        "vllm/distributed/__init__.py": "",
+        "vllm/distributed/utils.py": "class StatelessProcessGroup:\n    pass\n",
+        "vllm/distributed/device_communicators/__init__.py": "",
+        "vllm/distributed/device_communicators/pynccl.py": "class PyNcclCommunicator:\n    pass\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def one_step_off(env, strategy="fsdp2"):
+    return settings(env, TRAINER_MODE="one_step_off", STRATEGY=strategy, ROLLOUT_MODE="sync", ROLLOUT_GPUS_PER_NODE=2,
+                    ROLLOUT_ENGINE="vllm")  # fmt: skip
+
+
+def test_the_import_check_covers_the_one_step_off_recipes_modules_and_its_vllm_imports(env, recipes):
+    for strategy in ("fsdp2", "megatron"):
+        s = one_step_off(env, strategy)
+        module, *_ = split_command(trainer_argv(s))
+        workers = "fsdp_workers" if strategy == "fsdp2" else "megatron_workers"
+        assert trainer_modules(module, composed(s)) == [
+            "vllm", "recipe.one_step_off_policy.main_ppo", "recipe.one_step_off_policy.ray_trainer",
+            f"recipe.one_step_off_policy.{workers}", "recipe.one_step_off_policy.distributed_util",
+            "vllm.distributed.device_communicators.pynccl", "vllm.distributed.utils",
+        ]  # fmt: skip
+    assert trainer_modules("verl.trainer.main_ppo", composed(settings(env))) == ["sglang", "verl.trainer.main_ppo"]
+    dapo = settings(env, ALGORITHM="dapo", DAPO_DYNAMIC_SAMPLING="true", ROLLOUT_MODE="sync", ROLLOUT_ENGINE="vllm")
+    assert trainer_modules("recipe.dapo.main_dapo", composed(dapo)) == [
+        "vllm",
+        "recipe.dapo.main_dapo",
+        "recipe.dapo.dapo_ray_trainer",
+    ]
+
+
+def test_one_step_off_imports_where_vllm_and_the_recipe_are_installed(env, recipes, fake_vllm, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", f"{fake_vllm}:{recipes}:{REPO}")
+    s = one_step_off(env)
+    module, *_ = split_command(trainer_argv(s))
+    assert import_problems(trainer_modules(module, composed(s)), "vllm") == []
+
+
+def test_a_missing_engine_or_recipe_module_stops_the_import_check_naming_it(env, recipes, fake_vllm, monkeypatch):
+    s = one_step_off(env)
+    module, *_ = split_command(trainer_argv(s))
+    modules = trainer_modules(module, composed(s))
+    monkeypatch.setenv("PYTHONPATH", f"{recipes}:{REPO}")  # the recipe, no vLLM (the SGLang image)
+    problems = import_problems(modules, "vllm")
+    assert any(p.startswith("import vllm fails (ModuleNotFoundError") and "use the vllm image" in p for p in problems)
+    assert any(p.startswith("import vllm.distributed.device_communicators.pynccl fails") for p in problems)
+    monkeypatch.setenv("PYTHONPATH", f"{fake_vllm}:{REPO}")  # vLLM, no recipes (verl from PyPI)
+    problems = import_problems(modules, "vllm")
+    assert any(
+        p.startswith("import recipe.one_step_off_policy.main_ppo fails (ModuleNotFoundError")
+        and "verl's recipes come from its git tag" in p
+        for p in problems
+    ), problems
+    assert not any(p.startswith("import vllm") for p in problems)
+
+
+def test_the_preflight_stops_a_job_whose_engine_does_not_import_where_the_trainer_runs(env, recipes, fake_vllm):
+    job = env | {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_ENGINE": "vllm",
+                 "ROLLOUT_GPUS_PER_NODE": "2", "PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0",
+                 "TRAINER_LAUNCHER": "python3"}  # fmt: skip
+
+    def preflight(pythonpath):
+        return subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, capture_output=True, text=True,
+                              env=job | {"PYTHONPATH": pythonpath})  # fmt: skip
+
+    missing = preflight(f"{recipes}:{REPO}")
+    assert missing.returncode == 1, missing.stdout + missing.stderr
+    assert "the trainer cannot start here: import vllm fails" in missing.stderr
+    ok = preflight(f"{fake_vllm}:{recipes}:{REPO}")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "the trainer's modules import here: vllm, recipe.one_step_off_policy.main_ppo" in ok.stdout
+
+
+def test_fsdp2_batches_need_not_be_multiples_of_the_micro_batch_since_it_batches_by_tokens(env):
+    # 6 x 2 = 12 sequences on 4 GPUs: 3 each, in per-rank mini-batches of 2 x 2 / 4 = 1; no micro-batch count involved
+    s = settings(env, STRATEGY="fsdp2", TRAIN_BATCH_SIZE=6, ROLLOUT_N=2, PPO_MINI_BATCH_SIZE=2, MICRO_BATCH_PER_GPU=1)
+    assert check(s) == []
+    cfg = composed(s)
+    validate(cfg)
+    assert batch_problems(cfg) == []
+    megatron = settings(env, TRAIN_BATCH_SIZE=6, ROLLOUT_N=2, PPO_MINI_BATCH_SIZE=2, MICRO_BATCH_PER_GPU=4)
+    assert any("data-parallel size 2 x MICRO_BATCH_PER_GPU 4" in p for p in check(megatron))

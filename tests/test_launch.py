@@ -297,7 +297,7 @@ def test_preflight_scores_real_rows_through_verls_reward_manager_and_catches_a_w
         ),
         (
             {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
-             "CONFIG_GPUS_PER_NODE": "4"},
+             "CONFIG_GPUS_PER_NODE": "4", "ROLLOUT_ENGINE": "vllm"},
             "recipe.one_step_off_policy.main_ppo --config-name=one_step_off_ppo_trainer",
         ),
     ],
