@@ -94,6 +94,8 @@ class Settings:
     dapo_dynamic_sampling: bool = False
     overlong_buffer_len: int = 0
     rollout_gpus_per_node: int = 0
+    max_ckpt_to_keep: int = 2
+    rollout_enforce_eager: bool = False
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -140,6 +142,8 @@ class Settings:
             dapo_dynamic_sampling=_bool(env, "DAPO_DYNAMIC_SAMPLING"),
             overlong_buffer_len=_int(env, "OVERLONG_BUFFER_LEN"),
             rollout_gpus_per_node=_int(env, "ROLLOUT_GPUS_PER_NODE"),
+            max_ckpt_to_keep=_int(env, "MAX_CKPT_TO_KEEP"),
+            rollout_enforce_eager=_bool(env, "ROLLOUT_ENFORCE_EAGER"),
         )
 
     @property
@@ -422,7 +426,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"{a}.rollout.gpu_memory_utilization={s.rollout_gpu_memory}",
         f"{a}.rollout.max_num_seqs=256",
         f"{a}.rollout.n={s.rollout_n}",
-        f"{a}.rollout.enforce_eager=True",
+        f"{a}.rollout.enforce_eager={s.rollout_enforce_eager}",  # False: SGLang keeps its CUDA graphs
         f"{a}.rollout.free_cache_engine=True",
         f"{a}.ref.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
         "algorithm.use_kl_in_reward=False",
@@ -437,6 +441,9 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"trainer.save_freq={s.save_freq}",
         f"trainer.test_freq={s.test_freq}",
         f"trainer.total_epochs={s.total_epochs}",
+        # Checkpoints (~56 GB each with optimizer state for 4B) beyond the newest few are deleted as verl saves.
+        f"trainer.max_actor_ckpt_to_keep={s.max_ckpt_to_keep}",
+        f"trainer.max_critic_ckpt_to_keep={s.max_ckpt_to_keep}",
     ]  # fmt: skip
     if s.trainer_mode == "one_step_off":
         # Its own rollout GPU pool (a top-level `rollout:` block), and no hybrid engine.

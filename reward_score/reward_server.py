@@ -4,7 +4,8 @@
     CONFIG_REWARD_MODEL_PATH=... CONFIG_REWARD_DEVICE=cuda:0 python -m reward_score.reward_server
 
 API
-    GET  /health       200 {model_path, device, dtype, max_length, ...} once the model is loaded and warmed up;
+    GET  /health       200 {model_path, device, dtype, max_length, ...} once the model is loaded and warmed up
+                       (401 if an Authorization header is sent with another token);
                        before that the port is closed (the model loads before uvicorn binds it).
     POST /score        {"prompt": str | "messages": [{role, content}], "response": str} -> {"score", "truncated"}
     POST /score_batch  {"items": [ ...same items... ]} -> {"scores": [...], "truncated": [...]} in order
@@ -997,7 +998,11 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None):
         )
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        # Open to probes without a token; a token that is sent must be ours, so a job polling its own port with its
+        # token gets 401 from another job's server instead of taking it for its own.
+        if "authorization" in request.headers:
+            authorize(request, "/health")
         if "scorer" not in state:
             return JSONResponse(status_code=503, content={"status": "loading"})
         active: RewardScorer = state["scorer"]
