@@ -213,8 +213,9 @@ run_head() {
   start_bg "$job_log_dir/trainer.log" bash -c 'cd "$1" && shift && exec "$@"' trainer "$job_log_dir" "${cmd[@]}"
   trainer_pid=$BG_PID
   pids+=("$trainer_pid")
-  tail --pid="$trainer_pid" -n +1 -F "$job_log_dir/trainer.log" 2>/dev/null &
-  pids+=("$!")
+  tail --pid="$trainer_pid" -n +1 -F "$job_log_dir/trainer.log" 2>/dev/null &  # the log in the job's output too
+  local tail_pid=$!
+  pids+=("$tail_pid")
   while alive "$trainer_pid"; do
     check_watched
     sleep 1
@@ -222,6 +223,7 @@ run_head() {
   # The trainer's exit code is the job's: taken, not exited on.
   wait "$trainer_pid" && exit_code=0 || exit_code=$?
   trainer_pid=""
+  wait "$tail_pid" || true  # tail ends by itself within a second of the trainer, after its last lines
   if ((exit_code == 0)); then
     touch "$CONFIG_OUTPUT_DIR/TRAINING_DONE"
     log_phase "[rank 0] trainer finished"

@@ -99,17 +99,18 @@ wait_for_log() {
   return 1
 }
 
-# stop_pids TIMEOUT PID...: SIGTERM each process group, then SIGKILL what is left after TIMEOUT seconds.
+# stop_pids TIMEOUT PID...: SIGTERM each process group (or the process, if it leads none), wait until every member
+# is gone (a group outlives its leader: Ray's GCS after `ray start`), then SIGKILL what is left after TIMEOUT seconds.
 stop_pids() {
   local timeout=$1
   shift
   local pid deadline=$((SECONDS + timeout))
   for pid in "$@"; do
-    alive "$pid" && { kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; }
+    kill -TERM -- "-$pid" 2>/dev/null || { alive "$pid" && kill -TERM "$pid" 2>/dev/null; } || true
   done
   for pid in "$@"; do
-    while alive "$pid" && ((SECONDS < deadline)); do sleep 0.5; done
-    alive "$pid" && { kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true; }
+    while { alive "$pid" || kill -0 -- "-$pid" 2>/dev/null; } && ((SECONDS < deadline)); do sleep 0.5; done
+    kill -KILL -- "-$pid" 2>/dev/null || { alive "$pid" && kill -KILL "$pid" 2>/dev/null; } || true
   done
   return 0
 }
