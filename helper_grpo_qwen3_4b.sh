@@ -181,7 +181,7 @@ run_head() {
   export_worker_env "$(cat "$job_log_dir/reward_urls")"
 
   local ray_address="${address}:${port[ray_port]}"
-  log_phase "[rank 0] Ray head on ${ray_address} (temp dir ${RAY_TMP_DIR}; ports ${port[ray_port]}-${port[max_worker_port]})"
+  log_phase "[rank 0] Ray head on ${ray_address} (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
   local -a args
   mapfile -d '' -t args < <(ray_args)
   # The dashboard's own process starts even with --include-dashboard=false: it gets this job's port too.

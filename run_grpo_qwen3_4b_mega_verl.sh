@@ -259,6 +259,11 @@ main() {
     log "PREFLIGHT_ONLY=1: nothing started"
     return 0
   fi
+  # verl prunes only its own saves: what earlier starts of this job left goes here (never the one it resumes from).
+  local -a wrap
+  mapfile -d '' -t wrap < <(container_cmd)
+  (cd "$repo" && "${wrap[@]}" python3 -m launch.checkpoints "$CONFIG_OUTPUT_DIR" "$MAX_CKPT_TO_KEEP") ||
+    die "could not prune old checkpoints in $CONFIG_OUTPUT_DIR (MAX_CKPT_TO_KEEP=$MAX_CKPT_TO_KEEP)"
   launch "$@"
 }
 

@@ -252,3 +252,23 @@ def test_two_jobs_at_once_with_default_ports_and_a_stale_server_each_use_only_th
     assert (first["ray_nodes"], second["ray_nodes"]) == (1, 1), "each trainer sees only its own Ray cluster"
     for env in envs:
         assert_everything_stopped(env)
+
+
+# --- checkpoints across requeues -----------------------------------------------------------------------------------
+
+
+def test_checkpoints_left_by_earlier_starts_are_pruned_but_never_the_one_verl_resumes_from(tmp_path):
+    """verl prunes only the saves of its own process: after a requeue, the job prunes what earlier starts left."""
+    ckpt = tmp_path / "ckpt"
+    for step in (25, 50, 75, 100, 125):
+        (ckpt / f"global_step_{step}" / "actor").mkdir(parents=True)
+    (ckpt / "global_step_notes").mkdir()  # not a checkpoint: left alone
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("50")  # resume from 50 (a later save was cut short)
+    result = subprocess.run([sys.executable, "-m", "launch.checkpoints", str(ckpt), "2"], cwd=REPO,
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    left = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    assert left == ["global_step_100", "global_step_125", "global_step_50", "global_step_notes"]
+    assert "removing" in result.stdout and "MAX_CKPT_TO_KEEP=2" in result.stdout
+    keep_all = subprocess.run([sys.executable, "-m", "launch.checkpoints", str(ckpt), "0"], cwd=REPO)
+    assert keep_all.returncode == 0 and len(list(ckpt.glob("global_step_*"))) == 4
