@@ -8,7 +8,8 @@ The helper runs this on every node (inside the container) and reads `NAME=VALUE`
 
 Ports: every job takes one block of PORT_BLOCK ports between PORT_FIRST and PORT_LAST (below Linux's ephemeral range,
 so no outgoing connection takes them), chosen from the job id (and the node's rank, so two "nodes" of a test on one
-machine differ) and moved to the next block while any port of it is taken on this node. A port set by hand
+machine differ) and moved to the next block while any port of it is taken on this node. The range starts above Ray's
+default worker ports (10002-19999), which Ray clusters of other jobs take and free all the time. A port set by hand
 (RAY_PORT, CONFIG_REWARD_SERVER_PORT) is used as is, and refused, naming the setting, when something holds it.
 """
 
@@ -24,7 +25,7 @@ import sys
 import zlib
 from collections.abc import Callable, Sequence
 
-PORT_FIRST, PORT_LAST = 10000, 32767
+PORT_FIRST, PORT_LAST = 20000, 32767  # 24 blocks
 PORT_BLOCK = 512
 # Offsets inside a block. Ray starts every one of these even with --include-dashboard=false (the dashboard head
 # process still binds its port, and the dashboard agent and runtime-env agent run on every node).

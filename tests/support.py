@@ -214,7 +214,7 @@ def job_ports(log_dir: Path) -> list[int]:
     if cluster.exists():
         address = next(line for line in cluster.read_text().splitlines() if line.startswith("RAY_ADDRESS_FOR_TRAINER="))
         gcs = int(address.rsplit(":", 1)[1])
-        ports += list(range(gcs, gcs + 512)) if gcs >= 10000 else [gcs]
+        ports += list(range(gcs, gcs + 512)) if gcs >= 20000 else [gcs]
     return ports
 
 

@@ -54,7 +54,10 @@ def test_a_block_with_any_port_taken_is_passed_over_for_the_next_free_one():
     first = node.plan_ports("1001", 0, 1, taken=lambda port: False)
     held = first["min_worker_port"] + 7  # one port deep in the worker range
     moved = node.plan_ports("1001", 0, 1, taken=lambda port: port == held)
-    assert moved["block_moved"] == 1 and moved["ray_port"] == first["ray_port"] + node.PORT_BLOCK
+    blocks = (node.PORT_LAST + 1 - node.PORT_FIRST) // node.PORT_BLOCK
+    following = (first["ray_port"] - node.PORT_FIRST) // node.PORT_BLOCK + 1
+    assert moved["block_moved"] == 1
+    assert moved["ray_port"] == node.PORT_FIRST + following % blocks * node.PORT_BLOCK, "the next block, wrapping"
 
 
 @pytest.mark.parametrize(
