@@ -214,6 +214,26 @@ def test_a_reward_server_killed_after_it_became_healthy_stops_the_job_naming_it(
     assert_everything_stopped(env)
 
 
+def test_a_reward_node_whose_server_dies_stops_the_head_with_the_same_message(job, tmp_path):
+    """The watchdog runs on every node: the reward node's failure reaches the head through the job's folder."""
+    env = slurm(job, 2, CONFIG_USE_SEPARATE_REWARD_NODE="true", REWARD_REPLICAS="1", FAKE_TRAINER_SLEEP="300", **FAST)
+    proc = start_job(env, tmp_path / "job.out")
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        (server,) = [p for p in job_processes(job_dir(env)) if "reward_server.py" in p]
+        os.kill(int(server.split()[0]), signal.SIGKILL)
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = tail(tmp_path / "job.out", 80)
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    died = f"reward server (port {port}) on {socket.gethostname()} died (log: {job_dir(env)}/reward_server_"
+    assert rc == 1, out
+    assert f"[rank 1] {died}" in out and f"[rank 0] {died}" in out, out
+    assert_everything_stopped(env)
+
+
 # --- two jobs on one node ------------------------------------------------------------------------------------------
 
 
