@@ -28,49 +28,105 @@ train_nodes=$nnodes
 [[ "$separate" == false ]] || train_nodes=$((nnodes - 1))
 pids=()          # everything this node started, stopped by cleanup
 ray_pid=""
+trainer_pid=""
 exit_code=0
+failure=""       # what went wrong on this node, for the head's message
+# The watchdog: every process this node started and must keep running, with what it is and its log.
+watch_pids=() watch_names=() watch_logs=()
+declare -A port  # this job's ports on this node (launch/node.py ports)
 
 cleanup() {
   local rc=$?
   ((exit_code != 0)) || exit_code=$rc
   trap - EXIT INT TERM
-  # The head's exit code tells every other node to stop; a failed reward node tells the head.
+  # The head's exit code tells every other node to stop; a failed node tells the head (and why).
   if ((rank == 0)); then
     printf '%s\n' "$exit_code" >"$job_log_dir/done"
-  elif ((rank == reward_rank && exit_code != 0)); then
-    printf '%s\n' "$exit_code" >"$job_log_dir/reward_failed"
+  elif ((exit_code != 0)); then
+    ((rank != reward_rank)) || printf '%s\n' "$exit_code" >"$job_log_dir/reward_failed"
+    printf '%s\n' "${failure:-rank $rank on $host exited with $exit_code (see the job output)}" \
+      >"$job_log_dir/node_failed.$rank"
   fi
   ((${#pids[@]})) && stop_pids "${STOP_TIMEOUT}" "${pids[@]}"
   log "[rank $rank] stopped what it started; exit code $exit_code"
   exit "$exit_code"
 }
+# on_signal CODE: SIGTERM/SIGINT (scancel, the run script, Ctrl-C): stop everything, exit non-zero.
 on_signal() {
-  exit_code=143
+  exit_code=$1
+  log "[rank $rank] stop signal: stopping what this node started"
   cleanup
 }
 
-# start_reward_servers GPU_LIST: one server per GPU (or one on the CPU), each polled on /health; writes reward_urls.
+# watch PID NAME LOG: the watchdog checks PID on every pass until the job ends.
+watch() {
+  watch_pids+=("$1")
+  watch_names+=("$2")
+  watch_logs+=("$3")
+}
+
+# check_watched: die, naming the part, the node and its log, if a watched process died or another node failed.
+check_watched() {
+  local i f
+  for i in "${!watch_pids[@]}"; do
+    if ! alive "${watch_pids[$i]}"; then
+      show_tail "${watch_logs[$i]}" 20
+      failure="${watch_names[$i]} on $host died (log: ${watch_logs[$i]})"
+      die "[rank $rank] $failure: stopping the job"
+    fi
+  done
+  for f in "$job_log_dir"/node_failed.*; do
+    [[ -e "$f" ]] || continue
+    die "[rank $rank] $(cat "$f"): stopping the job"
+  done
+}
+
+# plan_ports REWARD_COUNT: this job's free ports on this node into `port` (a port set by hand is checked, not moved).
+plan_ports() {
+  local plan key value
+  plan=$(node_info ports --job-id "$JOB_ID" --rank "$rank" --reward-count "$1" --ray-port "${RAY_PORT}" \
+    --reward-port "${CONFIG_REWARD_SERVER_PORT}") || die "[rank $rank] no ports for this job on $host (above); nothing was started here"
+  while IFS='=' read -r key value; do
+    port[$key]=$value
+  done <<<"$plan"
+  [[ "${port[block_moved]}" == 0 ]] || log "[rank $rank] this job's usual ports on $host are taken: moved ${port[block_moved]} block(s) on"
+}
+
+# node_info ARGS...: launch/node.py (ports, reward GPUs, the node address) from the repository.
+node_info() { (cd "$here" && python3 -m launch.node "$@"); }
+
+# start_reward_servers ADDRESS INDICES: one server per GPU (indices into this job's GPUs; or on the CPU), each polled
+# on /health with this job's token; writes reward_urls.
 start_reward_servers() {
-  local address=$1 gpu port i=0 urls=()
+  local address=$1 gpu p i=0 urls=() mapped
   local -a gpus
   IFS=',' read -r -a gpus <<<"$2"
-  # CONFIG_REWARD_DEVICE=cpu: as many servers, on the CPU (workstations, the demo, tests)
-  [[ "$CONFIG_REWARD_DEVICE" != cpu ]] || gpus=("${gpus[@]/*/cpu}")
+  plan_ports "${#gpus[@]}"
+  if [[ "$CONFIG_REWARD_DEVICE" == cpu ]]; then
+    # CONFIG_REWARD_DEVICE=cpu: as many servers, on the CPU (workstations, the demo, tests)
+    gpus=("${gpus[@]/*/cpu}")
+  else
+    mapped=$(node_info reward-gpus "$2") || die "[rank $rank] CONFIG_REWARD_GPUS does not fit this job's GPUs (above)"
+    log "[rank $rank] reward GPUs on $host: job GPU index ${2} -> GPU ${mapped} (this job's GPUs: CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset})"
+    IFS=',' read -r -a gpus <<<"$mapped"
+  fi
   for gpu in "${gpus[@]}"; do
-    port=$((CONFIG_REWARD_SERVER_PORT + i))
-    local logfile="$job_log_dir/reward_server_${host}_${port}.log"
+    p=$((port[reward_port] + i))
+    local logfile="$job_log_dir/reward_server_${host}_${p}.log"
     local device=cuda visible=$gpu
     if [[ "$gpu" == cpu ]]; then
       device=cpu
       visible=""
     fi
-    log "[rank $rank] reward server on ${gpu} port $port (log: $logfile)"
+    log "[rank $rank] reward server on ${gpu} port $p (log: $logfile)"
     CUDA_VISIBLE_DEVICES=$visible start_bg "$logfile" python3 "$here/reward_score/reward_server.py" \
-      --model-path "$CONFIG_REWARD_MODEL_PATH" --device "$device" --port "$port" --host 0.0.0.0
+      --model-path "$CONFIG_REWARD_MODEL_PATH" --device "$device" --port "$p" --host 0.0.0.0
     pids+=("$BG_PID")
-    urls+=("http://${address}:${port}")
-    wait_for_http "http://127.0.0.1:${port}/health" "$BG_PID" "$logfile" "$REWARD_START_TIMEOUT" ||
-      die "reward server on $host port $port did not become healthy (log: $logfile)"
+    watch "$BG_PID" "reward server (port $p)" "$logfile"
+    urls+=("http://${address}:${p}")
+    # With the token: a server of another job on this port answers 401 and is never taken for ours.
+    wait_for_http "http://127.0.0.1:${p}/health" "$BG_PID" "$logfile" "$REWARD_START_TIMEOUT" "$REWARD_SERVER_TOKEN" ||
+      die "reward server on $host port $p did not become healthy (log: $logfile)"
     i=$((i + 1))
   done
   local IFS=,
@@ -94,13 +150,20 @@ export_worker_env() {
   fi
 }
 
+# ray_args: what every node's `ray start` gets; each port is this job's (Ray's defaults collide between jobs).
 ray_args() {
-  printf '%s\0' --num-cpus="${RAY_NUM_CPUS}" --num-gpus="${CONFIG_GPUS_PER_NODE}" --disable-usage-stats --block
+  printf '%s\0' --num-cpus="${RAY_NUM_CPUS}" --num-gpus="${CONFIG_GPUS_PER_NODE}" --disable-usage-stats --block \
+    --dashboard-agent-listen-port="${port[dashboard_agent_listen_port]}" \
+    --dashboard-agent-grpc-port="${port[dashboard_agent_grpc_port]}" --node-manager-port="${port[node_manager_port]}" \
+    --object-manager-port="${port[object_manager_port]}" --metrics-export-port="${port[metrics_export_port]}" \
+    --runtime-env-agent-port="${port[runtime_env_agent_port]}" --min-worker-port="${port[min_worker_port]}" \
+    --max-worker-port="${port[max_worker_port]}"
 }
 
 run_head() {
   local address
-  address=$(node_address "$CONFIG_NETWORK_INTERFACE")
+  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
+    die "[rank 0] no address for $host that the other nodes can reach (above)"
   log_phase "[rank 0] head on $host ($address), $nnodes node(s), $train_nodes training"
   if [[ "$separate" == true ]]; then
     log "[rank 0] waiting for the reward node's servers"
@@ -111,22 +174,27 @@ run_head() {
       for f in "$job_log_dir"/reward_server_*.log; do show_tail "$f" 20; done
       die "the reward node failed to start its servers (logs above)"
     fi
+    plan_ports 0
   else
     start_reward_servers "$address" "$CONFIG_REWARD_GPUS"
   fi
   export_worker_env "$(cat "$job_log_dir/reward_urls")"
 
-  log_phase "[rank 0] Ray head on ${address}:${RAY_PORT} (temp dir ${RAY_TMP_DIR})"
+  local ray_address="${address}:${port[ray_port]}"
+  log_phase "[rank 0] Ray head on ${ray_address} (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
   local -a args
   mapfile -d '' -t args < <(ray_args)
-  start_bg "$job_log_dir/ray_head.log" ray start --head --node-ip-address="$address" --port="$RAY_PORT" \
+  # The dashboard's own process starts even with --include-dashboard=false: it gets this job's port too.
+  start_bg "$job_log_dir/ray_head.log" ray start --head --node-ip-address="$address" --port="${port[ray_port]}" \
+    --ray-client-server-port="${port[ray_client_server_port]}" --dashboard-port="${port[dashboard_port]}" \
     --temp-dir="$RAY_TMP_DIR" --include-dashboard=false "${args[@]}"
   ray_pid=$BG_PID
   pids+=("$ray_pid")
-  printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\n' "${address}:${RAY_PORT}" "$REWARD_SERVER_URLS" \
+  watch "$ray_pid" "the Ray head" "$job_log_dir/ray_head.log"
+  printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\n' "$ray_address" "$REWARD_SERVER_URLS" \
     >"$job_log_dir/cluster.env.tmp"
   mv "$job_log_dir/cluster.env.tmp" "$job_log_dir/cluster.env"
-  python3 -m launch.ray_cluster wait --address "${address}:${RAY_PORT}" --nodes "$train_nodes" \
+  python3 -m launch.ray_cluster wait --address "$ray_address" --nodes "$train_nodes" \
     --gpus $((CONFIG_GPUS_PER_NODE * train_nodes)) --timeout "$RAY_JOIN_TIMEOUT" --watch-pid "$ray_pid" || {
     err "Ray logs: head $job_log_dir/ray_head.log, workers $job_log_dir/ray_worker_*.log"
     show_tail "$job_log_dir/ray_head.log" 15
@@ -135,15 +203,27 @@ run_head() {
 
   log_phase "[rank 0] trainer"
   local -a cmd
-  mapfile -d '' -t cmd < <(RAY_ADDRESS_FOR_TRAINER="${address}:${RAY_PORT}" python3 -m launch.settings trainer-argv "$@")
+  mapfile -d '' -t cmd < <(RAY_ADDRESS_FOR_TRAINER="$ray_address" python3 -m launch.settings trainer-argv "$@")
   ((${#cmd[@]})) || die "could not build the trainer command"
   cmd=("$TRAINER_LAUNCHER" "${cmd[@]}")
   printf '%s\n' "${cmd[@]}" >"$job_log_dir/trainer_command.txt"
   log "[rank 0] trainer command (one argument per line): $job_log_dir/trainer_command.txt"
-  set +e  # the trainer's exit code is the job's, so take it instead of exiting on it
-  (cd "$job_log_dir" && "${cmd[@]}") 2>&1 | tee "$job_log_dir/trainer.log"
-  exit_code=${PIPESTATUS[0]}
-  set -e
+  # In the background, so a stop signal's trap runs at once; the watchdog checks every part while it runs.
+  # shellcheck disable=SC2016  # $1 and $@ are the inner bash's own arguments
+  start_bg "$job_log_dir/trainer.log" bash -c 'cd "$1" && shift && exec "$@"' trainer "$job_log_dir" "${cmd[@]}"
+  trainer_pid=$BG_PID
+  pids+=("$trainer_pid")
+  tail --pid="$trainer_pid" -n +1 -F "$job_log_dir/trainer.log" 2>/dev/null &  # the log in the job's output too
+  local tail_pid=$!
+  pids+=("$tail_pid")
+  while alive "$trainer_pid"; do
+    check_watched
+    sleep 1
+  done
+  # The trainer's exit code is the job's: taken, not exited on.
+  wait "$trainer_pid" && exit_code=0 || exit_code=$?
+  trainer_pid=""
+  wait "$tail_pid" || true  # tail ends by itself within a second of the trainer, after its last lines
   if ((exit_code == 0)); then
     touch "$CONFIG_OUTPUT_DIR/TRAINING_DONE"
     log_phase "[rank 0] trainer finished"
@@ -154,7 +234,8 @@ run_head() {
 
 run_reward_node() {
   local address
-  address=$(node_address "$CONFIG_NETWORK_INTERFACE")
+  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
+    die "[rank $rank] no address for $host that the other nodes can reach (above)"
   log_phase "[rank $rank] reward node $host ($address): $REWARD_REPLICAS server(s), no training"
   local gpus
   gpus=$(seq -s, 0 $((REWARD_REPLICAS - 1)))
@@ -175,7 +256,9 @@ run_worker() {
   ray_address=$(sed -n 's/^RAY_ADDRESS_FOR_TRAINER=//p' "$job_log_dir/cluster.env")
   reward_urls=$(sed -n 's/^REWARD_SERVER_URLS=//p' "$job_log_dir/cluster.env")
   export_worker_env "$reward_urls"
-  address=$(node_address "$CONFIG_NETWORK_INTERFACE")
+  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
+    die "[rank $rank] no address for $host that the other nodes can reach (above)"
+  plan_ports 0
   local -a args
   mapfile -d '' -t args < <(ray_args)
   for attempt in $(seq 1 "$RAY_START_RETRIES"); do
@@ -192,27 +275,24 @@ run_worker() {
   done
   [[ -n "$ray_pid" ]] || die "[rank $rank] could not join the Ray head at $ray_address"
   pids+=("$ray_pid")
+  watch "$ray_pid" "the Ray worker" "$logfile"
   log "[rank $rank] joined $ray_address"
   wait_until_done
 }
 
-# wait_until_done: a worker or reward node lives until the head writes `done`, or its own Ray process dies.
+# wait_until_done: a worker or reward node lives until the head writes `done`, or the watchdog stops it.
 wait_until_done() {
   while [[ ! -e "$job_log_dir/done" ]]; do
-    if [[ -n "$ray_pid" ]] && ! alive "$ray_pid"; then
-      err "[rank $rank] Ray on this node exited before the head finished"
-      show_tail "$job_log_dir/ray_worker_${host}.log" 10
-      exit_code=1
-      return
-    fi
-    sleep 2
+    check_watched
+    sleep 1
   done
   log "[rank $rank] the head finished (exit code $(cat "$job_log_dir/done")); stopping"
 }
 
 main() {
   trap cleanup EXIT
-  trap on_signal INT TERM
+  trap 'on_signal 130' INT
+  trap 'on_signal 143' TERM
   if ((rank == 0)); then
     run_head "$@"
   elif ((rank == reward_rank)); then

@@ -4,9 +4,12 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
+#SBATCH --mem=256G
 #SBATCH --time=24:00:00
 #SBATCH --output=logs/%x-%j.out
+#SBATCH --open-mode=append
 #SBATCH --signal=B:USR1@900
+#SBATCH --requeue
 # run_grpo_qwen3_4b_mega_verl.sh: GRPO of Qwen3-4B-Thinking with verl 0.6.1 + Megatron, an HTTP reward model, on Slurm.
 #
 #   sbatch run_grpo_qwen3_4b_mega_verl.sh                                  # the reference job
@@ -37,8 +40,9 @@ CONFIG_USE_SEPARATE_REWARD_NODE="${CONFIG_USE_SEPARATE_REWARD_NODE:-false}"  # t
 CONFIG_REWARD_DEVICE="${CONFIG_REWARD_DEVICE:-cuda}"            # cuda | cpu
 CONFIG_REWARD_GPUS="${CONFIG_REWARD_GPUS:-0}"                   # shared placement: GPUs of the head for reward servers
 REWARD_REPLICAS="${REWARD_REPLICAS:-$CONFIG_GPUS_PER_NODE}"     # separate placement: servers (one per GPU) on that node
-CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-8000}"  # first reward server port (then +1, +2, ...)
-RAY_PORT="${RAY_PORT:-6379}"                                    # Ray head port
+CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
+RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
+REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
 CONFIG_NETWORK_INTERFACE="${CONFIG_NETWORK_INTERFACE:-}"        # e.g. ib0: Ray, NCCL and Gloo use it; empty = hostname
 WANDB_PROJECT="${WANDB_PROJECT:-llm_safe_hack}"                 # trainer.project_name
 WANDB_MODE="${WANDB_MODE:-offline}"                             # offline: `wandb sync` later from the login node
@@ -72,6 +76,9 @@ KL_LOSS_COEF="${KL_LOSS_COEF:-0.001}"
 PROJECT_NAME="${PROJECT_NAME:-$WANDB_PROJECT}"
 EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_4b_grpo_megatron}"
 SAVE_FREQ="${SAVE_FREQ:-25}"
+MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"                       # actor and critic checkpoints kept (~56 GB each for 4B)
+CHECKPOINT_BEFORE_END="${CHECKPOINT_BEFORE_END:-1800}"          # s before the time limit verl saves (> --signal's 900)
+ROLLOUT_ENFORCE_EAGER="${ROLLOUT_ENFORCE_EAGER:-false}"         # true: no SGLang CUDA graphs (slower; debugging)
 TEST_FREQ="${TEST_FREQ:-5}"
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"
 FP8="${FP8:-false}"                                             # verl 0.6.1 cannot train in FP8 here: see the check
@@ -103,10 +110,32 @@ export_settings() {
     CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME; do
     printf -v "$name" '%s' "$(realpath -m "${!name}")"
   done
-  export JOB_LOG_DIR=$job_log_dir
+  export JOB_LOG_DIR=$job_log_dir JOB_ID=$job_id
+  # The servers require it, the reward function sends it, the health poll proves with it that a server is ours.
+  # Never printed: it reaches every node and verl's Ray workers through the environment only.
+  [[ -n "$REWARD_SERVER_TOKEN" ]] || REWARD_SERVER_TOKEN=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
+  export REWARD_SERVER_TOKEN
+  # One wandb run per job, resumed by every requeue of it (verl's wandb.init reads these from the environment).
+  local run_id="${EXPERIMENT_NAME}-${job_id}"
+  export WANDB_RUN_ID="${WANDB_RUN_ID:-${run_id//[^A-Za-z0-9_.-]/_}}" WANDB_RESUME="${WANDB_RESUME:-allow}"
+  export_checkpoint_deadline
   export RAY_TMP_DIR="${RAY_TMP_DIR:-/tmp/ray_${job_id}}"
   export RAY_NUM_CPUS="${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-$(nproc)}}"
   export WANDB_DIR="${WANDB_DIR:-$job_log_dir/wandb}"
+}
+
+# export_checkpoint_deadline: verl 0.6.1 saves a checkpoint after any step once this time (epoch s) is within a step
+# and a minute (checkpoint_manager.should_save_ckpt_esi), so the time-limit signal finds the last step saved.
+export_checkpoint_deadline() {
+  local end=${SLURM_JOB_END_TIME:-}
+  if [[ -z "$end" && -n "${SLURM_JOB_ID:-}" ]]; then
+    end=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'EndTime=[^ ]*' | cut -d= -f2 || true)
+    end=$(date -d "$end" +%s 2>/dev/null || true)
+  fi
+  if [[ "$end" =~ ^[0-9]+$ ]]; then
+    export MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP=$((end - CHECKPOINT_BEFORE_END))
+    log "the job ends at $(date -d "@$end" '+%F %T'): verl saves a checkpoint from $CHECKPOINT_BEFORE_END s before"
+  fi
 }
 
 # container_cmd: the prefix (NUL-separated) that runs a command the way every node will: in the image, or as is.
@@ -154,10 +183,17 @@ on_time_limit() {
   fi
 }
 
+# on_stop_signal CODE: SIGTERM/SIGINT (scancel, Ctrl-C, a workstation's kill): stop every node, exit non-zero.
+on_stop_signal() {
+  log "stop signal: stopping the job on every node (within STOP_TIMEOUT=$STOP_TIMEOUT s)"
+  exit "$1"
+}
+
 cleanup() {
   local rc=$?
-  trap - EXIT
-  [[ -n "$srun_pid" ]] && stop_pids "$STOP_TIMEOUT" "$srun_pid"
+  trap - EXIT INT TERM
+  # The helpers stop their own processes within STOP_TIMEOUT: give them that and a margin before killing them.
+  [[ -n "$srun_pid" ]] && stop_pids $((STOP_TIMEOUT + 15)) "$srun_pid"
   log "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=$rc; logs: $job_log_dir)"
   exit "$rc"
 }
@@ -172,7 +208,9 @@ launch() {
   ((${#nodes[@]} == ${SLURM_NNODES:-1})) || die "node list has ${#nodes[@]} hosts but SLURM_NNODES=${SLURM_NNODES:-1}"
   mapfile -d '' -t wrap < <(container_cmd)
   if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-    runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1)
+    # --cpus-per-task explicitly: srun of Slurm 22.05-23.02 does not inherit it, and each node would get one core.
+    runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1
+      --cpus-per-task="$RAY_NUM_CPUS")
   else
     runner=()
   fi
@@ -196,6 +234,8 @@ launch() {
 main() {
   trap cleanup EXIT
   trap on_time_limit USR1
+  trap 'on_stop_signal 130' INT
+  trap 'on_stop_signal 143' TERM
   export_settings
   mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME"
   log_phase "job $job_id: logs in $job_log_dir"
@@ -208,6 +248,11 @@ main() {
     log "PREFLIGHT_ONLY=1: nothing started"
     return 0
   fi
+  # verl prunes only its own saves: what earlier starts of this job left goes here (never the one it resumes from).
+  local -a wrap
+  mapfile -d '' -t wrap < <(container_cmd)
+  (cd "$repo" && "${wrap[@]}" python3 -m launch.checkpoints "$CONFIG_OUTPUT_DIR" "$MAX_CKPT_TO_KEEP") ||
+    die "could not prune old checkpoints in $CONFIG_OUTPUT_DIR (MAX_CKPT_TO_KEEP=$MAX_CKPT_TO_KEEP)"
   launch "$@"
 }
 

@@ -34,10 +34,12 @@ alive() {
   [[ -n "$state" && "$state" != Z ]]
 }
 
-# wait_for_http URL PID LOG TIMEOUT: poll URL until it answers 200, failing fast if PID dies.
+# wait_for_http URL PID LOG TIMEOUT [TOKEN]: poll URL until it answers 200, failing fast if PID dies. With TOKEN the
+# probe authenticates (the header goes through stdin, never the command line) and only a server that checks tokens
+# and took this one counts: another job's server answers 401 and fails the wait at once, naming the port.
 wait_for_http() {
-  local url=$1 pid=$2 logfile=$3 timeout=$4
-  local deadline=$((SECONDS + timeout)) status=""
+  local url=$1 pid=$2 logfile=$3 timeout=$4 token=${5:-}
+  local deadline=$((SECONDS + timeout)) status="" answer
   while ((SECONDS < deadline)); do
     if ! alive "$pid"; then
       err "the process behind $url (pid $pid) exited before it was ready"
@@ -45,8 +47,22 @@ wait_for_http() {
       return 1
     fi
     # A failing probe is expected while the server loads: no -e here, the status is checked.
-    status=$(curl --silent --output /dev/null --write-out '%{http_code}' --max-time 5 "$url" || true)
-    [[ "$status" == 200 ]] && return 0
+    if [[ -n "$token" ]]; then
+      answer=$(printf 'Authorization: Bearer %s\n' "$token" |
+        curl --silent --header @- --write-out '\n%{http_code}' --max-time 5 "$url" || true)
+    else
+      answer=$(curl --silent --write-out '\n%{http_code}' --max-time 5 "$url" || true)
+    fi
+    status=${answer##*$'\n'}
+    if [[ "$status" == 401 ]]; then
+      err "$url answers 401 to this job's token: another job's server holds that port (our server, pid $pid, is not it)"
+      return 1
+    fi
+    if [[ "$status" == 200 ]]; then
+      [[ -z "$token" || "$answer" == *'"auth":true'* ]] && return 0
+      err "$url answers without checking tokens: not this job's server"
+      return 1
+    fi
     sleep 1
   done
   err "$url not ready after ${timeout} s (last HTTP status: ${status:-none})"
@@ -83,17 +99,18 @@ wait_for_log() {
   return 1
 }
 
-# stop_pids TIMEOUT PID...: SIGTERM each process group, then SIGKILL what is left after TIMEOUT seconds.
+# stop_pids TIMEOUT PID...: SIGTERM each process group (or the process, if it leads none), wait until every member
+# is gone (a group outlives its leader: Ray's GCS after `ray start`), then SIGKILL what is left after TIMEOUT seconds.
 stop_pids() {
   local timeout=$1
   shift
   local pid deadline=$((SECONDS + timeout))
   for pid in "$@"; do
-    alive "$pid" && { kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; }
+    kill -TERM -- "-$pid" 2>/dev/null || { alive "$pid" && kill -TERM "$pid" 2>/dev/null; } || true
   done
   for pid in "$@"; do
-    while alive "$pid" && ((SECONDS < deadline)); do sleep 0.5; done
-    alive "$pid" && { kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true; }
+    while { alive "$pid" || kill -0 -- "-$pid" 2>/dev/null; } && ((SECONDS < deadline)); do sleep 0.5; done
+    kill -KILL -- "-$pid" 2>/dev/null || { alive "$pid" && kill -KILL "$pid" 2>/dev/null; } || true
   done
   return 0
 }
@@ -105,21 +122,4 @@ start_bg() {
   shift
   setsid "$@" >"$logfile" 2>&1 </dev/null &
   BG_PID=$!
-}
-
-# ip_of_interface IFACE: the IPv4 address of a network interface (for multi-NIC clusters).
-ip_of_interface() {
-  local addr
-  addr=$(ip -o -4 addr show dev "$1" 2>/dev/null | awk '{print $4}' | cut -d/ -f1 | head -n 1)
-  [[ -n "$addr" ]] || return 1
-  printf '%s\n' "$addr"
-}
-
-# node_address [IFACE]: this node's address as other nodes should reach it.
-node_address() {
-  if [[ -n "${1:-}" ]]; then
-    ip_of_interface "$1" || die "network interface '$1' (CONFIG_NETWORK_INTERFACE) has no IPv4 address on $(hostname)"
-  else
-    hostname --ip-address 2>/dev/null | awk '{print $1}' | grep . || hostname
-  fi
 }

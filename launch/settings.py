@@ -86,6 +86,8 @@ class Settings:
     overlong_penalty_factor_setting: str = setting("OVERLONG_PENALTY_FACTOR")
     rollout_gpus_per_node: int = setting("ROLLOUT_GPUS_PER_NODE")
     rollout_engine: str = setting("ROLLOUT_ENGINE")
+    max_ckpt_to_keep: int = setting("MAX_CKPT_TO_KEEP")
+    rollout_enforce_eager: bool = setting("ROLLOUT_ENFORCE_EAGER")
     # Not settings: Slurm's node count, the reward client's score range, and two removed settings still read so that
     # a stale value is refused, not ignored.
     nnodes: int = 1
@@ -465,7 +467,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"{a}.rollout.gpu_memory_utilization={s.rollout_gpu_memory}",
         f"{a}.rollout.max_num_seqs=256",
         f"{a}.rollout.n={s.rollout_n}",
-        f"{a}.rollout.enforce_eager=True",
+        f"{a}.rollout.enforce_eager={s.rollout_enforce_eager}",  # False: SGLang keeps its CUDA graphs
         f"{a}.rollout.free_cache_engine=True",
         f"{a}.ref.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
         "algorithm.use_kl_in_reward=False",
@@ -480,6 +482,9 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"trainer.save_freq={s.save_freq}",
         f"trainer.test_freq={s.test_freq}",
         f"trainer.total_epochs={s.total_epochs}",
+        # Checkpoints (~56 GB each with optimizer state for 4B) beyond the newest few are deleted as verl saves.
+        f"trainer.max_actor_ckpt_to_keep={s.max_ckpt_to_keep}",
+        f"trainer.max_critic_ckpt_to_keep={s.max_ckpt_to_keep}",
     ]  # fmt: skip
     if s.trainer_mode == "one_step_off":
         # Its own rollout GPU pool (a top-level `rollout:` block), and no hybrid engine.

@@ -4,7 +4,8 @@
     REWARD_MODEL_PATH=... REWARD_DEVICE=cuda:0 REWARD_PORT=8000 python -m reward_score.reward_server
 
 API
-    GET  /health       200 {model_path, device, dtype, max_length, ...} once the model is loaded and warmed up;
+    GET  /health       200 {model_path, device, dtype, max_length, ...} once the model is loaded and warmed up
+                       (401 if an Authorization header is sent with another token);
                        before that the port is closed (the model loads before uvicorn binds it).
     POST /score        {"prompt": str | "messages": [{role, content}], "response": str} -> {"score", "truncated"}
     POST /score_batch  {"items": [ ...same items... ]} -> {"scores": [...], "truncated": [...]} in order

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.support import FakeCluster
+from tests.support import REPO, FakeCluster, free_port
 
 
 @pytest.fixture(autouse=True)
@@ -72,3 +74,49 @@ def ray_tmp(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("RAY_TMPDIR", str(path))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory):
+    from demo.data import write_demo
+
+    return write_demo(tmp_path_factory.mktemp("data"), n=40)
+
+
+@pytest.fixture
+def job(tmp_path, tiny_models, demo_data, fake_cluster):
+    """Environment for one job of the launch tests (tests.support.run): tiny models, demo data, free ports, the fake
+    trainer, fake cluster programs."""
+    trainer = tmp_path / "fakebin" / "fake-trainer"
+    trainer.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{REPO / "tests" / "fakes" / "fake_trainer.py"}" "$@"\n')
+    trainer.chmod(0o755)
+    image = tmp_path / "verl_app.sif"
+    image.write_text("fake image")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rayj", dir="/tmp"))
+    env = dict(
+        os.environ,
+        PATH=f"{fake_cluster.bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        CONTAINER="singularity",
+        CONFIG_IMAGE_PATH=str(image),
+        CONFIG_MODEL_PATH=str(tiny_models.policy),
+        CONFIG_REWARD_MODEL_PATH=str(tiny_models.reward_model),
+        CONFIG_TRAIN_FILE=str(demo_data / "train.parquet"),
+        CONFIG_TEST_FILE=str(demo_data / "test.parquet"),
+        CONFIG_OUTPUT_DIR=str(tmp_path / "ckpt"),
+        CONFIG_LOG_DIR=str(tmp_path / "logs"),
+        CONFIG_REWARD_DEVICE="cpu",
+        CONFIG_GPUS_PER_NODE="1",
+        ACTOR_PP="1",
+        CONFIG_NETWORK_INTERFACE="lo",
+        CONFIG_REWARD_SERVER_PORT=str(free_port()),
+        RAY_PORT=str(free_port()),
+        RAY_TMP_DIR=str(ray_tmp),
+        RAY_NUM_CPUS="1",
+        STOP_TIMEOUT="20",
+        TRAINER_LAUNCHER=str(trainer),
+        FAKE_TRAINER_LOG=str(tmp_path / "trainer_seen.jsonl"),
+    )
+    env.pop("SLURM_JOB_ID", None)
+    yield env
+    subprocess.run(["pkill", "-f", str(ray_tmp)], check=False)
+    subprocess.run(["rm", "-rf", str(ray_tmp)], check=False)

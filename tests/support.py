@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +17,7 @@ from launch.procs import free_port, http_get, tail  # noqa: F401  (the tests imp
 REPO = Path(__file__).resolve().parent.parent
 FAKES = Path(__file__).resolve().parent / "fakes"
 FAKE_PROGRAMS = ("sbatch", "srun", "scontrol", "singularity", "apptainer")
+RUN = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
 
 
 @dataclass
@@ -77,3 +80,100 @@ class FakeCluster:
             return []
         entries = [json.loads(line) for line in self.log.read_text(encoding="utf-8").splitlines()]
         return [e for e in entries if prog is None or e["prog"] == prog]
+
+
+# --- the launch tests' job (conftest.job gives its environment) -------------------------------------------------
+
+
+def run(env: Mapping[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The run script, to the end, with `env`; output captured."""
+    return subprocess.run(["bash", str(RUN), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def start_job(env: Mapping[str, str], log: Path) -> subprocess.Popen:
+    """The run script in the background, its output in `log`, in the test's process group like a shell's job would
+    be not: its own session, so a test can signal the run script alone (os.kill) or everything (os.killpg)."""
+    out = open(log, "wb")  # noqa: SIM115  (closed by the child's exit; the test reads the file)
+    return subprocess.Popen(["bash", str(RUN)], env=dict(env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+
+
+def wait_for_path(path: Path, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not path.exists():
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    assert path.exists(), f"{path} never appeared"
+
+
+def seen(env: Mapping[str, str]) -> dict:
+    lines = Path(env["FAKE_TRAINER_LOG"]).read_text().splitlines()
+    assert len(lines) == 1, "the trainer must run exactly once"
+    return json.loads(lines[0])
+
+
+def job_dir(env: Mapping[str, str]) -> Path:
+    (d,) = Path(env["CONFIG_LOG_DIR"]).iterdir()
+    return d
+
+
+def job_processes(log_dir: Path) -> list[str]:
+    """Live processes that inherited this job's JOB_LOG_DIR (everything the run script and the helpers started,
+    Ray's workers included): 'pid cmdline' each."""
+    marker = f"JOB_LOG_DIR={log_dir}".encode() + b"\0"
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker not in (proc / "environ").read_bytes():
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{proc.name} {cmdline}")
+        except OSError:
+            continue
+    return found
+
+
+def listening(ports: Sequence[int]) -> list[int]:
+    """The ports among `ports` that accept a connection on 127.0.0.1."""
+    open_ports = []
+    for port in ports:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                open_ports.append(port)
+    return open_ports
+
+
+def job_ports(log_dir: Path) -> list[int]:
+    """Every port the job's head used: its reward servers and its Ray block (from the files the head published)."""
+    ports = []
+    urls = (log_dir / "reward_urls").read_text().strip() if (log_dir / "reward_urls").exists() else ""
+    ports += [int(u.rsplit(":", 1)[1]) for u in urls.split(",") if u]
+    cluster = log_dir / "cluster.env"
+    if cluster.exists():
+        address = next(line for line in cluster.read_text().splitlines() if line.startswith("RAY_ADDRESS_FOR_TRAINER="))
+        gcs = int(address.rsplit(":", 1)[1])
+        ports += list(range(gcs, gcs + 512)) if gcs >= 20000 else [gcs]
+    return ports
+
+
+def assert_everything_stopped(env: Mapping[str, str]) -> None:
+    """No process of the job's and no port of the job's is left."""
+    logs = job_dir(env)
+    left = job_processes(logs)
+    assert not left, f"processes of the job still run: {left}"
+    ports = job_ports(logs) + [int(env[k]) for k in ("CONFIG_REWARD_SERVER_PORT", "RAY_PORT") if env.get(k)]
+    assert not listening(ports), f"ports of the job still open: {listening(ports)}"
+
+
+def slurm(env: Mapping[str, str], nodes: int, **extra: str) -> dict:
+    return (
+        dict(env)
+        | {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": f"node[1-{nodes}]", "SLURM_NNODES": str(nodes)}
+        | extra
+    )

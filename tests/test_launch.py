@@ -2,94 +2,16 @@
 sbatch/srun/scontrol/singularity, real reward servers and a real Ray cluster on loopback, and a fake trainer that
 records what it was given and what it saw."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, free_port, http_get
-
-RUN = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    from demo.data import write_demo
-
-    return write_demo(tmp_path_factory.mktemp("data"), n=40)
-
-
-@pytest.fixture
-def job(tmp_path, tiny_models, demo_data, fake_cluster):
-    """Environment for one job: tiny models, demo data, free ports, the fake trainer, fake cluster programs."""
-    trainer = tmp_path / "fakebin" / "fake-trainer"
-    trainer.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{REPO / "tests" / "fakes" / "fake_trainer.py"}" "$@"\n')
-    trainer.chmod(0o755)
-    image = tmp_path / "verl_app.sif"
-    image.write_text("fake image")
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rayj", dir="/tmp"))
-    env = dict(
-        os.environ,
-        PATH=f"{fake_cluster.bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        CONTAINER="singularity",
-        CONFIG_IMAGE_PATH=str(image),
-        CONFIG_MODEL_PATH=str(tiny_models.policy),
-        CONFIG_REWARD_MODEL_PATH=str(tiny_models.reward_model),
-        CONFIG_TRAIN_FILE=str(demo_data / "train.parquet"),
-        CONFIG_TEST_FILE=str(demo_data / "test.parquet"),
-        CONFIG_OUTPUT_DIR=str(tmp_path / "ckpt"),
-        CONFIG_LOG_DIR=str(tmp_path / "logs"),
-        CONFIG_REWARD_DEVICE="cpu",
-        CONFIG_GPUS_PER_NODE="1",
-        ACTOR_PP="1",
-        CONFIG_NETWORK_INTERFACE="lo",
-        CONFIG_REWARD_SERVER_PORT=str(free_port()),
-        RAY_PORT=str(free_port()),
-        RAY_TMP_DIR=str(ray_tmp),
-        RAY_NUM_CPUS="1",
-        STOP_TIMEOUT="20",
-        TRAINER_LAUNCHER=str(trainer),
-        FAKE_TRAINER_LOG=str(tmp_path / "trainer_seen.jsonl"),
-    )
-    env.pop("SLURM_JOB_ID", None)
-    yield env
-    subprocess.run(["pkill", "-f", str(ray_tmp)], check=False)
-    subprocess.run(["rm", "-rf", str(ray_tmp)], check=False)
-
-
-def run(env, *args, timeout=300):
-    return subprocess.run(["bash", str(RUN), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-
-
-def seen(env) -> dict:
-    lines = Path(env["FAKE_TRAINER_LOG"]).read_text().splitlines()
-    assert len(lines) == 1, "the trainer must run exactly once"
-    return json.loads(lines[0])
-
-
-def job_dir(env) -> Path:
-    (d,) = Path(env["CONFIG_LOG_DIR"]).iterdir()
-    return d
-
-
-def assert_everything_stopped(env):
-    port = int(env["CONFIG_REWARD_SERVER_PORT"])
-    with pytest.raises(OSError):
-        http_get(f"http://127.0.0.1:{port}/health", timeout=2)
-    ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
-    left = [line for line in ps.splitlines() if env["RAY_TMP_DIR"] in line and " Z" not in line]
-    assert not left, f"Ray processes of the job still run: {left}"
-
-
-def slurm(env, nodes: int, **extra) -> dict:
-    return env | {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": f"node[1-{nodes}]", "SLURM_NNODES": str(nodes)} | extra
-
+from tests.support import REPO, RUN, assert_everything_stopped, job_dir, run, seen, slurm
 
 # --- the whole flow ----------------------------------------------------------------------------------------------
 
@@ -129,19 +51,40 @@ def test_two_nodes_with_a_separate_reward_node(job, fake_cluster):
     assert trainer["reward_health"] == [200, 200]
     (srun,) = fake_cluster.calls("srun")
     assert srun["argv"][:4] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    assert fake_cluster.calls("scontrol")[0]["argv"] == ["show", "hostnames", "node[1-2]"]
+    assert "--cpus-per-task=1" in srun["argv"], "srun of Slurm 22.05-23.02 does not inherit the CPU count"
+    assert ["show", "hostnames", "node[1-2]"] in [c["argv"] for c in fake_cluster.calls("scontrol")]
     assert_everything_stopped(env)
 
 
-def test_two_training_nodes_join_one_real_ray_cluster(job):
-    env = slurm(job, 2)
-    result = run(env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    trainer = seen(env)
-    assert (trainer["ray_nodes"], trainer["ray_gpus"]) == (2, 2)
-    assert "trainer.nnodes=2" in trainer["argv"]
-    assert any(p.name.startswith("ray_worker_") for p in job_dir(env).iterdir())
-    assert_everything_stopped(env)
+def test_two_training_nodes_join_one_real_ray_cluster_and_a_requeue_resumes_the_same_wandb_run(job, fake_cluster):
+    # Slurm's end time in its local-time format; verl saves once the expiry (that minus CHECKPOINT_BEFORE_END) nears.
+    end = int(time.time()) + 7200
+    end_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end))
+    env = slurm(
+        job, 2, FAKE_JOB_END_TIME=end_text, FAKE_TRAINER_PROBE_NODES="1", PREFLIGHT_DATA="0", PREFLIGHT_REWARD="0"
+    )
+    run_ids = []
+    for restart in ("", "1"):  # the first start, then Slurm's requeue of the same job
+        Path(env["FAKE_TRAINER_LOG"]).unlink(missing_ok=True)
+        # The fake trainer finishes at once: a real requeue comes before the training is done.
+        Path(env["CONFIG_OUTPUT_DIR"], "TRAINING_DONE").unlink(missing_ok=True)
+        result = run(env | ({"SLURM_RESTART_COUNT": restart} if restart else {}))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        trainer = seen(env)
+        assert (trainer["ray_nodes"], trainer["ray_gpus"]) == (2, 2)
+        assert "trainer.nnodes=2" in trainer["argv"]
+        nodes = trainer["node_env"]
+        assert len(nodes) == 2, "a Ray task ran on every node"
+        for node_env in nodes.values():
+            # What verl's TaskRunner and workers read, wherever Ray places them.
+            assert node_env["MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"] == str(end - 1800)
+            assert node_env["WANDB_RESUME"] == "allow" and node_env["token"]
+            run_ids.append(node_env["WANDB_RUN_ID"])
+    assert set(run_ids) == {"qwen3_4b_grpo_megatron-777"}, "one wandb run for the job, across its requeue"
+    assert ["show", "job", "777"] in [c["argv"] for c in fake_cluster.calls("scontrol")], "the end time from Slurm"
+    logs = sorted(p.name for p in Path(env["CONFIG_LOG_DIR"]).iterdir())
+    assert logs == ["777", "777-r1"], "each start of the job logs to its own folder"
+    assert any(p.name.startswith("ray_worker_") for p in (Path(env["CONFIG_LOG_DIR"]) / "777-r1").iterdir())
 
 
 # --- failures ----------------------------------------------------------------------------------------------------
@@ -194,7 +137,7 @@ def test_requeue_on_the_time_limit_signal_then_no_rerun_once_finished(job, fake_
         assert Path(env["FAKE_TRAINER_LOG"]).exists(), "the trainer never started"
         os.kill(proc.pid, signal.SIGUSR1)  # what Slurm's --signal=B:USR1@900 does
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not fake_cluster.calls("scontrol")[1:]:
+        while time.monotonic() < deadline and fake_cluster.calls("scontrol")[-1]["argv"][0] != "requeue":
             time.sleep(0.5)
         assert fake_cluster.calls("scontrol")[-1]["argv"] == ["requeue", "777"]
     finally:

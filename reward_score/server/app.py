@@ -279,7 +279,11 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
         )
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        # Open to probes without a token; a token that is sent must be ours, so a job polling its own port with its
+        # token gets 401 from another job's server instead of taking it for its own.
+        if "authorization" in request.headers:
+            authorize(request, "/health")
         if "scorer" not in state:
             return JSONResponse(status_code=503, content={"status": "loading"})
         active: RewardScorer = state["scorer"]

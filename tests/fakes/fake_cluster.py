@@ -7,11 +7,12 @@ SLURM_* variables the call saw), then:
 - `FAKE_<PROG>_RC` set (e.g. `FAKE_SRUN_RC=3`): exit with that code and run nothing;
 - `srun`: run the wrapped command locally, once per task (`--ntasks`, else `--nodes`, else `$SLURM_NNODES`, else 1),
   all tasks at once, each with SLURM_PROCID/SLURM_NODEID/SLURMD_NODENAME set from the job's node list; exit with
-  the first non-zero task code;
-- `singularity|apptainer exec [options] IMAGE CMD...`: run CMD locally with every `--env K=V` applied;
-  other sub-commands (`build`, `test`, `inspect`, ...) only record;
+  the first non-zero task code; SIGTERM/SIGINT/SIGUSR1 are passed on to every task (as real srun forwards them);
+- `singularity|apptainer exec [options] IMAGE CMD...`: run CMD locally with every `--env K=V` applied, passing
+  signals on to it (as the real runtime does); other sub-commands (`build`, `test`, `inspect`, ...) only record;
 - `scontrol show hostnames [LIST]`: expand a Slurm node list (`gpu[01-03,7],login1`), default `$SLURM_JOB_NODELIST`;
-  other `scontrol` calls (`requeue`, ...) only record;
+  `scontrol show job ID`: one line with `EndTime=$FAKE_JOB_END_TIME` (Slurm's local-time format; `Unknown` if
+  unset); other `scontrol` calls (`requeue`, ...) only record;
 - `sbatch`: prints `Submitted batch job $FAKE_SBATCH_JOBID` (default 4242).
 """
 
@@ -20,9 +21,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
-import threading
 
 # Options that take a separate value when written without "=", per program (everything else is a flag).
 _SRUN_VALUE_OPTS = {
@@ -74,6 +75,24 @@ def _first(opts: dict[str, list[str]], *names: str) -> str | None:
     return None
 
 
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def run_children(cmds: list[tuple[list[str], dict[str, str]]]) -> list[int]:
+    """Start every command, pass the forwarded signals on to each, and return their exit codes in order."""
+    procs = [subprocess.Popen(cmd, env=env) for cmd, env in cmds]
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    # A child ended by a signal reports 128 + the signal, as a shell would.
+    return [rc if rc >= 0 else 128 - rc for rc in (p.wait() for p in procs)]
+
+
 def run_srun(args: list[str]) -> int:
     opts, cmd = split_options(args, _SRUN_VALUE_OPTS)
     if not cmd:
@@ -84,9 +103,8 @@ def run_srun(args: list[str]) -> int:
     if nodelist:
         nodes = expand_hostlist(nodelist)
     ntasks = _first(opts, "-n", "--ntasks") or _first(opts, "-N", "--nodes") or os.environ.get("SLURM_NNODES") or "1"
-    codes: list[int] = []
 
-    def task(rank: int) -> None:
+    def task_env(rank: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             SLURM_PROCID=str(rank),
@@ -96,13 +114,12 @@ def run_srun(args: list[str]) -> int:
             SLURMD_NODENAME=nodes[rank % len(nodes)],
             SLURM_STEP_ID=os.environ.get("FAKE_SRUN_STEP_ID", "0"),
         )
-        codes.append(subprocess.call(cmd, env=env))
+        cpus = _first(opts, "-c", "--cpus-per-task")
+        if cpus:
+            env["SLURM_CPUS_PER_TASK"] = cpus
+        return env
 
-    threads = [threading.Thread(target=task, args=(r,)) for r in range(int(ntasks))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    codes = run_children([(cmd, task_env(r)) for r in range(int(ntasks))])
     return next((c for c in codes if c != 0), 0)
 
 
@@ -122,13 +139,17 @@ def run_container(args: list[str]) -> int:
         for item in pair.split(","):
             key, _, value = item.partition("=")
             env[key] = value
-    return subprocess.call(cmd, env=env)
+    return run_children([(cmd, env)])[0]
 
 
 def run_scontrol(args: list[str]) -> int:
     if args[:2] == ["show", "hostnames"]:
         spec = args[2] if len(args) > 2 else os.environ.get("SLURM_JOB_NODELIST", "")
         print("\n".join(expand_hostlist(spec)))
+    elif args[:2] == ["show", "job"] and len(args) > 2:
+        print(
+            f"JobId={args[2]} JobName=grpo-qwen3-4b EndTime={os.environ.get('FAKE_JOB_END_TIME', 'Unknown')} Restarts=0"
+        )
     return 0
 
 

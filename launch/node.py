@@ -1,0 +1,216 @@
+"""What one node of the job needs to know about itself: its ports, its GPUs for the reward servers, its address.
+
+The helper runs this on every node (inside the container) and reads `NAME=VALUE` lines back:
+
+    python -m launch.node ports --job-id 4242 --rank 0 --reward-count 1   # this job's free ports on this node
+    python -m launch.node reward-gpus 0,1      # CONFIG_REWARD_GPUS (indices into this job's GPUs) -> physical GPUs
+    python -m launch.node address [--interface ib0] [--nodes 2]   # the address other nodes reach this one on
+
+Ports: every job takes one block of PORT_BLOCK ports between PORT_FIRST and PORT_LAST (below Linux's ephemeral range,
+so no outgoing connection takes them), chosen from the job id (and the node's rank, so two "nodes" of a test on one
+machine differ) and moved to the next block while any port of it is taken on this node. The range starts above Ray's
+default worker ports (10002-19999), which Ray clusters of other jobs take and free all the time. A port set by hand
+(RAY_PORT, CONFIG_REWARD_SERVER_PORT) is used as is, and refused, naming the setting, when something holds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+import sys
+import zlib
+from collections.abc import Callable, Sequence
+
+PORT_FIRST, PORT_LAST = 20000, 32767  # 24 blocks
+PORT_BLOCK = 512
+# Offsets inside a block. Ray starts every one of these even with --include-dashboard=false (the dashboard head
+# process still binds its port, and the dashboard agent and runtime-env agent run on every node).
+RAY_PORT_OFFSETS = {
+    "ray_port": 0,  # GCS (--port), head only
+    "ray_client_server_port": 1,  # head only
+    "dashboard_port": 2,  # head only
+    "dashboard_agent_listen_port": 3,
+    "dashboard_agent_grpc_port": 4,
+    "node_manager_port": 5,
+    "object_manager_port": 6,
+    "metrics_export_port": 7,
+    "runtime_env_agent_port": 8,
+}
+REWARD_OFFSET, REWARD_MAX = 16, 16  # reward servers: offsets 16..31
+WORKER_OFFSET = 32  # --min-worker-port..--max-worker-port: the rest of the block (one port per Ray worker process)
+
+
+class NodeError(ValueError):
+    pass
+
+
+def port_taken(port: int) -> bool:
+    """True when a listener holds `port` on any address of this node (the servers bind with SO_REUSEADDR too)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def first_block(job_id: str, rank: int, blocks: int) -> int:
+    """Consecutive Slurm job ids get blocks 7 apart (7 and the block count share no factor): a node's ranks fit between."""
+    base = int(job_id) * 7 if job_id.isdigit() else zlib.crc32(job_id.encode())
+    return (base + rank) % blocks
+
+
+def plan_ports(
+    job_id: str,
+    rank: int,
+    reward_count: int,
+    ray_port: int = 0,
+    reward_port: int = 0,
+    taken: Callable[[int], bool] = port_taken,
+) -> dict[str, int]:
+    """This node's ports: the first block from the job's own one on that is wholly free, then the hand-set ports."""
+    if reward_count > REWARD_MAX:
+        raise NodeError(f"REWARD_REPLICAS={reward_count}: at most {REWARD_MAX} reward servers per node")
+    blocks = (PORT_LAST + 1 - PORT_FIRST) // PORT_BLOCK
+    start = first_block(job_id, rank, blocks)
+    for i in range(blocks):
+        base = PORT_FIRST + ((start + i) % blocks) * PORT_BLOCK
+        if not any(taken(p) for p in range(base, base + PORT_BLOCK)):
+            break
+    else:
+        raise NodeError(f"no free block of {PORT_BLOCK} ports between {PORT_FIRST} and {PORT_LAST} on this node")
+    plan = {name: base + offset for name, offset in RAY_PORT_OFFSETS.items()}
+    plan["reward_port"] = base + REWARD_OFFSET
+    plan["min_worker_port"] = base + WORKER_OFFSET
+    plan["max_worker_port"] = base + PORT_BLOCK - 1
+    if ray_port:
+        if taken(ray_port):
+            raise NodeError(
+                f"RAY_PORT={ray_port} is taken on {socket.gethostname()}: leave RAY_PORT empty (a free port per job)"
+            )
+        plan["ray_port"] = ray_port
+    if reward_port:
+        busy = [p for p in range(reward_port, reward_port + reward_count) if taken(p)]
+        if busy:
+            raise NodeError(
+                f"CONFIG_REWARD_SERVER_PORT={reward_port}: port {busy[0]} is taken on {socket.gethostname()} "
+                "(another job's server?): leave CONFIG_REWARD_SERVER_PORT empty (free ports per job)"
+            )
+        plan["reward_port"] = reward_port
+    plan["block_moved"] = int(i)
+    return plan
+
+
+def reward_gpus(indices: str, visible: str | None) -> list[str]:
+    """CONFIG_REWARD_GPUS are indices into this job's GPUs (CUDA_VISIBLE_DEVICES as Slurm set it): the GPUs to use."""
+    own = [g for g in (visible or "").split(",") if g]
+    out = []
+    for raw in [g.strip() for g in indices.split(",") if g.strip()]:
+        if not raw.isdigit():
+            raise NodeError(f"CONFIG_REWARD_GPUS={indices!r}: '{raw}' is not a GPU index (use e.g. 0 or 0,1)")
+        i = int(raw)
+        if visible is None:
+            out.append(raw)  # no CUDA_VISIBLE_DEVICES: a workstation, every GPU is ours
+        elif i >= len(own):
+            raise NodeError(
+                f"CONFIG_REWARD_GPUS={indices!r}: index {i} but this job has {len(own)} GPU(s) on this node "
+                f"(CUDA_VISIBLE_DEVICES={visible}); the indices count from 0 within the job's GPUs"
+            )
+        else:
+            out.append(own[i])
+    return out
+
+
+def interface_ipv4(name: str) -> str | None:
+    """The IPv4 address of a network interface, or None (no such interface, or no IPv4 on it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interfaces() -> list[tuple[str, str]]:
+    """(name, IPv4) of every interface that has one, for the error message."""
+    found = []
+    for _, name in socket.if_nameindex():
+        addr = interface_ipv4(name)
+        if addr:
+            found.append((name, addr))
+    return found
+
+
+def host_addresses(hostname: str) -> list[str]:
+    """The IPv4 addresses the host name resolves to (what `hostname --ip-address` looks at), in order, no repeats."""
+    try:
+        infos = socket.getaddrinfo(hostname, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return []
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def pick_address(interface: str, nodes: int, resolved: Sequence[str], iface_addr: str | None, available: str) -> str:
+    """The address to publish: the interface's when CONFIG_NETWORK_INTERFACE is set, else the host name's first
+    non-loopback IPv4; loopback only on a one-node job."""
+    if interface:
+        if not iface_addr:
+            raise NodeError(
+                f"CONFIG_NETWORK_INTERFACE={interface}: no such interface with an IPv4 address on "
+                f"{socket.gethostname()} (interfaces: {available})"
+            )
+        return iface_addr
+    routable = [a for a in resolved if not ipaddress.ip_address(a).is_loopback]
+    if routable:
+        return routable[0]
+    if nodes <= 1:
+        return "127.0.0.1"
+    raise NodeError(
+        f"the host name of {socket.gethostname()} resolves only to {', '.join(resolved) or 'nothing'} (loopback), "
+        f"which the other nodes cannot reach: set CONFIG_NETWORK_INTERFACE to one of: {available}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.node", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("ports")
+    p.add_argument("--job-id", required=True)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--reward-count", type=int, default=0)
+    p.add_argument("--ray-port", default="", help="RAY_PORT as set (empty: per job)")
+    p.add_argument("--reward-port", default="", help="CONFIG_REWARD_SERVER_PORT as set (empty: per job)")
+    g = sub.add_parser("reward-gpus")
+    g.add_argument("indices")
+    a = sub.add_parser("address")
+    a.add_argument("--interface", default="")
+    a.add_argument("--nodes", type=int, default=1)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "ports":
+            for name, value in (("RAY_PORT", args.ray_port), ("CONFIG_REWARD_SERVER_PORT", args.reward_port)):
+                if value and not value.isdigit():
+                    raise NodeError(f"{name}={value!r} is not a port number (or leave it empty: a free port per job)")
+            plan = plan_ports(
+                args.job_id, args.rank, args.reward_count, int(args.ray_port or 0), int(args.reward_port or 0)
+            )
+            print("\n".join(f"{k}={v}" for k, v in plan.items()))
+        elif args.command == "reward-gpus":
+            print(",".join(reward_gpus(args.indices, os.environ.get("CUDA_VISIBLE_DEVICES"))))
+        else:
+            available = ", ".join(f"{n} ({ip})" for n, ip in interfaces()) or "none found"
+            iface_addr = interface_ipv4(args.interface) if args.interface else None
+            print(pick_address(args.interface, args.nodes, host_addresses(socket.gethostname()), iface_addr, available))
+    except NodeError as exc:
+        print(f"setting error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

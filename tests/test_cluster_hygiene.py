@@ -1,0 +1,297 @@
+"""A job that shares a node, is stopped or is requeued touches nothing of anyone else's and leaves nothing behind:
+per-job ports and token, reward GPUs within the job's own, the node address, the watchdog, stopping on a signal.
+
+The end-to-end tests run the real scripts against the fake cluster programs, real reward servers and real Ray (see
+test_launch.py); they skip the preflight, which test_launch.py covers, to stay within the machine's few cores."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import node
+from tests.support import (
+    REPO,
+    assert_everything_stopped,
+    job_dir,
+    job_processes,
+    seen,
+    slurm,
+    start_http_server,
+    start_job,
+    tail,
+    wait_for_path,
+)
+
+FAST = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight is test_launch.py's
+
+
+def node_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.node", *args], capture_output=True, text=True, cwd=REPO,
+                          env=env)  # fmt: skip
+
+
+# --- ports ---------------------------------------------------------------------------------------------------------
+
+
+def test_consecutive_jobs_and_the_ranks_of_one_job_get_different_port_blocks():
+    free = lambda port: False  # noqa: E731  (nothing is taken)
+    plans = {(job, rank): node.plan_ports(job, rank, 1, taken=free) for job in ("1001", "1002") for rank in (0, 1)}
+    bases = [p["ray_port"] for p in plans.values()]
+    assert len(set(bases)) == 4, plans
+    for plan in plans.values():
+        ports = [v for k, v in plan.items() if k != "block_moved"]
+        assert node.PORT_FIRST <= min(ports) and max(ports) <= node.PORT_LAST, "below the ephemeral range"
+        assert plan["max_worker_port"] - plan["min_worker_port"] >= 400, "room for every Ray worker process"
+
+
+def test_a_block_with_any_port_taken_is_passed_over_for_the_next_free_one():
+    first = node.plan_ports("1001", 0, 1, taken=lambda port: False)
+    held = first["min_worker_port"] + 7  # one port deep in the worker range
+    moved = node.plan_ports("1001", 0, 1, taken=lambda port: port == held)
+    blocks = (node.PORT_LAST + 1 - node.PORT_FIRST) // node.PORT_BLOCK
+    following = (first["ray_port"] - node.PORT_FIRST) // node.PORT_BLOCK + 1
+    assert moved["block_moved"] == 1
+    assert moved["ray_port"] == node.PORT_FIRST + following % blocks * node.PORT_BLOCK, "the next block, wrapping"
+
+
+@pytest.mark.parametrize(
+    "flag, setting",
+    [
+        ("--ray-port", "RAY_PORT"),  # the Ray head's port set by hand
+        ("--reward-port", "CONFIG_REWARD_SERVER_PORT"),  # the first reward server's port set by hand
+    ],
+)
+def test_a_port_set_by_hand_that_is_taken_is_refused_naming_its_setting(flag, setting):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = node_cli("ports", "--job-id", "5", "--reward-count", "1", flag, str(port))
+    assert result.returncode == 1
+    assert (
+        f"{setting}={port}" in result.stderr and "taken" in result.stderr and f"leave {setting} empty" in result.stderr
+    )
+
+
+# --- reward GPUs and the node address ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "visible, indices, expected",
+    [
+        ("4,5,6,7", "0", "4"),  # Slurm gave this job GPUs 4-7 (no device cgroup): index 0 is GPU 4, never GPU 0
+        ("4,5,6,7", "1,3", "5,7"),  # two reward servers
+        ("0,1,2,3", "0", "0"),  # with a device cgroup Slurm renumbers from 0
+        (None, "2", "2"),  # a workstation without CUDA_VISIBLE_DEVICES: every GPU is the job's
+        ("4,5,6,7", "4", "index 4 but this job has 4 GPU(s) on this node (CUDA_VISIBLE_DEVICES=4,5,6,7)"),
+        ("4,5,6,7", "gpu0", "'gpu0' is not a GPU index"),
+    ],
+)
+def test_reward_gpus_are_indices_into_the_jobs_own_gpus(visible, indices, expected):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    result = node_cli("reward-gpus", indices, env=env)
+    if expected[0].isdigit():
+        assert (result.returncode, result.stdout.strip()) == (0, expected), result.stderr
+    else:
+        assert result.returncode == 1 and expected in result.stderr and "CONFIG_REWARD_GPUS" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "interface, nodes, resolved, iface_addr, expected",
+    [
+        ("", 2, ["127.0.1.1", "10.1.2.3"], None, "10.1.2.3"),  # Debian's 127.0.1.1 first: skipped
+        ("", 1, ["127.0.1.1"], None, "127.0.0.1"),  # one node: loopback is fine
+        ("", 2, ["127.0.1.1"], None, "set CONFIG_NETWORK_INTERFACE to one of: ib0 (10.9.0.1)"),  # never on 2+ nodes
+        ("", 2, [], None, "resolves only to nothing"),  # the host name does not resolve
+        ("ib0", 2, ["127.0.1.1"], "10.9.0.1", "10.9.0.1"),  # the interface wins
+        ("ib9", 2, ["10.1.2.3"], None, "CONFIG_NETWORK_INTERFACE=ib9: no such interface"),  # a typo
+    ],
+)
+def test_the_node_address_is_never_loopback_on_a_multi_node_job(interface, nodes, resolved, iface_addr, expected):
+    try:
+        got = node.pick_address(interface, nodes, resolved, iface_addr, "ib0 (10.9.0.1)")
+    except node.NodeError as exc:
+        got = str(exc)
+    assert expected in got
+
+
+def test_the_address_of_a_real_interface_is_read_from_the_kernel():
+    assert node.interface_ipv4("lo") == "127.0.0.1"
+    assert node.interface_ipv4("no-such-if0") is None
+    result = node_cli("address", "--interface", "no-such-if0", "--nodes", "2")
+    assert result.returncode == 1 and "lo (127.0.0.1)" in result.stderr, "the error lists the interfaces there are"
+
+
+# --- the token ------------------------------------------------------------------------------------------------------
+
+
+def test_the_health_poll_with_our_token_refuses_another_jobs_server(tiny_models, tmp_path):
+    """What a job sees when another job's server answers on its port: 401, at once, not a 200 taken for its own."""
+    from tests.support import free_port
+
+    port = free_port()
+    env = dict(os.environ, REWARD_SERVER_TOKEN="the-other-jobs-token")
+    server = start_http_server(
+        [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", str(tiny_models.reward_model),
+         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
+        tmp_path / "other.log", port, env=env,
+    )  # fmt: skip
+    probe = 'source launch/common.sh; sleep 60 & pid=$!; wait_for_http "$1" "$pid" "$2" 20 "$3"; rc=$?; kill "$pid"; exit "$rc"'
+    url = f"http://127.0.0.1:{port}/health"
+    try:
+        ours = subprocess.run(["bash", "-c", probe, "_", url, str(server.log), "this-jobs-token"], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        theirs = subprocess.run(["bash", "-c", probe, "_", url, str(server.log), "the-other-jobs-token"], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+    finally:
+        server.stop()
+    assert ours.returncode == 1
+    assert "answers 401 to this job's token: another job's server holds that port" in ours.stderr
+    assert "this-jobs-token" not in ours.stderr + ours.stdout, "the token is never printed"
+    assert theirs.returncode == 0, theirs.stderr
+
+
+# --- stopping and the watchdog (real servers, real Ray) -----------------------------------------------------------
+
+
+def signal_mid_training(env, tmp_path):
+    """Start the job, wait until the trainer runs, SIGTERM the run script alone; (exit code, seconds to stop, output)."""
+    proc = start_job(env, tmp_path / "job.out")
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        start = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)  # the run script only: what reaches the rest is up to it
+        rc = proc.wait(120)
+        return rc, time.monotonic() - start, tail(tmp_path / "job.out", 80)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("under_slurm", [False, True], ids=["workstation", "fake-slurm"])
+def test_sigterm_mid_training_stops_every_process_and_port_of_the_job_and_exits_non_zero(job, tmp_path, under_slurm):
+    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300"}
+    if under_slurm:
+        env = slurm(env, 1)
+    rc, seconds, out = signal_mid_training(env, tmp_path)
+    assert rc == 143, out
+    assert seconds < int(env["STOP_TIMEOUT"]) + 15, f"stopped after {seconds:.0f} s:\n{out}"
+    assert "stop signal" in out and "exit_code=143" in out
+    assert (job_dir(env) / "done").read_text().strip() == "143", "the head recorded that it was stopped"
+    assert not (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
+    assert_everything_stopped(env)
+
+
+def test_a_reward_server_killed_after_it_became_healthy_stops_the_job_naming_it(job, tmp_path):
+    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300", "REWARD_SERVER_TOKEN": "a-token-never-logged"}
+    proc = start_job(env, tmp_path / "job.out")
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        (server,) = [p for p in job_processes(job_dir(env)) if "reward_server.py" in p]
+        os.kill(int(server.split()[0]), signal.SIGKILL)
+        killed = time.monotonic()
+        rc = proc.wait(120)
+        seconds = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = tail(tmp_path / "job.out", 80)
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    log = job_dir(env) / f"reward_server_{socket.gethostname()}_{port}.log"
+    assert rc == 1, out
+    assert f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): stopping the job" in out
+    assert seconds < 5 + int(env["STOP_TIMEOUT"]), f"the job went on for {seconds:.0f} s after its server died"
+    written = [p for p in job_dir(env).rglob("*") if p.is_file()] + [tmp_path / "job.out"]
+    assert not [p for p in written if b"a-token-never-logged" in p.read_bytes()], "the token is in no log or command"
+    assert_everything_stopped(env)
+
+
+def test_a_reward_node_whose_server_dies_stops_the_head_with_the_same_message(job, tmp_path):
+    """The watchdog runs on every node: the reward node's failure reaches the head through the job's folder."""
+    env = slurm(job, 2, CONFIG_USE_SEPARATE_REWARD_NODE="true", REWARD_REPLICAS="1", FAKE_TRAINER_SLEEP="300", **FAST)
+    proc = start_job(env, tmp_path / "job.out")
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        (server,) = [p for p in job_processes(job_dir(env)) if "reward_server.py" in p]
+        os.kill(int(server.split()[0]), signal.SIGKILL)
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = tail(tmp_path / "job.out", 80)
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    died = f"reward server (port {port}) on {socket.gethostname()} died (log: {job_dir(env)}/reward_server_"
+    assert rc == 1, out
+    assert f"[rank 1] {died}" in out and f"[rank 0] {died}" in out, out
+    assert_everything_stopped(env)
+
+
+# --- two jobs on one node ------------------------------------------------------------------------------------------
+
+
+def test_two_jobs_at_once_with_default_ports_and_a_stale_server_each_use_only_their_own(job, tmp_path, tiny_models):
+    """Both jobs on one node with the default (per-job) ports, and an old server of another job already on the port
+    the first job would take: both run to the end, each on its own reward server and its own Ray."""
+    stale_port = node.plan_ports("1001", 0, 1)["reward_port"]
+    stale = start_http_server(
+        [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", str(tiny_models.reward_model),
+         "--device", "cpu", "--port", str(stale_port)],
+        tmp_path / "stale.log", stale_port, env=dict(os.environ, REWARD_SERVER_TOKEN="an-old-jobs-token"),
+    )  # fmt: skip
+    envs, procs = [], []
+    try:
+        for job_id in ("1001", "1002"):
+            env = slurm(job, 1, SLURM_JOB_ID=job_id, **FAST, CONFIG_REWARD_SERVER_PORT="", RAY_PORT="",
+                        CONFIG_LOG_DIR=str(tmp_path / f"logs{job_id}"), CONFIG_OUTPUT_DIR=str(tmp_path / f"ckpt{job_id}"),
+                        RAY_TMP_DIR=f"{job['RAY_TMP_DIR']}/{job_id}", FAKE_TRAINER_LOG=str(tmp_path / f"seen{job_id}"),
+                        FAKE_TRAINER_SLEEP="5")  # fmt: skip
+            envs.append(env)
+            procs.append(start_job(env, tmp_path / f"job{job_id}.out"))
+        codes = [p.wait(400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        stale.stop()
+    outs = [tail(tmp_path / f"job{j}.out", 60) for j in ("1001", "1002")]
+    assert codes == [0, 0], "\n\n".join(outs)
+    first, second = seen(envs[0]), seen(envs[1])
+    urls = [first["REWARD_SERVER_URLS"], second["REWARD_SERVER_URLS"]]
+    rays = [next(a for a in t["argv"] if a.startswith("+ray_kwargs.ray_init.address=")) for t in (first, second)]
+    assert len(set(urls)) == 2 and len(set(rays)) == 2, (urls, rays)
+    assert f":{stale_port}" not in urls[0], "the stale server's port is never ours"
+    assert "usual ports on" in outs[0] and "moved 1 block(s) on" in outs[0]
+    # A 200 to each job's own token: the other job's server, or the stale one, would have answered 401.
+    assert first["reward_health"] == [200] and second["reward_health"] == [200]
+    assert first["REWARD_SERVER_TOKEN"] and second["REWARD_SERVER_TOKEN"]
+    assert (first["ray_nodes"], second["ray_nodes"]) == (1, 1), "each trainer sees only its own Ray cluster"
+    for env in envs:
+        assert_everything_stopped(env)
+
+
+# --- checkpoints across requeues -----------------------------------------------------------------------------------
+
+
+def test_checkpoints_left_by_earlier_starts_are_pruned_but_never_the_one_verl_resumes_from(tmp_path):
+    """verl prunes only the saves of its own process: after a requeue, the job prunes what earlier starts left."""
+    ckpt = tmp_path / "ckpt"
+    for step in (25, 50, 75, 100, 125):
+        (ckpt / f"global_step_{step}" / "actor").mkdir(parents=True)
+    (ckpt / "global_step_notes").mkdir()  # not a checkpoint: left alone
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("50")  # resume from 50 (a later save was cut short)
+    result = subprocess.run([sys.executable, "-m", "launch.checkpoints", str(ckpt), "2"], cwd=REPO,
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    left = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    assert left == ["global_step_100", "global_step_125", "global_step_50", "global_step_notes"]
+    assert "removing" in result.stdout and "MAX_CKPT_TO_KEEP=2" in result.stdout
+    keep_all = subprocess.run([sys.executable, "-m", "launch.checkpoints", str(ckpt), "0"], cwd=REPO)
+    assert keep_all.returncode == 0 and len(list(ckpt.glob("global_step_*"))) == 4
