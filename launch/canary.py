@@ -43,6 +43,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # RayPPOTrainer.fit runs in verl's TaskRunner actor: Ray prefixes its lines with "(TaskRunner pid=N) " in the driver.
 _STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*training/global_step:.*)$")
 _RESUMED_AT = re.compile(r"Setting global step to (\d+)")
+_SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
 
 
@@ -171,11 +172,19 @@ def check_merge(text: str, target: Path) -> list[str]:
 
 
 def explaining_lines(text: str, n: int = 12) -> list[str]:
-    """The lines that most likely explain a failure: around the last error-looking line, else the last n."""
+    """The lines that most likely explain a failure: up to the last error-looking line (and 2 after), else the last n.
+    When they start inside a longer list from one program (`verify: ...` lines), the list's first lines come too."""
     lines = [line for line in _ANSI.sub("", text).splitlines() if line.strip()]
     marks = [i for i, line in enumerate(lines) if _ERROR_LINE.search(line)]
     end = min(marks[-1] + 3, len(lines)) if marks else len(lines)
-    return lines[max(0, end - n) : end]
+    start = max(0, end - n)
+    speaker = _SPEAKER.match(lines[start]) if start < len(lines) else None
+    first = start
+    while speaker and first > 0 and lines[first - 1].startswith(speaker.group(0)):
+        first -= 1
+    if first == start:
+        return lines[start:end]
+    return [*lines[first : first + n // 2], f"... ({start - first} more)", *lines[end - n // 2 : end]]
 
 
 def evaluate(stage: str, rc: int, text: str, ckpt: Path, target: Path | None) -> list[str]:
