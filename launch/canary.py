@@ -190,7 +190,7 @@ def explaining_lines(text: str, n: int = 12) -> list[str]:
 def evaluate(stage: str, rc: int, text: str, ckpt: Path, target: Path | None) -> list[str]:
     """Every reason the stage failed; empty when it passed."""
     if rc != 0:
-        return [f"exited with {rc}"]
+        return [f"{'merge_mcore_to_hf.sh' if stage == 'merge' else 'the training launch'} exited with {rc}"]
     if stage == "train":
         return check_train(text, ckpt)
     if stage == "resume":

@@ -83,8 +83,8 @@ run_canary() {
     canary_train resume "$@" || true
     canary_merge || true  # needs only a checkpoint: a failed resume still leaves step 2's to merge
   else
-    canary_py skip resume --because "skipped: stage 1 failed" --results "$canary_logs/results.jsonl"
-    canary_py skip merge --because "skipped: stage 1 saved no checkpoint" --results "$canary_logs/results.jsonl"
+    canary_py skip resume --because "needs stage 1 (train), which failed" --results "$canary_logs/results.jsonl"
+    canary_py skip merge --because "needs stage 1 (train), which failed" --results "$canary_logs/results.jsonl"
   fi
   canary_py summary --results "$canary_logs/results.jsonl" | tee "$canary_logs/summary.txt" || rc=$?
   if ((rc == 0)) && [[ "$CANARY_KEEP" != 1 ]]; then
