@@ -264,3 +264,15 @@ def test_a_trainer_that_fails_in_stage_1_skips_the_stages_that_need_its_checkpoi
     assert " skipped " in summary_row(output, "resume") and " skipped " in summary_row(output, "merge")
     assert len(trainer_runs(canary_job)) == 1 and merger_calls(canary_job) == []
     assert os.path.exists(canary_logs(canary_job) / "summary.txt")
+
+
+def test_on_two_nodes_each_stage_meets_in_its_own_folder_so_stage_2_sees_no_stale_done(canary_job):
+    """The nodes meet through files in the log folder (cluster.env, done): stage 1's `done` must not stop stage 2's
+    worker before it joins Ray."""
+    env = canary_job | QUICK | {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2"}
+    result = run(env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert [(seen["ray_nodes"], seen["ray_gpus"]) for seen in trainer_runs(env)] == [(2, 2), (2, 2)]
+    assert "canary: every stage passed" in output
+    assert (canary_logs(env) / "train" / "done").exists() and (canary_logs(env) / "resume" / "done").exists()
