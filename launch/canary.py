@@ -56,7 +56,7 @@ def batch_size(s: Settings) -> int:
         parts.append(AGENT_LOOP_WORKERS)
     if s.trainer_mode == "one_step_off":
         parts.append(s.rollout_gpus_per_node * max(s.train_nodes, 1))
-    step = math.lcm(*parts)
+    step = math.lcm(*(max(p, 1) for p in parts))  # 0 GPUs is the settings check's to report, by name
     for b in range(1, 4097):
         if (b * s.rollout_n) % step:
             continue

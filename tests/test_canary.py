@@ -276,3 +276,11 @@ def test_on_two_nodes_each_stage_meets_in_its_own_folder_so_stage_2_sees_no_stal
     assert [(seen["ray_nodes"], seen["ray_gpus"]) for seen in trainer_runs(env)] == [(2, 2), (2, 2)]
     assert "canary: every stage passed" in output
     assert (canary_logs(env) / "train" / "done").exists() and (canary_logs(env) / "resume" / "done").exists()
+
+
+def test_a_bad_setting_stops_the_canary_before_anything_starts_naming_the_setting(canary_job, fake_cluster):
+    result = run(canary_job | {"CONFIG_GPUS_PER_NODE": "0"})
+    assert result.returncode == 1
+    assert "CONFIG_GPUS_PER_NODE=0: training needs at least 1 GPU per node" in result.stderr
+    assert not fake_cluster.calls("srun") and not Path(canary_job["FAKE_TRAINER_LOG"]).exists()
+    assert not Path(canary_job["CONFIG_OUTPUT_DIR"]).exists(), "the real run's folder is not even created"
