@@ -71,6 +71,10 @@ def canary_settings(s: Settings) -> dict[str, str]:
     engine) stays the user's, so the canary runs the combination the real job will."""
     b = batch_size(s)
     response = min(s.max_response_length, RESPONSE_LENGTH)
+    if s.uses_recipe == "recipe.dapo":
+        # Dynamic sampling drops groups whose responses all score the same, and short responses of a thinking model
+        # are all cut off mid-reasoning (one penalty for all): recipe.dapo would give up after max_num_gen_batches.
+        response = s.max_response_length
     out = {
         "TRAIN_BATCH_SIZE": str(b),
         "PPO_MINI_BATCH_SIZE": str(b),  # one optimizer step per training step
@@ -95,7 +99,8 @@ def stage_overrides(stage: str, s: Settings) -> list[str]:
         "trainer.resume_mode=auto",
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=False",
-        f"data.train_max_samples={RESUME_STEPS * s.train_batch_size}",
+        # Dynamic sampling draws batches until enough groups vary: it may need more prompts than the steps.
+        f"data.train_max_samples={-1 if s.uses_recipe == 'recipe.dapo' else RESUME_STEPS * s.train_batch_size}",
         f"data.val_max_samples={VAL_SAMPLES}",
     ]
     if stage == "resume":

@@ -66,6 +66,11 @@ def test_the_canary_keeps_the_users_combination_and_shrinks_only_the_workload():
     assert out["TRAINER_LOGGER"] == "[console]", "no wandb run is touched"
     assert out["OVERLONG_BUFFER_LEN"] == "0", "DAPO's 1024-token buffer cannot fit in 512-token responses"
     assert not {"ALGORITHM", "TRAINER_MODE", "STRATEGY", "ACTOR_PP", "ACTOR_TP", "ROLLOUT_TP", "ROLLOUT_N"} & set(out)
+    dynamic = settings(ALGORITHM="dapo", DAPO_DYNAMIC_SAMPLING="true", ROLLOUT_MODE="sync")
+    assert canary.canary_settings(dynamic)["MAX_RESPONSE_LENGTH"] == "4096", (
+        "recipe.dapo drops groups that all score the same: responses all cut off mid-reasoning would be dropped"
+    )
+    assert "data.train_max_samples=-1" in canary.stage_overrides("train", dynamic)
     resume = canary.stage_overrides("resume", settings(TRAIN_BATCH_SIZE=2))
     assert "trainer.total_training_steps=3" in resume and "data.train_max_samples=6" in resume
     assert "trainer.resume_mode=auto" in resume and "trainer.test_freq=-1" in resume
@@ -284,3 +289,20 @@ def test_a_bad_setting_stops_the_canary_before_anything_starts_naming_the_settin
     assert "CONFIG_GPUS_PER_NODE=0: training needs at least 1 GPU per node" in result.stderr
     assert not fake_cluster.calls("srun") and not Path(canary_job["FAKE_TRAINER_LOG"]).exists()
     assert not Path(canary_job["CONFIG_OUTPUT_DIR"]).exists(), "the real run's folder is not even created"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"},
+        {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
+         "CONFIG_GPUS_PER_NODE": "4"},
+    ],
+)  # fmt: skip
+def test_the_canary_overrides_compose_with_verls_recipe_configs(canary_job, overrides):
+    """The canary runs the user's combination: its overrides must compose with the recipes' configs too."""
+    recipes = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"
+    env = canary_job | QUICK | overrides | {"PREFLIGHT_ONLY": "1", "CONTAINER": "none", "PYTHONPATH": str(recipes)}
+    result = run(env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "composes and passes verl's checks" in result.stdout and "CANARY=1: " in result.stdout
