@@ -17,6 +17,7 @@
 #   sbatch run_grpo_qwen3_4b_mega_verl.sh trainer.total_epochs=2           # extra Hydra overrides go last and win
 #   PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh                   # check the settings now, on the login node
 #   CONTAINER=none bash run_grpo_qwen3_4b_mega_verl.sh                     # one workstation, verl installed locally
+#   CANARY=1 sbatch --time=01:00:00 run_grpo_qwen3_4b_mega_verl.sh         # first time on a cluster: every stage, tiny
 #
 # Edit the settings below (or override any of them from the environment). Keep the #SBATCH lines in step with them:
 # --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a separate reward node).
@@ -84,6 +85,8 @@ TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"
 FP8="${FP8:-false}"                                             # verl 0.6.1 cannot train in FP8 here: see the check
 # Behaviour of the job itself.
 PREFLIGHT_ONLY="${PREFLIGHT_ONLY:-0}"                           # 1: run the checks, start nothing
+CANARY="${CANARY:-0}"                                           # 1: train 2 steps, resume, merge, on a tiny workload
+CANARY_KEEP="${CANARY_KEEP:-0}"                                 # 1: keep the canary's checkpoints when it passes
 PREFLIGHT_DATA="${PREFLIGHT_DATA:-1}"                           # read train/val through verl's RLHFDataset first
 PREFLIGHT_REWARD="${PREFLIGHT_REWARD:-1}"                       # score a few rows through a reward server first
 REQUEUE_BEFORE_TIMEOUT="${REQUEUE_BEFORE_TIMEOUT:-1}"           # on the time-limit signal, requeue unless finished
@@ -98,6 +101,8 @@ set +a
 
 # shellcheck source=launch/common.sh
 source "$repo/launch/common.sh"
+# shellcheck source=launch/canary.sh
+source "$repo/launch/canary.sh"
 
 job_id=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)-$$}
 job_log_dir="$CONFIG_LOG_DIR/${job_id}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}"
@@ -237,16 +242,21 @@ main() {
   trap 'on_stop_signal 130' INT
   trap 'on_stop_signal 143' TERM
   export_settings
+  [[ "$CANARY" != 1 ]] || canary_settings  # its own folder and a tiny workload (launch/canary.sh)
   mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME"
   log_phase "job $job_id: logs in $job_log_dir"
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"
     return 0
   fi
-  preflight "$@"
+  preflight "$@" "${canary_train_overrides[@]}"
   if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
     log "PREFLIGHT_ONLY=1: nothing started"
     return 0
+  fi
+  if [[ "$CANARY" == 1 ]]; then
+    run_canary "$@"
+    return
   fi
   # verl prunes only its own saves: what earlier starts of this job left goes here (never the one it resumes from).
   local -a wrap

@@ -5,13 +5,88 @@ every reward server (asked with this job's REWARD_SERVER_TOKEN, as the reward fu
 address from `+ray_kwargs.ray_init.address=`) the alive Ray nodes and GPUs. With FAKE_TRAINER_PROBE_NODES=1 it also
 runs one Ray task on every node and records what verl's workers there would see in their environment.
 Then it sleeps $FAKE_TRAINER_SLEEP seconds and exits with $FAKE_TRAINER_RC (default 0).
+
+Given `trainer.total_training_steps=N`, it also imitates what verl 0.6.1's RayPPOTrainer.fit shows from outside:
+`_load_checkpoint` (resume_mode=auto: the tracker file, its messages, the step it resumes at), one console-logger line
+per step (`step:N - ...`, with val-core metrics on validation steps, as Ray prints a TaskRunner actor's lines), and
+`_save_checkpoint`'s layout (global_step_N/actor/{dist_ckpt,huggingface}, global_step_N/data.pt, the tracker file).
+$FAKE_TRAINER_BREAK breaks it on purpose: no_resume (starts from scratch although a checkpoint exists) |
+crash_on_resume (the checkpoint load raises) | no_save (writes no checkpoint).
 """
 
 import json
 import os
+import shutil
 import sys
 import time
 import urllib.request
+from pathlib import Path
+
+
+def override(argv: list[str], key: str, default: str | None = None) -> str | None:
+    """The last `key=value` on the command line (Hydra: the last one wins)."""
+    return next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith(key + "=")), default)
+
+
+def save_checkpoint(argv: list[str], root: Path, step: int, actor: str) -> None:
+    """The files RayPPOTrainer._save_checkpoint and verl's Megatron checkpoint manager write for one step."""
+    folder = root / f"global_step_{step}"
+    print(f"{actor} local_global_step_folder: {folder}", flush=True)
+    roles = ["actor", "critic"] if override(argv, "algorithm.adv_estimator") == "gae" else ["actor"]
+    model = Path(override(argv, "actor_rollout_ref.model.path"))
+    for role in roles:
+        (folder / role / "dist_ckpt").mkdir(parents=True, exist_ok=True)
+        hf = folder / role / "huggingface"  # rank 0 saves the HF config and tokenizer, no weights
+        hf.mkdir(exist_ok=True)
+        for f in model.iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".index.json")):
+                shutil.copy(f, hf / f.name)
+    (folder / "data.pt").write_bytes(b"dataloader state")
+    (root / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+
+def imitate_fit(argv: list[str]) -> int:
+    """verl 0.6.1's fit loop as seen from outside (resume, step lines, checkpoints); 0, or 1 on crash_on_resume."""
+    broken = os.environ.get("FAKE_TRAINER_BREAK", "")
+    total = int(override(argv, "trainer.total_training_steps"))
+    root = Path(override(argv, "trainer.default_local_dir"))
+    save_freq, test_freq = (
+        int(override(argv, "trainer.save_freq", "-1")),
+        int(override(argv, "trainer.test_freq", "-1")),
+    )
+    actor = f"(TaskRunner pid={os.getpid()})"  # Ray's prefix for lines printed in verl's TaskRunner actor
+    print(f"{actor} Total training steps: {total}", flush=True)
+    step = 0
+    if override(argv, "trainer.resume_mode", "auto") == "auto":
+        tracker = root / "latest_checkpointed_iteration.txt"
+        folder = root / f"global_step_{tracker.read_text().strip()}" if tracker.exists() else None
+        if folder is None or broken == "no_resume":
+            print(f"{actor} Checkpoint tracker file does not exist: {tracker}", flush=True)
+            print(f"{actor} Training from scratch", flush=True)
+        else:
+            print(f"{actor} Found checkpoint: %s {folder}", flush=True)  # sic: verl passes print() a %s and the path
+            print(f"{actor} Load from checkpoint folder: {folder}", flush=True)
+            step = int(str(folder).split("global_step_")[-1])
+            print(f"{actor} Setting global step to {step}", flush=True)
+            print(f"{actor} Resuming from {folder}", flush=True)
+            if broken == "crash_on_resume":
+                print("Traceback (most recent call last):", file=sys.stderr)
+                print(
+                    f"RuntimeError: could not load the distributed checkpoint {folder}/actor/dist_ckpt", file=sys.stderr
+                )
+                return 1
+    while step < total:
+        step += 1
+        last = step >= total
+        metrics = {}
+        if test_freq > 0 and (last or step % test_freq == 0):
+            metrics["val-core/safe_hack/reward/mean@1"] = 0.25
+        metrics |= {"training/global_step": step, "training/epoch": 0, "critic/score/mean": 0.5}
+        if save_freq > 0 and (last or step % save_freq == 0) and broken != "no_save":
+            save_checkpoint(argv, root, step, actor)
+        print(f"{actor} step:{step} - " + " - ".join(f"{k}:{v}" for k, v in metrics.items()), flush=True)
+    return 0
+
 
 NODE_ENV = ("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP", "WANDB_RUN_ID", "WANDB_RESUME")
 
@@ -53,7 +128,12 @@ def main() -> int:
         ray.shutdown()
     with open(os.environ["FAKE_TRAINER_LOG"], "a", encoding="utf-8") as f:
         f.write(json.dumps(seen) + "\n")
-    print("fake trainer: step 1/1 done", flush=True)
+    if override(argv, "trainer.total_training_steps", "null") != "null":
+        rc = imitate_fit(argv)
+        if rc:
+            return rc
+    else:
+        print("fake trainer: step 1/1 done", flush=True)
     time.sleep(float(os.environ.get("FAKE_TRAINER_SLEEP", "0")))
     return int(os.environ.get("FAKE_TRAINER_RC", "0"))
 

@@ -1,0 +1,284 @@
+"""The canary: every GPU stage of the real job on a tiny workload, in one allocation, before the day-long run.
+
+`CANARY=1 sbatch run_grpo_qwen3_4b_mega_verl.sh` runs the stages (launch/canary.sh); this module holds what they
+compute and check:
+
+    python -m launch.canary settings          # the tiny workload as NAME=VALUE settings, NUL-separated
+    python -m launch.canary overrides STAGE   # that training stage's extra Hydra overrides, NUL-separated
+    python -m launch.canary check STAGE --rc RC --seconds S --log LOG --ckpt DIR [--target DIR] --results FILE
+    python -m launch.canary skip STAGE --because WHY --results FILE
+    python -m launch.canary summary --results FILE    # the table; exit 1 unless every stage passed
+
+Each check reads verl 0.6.1's own output: the lines RayPPOTrainer.fit prints through its console logger
+(`step:N - ... training/global_step:N ...`), what `_load_checkpoint` prints on a resume (`Setting global step to N`)
+or without one (`Training from scratch`), and the checkpoint folder `_save_checkpoint` writes (global_step_N/actor,
+latest_checkpointed_iteration.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from launch.settings import SettingError, Settings, check
+
+TRAIN_STEPS = 2  # stage 1: two steps, a checkpoint after each
+RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more
+RESPONSE_LENGTH = 512  # short responses: the rollout, the reward and the update still run on real text
+VAL_SAMPLES = 8  # validation prompts (verl pads the validation batch itself)
+AGENT_LOOP_WORKERS = 8  # rollout.agent.num_workers in verl 0.6.1: async rollout splits a step's batch in as many parts
+
+STAGES = {
+    "train": f"1 train {TRAIN_STEPS} steps, save each",
+    "resume": f"2 resume at step {TRAIN_STEPS}, run step {RESUME_STEPS}",
+    "merge": "3 merge the last checkpoint, verify",
+}
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# RayPPOTrainer.fit runs in verl's TaskRunner actor: Ray prefixes its lines with "(TaskRunner pid=N) " in the driver.
+_STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*training/global_step:.*)$")
+_RESUMED_AT = re.compile(r"Setting global step to (\d+)")
+_SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
+_ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
+
+
+def batch_size(s: Settings) -> int:
+    """The fewest prompts per step that verl can split evenly with this layout: each step's B x ROLLOUT_N responses
+    are cut into equal parts per training GPU (balance_batch), per agent-loop worker (async rollout, unpadded in
+    training), per rollout GPU (one_step_off), and per data-parallel rank x micro batch (the settings' own check)."""
+    parts = [s.training_gpus_per_node * max(s.train_nodes, 1)]
+    if s.rollout_mode == "async":
+        parts.append(AGENT_LOOP_WORKERS)
+    if s.trainer_mode == "one_step_off":
+        parts.append(s.rollout_gpus_per_node * max(s.train_nodes, 1))
+    step = math.lcm(*(max(p, 1) for p in parts))  # 0 GPUs is the settings check's to report, by name
+    for b in range(1, 4097):
+        if (b * s.rollout_n) % step:
+            continue
+        problems = check(replace(s, train_batch_size=b, ppo_mini_batch_size=b), check_paths=False)
+        if not any("TRAIN_BATCH_SIZE" in p or "PPO_MINI_BATCH_SIZE" in p for p in problems):
+            return b
+    raise SettingError(f"no canary batch size up to 4096 prompts splits evenly over this layout ({parts} x ROLLOUT_N)")
+
+
+def canary_settings(s: Settings) -> dict[str, str]:
+    """The settings the canary changes; everything else (models, data, algorithm, mode, strategy, parallel layout,
+    engine) stays the user's, so the canary runs the combination the real job will."""
+    b = batch_size(s)
+    response = min(s.max_response_length, RESPONSE_LENGTH)
+    if s.uses_recipe == "recipe.dapo":
+        # Dynamic sampling drops groups whose responses all score the same, and short responses of a thinking model
+        # are all cut off mid-reasoning (one penalty for all): recipe.dapo would give up after max_num_gen_batches.
+        response = s.max_response_length
+    out = {
+        "TRAIN_BATCH_SIZE": str(b),
+        "PPO_MINI_BATCH_SIZE": str(b),  # one optimizer step per training step
+        "MAX_RESPONSE_LENGTH": str(response),
+        "SAVE_FREQ": "1",
+        "TEST_FREQ": str(TRAIN_STEPS),  # validation once, at the last step of stage 1
+        # Enough epochs for every step even if data.filter_overlong_prompts leaves a single batch per epoch.
+        "TOTAL_EPOCHS": str(RESUME_STEPS),
+        "EXPERIMENT_NAME": f"{s.experiment_name}_canary",
+        "TRAINER_LOGGER": "[console]",  # the steps are read from verl's console lines; no wandb run is touched
+        "REQUEUE_BEFORE_TIMEOUT": "0",
+    }
+    if s.overlong_buffer_len >= response:
+        out["OVERLONG_BUFFER_LEN"] = "0"  # DAPO's buffer must fit in the shorter responses: a quarter of them
+    return out
+
+
+def stage_overrides(stage: str, s: Settings) -> list[str]:
+    """Extra Hydra overrides of a training stage (they go after the user's, so they win)."""
+    steps = {"train": TRAIN_STEPS, "resume": RESUME_STEPS}[stage]
+    out = [
+        "trainer.resume_mode=auto",
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=False",
+        # Dynamic sampling draws batches until enough groups vary: it may need more prompts than the steps.
+        f"data.train_max_samples={-1 if s.uses_recipe == 'recipe.dapo' else RESUME_STEPS * s.train_batch_size}",
+        f"data.val_max_samples={VAL_SAMPLES}",
+    ]
+    if stage == "resume":
+        out.append("trainer.test_freq=-1")  # validated once already, in stage 1
+    return out
+
+
+def logged_steps(text: str) -> dict[int, str]:
+    """{step: the rest of its line} for every training step verl's console logger printed."""
+    steps = {}
+    for line in _ANSI.sub("", text).splitlines():
+        match = _STEP_LINE.search(line)
+        if match:
+            steps[int(match.group(1))] = match.group(2)
+    return steps
+
+
+def saved_step(ckpt: Path) -> int | None:
+    """The step in verl's tracker file (latest_checkpointed_iteration.txt), None without one."""
+    try:
+        return int((ckpt / "latest_checkpointed_iteration.txt").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _checkpoint_problems(ckpt: Path, steps: range) -> list[str]:
+    problems = [f"no checkpoint of step {n}: {ckpt}/global_step_{n}/actor is missing" for n in steps
+                if not (ckpt / f"global_step_{n}" / "actor").is_dir()]  # fmt: skip
+    tracked = saved_step(ckpt)
+    if tracked != steps[-1]:
+        problems.append(f"{ckpt}/latest_checkpointed_iteration.txt says {tracked}, expected {steps[-1]}")
+    return problems
+
+
+def check_train(text: str, ckpt: Path) -> list[str]:
+    """Stage 1: steps 1..TRAIN_STEPS ran from scratch, validation ran, and each step was saved."""
+    problems = []
+    resumed = _RESUMED_AT.search(text)
+    if resumed:
+        problems.append(f"verl resumed at step {resumed.group(1)} in a fresh folder: {ckpt} was not empty")
+    steps = logged_steps(text)
+    expected = list(range(1, TRAIN_STEPS + 1))
+    if sorted(steps) != expected:
+        problems.append(f"verl logged steps {sorted(steps)}, expected {expected} (its 'step:N - ...' lines)")
+    elif not any("val-core/" in rest for rest in steps.values()):
+        problems.append(f"no validation metrics (val-core/...) at step {TRAIN_STEPS}: validation did not run")
+    return problems + _checkpoint_problems(ckpt, range(1, TRAIN_STEPS + 1))
+
+
+def check_resume(text: str, ckpt: Path) -> list[str]:
+    """Stage 2: verl loaded the step-TRAIN_STEPS checkpoint (not step 0), ran exactly the next step and saved it."""
+    problems = []
+    resumed = _RESUMED_AT.search(text)
+    if "Training from scratch" in text or not resumed:
+        problems.append(
+            f"verl started from step 0 ('Training from scratch'), not from the step-{TRAIN_STEPS} checkpoint in {ckpt}"
+        )
+    elif int(resumed.group(1)) != TRAIN_STEPS:
+        problems.append(f"verl resumed at step {resumed.group(1)}, expected {TRAIN_STEPS}")
+    steps = sorted(logged_steps(text))
+    if steps != [RESUME_STEPS]:
+        problems.append(f"verl logged steps {steps} after the resume, expected [{RESUME_STEPS}]")
+    return problems + _checkpoint_problems(ckpt, range(RESUME_STEPS, RESUME_STEPS + 1))
+
+
+def check_merge(text: str, target: Path) -> list[str]:
+    """Stage 3: merge_mcore_to_hf.sh wrote the model and launch.verify_hf passed on it."""
+    problems = []
+    if not (target / "config.json").is_file():
+        problems.append(f"no merged model at {target}")
+    if "verified " not in text:
+        problems.append("launch.verify_hf did not report the merged model verified")
+    return problems
+
+
+def explaining_lines(text: str, n: int = 12) -> list[str]:
+    """The lines that most likely explain a failure: up to the last error-looking line (and 2 after), else the last n.
+    When they start inside a longer list from one program (`verify: ...` lines), the list's first lines come too."""
+    lines = [line for line in _ANSI.sub("", text).splitlines() if line.strip()]
+    marks = [i for i, line in enumerate(lines) if _ERROR_LINE.search(line)]
+    end = min(marks[-1] + 3, len(lines)) if marks else len(lines)
+    start = max(0, end - n)
+    speaker = _SPEAKER.match(lines[start]) if start < len(lines) else None
+    first = start
+    while speaker and first > 0 and lines[first - 1].startswith(speaker.group(0)):
+        first -= 1
+    if first == start:
+        return lines[start:end]
+    return [*lines[first : first + n // 2], f"... ({start - first} more)", *lines[end - n // 2 : end]]
+
+
+def evaluate(stage: str, rc: int, text: str, ckpt: Path, target: Path | None) -> list[str]:
+    """Every reason the stage failed; empty when it passed."""
+    if rc != 0:
+        return [f"{'merge_mcore_to_hf.sh' if stage == 'merge' else 'the training launch'} exited with {rc}"]
+    if stage == "train":
+        return check_train(text, ckpt)
+    if stage == "resume":
+        return check_resume(text, ckpt)
+    return check_merge(text, target or Path("/nonexistent"))
+
+
+def record(results: Path, entry: dict) -> None:
+    with open(results, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def read_results(results: Path) -> dict[str, dict]:
+    if not results.exists():
+        return {}
+    return {e["stage"]: e for e in map(json.loads, results.read_text().splitlines())}
+
+
+def summary(results: dict[str, dict]) -> tuple[str, bool]:
+    """The table of every stage (passed, FAILED, skipped, not run), with the reasons and log of each failure."""
+    rows = [f"{'stage':<42} {'result':<8} {'time':>7}"]
+    for stage, title in STAGES.items():
+        e = results.get(stage, {"status": "not run", "reason": "the job stopped before this stage"})
+        seconds = f"{e['seconds']} s" if "seconds" in e else "-"
+        status = "FAILED" if e["status"] == "failed" else e["status"]
+        rows.append(f"{title:<42} {status:<8} {seconds:>7}")
+        if e["status"] != "passed":
+            rows += [f"    {e['reason']}"]
+        if e["status"] == "failed":
+            rows += [f"    log: {e['log']}", *(f"    | {line}" for line in e.get("lines", []))]
+    ok = all(results.get(stage, {}).get("status") == "passed" for stage in STAGES)
+    verdict = "every stage passed" if ok else "FAILED: fix what is shown above before the real run"
+    return "\n".join(["canary summary", *rows, f"canary: {verdict}"]), ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("settings")
+    sub.add_parser("overrides").add_argument("stage", choices=["train", "resume"])
+    c = sub.add_parser("check")
+    c.add_argument("stage", choices=list(STAGES))
+    for name in ("--rc", "--seconds"):
+        c.add_argument(name, type=int, required=True)
+    for name in ("--log", "--ckpt", "--results"):
+        c.add_argument(name, type=Path, required=True)
+    c.add_argument("--target", type=Path)
+    k = sub.add_parser("skip")
+    k.add_argument("stage", choices=list(STAGES))
+    k.add_argument("--because", required=True)
+    k.add_argument("--results", type=Path, required=True)
+    sub.add_parser("summary").add_argument("--results", type=Path, required=True)
+    args = p.parse_args(argv)
+
+    if args.command in ("settings", "overrides"):
+        try:
+            s = Settings.from_env()
+            items = (
+                [f"{k}={v}" for k, v in canary_settings(s).items()]
+                if args.command == "settings"
+                else stage_overrides(args.stage, s)
+            )
+        except SettingError as exc:
+            print(f"canary: {exc}", file=sys.stderr)
+            return 1
+        sys.stdout.write("\0".join(items) + "\0")
+        return 0
+    if args.command == "check":
+        text = args.log.read_text(errors="replace") if args.log.exists() else ""
+        problems = evaluate(args.stage, args.rc, text, args.ckpt, args.target)
+        entry = {"stage": args.stage, "status": "failed" if problems else "passed", "seconds": args.seconds}
+        if problems:
+            entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
+        record(args.results, entry)
+        print(f"canary: stage {STAGES[args.stage]}: {'FAILED: ' + entry['reason'] if problems else 'passed'}")
+        return 1 if problems else 0
+    if args.command == "skip":
+        record(args.results, {"stage": args.stage, "status": "skipped", "reason": args.because})
+        return 0
+    table, ok = summary(read_results(args.results))
+    print(table)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

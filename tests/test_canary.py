@@ -1,0 +1,307 @@
+"""The canary (CANARY=1): train 2 steps, resume, merge, and one summary, through the real run script.
+
+The cluster programs, the trainer and the merger are fakes (tests/fakes): the trainer imitates what verl 0.6.1's fit
+loop prints and writes (resume messages, step lines, checkpoint layout), so the canary's checks read the same text
+they will read on a cluster. Reward servers, Ray, the preflight, merge_mcore_to_hf.sh and launch.verify_hf are real."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import canary
+from launch.settings import Settings, check
+from tests.support import REPO, run
+
+# The settings block's defaults, as run_grpo_qwen3_4b_mega_verl.sh exports them.
+DEFAULTS = dict(
+    CONTAINER="none", CONFIG_IMAGE_PATH="x.sif", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r",
+    CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
+    CONFIG_GPUS_PER_NODE="4", CONFIG_USE_SEPARATE_REWARD_NODE="false", ROLLOUT_MODE="async", TRAIN_BATCH_SIZE="256",
+    MAX_PROMPT_LENGTH="2048", MAX_RESPONSE_LENGTH="4096", ACTOR_LR="1e-6", PPO_MINI_BATCH_SIZE="128",
+    MICRO_BATCH_PER_GPU="4", ACTOR_PP="2", ACTOR_TP="1", ROLLOUT_TP="1", ROLLOUT_N="4", ROLLOUT_GPU_MEMORY="0.4",
+    KL_LOSS_COEF="0.001", PROJECT_NAME="p", EXPERIMENT_NAME="qwen3_4b_grpo_megatron", SAVE_FREQ="25", TEST_FREQ="5",
+    TOTAL_EPOCHS="1", FP8="false", TRAINER_LOGGER="[console,wandb]", ALGORITHM="grpo", TRAINER_MODE="sync",
+    STRATEGY="megatron", REWARD_MANAGER="auto", CRITIC_MODEL_PATH="", CRITIC_LR="1e-5", CRITIC_PP="1", CRITIC_TP="1",
+    DAPO_DYNAMIC_SAMPLING="false", OVERLONG_BUFFER_LEN="0", ROLLOUT_GPUS_PER_NODE="0",
+)  # fmt: skip
+
+
+def settings(**overrides) -> Settings:
+    return Settings.from_env(DEFAULTS | {k: str(v) for k, v in overrides.items()})
+
+
+# --- the workload ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({}, 2),  # the reference job: 2 x 4 responses = 8, one per agent-loop worker, 4 per data-parallel rank
+        ({"ROLLOUT_MODE": "sync", "CONFIG_GPUS_PER_NODE": 1, "ACTOR_PP": 1}, 1),  # 4 responses, one micro batch
+        ({"ROLLOUT_MODE": "sync", "CONFIG_GPUS_PER_NODE": 8, "ACTOR_PP": 1}, 8),  # 8 ranks x micro batch 4 = 32
+        ({"SLURM_NNODES": 2, "ROLLOUT_N": 1}, 16),  # 8 GPUs, PP 2: 4 ranks x 4 = 16 responses of one each
+        (
+            {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": 2},
+            2,  # 2 training GPUs (FSDP: 2 ranks x micro 4 = 8), 2 rollout GPUs
+        ),
+    ],
+)
+def test_the_canary_batch_is_the_fewest_prompts_every_rank_and_worker_gets_an_equal_share(overrides, expected):
+    s = settings(**overrides)
+    b = canary.batch_size(s)
+    assert b == expected
+    assert not check(Settings.from_env(DEFAULTS | {k: str(v) for k, v in overrides.items()} |
+                                       {"TRAIN_BATCH_SIZE": str(b), "PPO_MINI_BATCH_SIZE": str(b)}), check_paths=False)  # fmt: skip
+
+
+def test_the_canary_keeps_the_users_combination_and_shrinks_only_the_workload():
+    s = settings(ALGORITHM="dapo", OVERLONG_BUFFER_LEN=1024)
+    out = canary.canary_settings(s)
+    assert out["MAX_RESPONSE_LENGTH"] == "512" and out["SAVE_FREQ"] == "1" and out["TEST_FREQ"] == "2"
+    assert out["EXPERIMENT_NAME"] == "qwen3_4b_grpo_megatron_canary", "never the real run's experiment"
+    assert out["TRAINER_LOGGER"] == "[console]", "no wandb run is touched"
+    assert out["OVERLONG_BUFFER_LEN"] == "0", "DAPO's 1024-token buffer cannot fit in 512-token responses"
+    assert not {"ALGORITHM", "TRAINER_MODE", "STRATEGY", "ACTOR_PP", "ACTOR_TP", "ROLLOUT_TP", "ROLLOUT_N"} & set(out)
+    dynamic = settings(ALGORITHM="dapo", DAPO_DYNAMIC_SAMPLING="true", ROLLOUT_MODE="sync")
+    assert canary.canary_settings(dynamic)["MAX_RESPONSE_LENGTH"] == "4096", (
+        "recipe.dapo drops groups that all score the same: responses all cut off mid-reasoning would be dropped"
+    )
+    assert "data.train_max_samples=-1" in canary.stage_overrides("train", dynamic)
+    resume = canary.stage_overrides("resume", settings(TRAIN_BATCH_SIZE=2))
+    assert "trainer.total_training_steps=3" in resume and "data.train_max_samples=6" in resume
+    assert "trainer.resume_mode=auto" in resume and "trainer.test_freq=-1" in resume
+
+
+# --- reading verl's output -------------------------------------------------------------------------------------
+
+STEP_1 = (
+    "\x1b[36m(TaskRunner pid=4711)\x1b[0m step:1 - training/global_step:1 - training/epoch:0 - critic/score/mean:0.5"
+)
+STEP_3 = "(TaskRunner pid=4711) step:3 - training/global_step:3 - training/epoch:0"
+
+
+def checkpoint(root: Path, *steps: int) -> Path:
+    for step in steps:
+        (root / f"global_step_{step}" / "actor").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text(str(steps[-1]))
+    return root
+
+
+def test_step_lines_are_read_through_rays_actor_prefix_and_colours():
+    text = "\n".join(["Training Progress:  50%|#####     | 1/2", STEP_1, "step:2 is not a logger line", STEP_3])
+    assert sorted(canary.logged_steps(text)) == [1, 3]
+
+
+def test_a_resume_passes_only_at_step_2_with_one_more_step_saved(tmp_path):
+    ckpt = checkpoint(tmp_path, 1, 2, 3)
+    resumed = f"(TaskRunner pid=1) Load from checkpoint folder: {ckpt}/global_step_2\n"
+    ok = resumed + "(TaskRunner pid=1) Setting global step to 2\n" + STEP_3
+    assert canary.check_resume(ok, ckpt) == []
+    scratch = "(TaskRunner pid=1) Training from scratch\n" + "\n".join([STEP_1, STEP_1.replace(":1", ":2"), STEP_3])
+    (problem, steps) = canary.check_resume(scratch, ckpt)
+    assert "started from step 0 ('Training from scratch')" in problem and "logged steps [1, 2, 3]" in steps
+    wrong = resumed + "Setting global step to 1\n" + STEP_3.replace(":3", ":2")
+    assert "resumed at step 1, expected 2" in canary.check_resume(wrong, ckpt)[0]
+    assert "global_step_3/actor is missing" in canary.check_resume(ok, checkpoint(tmp_path / "b", 1, 2))[0]
+
+
+def test_training_without_validation_or_a_save_per_step_fails_stage_1(tmp_path):
+    steps = [STEP_1, STEP_1.replace(":1", ":2")]
+    assert "no validation metrics" in canary.check_train("\n".join(steps), checkpoint(tmp_path, 1, 2))[0]
+    validated = steps[:1] + [steps[1] + " - val-core/safe_hack/reward/mean@1:0.25"]
+    assert canary.check_train("\n".join(validated), tmp_path) == []
+    (missing,) = canary.check_train("\n".join(validated), checkpoint(tmp_path / "b", 2))
+    assert "global_step_1/actor is missing" in missing, "a save after every step, not only the last"
+
+
+def test_the_summary_shows_each_failure_with_its_log_and_lines_and_the_stages_it_skipped():
+    results = {
+        "train": {"stage": "train", "status": "passed", "seconds": 300},
+        "resume": {"stage": "resume", "status": "failed", "seconds": 90, "reason": "verl started from step 0",
+                   "log": "/logs/777/canary/resume/launch.log", "lines": ["Training from scratch"]},
+    }  # fmt: skip
+    table, ok = canary.summary(results)
+    assert not ok
+    lines = table.splitlines()
+    assert any(line.startswith("1 train 2 steps, save each") and "passed" in line and "300 s" in line for line in lines)
+    assert any(line.startswith("2 resume at step 2, run step 3") and "FAILED" in line for line in lines)
+    assert "log: /logs/777/canary/resume/launch.log" in table and "| Training from scratch" in table
+    assert any(line.startswith("3 merge") and "not run" in line for line in lines)
+    assert lines[-1].startswith("canary: FAILED")
+    results["resume"] = {"stage": "resume", "status": "passed", "seconds": 90}
+    results["merge"] = {"stage": "merge", "status": "passed", "seconds": 60}
+    assert canary.summary(results) == (canary.summary(results)[0], True)
+
+
+def test_the_explaining_lines_end_at_the_last_error_not_at_the_shutdown_noise():
+    text = "\n".join(["step ok"] * 30 + ["Traceback (most recent call last):", "  File x", "RuntimeError: boom"]
+                     + ["cleanup: stopping ray"] * 20)  # fmt: skip
+    lines = canary.explaining_lines(text)
+    assert "RuntimeError: boom" in lines and lines[-1] == "cleanup: stopping ray" and len(lines) == 12
+    problems = [f"verify: problem {i}" for i in range(30)] + ["verify: FAILED, 30 problem(s)"]
+    lines = canary.explaining_lines("\n".join(["merging"] + problems + ["ERROR: the merged model is incomplete"]))
+    assert lines[0] == "verify: problem 0" and lines[-1] == "ERROR: the merged model is incomplete", (
+        "a long list of problems shows how it starts and how it ends"
+    )
+
+
+# --- the whole canary through the run script -------------------------------------------------------------------
+
+
+@pytest.fixture
+def canary_job(job, tmp_path, fake_cluster):  # noqa: F811
+    merger = fake_cluster.bin_dir / "fake-merger"
+    merger.write_text(  # drops `-m verl.model_merger` as test_merge's does
+        f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{REPO / "tests" / "fakes" / "fake_merger.py"}" "$@"\n'
+    )
+    merger.chmod(0o755)
+    return job | {"CANARY": "1", "MERGER_LAUNCHER": str(merger), "FAKE_MERGER_LOG": str(tmp_path / "merger.jsonl")}
+
+
+def trainer_runs(env) -> list[dict]:
+    return [json.loads(line) for line in Path(env["FAKE_TRAINER_LOG"]).read_text().splitlines()]
+
+
+def merger_calls(env) -> list[list[str]]:
+    path = Path(env["FAKE_MERGER_LOG"])
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def canary_logs(env) -> Path:
+    (job_dir,) = Path(env["CONFIG_LOG_DIR"]).iterdir()
+    return job_dir / "canary"
+
+
+def files(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def summary_row(output: str, stage: str) -> str:
+    return next(line for line in output.splitlines() if line.startswith(canary.STAGES[stage]))
+
+
+def test_the_canary_trains_resumes_and_merges_in_one_job_and_touches_nothing_of_the_real_run(
+    canary_job, tmp_path, tiny_models
+):
+    real = Path(canary_job["CONFIG_OUTPUT_DIR"])
+    # The real run, 25 steps in: the canary must neither resume from it nor change it.
+    checkpoint(real, 25)
+    before = files(tmp_path)
+    result = run(canary_job, "trainer.total_training_steps=100")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+
+    first, second = trainer_runs(canary_job)
+    canary_ckpt = f"{real}_canary/"
+    for seen, steps in ((first, 2), (second, 3)):
+        argv = seen["argv"]
+        (out,) = [a for a in argv if a.startswith("trainer.default_local_dir=")]
+        assert out.startswith(f"trainer.default_local_dir={canary_ckpt}") and out.endswith("/checkpoints")
+        assert "trainer.experiment_name=qwen3_4b_grpo_megatron_canary" in argv and "trainer.logger=[console]" in argv
+        assert "trainer.save_freq=1" in argv and f"data.max_response_length={canary.RESPONSE_LENGTH}" in argv
+        assert argv.index("trainer.total_training_steps=100") < argv.index(f"trainer.total_training_steps={steps}"), (
+            "the canary's step count goes after the user's overrides, so it wins"
+        )
+    logs = canary_logs(canary_job)
+    assert "Setting global step to 2" in (logs / "resume" / "launch.log").read_text()
+    assert (logs / "train" / "trainer.log").exists() and (logs / "resume" / "trainer.log").exists()
+    (merge,) = merger_calls(canary_job)
+    assert merge[merge.index("--local_dir") + 1].endswith("/checkpoints/global_step_3/actor")
+    assert "verified " in (logs / "merge.log").read_text()
+    for stage in canary.STAGES:
+        assert " passed " in summary_row(output, stage)
+    assert "canary: every stage passed" in output
+    assert (logs / "summary.txt").read_text().strip().endswith("canary: every stage passed")
+    assert "removing the canary's checkpoints" in output and not Path(canary_ckpt).exists()
+
+    after = files(tmp_path)
+    changed = {p for p in after if before.get(p) != after[p]}
+    job_logs = str(logs.parent.relative_to(tmp_path))
+    records = {"fake_cluster.jsonl", "trainer_seen.jsonl", "merger.jsonl"}
+    outside = {p for p in changed if not p.startswith((job_logs + "/", "home/.cache/")) and p not in records}
+    assert not outside, f"the canary wrote outside its folders: {sorted(outside)}"
+    assert {p for p in before if p.startswith("ckpt/")} == {p for p in after if p.startswith("ckpt/")}
+    assert not (REPO / "hf_models").exists() or not any((REPO / "hf_models").iterdir())
+
+
+QUICK = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight has its own tests
+
+
+@pytest.mark.parametrize(
+    "broken, needle",
+    [
+        ("no_resume", "verl started from step 0 ('Training from scratch')"),
+        ("crash_on_resume", "exited with 1"),
+    ],
+)
+def test_a_trainer_that_does_not_resume_fails_stage_2_and_the_job(canary_job, broken, needle):
+    result = run(canary_job | QUICK | {"FAKE_TRAINER_BREAK": broken})
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert " passed " in summary_row(output, "train")
+    assert " FAILED " in summary_row(output, "resume") and needle in output
+    assert f"log: {canary_logs(canary_job) / 'resume' / 'launch.log'}" in output
+    if broken == "crash_on_resume":
+        assert "| RuntimeError: could not load the distributed checkpoint" in output, "the lines that explain it"
+    assert " passed " in summary_row(output, "merge"), "step 2's checkpoint is still merged and verified"
+    assert "kept for inspection" in output
+
+
+def test_a_merged_model_that_fails_verification_fails_stage_3(canary_job):
+    result = run(canary_job | QUICK | {"FAKE_MERGER_BREAK": "missing_shard"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert " passed " in summary_row(output, "resume")
+    assert " FAILED " in summary_row(output, "merge")
+    assert "| verify: shard model-00002-of-00002.safetensors is listed in the index but missing" in output
+    assert f"log: {canary_logs(canary_job) / 'merge.log'}" in output
+
+
+def test_a_trainer_that_fails_in_stage_1_skips_the_stages_that_need_its_checkpoint(canary_job):
+    result = run(canary_job | QUICK | {"FAKE_TRAINER_RC": "3"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert " FAILED " in summary_row(output, "train") and "exited with 3" in output
+    assert " skipped " in summary_row(output, "resume") and " skipped " in summary_row(output, "merge")
+    assert len(trainer_runs(canary_job)) == 1 and merger_calls(canary_job) == []
+    assert os.path.exists(canary_logs(canary_job) / "summary.txt")
+
+
+def test_on_two_nodes_each_stage_meets_in_its_own_folder_so_stage_2_sees_no_stale_done(canary_job):
+    """The nodes meet through files in the log folder (cluster.env, done): stage 1's `done` must not stop stage 2's
+    worker before it joins Ray."""
+    env = canary_job | QUICK | {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2"}
+    result = run(env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert [(seen["ray_nodes"], seen["ray_gpus"]) for seen in trainer_runs(env)] == [(2, 2), (2, 2)]
+    assert "canary: every stage passed" in output
+    assert (canary_logs(env) / "train" / "done").exists() and (canary_logs(env) / "resume" / "done").exists()
+
+
+def test_a_bad_setting_stops_the_canary_before_anything_starts_naming_the_setting(canary_job, fake_cluster):
+    result = run(canary_job | {"CONFIG_GPUS_PER_NODE": "0"})
+    assert result.returncode == 1
+    assert "CONFIG_GPUS_PER_NODE=0: training needs at least 1 GPU per node" in result.stderr
+    assert not fake_cluster.calls("srun") and not Path(canary_job["FAKE_TRAINER_LOG"]).exists()
+    assert not Path(canary_job["CONFIG_OUTPUT_DIR"]).exists(), "the real run's folder is not even created"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"},
+        {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
+         "CONFIG_GPUS_PER_NODE": "4"},
+    ],
+)  # fmt: skip
+def test_the_canary_overrides_compose_with_verls_recipe_configs(canary_job, overrides):
+    """The canary runs the user's combination: its overrides must compose with the recipes' configs too."""
+    recipes = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"
+    env = canary_job | QUICK | overrides | {"PREFLIGHT_ONLY": "1", "CONTAINER": "none", "PYTHONPATH": str(recipes)}
+    result = run(env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "composes and passes verl's checks" in result.stdout and "CANARY=1: " in result.stdout
