@@ -81,7 +81,11 @@ def prompt_lengths(tokenizer, prompts: list[list[dict]], template_kwargs: dict) 
 
 def validate_file(path: Path, tokenizer=None, max_prompt_length: int | None = None, template_kwargs=None) -> FileReport:
     report = FileReport(path)
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        report.error(0, f"cannot be read as parquet ({exc}); build it with python -m data_prep.build")
+        return report
     missing = {"prompt", "data_source", "reward_model"} - set(pf.schema_arrow.names)
     if missing:
         report.error(

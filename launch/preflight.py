@@ -6,7 +6,7 @@ The job's one check, in one process (one container start; the policy tokenizer l
 0. settings: launch.settings.check, one line per problem naming the setting;
 1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
    verl's `validate_config` (batch and micro-batch arithmetic, parallel sizes) and its typed config dataclasses;
-2. data: every row's schema and prompt length (data_prep.validate); with PREFLIGHT_DATA=1 also the train and val
+2. data (PREFLIGHT_DATA=1): every row's schema and prompt length (data_prep.validate), then the train and val
    parquet through verl's own RLHFDataset with the policy tokenizer and its chat template, reporting how many prompts
    verl will drop as longer than data.max_prompt_length;
 3. reward (PREFLIGHT_REWARD=1): a reward server started for the check, and verl's reward manager calling our reward
@@ -437,14 +437,14 @@ def main(argv: list[str] | None = None) -> int:
     from verl.utils import hf_tokenizer
 
     tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)  # the policy's, loaded once for every check below
-    if not check_rows(cfg, tokenizer):
-        print(
-            "preflight: the train/test parquet files have errors (above): fix them or rebuild with "
-            "python -m data_prep.build",
-            file=sys.stderr,
-        )
-        return 1
     if os.environ.get("PREFLIGHT_DATA", "1") == "1":
+        if not check_rows(cfg, tokenizer):
+            print(
+                "preflight: the train/test parquet files have errors (above): fix them or rebuild with "
+                "python -m data_prep.build",
+                file=sys.stderr,
+            )
+            return 1
         try:
             for line in check_data(cfg, tokenizer):
                 print(f"preflight: data {line}")

@@ -177,3 +177,12 @@ def slurm(env: Mapping[str, str], nodes: int, **extra: str) -> dict:
         | {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": f"node[1-{nodes}]", "SLURM_NNODES": str(nodes)}
         | extra
     )
+
+
+def block_environment() -> dict[str, str]:
+    """What the run script's settings block alone puts in the environment of the programs it starts: its defaults."""
+    out = subprocess.run(
+        ["bash", "-c", f'source <(sed -n "/^# ---- settings/,/^# ------------/p" {RUN}); env -0'],
+        capture_output=True, text=True, check=True, cwd=REPO, env={"PATH": "/usr/bin:/bin"},
+    ).stdout  # fmt: skip
+    return dict(kv.split("=", 1) for kv in out.split("\0") if "=" in kv)

@@ -13,19 +13,12 @@ import pytest
 
 from launch import canary
 from launch.settings import Settings, check
-from tests.support import REPO, run
+from tests.support import REPO, block_environment, run
 
-# The settings block's defaults, as run_grpo_qwen3_4b_mega_verl.sh exports them.
-DEFAULTS = dict(
+# The settings block's own defaults (as run_grpo_qwen3_4b_mega_verl.sh exports them), with placeholder paths.
+DEFAULTS = block_environment() | dict(
     CONTAINER="none", CONFIG_IMAGE_PATH="x.sif", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r",
     CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
-    CONFIG_GPUS_PER_NODE="4", CONFIG_USE_SEPARATE_REWARD_NODE="false", ROLLOUT_MODE="async", TRAIN_BATCH_SIZE="256",
-    MAX_PROMPT_LENGTH="2048", MAX_RESPONSE_LENGTH="4096", ACTOR_LR="1e-6", PPO_MINI_BATCH_SIZE="128",
-    MICRO_BATCH_PER_GPU="4", ACTOR_PP="2", ACTOR_TP="1", ROLLOUT_TP="1", ROLLOUT_N="4", ROLLOUT_GPU_MEMORY="0.4",
-    KL_LOSS_COEF="0.001", PROJECT_NAME="p", EXPERIMENT_NAME="qwen3_4b_grpo_megatron", SAVE_FREQ="25", TEST_FREQ="5",
-    TOTAL_EPOCHS="1", FP8="false", TRAINER_LOGGER="[console,wandb]", ALGORITHM="grpo", TRAINER_MODE="sync",
-    STRATEGY="megatron", REWARD_MANAGER="auto", CRITIC_MODEL_PATH="", CRITIC_LR="1e-5", CRITIC_PP="1", CRITIC_TP="1",
-    DAPO_DYNAMIC_SAMPLING="false", OVERLONG_BUFFER_LEN="0", ROLLOUT_GPUS_PER_NODE="0",
 )  # fmt: skip
 
 
@@ -44,8 +37,14 @@ def settings(**overrides) -> Settings:
         ({"ROLLOUT_MODE": "sync", "CONFIG_GPUS_PER_NODE": 8, "ACTOR_PP": 1}, 8),  # 8 ranks x micro batch 4 = 32
         ({"SLURM_NNODES": 2, "ROLLOUT_N": 1}, 16),  # 8 GPUs, PP 2: 4 ranks x 4 = 16 responses of one each
         (
-            {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": 2},
-            2,  # 2 training GPUs (FSDP: 2 ranks x micro 4 = 8), 2 rollout GPUs
+            {
+                "TRAINER_MODE": "one_step_off",
+                "STRATEGY": "fsdp2",
+                "ROLLOUT_MODE": "sync",
+                "ROLLOUT_GPUS_PER_NODE": 2,
+                "ROLLOUT_ENGINE": "vllm",
+            },
+            1,  # 4 responses: 2 per training GPU (FSDP2 batches by tokens) and 2 per rollout GPU
         ),
     ],
 )

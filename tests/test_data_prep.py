@@ -290,3 +290,11 @@ def test_the_data_builders_import_neither_the_launch_code_nor_the_demo():
                 names.append(node.module)
             for name in names:
                 assert name.split(".")[0] not in ("launch", "demo"), f"{path.name} imports {name}"
+
+
+def test_a_file_that_is_not_parquet_is_an_error_naming_the_file_not_a_traceback(tmp_path, capsys):
+    bad = tmp_path / "train.parquet"
+    bad.write_text("x")
+    assert validate_main([str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert f"{bad}: 0 rows, 1 with errors" in out and "cannot be read as parquet" in out

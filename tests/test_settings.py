@@ -2,24 +2,14 @@
 launch.settings that reads that same name with no default of its own."""
 
 import re
-import subprocess
 from dataclasses import MISSING, fields
 
 import pytest
 
 from launch.settings import SettingError, Settings
-from tests.support import REPO
+from tests.support import REPO, block_environment
 
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
-
-
-def block_environment() -> dict[str, str]:
-    """What the settings block alone puts in the environment of the programs it starts (no `set -a` of ours)."""
-    out = subprocess.run(
-        ["bash", "-c", f'source <(sed -n "/^# ---- settings/,/^# ------------/p" {RUN_SCRIPT}); env -0'],
-        capture_output=True, text=True, check=True, cwd=REPO, env={"PATH": "/usr/bin:/bin"},
-    ).stdout  # fmt: skip
-    return dict(kv.split("=", 1) for kv in out.split("\0") if "=" in kv)
 
 
 def block_names() -> list[str]:
