@@ -56,6 +56,10 @@ def batch_size(s: Settings) -> int:
         parts.append(AGENT_LOOP_WORKERS)
     if s.trainer_mode == "one_step_off":
         parts.append(s.rollout_gpus_per_node * max(s.train_nodes, 1))
+    if s.strategy == "fsdp2":
+        # verl's FSDP workers assert ppo_micro_batch_size_per_gpu divides each rank's mini-batch (fsdp_workers.py),
+        # dynamic batch sizes or not; the preflight checks it on the composed config.
+        parts.append(parts[0] * s.micro_batch_per_gpu)
     step = math.lcm(*(max(p, 1) for p in parts))  # 0 GPUs is the settings check's to report, by name
     for b in range(1, 4097):
         if (b * s.rollout_n) % step:

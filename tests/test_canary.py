@@ -44,7 +44,7 @@ def settings(**overrides) -> Settings:
                 "ROLLOUT_GPUS_PER_NODE": 2,
                 "ROLLOUT_ENGINE": "vllm",
             },
-            1,  # 4 responses: 2 per training GPU (FSDP2 batches by tokens) and 2 per rollout GPU
+            2,  # 8 responses: 4 per training GPU (one FSDP micro-batch, as verl asserts), 4 per rollout GPU
         ),
     ],
 )
@@ -294,7 +294,7 @@ def test_a_bad_setting_stops_the_canary_before_anything_starts_naming_the_settin
     [
         {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"},
         {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
-         "CONFIG_GPUS_PER_NODE": "4"},
+         "CONFIG_GPUS_PER_NODE": "4", "ROLLOUT_ENGINE": "vllm"},
     ],
 )  # fmt: skip
 def test_the_canary_overrides_compose_with_verls_recipe_configs(canary_job, overrides):
