@@ -436,6 +436,20 @@ def _algorithm_overrides(s: Settings) -> list[str]:
     ]
 
 
+# The trainer keys every job sets the same way, whatever the settings (the run script's header points here); the
+# per-strategy ones are in _actor_overrides. The whole command of a job is in its log folder, trainer_command.txt.
+FIXED_OVERRIDES = [
+    "data.filter_overlong_prompts=True",  # over-long prompts are dropped (the preflight counts them), never cut
+    "data.truncation=error",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.rollout.max_num_seqs=256",
+    "actor_rollout_ref.rollout.free_cache_engine=True",  # the rollout gives its memory back for the update
+    "algorithm.use_kl_in_reward=False",  # where KL is used, it is in the loss (use_kl_loss)
+    "trainer.critic_warmup=0",
+    "trainer.resume_mode=auto",  # a requeued job resumes from the newest checkpoint
+]
+
+
 def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = None) -> list[str]:
     """The exact trainer command for this algorithm, mode and strategy; the user's overrides last."""
     reward_fn = "safe_hack_reward_batch" if s.reward_manager == "batch" else "safe_hack_reward"
@@ -449,8 +463,6 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"data.train_batch_size={s.train_batch_size}",
         f"data.max_prompt_length={s.max_prompt_length}",
         f"data.max_response_length={s.max_response_length}",
-        "data.filter_overlong_prompts=True",
-        "data.truncation=error",
         f"custom_reward_function.path={REWARD_FILE}",
         f"custom_reward_function.name={reward_fn}",
         f"reward_model.reward_manager={s.reward_manager}",
@@ -458,25 +470,19 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"{a}.actor.optim.lr={s.actor_lr}",
         f"{a}.actor.ppo_mini_batch_size={s.ppo_mini_batch_size}",
         f"{a}.actor.ppo_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
-        f"{a}.actor.entropy_coeff=0",
         *_actor_overrides(s),
         f"{a}.rollout.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
         f"{a}.rollout.tensor_model_parallel_size={s.rollout_tp}",
         f"{a}.rollout.name={s.rollout_engine}",
         f"{a}.rollout.mode={s.rollout_mode}",
         f"{a}.rollout.gpu_memory_utilization={s.rollout_gpu_memory}",
-        f"{a}.rollout.max_num_seqs=256",
         f"{a}.rollout.n={s.rollout_n}",
         f"{a}.rollout.enforce_eager={s.rollout_enforce_eager}",  # False: SGLang keeps its CUDA graphs
-        f"{a}.rollout.free_cache_engine=True",
         f"{a}.ref.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
-        "algorithm.use_kl_in_reward=False",
-        "trainer.critic_warmup=0",
         f"trainer.logger={s.logger}",
         f"trainer.project_name={s.project_name}",
         f"trainer.experiment_name={s.experiment_name}",
         f"trainer.default_local_dir={Path(s.output_dir).resolve()}",
-        "trainer.resume_mode=auto",
         f"trainer.n_gpus_per_node={s.training_gpus_per_node}",
         f"trainer.nnodes={s.train_nodes}",
         f"trainer.save_freq={s.save_freq}",
@@ -485,6 +491,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         # Checkpoints (~56 GB each with optimizer state for 4B) beyond the newest few are deleted as verl saves.
         f"trainer.max_actor_ckpt_to_keep={s.max_ckpt_to_keep}",
         f"trainer.max_critic_ckpt_to_keep={s.max_ckpt_to_keep}",
+        *FIXED_OVERRIDES,
     ]  # fmt: skip
     if s.trainer_mode == "one_step_off":
         # Its own rollout GPU pool (a top-level `rollout:` block), and no hybrid engine.

@@ -6,7 +6,7 @@ from dataclasses import MISSING, fields
 
 import pytest
 
-from launch.settings import SettingError, Settings
+from launch.settings import FIXED_OVERRIDES, SettingError, Settings, trainer_argv
 from tests.support import REPO, block_environment
 
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
@@ -39,3 +39,12 @@ def test_a_missing_or_malformed_setting_names_itself():
         Settings.from_env(env | {"ACTOR_LR": "fast"})
     with pytest.raises(SettingError, match="FP8='maybe': use true or false"):
         Settings.from_env(env | {"FP8": "maybe"})
+
+
+@pytest.mark.parametrize("algorithm, strategy", [("grpo", "megatron"), ("ppo", "fsdp2"), ("dapo", "megatron")])
+def test_the_fixed_trainer_keys_are_in_every_command_and_no_key_is_set_twice(algorithm, strategy):
+    settings = Settings.from_env(block_environment() | {"ALGORITHM": algorithm, "STRATEGY": strategy})
+    argv = trainer_argv(settings)
+    assert all(fixed in argv for fixed in FIXED_OVERRIDES)
+    keys = [a.split("=", 1)[0].lstrip("+") for a in argv if "=" in a and not a.startswith("--")]
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
