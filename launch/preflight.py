@@ -337,20 +337,42 @@ def reward_round_trip(cfg, tokenizer=None, rows: int = 8) -> list[str]:
     kwargs = dict(cfg.reward_model.get("reward_kwargs", {}))
     if "overlong_buffer" in cfg.reward_model:  # recipe.dapo passes these itself
         kwargs.update(overlong_buffer_cfg=cfg.reward_model.overlong_buffer, max_resp_len=cfg.data.max_response_length)
-    manager = load_reward_manager(cfg, tokenizer, num_examine=0, **kwargs)
     data, responses, lengths = rollout_batch(tokenizer, sample)
-    reward_tensor, extra = compute_reward(data, manager)
-    penalized = [int(x) for x in extra["penalized"]]
+    if cfg.actor_rollout_ref.rollout.mode == "async":
+        scores, penalized = reward_loop_scores(cfg, tokenizer, data)
+        what = f"verl's {cfg.reward_model.reward_manager} reward loop (async rollout)"
+    else:
+        manager = load_reward_manager(cfg, tokenizer, num_examine=0, **kwargs)
+        reward_tensor, extra = compute_reward(data, manager)
+        scores = [reward_tensor[i, n - 1].item() for i, n in enumerate(lengths)]
+        penalized = [int(x) for x in extra["penalized"]]
+        what = f"verl's {cfg.reward_model.reward_manager} reward manager"
     expected = [int("</think>" not in r) for r in responses]
     if penalized != expected:
         raise ValueError(f"penalties {penalized}, expected {expected} (REWARD_PROMPT_OPENS_THINK?)")
-    lines = [f"verl's {cfg.reward_model.reward_manager} reward manager scored {len(sample)} validation rows through "
-             f"{cfg.custom_reward_function.name}:"]  # fmt: skip
-    for row, n, pen in zip(sample, lengths, penalized, strict=True):
-        score = reward_tensor[len(lines) - 1, n - 1].item()
+    lines = [f"{what} scored {len(sample)} validation rows through {cfg.custom_reward_function.name}:"]
+    for row, score, pen in zip(sample, scores, penalized, strict=True):
         note = "  (penalty: cut off mid-reasoning)" if pen else ""
         lines.append(f"  {score:+8.3f}{note}  {str(row['prompt'][-1]['content'])[:50]!r}")
     return lines
+
+
+def reward_loop_scores(cfg, tokenizer, data) -> tuple[list[float], list[int]]:
+    """Each row scored as async rollout scores it: verl's reward loop manager, built as its RewardManagerWorker builds
+    it (verl/experimental/reward/reward_manager.py), awaits run_single for every row at once."""
+    import asyncio
+
+    from verl.experimental.reward.reward_loop import get_reward_loop_manager_cls
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    async def score_all():
+        manager = get_reward_loop_manager_cls(cfg.reward_model.reward_manager)(
+            cfg, tokenizer, get_custom_reward_fn(cfg), None, None
+        )
+        return await asyncio.gather(*(manager.run_single(data[i : i + 1]) for i in range(len(data))))
+
+    out = asyncio.run(score_all())
+    return [o["reward_score"] for o in out], [int(o["reward_extra_info"]["penalized"]) for o in out]
 
 
 def start_reward_server(model_path: str, log: Path, timeout: float) -> tuple[subprocess.Popen, str]:

@@ -70,9 +70,11 @@ def test_every_accepted_combination_composes_and_passes_verls_checks(env, algori
     assert cfg.actor_rollout_ref.rollout.mode == mode and cfg.actor_rollout_ref.rollout.name == engine
     expected_manager = "dapo" if algorithm == "dapo" else ("batch" if mode == "sync" else "naive")
     assert cfg.reward_model.reward_manager == expected_manager
-    assert cfg.custom_reward_function.name == (
-        "safe_hack_reward_batch" if expected_manager == "batch" else "safe_hack_reward"
+    # async rollout: the coroutine verl's reward loop awaits; sync: the batch function, or the plain one for dapo
+    expected_function = {"batch": "safe_hack_reward_batch"}.get(
+        expected_manager, "safe_hack_reward_async" if mode == "async" else "safe_hack_reward"
     )
+    assert cfg.custom_reward_function.name == expected_function
     if algorithm == "ppo":
         assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path == str(env["CONFIG_MODEL_PATH"])
         assert cfg.critic.optim.lr == 1e-5 and cfg.critic.ppo_micro_batch_size_per_gpu == 4
@@ -238,7 +240,7 @@ def test_the_main_job_without_gpus_runs_every_check_and_the_reward_round_trip(tm
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     assert "passes verl's checks" in out and "reward servers healthy" in out and "ray cluster ready: 1/1 nodes" in out
-    assert "[ok] verl's naive reward manager scored 8 validation rows" in out
+    assert "[ok] verl's naive reward loop (async rollout) scored 8 validation rows through safe_hack_reward_async" in out
     assert "(penalty: cut off mid-reasoning)" in out
     assert "needs GPUs, not run here" in out and "sbatch run_grpo_qwen3_4b_mega_verl.sh" in out
     assert "make demo: every check passed" in out

@@ -222,7 +222,8 @@ def test_preflight_scores_real_rows_through_verls_reward_manager_and_catches_a_w
     ok = run(job | {"PREFLIGHT_ONLY": "1"})
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert (
-        "preflight: reward verl's naive reward manager scored 8 validation rows through safe_hack_reward" in ok.stdout
+        "preflight: reward verl's naive reward loop (async rollout) scored 8 validation rows through "
+        "safe_hack_reward_async" in ok.stdout
     )
     assert "(penalty: cut off mid-reasoning)" in ok.stdout
     wrong = run(job | {"PREFLIGHT_ONLY": "1", "REWARD_PROMPT_OPENS_THINK": "false"})
