@@ -25,7 +25,7 @@ class Settings:
     truncation: Literal["left", "reject"] = "left"
     token_budget: int = 0  # 0: 32768 on a GPU, 8192 on the CPU
     max_batch_rows: int = 256
-    pad_multiple: int = 64
+    pad_multiple: int = 16
     max_wait_ms: float = 20.0
     quiet_ms: float = 2.0
     compile: str = "auto"
