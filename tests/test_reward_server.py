@@ -96,11 +96,8 @@ def test_batched_scores_equal_one_at_a_time_scores(client):
 def test_a_big_request_tokenized_in_slices_keeps_its_order_and_names_the_right_item(tiny_models, reference):
     items = [{"prompt": f"p{i}", "response": f"answer number {i} " * (1 + i % 5)} for i in range(300)]
     with make_client(tiny_models) as c:
-        passes = metric(c, "reward_prepare_seconds_count")
         scores = c.post("/score_batch", json={"items": items}).json()["scores"]
-        # tokenized in chunks of PREPARE_CHUNK, each handed to the GPU thread as soon as it is ready
-        assert metric(c, "reward_prepare_seconds_count") - passes == 3
-    for i in (0, 127, 128, 257, 299):  # order holds across chunks and micro-batches
+    for i in (0, 127, 128, 257, 299):  # order holds across many micro-batches
         assert scores[i] == pytest.approx(
             reference([{"role": "user", "content": f"p{i}"}], items[i]["response"]), abs=1e-5
         )
@@ -507,16 +504,11 @@ def test_a_conversation_the_template_refuses_fails_only_its_own_request(tiny_mod
     assert good3 == scorer.tokenize([scorer.render(*_conversation(3))])
 
     with TestClient(create_app(cfg, scorer)) as c:
-        # in the third chunk of a large request: the chunks already scoring are cancelled, the request fails whole
-        items = [{"prompt": f"p{i}", "response": "ok"} for i in range(300)]
-        items[260] = {"messages": bad[0], "response": "ok"}
-        r = c.post("/score_batch", json={"items": items})
-        assert r.status_code == 422 and r.json()["detail"].startswith("items[].messages: the reward model's chat")
         r = c.post("/score", json={"messages": bad[0], "response": "ok"})
         assert r.status_code == 422, r.text
         assert r.json()["detail"].startswith("messages: the reward model's chat template refused")
         assert c.post("/score", json={"prompt": "hi", "response": "ok"}).status_code == 200
-        assert metric(c, 'reward_errors_total{kind="template_refused"}') == 2
+        assert metric(c, 'reward_errors_total{kind="template_refused"}') == 1
 
 
 def test_tokenizing_falls_back_to_encode_batch_where_encode_batch_fast_is_missing(cpu_scorer, monkeypatch):

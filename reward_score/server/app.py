@@ -23,8 +23,6 @@ from reward_score.server.batcher import Batcher, Preparer
 from reward_score.server.runner import ConversationRefused, InputTooLong, RewardScorer
 from reward_score.server.settings import Settings
 
-PREPARE_CHUNK = 128  # items tokenized per pass within one request; the GPU starts on the first chunk
-
 log = logging.getLogger("reward_server")
 
 
@@ -239,30 +237,13 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
                         endpoint,
                     )  # fmt: skip
 
-    async def prepare_and_score(items: list[ScoreItem]) -> tuple[list, list[float]]:
-        """Tokenize a large request in chunks, each handed to the batcher as soon as it is ready: the GPU starts on
-        the first chunk while the rest are tokenized (one pass over a whole step kept it idle for ~4% of the step).
-        A failure fails the whole request; chunks already handed over are cancelled."""
-        encoded, pending = [], []
-        try:
-            for start in range(0, len(items), PREPARE_CHUNK):
-                ids = await state["preparer"].ids([it.conversation() for it in items[start : start + PREPARE_CHUNK]])
-                chunk = [state["scorer"].fit(x, f"item {start + i}") for i, x in enumerate(ids)]
-                encoded += chunk
-                pending.append(asyncio.ensure_future(state["batcher"].score([e.ids for e in chunk])))
-            scores = [s for part in await asyncio.gather(*pending) for s in part]
-        except BaseException:
-            for part in pending:
-                part.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            raise
-        return encoded, scores
-
     async def score_items(items: list[ScoreItem], endpoint: str) -> tuple[list[float], list[bool]]:
         if "batcher" not in state:
             raise fail(503, "not_ready", "the model is not loaded yet", endpoint)
         try:
-            encoded, scores = await prepare_and_score(items)
+            ids = await state["preparer"].ids([it.conversation() for it in items])
+            encoded = [state["scorer"].fit(x, f"item {i}") for i, x in enumerate(ids)]
+            scores = await state["batcher"].score([e.ids for e in encoded])
         except ConversationRefused as exc:
             where = "messages" if endpoint == "/score" else "items[].messages"
             raise fail(422, "template_refused", f"{where}: {exc}", endpoint) from None
