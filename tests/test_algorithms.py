@@ -240,7 +240,9 @@ def test_the_main_job_without_gpus_runs_every_check_and_the_reward_round_trip(tm
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     assert "passes verl's checks" in out and "reward servers healthy" in out and "ray cluster ready: 1/1 nodes" in out
-    assert "[ok] verl's naive reward loop (async rollout) scored 8 validation rows through safe_hack_reward_async" in out
+    assert (
+        "[ok] verl's naive reward loop (async rollout) scored 8 validation rows through safe_hack_reward_async" in out
+    )
     assert "(penalty: cut off mid-reasoning)" in out
     assert "needs GPUs, not run here" in out and "sbatch run_grpo_qwen3_4b_mega_verl.sh" in out
     assert "make demo: every check passed" in out

@@ -52,3 +52,23 @@ def test_the_verl_loop_rows_score_every_sample_through_verls_reward_loop_and_rep
         if "arrivals" in name:  # the last sample arrives at the end of the window, so the step lasts at least that
             assert r["wall_s"] >= 2 and r["loop"]["tail_s"] < r["wall_s"] - 1.5
     assert "through verl's reward loop" in run.stdout
+
+
+def test_the_forward_profile_scores_the_step_both_ways_and_names_kernel_kinds(tmp_path):
+    from benchmarks.forward_profile import kind_of
+
+    # kernel names as the H200 profile showed them
+    assert kind_of("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT") == "matmul"
+    assert kind_of("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
+    assert kind_of("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "compiled (triton)"
+    assert kind_of("Memcpy HtoD (Pinned -> Device)") == "copy"
+    assert kind_of("void at::native::index_elementwise_kernel<128, 4>") == "other elementwise"
+    out = tmp_path / "fp.json"
+    cmd = [sys.executable, "-m", "benchmarks.forward_profile", "--shape", "tiny", "--device", "cpu", "--samples", "24",
+           "--group", "5", "--out", str(out)]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    layouts = json.loads(out.read_text())["layouts"]
+    assert [x["layout"] for x in layouts] == ["batch path (whole step planned at once)",
+                                              "small groups (5 sequences per call)"]  # fmt: skip
+    assert all(x["wall_s"] > 0 and x["tokens"] > 24 * 100 for x in layouts)
