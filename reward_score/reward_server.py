@@ -18,8 +18,8 @@ the server says so at start. Over-long input keeps its LAST `max_length` tokens 
 token), or is rejected with 413 when `REWARD_TRUNCATION=reject`.
 
 Throughput: requests are rendered and tokenized off the event loop, all that wait in one pass; then one GPU thread
-plans every waiting row into micro-batches (sorted by length, padded to a multiple of `REWARD_PAD_MULTIPLE` tokens: a
-bounded set of shapes, each under `REWARD_TOKEN_BUDGET` tokens; where lengths are mixed, several short sequences share
+plans every waiting row into micro-batches (sorted by length, padded to a multiple of `REWARD_PAD_MULTIPLE` tokens,
+each under `REWARD_TOKEN_BUDGET` tokens, cut where the fewest padded tokens are computed; where lengths are mixed, several short sequences share
 a row, each with its own positions and a block-diagonal causal mask), keeps two of them on the GPU, answers each
 request as soon as its own rows are scored, and plans the next micro-batch from whatever waits then, oldest request
 first. When idle it waits at most `REWARD_MAX_WAIT_MS` for a burst to gather; while one micro-batch runs, the next goes

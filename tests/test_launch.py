@@ -232,6 +232,18 @@ def test_preflight_scores_real_rows_through_verls_reward_manager_and_catches_a_w
     assert not fake_cluster.calls("srun")
 
 
+def test_an_async_dapo_job_is_checked_through_verls_dapo_reward_loop(job, fake_cluster):
+    """Async rollout scores in the agent loop's reward workers: the preflight awaits verl's DAPO reward loop (the
+    overlong penalty lives there) on our coroutine entry point, against a real server."""
+    ok = run(job | {"PREFLIGHT_ONLY": "1", "ALGORITHM": "dapo"})
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    assert (
+        "preflight: reward verl's dapo reward loop (async rollout) scored 8 validation rows through "
+        "safe_hack_reward_async" in ok.stdout
+    )
+    assert "(penalty: cut off mid-reasoning)" in ok.stdout
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [
