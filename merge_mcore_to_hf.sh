@@ -19,8 +19,19 @@
 set -euo pipefail
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
+# sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
+# from (Slurm's own record of the script names it when that is not the repository).
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-[[ -n "${SLURM_SUBMIT_DIR:-}" && -f "${SLURM_SUBMIT_DIR}/merge_mcore_to_hf.sh" ]] && repo=$SLURM_SUBMIT_DIR
+if [[ ! -f "$repo/launch/common.sh" && -n "${SLURM_JOB_ID:-}" ]]; then
+  if [[ -f "${SLURM_SUBMIT_DIR:-}/launch/common.sh" ]]; then
+    repo=$SLURM_SUBMIT_DIR
+  else
+    script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' || true)
+    printf 'ERROR: submitted from %s, which is not the repository (the script: %s): cd to the repository, then sbatch %s\n' \
+      "${SLURM_SUBMIT_DIR:-?}" "${script:-unknown}" "$(basename "${script:-$0}")" >&2
+    exit 1
+  fi
+fi
 CONTAINER="${CONTAINER:-singularity}"                           # singularity | apptainer | none
 CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/verl_app.sif}"
 CKPT_ROOT="${CKPT_ROOT:-${CONFIG_OUTPUT_DIR:-$repo/checkpoints/qwen3_4b_grpo_megatron}}"  # the trainer's output dir
@@ -116,8 +127,9 @@ move_into_place() {
 }
 
 merge() {
-  # a folder of this job's own beside TARGET_DIR (host and PID: two jobs on two nodes can have the same PID)
-  local tmp="$TARGET_DIR.tmp.${HOSTNAME%%.*}.$$"
+  # a folder of this job's own beside TARGET_DIR (node and PID: two jobs on two nodes can have the same PID, and
+  # two nodes the same host name)
+  local tmp="$TARGET_DIR.tmp.${SLURMD_NODENAME:-${HOSTNAME%%.*}}.$$"
   mkdir "$tmp" || die "$tmp exists: another merge is writing there; nothing was changed"
   if has_hf_weights; then
     log_phase "the checkpoint already holds Hugging Face weights: copying $step_dir/huggingface"
