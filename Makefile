@@ -1,7 +1,9 @@
 # Two commands do all setup on a fresh machine (see README.md):
 #   make demo   the main job on its embedded default: tiny models, no Slurm, no GPU
 #   make test   shellcheck + ruff + every test, then the reward tests on the oldest stack we support (what CI runs)
-# Both create the virtual environment in .venv first if it is missing or older than requirements/.
+# Both create the virtual environment in .venv first if it is missing or older than requirements/; `make test` also
+# starts the local Slurm 22.05 cluster the launch tests submit to (tests/slurm/local_slurm.sh; as root it installs
+# Slurm with apt when it is missing). `make slurm` starts only that cluster.
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -17,10 +19,10 @@ PYTEST_ARGS ?=
 
 shell_files = $(shell find . -path ./$(VENV) -prune -o -type f \( -name '*.sh' -o -path './.ci/*' \) -print | sort)
 
-.PHONY: help env demo test lint clean-env
+.PHONY: help env demo test lint slurm clean-env
 
 help:
-	@sed -n '1,4p' Makefile
+	@sed -n '1,6p' Makefile
 
 env: $(STAMP)
 
@@ -39,6 +41,11 @@ $(OLDEST)/.installed: requirements/reward-oldest.txt $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(OLDEST) -r requirements/reward-oldest.txt
 	touch $@
 
+# The launch tests' Slurm (tests/test_slurm_jobs.py and friends). Where it cannot start, `make test` goes on and those
+# tests fail with the reason (never skip); then SLURM_CONF=/var/lib/local-slurm/slurm.conf sinfo shows the nodes.
+slurm:
+	bash tests/slurm/local_slurm.sh start
+
 demo: $(STAMP)
 	$(BIN)/python -m demo.run
 
@@ -51,6 +58,7 @@ lint: $(STAMP)
 # The second run: the reward server and client tests, and verl's uvicorn pattern, on the oldest stack (transformers included).
 OLDEST_TESTS := tests/test_reward_server.py tests/test_reward_client.py tests/test_reward_stack.py
 test: lint $(OLDEST)/.installed
+	bash tests/slurm/local_slurm.sh start || echo "make test: the local Slurm cluster did not start (above): its tests will fail"
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest $(OLDEST_TESTS)
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.support import REPO, FakeCluster, free_port
+from tests import real_slurm
+from tests.support import REPO, RUN, FakeContainer, free_port
 
 
 @pytest.fixture(autouse=True)
@@ -59,9 +60,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 
 
 @pytest.fixture
-def fake_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeCluster:
-    """Fake cluster programs first on PATH; `fake_cluster.calls("srun")` returns what they were called with."""
-    cluster = FakeCluster(bin_dir=tmp_path / "fakebin", log=tmp_path / "fake_cluster.jsonl").install()
+def fake_container(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeContainer:
+    """Fake singularity/apptainer first on PATH; `fake_container.calls("singularity")` returns their calls."""
+    cluster = FakeContainer(bin_dir=tmp_path / "fakebin", log=tmp_path / "fake_container.jsonl").install()
     monkeypatch.setenv("PATH", f"{cluster.bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_CLUSTER_LOG", str(cluster.log))
     return cluster
@@ -84,7 +85,7 @@ def demo_data(tmp_path_factory):
 
 
 @pytest.fixture
-def job(tmp_path, tiny_models, demo_data, fake_cluster):
+def job(tmp_path, tiny_models, demo_data, fake_container):
     """Environment for one job of the launch tests (tests.support.run): tiny models, demo data, free ports, the fake
     trainer, fake cluster programs."""
     trainer = tmp_path / "fakebin" / "fake-trainer"
@@ -95,7 +96,7 @@ def job(tmp_path, tiny_models, demo_data, fake_cluster):
     ray_tmp = Path(tempfile.mkdtemp(prefix="rayj", dir="/tmp"))
     env = dict(
         os.environ,
-        PATH=f"{fake_cluster.bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        PATH=f"{fake_container.bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         CONTAINER="singularity",
         CONFIG_IMAGE_PATH=str(image),
         CONFIG_MODEL_PATH=str(tiny_models.policy),
@@ -116,7 +117,41 @@ def job(tmp_path, tiny_models, demo_data, fake_cluster):
         TRAINER_LAUNCHER=str(trainer),
         FAKE_TRAINER_LOG=str(tmp_path / "trainer_seen.jsonl"),
     )
-    env.pop("SLURM_JOB_ID", None)
+    for key in [k for k in env if k.startswith("SLURM_")]:  # a test run inside an allocation is not a job's step
+        del env[key]
     yield env
     subprocess.run(["pkill", "-f", str(ray_tmp)], check=False)
     subprocess.run(["rm", "-rf", str(ray_tmp)], check=False)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> str:
+    """The local Slurm cluster (tests/slurm/local_slurm.sh), started if it is not running; every test that needs it
+    fails with the reason when it cannot run here, never skips."""
+    try:
+        return real_slurm.cluster()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def clone(tmp_path_factory, slurm_cluster) -> Path:
+    """What a user's fresh clone holds (tracked and unignored files, no logs/ output, no .venv): the folder the launch
+    tests submit from, as a user submits from the repository root."""
+    return real_slurm.copy_tree(REPO, tmp_path_factory.mktemp("clone"))
+
+
+@pytest.fixture
+def submit(clone):
+    """`submit(env, *hydra_args, script=..., options=..., out=..., cwd=...)`: sbatch a script from the clone (by
+    default the run script, with the test node sizes on the command line); every job still queued or running is
+    cancelled, and waited for, after the test."""
+    jobs: list[real_slurm.Job] = []
+
+    def submit(env, *args, script=RUN.name, options=real_slurm.NODE_SIZE, out=None, cwd=None) -> real_slurm.Job:
+        job = real_slurm.sbatch(env, script, *args, cwd=cwd or clone, options=options, out=out)
+        jobs.append(job)
+        return job
+
+    yield submit
+    real_slurm.cancel_all(jobs)
