@@ -12,11 +12,21 @@ unset RAY_ADDRESS  # never attach to another job's cluster by accident
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=launch/common.sh
 source "$here/launch/common.sh"
+# die MESSAGE: as launch/common.sh's, and the message is what this node reports to the others when it exits
+# (failure, written to node_failed.RANK by cleanup).
+die() {
+  failure=${*#"[rank $rank] "}
+  failure=${failure%": stopping the job"}
+  err "$*"
+  exit 1
+}
 
 rank=${SLURM_PROCID:-0}
 nnodes=${SLURM_NNODES:-1}
 job_log_dir=${JOB_LOG_DIR:?JOB_LOG_DIR is set by run_grpo_qwen3_4b_mega_verl.sh}
-host=$(hostname)
+# This node's name: Slurm's where there is one (two nodes can share a host name: containers on one host, or nodes
+# with one NodeHostname), so the per-node files the job writes into its shared folder never collide.
+host=${SLURMD_NODENAME:-$(hostname)}
 separate=false
 [[ "${CONFIG_USE_SEPARATE_REWARD_NODE}" == true ]] && separate=true
 reward_rank=-1
@@ -44,17 +54,34 @@ cleanup() {
     printf '%s\n' "$exit_code" >"$job_log_dir/done"
   elif ((exit_code != 0)); then
     ((rank != reward_rank)) || printf '%s\n' "$exit_code" >"$job_log_dir/reward_failed"
-    printf '%s\n' "${failure:-rank $rank on $host exited with $exit_code (see the job output)}" \
+    printf '%s\n' "${failure:-exited with $exit_code (see the job output)} (rank $rank on $host)" \
       >"$job_log_dir/node_failed.$rank"
   fi
   ((${#pids[@]})) && stop_pids "${STOP_TIMEOUT}" "${pids[@]}"
   log "[rank $rank] stopped what it started; exit code $exit_code"
   exit "$exit_code"
 }
-# on_signal CODE: SIGTERM/SIGINT (scancel, the run script, Ctrl-C): stop everything, exit non-zero.
+
+# on_signal CODE: SIGTERM/SIGINT: stop everything, exit non-zero. Slurm sends it to every process of the job at once
+# (scancel, the time limit, a requeue), and srun (--kill-on-bad-exit) to the other nodes once one node's helper has
+# exited: then that node's reason (node_failed.N) or the head's exit code (done) is in the job's folder, and this
+# node reports it and exits with it (srun's exit code is the highest of its tasks').
 on_signal() {
+  trap '' INT TERM  # Slurm and srun may signal more than once: one stop is enough
   exit_code=$1
-  log "[rank $rank] stop signal: stopping what this node started"
+  local f
+  for f in "$job_log_dir"/node_failed.*; do
+    [[ -e "$f" && "$f" != "$job_log_dir/node_failed.$rank" ]] || continue
+    err "[rank $rank] $(cat "$f"): stopping the job"
+    exit_code=1
+  done
+  if ((rank != 0)) && [[ -s "$job_log_dir/done" ]]; then
+    # srun stops the other nodes when the head has exited: the head's exit code is the job's
+    exit_code=$(cat "$job_log_dir/done")
+    log "[rank $rank] the head finished (exit code $exit_code); stopping"
+  elif ((exit_code != 1)); then
+    log "[rank $rank] stop signal: stopping what this node started"
+  fi
   cleanup
 }
 
@@ -71,8 +98,7 @@ check_watched() {
   for i in "${!watch_pids[@]}"; do
     if ! alive "${watch_pids[$i]}"; then
       show_tail "${watch_logs[$i]}" 20
-      failure="${watch_names[$i]} on $host died (log: ${watch_logs[$i]})"
-      die "[rank $rank] $failure: stopping the job"
+      die "[rank $rank] ${watch_names[$i]} on $host died (log: ${watch_logs[$i]}): stopping the job"
     fi
   done
   for f in "$job_log_dir"/node_failed.*; do
@@ -196,7 +222,8 @@ run_head() {
   mv "$job_log_dir/cluster.env.tmp" "$job_log_dir/cluster.env"
   python3 -m launch.ray_cluster wait --address "$ray_address" --nodes "$train_nodes" \
     --gpus $((CONFIG_GPUS_PER_NODE * train_nodes)) --timeout "$RAY_JOIN_TIMEOUT" --watch-pid "$ray_pid" || {
-    err "Ray logs: head $job_log_dir/ray_head.log, workers $job_log_dir/ray_worker_*.log"
+    local -a workers=("$job_log_dir"/ray_worker_*.log)
+    err "Ray logs: head $job_log_dir/ray_head.log, workers ${workers[*]}"
     show_tail "$job_log_dir/ray_head.log" 15
     die "not every node joined the Ray cluster"
   }
@@ -245,9 +272,10 @@ run_reward_node() {
 
 run_worker() {
   log_phase "[rank $rank] Ray worker on $host: waiting for the head"
-  local found
-  found=$(wait_for_any "$RAY_JOIN_TIMEOUT" "$job_log_dir/cluster.env" "$job_log_dir/done") ||
-    die "[rank $rank] the head wrote no cluster.env within ${RAY_JOIN_TIMEOUT} s (RAY_JOIN_TIMEOUT)"
+  # The head writes cluster.env once its reward servers are healthy and its Ray head runs: allow for both.
+  local found wait_s=$((REWARD_START_TIMEOUT + RAY_JOIN_TIMEOUT))
+  found=$(wait_for_any "$wait_s" "$job_log_dir/cluster.env" "$job_log_dir/done") ||
+    die "[rank $rank] the head wrote no cluster.env within ${wait_s} s (REWARD_START_TIMEOUT + RAY_JOIN_TIMEOUT)"
   if [[ "$found" == */done ]]; then
     log "[rank $rank] the head finished before this node joined; nothing to do"
     return

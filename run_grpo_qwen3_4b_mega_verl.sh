@@ -25,8 +25,19 @@
 # --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a separate reward node).
 set -euo pipefail
 
+# sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
+# from (Slurm's own record of the script names it when that is not the repository).
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-[[ -n "${SLURM_SUBMIT_DIR:-}" && -f "${SLURM_SUBMIT_DIR}/helper_grpo_qwen3_4b.sh" ]] && repo=$SLURM_SUBMIT_DIR
+if [[ ! -f "$repo/launch/common.sh" && -n "${SLURM_JOB_ID:-}" ]]; then
+  if [[ -f "${SLURM_SUBMIT_DIR:-}/launch/common.sh" ]]; then
+    repo=$SLURM_SUBMIT_DIR
+  else
+    script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' || true)
+    printf 'ERROR: submitted from %s, which is not the repository (the script: %s): cd to the repository, then sbatch %s\n' \
+      "${SLURM_SUBMIT_DIR:-?}" "${script:-unknown}" "$(basename "${script:-$0}")" >&2
+    exit 1
+  fi
+fi
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
 set -a  # every setting below is exported as it is set: the helper and the Python checks read these same names
@@ -95,7 +106,7 @@ REQUEUE_BEFORE_TIMEOUT="${REQUEUE_BEFORE_TIMEOUT:-1}"           # on the time-li
 REWARD_START_TIMEOUT="${REWARD_START_TIMEOUT:-900}"             # seconds for reward servers to become healthy
 RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-600}"                     # seconds for every node to join Ray
 RAY_START_RETRIES="${RAY_START_RETRIES:-3}"
-STOP_TIMEOUT="${STOP_TIMEOUT:-30}"                              # seconds to stop servers and Ray at the end
+STOP_TIMEOUT="${STOP_TIMEOUT:-20}"                              # s to stop servers and Ray (< Slurm's KillWait, 30 s)
 TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}"                 # what runs `-m verl.trainer.main_ppo ...`
 HF_HOME="${HF_HOME:-$repo/.cache/huggingface}"                  # datasets cache (HOME may be read-only in the image)
 set +a
@@ -109,6 +120,7 @@ source "$repo/launch/canary.sh"
 job_id=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)-$$}
 job_log_dir="$CONFIG_LOG_DIR/${job_id}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}"
 srun_pid=""
+requeued=0  # set once this start asked Slurm to requeue the job
 
 # export_settings: the settings' paths made absolute for every node, and what the job derives from them.
 export_settings() {
@@ -171,6 +183,21 @@ preflight() {
   if [[ "$CONTAINER" != none ]] && ! command -v "$CONTAINER" >/dev/null; then
     die "CONTAINER=$CONTAINER but '$CONTAINER' is not on PATH (module load it, or CONTAINER=apptainer|none)"
   fi
+  # The container binds these folders: one that does not exist stops the runtime with a mount error that names no
+  # setting, before the checks below could.
+  local name missing=()
+  for name in CONFIG_MODEL_PATH CONFIG_REWARD_MODEL_PATH; do
+    [[ "$CONTAINER" == none || -d "${!name}" ]] ||
+      missing+=("$name=${!name}: no config.json there (no such folder: point it at the model's folder)")
+  done
+  for name in CONFIG_TRAIN_FILE CONFIG_TEST_FILE; do
+    [[ "$CONTAINER" == none || -d "$(dirname "${!name}")" ]] ||
+      missing+=("$name=${!name}: no such file (no such folder; build it with python -m data_prep.build)")
+  done
+  if ((${#missing[@]})); then
+    for name in "${missing[@]}"; do err "setting error: $name"; done
+    die "fix the settings above (top of run_grpo_qwen3_4b_mega_verl.sh, or the environment); nothing was started"
+  fi
   if [[ -n "${SLURM_GPUS_ON_NODE:-}" && "$SLURM_GPUS_ON_NODE" != "$CONFIG_GPUS_PER_NODE" ]]; then
     die "Slurm gave $SLURM_GPUS_ON_NODE GPUs per node but CONFIG_GPUS_PER_NODE=$CONFIG_GPUS_PER_NODE: make #SBATCH --gpus-per-node match"
   fi
@@ -184,15 +211,25 @@ on_time_limit() {
     log "time-limit signal, but training already finished: no requeue"
   elif [[ "$REQUEUE_BEFORE_TIMEOUT" == 1 && -n "${SLURM_JOB_ID:-}" ]]; then
     log "time-limit signal: requeueing job $SLURM_JOB_ID; it resumes from $CONFIG_OUTPUT_DIR (resume_mode=auto)"
-    scontrol requeue "$SLURM_JOB_ID" || err "scontrol requeue failed; resubmit by hand to resume"
+    if scontrol requeue "$SLURM_JOB_ID"; then
+      requeued=1
+    else
+      err "scontrol requeue failed; resubmit by hand to resume"
+    fi
   else
     log "time-limit signal: not requeueing (REQUEUE_BEFORE_TIMEOUT=$REQUEUE_BEFORE_TIMEOUT)"
   fi
 }
 
 # on_stop_signal CODE: SIGTERM/SIGINT (scancel, Ctrl-C, a workstation's kill): stop every node, exit non-zero.
+# After a requeue Slurm ends this start the same way: then the log says so.
 on_stop_signal() {
-  log "stop signal: stopping the job on every node (within STOP_TIMEOUT=$STOP_TIMEOUT s)"
+  if ((requeued)); then
+    log "stopping this start for the requeue (within STOP_TIMEOUT=$STOP_TIMEOUT s); Slurm starts the job again" \
+      "in a few minutes (its logs: $CONFIG_LOG_DIR/${job_id}-r$((${SLURM_RESTART_COUNT:-0} + 1)))"
+  else
+    log "stop signal: stopping the job on every node (within STOP_TIMEOUT=$STOP_TIMEOUT s)"
+  fi
   exit "$1"
 }
 
