@@ -1,8 +1,9 @@
 """The canary (CANARY=1): train 2 steps, resume, merge, and one summary, through the real run script.
 
-The cluster programs, the trainer and the merger are fakes (tests/fakes): the trainer imitates what verl 0.6.1's fit
+The container, the trainer and the merger are stand-ins (tests/fakes): the trainer imitates what verl 0.6.1's fit
 loop prints and writes (resume messages, step lines, checkpoint layout), so the canary's checks read the same text
-they will read on a cluster. Reward servers, Ray, the preflight, merge_mcore_to_hf.sh and launch.verify_hf are real."""
+they will read on a cluster. Slurm (for the job through sbatch), reward servers, Ray, the preflight,
+merge_mcore_to_hf.sh and launch.verify_hf are real."""
 
 import json
 import os
@@ -151,8 +152,8 @@ def test_the_explaining_lines_end_at_the_last_error_not_at_the_shutdown_noise():
 
 
 @pytest.fixture
-def canary_job(job, tmp_path, fake_cluster):  # noqa: F811
-    merger = fake_cluster.bin_dir / "fake-merger"
+def canary_job(job, tmp_path, fake_container):  # noqa: F811
+    merger = fake_container.bin_dir / "fake-merger"
     merger.write_text(  # drops `-m verl.model_merger` as test_merge's does
         f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{REPO / "tests" / "fakes" / "fake_merger.py"}" "$@"\n'
     )
@@ -219,7 +220,7 @@ def test_the_canary_trains_resumes_and_merges_in_one_job_and_touches_nothing_of_
     after = files(tmp_path)
     changed = {p for p in after if before.get(p) != after[p]}
     job_logs = str(logs.parent.relative_to(tmp_path))
-    records = {"fake_cluster.jsonl", "trainer_seen.jsonl", "merger.jsonl"}
+    records = {"fake_container.jsonl", "trainer_seen.jsonl", "merger.jsonl"}
     outside = {p for p in changed if not p.startswith((job_logs + "/", "home/.cache/")) and p not in records}
     assert not outside, f"the canary wrote outside its folders: {sorted(outside)}"
     assert {p for p in before if p.startswith("ckpt/")} == {p for p in after if p.startswith("ckpt/")}
@@ -269,23 +270,26 @@ def test_a_trainer_that_fails_in_stage_1_skips_the_stages_that_need_its_checkpoi
     assert os.path.exists(canary_logs(canary_job) / "summary.txt")
 
 
-def test_on_two_nodes_each_stage_meets_in_its_own_folder_so_stage_2_sees_no_stale_done(canary_job):
-    """The nodes meet through files in the log folder (cluster.env, done): stage 1's `done` must not stop stage 2's
-    worker before it joins Ray."""
-    env = canary_job | QUICK | {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2"}
-    result = run(env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+def test_canary_1_sbatch_on_two_nodes_passes_every_stage_each_meeting_in_its_own_folder(canary_job, submit, tmp_path):
+    """`CANARY=1 sbatch --nodes=2` through the real Slurm: the nodes meet through files in the log folder (cluster.env,
+    done), so stage 1's `done` must not stop stage 2's worker before it joins Ray; the table is in the job's output."""
+    from tests.real_slurm import NODE_SIZE
+
+    env = canary_job | QUICK
+    j = submit(env, out=tmp_path / "canary.out", options=("--nodes=2", *NODE_SIZE, "--time=60"))
+    fields = j.wait(600)
+    output = j.output()
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
     assert [(seen["ray_nodes"], seen["ray_gpus"]) for seen in trainer_runs(env)] == [(2, 2), (2, 2)]
-    assert "canary: every stage passed" in output
+    assert "canary: every stage passed" in output and "time-limit signal" not in output
     assert (canary_logs(env) / "train" / "done").exists() and (canary_logs(env) / "resume" / "done").exists()
 
 
-def test_a_bad_setting_stops_the_canary_before_anything_starts_naming_the_setting(canary_job, fake_cluster):
+def test_a_bad_setting_stops_the_canary_before_anything_starts_naming_the_setting(canary_job):
     result = run(canary_job | {"CONFIG_GPUS_PER_NODE": "0"})
     assert result.returncode == 1
     assert "CONFIG_GPUS_PER_NODE=0: training needs at least 1 GPU per node" in result.stderr
-    assert not fake_cluster.calls("srun") and not Path(canary_job["FAKE_TRAINER_LOG"]).exists()
+    assert "=== launching on" not in result.stdout and not Path(canary_job["FAKE_TRAINER_LOG"]).exists()
     assert not Path(canary_job["CONFIG_OUTPUT_DIR"]).exists(), "the real run's folder is not even created"
 
 

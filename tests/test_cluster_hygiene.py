@@ -1,8 +1,9 @@
 """A job that shares a node, is stopped or is requeued touches nothing of anyone else's and leaves nothing behind:
 per-job ports and token, reward GPUs within the job's own, the node address, the watchdog, stopping on a signal.
 
-The end-to-end tests run the real scripts against the fake cluster programs, real reward servers and real Ray (see
-test_launch.py); they skip the preflight, which test_launch.py covers, to stay within the machine's few cores."""
+The end-to-end tests here run the real scripts on this machine without Slurm (a workstation) with real reward servers
+and real Ray; the same through the real Slurm (scancel, two jobs on one node, a reward node) is test_slurm_jobs.py.
+They skip the preflight, which test_launch.py covers, to stay within the machine's few cores."""
 
 import os
 import signal
@@ -20,8 +21,6 @@ from tests.support import (
     assert_everything_stopped,
     job_dir,
     job_processes,
-    seen,
-    slurm,
     start_http_server,
     start_job,
     tail,
@@ -176,11 +175,8 @@ def signal_mid_training(env, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("under_slurm", [False, True], ids=["workstation", "fake-slurm"])
-def test_sigterm_mid_training_stops_every_process_and_port_of_the_job_and_exits_non_zero(job, tmp_path, under_slurm):
+def test_sigterm_mid_training_stops_every_process_and_port_of_the_job_and_exits_non_zero(job, tmp_path):
     env = job | FAST | {"FAKE_TRAINER_SLEEP": "300"}
-    if under_slurm:
-        env = slurm(env, 1)
     rc, seconds, out = signal_mid_training(env, tmp_path)
     assert rc == 143, out
     assert seconds < int(env["STOP_TIMEOUT"]) + 15, f"stopped after {seconds:.0f} s:\n{out}"
@@ -212,69 +208,6 @@ def test_a_reward_server_killed_after_it_became_healthy_stops_the_job_naming_it(
     written = [p for p in job_dir(env).rglob("*") if p.is_file()] + [tmp_path / "job.out"]
     assert not [p for p in written if b"a-token-never-logged" in p.read_bytes()], "the token is in no log or command"
     assert_everything_stopped(env)
-
-
-def test_a_reward_node_whose_server_dies_stops_the_head_with_the_same_message(job, tmp_path):
-    """The watchdog runs on every node: the reward node's failure reaches the head through the job's folder."""
-    env = slurm(job, 2, CONFIG_USE_SEPARATE_REWARD_NODE="true", REWARD_REPLICAS="1", FAKE_TRAINER_SLEEP="300", **FAST)
-    proc = start_job(env, tmp_path / "job.out")
-    try:
-        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
-        (server,) = [p for p in job_processes(job_dir(env)) if "reward_server.py" in p]
-        os.kill(int(server.split()[0]), signal.SIGKILL)
-        rc = proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    out = tail(tmp_path / "job.out", 80)
-    port = env["CONFIG_REWARD_SERVER_PORT"]
-    died = f"reward server (port {port}) on {socket.gethostname()} died (log: {job_dir(env)}/reward_server_"
-    assert rc == 1, out
-    assert f"[rank 1] {died}" in out and f"[rank 0] {died}" in out, out
-    assert_everything_stopped(env)
-
-
-# --- two jobs on one node ------------------------------------------------------------------------------------------
-
-
-def test_two_jobs_at_once_with_default_ports_and_a_stale_server_each_use_only_their_own(job, tmp_path, tiny_models):
-    """Both jobs on one node with the default (per-job) ports, and an old server of another job already on the port
-    the first job would take: both run to the end, each on its own reward server and its own Ray."""
-    stale_port = node.plan_ports("1001", 0, 1)["reward_port"]
-    stale = start_http_server(
-        [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", str(tiny_models.reward_model),
-         "--device", "cpu", "--port", str(stale_port)],
-        tmp_path / "stale.log", stale_port, env=dict(os.environ, REWARD_SERVER_TOKEN="an-old-jobs-token"),
-    )  # fmt: skip
-    envs, procs = [], []
-    try:
-        for job_id in ("1001", "1002"):
-            env = slurm(job, 1, SLURM_JOB_ID=job_id, **FAST, CONFIG_REWARD_SERVER_PORT="", RAY_PORT="",
-                        CONFIG_LOG_DIR=str(tmp_path / f"logs{job_id}"), CONFIG_OUTPUT_DIR=str(tmp_path / f"ckpt{job_id}"),
-                        RAY_TMP_DIR=f"{job['RAY_TMP_DIR']}/{job_id}", FAKE_TRAINER_LOG=str(tmp_path / f"seen{job_id}"),
-                        FAKE_TRAINER_SLEEP="5")  # fmt: skip
-            envs.append(env)
-            procs.append(start_job(env, tmp_path / f"job{job_id}.out"))
-        codes = [p.wait(400) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        stale.stop()
-    outs = [tail(tmp_path / f"job{j}.out", 60) for j in ("1001", "1002")]
-    assert codes == [0, 0], "\n\n".join(outs)
-    first, second = seen(envs[0]), seen(envs[1])
-    urls = [first["REWARD_SERVER_URLS"], second["REWARD_SERVER_URLS"]]
-    rays = [next(a for a in t["argv"] if a.startswith("+ray_kwargs.ray_init.address=")) for t in (first, second)]
-    assert len(set(urls)) == 2 and len(set(rays)) == 2, (urls, rays)
-    assert f":{stale_port}" not in urls[0], "the stale server's port is never ours"
-    assert "usual ports on" in outs[0] and "moved 1 block(s) on" in outs[0]
-    # A 200 to each job's own token: the other job's server, or the stale one, would have answered 401.
-    assert first["reward_health"] == [200] and second["reward_health"] == [200]
-    assert first["REWARD_SERVER_TOKEN"] and second["REWARD_SERVER_TOKEN"]
-    assert (first["ray_nodes"], second["ray_nodes"]) == (1, 1), "each trainer sees only its own Ray cluster"
-    for env in envs:
-        assert_everything_stopped(env)
 
 
 # --- checkpoints across requeues -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The test harness itself: tiny models, fake cluster programs, process helpers, isolation, verl on CPU.
+"""The test harness itself: tiny models, the fake container, real Slurm, process helpers, isolation, verl on CPU.
 
 Every other test builds on these; if one of them is wrong, the rest prove nothing.
 """
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from launch import procs
-from tests.fakes.fake_cluster import expand_hostlist
 from tests.support import REPO, free_port, http_get, start_http_server, start_process, wait_for_http
 
 # --- tiny models ---------------------------------------------------------------------------------------------
@@ -86,65 +85,47 @@ def test_tiny_policy_loads_as_a_causal_lm(tiny_models):
     assert model.config.tie_word_embeddings and model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
 
 
-# --- fake cluster programs -------------------------------------------------------------------------------------
+# --- the fake container, real Slurm -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "spec, hosts",
-    [
-        ("node1", ["node1"]),  # a single host
-        ("gpu[01-03]", ["gpu01", "gpu02", "gpu03"]),  # zero-padded range
-        ("gpu[1,3-4],login", ["gpu1", "gpu3", "gpu4", "login"]),  # list inside brackets, then a plain host
-        ("r[1-2]n[7-8]", ["r1n7", "r1n8", "r2n7", "r2n8"]),  # two bracket groups
-    ],
-)
-def test_scontrol_show_hostnames_expands_slurm_node_lists(fake_cluster, spec, hosts):
-    out = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == hosts == expand_hostlist(spec)
-    assert fake_cluster.calls("scontrol")[0]["argv"] == ["show", "hostnames", spec]
-
-
-def test_fakes_record_argv_and_exit_with_the_configured_code(fake_cluster, monkeypatch):
-    assert subprocess.run(["sbatch", "--nodes=2", "job.sh"], capture_output=True, text=True).stdout.startswith(
-        "Submitted batch job"
-    )
-    monkeypatch.setenv("FAKE_SBATCH_RC", "7")
-    assert subprocess.run(["sbatch", "again.sh"]).returncode == 7
-    monkeypatch.setenv("FAKE_SRUN_RC", "3")
-    assert subprocess.run(["srun", "touch", "never"], cwd=fake_cluster.bin_dir).returncode == 3
-    assert not (fake_cluster.bin_dir / "never").exists(), "a forced exit code must not run the command"
-    assert [(c["prog"], c["argv"]) for c in fake_cluster.calls()] == [
-        ("sbatch", ["--nodes=2", "job.sh"]),
-        ("sbatch", ["again.sh"]),
-        ("srun", ["touch", "never"]),
-    ]
-
-
-def test_srun_runs_one_task_per_node_with_slurm_rank_and_node_name(fake_cluster, monkeypatch, tmp_path):
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-3]")
-    script = 'echo "$SLURM_PROCID $SLURMD_NODENAME" > "$OUT_DIR/task_$SLURM_PROCID"'
-    monkeypatch.setenv("OUT_DIR", str(tmp_path))
-    rc = subprocess.run(["srun", "--nodes=3", "--ntasks-per-node", "1", "bash", "-c", script]).returncode
-    assert rc == 0
-    assert sorted(p.read_text().strip() for p in tmp_path.glob("task_*")) == ["0 gpu1", "1 gpu2", "2 gpu3"]
-
-
-def test_srun_returns_the_first_failing_task_code(fake_cluster, monkeypatch):
-    monkeypatch.setenv("SLURM_NNODES", "2")
-    assert subprocess.run(["srun", "bash", "-c", "exit $(( SLURM_PROCID == 1 ? 5 : 0 ))"]).returncode == 5
-
-
-def test_singularity_exec_runs_the_command_with_its_env_and_checks_the_image(fake_cluster, tmp_path):
+def test_singularity_exec_runs_the_command_in_its_pwd_with_its_env_and_fails_as_the_real_one_would(
+    fake_container, tmp_path
+):
     image = tmp_path / "app.sif"
     image.write_text("fake image")
-    cmd = ["exec", "--nv", "--bind", "/a:/b", "--env", "GREETING=hi", str(image), "bash", "-c", "echo $GREETING"]
+    cmd = ["exec", "--nv", "--bind", f"{tmp_path}:{tmp_path}", "--pwd", str(tmp_path), "--env", "GREETING=hi",
+           str(image), "bash", "-c", 'echo "$GREETING $PWD"']  # fmt: skip
     for prog in ("singularity", "apptainer"):
-        assert subprocess.run([prog, *cmd], capture_output=True, text=True).stdout == "hi\n"
-    missing = subprocess.run(
-        ["singularity", "exec", str(tmp_path / "none.sif"), "true"], capture_output=True, text=True
+        assert subprocess.run([prog, *cmd], capture_output=True, text=True).stdout == f"hi {tmp_path}\n"
+    assert fake_container.calls("apptainer")[0]["argv"] == cmd
+    # Where the real runtime refuses to start the container: exit 255 and its FATAL line, nothing run.
+    for broken, needle in (
+        (["exec", str(tmp_path / "none.sif"), "touch", "ran"], "could not open image"),
+        (["exec", "--bind", "/nowhere/data", str(image), "touch", "ran"], "mount /nowhere/data"),
+        (["exec", "--pwd", "/nowhere", str(image), "touch", "ran"], "could not set working directory /nowhere"),
+    ):
+        result = subprocess.run(["singularity", *broken], capture_output=True, text=True, cwd=tmp_path)
+        assert result.returncode == 255 and "FATAL:" in result.stderr and needle in result.stderr, result.stderr
+    assert not (tmp_path / "ran").exists()
+    forced = subprocess.run(["singularity", *cmd], env=dict(os.environ, FAKE_SINGULARITY_RC="3"))
+    assert forced.returncode == 3, "a forced exit code runs nothing"
+
+
+def test_the_local_slurm_cluster_hands_out_two_nodes_and_their_gpus(slurm_cluster, tmp_path):
+    """What the launch tests stand on: sbatch and srun of the real Slurm, one task per node, Slurm's node names, and
+    GPUs counted from the placeholder devices (SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVICES)."""
+    from tests.real_slurm import sbatch
+
+    script = tmp_path / "probe.sh"
+    script.write_text(
+        "#!/bin/bash\nsrun --ntasks-per-node=1 bash -c "
+        "'echo $SLURM_PROCID $SLURMD_NODENAME $SLURM_GPUS_ON_NODE $CUDA_VISIBLE_DEVICES' | sort\n"
     )
-    assert missing.returncode != 0 and "none.sif" in missing.stderr
-    assert fake_cluster.calls("apptainer")[0]["argv"] == cmd
+    job = sbatch(os.environ, str(script), cwd=tmp_path, out=tmp_path / "probe.out",
+                 options=("--nodes=2", "--mem=1G", "--gpus-per-node=2"))  # fmt: skip
+    fields = job.wait(120)
+    assert fields["JobState"] == "COMPLETED", job.output()
+    assert job.output().splitlines() == ["0 n1 2 0,1", "1 n2 2 0,1"]
 
 
 # --- processes, ports, isolation -------------------------------------------------------------------------------

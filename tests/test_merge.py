@@ -45,8 +45,8 @@ def make_checkpoint(root: Path, policy: Path, steps=(10, 20), tied=True, roles=(
 
 
 @pytest.fixture
-def merge_env(tmp_path, fake_cluster):
-    merger = fake_cluster.bin_dir / "fake-merger"
+def merge_env(tmp_path, fake_container):
+    merger = fake_container.bin_dir / "fake-merger"
     merger.write_text(
         f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{REPO / "tests" / "fakes" / "fake_merger.py"}" "$@"\n'
     )
@@ -55,7 +55,7 @@ def merge_env(tmp_path, fake_cluster):
     image.write_text("fake")
     return dict(
         os.environ,
-        PATH=f"{fake_cluster.bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        PATH=f"{fake_container.bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         CONTAINER="singularity",
         CONFIG_IMAGE_PATH=str(image),
         CKPT_ROOT=str(tmp_path / "ckpt"),
@@ -73,7 +73,7 @@ def merger_calls(env) -> list[list[str]]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_latest_step_tied_config_merges_with_the_flag_and_verifies(merge_env, tiny_models, tmp_path, fake_cluster):
+def test_latest_step_tied_config_merges_with_the_flag_and_verifies(merge_env, tiny_models, tmp_path, fake_container):
     make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True)
     target = tmp_path / "out" / "hf"
     result = run(merge_env, TARGET_DIR=str(target))
@@ -85,8 +85,25 @@ def test_latest_step_tied_config_merges_with_the_flag_and_verifies(merge_env, ti
     assert "verified" in result.stdout and "tied embeddings, no lm_head" in result.stdout
     assert (target / "model.safetensors.index.json").exists() and (target / "tokenizer_config.json").exists()
     assert not list(target.parent.glob("hf.tmp.*"))
-    calls = [c["argv"] for c in fake_cluster.calls("singularity")]
+    calls = [c["argv"] for c in fake_container.calls("singularity")]
     assert calls and all(c[:2] == ["exec", "--nv"] for c in calls), "the merger runs in the image, on a GPU"
+
+
+def test_sbatch_merge_from_a_fresh_clone_merges_the_latest_step_into_hf_models_and_logs_to_its_output_file(
+    merge_env, tiny_models, tmp_path, submit, clone
+):
+    """The article's last step as a user types it, through the real Slurm: only the node size on the command line,
+    the script's own --output=logs/%x-%j.out (which needs logs/ in the clone) and its default TARGET_DIR."""
+    make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True)
+    j = submit(merge_env, script="merge_mcore_to_hf.sh", options=("--mem=2G", "--cpus-per-task=1", "--gpus-per-node=1"))
+    fields = j.wait(300)
+    out = j.output()
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), out[-3000:]
+    assert j.out == clone / "logs" / f"merge-mcore-hf-{j.id}.out"
+    target = clone / "hf_models" / "ckpt-step20"
+    assert "verified" in out and str(target) in out, out[-3000:]
+    assert (target / "model.safetensors.index.json").exists()
+    assert not list(target.parent.glob("ckpt-step20.tmp.*")), "the node-named temporary folder is gone"
 
 
 def test_an_untied_model_keeps_its_lm_head(merge_env, tiny_models, tmp_path):

@@ -9,7 +9,8 @@ Then it sleeps $FAKE_TRAINER_SLEEP seconds and exits with $FAKE_TRAINER_RC (defa
 Given `trainer.total_training_steps=N`, it also imitates what verl 0.6.1's RayPPOTrainer.fit shows from outside:
 `_load_checkpoint` (resume_mode=auto: the tracker file, its messages, the step it resumes at), one console-logger line
 per step (`step:N - ...`, with val-core metrics on validation steps, as Ray prints a TaskRunner actor's lines), and
-`_save_checkpoint`'s layout (global_step_N/actor/{dist_ckpt,huggingface}, global_step_N/data.pt, the tracker file).
+`_save_checkpoint`'s layout (global_step_N/actor/{dist_ckpt,huggingface}, global_step_N/data.pt, the tracker file);
+each step takes $FAKE_TRAINER_STEP_SECONDS (default 0).
 $FAKE_TRAINER_BREAK breaks it on purpose: no_resume (starts from scratch although a checkpoint exists) |
 crash_on_resume (the checkpoint load raises) | no_save (writes no checkpoint).
 """
@@ -76,6 +77,7 @@ def imitate_fit(argv: list[str]) -> int:
                 )
                 return 1
     while step < total:
+        time.sleep(float(os.environ.get("FAKE_TRAINER_STEP_SECONDS", "0")))  # a step's rollout and update
         step += 1
         last = step >= total
         metrics = {}
@@ -106,7 +108,7 @@ def probe_nodes(ray) -> dict[str, dict]:
 
 def main() -> int:
     argv = sys.argv[1:]
-    seen = {"argv": argv, "cwd": os.getcwd()}
+    seen = {"argv": argv, "cwd": os.getcwd(), "started": time.time()}
     for key in ("REWARD_SERVER_URLS", "REWARD_LOG_PATH", "WANDB_MODE", "WANDB_DIR", "PYTHONPATH", "HF_HOME", *NODE_ENV):
         seen[key] = os.environ.get(key)
     seen["REWARD_SERVER_TOKEN"] = bool(os.environ.get("REWARD_SERVER_TOKEN"))  # whether it is set, never its value

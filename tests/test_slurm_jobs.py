@@ -1,0 +1,261 @@
+"""Whole jobs through a real Slurm 22.05: run_grpo_qwen3_4b_mega_verl.sh submitted with sbatch from a fresh clone
+of the repository to the local two-node cluster (tests/slurm/local_slurm.sh), stopped with scancel, requeued by its
+time-limit signal, on one node or two, with real reward servers on the CPU, a real Ray cluster on loopback, the fake
+container (no Singularity here) and the stand-in trainer. Every job state is read from `scontrol show job` and
+waited for with a deadline; the test's node sizes go on the sbatch command line, as a user's would."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import node
+from tests.real_slurm import NODE_SIZE
+from tests.support import REPO, RUN, assert_everything_stopped, job_processes, seen, start_http_server
+
+FAST = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight's data and reward checks are test_launch's
+TWO_NODES = ("--nodes=2", *NODE_SIZE)
+
+
+def logs_of(env, job) -> Path:
+    """The job's log folder (its first start's)."""
+    return Path(env["CONFIG_LOG_DIR"]) / job.id
+
+
+def test_a_fresh_clones_first_sbatch_runs_the_reference_job_to_completed_with_its_log_in_the_output_file(
+    job, submit, clone, fake_container
+):
+    """Only the node sizes on the command line: the script's own #SBATCH lines, --output=logs/%x-%j.out included,
+    which Slurm cannot open unless the clone holds logs/ (it would fail at once, writing nothing)."""
+    j = submit(job, "trainer.total_epochs=2")
+    fields = j.wait()
+    out = j.output()
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), out[-4000:]
+    assert j.out == clone / "logs" / f"grpo-qwen3-4b-{j.id}.out"
+    assert f"=== job {j.id}: logs in {logs_of(job, j)}" in out
+    assert "fake trainer: step 1/1 done" in out, "the trainer's own log is in the job's output"
+    assert f"run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=0; logs: {logs_of(job, j)})" in out
+    trainer = seen(job)
+    assert trainer["reward_health"] == [200] and (trainer["ray_nodes"], trainer["ray_gpus"]) == (1, 1)
+    assert trainer["argv"][:2] == ["-m", "verl.trainer.main_ppo"] and trainer["argv"][-1] == "trainer.total_epochs=2"
+    port = job["CONFIG_REWARD_SERVER_PORT"]
+    assert (logs_of(job, j) / f"reward_server_n1_{port}.log").exists(), "per-node files carry Slurm's node name"
+    assert (Path(job["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
+    (call,) = fake_container.calls("singularity")[-1:]
+    assert call["argv"][:2] == ["exec", "--nv"] and call["argv"][-2].endswith("helper_grpo_qwen3_4b.sh")
+    assert call["env"]["SLURMD_NODENAME"] == "n1" and call["env"]["SLURM_STEP_ID"] == "0", "inside srun's step"
+    assert_everything_stopped(job)
+
+
+def test_scancel_mid_training_ends_the_job_cancelled_with_everything_stopped_before_slurms_sigkill(
+    job, submit, tmp_path
+):
+    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300", "STOP_TIMEOUT": "20"}
+    j = submit(env, out=tmp_path / "job.out")
+    j.wait_for_file(Path(env["FAKE_TRAINER_LOG"]), 240)
+    j.scancel()
+    fields = j.wait(90)
+    out = j.output()
+    assert fields["JobState"] == "CANCELLED", out[-4000:]
+    # Slurm signals every process of the job at once, then SIGKILLs what is left after KillWait (30 s): the lines
+    # below are written only if the helper and the run script finished stopping before that.
+    assert "[rank 0] stopped what it started; exit code 143" in out, out[-4000:]
+    assert "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=143" in out, out[-4000:]
+    assert (logs_of(env, j) / "done").read_text().strip() == "143"
+    assert not (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
+    assert_everything_stopped(env)
+
+
+def test_the_time_limit_signal_requeues_the_job_which_resumes_from_its_checkpoint_into_the_same_output(
+    job, submit, tmp_path
+):
+    """--time and --signal=B:USR1@N as the script has them, shrunk: Slurm signals the batch shell N s before the
+    limit, the script requeues the job, Slurm holds it (Reason=BeginTime, about two minutes) and starts it again with
+    Restarts=1; that start logs to <id>-r1 and verl resumes from the newest checkpoint."""
+    env = job | FAST | {"FAKE_TRAINER_STEP_SECONDS": "2"}
+    steps = ("trainer.total_training_steps=60", "trainer.save_freq=1")
+    j = submit(env, *steps, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=5", "--signal=B:USR1@180"))
+    fields = j.wait_until("requeued", lambda f: f.get("Restarts") == "1" and f["JobState"] == "PENDING", 360)
+    assert fields["Reason"] == "BeginTime", fields
+    first = j.output()
+    assert f"time-limit signal: requeueing job {j.id}" in first, first[-4000:]
+    assert f"stopping this start for the requeue (within STOP_TIMEOUT=20 s); Slurm starts the job again" in first
+    assert "run_grpo_qwen3_4b_mega_verl.sh exiting" in first, "this start stopped before Slurm's SIGKILL"
+    tracker = Path(env["CONFIG_OUTPUT_DIR"]) / "latest_checkpointed_iteration.txt"
+    saved = int(tracker.read_text())
+    assert 0 < saved < 60, f"the first start saved step {saved}"
+    # The test does not wait out Slurm's hold, and gives the second start the time to finish (as an admin could).
+    j.scontrol("update", f"JobId={j.id}", "TimeLimit=20", "StartTime=now")
+    fields = j.wait(360)
+    out = j.output()
+    assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "1"), out[-4000:]
+    assert out.startswith(first), "the second start appends to the same output file (--open-mode=append)"
+    assert f"=== job {j.id}: logs in {logs_of(env, j)}-r1" in out[len(first) :]
+    assert f"Setting global step to {saved}" in out[len(first) :], out[len(first) :][-3000:]
+    assert tracker.read_text() == "60" and (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
+    assert sorted(p.name for p in Path(env["CONFIG_LOG_DIR"]).iterdir()) == [j.id, f"{j.id}-r1"]
+
+
+def test_two_jobs_on_one_node_at_once_each_use_their_own_reward_server_and_ray(job, submit, tmp_path, tiny_models):
+    """Default (per-job) ports, and an old server of another job already on the reward port the first job would
+    take: both run at once on n1 to the end, each on its own reward server and its own Ray."""
+    envs, jobs = [], []
+    for name in ("a", "b"):
+        env = job | FAST | {
+            "CONFIG_REWARD_SERVER_PORT": "", "RAY_PORT": "", "FAKE_TRAINER_SLEEP": "15",
+            "CONFIG_LOG_DIR": str(tmp_path / f"logs_{name}"), "CONFIG_OUTPUT_DIR": str(tmp_path / f"ckpt_{name}"),
+            "RAY_TMP_DIR": f"{job['RAY_TMP_DIR']}/{name}", "FAKE_TRAINER_LOG": str(tmp_path / f"seen_{name}"),
+        }  # fmt: skip
+        envs.append(env)
+        # Held at first: the stale server goes on the port the first job's id gives it before the job starts.
+        jobs.append(submit(env, out=tmp_path / f"job_{name}.out", options=(*NODE_SIZE, "--nodelist=n1", "--hold")))
+    stale_port = node.plan_ports(jobs[0].id, 0, 1)["reward_port"]
+    stale = start_http_server(
+        [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", str(tiny_models.reward_model),
+         "--device", "cpu", "--port", str(stale_port)],
+        tmp_path / "stale.log", stale_port, env=dict(os.environ, REWARD_SERVER_TOKEN="an-old-jobs-token"),
+    )  # fmt: skip
+    try:
+        for j in jobs:
+            j.scontrol("release", j.id)
+        done = [j.wait() for j in jobs]
+    finally:
+        stale.stop()
+    outs = [j.output() for j in jobs]
+    assert [f["JobState"] for f in done] == ["COMPLETED", "COMPLETED"], "\n\n".join(o[-3000:] for o in outs)
+    assert [f["NodeList"] for f in done] == ["n1", "n1"]
+    first, second = seen(envs[0]), seen(envs[1])
+    assert abs(first["started"] - second["started"]) < 15, "the trainers (15 s each) ran at the same time"
+    urls = [first["REWARD_SERVER_URLS"], second["REWARD_SERVER_URLS"]]
+    rays = [next(a for a in t["argv"] if a.startswith("+ray_kwargs.ray_init.address=")) for t in (first, second)]
+    assert len(set(urls)) == 2 and len(set(rays)) == 2, (urls, rays)
+    assert f":{stale_port}" not in urls[0], "the stale server's port is never ours"
+    assert "usual ports on n1 are taken: moved 1 block(s) on" in outs[0]
+    # A 200 to each job's own token: the other job's server, or the stale one, would have answered 401.
+    assert first["reward_health"] == [200] and second["reward_health"] == [200]
+    assert (first["ray_nodes"], second["ray_nodes"]) == (1, 1), "each trainer sees only its own Ray cluster"
+    for env in envs:
+        assert_everything_stopped(env)
+
+
+def test_two_nodes_with_a_separate_reward_node_serve_rewards_from_the_last_node_only(job, submit, tmp_path):
+    env = job | FAST | {"CONFIG_USE_SEPARATE_REWARD_NODE": "true", "REWARD_REPLICAS": "2"}
+    j = submit(env, out=tmp_path / "job.out", options=TWO_NODES)
+    fields = j.wait()
+    out = j.output()
+    assert fields["JobState"] == "COMPLETED" and fields["NodeList"] == "n[1-2]", out[-4000:]
+    trainer = seen(env)
+    assert trainer["ray_nodes"] == 1 and "trainer.nnodes=1" in trainer["argv"], "the reward node trains nothing"
+    port = int(env["CONFIG_REWARD_SERVER_PORT"])
+    assert trainer["REWARD_SERVER_URLS"] == f"http://127.0.0.1:{port},http://127.0.0.1:{port + 1}"
+    assert trainer["reward_health"] == [200, 200]
+    names = {p.name for p in logs_of(env, j).iterdir()}
+    assert {f"reward_server_n2_{port}.log", f"reward_server_n2_{port + 1}.log"} <= names, names
+    assert "[rank 1] reward node n2 (127.0.0.1): 2 server(s), no training" in out
+    assert_everything_stopped(env)
+
+
+def test_two_training_nodes_join_one_ray_cluster_and_every_worker_sees_the_jobs_save_deadline(job, submit, tmp_path):
+    env = job | FAST | {"FAKE_TRAINER_PROBE_NODES": "1"}
+    j = submit(env, out=tmp_path / "job.out", options=(*TWO_NODES, "--time=60"))
+    fields = j.wait()
+    out = j.output()
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    trainer = seen(env)
+    assert (trainer["ray_nodes"], trainer["ray_gpus"]) == (2, 2) and "trainer.nnodes=2" in trainer["argv"]
+    # Slurm 22.05 sets no SLURM_JOB_END_TIME: the end comes from `scontrol show job` (the start plus the time
+    # limit while the job runs; once it has ended, EndTime is when it did), minus CHECKPOINT_BEFORE_END.
+    end = int(time.mktime(time.strptime(fields["StartTime"], "%Y-%m-%dT%H:%M:%S"))) + 3600
+    nodes = trainer["node_env"]
+    assert len(nodes) == 2, "a Ray task ran on every node"
+    for node_env in nodes.values():
+        assert node_env["MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"] == str(end - 1800)
+        assert node_env["token"], "the reward token reaches verl's workers on every node"
+    assert (logs_of(env, j) / "ray_worker_n2.log").exists(), "the worker's log carries its Slurm node name"
+    assert_everything_stopped(env)
+
+
+@pytest.mark.parametrize(
+    "broken, needles",
+    [
+        # rank 1's `ray start` hangs without joining: the head's wait ends at its deadline with the counts
+        ("exec sleep 600", ["1/2 nodes, 1/2 GPUs after 40 s", "not every node joined the Ray cluster"]),
+        # rank 1's `ray start` fails: the worker gives up after its retries, srun stops the head, which says why
+        ("exit 1", ["ray start failed (attempt 2/2)", "[rank 0] could not join the Ray head at"]),
+    ],
+    ids=["hangs", "fails"],
+)
+def test_a_worker_that_never_joins_fails_the_job_saying_why(job, submit, tmp_path, fake_container, broken, needles):
+    real_ray = Path(sys.executable).with_name("ray")
+    ray = fake_container.bin_dir / "ray"  # everything else is the real ray
+    ray.write_text(f'#!/bin/sh\n[ "$SLURM_PROCID" = 1 ] && [ "$1" = start ] && {broken}\nexec "{real_ray}" "$@"\n')
+    ray.chmod(0o755)
+    env = job | FAST | {"RAY_JOIN_TIMEOUT": "40", "RAY_START_RETRIES": "2"}  # 40 s: a loaded machine starts Ray slowly
+    j = submit(env, out=tmp_path / "job.out", options=TWO_NODES)
+    fields = j.wait()
+    out = j.output()
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "1:0"), out[-4000:]
+    for needle in needles:
+        assert needle in out, out[-4000:]
+    assert "ray_worker_n2.log" in out, "the error points at the worker's log"
+    assert not Path(env["FAKE_TRAINER_LOG"]).exists()
+    assert_everything_stopped(env)
+
+
+def test_a_reward_nodes_server_that_dies_stops_the_head_with_the_same_message(job, submit, tmp_path):
+    """The watchdog runs on every node: the reward node's failure reaches the head through the job's folder."""
+    env = job | FAST | {"CONFIG_USE_SEPARATE_REWARD_NODE": "true", "REWARD_REPLICAS": "1", "FAKE_TRAINER_SLEEP": "300"}
+    j = submit(env, out=tmp_path / "job.out", options=TWO_NODES)
+    j.wait_for_file(Path(env["FAKE_TRAINER_LOG"]), 240)
+    (server,) = [p for p in job_processes(logs_of(env, j)) if "reward_server.py" in p]
+    os.kill(int(server.split()[0]), signal.SIGKILL)
+    fields = j.wait(120)
+    out = j.output()
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    died = f"reward server (port {port}) on n2 died (log: {logs_of(env, j)}/reward_server_n2_{port}.log)"
+    assert fields["JobState"] == "FAILED", out[-4000:]
+    assert f"[rank 1] {died}" in out and f"[rank 0] {died}" in out, out[-4000:]
+    assert_everything_stopped(env)
+
+
+def test_a_failed_check_ends_the_job_failed_with_the_message_in_its_output_file(job, submit, tmp_path):
+    """The checks run inside the allocation too (the settings may differ from the login node's): a GPU count that
+    disagrees with Slurm's, and a setting the Python preflight refuses."""
+    gpus = submit(job, out=tmp_path / "gpus.out", options=("--mem=3G", "--cpus-per-task=2", "--gpus-per-node=2"))
+    fp8 = submit(job | {"FP8": "true"}, out=tmp_path / "fp8.out")
+    for j, needle in (
+        (gpus, "Slurm gave 2 GPUs per node but CONFIG_GPUS_PER_NODE=1: make #SBATCH --gpus-per-node match"),
+        (fp8, "setting error: FP8=true: verl 0.6.1 cannot train in FP8 here"),
+    ):
+        fields = j.wait()
+        out = j.output()
+        assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "1:0"), out[-3000:]
+        assert needle in out and "=== launching on" not in out, out[-3000:]
+    assert not Path(job["FAKE_TRAINER_LOG"]).exists()
+
+
+def test_a_job_submitted_from_outside_the_repository_fails_naming_the_folder_to_submit_from(job, submit, tmp_path,
+                                                                                            clone):  # fmt: skip
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "logs").mkdir(parents=True)  # else Slurm could not even open the output file
+    j = submit(job, script=str(clone / RUN.name), cwd=elsewhere)
+    fields = j.wait()
+    out = j.output()
+    assert j.out == elsewhere / "logs" / f"grpo-qwen3-4b-{j.id}.out"
+    assert fields["JobState"] == "FAILED", out
+    assert f"ERROR: submitted from {elsewhere}, which is not the repository (the script: {clone / RUN.name})" in out
+    assert "cd to the repository, then sbatch run_grpo_qwen3_4b_mega_verl.sh" in out
+
+
+def test_the_local_cluster_script_is_idempotent_and_reports_both_nodes(slurm_cluster):
+    script = REPO / "tests" / "slurm" / "local_slurm.sh"
+    again = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "ready:" in again.stdout, again.stdout + again.stderr
+    status = subprocess.run(["bash", str(script), "status"], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stdout
+    assert "n1 idle" in status.stdout or "n1 mix" in status.stdout or "n1 alloc" in status.stdout, status.stdout
+    assert "gpu:4" in status.stdout
