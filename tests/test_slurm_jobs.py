@@ -83,7 +83,7 @@ def test_the_time_limit_signal_requeues_the_job_which_resumes_from_its_checkpoin
     assert fields["Reason"] == "BeginTime", fields
     first = j.output()
     assert f"time-limit signal: requeueing job {j.id}" in first, first[-4000:]
-    assert f"stopping this start for the requeue (within STOP_TIMEOUT=20 s); Slurm starts the job again" in first
+    assert "stopping this start for the requeue (within STOP_TIMEOUT=20 s); Slurm starts the job again" in first
     assert "run_grpo_qwen3_4b_mega_verl.sh exiting" in first, "this start stopped before Slurm's SIGKILL"
     tracker = Path(env["CONFIG_OUTPUT_DIR"]) / "latest_checkpointed_iteration.txt"
     saved = int(tracker.read_text())
