@@ -18,7 +18,7 @@ tokens again; a tokenizer without a chat template (or `REWARD_CHAT_TEMPLATE=off`
 (prompt + response + EOS, with the tokenizer's special tokens). `REWARD_INPUT=completion` scores the response alone,
 rendered as the assistant turn, as TRL <= 0.23 did for a dataset with a `prompt` column; `REWARD_ADD_SPECIAL_TOKENS`
 and `REWARD_APPEND_EOS` (auto: what TRL did for that input) cover the rest. /health and the startup log say which
-format runs.
+format runs. The score is read where the model's own forward reads it: the last token that is not its pad token.
 Over-long input keeps its LAST `max_length` tokens, or is rejected with 413 when `REWARD_TRUNCATION=reject`.
 
 Throughput: requests are rendered and tokenized off the event loop, all that wait in one pass; then one GPU thread

@@ -824,6 +824,24 @@ def test_special_tokens_put_a_second_bos_before_the_templates_own_only_when_aske
     assert doubled == [bos, *plain], "TRL <= 0.23's tokenizer(text): one more BOS"
 
 
+def test_trailing_pad_tokens_are_not_scored_as_the_models_own_forward_reads_past_them(bos_model):
+    """No pad token: the model pads (and reads past) its EOS, so a plain text's appended EOS is not the scored one."""
+    cfg = Settings(model_path=str(bos_model.plain), device="cpu")
+    scorer = RewardScorer.load(cfg)
+    eos = scorer.tokenizer.eos_token_id
+    assert scorer.model.config.pad_token_id == eos
+    (ids,) = scorer.tokenize([scorer.render([{"role": "user", "content": "Question:"}], " answer")])
+    assert ids[0] == scorer.tokenizer.bos_token_id and ids[-1] == eos, "plain text: BOS added, EOS appended"
+    with TestClient(create_app(cfg, scorer)) as c:
+        got = c.post("/score", json={"prompt": "Question:", "response": " answer"}).json()["score"]
+    with torch.inference_mode():
+        own = scorer.model(input_ids=torch.tensor([ids])).logits[0, 0].item()  # transformers' own reading
+        before_eos = scorer.model(input_ids=torch.tensor([ids[:-1]])).logits[0, 0].item()
+        at_eos = scorer.model.score(scorer.base(input_ids=torch.tensor([ids])).last_hidden_state)[0, -1, 0].item()
+    assert got == pytest.approx(own, abs=1e-5) and own == pytest.approx(before_eos, abs=1e-5)
+    assert abs(at_eos - own) > 1e-3, "the test would not tell the two readings apart"
+
+
 # --- settings ----------------------------------------------------------------------------------------------------
 
 

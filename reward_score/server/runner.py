@@ -87,6 +87,9 @@ class RewardScorer:
         self.device = device
         self.settings = settings
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # The model's own forward reads its score at the last token that is not config.pad_token_id (transformers'
+        # sequence classification, which is what TRL trained): trailing ones are dropped before scoring (`fit`).
+        self.read_pad_id = getattr(model.config, "pad_token_id", None)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.format = InputFormat.from_settings(settings, self.has_chat_template)
         # The fast path reads the score at each row's last real token itself: no reliance on pad_token_id detection
@@ -203,7 +206,13 @@ class RewardScorer:
             return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
     def fit(self, ids: list[int], where: str) -> Encoded:
-        """`ids` within max_length: over-long input keeps its last tokens, or is refused under REWARD_TRUNCATION=reject."""
+        """`ids` as scored: without trailing pad tokens (the model's forward would read its score before them, and a
+        causal model's score there does not depend on them), within max_length: over-long input keeps its last
+        tokens, or is refused under REWARD_TRUNCATION=reject."""
+        end = len(ids)
+        while end > 1 and ids[end - 1] == self.read_pad_id:
+            end -= 1
+        ids = ids[:end] if end < len(ids) else ids
         limit = self.settings.max_length
         if len(ids) <= limit:
             return Encoded(ids, False)
