@@ -156,3 +156,23 @@ def expected_settings(trl: str, layout: str, kind: str) -> dict[str, str]:
         else:
             s["append_eos"] = "false"  # the text as it is
     return s
+
+
+def pairs_ranked_by(model: Path, n: int = 24, seed: int = 2, **settings: str) -> list[dict]:
+    """Preference rows ('prompt' + 'chosen'/'rejected' conversations) labelled by `model` itself, scored in the format
+    of `settings` (server settings): in that format it ranks every pair right, by construction. For check_format's
+    tests and the preflight's, where no TRL-trained model is needed."""
+    from reward_score.server.runner import InputFormat, RewardScorer
+    from reward_score.server.settings import Settings
+
+    cfg = Settings(model_path=str(model), device="cpu", compile="off", **settings)
+    scorer = RewardScorer.load(cfg)
+    fmt = InputFormat.from_settings(cfg, scorer.has_chat_template)
+    rows = []
+    for p in base_pairs(n, seed):
+        texts = [scorer.render(p["prompt"], p[side], fmt) for side in ("chosen", "rejected")]
+        a, b = scorer.score_ids([e.ids for e in scorer.encode(texts)])
+        first, second = ("chosen", "rejected") if a > b else ("rejected", "chosen")
+        rows.append({"prompt": p["prompt"], "chosen": [{"role": "assistant", "content": p[first]}],
+                     "rejected": [{"role": "assistant", "content": p[second]}]})  # fmt: skip
+    return rows
