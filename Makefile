@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 
 shell_files = $(shell find . -path ./$(VENV) -prune -o -type f \( -name '*.sh' -o -path './.ci/*' \) -print | sort)
 
-.PHONY: help env demo test lint clean-env
+.PHONY: help env trl demo test lint clean-env
 
 help:
 	@sed -n '1,4p' Makefile
@@ -39,6 +39,16 @@ $(OLDEST)/.installed: requirements/reward-oldest.txt $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(OLDEST) -r requirements/reward-oldest.txt
 	touch $@
 
+# The TRL versions whose RewardTrainer tests/test_trl_formats.py trains with, each in a folder of its own that the
+# test puts first on PYTHONPATH in a subprocess (requirements/trl-*.txt); their dependencies are the environment's.
+TRL_STACKS := $(VENV)/trl-0.23/.installed $(VENV)/trl-0.24/.installed $(VENV)/trl-newest/.installed
+$(VENV)/trl-%/.installed: requirements/trl-%.txt $(STAMP)
+	rm -rf $(VENV)/trl-$*
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(VENV)/trl-$* -r $<
+	touch $@
+
+trl: $(TRL_STACKS)
+
 demo: $(STAMP)
 	$(BIN)/python -m demo.run
 
@@ -50,7 +60,7 @@ lint: $(STAMP)
 # pytest exits 5 when it collected nothing: the suite is never empty, so that is a failure like any other.
 # The second run: the reward server and client tests, and verl's uvicorn pattern, on the oldest stack (transformers included).
 OLDEST_TESTS := tests/test_reward_server.py tests/test_reward_client.py tests/test_reward_stack.py
-test: lint $(OLDEST)/.installed
+test: lint $(OLDEST)/.installed $(TRL_STACKS)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest $(OLDEST_TESTS)
 
