@@ -44,6 +44,11 @@ CONFIG_REWARD_DEVICE="${CONFIG_REWARD_DEVICE:-cuda}"            # cuda | cpu
 CONFIG_REWARD_GPUS="${CONFIG_REWARD_GPUS:-0}"                   # shared placement: GPUs of the head for reward servers
 REWARD_REPLICAS="${REWARD_REPLICAS:-$CONFIG_GPUS_PER_NODE}"     # separate placement: servers (one per GPU) on that node
 CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
+# How the reward model was trained (python -m reward_score.check_format MODEL PAIRS says which; --help of the server):
+CONFIG_REWARD_INPUT="${CONFIG_REWARD_INPUT:-conversation}"      # conversation | completion (TRL <= 0.23, prompt column)
+CONFIG_REWARD_ADD_SPECIAL_TOKENS="${CONFIG_REWARD_ADD_SPECIAL_TOKENS:-auto}"  # auto | true | false: the tokenizer's BOS
+CONFIG_REWARD_CHAT_TEMPLATE="${CONFIG_REWARD_CHAT_TEMPLATE:-auto}"  # auto | off (trained on plain text)
+CONFIG_REWARD_APPEND_EOS="${CONFIG_REWARD_APPEND_EOS:-auto}"    # auto | true | false (plain text only)
 RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
 CONFIG_NETWORK_INTERFACE="${CONFIG_NETWORK_INTERFACE:-}"        # e.g. ib0: Ray, NCCL and Gloo use it; empty = hostname

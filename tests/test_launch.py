@@ -282,3 +282,13 @@ def test_a_reward_server_that_cannot_start_fails_the_preflight_naming_its_log(jo
     assert result.returncode == 1
     assert "the reward server for the check was not healthy after 2 s" in result.stderr
     assert "preflight_reward_server.log" in result.stderr
+
+
+# --- the reward model's input format ------------------------------------------------------------------------------
+
+
+def test_a_reward_format_setting_the_server_does_not_know_stops_the_job_naming_it(job, fake_cluster):
+    result = run(job | {"CONFIG_REWARD_INPUT": "prompt"})
+    assert result.returncode == 1
+    assert "CONFIG_REWARD_INPUT='prompt': use conversation or completion" in result.stderr
+    assert not fake_cluster.calls("srun")
