@@ -9,8 +9,9 @@ The job's one check, in one process (one container start; the policy tokenizer l
 2. data (PREFLIGHT_DATA=1): every row's schema and prompt length (data_prep.validate), then the train and val
    parquet through verl's own RLHFDataset with the policy tokenizer and its chat template, reporting how many prompts
    verl will drop as longer than data.max_prompt_length;
-3. reward (PREFLIGHT_REWARD=1): a reward server started for the check, and verl's reward manager calling our reward
-   file by path on real validation rows with made-up responses, as after a rollout.
+3. reward (PREFLIGHT_REWARD=1): a reward server started for the check with the job's CONFIG_REWARD_* format
+   settings, and verl's reward manager calling our reward file by path on real validation rows with made-up
+   responses, as after a rollout.
 On failure it prints verl's message and the settings that feed that key.
 """
 
@@ -19,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from launch.procs import free_port, start_server, stop_process
@@ -375,11 +377,15 @@ def reward_loop_scores(cfg, tokenizer, data) -> tuple[list[float], list[int]]:
     return [o["reward_score"] for o in out], [int(o["reward_extra_info"]["penalized"]) for o in out]
 
 
-def start_reward_server(model_path: str, log: Path, timeout: float) -> tuple[subprocess.Popen, str]:
-    """A reward server for the check, on a free loopback port, returned once /health answers 200."""
+def start_reward_server(
+    model_path: str, log: Path, timeout: float, format_flags: Sequence[str] = ()
+) -> tuple[subprocess.Popen, str]:
+    """A reward server for the check, on a free loopback port, returned once /health answers 200; `format_flags`:
+    the job's input-format settings (Settings.reward_format_flags), as the job's own servers get them."""
     port = free_port()
     cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", model_path,
-           "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto")]  # fmt: skip
+           "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"),
+           *format_flags]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     return start_server(cmd, log, url + "/health", timeout, name="the reward server for the check"), url
 
@@ -478,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
         server = None
         try:
             server, url = start_reward_server(
-                settings.reward_model_path, log, float(os.environ.get("REWARD_START_TIMEOUT", 900))
+                settings.reward_model_path,
+                log,
+                float(os.environ.get("REWARD_START_TIMEOUT", 900)),
+                settings.reward_format_flags,
             )
             os.environ.update(REWARD_SERVER_URLS=url, REWARD_LOG_PATH="")
             for line in reward_round_trip(cfg, tokenizer):

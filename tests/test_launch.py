@@ -287,6 +287,18 @@ def test_a_reward_server_that_cannot_start_fails_the_preflight_naming_its_log(jo
 # --- the reward model's input format ------------------------------------------------------------------------------
 
 
+def test_the_reward_format_settings_reach_the_preflights_server_and_the_jobs_servers(job, fake_cluster):
+    env = job | {"CONFIG_REWARD_INPUT": "completion", "CONFIG_REWARD_ADD_SPECIAL_TOKENS": "false"}
+    result = run(env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    logs = job_dir(env)
+    servers = [logs / "preflight_reward_server.log", *logs.glob("reward_server_*.log")]
+    assert len(servers) == 2
+    for log in servers:
+        assert "format=completion (chat template, without special tokens)" in log.read_text(), log
+    assert_everything_stopped(env)
+
+
 def test_a_reward_format_setting_the_server_does_not_know_stops_the_job_naming_it(job, fake_cluster):
     result = run(job | {"CONFIG_REWARD_INPUT": "prompt"})
     assert result.returncode == 1
