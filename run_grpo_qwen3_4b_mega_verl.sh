@@ -96,6 +96,7 @@ CANARY="${CANARY:-0}"                                           # 1: train 2 ste
 CANARY_KEEP="${CANARY_KEEP:-0}"                                 # 1: keep the canary's checkpoints when it passes
 PREFLIGHT_DATA="${PREFLIGHT_DATA:-1}"                           # check every row, then read train/val through verl's RLHFDataset
 PREFLIGHT_REWARD="${PREFLIGHT_REWARD:-1}"                       # score a few rows through a reward server first
+PREFLIGHT_REWARD_PAIRS="${PREFLIGHT_REWARD_PAIRS:-}"            # preference pairs (TRL's format): check_format first
 REQUEUE_BEFORE_TIMEOUT="${REQUEUE_BEFORE_TIMEOUT:-1}"           # on the time-limit signal, requeue unless finished
 REWARD_START_TIMEOUT="${REWARD_START_TIMEOUT:-900}"             # seconds for reward servers to become healthy
 RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-600}"                     # seconds for every node to join Ray
@@ -122,6 +123,7 @@ export_settings() {
     CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME; do
     printf -v "$name" '%s' "$(realpath -m "${!name}")"
   done
+  [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || PREFLIGHT_REWARD_PAIRS=$(realpath -m "$PREFLIGHT_REWARD_PAIRS")
   export JOB_LOG_DIR=$job_log_dir JOB_ID=$job_id
   # The servers require it, the reward function sends it, the health poll proves with it that a server is ours.
   # Never printed: it reaches every node and verl's Ray workers through the environment only.
@@ -161,6 +163,7 @@ container_cmd() {
     "$(dirname "$CONFIG_TEST_FILE")"; do
     binds+=(--bind "$path")
   done
+  [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || binds+=(--bind "$(dirname "$PREFLIGHT_REWARD_PAIRS")")
   printf '%s\0' "$CONTAINER" exec --nv "${binds[@]}" --pwd "$repo" --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH"
 }
 

@@ -304,3 +304,31 @@ def test_a_reward_format_setting_the_server_does_not_know_stops_the_job_naming_i
     assert result.returncode == 1
     assert "CONFIG_REWARD_INPUT='prompt': use conversation or completion" in result.stderr
     assert not fake_cluster.calls("srun")
+
+
+def test_preference_pairs_the_reward_model_ranks_best_in_another_format_stop_the_job_before_it_starts(
+    job, fake_cluster, tmp_path
+):
+    """PREFLIGHT_REWARD_PAIRS: check_format with the job's CONFIG_REWARD_* settings, before anything starts."""
+    import json
+
+    from tests.trl_cases import pairs_ranked_by
+
+    pairs = tmp_path / "pairs" / "heldout.jsonl"  # ranked right by the reward model only as REWARD_INPUT=completion
+    pairs.parent.mkdir()
+    rows = pairs_ranked_by(Path(job["CONFIG_REWARD_MODEL_PATH"]), input="completion")
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # Only this check: the data and the reward round trip have tests of their own.
+    check = job | {"PREFLIGHT_ONLY": "1", "PREFLIGHT_REWARD_PAIRS": str(pairs), "PREFLIGHT_DATA": "0",
+                   "PREFLIGHT_REWARD": "0"}  # fmt: skip
+    wrong = run(check)
+    assert wrong.returncode == 1
+    assert "preflight: reward format recommended: REWARD_INPUT=completion" in wrong.stdout
+    assert "in run_grpo_qwen3_4b_mega_verl.sh: CONFIG_REWARD_INPUT=completion" in wrong.stdout
+    assert "ranks PREFLIGHT_REWARD_PAIRS best in another input format than this job's settings" in wrong.stderr
+    ok = run(check | {"CONFIG_REWARD_INPUT": "completion"})
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+    assert "preflight: reward format the settings given score as recommended" in ok.stdout
+    broken = run(check | {"PREFLIGHT_REWARD_PAIRS": str(tmp_path / "missing.jsonl")})
+    assert broken.returncode == 1 and "PREFLIGHT_REWARD_PAIRS" in broken.stderr and "no such file" in broken.stderr
+    assert not fake_cluster.calls("srun")
