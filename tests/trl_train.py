@@ -54,8 +54,7 @@ def train_case(case: dict, trl_version: str) -> dict:
         model=model, args=args, train_dataset=Dataset.from_list(case["rows"]), processing_class=tokenizer
     )
     trainer.train()
-    trainer.save_model(case["out"])
-    tokenizer.save_pretrained(case["out"])  # save_model writes the processing class too; this keeps <= 0.23's pad
+    trainer.save_model(case["out"])  # the model and the processing class (with the pad token it trained with)
     data = trainer.train_dataset
     chosen_col, rejected_col = _ids_columns(data.column_names)
     examples = [data[i] for i in range(len(data))]
