@@ -117,7 +117,7 @@ def test_the_format_the_pairs_were_ranked_in_is_recommended(tiny_models, labelle
 
 
 def test_the_command_recommends_settings_and_exits_1_while_the_job_would_score_otherwise(tiny_models, labelled,
-                                                                                        tmp_path):  # fmt: skip
+                                                                                        tmp_path, capsys):  # fmt: skip
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "reward_score.check_format", str(tiny_models.reward_model), str(labelled),
            "--device", "cpu", "--json", str(out)]  # fmt: skip
@@ -127,8 +127,8 @@ def test_the_command_recommends_settings_and_exits_1_while_the_job_would_score_o
     assert "in run_grpo_qwen3_4b_mega_verl.sh: CONFIG_REWARD_INPUT=completion" in wrong.stdout
     assert "24/24 100.0%" in wrong.stdout and "<- the settings given" in wrong.stdout
     assert json.loads(out.read_text())["recommended"]["input"] == "completion"
-    right = subprocess.run([*cmd, "--input", "completion"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert right.returncode == 0 and "the settings given score as recommended" in right.stdout
+    assert main([*cmd[3:], "--input", "completion"]) == 0
+    assert "the settings given score as recommended" in capsys.readouterr().out
 
 
 def test_conversations_for_a_tokenizer_without_a_chat_template_exit_2_saying_why(tiny_models, tmp_path, capsys):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, RUN, assert_everything_stopped, job_dir, run, seen, slurm
+from tests.support import REPO, RUN, assert_everything_stopped, block_environment, job_dir, run, seen, slurm
 
 # --- the whole flow ----------------------------------------------------------------------------------------------
 
@@ -288,7 +288,11 @@ def test_a_reward_server_that_cannot_start_fails_the_preflight_naming_its_log(jo
 
 
 def test_the_reward_format_settings_reach_the_preflights_server_and_the_jobs_servers(job, fake_cluster):
-    env = job | {"CONFIG_REWARD_INPUT": "completion", "CONFIG_REWARD_ADD_SPECIAL_TOKENS": "false"}
+    env = job | {
+        "CONFIG_REWARD_INPUT": "completion",
+        "CONFIG_REWARD_ADD_SPECIAL_TOKENS": "false",
+        "PREFLIGHT_DATA": "0",
+    }
     result = run(env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     logs = job_dir(env)
@@ -329,6 +333,13 @@ def test_preference_pairs_the_reward_model_ranks_best_in_another_format_stop_the
     ok = run(check | {"CONFIG_REWARD_INPUT": "completion"})
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     assert "preflight: reward format the settings given score as recommended" in ok.stdout
-    broken = run(check | {"PREFLIGHT_REWARD_PAIRS": str(tmp_path / "missing.jsonl")})
-    assert broken.returncode == 1 and "PREFLIGHT_REWARD_PAIRS" in broken.stderr and "no such file" in broken.stderr
     assert not fake_cluster.calls("srun")
+
+
+def test_unusable_preference_pairs_fail_the_preflight_naming_the_setting_and_the_file(job, tmp_path, capsys):
+    from launch.preflight import check_reward_format
+    from launch.settings import Settings
+
+    assert not check_reward_format(Settings.from_env(block_environment() | job), str(tmp_path / "missing.jsonl"))
+    err = capsys.readouterr().err
+    assert "PREFLIGHT_REWARD_PAIRS" in err and "missing.jsonl: no such file" in err
