@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 
 shell_files = $(shell find . -path ./$(VENV) -prune -o -type f \( -name '*.sh' -o -path './.ci/*' \) -print | sort)
 
-.PHONY: help env demo test lint slurm clean-env
+.PHONY: help env trl demo test lint slurm clean-env
 
 help:
 	@sed -n '1,6p' Makefile
@@ -41,6 +41,16 @@ $(OLDEST)/.installed: requirements/reward-oldest.txt $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(OLDEST) -r requirements/reward-oldest.txt
 	touch $@
 
+# The TRL versions whose RewardTrainer tests/test_trl_formats.py trains with, each in a folder of its own that the
+# test puts first on PYTHONPATH in a subprocess (requirements/trl-*.txt); their dependencies are the environment's.
+TRL_STACKS := $(VENV)/trl-0.23/.installed $(VENV)/trl-0.24/.installed $(VENV)/trl-newest/.installed
+$(VENV)/trl-%/.installed: requirements/trl-%.txt $(STAMP)
+	rm -rf $(VENV)/trl-$*
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --target $(VENV)/trl-$* -r $<
+	touch $@
+
+trl: $(TRL_STACKS)
+
 # The launch tests' Slurm (tests/test_slurm_jobs.py and friends). Where it cannot start, `make test` goes on and those
 # tests fail with the reason (never skip); then SLURM_CONF=/var/lib/local-slurm/slurm.conf sinfo shows the nodes.
 slurm:
@@ -57,7 +67,7 @@ lint: $(STAMP)
 # pytest exits 5 when it collected nothing: the suite is never empty, so that is a failure like any other.
 # The second run: the reward server and client tests, and verl's uvicorn pattern, on the oldest stack (transformers included).
 OLDEST_TESTS := tests/test_reward_server.py tests/test_reward_client.py tests/test_reward_stack.py
-test: lint $(OLDEST)/.installed
+test: lint $(OLDEST)/.installed $(TRL_STACKS)
 	bash tests/slurm/local_slurm.sh start || echo "make test: the local Slurm cluster did not start (above): its tests will fail"
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest $(OLDEST_TESTS)

@@ -146,7 +146,9 @@ start_reward_servers() {
     fi
     log "[rank $rank] reward server on ${gpu} port $p (log: $logfile)"
     CUDA_VISIBLE_DEVICES=$visible start_bg "$logfile" python3 "$here/reward_score/reward_server.py" \
-      --model-path "$CONFIG_REWARD_MODEL_PATH" --device "$device" --port "$p" --host 0.0.0.0
+      --model-path "$CONFIG_REWARD_MODEL_PATH" --device "$device" --port "$p" --host 0.0.0.0 \
+      --input "$CONFIG_REWARD_INPUT" --add-special-tokens "$CONFIG_REWARD_ADD_SPECIAL_TOKENS" \
+      --chat-template "$CONFIG_REWARD_CHAT_TEMPLATE" --append-eos "$CONFIG_REWARD_APPEND_EOS"
     pids+=("$BG_PID")
     watch "$BG_PID" "reward server (port $p)" "$logfile"
     urls+=("http://${address}:${p}")

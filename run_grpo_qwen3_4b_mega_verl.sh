@@ -55,6 +55,11 @@ CONFIG_REWARD_DEVICE="${CONFIG_REWARD_DEVICE:-cuda}"            # cuda | cpu
 CONFIG_REWARD_GPUS="${CONFIG_REWARD_GPUS:-0}"                   # shared placement: GPUs of the head for reward servers
 REWARD_REPLICAS="${REWARD_REPLICAS:-$CONFIG_GPUS_PER_NODE}"     # separate placement: servers (one per GPU) on that node
 CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
+# How the reward model was trained (python -m reward_score.check_format MODEL PAIRS says which; --help of the server):
+CONFIG_REWARD_INPUT="${CONFIG_REWARD_INPUT:-conversation}"      # conversation | completion (TRL <= 0.23, prompt column)
+CONFIG_REWARD_ADD_SPECIAL_TOKENS="${CONFIG_REWARD_ADD_SPECIAL_TOKENS:-auto}"  # auto | true | false: the tokenizer's BOS
+CONFIG_REWARD_CHAT_TEMPLATE="${CONFIG_REWARD_CHAT_TEMPLATE:-auto}"  # auto | off (trained on plain text)
+CONFIG_REWARD_APPEND_EOS="${CONFIG_REWARD_APPEND_EOS:-auto}"    # auto | true | false (plain text only)
 RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
 CONFIG_NETWORK_INTERFACE="${CONFIG_NETWORK_INTERFACE:-}"        # e.g. ib0: Ray, NCCL and Gloo use it; empty = hostname
@@ -102,6 +107,7 @@ CANARY="${CANARY:-0}"                                           # 1: train 2 ste
 CANARY_KEEP="${CANARY_KEEP:-0}"                                 # 1: keep the canary's checkpoints when it passes
 PREFLIGHT_DATA="${PREFLIGHT_DATA:-1}"                           # check every row, then read train/val through verl's RLHFDataset
 PREFLIGHT_REWARD="${PREFLIGHT_REWARD:-1}"                       # score a few rows through a reward server first
+PREFLIGHT_REWARD_PAIRS="${PREFLIGHT_REWARD_PAIRS:-}"            # preference pairs (TRL's format): check_format first
 REQUEUE_BEFORE_TIMEOUT="${REQUEUE_BEFORE_TIMEOUT:-1}"           # on the time-limit signal, requeue unless finished
 REWARD_START_TIMEOUT="${REWARD_START_TIMEOUT:-900}"             # seconds for reward servers to become healthy
 RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-600}"                     # seconds for every node to join Ray
@@ -129,6 +135,7 @@ export_settings() {
     CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME; do
     printf -v "$name" '%s' "$(realpath -m "${!name}")"
   done
+  [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || PREFLIGHT_REWARD_PAIRS=$(realpath -m "$PREFLIGHT_REWARD_PAIRS")
   export JOB_LOG_DIR=$job_log_dir JOB_ID=$job_id
   # The servers require it, the reward function sends it, the health poll proves with it that a server is ours.
   # Never printed: it reaches every node and verl's Ray workers through the environment only.
@@ -168,6 +175,7 @@ container_cmd() {
     "$(dirname "$CONFIG_TEST_FILE")"; do
     binds+=(--bind "$path")
   done
+  [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || binds+=(--bind "$(dirname "$PREFLIGHT_REWARD_PAIRS")")
   printf '%s\0' "$CONTAINER" exec --nv "${binds[@]}" --pwd "$repo" --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH"
 }
 

@@ -9,8 +9,10 @@ The job's one check, in one process (one container start; the policy tokenizer l
 2. data (PREFLIGHT_DATA=1): every row's schema and prompt length (data_prep.validate), then the train and val
    parquet through verl's own RLHFDataset with the policy tokenizer and its chat template, reporting how many prompts
    verl will drop as longer than data.max_prompt_length;
-3. reward (PREFLIGHT_REWARD=1): a reward server started for the check, and verl's reward manager calling our reward
-   file by path on real validation rows with made-up responses, as after a rollout.
+3. reward: with PREFLIGHT_REWARD_PAIRS, python -m reward_score.check_format on those preference pairs with the job's
+   CONFIG_REWARD_* format settings (stops when the model ranks them best in another format); with PREFLIGHT_REWARD=1
+   a reward server started for the check with those settings, and verl's reward manager calling our reward file by
+   path on real validation rows with made-up responses, as after a rollout.
 On failure it prints verl's message and the settings that feed that key.
 """
 
@@ -19,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from launch.procs import free_port, start_server, stop_process
@@ -375,13 +378,38 @@ def reward_loop_scores(cfg, tokenizer, data) -> tuple[list[float], list[int]]:
     return [o["reward_score"] for o in out], [int(o["reward_extra_info"]["penalized"]) for o in out]
 
 
-def start_reward_server(model_path: str, log: Path, timeout: float) -> tuple[subprocess.Popen, str]:
-    """A reward server for the check, on a free loopback port, returned once /health answers 200."""
+def start_reward_server(
+    model_path: str, log: Path, timeout: float, format_flags: Sequence[str] = ()
+) -> tuple[subprocess.Popen, str]:
+    """A reward server for the check, on a free loopback port, returned once /health answers 200; `format_flags`:
+    the job's input-format settings (Settings.reward_format_flags), as the job's own servers get them."""
     port = free_port()
     cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", model_path,
-           "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto")]  # fmt: skip
+           "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"),
+           *format_flags]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     return start_server(cmd, log, url + "/health", timeout, name="the reward server for the check"), url
+
+
+def check_reward_format(settings: Settings, pairs: str, timeout: float = 3600) -> bool:
+    """python -m reward_score.check_format on the user's preference pairs, with the job's format settings: False
+    (after its table and recommendation) when the reward model ranks the pairs best in another format."""
+    cmd = [sys.executable, "-m", "reward_score.check_format", settings.reward_model_path, pairs,
+           "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"), *settings.reward_format_flags]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    for line in run.stdout.splitlines():
+        print(f"preflight: reward format {line}")
+    if run.returncode == 0:
+        return True
+    if run.returncode == 1:
+        print(
+            "preflight: the reward model ranks PREFLIGHT_REWARD_PAIRS best in another input format than this job's "
+            "settings: set the CONFIG_REWARD_* settings recommended above (top of run_grpo_qwen3_4b_mega_verl.sh)",
+            file=sys.stderr,
+        )
+    else:
+        print(f"preflight: PREFLIGHT_REWARD_PAIRS: {run.stderr.strip()[-2000:]}", file=sys.stderr)
+    return False
 
 
 def explain(exc: Exception) -> str:
@@ -473,12 +501,18 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # verl's own dataset code, reported as it is
             print(f"preflight: verl's RLHFDataset cannot read the data: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
+    pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
+    if pairs and not check_reward_format(settings, pairs):
+        return 1
     if os.environ.get("PREFLIGHT_REWARD", "1") == "1":
         log = Path(os.environ.get("JOB_LOG_DIR") or tempfile.mkdtemp()) / "preflight_reward_server.log"
         server = None
         try:
             server, url = start_reward_server(
-                settings.reward_model_path, log, float(os.environ.get("REWARD_START_TIMEOUT", 900))
+                settings.reward_model_path,
+                log,
+                float(os.environ.get("REWARD_START_TIMEOUT", 900)),
+                settings.reward_format_flags,
             )
             os.environ.update(REWARD_SERVER_URLS=url, REWARD_LOG_PATH="")
             for line in reward_round_trip(cfg, tokenizer):

@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
+
 REPO = Path(__file__).resolve().parent.parent
 REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
 
@@ -88,6 +90,11 @@ class Settings:
     rollout_engine: str = setting("ROLLOUT_ENGINE")
     max_ckpt_to_keep: int = setting("MAX_CKPT_TO_KEEP")
     rollout_enforce_eager: bool = setting("ROLLOUT_ENFORCE_EAGER")
+    # The reward server's input format (reward_score/server/settings.py: --input, --add-special-tokens, ...).
+    reward_input: str = setting("CONFIG_REWARD_INPUT")
+    reward_add_special_tokens: str = setting("CONFIG_REWARD_ADD_SPECIAL_TOKENS")
+    reward_chat_template: str = setting("CONFIG_REWARD_CHAT_TEMPLATE")
+    reward_append_eos: str = setting("CONFIG_REWARD_APPEND_EOS")
     # Not settings: Slurm's node count, the reward client's score range, and two removed settings still read so that
     # a stale value is refused, not ignored.
     nnodes: int = 1
@@ -113,6 +120,13 @@ class Settings:
             nnodes=int(env.get("SLURM_NNODES") or env.get("CONFIG_NUM_NODES") or 1),
             reward_score_range=_reward_score_range(env),
         )
+
+    @property
+    def reward_format_flags(self) -> list[str]:
+        """The reward server's (and check_format's) input-format flags, from CONFIG_REWARD_INPUT and the rest."""
+        values = (("--input", self.reward_input), ("--add-special-tokens", self.reward_add_special_tokens),
+                  ("--chat-template", self.reward_chat_template), ("--append-eos", self.reward_append_eos))  # fmt: skip
+        return [x for pair in values for x in pair]
 
     @property
     def train_nodes(self) -> int:
@@ -225,6 +239,17 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
                 problems.append(f"OVERLONG_PENALTY_FACTOR={s.overlong_penalty_factor}: a penalty size, 0 or more")
         except SettingError as exc:
             problems.append(str(exc))
+    for name, value, allowed in (
+        ("CONFIG_REWARD_INPUT", s.reward_input, REWARD_FORMAT_CHOICES["input"]),
+        ("CONFIG_REWARD_ADD_SPECIAL_TOKENS", s.reward_add_special_tokens, REWARD_FORMAT_CHOICES["add_special_tokens"]),
+        ("CONFIG_REWARD_CHAT_TEMPLATE", s.reward_chat_template, REWARD_FORMAT_CHOICES["chat_template"]),
+        ("CONFIG_REWARD_APPEND_EOS", s.reward_append_eos, REWARD_FORMAT_CHOICES["append_eos"]),
+    ):
+        if value not in allowed:
+            problems.append(
+                f"{name}={value!r}: use {' or '.join(allowed)} (python -m reward_score.check_format MODEL PAIRS says "
+                "which the reward model needs)"
+            )
     if not 0 < s.rollout_gpu_memory < 1:
         problems.append(f"ROLLOUT_GPU_MEMORY={s.rollout_gpu_memory}: a share of GPU memory in (0, 1)")
     if check_paths:

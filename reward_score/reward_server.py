@@ -11,11 +11,15 @@ API
     POST /score_batch  {"items": [ ...same items... ]} -> {"scores": [...], "truncated": [...]} in order
     GET  /metrics      Prometheus text
 
-How a pair is scored (what TRL's RewardTrainer did at training time): the reward model tokenizer's own chat template
-over [user prompt (or the given messages), assistant response], no generation prompt, tokenized without adding special
-tokens again. A tokenizer without a chat template falls back to TRL's plain-text rule (prompt + response + EOS), and
-the server says so at start. Over-long input keeps its LAST `max_length` tokens (the score is read from the last
-token), or is rejected with 413 when `REWARD_TRUNCATION=reject`.
+How a pair is scored (what TRL's RewardTrainer did at training time; `python -m reward_score.check_format` measures
+which of TRL's ways a model needs): by default as TRL >= 0.24 did, the reward model tokenizer's own chat template over
+[user prompt (or the given messages), assistant response], no generation prompt, tokenized without adding special
+tokens again; a tokenizer without a chat template (or `REWARD_CHAT_TEMPLATE=off`) takes TRL's plain-text rule
+(prompt + response + EOS, with the tokenizer's special tokens). `REWARD_INPUT=completion` scores the response alone,
+rendered as the assistant turn, as TRL <= 0.23 did for a dataset with a `prompt` column; `REWARD_ADD_SPECIAL_TOKENS`
+and `REWARD_APPEND_EOS` (auto: what TRL did for that input) cover the rest. /health and the startup log say which
+format runs. The score is read where the model's own forward reads it: the last token that is not its pad token.
+Over-long input keeps its LAST `max_length` tokens, or is rejected with 413 when `REWARD_TRUNCATION=reject`.
 
 Throughput: requests are rendered and tokenized off the event loop, all that wait in one pass; then one GPU thread
 plans every waiting row into micro-batches (sorted by length, padded to a multiple of `REWARD_PAD_MULTIPLE` tokens,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, assert_everything_stopped, job_dir, run, seen
+from tests.support import REPO, assert_everything_stopped, block_environment, job_dir, run, seen
 
 # --- the whole flow ----------------------------------------------------------------------------------------------
 
@@ -195,3 +195,64 @@ def test_a_reward_server_that_cannot_start_fails_the_preflight_naming_its_log(jo
     assert result.returncode == 1
     assert "the reward server for the check was not healthy after 2 s" in result.stderr
     assert "preflight_reward_server.log" in result.stderr
+
+
+# --- the reward model's input format ------------------------------------------------------------------------------
+
+
+def test_the_reward_format_settings_reach_the_preflights_server_and_the_jobs_servers(job):
+    env = job | {
+        "CONFIG_REWARD_INPUT": "completion",
+        "CONFIG_REWARD_ADD_SPECIAL_TOKENS": "false",
+        "PREFLIGHT_DATA": "0",
+    }
+    result = run(env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    logs = job_dir(env)
+    servers = [logs / "preflight_reward_server.log", *logs.glob("reward_server_*.log")]
+    assert len(servers) == 2
+    for log in servers:
+        assert "format=completion (chat template, without special tokens)" in log.read_text(), log
+    assert_everything_stopped(env)
+
+
+def test_a_reward_format_setting_the_server_does_not_know_stops_the_job_naming_it(job):
+    result = run(job | {"CONFIG_REWARD_INPUT": "prompt"})
+    assert result.returncode == 1
+    assert "CONFIG_REWARD_INPUT='prompt': use conversation or completion" in result.stderr
+    assert "=== launching on" not in result.stdout
+
+
+def test_preference_pairs_the_reward_model_ranks_best_in_another_format_stop_the_job_before_it_starts(
+    job, tmp_path
+):
+    """PREFLIGHT_REWARD_PAIRS: check_format with the job's CONFIG_REWARD_* settings, before anything starts."""
+    import json
+
+    from tests.trl_cases import pairs_ranked_by
+
+    pairs = tmp_path / "pairs" / "heldout.jsonl"  # ranked right by the reward model only as REWARD_INPUT=completion
+    pairs.parent.mkdir()
+    rows = pairs_ranked_by(Path(job["CONFIG_REWARD_MODEL_PATH"]), input="completion")
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # Only this check: the data and the reward round trip have tests of their own.
+    check = job | {"PREFLIGHT_ONLY": "1", "PREFLIGHT_REWARD_PAIRS": str(pairs), "PREFLIGHT_DATA": "0",
+                   "PREFLIGHT_REWARD": "0"}  # fmt: skip
+    wrong = run(check)
+    assert wrong.returncode == 1
+    assert "preflight: reward format recommended: REWARD_INPUT=completion" in wrong.stdout
+    assert "in run_grpo_qwen3_4b_mega_verl.sh: CONFIG_REWARD_INPUT=completion" in wrong.stdout
+    assert "ranks PREFLIGHT_REWARD_PAIRS best in another input format than this job's settings" in wrong.stderr
+    ok = run(check | {"CONFIG_REWARD_INPUT": "completion"})
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+    assert "preflight: reward format the settings given score as recommended" in ok.stdout
+    assert "=== launching on" not in wrong.stdout + ok.stdout
+
+
+def test_unusable_preference_pairs_fail_the_preflight_naming_the_setting_and_the_file(job, tmp_path, capsys):
+    from launch.preflight import check_reward_format
+    from launch.settings import Settings
+
+    assert not check_reward_format(Settings.from_env(block_environment() | job), str(tmp_path / "missing.jsonl"))
+    err = capsys.readouterr().err
+    assert "PREFLIGHT_REWARD_PAIRS" in err and "missing.jsonl: no such file" in err

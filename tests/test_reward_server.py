@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -732,9 +733,9 @@ def test_models_with_sliding_window_layers_keep_transformers_masks(tiny_models):
 
 def test_plain_text_fallback_when_the_tokenizer_has_no_chat_template(tiny_models, reference):
     cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu")
-    scorer = RewardScorer.load(cfg)
-    scorer.tokenizer.chat_template = None
-    scorer.chat_template = False
+    loaded = RewardScorer.load(cfg)
+    loaded.tokenizer.chat_template = None
+    scorer = RewardScorer(loaded.model, loaded.tokenizer, "cpu", cfg)
     with TestClient(create_app(cfg, scorer)) as c:
         assert c.get("/health").json()["format"] == "plain_text"
         got = c.post("/score", json={"prompt": "Question?", "response": " Answer."}).json()["score"]
@@ -743,6 +744,102 @@ def test_plain_text_fallback_when_the_tokenizer_has_no_chat_template(tiny_models
     with torch.inference_mode():
         expected = scorer.model(input_ids=torch.tensor([ids])).logits[0, 0].item()
     assert got == pytest.approx(expected, abs=1e-5)
+
+
+# --- input formats (which of TRL's ways of building a training sequence) -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings, has_template, expected",
+    [
+        # the defaults with a chat template: TRL >= 0.24's apply_chat_template(tokenize=True), no special tokens
+        ({}, True, ("conversation", True, False, False)),
+        # the defaults without one: TRL's plain-text rule, tokenizer(prompt + completion + eos)
+        ({}, False, ("conversation", False, True, True)),
+        # completion: TRL <= 0.23's tokenizer(completion), special tokens added
+        ({"input": "completion"}, True, ("completion", True, True, False)),
+        # completion in plain text: the response as it is, no EOS (TRL <= 0.23 appended none)
+        ({"input": "completion"}, False, ("completion", False, True, False)),
+        # a plain-text dataset on a tokenizer that has a template: TRL never used the template for it
+        ({"chat_template": "off"}, True, ("conversation", False, True, True)),
+        # TRL <= 0.23 on conversations: tokenizer(templated text), a second BOS where the template writes one
+        ({"add_special_tokens": "true"}, True, ("conversation", True, True, False)),
+        # TRL <= 0.23 on a plain-text dataset without a prompt column: the text as it is
+        ({"chat_template": "off", "append_eos": "false"}, True, ("conversation", False, True, False)),
+        # explicit values win over auto; append_eos never applies through a chat template
+        ({"add_special_tokens": "false", "append_eos": "true"}, True, ("conversation", True, False, False)),
+    ],
+)
+def test_auto_input_settings_resolve_to_what_trl_did_for_that_input(settings, has_template, expected):
+    from reward_score.server.runner import InputFormat
+
+    fmt = InputFormat.from_settings(replace(Settings(), **settings), has_template)
+    assert (fmt.input, fmt.chat_template, fmt.add_special_tokens, fmt.append_eos) == expected
+
+
+def test_completion_input_scores_the_response_as_the_assistant_turn_alone(tiny_models):
+    """TRL <= 0.23 with a prompt column: what the conversation adds after the prompt's generation prompt."""
+    with make_client(tiny_models, input="completion") as c:
+        health = c.get("/health").json()
+        assert (health["input"], health["add_special_tokens"]) == ("completion", True)
+        got = c.post("/score", json={"prompt": "Question?", "response": "The answer."}).json()["score"]
+        system_last = c.post(
+            "/score", json={"messages": [{"role": "system", "content": "Be brief."}], "response": "ok"}
+        )
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", input="completion"))
+    text = scorer.render([{"role": "user", "content": "Question?"}], "The answer.")
+    assert text == "The answer.<|im_end|>\n"
+    ids = scorer.tokenizer(text)["input_ids"]  # TRL <= 0.23's _tokenize
+    with torch.inference_mode():
+        expected = scorer.model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+    assert got == pytest.approx(expected, abs=1e-5)
+    assert system_last.status_code == 422 and "REWARD_INPUT=completion" in system_last.json()["detail"]
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory):
+    """A tokenizer that adds a BOS itself, with Llama 3's template (which writes one too); no pad token."""
+    from tests.trl_cases import build_base_model
+
+    template = (
+        "{% for m in messages %}{% set c = '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] "
+        "+ '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set c = bos_token + c %}{% endif %}{{ c }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    )
+    root = tmp_path_factory.mktemp("bos")
+    return SimpleNamespace(chat=build_base_model(root / "chat", "llama3", template),
+                           plain=build_base_model(root / "plain", "llama3", None))  # fmt: skip
+
+
+def test_special_tokens_put_a_second_bos_before_the_templates_own_only_when_asked(bos_model):
+    messages, response = [{"role": "user", "content": "hi"}], "hello"
+    default = RewardScorer.load(Settings(model_path=str(bos_model.chat), device="cpu"))
+    bos = default.tokenizer.bos_token_id
+    text = default.render(messages, response)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>user")
+    (plain,) = default.tokenize([text])
+    assert plain[0] == bos and plain[1] != bos, "the default (TRL >= 0.24): the template's BOS alone"
+    added = RewardScorer.load(Settings(model_path=str(bos_model.chat), device="cpu", add_special_tokens="true"))
+    (doubled,) = added.tokenize([text])
+    assert doubled == [bos, *plain], "TRL <= 0.23's tokenizer(text): one more BOS"
+
+
+def test_trailing_pad_tokens_are_not_scored_as_the_models_own_forward_reads_past_them(bos_model):
+    """No pad token: the model pads (and reads past) its EOS, so a plain text's appended EOS is not the scored one."""
+    cfg = Settings(model_path=str(bos_model.plain), device="cpu")
+    scorer = RewardScorer.load(cfg)
+    eos = scorer.tokenizer.eos_token_id
+    assert scorer.model.config.pad_token_id == eos
+    (ids,) = scorer.tokenize([scorer.render([{"role": "user", "content": "Question:"}], " answer")])
+    assert ids[0] == scorer.tokenizer.bos_token_id and ids[-1] == eos, "plain text: BOS added, EOS appended"
+    with TestClient(create_app(cfg, scorer)) as c:
+        got = c.post("/score", json={"prompt": "Question:", "response": " answer"}).json()["score"]
+    with torch.inference_mode():
+        own = scorer.model(input_ids=torch.tensor([ids])).logits[0, 0].item()  # transformers' own reading
+        before_eos = scorer.model(input_ids=torch.tensor([ids[:-1]])).logits[0, 0].item()
+        at_eos = scorer.model.score(scorer.base(input_ids=torch.tensor([ids])).last_hidden_state)[0, -1, 0].item()
+    assert got == pytest.approx(own, abs=1e-5) and own == pytest.approx(before_eos, abs=1e-5)
+    assert abs(at_eos - own) > 1e-3, "the test would not tell the two readings apart"
 
 
 # --- settings ----------------------------------------------------------------------------------------------------
@@ -768,12 +865,26 @@ def test_the_launch_scripts_settings_are_not_read_as_the_servers_own():
         ({"REWARD_DEVICE": "gpu"}, "REWARD_DEVICE"),
         ({"REWARD_TRUNCATION": "right"}, "REWARD_TRUNCATION"),
         ({"REWARD_MAX_LENGTH": "0"}, "REWARD_MAX_LENGTH"),
+        ({"REWARD_INPUT": "prompt"}, "REWARD_INPUT must be conversation or completion"),
+        ({"REWARD_ADD_SPECIAL_TOKENS": "yes"}, "REWARD_ADD_SPECIAL_TOKENS must be auto or true or false"),
+        ({"REWARD_CHAT_TEMPLATE": "on"}, "REWARD_CHAT_TEMPLATE must be auto or off"),
+        ({"REWARD_APPEND_EOS": "1"}, "REWARD_APPEND_EOS"),
     ],
 )
 def test_bad_settings_exit_naming_the_variable(env, needle, capsys):
     with pytest.raises(SystemExit) as exc:
         load_settings([], env)
     assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_help_lists_the_input_format_settings_with_their_flags(capsys):
+    with pytest.raises(SystemExit):
+        load_settings(["--help"], {})
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, env in (("--input", "REWARD_INPUT"), ("--add-special-tokens", "REWARD_ADD_SPECIAL_TOKENS"),
+                      ("--chat-template", "REWARD_CHAT_TEMPLATE"), ("--append-eos", "REWARD_APPEND_EOS")):  # fmt: skip
+        assert flag in out and f"env {env}; default" in out
+    assert load_settings(["--input", "completion"], {"REWARD_INPUT": "conversation"}).input == "completion"
 
 
 # --- the real process --------------------------------------------------------------------------------------------
@@ -794,6 +905,7 @@ def test_health_answers_only_once_the_model_can_score_and_reports_what_runs(tiny
         assert status == 200
         assert health | {"model_path": None} == health | {
             "status": "ok", "device": "cpu", "dtype": "float32", "max_length": 4096, "model_path": None,
+            "format": "chat_template", "input": "conversation", "add_special_tokens": False, "append_eos": False,
         }  # fmt: skip
         # Healthy means the first request needs no more loading: it is answered right away.
         import requests
@@ -805,6 +917,7 @@ def test_health_answers_only_once_the_model_can_score_and_reports_what_runs(tiny
         assert server.stop() in (0, -15)
     log = (tmp_path / "rs.log").read_text()
     assert "ready: model=" in log and "Finished server process" in log
+    assert "format=conversation (chat template, without special tokens)" in log
 
 
 def test_the_port_stays_closed_while_the_model_loads(tiny_models, tmp_path):

@@ -187,7 +187,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             "token_budget=%d",
             settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, settings.max_length,
             settings.truncation,
-            "chat template" if active.chat_template else "plain text (the tokenizer has no chat template)",
+            active.format.describe() + ("" if active.has_chat_template else ": the tokenizer has no chat template"),
             active.planner.token_budget,
         )  # fmt: skip
         try:
@@ -295,6 +295,10 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             "max_length": settings.max_length,
             "truncation": settings.truncation,
             "format": "chat_template" if active.chat_template else "plain_text",
+            # The input format as resolved (REWARD_INPUT, REWARD_ADD_SPECIAL_TOKENS, REWARD_APPEND_EOS; `auto` decided)
+            "input": active.format.input,
+            "add_special_tokens": active.format.add_special_tokens,
+            "append_eos": active.format.append_eos,
             "compiled": active.compiled,
             "mask_mapping": active.mask_mapping,
             "auth": bool(settings.auth_token),

@@ -36,6 +36,43 @@ class Encoded:
     truncated: bool
 
 
+@dataclass(frozen=True)
+class InputFormat:
+    """How a (messages, response) pair becomes token ids: one of the ways TRL's RewardTrainer built a training
+    sequence from a preference dataset (a model scores best in the way it was trained).
+
+    TRL >= 0.24 (reward_trainer.py `_prepare_dataset`): prompt + completion through `apply_chat_template(...,
+    tokenize=True)`, which adds no special tokens; a plain-text dataset as `tokenizer(prompt + completion + eos)`.
+    TRL <= 0.23 (`maybe_apply_chat_template`, then `_tokenize`: `tokenizer(chosen)`): with a `prompt` column only the
+    completion, rendered as the text the chat template adds after the prompt's generation prompt, and always with the
+    tokenizer's special tokens; plain text as it is, no EOS added."""
+
+    input: str  # "conversation": prompt + response; "completion": the response alone
+    chat_template: bool  # through the tokenizer's chat template; False: TRL's plain-text rule
+    add_special_tokens: bool
+    append_eos: bool  # plain text only
+
+    @classmethod
+    def from_settings(cls, settings: Settings, has_chat_template: bool) -> "InputFormat":
+        """The `auto` values resolved: for each input, what the TRL versions that produce it did."""
+        template = has_chat_template and settings.chat_template == "auto"
+        if settings.add_special_tokens == "auto":
+            # Only TRL >= 0.24's apply_chat_template(tokenize=True) tokenized without them; every tokenizer(text) adds.
+            special = not (template and settings.input == "conversation")
+        else:
+            special = settings.add_special_tokens == "true"
+        if settings.append_eos == "auto":
+            eos = settings.input == "conversation"
+        else:
+            eos = settings.append_eos == "true"
+        return cls(settings.input, template, special, eos and not template)
+
+    def describe(self) -> str:
+        how = "chat template" if self.chat_template else "plain text" + (" + EOS" if self.append_eos else "")
+        special = "with" if self.add_special_tokens else "without"
+        return f"{self.input} ({how}, {special} special tokens)"
+
+
 class RewardScorer:
     """The model, its tokenizer and the formatting rule; `score_ids` runs micro-batched forwards (any thread)."""
 
@@ -50,7 +87,11 @@ class RewardScorer:
         self.device = device
         self.settings = settings
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.chat_template = bool(getattr(tokenizer, "chat_template", None))
+        # The model's own forward reads its score at the last token that is not config.pad_token_id (transformers'
+        # sequence classification, which is what TRL trained): trailing ones are dropped before scoring (`fit`).
+        self.read_pad_id = getattr(model.config, "pad_token_id", None)
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.format = InputFormat.from_settings(settings, self.has_chat_template)
         # The fast path reads the score at each row's last real token itself: no reliance on pad_token_id detection
         # (a response may contain the pad token's text), and the head runs on B rows instead of B x L.
         self.base = getattr(model, getattr(model, "base_model_prefix", ""), None)
@@ -109,31 +150,69 @@ class RewardScorer:
 
     # -- formatting ---------------------------------------------------------------------------------------------
 
-    def render(self, messages: list[dict[str, str]], response: str) -> str:
-        """The exact text the reward model was trained on for this conversation."""
-        if self.chat_template:
-            conversation = [*messages, {"role": "assistant", "content": response}]
+    @property
+    def chat_template(self) -> bool:
+        """Pairs are rendered through the tokenizer's chat template (else TRL's plain-text rule)."""
+        return self.format.chat_template
+
+    def render(self, messages: list[dict[str, str]], response: str, fmt: InputFormat | None = None) -> str:
+        """The exact text the reward model was trained on for this conversation, in `fmt` (default: the server's)."""
+        fmt = fmt or self.format
+        if fmt.chat_template:
             try:
-                return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+                return self._render_template(messages, response, fmt.input == "completion")
             except self._template_error as exc:  # the template's own raise_exception(...): a wrong conversation
                 raise ConversationRefused(f"the reward model's chat template refused these messages: {exc}") from None
-        # TRL's plain-text rule: prompt then completion, EOS appended.
+        # TRL's plain-text rule: prompt then completion (>= 0.24) or the completion alone (<= 0.23 with a prompt
+        # column), EOS appended where TRL appended it.
         eos = self.tokenizer.eos_token or ""
-        text = "\n".join(m["content"] for m in messages) + response
-        return text if text.endswith(eos) else text + eos
+        text = response if fmt.input == "completion" else "\n".join(m["content"] for m in messages) + response
+        return text + eos if fmt.append_eos and not text.endswith(eos) else text
 
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, no special tokens added (the template has them); any thread. The Rust tokenizer
-        encodes a list on every core without holding the GIL; `encode_batch_fast` (tokenizers >= 0.21) also skips the
-        character offsets nobody reads here."""
+    def _render_template(self, messages: list[dict[str, str]], response: str, completion: bool) -> str:
+        apply = self.tokenizer.apply_chat_template
+        full = apply(
+            [*messages, {"role": "assistant", "content": response}], tokenize=False, add_generation_prompt=False
+        )
+        if not completion:
+            return full
+        # TRL <= 0.23's apply_chat_template (data_utils.py): the prompt with its generation prompt (or its last
+        # assistant message continued), then the completion is what the whole conversation adds after the longest
+        # common prefix of the two (Qwen3: "<think>\n\n</think>\n\n" + response + "<|im_end|>\n").
+        last = messages[-1]["role"] if messages else None
+        if last not in ("user", "assistant"):
+            raise ConversationRefused(
+                f"REWARD_INPUT=completion needs the prompt's last message from the user or the assistant, as TRL did "
+                f"(it raised 'Invalid role in the last message'); got {last!r}"
+            )
+        prompt = apply(messages, tokenize=False, add_generation_prompt=last == "user",
+                       continue_final_message=last == "assistant")  # fmt: skip
+        common = 0
+        for a, b in zip(prompt, full, strict=False):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+
+    def tokenize(self, texts: list[str], fmt: InputFormat | None = None) -> list[list[int]]:
+        """Token ids of each text, with or without the tokenizer's special tokens as `fmt` says; any thread. The
+        Rust tokenizer encodes a list on every core without holding the GIL; `encode_batch_fast` (tokenizers >= 0.21)
+        also skips the character offsets nobody reads here. Both are what `tokenizer(text)` calls."""
+        special = (fmt or self.format).add_special_tokens
         if self.backend is not None:
             encode = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
-            return [e.ids for e in encode(texts, add_special_tokens=False)]
+            return [e.ids for e in encode(texts, add_special_tokens=special)]
         with self._slow_lock:
-            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
     def fit(self, ids: list[int], where: str) -> Encoded:
-        """`ids` within max_length: over-long input keeps its last tokens, or is refused under REWARD_TRUNCATION=reject."""
+        """`ids` as scored: without trailing pad tokens (the model's forward would read its score before them, and a
+        causal model's score there does not depend on them), within max_length: over-long input keeps its last
+        tokens, or is refused under REWARD_TRUNCATION=reject."""
+        end = len(ids)
+        while end > 1 and ids[end - 1] == self.read_pad_id:
+            end -= 1
+        ids = ids[:end] if end < len(ids) else ids
         limit = self.settings.max_length
         if len(ids) <= limit:
             return Encoded(ids, False)

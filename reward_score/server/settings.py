@@ -23,6 +23,11 @@ class Settings:
     port: int = 8000
     max_length: int = 4096
     truncation: Literal["left", "reject"] = "left"
+    # How a pair becomes token ids (runner.InputFormat): which of the ways TRL's RewardTrainer built its inputs.
+    input: Literal["conversation", "completion"] = "conversation"
+    add_special_tokens: Literal["auto", "true", "false"] = "auto"
+    chat_template: Literal["auto", "off"] = "auto"
+    append_eos: Literal["auto", "true", "false"] = "auto"
     token_budget: int = 0  # 0: 32768 on a GPU, 8192 on the CPU
     max_batch_rows: int = 256
     pad_multiple: int = 16
@@ -46,6 +51,16 @@ _SETTINGS: dict[str, tuple[str, str]] = {
     "port": ("REWARD_PORT", "port to listen on"),
     "max_length": ("REWARD_MAX_LENGTH", "tokens scored per pair; longer input keeps its last tokens"),
     "truncation": ("REWARD_TRUNCATION", "left: keep the last max_length tokens; reject: answer 413"),
+    "input": ("REWARD_INPUT", "conversation: prompt + response (TRL >= 0.24; TRL <= 0.23 without a 'prompt' column) | "
+              "completion: the response alone, as the assistant turn (TRL <= 0.23 with a 'prompt' column); "
+              "python -m reward_score.check_format says which"),
+    "add_special_tokens": ("REWARD_ADD_SPECIAL_TOKENS", "auto | true | false: tokenize adding the tokenizer's special "
+                           "tokens (e.g. a BOS); auto: not for a conversation through the chat template (TRL >= "
+                           "0.24), else yes (TRL's tokenizer(text))"),
+    "chat_template": ("REWARD_CHAT_TEMPLATE", "auto: the tokenizer's chat template if it has one | off: TRL's plain-"
+                      "text rule even so (a model trained on a plain-text dataset)"),
+    "append_eos": ("REWARD_APPEND_EOS", "auto | true | false, plain text only: append the EOS token; auto: for "
+                   "conversation (TRL >= 0.24), not for completion (TRL <= 0.23)"),
     "token_budget": ("REWARD_TOKEN_BUDGET", "padded tokens per forward (0: 32768 on GPU, 8192 on CPU)"),
     "max_batch_rows": ("REWARD_MAX_BATCH_ROWS", "rows per forward at most"),
     "pad_multiple": ("REWARD_PAD_MULTIPLE", "pad each batch to a multiple of this many tokens"),
@@ -57,6 +72,15 @@ _SETTINGS: dict[str, tuple[str, str]] = {
     "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "request body size at most"),
     "auth_token": ("REWARD_SERVER_TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
     "log_level": ("REWARD_LOG_LEVEL", "debug | info | warning"),
+}  # fmt: skip
+
+
+# The input-format settings' values (runner.InputFormat reads them).
+CHOICES = {
+    "input": ("conversation", "completion"),
+    "add_special_tokens": ("auto", "true", "false"),
+    "chat_template": ("auto", "off"),
+    "append_eos": ("auto", "true", "false"),
 }
 
 
@@ -93,6 +117,9 @@ def load_settings(
         problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
     if settings.truncation not in ("left", "reject"):
         problems.append(f"REWARD_TRUNCATION must be 'left' or 'reject', got {settings.truncation!r}")
+    for name, allowed in CHOICES.items():
+        if getattr(settings, name) not in allowed:
+            problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
     if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):
         problems.append(f"REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
     for name in ("max_length", "max_batch_rows", "pad_multiple", "max_items", "max_chars", "max_body_bytes"):

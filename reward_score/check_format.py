@@ -1,0 +1,493 @@
+"""Which input format does this reward model need? Score preference pairs in every format the server supports and
+see in which one the model ranks them best: a model scored as it was trained ranks its held-out pairs best.
+
+    python -m reward_score.check_format MODEL PAIRS                    # PAIRS: .jsonl or .parquet
+    python -m reward_score.check_format MODEL PAIRS --device cuda --limit 300 --input completion
+
+PAIRS is a preference dataset in one of TRL's own layouts (a few hundred pairs the model was NOT trained on):
+  {"chosen": [{"role": "user", ...}, {"role": "assistant", ...}], "rejected": [...]}      conversations
+  {"prompt": [{"role": "user", ...}], "chosen": [{"role": "assistant", ...}], "rejected": [...]}
+  {"chosen": "text", "rejected": "text"}         plain text (the prompt is what the two share at the start)
+  {"prompt": "text", "chosen": "text", "rejected": "text"}
+
+Why formats differ (TRL's RewardTrainer, reward_trainer.py): TRL >= 0.24 trained on prompt + completion, through the
+chat template without special tokens, or as plain text with the tokenizer's special tokens and an EOS appended.
+TRL <= 0.23 tokenized with the special tokens (a second BOS where the template has one), trained on the completion
+alone when the dataset had a `prompt` column, and appended no EOS to plain text. Conversations were always rendered
+with the chat template, plain text never: the layout of PAIRS decides that, and the rest is measured.
+
+Every format is scored through the server's own code (reward_score/server/runner.py: render, tokenize, fit,
+score_ids); formats that score the same token ids for these pairs are one row. Printed per format: the pairs ranked
+right (chosen scores higher), the mean margin (chosen - rejected) and the mean Bradley-Terry loss (-log sigmoid of
+the margin, TRL's training loss). The recommendation is the format that ranks the most pairs right; between formats
+that rank as many, the lower loss. The settings the job gives the server (flags below, default: the server's
+defaults) are marked; the exit status is 0 when they score as the recommended format, 1 when another format is
+recommended, 2 for unusable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+if not __package__:  # run by path: the repository root is not on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from reward_score.server.settings import CHOICES, Settings  # noqa: E402
+
+Conversation = tuple[list[dict[str, str]], str]  # (messages before the answer, the answer), as the server takes them
+
+LAYOUTS = {
+    "conversation": "'chosen'/'rejected' conversations",
+    "conversation_prompt": "'prompt' + 'chosen'/'rejected' conversations",
+    "text": "'chosen'/'rejected' plain texts",
+    "text_prompt": "'prompt' + 'chosen'/'rejected' plain texts",
+}
+# The server settings that decide the input format, with their environment and launch names.
+FORMAT_SETTINGS = {
+    "input": ("REWARD_INPUT", "CONFIG_REWARD_INPUT"),
+    "add_special_tokens": ("REWARD_ADD_SPECIAL_TOKENS", "CONFIG_REWARD_ADD_SPECIAL_TOKENS"),
+    "chat_template": ("REWARD_CHAT_TEMPLATE", "CONFIG_REWARD_CHAT_TEMPLATE"),
+    "append_eos": ("REWARD_APPEND_EOS", "CONFIG_REWARD_APPEND_EOS"),
+}
+
+
+class PairsError(ValueError):
+    """PAIRS cannot be read as preference pairs; the message names the row, the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    row: int
+    chosen: Conversation
+    rejected: Conversation
+
+
+# --- reading the pairs -------------------------------------------------------------------------------------------
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a JSONL or parquet file, as dicts (parquet's None-filled struct fields dropped, as TRL does)."""
+    if not path.is_file():
+        raise PairsError(f"{path}: no such file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow's own message says what is wrong with the file
+            raise PairsError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from None
+        return [_drop_none(r) for r in rows]
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PairsError(
+                    f"{path} line {n}: not JSON ({exc.msg}); PAIRS is one JSON object per line, or .parquet"
+                ) from None
+            if not isinstance(row, dict):
+                raise PairsError(
+                    f"{path} line {n}: a JSON {type(row).__name__}, not an object with 'chosen'/'rejected'"
+                )
+            rows.append(row)
+    return rows
+
+
+def _drop_none(value):
+    """Arrow gives every struct the union of all keys, None where a message had none (TRL's remove_none_values)."""
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def _messages(value, where: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise PairsError(f"{where}: expected a non-empty list of {{'role', 'content'}} messages")
+    out = []
+    for k, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+            raise PairsError(f"{where}[{k}]: a message is {{'role': str, 'content': str}}, got {str(m)[:80]!r}")
+        if not isinstance(m["content"], str):
+            raise PairsError(
+                f"{where}[{k}].content: text only (the server scores text), got {type(m['content']).__name__}"
+            )
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _text(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise PairsError(f"{where}: expected text like the other rows, got {type(value).__name__}")
+    if not value.strip():
+        raise PairsError(f"{where}: empty")
+    return value
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """Where an implicit plain-text prompt ends: TRL's extract_prompt (the common start, minus a trailing space)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    if 0 < n < min(len(a), len(b)) and a[n - 1] == " ":
+        n -= 1
+    return n
+
+
+def layout_of(row: dict, where: str) -> str:
+    for name in ("chosen", "rejected"):
+        if name not in row:
+            raise PairsError(
+                f"{where}: no '{name}' field (fields: {', '.join(sorted(row)) or 'none'}); TRL's preference layout is "
+                "'chosen' and 'rejected', with an optional 'prompt'"
+            )
+    conversational = isinstance(row["chosen"], list)
+    if "prompt" in row:
+        return "conversation_prompt" if conversational else "text_prompt"
+    return "conversation" if conversational else "text"
+
+
+def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
+    """(layout, pairs) from TRL-format rows; one layout for the whole file, as TRL reads it from the first row."""
+    if not rows:
+        raise PairsError("no rows: PAIRS needs preference pairs ('chosen'/'rejected')")
+    layout = layout_of(rows[0], "row 0")
+    pairs = []
+    for i, row in enumerate(rows):
+        where = f"row {i}"
+        this = layout_of(row, where)
+        if this != layout:
+            raise PairsError(f"{where}: {LAYOUTS[this]}, but row 0 has {LAYOUTS[layout]}: one layout per file")
+        if layout == "conversation":
+            sides = []
+            for name in ("chosen", "rejected"):
+                msgs = _messages(row[name], f"{where}.{name}")
+                if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
+                    raise PairsError(
+                        f"{where}.{name}: the last message is the scored answer: role 'assistant' with text, got "
+                        f"role {msgs[-1]['role']!r}"
+                    )
+                sides.append((msgs[:-1], msgs[-1]["content"]))
+            pairs.append(Pair(i, sides[0], sides[1]))
+        elif layout == "conversation_prompt":
+            prompt = _messages(row["prompt"], f"{where}.prompt")
+            sides = []
+            for name in ("chosen", "rejected"):
+                msgs = _messages(row[name], f"{where}.{name}")
+                if len(msgs) != 1 or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
+                    raise PairsError(
+                        f"{where}.{name}: one assistant message with text (the server scores one response after the "
+                        f"prompt), got {len(msgs)} message(s), roles {[m['role'] for m in msgs]}: move earlier turns "
+                        "into 'prompt'"
+                    )
+                sides.append((prompt, msgs[0]["content"]))
+            pairs.append(Pair(i, sides[0], sides[1]))
+        elif layout == "text_prompt":
+            prompt = _text(row["prompt"], f"{where}.prompt")
+            chosen, rejected = _text(row["chosen"], f"{where}.chosen"), _text(row["rejected"], f"{where}.rejected")
+            user = [{"role": "user", "content": prompt}]
+            pairs.append(Pair(i, (user, chosen), (user, rejected)))
+        else:
+            chosen, rejected = _text(row["chosen"], f"{where}.chosen"), _text(row["rejected"], f"{where}.rejected")
+            n = _shared_prefix(chosen, rejected)
+            if n == len(chosen) or n == len(rejected):
+                raise PairsError(f"{where}: 'chosen' and 'rejected' must differ after their shared start")
+            user = [{"role": "user", "content": chosen[:n]}] if n else []
+            pairs.append(Pair(i, (user, chosen[n:]), (user, rejected[n:])))
+    return layout, pairs
+
+
+# --- the formats -------------------------------------------------------------------------------------------------
+
+
+def candidate_settings(layout: str, has_chat_template: bool) -> list[dict[str, str]]:
+    """Every combination of the format settings that applies to this layout: conversations through the chat template,
+    plain text without it (every TRL version did so)."""
+    if layout.startswith("conversation"):
+        if not has_chat_template:
+            raise PairsError(
+                f"the pairs are conversations ({LAYOUTS[layout]}) but the model's tokenizer has no chat template: TRL "
+                "renders conversations with it, so this model was not trained on such pairs; give plain-text pairs"
+            )
+        return [
+            {"input": i, "add_special_tokens": s, "chat_template": "auto", "append_eos": "auto"}
+            for i in CHOICES["input"]
+            for s in ("auto", "true", "false")
+        ]
+    template = "off" if has_chat_template else "auto"
+    return [
+        {"input": i, "add_special_tokens": s, "chat_template": template, "append_eos": e}
+        for i in CHOICES["input"]
+        for s in ("auto", "true", "false")
+        for e in ("auto", "true", "false")
+    ]
+
+
+def trl_versions(fmt, layout: str) -> str:
+    """Which TRL versions' RewardTrainer built its sequences this way from pairs of this layout ('' for none)."""
+    prompt_column = layout.endswith("_prompt")
+    if fmt.chat_template:
+        new = fmt.input == "conversation" and not fmt.add_special_tokens
+        old = fmt.add_special_tokens and fmt.input == ("completion" if prompt_column else "conversation")
+    else:
+        new = fmt.input == "conversation" and fmt.add_special_tokens and fmt.append_eos
+        old = (
+            fmt.add_special_tokens
+            and not fmt.append_eos
+            and fmt.input == ("completion" if prompt_column else "conversation")
+        )
+    return " and ".join(v for v, ok in (("<= 0.23", old), (">= 0.24", new)) if ok)
+
+
+@dataclass
+class FormatResult:
+    """One way of building the ids (several settings may give the same ids: they are one result)."""
+
+    settings: dict[str, str]  # the simplest settings that give these ids (most values left at auto)
+    format: object  # runner.InputFormat of those settings
+    same_as: list[dict[str, str]] = field(default_factory=list)  # other settings giving the same ids
+    ids: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (chosen, rejected) as tokenized
+    scored: list[tuple[list[int], list[int]]] = field(default_factory=list)  # as scored (runner.fit)
+    chosen: list[float] = field(default_factory=list)
+    rejected: list[float] = field(default_factory=list)
+    truncated: int = 0
+    refused: str = ""  # why this format cannot score some pair (then it has no scores)
+    trl: str = ""
+
+    @property
+    def n(self) -> int:
+        return len(self.chosen)
+
+    @property
+    def right(self) -> int:
+        return sum(c > r for c, r in zip(self.chosen, self.rejected, strict=True))
+
+    @property
+    def mean_margin(self) -> float:
+        return sum(c - r for c, r in zip(self.chosen, self.rejected, strict=True)) / max(1, self.n)
+
+    @property
+    def loss(self) -> float:
+        """Mean -log(sigmoid(chosen - rejected)), computed stably."""
+        total = 0.0
+        for c, r in zip(self.chosen, self.rejected, strict=True):
+            m = c - r
+            total += math.log1p(math.exp(-m)) if m > -30 else -m
+        return total / max(1, self.n)
+
+    def matches(self, settings: dict[str, str]) -> bool:
+        return settings == self.settings or settings in self.same_as
+
+
+@dataclass
+class Report:
+    layout: str
+    pairs: int
+    results: list[FormatResult]  # best first; refused formats last
+    given: FormatResult | None  # the result the given settings produce
+
+    @property
+    def recommended(self) -> FormatResult:
+        return self.results[0]
+
+
+def _simplicity(settings: dict[str, str]) -> tuple[int, int]:
+    """Fewer settings away from the server's defaults first (so the defaults stay where they already match)."""
+    defaults = Settings()
+    changed = sum(settings[k] != getattr(defaults, k) for k in FORMAT_SETTINGS)
+    return changed, -sum(v == "auto" for v in settings.values())
+
+
+def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | None = None) -> Report:
+    """Score `pairs` in every candidate format with `scorer` (a server RewardScorer), one forward pass per distinct
+    set of ids; results best first."""
+    from reward_score.server.runner import ConversationRefused, InputFormat
+
+    given = given or {k: getattr(Settings(), k) for k in FORMAT_SETTINGS}
+    base = scorer.settings
+    by_ids: dict[tuple, FormatResult] = {}
+    encoded: dict[tuple, list[list[int]]] = {}  # what is scored for each distinct set of ids
+    refused: list[FormatResult] = []
+    candidates = sorted(candidate_settings(layout, scorer.has_chat_template), key=_simplicity)
+    if given not in candidates:
+        candidates.append(given)
+    for values in candidates:
+        fmt = InputFormat.from_settings(replace(base, **values), scorer.has_chat_template)
+        try:
+            texts = [scorer.render(m, r, fmt) for p in pairs for m, r in (p.chosen, p.rejected)]
+        except ConversationRefused as exc:
+            refused.append(FormatResult(values, fmt, refused=str(exc), trl=trl_versions(fmt, layout)))
+            continue
+        ids = scorer.tokenize(texts, fmt)
+        fitted = [scorer.fit(x, f"row {pairs[k // 2].row}") for k, x in enumerate(ids)]
+        # One result per distinct set of scored ids (fit drops trailing pad tokens, which the model reads past).
+        key = tuple(tuple(e.ids) for e in fitted)
+        if key in by_ids:
+            by_ids[key].same_as.append(values)
+            continue
+        encoded[key] = [e.ids for e in fitted]
+        by_ids[key] = FormatResult(values, fmt, ids=list(zip(ids[::2], ids[1::2], strict=True)),
+                                   scored=list(zip(encoded[key][::2], encoded[key][1::2], strict=True)),
+                                   truncated=sum(e.truncated for e in fitted), trl=trl_versions(fmt, layout))  # fmt: skip
+    # Every format's sequences in one call: the planner batches them all.
+    scores = scorer.score_ids([s for key in by_ids for s in encoded[key]]) if by_ids else []
+    results = list(by_ids.values())
+    for k, r in enumerate(results):
+        own = scores[2 * len(pairs) * k : 2 * len(pairs) * (k + 1)]
+        r.chosen, r.rejected = own[::2], own[1::2]
+        # The TRL versions of every setting in the group: they trained on the same ids.
+        fmts = [InputFormat.from_settings(replace(base, **v), scorer.has_chat_template) for v in r.same_as]
+        labels = {trl_versions(f, layout) for f in [r.format, *fmts]}
+        r.trl = " and ".join(v for v in ("<= 0.23", ">= 0.24") if any(v in label for label in labels))
+    results.sort(key=lambda r: (-r.right, r.loss))
+    ordered = results + refused
+    return Report(layout, len(pairs), ordered, next((r for r in ordered if r.matches(given)), None))
+
+
+# --- the report --------------------------------------------------------------------------------------------------
+
+
+def settings_line(settings: dict[str, str], launch: bool = False) -> str:
+    """The settings that differ from the server's defaults, as environment assignments (or the launch names)."""
+    defaults = Settings()
+    changed = {k: v for k, v in settings.items() if v != getattr(defaults, k)}
+    if not changed:
+        return "the defaults"
+    return " ".join(f"{FORMAT_SETTINGS[k][1 if launch else 0]}={v}" for k, v in changed.items())
+
+
+def close_call(report: Report) -> str:
+    """A note when the recommendation and the runner-up rank nearly the same pairs right: a paired sign test on the
+    pairs the two rank differently (a lead of under two standard deviations is noise)."""
+    scored = [r for r in report.results if not r.refused]
+    if len(scored) < 2:
+        return ""
+    best, second = scored[0], scored[1]
+    b = sum(
+        (c1 > r1) and not (c2 > r2)
+        for c1, r1, c2, r2 in zip(best.chosen, best.rejected, second.chosen, second.rejected, strict=True)
+    )
+    c = sum(
+        (c2 > r2) and not (c1 > r1)
+        for c1, r1, c2, r2 in zip(best.chosen, best.rejected, second.chosen, second.rejected, strict=True)
+    )
+    if b > c and b - c > 2 * math.sqrt(b + c):
+        return ""
+    if b == c == 0:
+        why = "rank the same pairs right"
+    else:
+        why = f"rank {b} and {c} of the {b + c} pairs on which they disagree right"
+    return (
+        f"note: the first two formats {why}: the pick rests on the loss ({best.loss:.3g} against {second.loss:.3g}); "
+        "more held-out pairs would make it surer"
+    )
+
+
+def format_report(report: Report, model: str, pairs_path: str, device: str) -> str:
+    lines = [
+        f"check_format: {model} on {report.pairs} pairs of {pairs_path} ({LAYOUTS[report.layout]}), device {device}",
+        f"  {'format':<56} {'ranked right':>15} {'mean margin':>12} {'loss':>7}  trained this way by TRL",
+    ]
+    for r in report.results:
+        mark = "  <- the settings given" if report.given is r else ""
+        if r.refused:
+            lines.append(f"  {r.format.describe():<56} cannot score these pairs: {r.refused}{mark}")
+            continue
+        share = f"{r.right}/{r.n} {100 * r.right / max(1, r.n):5.1f}%"
+        lines.append(
+            f"  {r.format.describe():<56} {share:>15} {r.mean_margin:>+12.3f} {r.loss:>7.3f}  {r.trl or '-'}{mark}"
+        )
+        if r.truncated:
+            lines.append(f"    ({r.truncated} sequences longer than REWARD_MAX_LENGTH kept their last tokens)")
+    best = report.recommended
+    if best.refused:
+        lines.append("no format can score these pairs (above)")
+        return "\n".join(lines)
+    lines.append(f"recommended: {settings_line(best.settings)}")
+    lines.append(f"  in run_grpo_qwen3_4b_mega_verl.sh: {settings_line(best.settings, launch=True)}")
+    note = close_call(report)
+    if note:
+        lines.append(note)
+    if report.given is best:
+        lines.append("the settings given score as recommended")
+    else:
+        lines.append("the settings given score in another format: change them as recommended")
+    return "\n".join(lines)
+
+
+def load_scorer(model: str, device: str, max_length: int):
+    from reward_score.server.runner import RewardScorer
+
+    # No compile: one pass over a few hundred pairs does not pay for it.
+    return RewardScorer.load(Settings(model_path=model, device=device, max_length=max_length, compile="off"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m reward_score.check_format", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("model", help="the reward model's folder (what the server's --model-path gets)")
+    parser.add_argument("pairs", type=Path, help="preference pairs, .jsonl or .parquet, in TRL's layouts (above)")
+    parser.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto [default auto]")
+    parser.add_argument("--limit", type=int, default=0, help="score only the first N pairs (0: all)")
+    parser.add_argument("--max-length", type=int, default=Settings().max_length, help="as REWARD_MAX_LENGTH")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    defaults = Settings()
+    for name, (env, launch) in FORMAT_SETTINGS.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"), choices=CHOICES[name], default=getattr(defaults, name),
+            help=f"the job's {env} ({launch}), marked in the table [default {getattr(defaults, name)}]",
+        )  # fmt: skip
+    args = parser.parse_args(argv)
+    from reward_score.server.settings import check_model_path
+
+    problem = check_model_path(args.model)
+    if problem:
+        print(f"check_format: {problem.replace('REWARD_MODEL_PATH (or --model-path)', 'MODEL')}", file=sys.stderr)
+        return 2
+    try:
+        rows = read_rows(args.pairs)
+        layout, pairs = parse_pairs(rows[: args.limit] if args.limit > 0 else rows)
+        scorer = load_scorer(args.model, args.device, args.max_length)
+        given = {k: getattr(args, k) for k in FORMAT_SETTINGS}
+        report = evaluate(scorer, layout, pairs, given)
+    except PairsError as exc:
+        print(f"check_format: {args.pairs}: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report, args.model, str(args.pairs), scorer.device))
+    if args.json:
+        args.json.write_text(json.dumps(report_json(report), indent=1) + "\n")
+    if report.recommended.refused:
+        return 2
+    return 0 if report.given is report.recommended else 1
+
+
+def report_json(report: Report) -> dict:
+    return {
+        "layout": report.layout,
+        "pairs": report.pairs,
+        "recommended": report.recommended.settings,
+        "given_is_recommended": report.given is report.recommended,
+        "formats": [
+            {"settings": r.settings, "same_as": r.same_as, "describe": r.format.describe(), "trl": r.trl,
+             "right": r.right, "n": r.n, "mean_margin": r.mean_margin, "loss": r.loss, "refused": r.refused}
+            for r in report.results
+        ],
+    }  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
