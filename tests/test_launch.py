@@ -223,9 +223,7 @@ def test_a_reward_format_setting_the_server_does_not_know_stops_the_job_naming_i
     assert "=== launching on" not in result.stdout
 
 
-def test_preference_pairs_the_reward_model_ranks_best_in_another_format_stop_the_job_before_it_starts(
-    job, tmp_path
-):
+def test_preference_pairs_the_reward_model_ranks_best_in_another_format_stop_the_job_before_it_starts(job, tmp_path):
     """PREFLIGHT_REWARD_PAIRS: check_format with the job's CONFIG_REWARD_* settings, before anything starts."""
     import json
 
