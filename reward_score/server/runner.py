@@ -124,7 +124,7 @@ class RewardScorer:
         self.can_pack = self.base is not None and self.head is not None and attention == "sdpa"
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model_budget = None
-        if device.startswith("cuda") and not settings.token_budget:
+        if device.startswith("cuda") and not settings.token_budget and self.activation_bytes_per_token():
             # planner.MemoryTooSmall (a ValueError) when REWARD_GPU_MEMORY_GIB leaves no room: the server exits naming it
             self.model_budget = model_token_budget(
                 self.activation_bytes_per_token(), self.weight_bytes, int(settings.gpu_memory_gib * 2**30)
@@ -149,9 +149,12 @@ class RewardScorer:
         self.fused: list = []  # the attention and MLP modules running fused projections
         self.warm_up_s: dict[str, float] = {}
 
-    def activation_bytes_per_token(self) -> int:
-        """planner.activation_bytes_per_token for this model's dimensions and dtype."""
+    def activation_bytes_per_token(self) -> int | None:
+        """planner.activation_bytes_per_token for this model's dimensions and dtype (None where the config does not
+        name them: the budget then stays at its default)."""
         c = self.model.config
+        if not all(hasattr(c, n) for n in ("hidden_size", "intermediate_size", "num_attention_heads")):
+            return None
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
