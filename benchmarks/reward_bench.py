@@ -535,6 +535,7 @@ class Bench:
     def __init__(self, args, model_dir: Path, step, workers_factory) -> None:
         self.args, self.model_dir, self.step = args, model_dir, step
         self.workers_factory = workers_factory  # the verl-loop worker processes, started on first use
+        self.on_row = None  # (rows so far, variant, servers): after each row, for partial results
 
     def run_variant(self, variant: dict, base_env: dict, work: Path) -> tuple[list[dict], dict]:
         args = self.args
@@ -546,10 +547,12 @@ class Bench:
         os.environ.update(REWARD_SERVER_URLS=urls, REWARD_PROMPT_OPENS_THINK="0", REWARD_LOG_PATH="")
         rows, peak, info = [], [], {}
         try:
-            if "cold" not in variant["rows"]:
+            if "cold" not in variant["rows"] and not args.no_first_pass:
                 self.client_batch(self.step(SEEDS["cold"])[0])  # the servers' first pass, not measured
             for row in variant["rows"]:
                 rows.append(self.measure(row, servers, variant))
+                if self.on_row:
+                    self.on_row(rows, variant, servers)
             peak = servers.peak_gib()
         finally:
             servers.stop()
@@ -719,6 +722,9 @@ def main(argv=None) -> int:
     parser.add_argument("--replicas", type=int, default=1, help="our servers, one per visible GPU (round robin)")
     parser.add_argument("--kill-at", choices=["forward", "start"], default="forward", help="the killed row's crash")
     parser.add_argument("--variant", action="append", default=[], help="NAME[:KEY=VALUE,...]; see above")
+    parser.add_argument("--no-first-pass", action="store_true",
+                        help="without a cold row, the first measured row is the servers' first step (no unmeasured "
+                        "pass before it; saves a step on big models)")  # fmt: skip
     parser.add_argument("--model-dir", type=Path, help="where the random checkpoint goes (reused if it is there)")
     parser.add_argument("--pid-file", type=Path, help="append the pid of every server started (for cleanup)")
     parser.add_argument("--verl-workers", type=int, default=8, help="agent-loop workers (rollout.agent.num_workers)")
@@ -805,6 +811,15 @@ def main(argv=None) -> int:
     bench = Bench(args, model_dir, step, workers)
     ours, infos, failed = [], [], []
     sdpa = sdpa_backends(args.device)
+
+    def partial(rows, variant, servers) -> None:
+        """What is measured so far, against the first ceiling measurement (a later kill loses nothing)."""
+        info = {"name": variant["name"], "env": variant["env"], "replicas": variant["replicas"],
+                "startup_s": servers.startup_s[-1], "health": servers.health, "in_progress": True}  # fmt: skip
+        write_result(args, assemble(args, params, rate_start, None, article_runs, ours + rows, infos + [info], failed,
+                                    sdpa, done=False))  # fmt: skip
+
+    bench.on_row = partial
     try:
         for variant in variants:
             try:
@@ -815,8 +830,6 @@ def main(argv=None) -> int:
                 continue
             ours.extend(rows)
             infos.append(info)
-            # what is measured so far, against the first ceiling measurement (a later kill loses nothing)
-            write_result(args, assemble(args, params, rate_start, None, article_runs, ours, infos, failed, sdpa))
     finally:
         if holder:
             holder[0].close()
@@ -830,9 +843,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def assemble(args, params, rate_start, rate_end, article_runs, ours, infos, failed, sdpa) -> dict:
+def assemble(args, params, rate_start, rate_end, article_runs, ours, infos, failed, sdpa, done=True) -> dict:
     """The result JSON: every row summarized against the ceiling (the sustained rate, the benchmark page's definition;
-    of the measurements before and after our rows, the higher: the harder ceiling). `rate_end` None: partial."""
+    of the measurements before and after our rows, the higher: the harder ceiling). `done` False: partial."""
     rates = [r for r in (rate_start, rate_end) if r]
     ceiling = max(r["sustained"] for r in rates) if rates else None
     burst = max(r["burst"] for r in rates) if rates else None
@@ -859,7 +872,7 @@ def assemble(args, params, rate_start, rate_end, article_runs, ours, infos, fail
         "burst_tflops": burst, "server_startup_s": first.get("startup_s"), "replicas": first.get("replicas"),
         "repeat": args.repeat, "client_overhead_pct": overheads.get(first.get("name")),
         "client_overhead_by_variant": overheads, "server_env": args.server_env, "mode": args.mode,
-        "command": args.command, "partial": rate_end is None, "variants": infos, "failed_variants": failed,
+        "command": args.command, "partial": not done, "variants": infos, "failed_variants": failed,
         "verl_workers": args.verl_workers, "verl_executor": args.verl_executor, "arrival_window_s": args.arrival_window,
         "sdpa_backend": sdpa, "rows": rows,
     }  # fmt: skip

@@ -954,6 +954,7 @@ def test_the_launch_scripts_settings_are_not_read_as_the_servers_own():
         ({"REWARD_WARMUP": "full"}, "REWARD_WARMUP"),
         ({"REWARD_GPU_MEMORY_GIB": "-4"}, "REWARD_GPU_MEMORY_GIB"),
         ({"REWARD_NEXT_LAUNCH": "soon"}, "REWARD_NEXT_LAUNCH"),
+        ({"REWARD_CUDNN_ATTENTION": "on"}, "REWARD_CUDNN_ATTENTION"),
     ],
 )
 def test_bad_settings_exit_naming_the_variable(env, needle, capsys):

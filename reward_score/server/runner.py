@@ -185,6 +185,10 @@ class RewardScorer:
                 tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             )
         model.to(device).eval()
+        if device.startswith("cuda") and settings.cudnn_attention == "off":
+            # torch 2.11 takes cuDNN's attention on an H200 for both of our calls, and cuDNN builds a plan for every
+            # new shape (host time on each first-seen micro-batch); flash and mem-efficient attention build none.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         if device.startswith("cuda") and settings.gpu_memory_gib:
             # The caching allocator stays under the cap; a micro-batch that would cross it is split (as on any OOM).
             total = torch.cuda.get_device_properties(device).total_memory

@@ -33,6 +33,7 @@ class Settings:
     warmup: str = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
     next_launch: str = "before_finish"
+    cudnn_attention: str = "auto"
     max_items: int = 4096
     max_chars: int = 262_144
     max_body_bytes: int = 64 * 1024 * 1024
@@ -65,6 +66,10 @@ _SETTINGS: dict[str, tuple[str, str]] = {
     "fuse": ("REWARD_FUSE", "auto (q/k/v and gate/up as one matmul each, if warm-up scores the same) | off"),
     "warmup": ("REWARD_WARMUP", "auto (step on GPU, basic on CPU) | step (a full-budget synthetic step too) | basic"),
     "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GPU memory the server may take, weights included (0: no cap)"),
+    "cudnn_attention": (
+        "REWARD_CUDNN_ATTENTION",
+        "auto (torch's choice: cuDNN on Hopper) | off (flash, mem-efficient)",
+    ),
     "next_launch": ("REWARD_NEXT_LAUNCH", "before_finish (queue it as the running one nears its end) | after_wait"),
     "max_items": ("REWARD_MAX_ITEMS", "items per /score_batch request at most"),
     "max_chars": ("REWARD_MAX_CHARS", "characters per prompt, message or response at most"),
@@ -106,7 +111,7 @@ def load_settings(
     if settings.compile not in ("auto", "layers", "off"):
         problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
     for name, allowed in (("fuse", ("auto", "off")), ("warmup", ("auto", "step", "basic")),
-                          ("next_launch", ("before_finish", "after_wait"))):  # fmt: skip
+                          ("next_launch", ("before_finish", "after_wait")), ("cudnn_attention", ("auto", "off"))):  # fmt: skip
         if getattr(settings, name) not in allowed:
             problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
     if settings.gpu_memory_gib < 0:
