@@ -7,6 +7,7 @@ process tests start the real `python reward_score/reward_server.py` on a loopbac
 import ast
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -313,13 +314,13 @@ class _TimedScorer(_GatedScorer):
         return _TimedHandle(seqs, gate)
 
 
-def test_the_next_micro_batch_waits_while_the_running_one_has_far_to_go_and_gathers_what_arrives():
-    """Measured GPU time says the running micro-batch has seconds left: rows that waited max_wait are not queued
+def test_before_finish_holds_the_next_micro_batch_while_the_running_one_has_far_to_go_and_gathers_what_arrives():
+    """REWARD_NEXT_LAUNCH=before_finish: measured GPU time says the running micro-batch has seconds left: rows that waited max_wait are not queued
     behind it yet (the launch would sit in the CUDA queue, and later rows would go in a micro-batch of their own)."""
 
     async def main():
         scorer = _TimedScorer()
-        batcher = Batcher(scorer, max_wait_s=0.05, quiet_s=0.02, depth=2)
+        batcher = Batcher(scorer, max_wait_s=0.05, quiet_s=0.02, depth=2, next_launch="before_finish")
         batcher.start()
         try:
             first = asyncio.ensure_future(batcher.score([[1] * 10]))  # times the GPU: 0.1 s a token
@@ -992,6 +993,9 @@ def test_health_answers_only_once_the_model_can_score_and_reports_what_runs(tiny
         assert server.stop() in (0, -15)
     log = (tmp_path / "rs.log").read_text()
     assert "ready: model=" in log and "Finished server process" in log
+    # the tests' environment exports TOKENIZERS_PARALLELISM=false, as training scripts do: not for the server
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    assert "TOKENIZERS_PARALLELISM=false inherited: this server tokenizes on all cores regardless" in log
 
 
 def test_the_port_stays_closed_while_the_model_loads(tiny_models, tmp_path):
