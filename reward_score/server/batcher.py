@@ -36,11 +36,12 @@ class Batcher:
 
     Up to `depth` micro-batches are queued on the GPU: while one runs, the thread reads the finished one's scores,
     answers those callers and launches the next from whatever is waiting, new arrivals included; the next goes in
-    behind a running one once a full token budget waits, or once its oldest row has waited `max_wait` and
-    (`next_launch="before_finish"`) the running one is due to finish within about one launch's time, by the GPU time
-    per token measured on the micro-batches before. Until then the rows that the last answers set off keep joining:
-    a launch queued early would hold this thread in the CUDA launch queue for most of the running micro-batch (big
-    models), and the next would go in with only the few rows there at the time. Each launch takes the micro-batch
+    behind a running one once a full token budget waits, or once its oldest row has waited `max_wait` and, with
+    `next_launch="before_finish"`, the running one is due to finish within about one launch's time, by the GPU time
+    per token measured on the micro-batches before. Until then the rows that the last answers set off keep joining (a
+    launch queued early holds this thread in the CUDA launch queue for most of a big model's running micro-batch).
+    On an H200 that cut big models' queue waits from 0.35-0.7 s to 15-20 ms but left 64 per-sample callers' share of
+    the ceiling where it was (benchmarks/README.md), so it is not the default. Each launch takes the micro-batch
     (of the length-sorted plan) holding the oldest waiting row, so no request waits behind later ones. When idle,
     the first request waits up to `max_wait` for others to join (stopping once `quiet` passes with nothing new)."""
 
@@ -51,7 +52,7 @@ class Batcher:
         quiet_s: float = 0.002,
         on_batch=None,
         depth: int = 2,
-        next_launch: str = "before_finish",
+        next_launch: str = "after_wait",
     ):
         self.scorer = scorer
         self.planner = scorer.planner

@@ -32,7 +32,7 @@ class Settings:
     fuse: str = "auto"
     warmup: str = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
-    next_launch: str = "before_finish"
+    next_launch: str = "after_wait"
     cudnn_attention: str = "auto"
     max_items: int = 4096
     max_chars: int = 262_144
@@ -70,7 +70,7 @@ _SETTINGS: dict[str, tuple[str, str]] = {
         "REWARD_CUDNN_ATTENTION",
         "auto (torch's choice: cuDNN on Hopper) | off (flash, mem-efficient)",
     ),
-    "next_launch": ("REWARD_NEXT_LAUNCH", "before_finish (queue it as the running one nears its end) | after_wait"),
+    "next_launch": ("REWARD_NEXT_LAUNCH", "after_wait | before_finish (queue it as the running one nears its end)"),
     "max_items": ("REWARD_MAX_ITEMS", "items per /score_batch request at most"),
     "max_chars": ("REWARD_MAX_CHARS", "characters per prompt, message or response at most"),
     "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "request body size at most"),
@@ -111,7 +111,7 @@ def load_settings(
     if settings.compile not in ("auto", "layers", "off"):
         problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
     for name, allowed in (("fuse", ("auto", "off")), ("warmup", ("auto", "step", "basic")),
-                          ("next_launch", ("before_finish", "after_wait")), ("cudnn_attention", ("auto", "off"))):  # fmt: skip
+                          ("next_launch", ("after_wait", "before_finish")), ("cudnn_attention", ("auto", "off"))):  # fmt: skip
         if getattr(settings, name) not in allowed:
             problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
     if settings.gpu_memory_gib < 0:
