@@ -3,29 +3,46 @@
 The workload, baseline and ceiling are those of docs/reward-benchmark.md:
 - 1024 (prompt, response) pairs; prompt lengths uniform in [100, 600] tokens, response lengths lognormal (median 300,
   sigma 0.8) clipped to [10, 1800], each pair clipped to 2048 tokens; seed 1234, fresh lengths from other seeds;
-- a Qwen3ForSequenceClassification of Qwen3-1.7B's shape with random weights (bf16 on GPU), and a word-level
-  tokenizer built here, so one word is one token and lengths are exact;
+- a Qwen3ForSequenceClassification of Qwen3-1.7B's shape (or `--shape qwen3-8b | qwen3-14b`, the public configs'
+  dimensions) with random weights (bf16 on GPU), and a word-level tokenizer built here, so one word is one token and
+  lengths are exact;
 - the ceiling: the step's FLOP (2 x non-embedding parameters x tokens) at the bf16 matmul rate measured in this run.
 
-Rows: the article's server with a sequential per-sample client (cold and warm); our server called by our reward
-client's batch function (cold, warm, fresh lengths), the same items posted straight to /score_batch (the client's
-overhead), and 64 concurrent per-sample callers, warm and on fresh lengths. The verl-loop rows (`--mode verl-loop`, or
-`all`) call our server as async rollout does: verl 0.6.1's own NaiveRewardLoopManager.run_single, one DataProto item
-per sample, in `--verl-workers` processes (rollout.agent.num_workers) whose event loops have `--verl-executor` default
-threads, for the plain function and the async entry point; the step all at once, and arriving as rollouts finish (in
-proportion to response length over `--arrival-window` s): the reward tail is the last arrival to the last score.
+Rows (`--rows`, comma-separated; the default follows `--mode`): the article's server with a sequential per-sample
+client (`article`: cold and warm, `--article-samples` pairs); our server called by our reward client's batch function (`cold`: the first step after the
+server starts, `warm`, `fresh`: fresh lengths), the same items posted straight to /score_batch (`direct`: the client's
+overhead), 64 concurrent per-sample callers (`callers-warm`, `callers-fresh`). The verl-loop rows (`loop-plain`,
+`loop-async`, `loop-arrivals-plain`, `loop-arrivals-async`; `--mode verl-loop`, or `all`) call our server as async
+rollout does: verl 0.6.1's own NaiveRewardLoopManager.run_single, one DataProto item per sample, in `--verl-workers`
+processes (rollout.agent.num_workers) whose event loops have `--verl-executor` default threads, for the plain
+function and the async entry point; the step all at once, and arriving as rollouts finish (in proportion to response
+length over `--arrival-window` s): the reward tail is the last arrival to the last score.
+
+`--repeat N` runs each row N times (fresh rows on fresh lengths each time) and reports the median, with the minimum,
+median and maximum share of the ceiling. `--replicas N` starts N servers (one per visible GPU, several on one GPU when
+fewer are visible) and every row goes through the reward client's own spread over REWARD_SERVER_URLS; with N >= 2 the
+`killed` row SIGKILLs one server mid-step (`--kill-at`) and times the step completing on the others. `--variant
+NAME:KEY=VALUE,...` (repeatable) runs our rows once per variant on the same model and ceiling, each with its own
+servers: upper-case keys are server environment (an A/B in one run), `replicas=N` and `rows=a+b` set those for it.
 
     python -m benchmarks.reward_bench --out reward_bench.json                         # H200, Qwen3-1.7B shape
     python -m benchmarks.reward_bench --shape tiny --device cpu --samples 64 --out x.json   # smoke run on CPU
     python -m benchmarks.reward_bench --mode verl-loop --out reward_loop.json            # only the verl-loop rows
+    python -m benchmarks.reward_bench --shape qwen3-8b --rows cold,fresh,callers-fresh --repeat 3 --out 8b.json
+    python -m benchmarks.reward_bench --replicas 2 --rows fresh,loop-async,killed --repeat 3 --out x2.json
+    python -m benchmarks.reward_bench --variant off:REWARD_FUSE=off --variant on --rows fresh --repeat 3 --out ab.json
 """
 
 import argparse
+import copy
 import json
 import os
+import shlex
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from demo.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
-from launch.procs import free_port, start_server, stop_process  # noqa: E402
+from launch.procs import free_port, start_process, stop_process, wait_for_http  # noqa: E402
 from reward_score import safe_hack_reward_request as client  # noqa: E402
 
 SHAPES = {
@@ -45,11 +62,25 @@ SHAPES = {
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, vocab_size=151936,
     ),
+    # the public Qwen3-8B and Qwen3-14B configs' dimensions
+    "qwen3-8b": dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    ),
+    "qwen3-14b": dict(
+        hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    ),
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=4096,
     ),
 }  # fmt: skip
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+
+CLASSIC_ROWS = ("article", "cold", "warm", "direct", "fresh", "callers-warm", "callers-fresh")
+LOOP_ROWS = ("loop-plain", "loop-async", "loop-arrivals-plain", "loop-arrivals-async")
+ALL_ROWS = (*CLASSIC_ROWS, *LOOP_ROWS, "killed")
 
 
 def workload(seed: int, n: int) -> list[tuple[int, int]]:
@@ -69,16 +100,23 @@ def texts(pairs: list[tuple[int, int]], seed: int, words: int) -> list[tuple[str
     ]
 
 
-def build_model(shape: str, out: Path, device: str) -> tuple[Path, float]:
-    """A randomly initialised reward model of `shape` and a word-level tokenizer; returns (dir, non-embedding params)."""
+def build_model(shape: str, out: Path, device: str) -> tuple[Path, float, int]:
+    """A randomly initialised reward model of `shape` and a word-level tokenizer in `out` (kept where `out` already
+    holds one of that shape: a big checkpoint is written once); returns (dir, non-embedding params, words)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast, Qwen3Config
 
     dims = SHAPES[shape]
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
-    words = dims["vocab_size"] - len(specials) - 2
-    vocab = {t: i for i, t in enumerate(specials + ["[UNK]"] + [f"w{i}" for i in range(words)])}
+    words = dims["vocab_size"] - len(SPECIALS) - 2
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        config = Qwen3Config.from_pretrained(out)
+        if all(getattr(config, k) == v for k, v in dims.items()):
+            with torch.device("meta"):
+                model = AutoModelForSequenceClassification.from_config(config)
+            params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+            return out, float(params), words
+    vocab = {t: i for i, t in enumerate(SPECIALS + ["[UNK]"] + [f"w{i}" for i in range(words)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
@@ -97,6 +135,8 @@ def build_model(shape: str, out: Path, device: str) -> tuple[Path, float]:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return out, float(params), words
 
 
@@ -168,15 +208,38 @@ def profile_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     }  # fmt: skip
 
 
+PID_FILE: Path | None = None  # --pid-file: every server started is listed there (to clean up after a kill)
+
+
+def launch(cmd: list[str], log: Path, env: dict):
+    proc = start_process(cmd, log, env)
+    if PID_FILE is not None:
+        with open(PID_FILE, "a") as f:
+            f.write(f"{proc.pid}\n")
+    return proc
+
+
 def start(cmd: list[str], log: Path, port: int, env: dict, timeout: float = 900):
     """`cmd` (a server on `port`), returned once its /health answers 200."""
-    return start_server(cmd, log, f"http://127.0.0.1:{port}/health", timeout, env, name=Path(cmd[1]).name)
+    proc = launch(cmd, log, env)
+    try:
+        wait_for_http(proc, f"http://127.0.0.1:{port}/health", log, timeout, name=Path(cmd[1]).name)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc
 
 
 def peak_gib(url: str) -> float:
     text = requests.get(url + "/metrics", timeout=10).text
     line = next((x for x in text.splitlines() if x.startswith("reward_gpu_memory_peak_bytes ")), "x 0")
     return float(line.split()[-1]) / 2**30
+
+
+# --- through verl 0.6.1's own async reward loop ----------------------------------------------------------------
+
+REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
+LOOP_FUNCTIONS = {"safe_hack_reward": "plain function", "safe_hack_reward_async": "async entry point"}
 
 
 # --- through verl 0.6.1's own async reward loop ----------------------------------------------------------------
@@ -201,8 +264,8 @@ def arrival_offsets(pairs: list[tuple[int, int]], window: float) -> list[float]:
 def _loop_worker(conn, model_dir: str, executor_size: int, env: dict) -> None:
     """One agent-loop worker's reward side, as verl runs it: a RewardManagerWorker process whose event loop has
     `executor_size` default threads and awaits verl's NaiveRewardLoopManager.run_single, one DataProto item per
-    sample. Commands come over `conn`: ("run", function, [(prompt, response, offset)]) -> "ready", then a start
-    epoch -> [(arrived, done, score, failed)]; ("stop",)."""
+    sample. Commands come over `conn`: ("run", function, [(prompt, response, offset)], server URLs) -> "ready", then a
+    start epoch -> [(arrived, done, score, failed)]; ("stop",)."""
     os.environ.update(env)
     import asyncio
 
@@ -241,7 +304,8 @@ def _loop_worker(conn, model_dir: str, executor_size: int, env: dict) -> None:
         command = conn.recv()
         if command[0] == "stop":
             return
-        _, function, samples = command
+        _, function, samples, urls = command
+        os.environ["REWARD_SERVER_URLS"] = urls  # read by the reward client at each call
         config = OmegaConf.create({"custom_reward_function": {"path": str(REWARD_FILE), "name": function,
                                                               "reward_kwargs": {}},
                                    "reward_model": {"reward_manager": "naive"}})  # fmt: skip
@@ -266,12 +330,13 @@ class LoopWorkers:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def run(self, function: str, pairs: list[tuple[str, str]], offsets: list[float]) -> tuple[float, list]:
-        """Samples split over the workers in contiguous chunks (verl's `prompts.chunk(num_workers)`); returns the
-        common start epoch and every sample's (arrived, done, score, failed)."""
+    def run(self, function: str, pairs: list[tuple[str, str]], offsets: list[float], urls: str) -> tuple[float, list]:
+        """Samples split over the workers in contiguous chunks (verl's `prompts.chunk(num_workers)`), scored by the
+        servers at `urls` (REWARD_SERVER_URLS); returns the common start epoch and every sample's (arrived, done,
+        score, failed)."""
         chunks = np.array_split(np.arange(len(pairs)), len(self.conns))
         for conn, chunk in zip(self.conns, chunks, strict=True):
-            conn.send(("run", function, [(*pairs[i], offsets[i]) for i in chunk]))
+            conn.send(("run", function, [(*pairs[i], offsets[i]) for i in chunk], urls))
         for conn in self.conns:
             if not conn.poll(600):
                 raise TimeoutError("a reward-loop worker did not get ready within 600 s")
@@ -307,47 +372,6 @@ def request_counts(url: str) -> dict[str, float]:
     return counts
 
 
-def verl_loop_rows(url: str, workers: LoopWorkers, n_workers: int, executor_size: int, window: float, step) -> list:
-    """The 1024-pair step through verl's reward loop, all at once and spread over the rollout window, for the plain
-    function and the coroutine entry point (rows "verl loop WORKERSxTHREADS, ..."). `step(seed)` gives (pairs,
-    tokens); each row has fresh lengths."""
-    rows = []
-    for k, (workload_name, spread) in enumerate((("all at once", 0.0), (f"arrivals over {window:g} s", window))):
-        for j, function in enumerate(LOOP_FUNCTIONS):  # the plain function, then the coroutine entry point
-            seed = 5000 + 10 * k + j
-            pairs, tokens = step(seed)
-            lengths = workload(seed, len(pairs))
-            offsets = arrival_offsets(lengths, spread)
-            before, requests_before = server_counters(url), request_counts(url)
-            start, results = workers.run(function, pairs, offsets)
-            profile = profile_delta(before, server_counters(url))
-            after = request_counts(url)
-            arrived = [a for a, _, _, _ in results]
-            done = [d for _, d, _, _ in results]
-            latency = sorted(d - a for a, d, _, _ in results)
-            failed = sum(1 for *_, f in results if f)
-            if failed:
-                raise RuntimeError(f"{failed} samples failed in the verl-loop row {function}, {workload_name}")
-            wall = max(done) - start
-            rows.append({
-                "row": f"verl loop {n_workers}x{executor_size}, {LOOP_FUNCTIONS[function]}, {workload_name}",
-                "wall_s": wall, "samples": len(pairs), "tokens": tokens, "samples_per_s": len(pairs) / wall,
-                "tokens_per_s": tokens / wall, "peak_gib": None, "server": profile, "loop": {
-                    "function": function, "workload": workload_name, "window_s": spread,
-                    "tail_s": max(done) - max(arrived), "latency_p50_s": latency[len(latency) // 2],
-                    "latency_p99_s": latency[min(len(latency) - 1, int(0.99 * len(latency)))],
-                    "requests": {k: after[k] - requests_before[k] for k in after},
-                    # the server's forward time over the row's wall: the busy share on CPU, where a forward
-                    # runs while it is launched; on a GPU a lower bound (see pct_of_ceiling for the FLOP view)
-                    "forward_busy_share": profile["launch_s_total"] / wall,
-                },
-            })  # fmt: skip
-            loop = rows[-1]["loop"]
-            print(f"  {rows[-1]['row']:<58} {wall:8.2f} s  tail {loop['tail_s']:6.2f} s  "
-                  f"requests {loop['requests']}", flush=True)  # fmt: skip
-    return rows
-
-
 def print_loop_rows(rows: list[dict]) -> None:
     print("\nthrough verl's reward loop (tail: last arrival to last score; latency: arrival to score):")
     for r in rows:
@@ -355,6 +379,327 @@ def print_loop_rows(rows: list[dict]) -> None:
         print(f"  {r['row']:<58} tail {loop['tail_s']:7.3f} s  latency p50 {loop['latency_p50_s']:6.3f} s "
               f"p99 {loop['latency_p99_s']:6.3f} s  forward busy {100 * loop['forward_busy_share']:5.1f}%  "
               f"/score {loop['requests']['/score']:.0f}, /score_batch {loop['requests']['/score_batch']:.0f}")  # fmt: skip
+
+
+# --- our servers: one or several replicas -------------------------------------------------------------------------
+
+
+class Servers:
+    """`n` of our servers on loopback, one per visible GPU (several on one GPU when fewer are visible), started at
+    once; `urls` is what REWARD_SERVER_URLS gets."""
+
+    def __init__(self, n: int, model_dir: Path, device: str, env: dict, work: Path, name: str) -> None:
+        devices = [device] * n
+        if device == "cuda":
+            import torch
+
+            visible = max(1, torch.cuda.device_count())
+            devices = [f"cuda:{i % visible}" for i in range(n)]
+        self.ports = [free_port() for _ in range(n)]
+        self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
+        self.devices = devices
+        self.procs, self.alive = [], [True] * n
+        began = time.monotonic()
+        cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py")]
+        try:
+            for k, (port, dev) in enumerate(zip(self.ports, devices, strict=True)):
+                server_env = dict(env, REWARD_MODEL_PATH=str(model_dir), REWARD_DEVICE=dev, REWARD_PORT=str(port),
+                                  REWARD_HOST="127.0.0.1")  # fmt: skip
+                self.procs.append(launch(cmd, work / f"server_{name}_{k}.log", server_env))
+            self.startup_s = []
+            for k, (proc, url) in enumerate(zip(self.procs, self.urls, strict=True)):
+                wait_for_http(proc, url + "/health", work / f"server_{name}_{k}.log", 900, name=f"server {name}/{k}")
+                self.startup_s.append(time.monotonic() - began)
+        except BaseException:
+            self.stop()
+            raise
+        self.health = requests.get(self.urls[0] + "/health", timeout=10).json()
+
+    @property
+    def live_urls(self) -> list[str]:
+        return [u for u, ok in zip(self.urls, self.alive, strict=True) if ok]
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        return {u: server_counters(u) for u in self.live_urls}
+
+    def requests(self) -> dict[str, dict[str, float]]:
+        return {u: request_counts(u) for u in self.live_urls}
+
+    def kill(self, k: int) -> None:
+        """SIGKILL replica k (its process group) as a crash would: no drain, connections reset."""
+        os.killpg(self.procs[k].pid, signal.SIGKILL)
+        self.procs[k].wait()
+        self.alive[k] = False
+
+    def peak_gib(self) -> list[float]:
+        return [peak_gib(u) for u in self.live_urls]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            stop_process(proc, 30)
+
+
+def summed_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float]:
+    """profile_delta over the servers present both times (a killed one drops out), summed."""
+    common = [u for u in after if u in before]
+    total_before = {k: sum(before[u][k] for u in common) for k in _PROFILE}
+    total_after = {k: sum(after[u][k] for u in common) for k in _PROFILE}
+    return profile_delta(total_before, total_after)
+
+
+def requests_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float]:
+    common = [u for u in after if u in before]
+    return {e: sum(after[u][e] - before[u][e] for u in common) for e in ("/score", "/score_batch")}
+
+
+# --- variants and repeats -------------------------------------------------------------------------------------------
+
+
+def parse_variant(spec: str, replicas: int, rows: list[str]) -> dict:
+    """`NAME[:KEY=VALUE,...]`: upper-case keys are our server's environment, `replicas=N` and `rows=a+b` override
+    --replicas and --rows for this variant."""
+    name, _, rest = spec.partition(":")
+    variant = {"name": name or "default", "env": {}, "replicas": replicas, "rows": [r for r in rows if r != "article"]}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--variant {spec!r}: {item!r} is not KEY=VALUE")
+        if key == "replicas":
+            variant["replicas"] = int(value)
+        elif key == "rows":
+            variant["rows"] = [r for r in check_rows(value.split("+")) if r != "article"]
+        elif key.isupper():
+            variant["env"][key] = value
+        else:
+            raise ValueError(f"--variant {spec!r}: {key!r} is neither an environment variable nor replicas/rows")
+    if "killed" in variant["rows"] and variant["replicas"] < 2:
+        raise ValueError(f"variant {variant['name']}: the killed row needs replicas >= 2")
+    return variant
+
+
+def check_rows(rows: list[str]) -> list[str]:
+    unknown = [r for r in rows if r not in ALL_ROWS]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; known: {', '.join(ALL_ROWS)}")
+    return [r for r in ALL_ROWS if r in rows]  # always in this order: cold first, the killed row last
+
+
+def summarize(runs: list[dict], params: float, ceiling: float | None, burst: float | None) -> dict:
+    """A row from its runs: the run of median tokens/s stands for it (wall, tokens, server profile), with the
+    minimum, median and maximum share of the ceiling over all runs."""
+    for r in runs:
+        r["tflops"] = 2 * params * r["tokens"] / r["wall_s"] / 1e12
+        r["pct_of_ceiling"] = 100 * r["tflops"] / ceiling if ceiling else None
+        r["pct_of_burst_rate"] = 100 * r["tflops"] / burst if burst else None
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
+    row["tflops"] = statistics.median(r["tflops"] for r in runs)
+    row["repeats"] = len(runs)
+    if ceiling:
+        pct = [r["pct_of_ceiling"] for r in runs]
+        row.update(pct_of_ceiling=statistics.median(pct), min_pct_of_ceiling=min(pct),
+                   median_pct_of_ceiling=statistics.median(pct), max_pct_of_ceiling=max(pct),
+                   pct_of_burst_rate=100 * row["tflops"] / burst)  # fmt: skip
+    else:
+        row.update(pct_of_ceiling=None, min_pct_of_ceiling=None, median_pct_of_ceiling=None, max_pct_of_ceiling=None,
+                   pct_of_burst_rate=None)  # fmt: skip
+    row["runs"] = [{k: v for k, v in r.items() if k != "server"} for r in runs]
+    return row
+
+
+ROW_NAMES = {
+    "cold": "ours, reward client batch function, cold",
+    "warm": "ours, reward client batch function, warm",
+    "direct": "ours, one POST /score_batch of the whole step, warm",
+    "fresh": "ours, reward client batch function, fresh lengths",
+    "callers-warm": "ours, {c} concurrent per-sample callers, warm",
+    "callers-fresh": "ours, {c} concurrent per-sample callers, fresh lengths",
+    "killed": "ours, reward client batch function, fresh lengths, 1 of {n} servers SIGKILLed mid-step",
+}
+LOOP_WORKLOADS = {  # row -> (function, spread over the arrival window?)
+    "loop-plain": ("safe_hack_reward", False),
+    "loop-async": ("safe_hack_reward_async", False),
+    "loop-arrivals-plain": ("safe_hack_reward", True),
+    "loop-arrivals-async": ("safe_hack_reward_async", True),
+}
+SEEDS = {"cold": 1234, "warm": 1234, "direct": 1234, "fresh": 4321, "callers-warm": 1234, "callers-fresh": 8765,
+         "loop-plain": 5000, "loop-async": 5001, "loop-arrivals-plain": 5010, "loop-arrivals-async": 5011,
+         "killed": 7000}  # fmt: skip
+FRESH = {"fresh", "callers-fresh", "killed", *LOOP_ROWS}  # new lengths every repeat
+
+
+class Bench:
+    """Our rows for one variant: its servers, the reward client pointed at them, each row run `repeat` times."""
+
+    def __init__(self, args, model_dir: Path, step, workers_factory) -> None:
+        self.args, self.model_dir, self.step = args, model_dir, step
+        self.workers_factory = workers_factory  # the verl-loop worker processes, started on first use
+        self.on_row = None  # (rows so far, variant, servers): after each row, for partial results
+
+    def run_variant(self, variant: dict, base_env: dict, work: Path) -> tuple[list[dict], dict]:
+        args = self.args
+        env = dict(base_env, **variant["env"])
+        servers = Servers(variant["replicas"], self.model_dir, args.device, env, work, variant["name"])
+        print(f"variant {variant['name']}: {variant['replicas']} server(s) on {servers.devices} healthy after "
+              f"{servers.startup_s[-1]:.1f} s; {json.dumps(servers.health)}", flush=True)  # fmt: skip
+        urls = ",".join(servers.urls)
+        os.environ.update(REWARD_SERVER_URLS=urls, REWARD_PROMPT_OPENS_THINK="0", REWARD_LOG_PATH="")
+        rows, peak, info = [], [], {}
+        try:
+            if "cold" not in variant["rows"] and not args.no_first_pass:
+                self.client_batch(self.step(SEEDS["cold"])[0])  # the servers' first pass, not measured
+            for row in variant["rows"]:
+                rows.append(self.measure(row, servers, variant))
+                if self.on_row:
+                    self.on_row(rows, variant, servers)
+            peak = servers.peak_gib()
+        finally:
+            servers.stop()
+        info = {"name": variant["name"], "env": variant["env"], "replicas": variant["replicas"],
+                "devices": servers.devices, "rows": variant["rows"], "startup_s": servers.startup_s[-1],
+                "startup_per_replica_s": servers.startup_s, "health": servers.health, "peak_gib": peak}  # fmt: skip
+        for r in rows:
+            r["peak_gib"] = max(peak) if peak else None
+        return rows, info
+
+    def measure(self, row: str, servers: Servers, variant: dict) -> dict:
+        repeats = 1 if row in ("cold", "killed") else self.args.repeat
+        runs = []
+        for k in range(repeats):
+            seed = SEEDS[row] + (1000 * k if row in FRESH else 0)
+            pairs, tokens = self.step(seed)
+            before, before_requests = servers.counters(), servers.requests()
+            extra = {}
+            if row in LOOP_WORKLOADS:
+                seconds, extra = self.loop_run(row, pairs, seed, servers)
+            elif row == "killed":
+                seconds, extra = self.killed_run(pairs, servers)
+            else:
+                seconds = {"cold": self.client_batch, "warm": self.client_batch, "fresh": self.client_batch,
+                           "direct": self.direct_batch, "callers-warm": self.concurrent,
+                           "callers-fresh": self.concurrent}[row](pairs)  # fmt: skip
+            after = servers.counters()
+            runs.append({"wall_s": seconds, "samples": len(pairs), "tokens": tokens,
+                         "samples_per_s": len(pairs) / seconds, "tokens_per_s": tokens / seconds, "seed": seed,
+                         "server": summed_delta(before, after),
+                         "requests": requests_delta(before_requests, servers.requests()), **extra})  # fmt: skip
+            if "loop" in extra:
+                extra["loop"]["requests"] = runs[-1]["requests"]
+                # the servers' forward time over the row's wall, per server: the busy share on CPU, where a forward
+                # runs while it is launched; on a GPU a lower bound (see pct_of_ceiling for the FLOP view)
+                live = len(servers.live_urls)
+                extra["loop"]["forward_busy_share"] = runs[-1]["server"]["launch_s_total"] / seconds / live
+        name = ROW_NAMES.get(row, "").format(c=self.args.concurrency, n=variant["replicas"])
+        if row in LOOP_WORKLOADS:
+            function, spread = LOOP_WORKLOADS[row]
+            workload_name = f"arrivals over {self.args.arrival_window:g} s" if spread else "all at once"
+            name = f"verl loop {self.args.verl_workers}x{self.args.verl_executor}, {LOOP_FUNCTIONS[function]}, " + (
+                workload_name
+            )
+        walls = ", ".join(f"{r['wall_s']:.2f}" for r in runs)
+        print(f"  {name:<70} {walls} s  ({variant['name']})", flush=True)
+        return {"row": name, "key": row, "variant": variant["name"], "replicas": variant["replicas"], "runs": runs}
+
+    # -- the ways a step reaches the servers --
+
+    def client_batch(self, pairs) -> float:
+        n = len(pairs)
+        t = time.monotonic()
+        out = client.safe_hack_reward_batch(["bench"] * n, [r for _, r in pairs], [p for p, _ in pairs], [{}] * n)
+        assert len(out) == n and not any(r["penalized"] or r["failed"] for r in out)
+        return time.monotonic() - t
+
+    def direct_batch(self, pairs) -> float:
+        url = os.environ["REWARD_SERVER_URLS"].split(",")[0]
+        t = time.monotonic()
+        items = [{"prompt": p, "response": r} for p, r in pairs]
+        requests.post(url + "/score_batch", json={"items": items}, timeout=600).raise_for_status()
+        return time.monotonic() - t
+
+    def concurrent(self, pairs) -> float:
+        t = time.monotonic()
+        with ThreadPoolExecutor(self.args.concurrency) as pool:
+            out = list(pool.map(lambda pr: client.safe_hack_reward("bench", pr[1], pr[0], {}), pairs))
+        assert all(not r["failed"] for r in out)
+        return time.monotonic() - t
+
+    def loop_run(self, row: str, pairs, seed: int, servers: Servers) -> tuple[float, dict]:
+        function, spread = LOOP_WORKLOADS[row]
+        window = self.args.arrival_window if spread else 0.0
+        offsets = arrival_offsets(workload(seed, len(pairs)), window)
+        start, results = self.workers_factory().run(function, pairs, offsets, ",".join(servers.urls))
+        failed = sum(1 for *_, f in results if f)
+        if failed:
+            raise RuntimeError(f"{failed} samples failed in the verl-loop row {row}")
+        arrived = [a for a, _, _, _ in results]
+        done = [d for _, d, _, _ in results]
+        latency = sorted(d - a for a, d, _, _ in results)
+        wall = max(done) - start
+        loop = {"function": function, "workload": "arrivals" if spread else "all at once", "window_s": window,
+                "tail_s": max(done) - max(arrived), "latency_p50_s": latency[len(latency) // 2],
+                "latency_p99_s": latency[min(len(latency) - 1, int(0.99 * len(latency)))]}  # fmt: skip
+        return wall, {"loop": loop}
+
+    def killed_run(self, pairs, servers: Servers) -> tuple[float, dict]:
+        """The step through the batch function while replica 0 is SIGKILLed: `--kill-at forward` once it has
+        launched a micro-batch of the step (a crash mid-forward); `start` freezes it (SIGSTOP) as the step is sent and
+        kills it 0.5 s later, so its share is certainly lost (deterministic on any machine)."""
+        victim, url = 0, servers.urls[0]
+        forwards = server_counters(url)["forwards"]
+        killed_at: list[float] = []
+        began = time.monotonic()
+        if self.args.kill_at == "start":
+            os.killpg(servers.procs[victim].pid, signal.SIGSTOP)
+
+        def killer() -> None:
+            if self.args.kill_at == "start":
+                time.sleep(0.5)
+            else:
+                while time.monotonic() - began < 120:
+                    try:
+                        if server_counters(url)["forwards"] > forwards:
+                            break
+                    except requests.RequestException:
+                        break
+                    time.sleep(0.005)
+            killed_at.append(time.monotonic() - began)
+            servers.kill(victim)
+
+        thread = threading.Thread(target=killer)
+        thread.start()
+        try:
+            seconds = self.client_batch(pairs)
+        finally:
+            thread.join()
+        config = client.load_config()
+        return seconds, {"killed": {"replica": victim, "at_s": killed_at[0], "how": self.args.kill_at,
+                                    "exit_code": servers.procs[victim].returncode,
+                                    "retry_budget_s": config.retry_seconds,
+                                    "within_budget": seconds < config.retry_seconds}}  # fmt: skip
+
+
+def sdpa_backends(device: str) -> dict | None:
+    """Which kernel torch's scaled_dot_product_attention picks here for the server's two attention calls: causal
+    without a mask (padded rows) and with a boolean block mask (packed rows)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    try:
+        from torch.nn.attention import SDPBackend
+
+        q = torch.randn(8, 16, 1024, 128, device=device, dtype=torch.bfloat16)
+        k = torch.randn(8, 8, 1024, 128, device=device, dtype=torch.bfloat16)
+        mask = torch.ones(8, 1, 1024, 1024, device=device, dtype=torch.bool).tril()
+        kv = k.repeat_interleave(2, dim=1)
+
+        def choice(**kw):
+            return SDPBackend(torch._fused_sdp_choice(q, kv, kv, **kw)).name
+
+        return {"causal, no mask": choice(is_causal=True), "boolean mask": choice(attn_mask=mask)}
+    except Exception as exc:  # noqa: BLE001 - a report, never a reason to fail the benchmark
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def main(argv=None) -> int:
@@ -370,8 +715,18 @@ def main(argv=None) -> int:
         "--mode",
         choices=["all", "classic", "verl-loop"],
         default="all",
-        help="classic: the rows above; verl-loop: through verl's async reward loop; all: both",
+        help="the default rows: classic (batch function, direct POST, per-sample callers), verl-loop, all: both",
     )
+    parser.add_argument("--rows", help=f"comma-separated rows instead of --mode's: {', '.join(ALL_ROWS)}")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each row (cold and killed: 1); the median")
+    parser.add_argument("--replicas", type=int, default=1, help="our servers, one per visible GPU (round robin)")
+    parser.add_argument("--kill-at", choices=["forward", "start"], default="forward", help="the killed row's crash")
+    parser.add_argument("--variant", action="append", default=[], help="NAME[:KEY=VALUE,...]; see above")
+    parser.add_argument("--no-first-pass", action="store_true",
+                        help="without a cold row, the first measured row is the servers' first step (no unmeasured "
+                        "pass before it; saves a step on big models)")  # fmt: skip
+    parser.add_argument("--model-dir", type=Path, help="where the random checkpoint goes (reused if it is there)")
+    parser.add_argument("--pid-file", type=Path, help="append the pid of every server started (for cleanup)")
     parser.add_argument("--verl-workers", type=int, default=8, help="agent-loop workers (rollout.agent.num_workers)")
     parser.add_argument(
         "--verl-executor",
@@ -381,49 +736,53 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--arrival-window", type=float, default=60.0, help="rollout window of the spread workload, s")
     args = parser.parse_args(argv)
+    args.command = "python -m benchmarks.reward_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    global PID_FILE
+    PID_FILE = args.pid_file
+
+    default_rows = {"classic": list(CLASSIC_ROWS), "verl-loop": list(LOOP_ROWS),
+                    "all": [*CLASSIC_ROWS, *LOOP_ROWS]}[args.mode]  # fmt: skip
+    if args.replicas >= 2 and not args.rows:
+        default_rows.append("killed")
+    try:
+        rows_wanted = check_rows(args.rows.split(",")) if args.rows else default_rows
+        variants = [parse_variant(v, args.replicas, rows_wanted) for v in (args.variant or ["default"])]
+    except ValueError as exc:
+        parser.error(str(exc))
 
     work = Path(tempfile.mkdtemp(prefix="reward_bench_"))
     t0 = time.monotonic()
-    model_dir, params, words = build_model(args.shape, work / "model", args.device)
-    print(f"model {args.shape}: {params / 1e9:.3f}e9 non-embedding parameters, built in {time.monotonic() - t0:.1f} s")
+    model_dir, params, words = build_model(args.shape, args.model_dir or work / "model", args.device)
+    print(f"model {args.shape}: {params / 1e9:.3f}e9 non-embedding parameters, ready in {time.monotonic() - t0:.1f} s")
     rate_start = matmul_tflops(args.device)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    cache: dict[int, tuple] = {}
 
-    def step(seed: int, n: int):
-        pairs = texts(workload(seed, n), seed, words)
-        rendered = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}, {"role": "assistant", "content": r}], tokenize=False
-            )
-            for p, r in pairs
-        ]
-        tokens = sum(len(x) for x in tokenizer(rendered, add_special_tokens=False)["input_ids"])
-        return pairs, tokens
-
-    rows: list[dict] = []
-
-    def record(name: str, seconds: float, *rest) -> None:
-        """record(name, seconds, n, tokens) or record(name, seconds, server_profile, n, tokens)."""
-        profile, n, tokens = rest if len(rest) == 3 else (None, *rest)
-        flop = 2 * params * tokens
-        rows.append({"row": name, "wall_s": seconds, "samples": n, "tokens": tokens, "samples_per_s": n / seconds,
-                     "tokens_per_s": tokens / seconds, "tflops": flop / seconds / 1e12, "peak_gib": None,
-                     "server": profile})  # fmt: skip
-        print(f"  {name:<58} {seconds:8.2f} s  {n / seconds:8.1f} samples/s", flush=True)
+    def step(seed: int, n: int = args.samples):
+        if (seed, n) not in cache:
+            pairs = texts(workload(seed, n), seed, words)
+            rendered = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}, {"role": "assistant", "content": r}], tokenize=False
+                )
+                for p, r in pairs
+            ]
+            tokens = sum(len(x) for x in tokenizer(rendered, add_special_tokens=False)["input_ids"])
+            cache[(seed, n)] = (pairs, tokens)
+        return cache[(seed, n)]
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    base_pairs, base_tokens = step(1234, args.samples)
+    article_runs: list[tuple[str, list[dict]]] = []
 
     # --- the article's design ---
-    if args.article_samples and args.mode != "verl-loop":
+    if args.article_samples and "article" in rows_wanted:
         port = free_port()
         proc = start([sys.executable, str(REPO / "benchmarks" / "article_server.py"), str(model_dir), str(port)],
                      work / "article.log", port, env)  # fmt: skip
         session = requests.Session()
-        pairs = base_pairs[: args.article_samples]
-        tokens = base_tokens if args.article_samples == args.samples else step(1234, args.article_samples)[1]
+        pairs, tokens = step(1234, args.article_samples)
         try:
             for label in ("cold", "warm"):
                 t = time.monotonic()
@@ -431,143 +790,153 @@ def main(argv=None) -> int:
                     session.post(
                         f"http://127.0.0.1:{port}/score", json={"prompt": p, "response": r}, timeout=600
                     ).raise_for_status()
-                record(
-                    f"article server, sequential per-sample client, {label}", time.monotonic() - t, len(pairs), tokens
-                )
+                seconds = time.monotonic() - t
+                article_runs.append((f"article server, sequential per-sample client, {label}",
+                                     [{"wall_s": seconds, "samples": len(pairs), "tokens": tokens,
+                                       "samples_per_s": len(pairs) / seconds, "tokens_per_s": tokens / seconds}]))  # fmt: skip
+                print(f"  {article_runs[-1][0]:<70} {seconds:.2f} s", flush=True)
         finally:
             stop_process(proc, 30)
 
-    # --- ours ---
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server_env = dict(env, REWARD_MODEL_PATH=str(model_dir), REWARD_DEVICE=args.device, REWARD_PORT=str(port),
-                      REWARD_HOST="127.0.0.1")  # fmt: skip
-    server_env.update(kv.split("=", 1) for kv in args.server_env)
-    t = time.monotonic()
-    proc = start(
-        [sys.executable, str(REPO / "reward_score" / "reward_server.py")], work / "server.log", port, server_env
-    )
-    startup = time.monotonic() - t
-    print(f"our server healthy after {startup:.1f} s")
-    os.environ.update(REWARD_SERVER_URLS=url, REWARD_PROMPT_OPENS_THINK="0", REWARD_LOG_PATH="")
+    # --- ours, once per variant ---
+    base_env = dict(env)
+    base_env.update(kv.split("=", 1) for kv in args.server_env)
+    holder: list = []
 
-    def as_batch(pairs):
-        n = len(pairs)
-        return (["bench"] * n, [r for _, r in pairs], [p for p, _ in pairs], [{}] * n)
+    def workers():
+        if not holder:
+            holder.append(LoopWorkers(args.verl_workers, model_dir, args.verl_executor, dict(os.environ)))
+        return holder[0]
 
-    def profiled(run, pairs):
-        """(wall seconds of `run(pairs)`, what the server's counters say happened meanwhile)."""
-        before = server_counters(url)
-        seconds = run(pairs)
-        return seconds, profile_delta(before, server_counters(url))
+    bench = Bench(args, model_dir, step, workers)
+    ours, infos, failed = [], [], []
+    sdpa = sdpa_backends(args.device)
 
-    def client_batch(pairs):
-        t = time.monotonic()
-        out = client.safe_hack_reward_batch(*as_batch(pairs))
-        assert len(out) == len(pairs) and not any(r["penalized"] or r["failed"] for r in out)
-        return time.monotonic() - t
+    def partial(rows, variant, servers) -> None:
+        """What is measured so far, against the first ceiling measurement (a later kill loses nothing)."""
+        info = {"name": variant["name"], "env": variant["env"], "replicas": variant["replicas"],
+                "startup_s": servers.startup_s[-1], "health": servers.health, "in_progress": True}  # fmt: skip
+        write_result(args, assemble(args, params, rate_start, None, article_runs, ours + rows, infos + [info], failed,
+                                    sdpa, done=False))  # fmt: skip
 
-    def direct_batch(pairs):
-        t = time.monotonic()
-        items = [{"prompt": p, "response": r} for p, r in pairs]
-        r = requests.post(url + "/score_batch", json={"items": items}, timeout=600)
-        r.raise_for_status()
-        return time.monotonic() - t
-
-    def concurrent(pairs):
-        t = time.monotonic()
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            out = list(pool.map(lambda pr: client.safe_hack_reward("bench", pr[1], pr[0], {}), pairs))
-        assert all(not r["failed"] for r in out)
-        return time.monotonic() - t
-
-    classic, loop_rows = args.mode != "verl-loop", []
-    workers = None
+    bench.on_row = partial
     try:
-        n = args.samples
-        if classic:
-            record("ours, reward client batch function, cold", *profiled(client_batch, base_pairs), n, base_tokens)
-            warm_client = [profiled(client_batch, base_pairs) for _ in range(2)]
-            warm_direct = [profiled(direct_batch, base_pairs) for _ in range(2)]
-            record("ours, reward client batch function, warm", *min(warm_client, key=lambda x: x[0]), n, base_tokens)
-            record("ours, one POST /score_batch of the whole step, warm", *min(warm_direct, key=lambda x: x[0]), n,
-                   base_tokens)  # fmt: skip
-            fresh_pairs, fresh_tokens = step(4321, n)
-            record("ours, reward client batch function, fresh lengths", *profiled(client_batch, fresh_pairs), n,
-                   fresh_tokens)  # fmt: skip
-            record(f"ours, {args.concurrency} concurrent per-sample callers, warm", *profiled(concurrent, base_pairs),
-                   n, base_tokens)  # fmt: skip
-            fresh2_pairs, fresh2_tokens = step(8765, n)
-            record(f"ours, {args.concurrency} concurrent per-sample callers, fresh lengths",
-                   *profiled(concurrent, fresh2_pairs), n, fresh2_tokens)  # fmt: skip
-        else:
-            client_batch(base_pairs)  # the server's first pass, not measured here
-        if args.mode != "classic":
-            workers = LoopWorkers(args.verl_workers, model_dir, args.verl_executor, dict(os.environ))
-            loop_rows = verl_loop_rows(url, workers, args.verl_workers, args.verl_executor, args.arrival_window,
-                                       lambda seed: step(seed, n))  # fmt: skip
-            for r in loop_rows:
-                r["tflops"] = 2 * params * r["tokens"] / r["wall_s"] / 1e12
-            rows.extend(loop_rows)
-        peak = peak_gib(url)
+        for variant in variants:
+            try:
+                rows, info = bench.run_variant(variant, base_env, work)
+            except Exception as exc:  # the other variants still run, and the result says what failed
+                print(f"variant {variant['name']} FAILED: {type(exc).__name__}: {exc}", flush=True)
+                failed.append({"name": variant["name"], "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                continue
+            ours.extend(rows)
+            infos.append(info)
     finally:
-        if workers is not None:
-            workers.close()
-        stop_process(proc, 30)
+        if holder:
+            holder[0].close()
     rate_end = matmul_tflops(args.device)
-    # The ceiling is the sustained rate (the benchmark page's definition); the first-burst rate is reported beside it.
-    # Of the two measurements (before and after our rows), the higher: the harder ceiling.
-    ceiling = max(r["sustained"] for r in (rate_start, rate_end)) if rate_start else None
-    burst = max(r["burst"] for r in (rate_start, rate_end)) if rate_start else None
-    for r in rows:
-        r["pct_of_ceiling"] = 100 * r["tflops"] / ceiling if ceiling else None
-        r["pct_of_burst_rate"] = 100 * r["tflops"] / burst if burst else None
-        if r["row"].startswith(("ours", "verl loop")):
-            r["peak_gib"] = peak
-    overhead = 100 * (min(t for t, _ in warm_client) / min(t for t, _ in warm_direct) - 1) if classic else None
+    result = assemble(args, params, rate_start, rate_end, article_runs, ours, infos, failed, sdpa)
+    write_result(args, result)
+    print_summary(result)
+    print(f"wrote {args.out}")
+    if failed:
+        return 1
+    return 0
+
+
+def assemble(args, params, rate_start, rate_end, article_runs, ours, infos, failed, sdpa, done=True) -> dict:
+    """The result JSON: every row summarized against the ceiling (the sustained rate, the benchmark page's definition;
+    of the measurements before and after our rows, the higher: the harder ceiling). `done` False: partial."""
+    rates = [r for r in (rate_start, rate_end) if r]
+    ceiling = max(r["sustained"] for r in rates) if rates else None
+    burst = max(r["burst"] for r in rates) if rates else None
+    rows = [{"row": name, "variant": None, "replicas": None, **summarize(runs, params, ceiling, burst),
+             "peak_gib": None, "server": None} for name, runs in article_runs]  # fmt: skip
+    for r in ours:
+        r = dict(r)
+        summary = summarize(copy.deepcopy(r.pop("runs")), params, ceiling, burst)
+        rows.append({**r, **{k: v for k, v in summary.items() if k not in r}})
+    by_key = {(r.get("variant"), r.get("key")): r for r in rows}
+    overheads = {}
+    for info in infos:
+        warm, direct = by_key.get((info["name"], "warm")), by_key.get((info["name"], "direct"))
+        if warm and direct:
+            overheads[info["name"]] = 100 * (warm["wall_s"] / direct["wall_s"] - 1)
+        cold, fresh = by_key.get((info["name"], "cold")), by_key.get((info["name"], "fresh"))
+        for key, other in (("cold_over_warm", warm), ("cold_over_fresh", fresh)):
+            if cold and other:  # the first step after start against the median of the later ones
+                info[key] = cold["tokens_per_s"] / other["tokens_per_s"]
+    first = infos[0] if infos else {}
     result = {
         "shape": args.shape, "device": args.device, "samples": args.samples, "params_non_embedding": params,
         "matmul_tflops_start": rate_start, "matmul_tflops_end": rate_end, "ceiling_tflops": ceiling,
-        "burst_tflops": burst, "server_startup_s": startup, "client_overhead_pct": overhead,
-        "server_env": args.server_env, "mode": args.mode, "verl_workers": args.verl_workers,
-        "verl_executor": args.verl_executor, "arrival_window_s": args.arrival_window, "rows": rows,
+        "burst_tflops": burst, "server_startup_s": first.get("startup_s"), "replicas": first.get("replicas"),
+        "repeat": args.repeat, "client_overhead_pct": overheads.get(first.get("name")),
+        "client_overhead_by_variant": overheads, "server_env": args.server_env, "mode": args.mode,
+        "command": args.command, "partial": not done, "variants": infos, "failed_variants": failed,
+        "verl_workers": args.verl_workers, "verl_executor": args.verl_executor, "arrival_window_s": args.arrival_window,
+        "sdpa_backend": sdpa, "rows": rows,
     }  # fmt: skip
     if args.device.startswith("cuda"):
         import torch
 
         result["gpu"] = torch.cuda.get_device_name()
+        result["gpus_visible"] = torch.cuda.device_count()
         result["torch"] = torch.__version__
     import transformers
 
     result["transformers"] = transformers.__version__
-    args.out.write_text(json.dumps(result, indent=2))
+    return result
 
+
+def write_result(args, result: dict) -> None:
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, args.out)
+
+
+def print_summary(result: dict) -> None:
+    rows = result["rows"]
+    ceiling, burst = result["ceiling_tflops"], result["burst_tflops"]
+    rate_start, rate_end = result["matmul_tflops_start"], result["matmul_tflops_end"]
     if ceiling:
         print(f"\nceiling: {ceiling:.0f} TFLOP/s sustained bf16 matmul (first burst {burst:.0f}); "
               f"start {rate_start}, end {rate_end}")  # fmt: skip
     else:
         print("\n(no GPU: no ceiling)")
-    print(f"{'row':<62} {'wall s':>8} {'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'% ceil':>7} {'% burst':>7} "
-          f"{'peak GiB':>8}")  # fmt: skip
+    for info in result["variants"]:
+        print(f"variant {info['name']}: {info['replicas']} server(s), healthy after {info['startup_s']:.1f} s, "
+              f"peak {info['peak_gib']} GiB, env {info['env']}"
+              + "".join(f", {k.replace('_over_', '/')} {info[k]:.2f}" for k in ("cold_over_warm", "cold_over_fresh")
+                        if k in info))  # fmt: skip
+    print(f"{'row':<70} {'variant':>10} {'wall s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'% ceil':>7} "
+          f"{'min-max':>11} {'% burst':>7} {'peak GiB':>8}")  # fmt: skip
     for r in rows:
         pct = f"{r['pct_of_ceiling']:.1f}" if r["pct_of_ceiling"] is not None else "-"
+        spread = (f"{r['min_pct_of_ceiling']:.1f}-{r['max_pct_of_ceiling']:.1f}"
+                  if r["min_pct_of_ceiling"] is not None else "-")  # fmt: skip
         pct_burst = f"{r['pct_of_burst_rate']:.1f}" if r["pct_of_burst_rate"] is not None else "-"
         peak_s = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
-        print(f"{r['row']:<62} {r['wall_s']:>8.2f} {r['samples_per_s']:>10.1f} {r['tokens_per_s']:>10.0f} "
-              f"{r['tflops']:>8.1f} {pct:>7} {pct_burst:>7} {peak_s:>8}")  # fmt: skip
-    print("\nserver side, per row:")
+        print(f"{r['row']:<70} {str(r['variant'] or '-'):>10} {r['wall_s']:>8.2f} {r['tokens_per_s']:>10.0f} "
+              f"{r['tflops']:>8.1f} {pct:>7} {spread:>11} {pct_burst:>7} {peak_s:>8}")  # fmt: skip
+    print("\nserver side, per row: (the median run of each)")
     for r in rows:
         if r["server"]:
             p = r["server"]
-            print(f"  {r['row']:<60} {p['micro_batches']:5.0f} micro-batches x {p['rows_per_micro_batch']:5.1f} rows, "
+            print(f"  {r['row']:<68} {p['micro_batches']:5.0f} micro-batches x {p['rows_per_micro_batch']:5.1f} rows, "
                   f"prepare {p['prepare_s_total']:6.2f} s in {p['prepare_passes']:4.0f} passes, launch {p['launch_s_total']:6.2f} s, "
                   f"queue wait {p['queue_wait_ms_mean']:6.1f} ms")  # fmt: skip
+    loop_rows = [r for r in rows if "loop" in r]
     if loop_rows:
         print_loop_rows(loop_rows)
-    if overhead is not None:
-        print(f"reward client batch function vs one direct POST (warm): {overhead:+.1f}% wall time")
-    print(f"wrote {args.out}")
-    return 0
+    for r in rows:
+        if "killed" in r:
+            k = r["killed"]
+            print(f"killed row ({r['variant']}): replica {k['replica']} SIGKILLed at {k['at_s']:.2f} s ({k['how']}), "
+                  f"step done in {r['wall_s']:.2f} s on the others (retry budget {k['retry_budget_s']:.0f} s)")  # fmt: skip
+    for f in result["failed_variants"]:
+        print(f"variant {f['name']} FAILED: {f['error'][:500]}")
+    for name, overhead in result["client_overhead_by_variant"].items():
+        print(f"reward client batch function vs one direct POST (warm, {name}): {overhead:+.1f}% wall time")
 
 
 if __name__ == "__main__":

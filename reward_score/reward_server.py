@@ -29,7 +29,9 @@ request as soon as its own rows are scored, and plans the next micro-batch from 
 first. When idle it waits at most `REWARD_MAX_WAIT_MS` for a burst to gather; while one micro-batch runs, the next goes
 in behind it once a full budget or `REWARD_MAX_WAIT_MS` has passed. Every score is read at the row's last real token.
 Launching does not wait for the running micro-batch (pinned inputs; the model gets its mask mapping from us, not one
-built by transformers that synchronises). A CUDA out-of-memory error splits the micro-batch and retries. The event
+built by transformers that synchronises). q/k/v and gate/up run as one matmul each, built from the checkpoint's weights
+(`REWARD_FUSE`); on a GPU a synthetic full-budget step runs before /health is ready (`REWARD_WARMUP`), so the first
+real step runs warm. A CUDA out-of-memory error splits the micro-batch and retries. The event
 loop never runs model code.
 
 Settings come from the environment (names below); each has a command-line flag that wins (`--help`).
@@ -67,6 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # Many batch shapes come and go: expandable segments keep the allocator from fragmenting (set before torch loads).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # Every waiting request is tokenized in one pass on all cores. TOKENIZERS_PARALLELISM=false, which training
+    # scripts export to quiet the tokenizers fork warning, would leave the server one core: on an H200 0.8 s a
+    # 1024-pair step instead of 0.15 s, 8 to 10 points of the matmul ceiling (benchmarks/README.md). No fork follows.
+    if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "no", "off"):
+        log.warning("TOKENIZERS_PARALLELISM=%s inherited: this server tokenizes on all cores regardless (set true)",
+                    os.environ["TOKENIZERS_PARALLELISM"])  # fmt: skip
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
     shown = {k: ("(set)" if k == "auth_token" and v else v) for k, v in asdict(settings).items()}
     log.info("starting with %s", shown)
     import uvicorn

@@ -7,6 +7,7 @@ process tests start the real `python reward_score/reward_server.py` on a loopbac
 import ast
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -21,9 +22,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from reward_score.server import runner
 from reward_score.server.app import create_app
 from reward_score.server.batcher import Batcher, Preparer, _Job
-from reward_score.server.planner import Planner
+from reward_score.server.planner import MemoryTooSmall, Planner, activation_bytes_per_token, model_token_budget
 from reward_score.server.runner import ConversationRefused, RewardScorer
 from reward_score.server.settings import Settings, load_settings
 from tests.support import REPO, free_port, http_get, start_http_server, start_process
@@ -291,6 +293,87 @@ def test_while_one_micro_batch_runs_the_next_goes_in_once_its_rows_waited_max_wa
         assert [await asyncio.wait_for(f, 5) for f in small] == [[10.0]] * 3
 
     _with_batcher(2, body)
+
+
+class _TimedHandle(_GatedHandle):
+    """A micro-batch whose GPU time is known once it is done: `seconds_per_token` of its `tokens`."""
+
+    seconds_per_token = 0.1
+
+    def __init__(self, seqs, gate):
+        super().__init__(seqs, gate)
+        self.tokens = sum(len(s) for s in seqs)
+
+    def gpu_seconds(self):
+        return self.seconds_per_token * self.tokens if self.gate.is_set() else None
+
+
+class _TimedScorer(_GatedScorer):
+    def launch(self, seqs):
+        gate = threading.Event()
+        self.launched.append((seqs, gate))
+        return _TimedHandle(seqs, gate)
+
+
+def test_before_finish_holds_the_next_micro_batch_while_the_running_one_has_far_to_go_and_gathers_what_arrives():
+    """REWARD_NEXT_LAUNCH=before_finish: measured GPU time says the running micro-batch has seconds left: rows that waited max_wait are not queued
+    behind it yet (the launch would sit in the CUDA queue, and later rows would go in a micro-batch of their own)."""
+
+    async def main():
+        scorer = _TimedScorer()
+        batcher = Batcher(scorer, max_wait_s=0.05, quiet_s=0.02, depth=2, next_launch="before_finish")
+        batcher.start()
+        try:
+            first = asyncio.ensure_future(batcher.score([[1] * 10]))  # times the GPU: 0.1 s a token
+            await _until(lambda: len(scorer.launched) == 1)
+            scorer.launched[0][1].set()
+            assert await asyncio.wait_for(first, 5) == [10.0]
+            assert batcher.gpu_s_per_token == pytest.approx(0.1)
+            running = asyncio.ensure_future(batcher.score([[1] * 90]))  # 9 s of GPU work by that measure
+            await _until(lambda: len(scorer.launched) == 2)
+            early = [asyncio.ensure_future(batcher.score([[2] * 3])) for _ in range(2)]
+            await asyncio.sleep(0.2)  # four times max_wait
+            late = asyncio.ensure_future(batcher.score([[3] * 3]))
+            await asyncio.sleep(0.1)
+            assert len(scorer.launched) == 2, "queued behind a micro-batch with seconds to go"
+            scorer.launched[1][1].set()
+            await _until(lambda: len(scorer.launched) == 3)
+            assert scorer.launched[2][0] == [[2] * 3, [2] * 3, [3] * 3], "all that waited, in one micro-batch"
+            scorer.launched[2][1].set()
+            assert await asyncio.wait_for(running, 5) == [90.0]
+            assert [await f for f in (*early, late)] == [[6.0], [6.0], [9.0]]
+        finally:
+            for _, gate in scorer.launched:
+                gate.set()
+            batcher.stop()
+
+    asyncio.run(main())
+
+
+def test_after_wait_queues_the_next_micro_batch_once_its_rows_waited_max_wait_whatever_the_gpu_has_left():
+    async def main():
+        scorer = _TimedScorer()
+        batcher = Batcher(scorer, max_wait_s=0.05, quiet_s=0.02, depth=2, next_launch="after_wait")
+        batcher.start()
+        try:
+            first = asyncio.ensure_future(batcher.score([[1] * 10]))
+            await _until(lambda: len(scorer.launched) == 1)
+            scorer.launched[0][1].set()
+            await asyncio.wait_for(first, 5)
+            running = asyncio.ensure_future(batcher.score([[1] * 90]))
+            await _until(lambda: len(scorer.launched) == 2)
+            small = asyncio.ensure_future(batcher.score([[2] * 3]))
+            await _until(lambda: len(scorer.launched) == 3)
+            assert not running.done()
+            for _, gate in scorer.launched:
+                gate.set()
+            assert await asyncio.wait_for(small, 5) == [6.0]
+        finally:
+            for _, gate in scorer.launched:
+                gate.set()
+            batcher.stop()
+
+    asyncio.run(main())
 
 
 def test_requests_that_queued_while_the_thread_was_busy_go_in_one_micro_batch():
@@ -722,6 +805,106 @@ def test_a_model_that_does_not_take_the_mask_mapping_builds_its_own_masks(tiny_m
     assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
 
 
+def _count_calls(modules) -> list:
+    calls = []
+    for m in modules:
+        m.register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+def test_fused_projections_score_as_the_checkpoint_and_replace_the_separate_matmuls(tiny_models, reference):
+    fused = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+    separate = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", fuse="off"))
+    fused.warm_up()
+    layers = fused.base.layers
+    assert len(fused.fused) == 2 * len(layers) and separate.fused == []
+    attention, mlp = layers[0].self_attn, layers[0].mlp
+    # the checkpoint's tensors are views into the fused ones: no second copy of the weights
+    assert attention.k_proj.weight.data_ptr() == attention.qkv_proj.weight[attention.qkv_sizes[0] :].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_proj.weight[mlp.gate_proj.weight.shape[0] :].data_ptr()
+    calls = _count_calls([m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                          layer.self_attn.v_proj, layer.mlp.gate_proj,
+                                                          layer.mlp.up_proj)])  # fmt: skip
+    messages = [{"role": "user", "content": "Is it safe?"}]
+    answers = ["No.", LONG_ANSWER[:300], "Yes, with care " * 9]
+    seqs = [e.ids for e in fused.encode([fused.render(messages, a) for a in answers])]
+    got = fused.score_ids(seqs)  # one packed micro-batch
+    assert calls == [], "the separate projections still ran"
+    assert got == pytest.approx(separate.score_ids(seqs), abs=1e-5)
+    assert got == pytest.approx([reference(messages, a) for a in answers], abs=1e-5)
+    assert [fused.score_ids([s])[0] for s in seqs] == pytest.approx(got, abs=1e-5)  # padded, one row each
+
+
+def test_fused_projections_that_score_otherwise_are_dropped_at_warm_up(tiny_models, monkeypatch, caplog):
+    separate = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", fuse="off"))
+    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7]
+    expected = separate.score_ids(seqs)
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+
+    def misread(self, x):  # a transformers whose MLP is not what our fused forward assumes
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(up) * gate)
+
+    monkeypatch.setattr(runner, "_fused_mlp_forward", misread)
+    scorer._set_fused(True)
+    scorer.warm_up()
+    assert scorer.fused == [] and "REWARD_FUSE" in caplog.text
+    assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
+
+
+# Per-token activations (bf16) of the benchmark's shapes and Qwen3-32B, from their public configs.
+QWEN3 = {  # hidden, intermediate, q width, kv width, weights (bf16 GiB, embeddings included)
+    "1.7B": (2048, 6144, 2048, 1024, 3.2),
+    "8B": (4096, 12288, 4096, 1024, 14.1),
+    "14B": (5120, 17408, 5120, 1024, 27.5),
+    "32B": (5120, 25600, 8192, 1024, 61.0),
+}
+
+
+@pytest.mark.parametrize(
+    "model, cap_gib, budget",
+    [
+        ("1.7B", 0, 32768),  # no cap: the measured default, activations far under 8 GiB
+        ("8B", 0, 32768),
+        ("14B", 0, 32768),
+        ("32B", 0, 31744),  # 210 KiB a token: 32768 tokens would pass 8 GiB with the margin
+        ("14B", 32, 23552),  # a GPU shared with training: 32 GiB for the server leave 4.5 beside the weights
+        ("1.7B", 5, 24576),
+    ],
+)
+def test_the_token_budget_follows_the_model_and_the_memory_it_may_use(model, cap_gib, budget):
+    hidden, intermediate, q, kv, weights_gib = QWEN3[model]
+    per_token = activation_bytes_per_token(hidden, intermediate, q, kv)
+    assert model_token_budget(per_token, int(weights_gib * 2**30), int(cap_gib * 2**30)) == budget
+    assert Settings(token_budget=4096).effective_token_budget("cuda", budget) == 4096  # the setting wins
+    assert Settings().effective_token_budget("cpu", budget) == 8192
+
+
+def test_a_memory_cap_that_leaves_no_room_beside_the_weights_is_refused_naming_the_setting():
+    hidden, intermediate, q, kv, weights_gib = QWEN3["14B"]
+    with pytest.raises(MemoryTooSmall, match=r"REWARD_GPU_MEMORY_GIB=27.6: the weights take 27.5 GiB.*at least 27.7"):
+        model_token_budget(
+            activation_bytes_per_token(hidden, intermediate, q, kv), int(27.5 * 2**30), int(27.6 * 2**30)
+        )
+
+
+def test_the_warm_up_step_runs_full_budget_micro_batches_padded_and_packed_before_ready(tiny_models):
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", token_budget=2048, max_length=512)
+    basic = RewardScorer.load(cfg)
+    basic.warm_up()
+    assert "step" not in basic.warm_up_s, "the CPU default is the basic warm-up"
+    scorer = RewardScorer.load(replace(cfg, warmup="step"))
+    seen, packed = [], []
+    scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width))
+    real_packed = scorer._forward_packed
+    scorer._forward_packed = lambda *args: packed.append(1) or real_packed(*args)
+    scorer.warm_up()
+    assert scorer.warm_up_s["step"] > 0
+    assert sum(scorer.warm_up_lengths()[0]) >= 3 * 2048
+    assert any(rows * width > 0.75 * 2048 for rows, width in seen), seen  # micro-batches near the budget
+    assert len({width for _, width in seen}) >= 8 and packed, "many widths, and packed rows as well"
+
+
 def test_models_with_sliding_window_layers_keep_transformers_masks(tiny_models):
     scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
     scorer.model.config.layer_types = ["full_attention", "sliding_attention"]
@@ -869,6 +1052,11 @@ def test_the_launch_scripts_settings_are_not_read_as_the_servers_own():
         ({"REWARD_ADD_SPECIAL_TOKENS": "yes"}, "REWARD_ADD_SPECIAL_TOKENS must be auto or true or false"),
         ({"REWARD_CHAT_TEMPLATE": "on"}, "REWARD_CHAT_TEMPLATE must be auto or off"),
         ({"REWARD_APPEND_EOS": "1"}, "REWARD_APPEND_EOS"),
+        ({"REWARD_FUSE": "yes"}, "REWARD_FUSE"),
+        ({"REWARD_WARMUP": "full"}, "REWARD_WARMUP"),
+        ({"REWARD_GPU_MEMORY_GIB": "-4"}, "REWARD_GPU_MEMORY_GIB"),
+        ({"REWARD_NEXT_LAUNCH": "soon"}, "REWARD_NEXT_LAUNCH"),
+        ({"REWARD_CUDNN_ATTENTION": "on"}, "REWARD_CUDNN_ATTENTION"),
     ],
 )
 def test_bad_settings_exit_naming_the_variable(env, needle, capsys):
@@ -918,6 +1106,9 @@ def test_health_answers_only_once_the_model_can_score_and_reports_what_runs(tiny
     log = (tmp_path / "rs.log").read_text()
     assert "ready: model=" in log and "Finished server process" in log
     assert "format=conversation (chat template, without special tokens)" in log
+    # the tests' environment exports TOKENIZERS_PARALLELISM=false, as training scripts do: not for the server
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    assert "TOKENIZERS_PARALLELISM=false inherited: this server tokenizes on all cores regardless" in log
 
 
 def test_the_port_stays_closed_while_the_model_loads(tiny_models, tmp_path):

@@ -170,6 +170,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             settings.max_wait_ms / 1000,
             settings.quiet_ms / 1000,
             on_batch=lambda jobs, waits: [metrics.wait.observe(w) for w in waits],
+            next_launch=settings.next_launch,
         )
         batcher.start()
         # One pass at a time, in a thread of its own (cheaper to reach than anyio's pool, ~0.1 ms a pass).
@@ -183,12 +184,12 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
         )
         state.update(scorer=active, batcher=batcher, preparer=preparer)
         log.info(
-            "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s max_length=%d truncation=%s format=%s "
-            "token_budget=%d",
-            settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, settings.max_length,
-            settings.truncation,
+            "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d max_length=%d truncation=%s "
+            "format=%s token_budget=%d warm_up_s=%s",
+            settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, len(active.fused),
+            settings.max_length, settings.truncation,
             active.format.describe() + ("" if active.has_chat_template else ": the tokenizer has no chat template"),
-            active.planner.token_budget,
+            active.planner.token_budget, {k: round(v, 2) for k, v in active.warm_up_s.items()},
         )  # fmt: skip
         try:
             yield
@@ -301,6 +302,9 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             "append_eos": active.format.append_eos,
             "compiled": active.compiled,
             "mask_mapping": active.mask_mapping,
+            "fused_modules": len(active.fused),
+            "token_budget": active.planner.token_budget,
+            "warm_up_s": active.warm_up_s,
             "auth": bool(settings.auth_token),
         }
 

@@ -18,6 +18,42 @@ PACK_WHEN = 0.8  # pack a micro-batch's sequences several to a row when that nee
 # What one more forward costs beyond its tokens, in tokens (launches, smaller matmuls): the planner splits a step into
 # more micro-batches only where that saves more padded tokens than this. About 3% of a 32k-token micro-batch.
 MICRO_BATCH_COST = 1024
+# The token budget a GPU server takes by default (measured on an H200 from 1.7B to 14B parameters: a larger one made
+# fresh lengths and per-sample callers slower), and the memory its activations may take when nothing caps the server.
+DEFAULT_GPU_BUDGET = 32768
+DEFAULT_ACTIVATION_BYTES = 8 * 2**30
+MIN_BUDGET = 1024
+# Activations measured against this estimate (H200, per-layer compile): 1.7B 1.8 GiB at 32k tokens for 1.9 estimated,
+# 8B 3.3 for 3.6, 14B 4.4 for 4.9. The margin covers the allocator's rounding and the next micro-batch's inputs.
+ACTIVATION_MARGIN = 1.25
+
+
+def activation_bytes_per_token(
+    hidden: int, intermediate: int, q_width: int, kv_width: int, dtype_bytes: int = 2
+) -> int:
+    """What one token's activations take at the peak of a layer's forward (no KV cache, no gradients): the residual
+    stream in and out, its normed copy and the attention output (4 x hidden), q, k and v, and the MLP's gate, up and
+    their product (3 x intermediate)."""
+    return dtype_bytes * (4 * hidden + q_width + 2 * kv_width + 3 * intermediate)
+
+
+class MemoryTooSmall(ValueError):
+    """REWARD_GPU_MEMORY_GIB leaves the activations too little room."""
+
+
+def model_token_budget(per_token_bytes: int, weight_bytes: int, memory_cap_bytes: int = 0) -> int:
+    """The default token budget on a GPU: `DEFAULT_GPU_BUDGET`, or less where the activations of a full micro-batch
+    would not fit in what the memory cap leaves beside the weights (`DEFAULT_ACTIVATION_BYTES` without a cap), in
+    multiples of `MIN_BUDGET`."""
+    room = memory_cap_bytes - weight_bytes if memory_cap_bytes else DEFAULT_ACTIVATION_BYTES
+    fits = int(room / (ACTIVATION_MARGIN * per_token_bytes)) // MIN_BUDGET * MIN_BUDGET
+    if fits < MIN_BUDGET:
+        need = (weight_bytes + ACTIVATION_MARGIN * per_token_bytes * MIN_BUDGET) / 2**30
+        raise MemoryTooSmall(
+            f"REWARD_GPU_MEMORY_GIB={memory_cap_bytes / 2**30:g}: the weights take {weight_bytes / 2**30:.1f} GiB, "
+            f"which leaves no room for a {MIN_BUDGET}-token micro-batch; give the server at least {need:.1f} GiB"
+        )
+    return min(DEFAULT_GPU_BUDGET, fits)
 
 
 class _Packer:
@@ -70,9 +106,9 @@ class Planner:
     pack: bool = False
 
     @classmethod
-    def for_settings(cls, settings: Settings, device: str, pack: bool) -> "Planner":
+    def for_settings(cls, settings: Settings, device: str, pack: bool, model_budget: int | None = None) -> "Planner":
         return cls(
-            token_budget=settings.effective_token_budget(device),
+            token_budget=settings.effective_token_budget(device, model_budget),
             max_batch_rows=settings.max_batch_rows,
             pad_multiple=settings.pad_multiple,
             max_length=settings.max_length,

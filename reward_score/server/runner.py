@@ -4,13 +4,16 @@ the batcher (batcher.py) owns when. torch and transformers are imported only whe
 settings checks run without them."""
 
 import logging
+import random
+import sys
 import threading
 import time
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from reward_score.server.planner import Planner
+from reward_score.server.planner import Planner, activation_bytes_per_token, model_token_budget
 from reward_score.server.settings import Settings
 
 log = logging.getLogger("reward_server")
@@ -73,6 +76,67 @@ class InputFormat:
         return f"{self.input} ({how}, {special} special tokens)"
 
 
+# Layers whose forward we know (transformers 4.55 to 5.x): q/k/v and gate/up can each run as one matmul.
+_FUSABLE_ATTENTION = ("Qwen3Attention", "Qwen2Attention", "LlamaAttention")
+_FUSABLE_MLP = ("Qwen3MLP", "Qwen2MLP", "LlamaMLP")
+
+
+def _fused_linear(torch, parts):
+    """One Linear whose output is the parts' outputs side by side; each part's weight (and bias) becomes a view into
+    it, so the model holds no second copy and the unfused forward still reads the same numbers."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    has_bias = parts[0].bias is not None
+    bias = torch.cat([p.bias.detach() for p in parts]) if has_bias else None
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = torch.nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for part in parts:
+        n = part.weight.shape[0]
+        part.weight = torch.nn.Parameter(weight[start : start + n], requires_grad=False)
+        if has_bias:
+            part.bias = torch.nn.Parameter(bias[start : start + n], requires_grad=False)
+        start += n
+    return fused, [p.weight.shape[0] for p in parts]
+
+
+def _fused_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """The attention of Qwen3/Qwen2/Llama as transformers writes it, with q, k and v from one matmul. A KV cache (never
+    used by the server) takes the original forward."""
+    if kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+    for name in ("past_key_values", "past_key_value", "cache_position"):
+        kwargs.pop(name, None)
+    module = sys.modules[type(self).__module__]
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3 normalises each head of q and k
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
+    implementation = self.config._attn_implementation
+    if implementation == "eager":
+        attention = module.eager_attention_forward
+    else:
+        attention = module.ALL_ATTENTION_FUNCTIONS[implementation]
+    if getattr(self, "sliding_window", None) is not None:
+        kwargs["sliding_window"] = self.sliding_window
+    out, weights = attention(
+        self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+    )  # fmt: skip
+    out = out.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(out), weights
+
+
+def _fused_mlp_forward(self, x):
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
 class RewardScorer:
     """The model, its tokenizer and the formatting rule; `score_ids` runs micro-batched forwards (any thread)."""
 
@@ -99,7 +163,14 @@ class RewardScorer:
         # Packing needs the fast path and an attention that takes a boolean 4D mask as given (sdpa).
         attention = getattr(model.config, "_attn_implementation", None)
         self.can_pack = self.base is not None and self.head is not None and attention == "sdpa"
-        self.planner = Planner.for_settings(settings, device, pack=self.can_pack)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.model_budget = None
+        if device.startswith("cuda") and not settings.token_budget and self.activation_bytes_per_token():
+            # planner.MemoryTooSmall (a ValueError) when REWARD_GPU_MEMORY_GIB leaves no room: the server exits naming it
+            self.model_budget = model_token_budget(
+                self.activation_bytes_per_token(), self.weight_bytes, int(settings.gpu_memory_gib * 2**30)
+            )
+        self.planner = Planner.for_settings(settings, device, pack=self.can_pack, model_budget=self.model_budget)
         # Hand the model its per-layer mask mapping ourselves (warm_up checks the model takes it and scores the same)?
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
         self.can_map_mask = self.base is not None and self.head is not None and layer_types == {"full_attention"}
@@ -116,6 +187,22 @@ class RewardScorer:
         self.on_forward = None  # metrics hook: (rows, padded_len, real_tokens, seconds)
         self.on_oom = None  # metrics hook: a micro-batch was split after a CUDA out-of-memory error
         self.compiled = False
+        self.fused: list = []  # the attention and MLP modules running fused projections
+        self.warm_up_s: dict[str, float] = {}
+
+    def activation_bytes_per_token(self) -> int | None:
+        """planner.activation_bytes_per_token for this model's dimensions and dtype (None where the config does not
+        name them: the budget then stays at its default)."""
+        c = self.model.config
+        if not all(hasattr(c, n) for n in ("hidden_size", "intermediate_size", "num_attention_heads")):
+            return None
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        dtype_bytes = next(self.model.parameters()).element_size()
+        return activation_bytes_per_token(
+            c.hidden_size, c.intermediate_size, heads * head_dim, kv_heads * head_dim, dtype_bytes
+        )
 
     @classmethod
     def load(cls, settings: Settings) -> "RewardScorer":
@@ -139,10 +226,66 @@ class RewardScorer:
                 tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             )
         model.to(device).eval()
+        if device.startswith("cuda") and settings.cudnn_attention == "off":
+            # torch 2.11 takes cuDNN's attention on an H200 for both of our calls, and cuDNN builds a plan for every
+            # new shape; flash and mem-efficient attention build none. A/B on an H200 (1.7B, benchmarks/README.md):
+            # the same throughput either way, so torch's choice stays the default.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        if device.startswith("cuda") and settings.gpu_memory_gib:
+            # The caching allocator stays under the cap; a micro-batch that would cross it is split (as on any OOM).
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, settings.gpu_memory_gib * 2**30 / total), device)
         scorer = cls(model, tokenizer, device, settings)
+        if settings.fuse == "auto":
+            scorer.fuse_projections()
         if settings.compile == "layers" or (settings.compile == "auto" and device.startswith("cuda")):
             scorer.compile_layers()
         return scorer
+
+    def fuse_projections(self) -> int:
+        """q/k/v as one projection and gate/up as one in every layer we know the forward of (the layout serving
+        engines use): one larger matmul instead of three and two. Built from the loaded weights, whose tensors become
+        views into the fused ones (no extra memory). warm_up checks the scores are unchanged. Returns the modules
+        fused."""
+        torch = self.torch
+        for layer in getattr(self.base, "layers", None) or []:
+            attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if type(attention).__name__ in _FUSABLE_ATTENTION and not hasattr(attention, "qkv_proj"):
+                module = sys.modules[type(attention).__module__]
+                if all(hasattr(module, n) for n in ("apply_rotary_pos_emb", "eager_attention_forward",
+                                                    "ALL_ATTENTION_FUNCTIONS")):  # fmt: skip
+                    with torch.no_grad():
+                        attention.qkv_proj, attention.qkv_sizes = _fused_linear(
+                            torch, [attention.q_proj, attention.k_proj, attention.v_proj]
+                        )
+                    attention.forward = types.MethodType(_fused_attention_forward, attention)
+                    self.fused.append(attention)
+            if type(mlp).__name__ in _FUSABLE_MLP and not hasattr(mlp, "gate_up_proj"):
+                with torch.no_grad():
+                    mlp.gate_up_proj, _ = _fused_linear(torch, [mlp.gate_proj, mlp.up_proj])
+                mlp.forward = types.MethodType(_fused_mlp_forward, mlp)
+                self.fused.append(mlp)
+        if not self.fused:
+            log.info("REWARD_FUSE: no layer of this model (%s) is one we fuse; separate projections",
+                     type(self.model).__name__)  # fmt: skip
+        return len(self.fused)
+
+    def _set_fused(self, on: bool) -> None:
+        """Run the fused forwards (on) or transformers' own over the same weights (off)."""
+        for module in self.fused:
+            if on:
+                fused = _fused_attention_forward if hasattr(module, "qkv_proj") else _fused_mlp_forward
+                module.forward = types.MethodType(fused, module)
+            else:
+                module.__dict__.pop("forward", None)
+
+    def unfuse_projections(self) -> None:
+        self._set_fused(False)
+        for module in self.fused:
+            for name in ("qkv_proj", "gate_up_proj"):
+                if hasattr(module, name):
+                    delattr(module, name)
+        self.fused = []
 
     @property
     def dtype(self) -> str:
@@ -237,6 +380,11 @@ class RewardScorer:
         """Start the forward of one micro-batch (split on CUDA out-of-memory) without waiting for it to finish."""
         torch = self.torch
         lengths = [len(s) for s in seqs]
+        started = None
+        if str(self.device).startswith("cuda"):
+            # Timed on the GPU: started runs when the GPU reaches this micro-batch (after the one queued before it).
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(torch.cuda.current_stream(self.device))
         with torch.inference_mode():
             parts = self._forward_split(list(range(len(seqs))), seqs, lengths)
             scores = torch.cat([p for _, p in parts]).float()
@@ -246,9 +394,11 @@ class RewardScorer:
         # Copy the scores to pinned host memory behind the forward; the event says when they are there.
         host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
         host.copy_(scores, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)
         done.record(torch.cuda.current_stream(scores.device))
-        return Launched(order, host, done)
+        layout = self.planner.layout(lengths)
+        tokens = layout.width * (len(layout.bins) if layout.bins is not None else len(lengths))
+        return Launched(order, host, done, started, tokens)
 
     def _forward_split(self, rows: list[int], seqs, lengths) -> list[tuple[list[int], Any]]:
         torch = self.torch
@@ -358,14 +508,20 @@ class RewardScorer:
         self.compiled = False
 
     def warm_up(self) -> None:
-        """Run the shapes served traffic starts with (one row, several rows, two lengths), so /health means ready.
-        With REWARD_COMPILE this compiles; a failure there falls back to eager with a warning, never to a crash."""
+        """Run the shapes served traffic starts with (one row, several rows, two lengths), so /health means ready;
+        with REWARD_WARMUP=step (auto on a GPU) also a synthetic step at the full token budget (`_warm_up_step`). With
+        REWARD_COMPILE this compiles; a failure there falls back to eager with a warning, never to a crash. The time of
+        each part is in `warm_up_s`."""
+        started = time.perf_counter()
         base = self.encode([self.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
         ids = (base * (1 + 200 // len(base)))[: min(200, self.settings.max_length)]
+        self._check_fusion([ids, ids[: len(ids) // 2], ids[:37]])
         self._choose_mask_path([ids, ids[: len(ids) // 2]])
+        self.warm_up_s["checks"] = time.perf_counter() - started
         # Padded: one row, two rows, three equal rows. Packed (two or more sequences to a row): one row, two rows.
         shapes = [[ids], [ids, ids[: len(ids) // 2]], [ids[:100]] * 3, [ids[:37]], [ids[:150], ids[:40]],
                   [ids[:200], ids[:50], ids[:37]]]  # fmt: skip
+        started = time.perf_counter()
         try:
             for seqs in shapes:
                 self.score_ids(seqs)
@@ -376,6 +532,63 @@ class RewardScorer:
             self.uncompile_layers()
             for seqs in shapes:
                 self.score_ids(seqs)
+        self.warm_up_s["shapes"] = time.perf_counter() - started
+        step = self.settings.warmup == "step" or (self.settings.warmup == "auto" and self.device.startswith("cuda"))
+        if step:
+            started = time.perf_counter()
+            self._warm_up_step(base)
+            self.warm_up_s["step"] = time.perf_counter() - started
+
+    def warm_up_lengths(self) -> list[list[int]]:
+        """The synthetic step of `_warm_up_step`: sequence lengths (fixed seed) over 16..max_length, 3 token budgets
+        in all, as one request; then 8 groups of 8 mixed lengths, as per-sample callers send them."""
+        rng = random.Random(0)
+        limit = max(16, self.settings.max_length)
+        step: list[int] = []
+        while sum(step) < 3 * self.planner.token_budget:
+            step.append(rng.randint(16, limit))
+        groups = [[rng.randint(16, min(limit, 2048)) for _ in range(8)] for _ in range(8)]
+        return [step, *groups]
+
+    def _warm_up_step(self, base: list[int]) -> None:
+        """What the first real step would otherwise meet first: micro-batches at the full token budget, padded and
+        packed, over many widths (the allocator grows to its peak; kernels meet large sizes), so that step runs at
+        the speed of the next."""
+        long = base * (1 + self.settings.max_length // len(base))
+        for lengths in self.warm_up_lengths():
+            self.score_ids([long[:n] for n in lengths])
+        if self.device.startswith("cuda"):
+            self.torch.cuda.synchronize(self.device)
+
+    def _check_fusion(self, seqs: list[list[int]]) -> None:
+        """Keep the fused projections only where they score as the model's own forward does. Decided eager, so that
+        a compile failure is not mistaken for the fusion's."""
+        if not self.fused:
+            return
+        layers = list(getattr(self.base, "layers", []))
+        compiled = [getattr(layer, "_compiled_call_impl", None) for layer in layers]
+        for layer in layers:
+            layer._compiled_call_impl = None
+        try:
+            self._set_fused(False)
+            expected = self.score_ids(seqs)
+            self._set_fused(True)
+            try:
+                got, why = self.score_ids(seqs), ""
+            except Exception as exc:  # noqa: BLE001 - a forward that does not match ours: serve unfused
+                got, why = None, f"{type(exc).__name__}: {exc}"
+            tolerance = 1e-4 if self.dtype == "float32" else 5e-2
+            if got is not None and any(
+                abs(a - b) > tolerance * max(1.0, abs(b)) for a, b in zip(got, expected, strict=True)
+            ):
+                why = f"scores {got} differ from {expected}"
+            if why:
+                log.warning("REWARD_FUSE: the fused projections do not score as the model does (%s); serving "
+                            "separate projections", why)  # fmt: skip
+                self.unfuse_projections()
+        finally:
+            for layer, call in zip(layers, compiled, strict=True):
+                layer._compiled_call_impl = call
 
     def _choose_mask_path(self, seqs: list[list[int]]) -> None:
         """Use the mask mapping where the model takes it and scores as it does building its own mask. Decided
@@ -407,13 +620,20 @@ class RewardScorer:
 
 
 class Launched:
-    """A micro-batch on its way through the GPU: `ready()` without blocking, `result()` scores in launch order."""
+    """A micro-batch on its way through the GPU: `ready()` without blocking, `result()` scores in launch order,
+    `gpu_seconds()` how long the GPU took once it is done (None where not timed), `tokens` as run (with padding)."""
 
-    def __init__(self, order: list[int], scores, event):
+    def __init__(self, order: list[int], scores, event, started=None, tokens: int = 0):
         self.order, self.scores, self.event = order, scores, event
+        self.started, self.tokens = started, tokens
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
+
+    def gpu_seconds(self) -> float | None:
+        if self.started is None or self.event is None or not self.event.query():
+            return None
+        return self.started.elapsed_time(self.event) / 1000
 
     def result(self) -> list[float]:
         if self.event is not None:

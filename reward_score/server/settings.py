@@ -28,20 +28,31 @@ class Settings:
     add_special_tokens: Literal["auto", "true", "false"] = "auto"
     chat_template: Literal["auto", "off"] = "auto"
     append_eos: Literal["auto", "true", "false"] = "auto"
-    token_budget: int = 0  # 0: 32768 on a GPU, 8192 on the CPU
+    token_budget: int = 0  # 0: from the model and the memory it may use on a GPU (at most 32768), 8192 on the CPU
     max_batch_rows: int = 256
     pad_multiple: int = 16
     max_wait_ms: float = 20.0
     quiet_ms: float = 2.0
     compile: str = "auto"
+    fuse: str = "auto"
+    warmup: str = "auto"
+    gpu_memory_gib: float = 0.0  # 0: no cap
+    next_launch: str = "after_wait"
+    cudnn_attention: str = "auto"
     max_items: int = 4096
     max_chars: int = 262_144
     max_body_bytes: int = 64 * 1024 * 1024
     auth_token: str = ""
     log_level: str = "info"
 
-    def effective_token_budget(self, device: str) -> int:
-        return self.token_budget or (32768 if device.startswith("cuda") else 8192)
+    def effective_token_budget(self, device: str, model_budget: int | None = None) -> int:
+        """The setting, else on a GPU the budget sized from the model (`model_budget`, see
+        planner.model_token_budget) or 32768, on the CPU 8192."""
+        if self.token_budget:
+            return self.token_budget
+        if not device.startswith("cuda"):
+            return 8192
+        return model_budget or 32768
 
 
 _SETTINGS: dict[str, tuple[str, str]] = {
@@ -61,12 +72,20 @@ _SETTINGS: dict[str, tuple[str, str]] = {
                       "text rule even so (a model trained on a plain-text dataset)"),
     "append_eos": ("REWARD_APPEND_EOS", "auto | true | false, plain text only: append the EOS token; auto: for "
                    "conversation (TRL >= 0.24), not for completion (TRL <= 0.23)"),
-    "token_budget": ("REWARD_TOKEN_BUDGET", "padded tokens per forward (0: 32768 on GPU, 8192 on CPU)"),
+    "token_budget": ("REWARD_TOKEN_BUDGET", "padded tokens per forward (0: from the model on GPU, 8192 on CPU)"),
     "max_batch_rows": ("REWARD_MAX_BATCH_ROWS", "rows per forward at most"),
     "pad_multiple": ("REWARD_PAD_MULTIPLE", "pad each batch to a multiple of this many tokens"),
     "max_wait_ms": ("REWARD_MAX_WAIT_MS", "longest the GPU thread gathers requests into one batch"),
     "quiet_ms": ("REWARD_QUIET_MS", "gathering stops early once no request arrived for this long"),
     "compile": ("REWARD_COMPILE", "auto (per-layer torch.compile on GPU) | layers | off"),
+    "fuse": ("REWARD_FUSE", "auto (q/k/v and gate/up as one matmul each, if warm-up scores the same) | off"),
+    "warmup": ("REWARD_WARMUP", "auto (step on GPU, basic on CPU) | step (a full-budget synthetic step too) | basic"),
+    "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GPU memory the server may take, weights included (0: no cap)"),
+    "cudnn_attention": (
+        "REWARD_CUDNN_ATTENTION",
+        "auto (torch's choice: cuDNN on Hopper) | off (flash, mem-efficient)",
+    ),
+    "next_launch": ("REWARD_NEXT_LAUNCH", "after_wait | before_finish (queue it as the running one nears its end)"),
     "max_items": ("REWARD_MAX_ITEMS", "items per /score_batch request at most"),
     "max_chars": ("REWARD_MAX_CHARS", "characters per prompt, message or response at most"),
     "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "request body size at most"),
@@ -115,6 +134,12 @@ def load_settings(
     problems = []
     if settings.compile not in ("auto", "layers", "off"):
         problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
+    for name, allowed in (("fuse", ("auto", "off")), ("warmup", ("auto", "step", "basic")),
+                          ("next_launch", ("after_wait", "before_finish")), ("cudnn_attention", ("auto", "off"))):  # fmt: skip
+        if getattr(settings, name) not in allowed:
+            problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
+    if settings.gpu_memory_gib < 0:
+        problems.append(f"REWARD_GPU_MEMORY_GIB must be 0 (no cap) or a size in GiB, got {settings.gpu_memory_gib}")
     if settings.truncation not in ("left", "reject"):
         problems.append(f"REWARD_TRUNCATION must be 'left' or 'reject', got {settings.truncation!r}")
     for name, allowed in CHOICES.items():
