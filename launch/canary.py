@@ -9,10 +9,13 @@ compute and check:
     python -m launch.canary skip STAGE --because WHY --results FILE
     python -m launch.canary summary --results FILE    # the table; exit 1 unless every stage passed
 
-Each check reads verl 0.6.1's own output: the lines RayPPOTrainer.fit prints through its console logger
-(`step:N - ... training/global_step:N ...`), what `_load_checkpoint` prints on a resume (`Setting global step to N`)
-or without one (`Training from scratch`), and the checkpoint folder `_save_checkpoint` writes (global_step_N/actor,
-latest_checkpointed_iteration.txt).
+Each check reads verl 0.6.1's own output: the line each training step prints through the console logger
+(`step:N - ...`, verl/utils/logger/aggregate_logger.py:26-51), what `_load_checkpoint` prints on a resume (`Setting
+global step to N`) or without one (`Training from scratch`), and the checkpoint folder `_save_checkpoint` writes
+(global_step_N/actor, latest_checkpointed_iteration.txt). A training step's line is told from a validation-only one
+(val_before_train logs `step:0 - val-core/...`) by `timing_s/step`, which every entry point times and logs: the main
+trainer (ray_trainer.py:1036, 1282), recipe.dapo (dapo_ray_trainer.py:164, 394; it logs no `training/global_step`)
+and the one-step-off recipe (ray_trainer.py:468, 663).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ STAGES = {
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # RayPPOTrainer.fit runs in verl's TaskRunner actor: Ray prefixes its lines with "(TaskRunner pid=N) " in the driver.
-_STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*training/global_step:.*)$")
+_STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*)$")
+_TIMED_STEP = re.compile(r"(?:^| - )timing_s/step:")  # only a training step has it
 _RESUMED_AT = re.compile(r"Setting global step to (\d+)")
 _SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
@@ -89,6 +93,9 @@ def canary_settings(s: Settings) -> dict[str, str]:
         "TOTAL_EPOCHS": str(RESUME_STEPS),
         "EXPERIMENT_NAME": f"{s.experiment_name}_canary",
         "TRAINER_LOGGER": "[console]",  # the steps are read from verl's console lines; no wandb run is touched
+        # Every checkpoint it checks must stay: verl's checkpoint manager deletes global_step_1/actor before saving
+        # step 2 when it keeps 1 (megatron_checkpoint_manager.py:379-388). The canary removes its own at the end.
+        "MAX_CKPT_TO_KEEP": "0",
         "REQUEUE_BEFORE_TIMEOUT": "0",
     }
     if s.overlong_buffer_len >= response:
@@ -117,7 +124,7 @@ def logged_steps(text: str) -> dict[int, str]:
     steps = {}
     for line in _ANSI.sub("", text).splitlines():
         match = _STEP_LINE.search(line)
-        if match:
+        if match and _TIMED_STEP.search(match.group(2)):
             steps[int(match.group(1))] = match.group(2)
     return steps
 
@@ -148,7 +155,9 @@ def check_train(text: str, ckpt: Path) -> list[str]:
     steps = logged_steps(text)
     expected = list(range(1, TRAIN_STEPS + 1))
     if sorted(steps) != expected:
-        problems.append(f"verl logged steps {sorted(steps)}, expected {expected} (its 'step:N - ...' lines)")
+        problems.append(
+            f"verl logged steps {sorted(steps)}, expected {expected} (its 'step:N - ... timing_s/step:...' lines)"
+        )
     elif not any("val-core/" in rest for rest in steps.values()):
         problems.append(f"no validation metrics (val-core/...) at step {TRAIN_STEPS}: validation did not run")
     return problems + _checkpoint_problems(ckpt, range(1, TRAIN_STEPS + 1))

@@ -6,10 +6,16 @@ address from `+ray_kwargs.ray_init.address=`) the alive Ray nodes and GPUs. With
 runs one Ray task on every node and records what verl's workers there would see in their environment.
 Then it sleeps $FAKE_TRAINER_SLEEP seconds and exits with $FAKE_TRAINER_RC (default 0).
 
-Given `trainer.total_training_steps=N`, it also imitates what verl 0.6.1's RayPPOTrainer.fit shows from outside:
+Given `trainer.total_training_steps=N`, it also imitates what verl 0.6.1's fit loops show from outside:
 `_load_checkpoint` (resume_mode=auto: the tracker file, its messages, the step it resumes at), one console-logger line
-per step (`step:N - ...`, with val-core metrics on validation steps, as Ray prints a TaskRunner actor's lines), and
-`_save_checkpoint`'s layout (global_step_N/actor/{dist_ckpt,huggingface}, global_step_N/data.pt, the tracker file).
+per step as each entry point prints it (Ray prefixes a TaskRunner actor's lines): the main trainer's and the
+one-step-off recipe's with `training/global_step` (ray_trainer.py:1274-1293), recipe.dapo's without it but with
+`train/num_gen_batches` (recipe/dapo/dapo_ray_trainer.py:392-406); val-core metrics on validation steps and
+`timing_s/step`, `timing_s/testing`, `timing_s/save_checkpoint` (metric_utils.compute_timing_metrics) in all of them;
+`_save_checkpoint`'s layout (global_step_N/actor/{dist_ckpt,huggingface}, global_step_N/data.pt, the tracker file),
+and the checkpoint manager's pruning: with trainer.max_actor_ckpt_to_keep=K, before a save it deletes the oldest
+`global_step_N/actor` of this process's own saves once it holds K (megatron_checkpoint_manager.py:379-388).
+$FAKE_TRAINER_TESTING_S / $FAKE_TRAINER_SAVE_S: the seconds it reports for validation and a save (nothing sleeps).
 $FAKE_TRAINER_BREAK breaks it on purpose: no_resume (starts from scratch although a checkpoint exists) |
 crash_on_resume (the checkpoint load raises) | no_save (writes no checkpoint).
 """
@@ -28,14 +34,31 @@ def override(argv: list[str], key: str, default: str | None = None) -> str | Non
     return next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith(key + "=")), default)
 
 
-def save_checkpoint(argv: list[str], root: Path, step: int, actor: str) -> None:
+class CheckpointManager:
+    """verl 0.6.1's MegatronCheckpointManager.save_checkpoint as seen on disk: the paths of this process's own saves,
+    the oldest removed before a save once `keep` of them exist (megatron_checkpoint_manager.py:379-388)."""
+
+    def __init__(self, keep: int | None):
+        self.keep, self.previous_saved_paths = keep, []
+
+    def save(self, local_path: Path) -> None:
+        if self.keep and self.keep > 0 and len(self.previous_saved_paths) >= self.keep:
+            keep_start = len(self.previous_saved_paths) - self.keep + 1
+            for old in self.previous_saved_paths[:keep_start]:
+                print(f"Checkpoint manager remove previous save local path: {old}", flush=True)
+                shutil.rmtree(old, ignore_errors=True)
+            self.previous_saved_paths = self.previous_saved_paths[keep_start:]
+        (local_path / "dist_ckpt").mkdir(parents=True, exist_ok=True)
+        self.previous_saved_paths.append(local_path)
+
+
+def save_checkpoint(argv: list[str], root: Path, step: int, actor: str, managers: dict[str, CheckpointManager]) -> None:
     """The files RayPPOTrainer._save_checkpoint and verl's Megatron checkpoint manager write for one step."""
     folder = root / f"global_step_{step}"
     print(f"{actor} local_global_step_folder: {folder}", flush=True)
-    roles = ["actor", "critic"] if override(argv, "algorithm.adv_estimator") == "gae" else ["actor"]
     model = Path(override(argv, "actor_rollout_ref.model.path"))
-    for role in roles:
-        (folder / role / "dist_ckpt").mkdir(parents=True, exist_ok=True)
+    for role, manager in managers.items():
+        manager.save(folder / role)
         hf = folder / role / "huggingface"  # rank 0 saves the HF config and tokenizer, no weights
         hf.mkdir(exist_ok=True)
         for f in model.iterdir():
@@ -43,6 +66,11 @@ def save_checkpoint(argv: list[str], root: Path, step: int, actor: str) -> None:
                 shutil.copy(f, hf / f.name)
     (folder / "data.pt").write_bytes(b"dataloader state")
     (root / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+
+def keep_setting(argv: list[str], key: str) -> int | None:
+    value = override(argv, key, "null")
+    return None if value in ("null", "None") else int(value)
 
 
 def imitate_fit(argv: list[str]) -> int:
@@ -54,6 +82,11 @@ def imitate_fit(argv: list[str]) -> int:
         int(override(argv, "trainer.save_freq", "-1")),
         int(override(argv, "trainer.test_freq", "-1")),
     )
+    dapo = argv[argv.index("-m") + 1] == "recipe.dapo.main_dapo"
+    managers = {"actor": CheckpointManager(keep_setting(argv, "trainer.max_actor_ckpt_to_keep"))}
+    if override(argv, "algorithm.adv_estimator") == "gae":
+        managers["critic"] = CheckpointManager(keep_setting(argv, "trainer.max_critic_ckpt_to_keep"))
+    testing_s, save_s = (float(os.environ.get(f"FAKE_TRAINER_{k}_S", d)) for k, d in (("TESTING", 0.5), ("SAVE", 0.25)))
     actor = f"(TaskRunner pid={os.getpid()})"  # Ray's prefix for lines printed in verl's TaskRunner actor
     print(f"{actor} Total training steps: {total}", flush=True)
     step = 0
@@ -78,12 +111,18 @@ def imitate_fit(argv: list[str]) -> int:
     while step < total:
         step += 1
         last = step >= total
-        metrics = {}
+        metrics, timing = {}, {"step": 1.0}
         if test_freq > 0 and (last or step % test_freq == 0):
             metrics["val-core/safe_hack/reward/mean@1"] = 0.25
-        metrics |= {"training/global_step": step, "training/epoch": 0, "critic/score/mean": 0.5}
+            timing["testing"] = testing_s
         if save_freq > 0 and (last or step % save_freq == 0) and broken != "no_save":
-            save_checkpoint(argv, root, step, actor)
+            save_checkpoint(argv, root, step, actor, managers)
+            timing["save_checkpoint"] = save_s
+        if not dapo:  # recipe.dapo's fit never logs these two (dapo_ray_trainer.py:392-406)
+            metrics |= {"training/global_step": step, "training/epoch": 0}
+        metrics |= {"critic/score/mean": 0.5} | {f"timing_s/{k}": v for k, v in timing.items()}
+        if dapo:
+            metrics["train/num_gen_batches"] = 1
         print(f"{actor} step:{step} - " + " - ".join(f"{k}:{v}" for k, v in metrics.items()), flush=True)
     return 0
 
