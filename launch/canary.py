@@ -3,7 +3,7 @@
 `CANARY=1 sbatch run_grpo_qwen3_4b_mega_verl.sh` runs the stages (launch/canary.sh); this module holds what they
 compute and check:
 
-    python -m launch.canary settings          # the tiny workload as NAME=VALUE settings, NUL-separated
+    python -m launch.canary settings [EXTRA_OVERRIDES...]   # the tiny workload as NAME=VALUE, NUL-separated
     python -m launch.canary overrides STAGE   # that training stage's extra Hydra overrides, NUL-separated
     python -m launch.canary check STAGE --rc RC --seconds S --log LOG --ckpt DIR [--target DIR] --results FILE
     python -m launch.canary skip STAGE --because WHY --results FILE
@@ -35,6 +35,7 @@ RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more
 RESPONSE_LENGTH = 512  # short responses: the rollout, the reward and the update still run on real text
 VAL_SAMPLES = 8  # validation prompts (verl pads the validation batch itself)
 AGENT_LOOP_WORKERS = 8  # rollout.agent.num_workers in verl 0.6.1: async rollout splits a step's batch in as many parts
+AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.num_workers"
 
 STAGES = {
     "train": f"1 train {TRAIN_STEPS} steps, save each",
@@ -51,13 +52,22 @@ _SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of pro
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
 
 
-def batch_size(s: Settings) -> int:
+def agent_loop_workers(extra: list[str]) -> int:
+    """rollout.agent.num_workers as verl will use it: the last override of it on the command line wins (Hydra)."""
+    value = next((a.split("=", 1)[1] for a in reversed(extra) if a.lstrip("+").startswith(AGENT_LOOP_KEY + "=")), None)
+    try:
+        return int(value) if value is not None else AGENT_LOOP_WORKERS
+    except ValueError:
+        raise SettingError(f"{AGENT_LOOP_KEY}={value!r} is not a whole number") from None
+
+
+def batch_size(s: Settings, agent_workers: int = AGENT_LOOP_WORKERS) -> int:
     """The fewest prompts per step that verl can split evenly with this layout: each step's B x ROLLOUT_N responses
     are cut into equal parts per training GPU (balance_batch), per agent-loop worker (async rollout, unpadded in
     training), per rollout GPU (one_step_off), and per data-parallel rank x micro batch (the settings' own check)."""
     parts = [s.training_gpus_per_node * max(s.train_nodes, 1)]
     if s.rollout_mode == "async":
-        parts.append(AGENT_LOOP_WORKERS)
+        parts.append(agent_workers)
     if s.trainer_mode == "one_step_off":
         parts.append(s.rollout_gpus_per_node * max(s.train_nodes, 1))
     if s.strategy == "fsdp2":
@@ -74,10 +84,10 @@ def batch_size(s: Settings) -> int:
     raise SettingError(f"no canary batch size up to 4096 prompts splits evenly over this layout ({parts} x ROLLOUT_N)")
 
 
-def canary_settings(s: Settings) -> dict[str, str]:
+def canary_settings(s: Settings, extra: list[str] | None = None) -> dict[str, str]:
     """The settings the canary changes; everything else (models, data, algorithm, mode, strategy, parallel layout,
-    engine) stays the user's, so the canary runs the combination the real job will."""
-    b = batch_size(s)
+    engine, the user's extra overrides) stays the user's, so the canary runs the combination the real job will."""
+    b = batch_size(s, agent_loop_workers(extra or []))
     response = min(s.max_response_length, RESPONSE_LENGTH)
     if s.uses_recipe == "recipe.dapo":
         # Dynamic sampling drops groups whose responses all score the same, and short responses of a thinking model
@@ -247,7 +257,7 @@ def summary(results: dict[str, dict]) -> tuple[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("settings")
+    sub.add_parser("settings").add_argument("extra", nargs=argparse.REMAINDER)
     sub.add_parser("overrides").add_argument("stage", choices=["train", "resume"])
     c = sub.add_parser("check")
     c.add_argument("stage", choices=list(STAGES))
@@ -267,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             s = Settings.from_env()
             items = (
-                [f"{k}={v}" for k, v in canary_settings(s).items()]
+                [f"{k}={v}" for k, v in canary_settings(s, args.extra).items()]
                 if args.command == "settings"
                 else stage_overrides(args.stage, s)
             )

@@ -281,6 +281,10 @@ def test_ref_and_critic_parallel_sizes_other_than_the_actors_are_refused(env, ov
     assert any(needle in p for p in problems), problems
 
 
+# The issue's batch: 4 GPUs, PP 2, micro-batch 2, 100 prompts x 5 responses, mini-batch 50. It passes validate_config and
+# every relation of the update; only async rollout's agent loop cannot split it.
+ISSUE_SPLIT = {"TRAIN_BATCH_SIZE": 100, "ROLLOUT_N": 5, "PPO_MINI_BATCH_SIZE": 50, "MICRO_BATCH_PER_GPU": 2}
+
 BATCH_CASES = [
     # (settings, extra Hydra overrides, what the preflight says): each passes verl's validate_config and would stop at
     # (or silently change) the first update. Defaults: 4 GPUs, Megatron PP 2 (2 data-parallel ranks), batch 256 x 4.
@@ -308,6 +312,10 @@ BATCH_CASES = [
     # PPO's critic: its own mini-batch on the actor's data-parallel ranks (Megatron shares the parallel state)
     ({"ALGORITHM": "ppo"}, ["critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size=3 (PPO_MINI_BATCH_SIZE) does not divide"),
     ({"ALGORITHM": "ppo", "STRATEGY": "fsdp2"}, ["critic.ppo_max_token_len_per_gpu=1024"], "critic.ppo_max_token_len_per_gpu=1024 is less than one whole sequence"),
+    # async rollout: 100 x 5 = 500 sequences over the agent loop's 8 workers (agent_loop.py:764, protocol.py:880-883)
+    (ISSUE_SPLIT, [], "500 sequences do not split over the agent loop's 8 workers"),
+    # the worker count as verl will use it: an extra override of it counts
+    ({}, ["actor_rollout_ref.rollout.agent.num_workers=6"], "1024 sequences do not split over the agent loop's 6 workers"),
 ]  # fmt: skip
 
 
@@ -317,6 +325,33 @@ def test_batch_relations_verl_asserts_at_run_time_are_refused_before_anything_st
     validate(cfg)  # verl's own config checks pass: the run would stop (or update differently) only later
     problems = batch_problems(cfg)
     assert any(needle in p for p in problems), problems
+
+
+def test_a_batch_the_agent_loop_cannot_split_is_refused_naming_the_nearest_sizes_that_divide(env):
+    (problem,) = batch_problems(composed(settings(env, **ISSUE_SPLIT)))
+    assert (
+        "TRAIN_BATCH_SIZE" in problem
+        and "ROLLOUT_N" in problem
+        and "actor_rollout_ref.rollout.agent.num_workers" in problem
+    )
+    # 104 x 5 = 520 splits over 8 workers but not into mini-batches of 50 x 5 / 2 = 125 per rank: 200 is the nearest
+    assert "nearest TRAIN_BATCH_SIZE that divides and passes the other batch checks: 200;" in problem
+    assert "override actor_rollout_ref.rollout.agent.num_workers with 5 or 10, which divide 500" in problem
+    for fixed in ({"TRAIN_BATCH_SIZE": 200}, {"ROLLOUT_MODE": "sync"}):  # sync rollout has no agent loop
+        assert batch_problems(composed(settings(env, **ISSUE_SPLIT | fixed))) == []
+    assert (
+        batch_problems(composed(settings(env, **ISSUE_SPLIT), ["actor_rollout_ref.rollout.agent.num_workers=10"])) == []
+    )
+    near = batch_problems(composed(settings(env, **ISSUE_SPLIT | {"PPO_MINI_BATCH_SIZE": 4})))
+    assert "nearest TRAIN_BATCH_SIZE that divides and passes the other batch checks: 96 or 104;" in near[0]
+
+
+def test_the_preflight_stops_a_batch_the_agent_loop_cannot_split_before_anything_starts(env):
+    job = env | {k: str(v) for k, v in ISSUE_SPLIT.items()} | {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0",
+                                                             "TRAINER_LAUNCHER": "stand-in"}  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job, capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "verl 0.6.1 would stop at run time" in run.stderr and "agent loop's 8 workers" in run.stderr
 
 
 def test_a_mini_batch_that_divides_the_batch_passes(env):
