@@ -244,7 +244,7 @@ main() {
   trap 'on_stop_signal 130' INT
   trap 'on_stop_signal 143' TERM
   export_settings
-  [[ "$CANARY" != 1 ]] || canary_settings  # its own folder and a tiny workload (launch/canary.sh)
+  [[ "$CANARY" != 1 ]] || canary_settings "$@"  # its own folder and a tiny workload (launch/canary.sh)
   mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME"
   log_phase "job $job_id: logs in $job_log_dir"
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
