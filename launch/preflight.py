@@ -259,6 +259,32 @@ def parallel_problems(cfg) -> list[str]:
     ]
 
 
+def rollout_problems(cfg) -> list[str]:
+    """Rollout keys the engine would silently ignore. verl 0.6.1's sync SGLang engine builds its arguments without
+    enforce_eager and drops every engine_kwargs.sglang key but attention_backend (sglang_rollout.py:426-477); only
+    the async server reads them (async_sglang_server.py:126-157)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name != "sglang" or rollout.mode != "sync":
+        return []
+    problems = []
+    if rollout.enforce_eager:
+        problems.append(
+            "actor_rollout_ref.rollout.enforce_eager=True (ROLLOUT_ENFORCE_EAGER) with sync SGLang rollout: verl 0.6.1's "
+            "sync SGLang engine never passes it on (no disable_cuda_graph, sglang_rollout.py:426-477); use async rollout "
+            "or vLLM, or drop it"
+        )
+    ignored = sorted(
+        k for k, v in (rollout.engine_kwargs.get("sglang") or {}).items() if v is not None and k != "attention_backend"
+    )
+    if ignored:
+        problems.append(
+            f"actor_rollout_ref.rollout.engine_kwargs.sglang.{{{', '.join(ignored)}}} with sync SGLang rollout: verl 0.6.1's "
+            "sync SGLang engine reads only attention_backend from engine_kwargs (sglang_rollout.py:426-430); use async "
+            "rollout, whose server passes them all, or drop them"
+        )
+    return problems
+
+
 # What the one-step-off recipe's weight sync imports whatever the engine (recipe/one_step_off_policy/distributed_util.py,
 # inside stateless_init_process_group, so importing the recipe module alone does not show it).
 ONE_STEP_OFF_VLLM = ("vllm.distributed.device_communicators.pynccl", "vllm.distributed.utils")
@@ -485,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             f"preflight: verl 0.6.1 rejects the trainer config ({module}, {name}):\n  {explain(exc)}", file=sys.stderr
         )
         return 1
-    problems = batch_problems(cfg) + parallel_problems(cfg)
+    problems = batch_problems(cfg) + parallel_problems(cfg) + rollout_problems(cfg)
     for problem in problems:
         print(f"preflight: verl 0.6.1 would stop at run time: {problem}", file=sys.stderr)
     if problems:

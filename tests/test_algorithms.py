@@ -14,6 +14,7 @@ from launch.preflight import (
     compose,
     import_problems,
     parallel_problems,
+    rollout_problems,
     split_command,
     trainer_modules,
     validate,
@@ -212,10 +213,39 @@ def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes)
         ({"FP8": "true"}, "FP8 training arrived in verl 0.7.0"),
         ({"ALGORITHM": "reinforce"}, "ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         ({"STRATEGY": "fsdp"}, "STRATEGY='fsdp': use one of megatron, fsdp2"),
+        # sync SGLang never passes enforce_eager on (sglang_rollout.py:426-477); DAPO's recipe rolls out in sync too
+        ({"ROLLOUT_ENFORCE_EAGER": "true", "ROLLOUT_MODE": "sync"}, "ROLLOUT_ENFORCE_EAGER=true with ROLLOUT_ENGINE=sglang and ROLLOUT_MODE=sync: verl 0.6.1's sync SGLang engine never reads it"),
+        ({"ROLLOUT_ENFORCE_EAGER": "true", "ROLLOUT_MODE": "sync", "ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true"}, "use ROLLOUT_MODE=async (its SGLang server sets disable_cuda_graph from it)"),
     ],
 )  # fmt: skip
 def test_refused_combinations_say_why(env, overrides, needle):
     assert any(needle in p for p in check(settings(env, **overrides))), check(settings(env, **overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"ROLLOUT_MODE": "async"}, {"ROLLOUT_MODE": "sync", "ROLLOUT_ENGINE": "vllm"}],
+    ids=["sglang-async", "vllm-sync"],
+)
+def test_enforce_eager_is_accepted_where_the_engine_reads_it(env, overrides):
+    s = settings(env, ROLLOUT_ENFORCE_EAGER="true", **overrides)
+    assert check(s) == []
+    cfg = composed(s)
+    assert cfg.actor_rollout_ref.rollout.enforce_eager is True
+    assert rollout_problems(cfg) == []
+
+
+def test_eager_or_sglang_engine_kwargs_through_overrides_are_refused_where_sync_sglang_drops_them(env):
+    s = settings(env, ROLLOUT_MODE="sync")
+    extra = [
+        "actor_rollout_ref.rollout.enforce_eager=True",
+        "+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_cuda_graph=True",
+    ]
+    eager, kwargs = rollout_problems(composed(s, extra))
+    assert "actor_rollout_ref.rollout.enforce_eager=True (ROLLOUT_ENFORCE_EAGER) with sync SGLang rollout" in eager
+    assert "engine_kwargs.sglang.{disable_cuda_graph} with sync SGLang rollout" in kwargs
+    backend = ["+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=flashinfer"]
+    assert rollout_problems(composed(s, backend)) == [], "the one key sync SGLang does read"
 
 
 def test_the_settings_block_defaults_are_the_articles_grpo(env):
