@@ -122,13 +122,29 @@ export_settings() {
   # Never printed: it reaches every node and verl's Ray workers through the environment only.
   [[ -n "$REWARD_SERVER_TOKEN" ]] || REWARD_SERVER_TOKEN=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
   export REWARD_SERVER_TOKEN
-  # One wandb run per job, resumed by every requeue of it (verl's wandb.init reads these from the environment).
-  local run_id="${EXPERIMENT_NAME}-${job_id}"
-  export WANDB_RUN_ID="${WANDB_RUN_ID:-${run_id//[^A-Za-z0-9_.-]/_}}" WANDB_RESUME="${WANDB_RESUME:-allow}"
+  export_wandb_run
   export_checkpoint_deadline
   export RAY_TMP_DIR="${RAY_TMP_DIR:-/tmp/ray_${job_id}}"
   export RAY_NUM_CPUS="${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-$(nproc)}}"
-  export WANDB_DIR="${WANDB_DIR:-$job_log_dir/wandb}"
+}
+
+# export_wandb_run: which wandb run each start of the job logs to (verl's wandb.init passes no id, group or folder:
+# wandb reads them from the environment of verl's TaskRunner). Online, one run for the job, resumed by every requeue.
+# Offline, wandb ignores resume ("`resume` will be ignored since W&B syncing is set to `offline`", wandb_init.py of
+# the images' wandb 0.21-0.22) and two starts with one id overwrite each other at `wandb sync`: each start is its own
+# run (-rN: Slurm's restart count), all in one group, the job's.
+export_wandb_run() {
+  local run_id=${WANDB_RUN_ID:-${EXPERIMENT_NAME}-${job_id}}
+  run_id=${run_id//[^A-Za-z0-9_.-]/_}
+  export WANDB_RUN_GROUP="${WANDB_RUN_GROUP:-$run_id}"
+  if [[ "$WANDB_MODE" == offline ]]; then
+    export WANDB_RUN_ID="${run_id}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}"
+  else
+    export WANDB_RUN_ID=$run_id WANDB_RESUME="${WANDB_RESUME:-allow}"
+  fi
+  # Per start, beside its logs; `wandb sync` reads the offline runs from there (WANDB_DIR/wandb/offline-run-*).
+  WANDB_DIR=$(realpath -m "${WANDB_DIR:-$job_log_dir/wandb}")
+  export WANDB_DIR
 }
 
 # export_checkpoint_deadline: verl 0.6.1 saves a checkpoint after any step once this time (epoch s) is within a step
@@ -150,7 +166,7 @@ container_cmd() {
   if [[ "$CONTAINER" == none ]]; then
     return
   fi
-  local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME")
+  local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME" --bind "$WANDB_DIR")
   local path
   for path in "$CONFIG_MODEL_PATH" "$CONFIG_REWARD_MODEL_PATH" "$(dirname "$CONFIG_TRAIN_FILE")" \
     "$(dirname "$CONFIG_TEST_FILE")"; do
@@ -245,7 +261,11 @@ main() {
   trap 'on_stop_signal 143' TERM
   export_settings
   [[ "$CANARY" != 1 ]] || canary_settings "$@"  # its own folder and a tiny workload (launch/canary.sh)
-  mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME"
+  # WANDB_DIR before anything starts: where wandb cannot write it, it logs to the system temp folder of whichever node
+  # holds verl's TaskRunner (wandb_init.py try_create_root_dir), not where `wandb sync` is pointed.
+  mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME" "$WANDB_DIR" ||
+    die "could not create the job's folders (above: CONFIG_LOG_DIR, CONFIG_OUTPUT_DIR, HF_HOME or WANDB_DIR)"
+  [[ -w "$WANDB_DIR" ]] || die "WANDB_DIR=$WANDB_DIR is not writable: wandb would log to /tmp of some node instead"
   log_phase "job $job_id: logs in $job_log_dir"
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"
