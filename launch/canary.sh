@@ -22,7 +22,7 @@ canary_settings() {
   local -a pairs
   canary_dir="${CONFIG_OUTPUT_DIR}_canary/$job_id"
   CONFIG_OUTPUT_DIR="$canary_dir/checkpoints"
-  mkdir -p "$CONFIG_OUTPUT_DIR" "$job_log_dir" "$HF_HOME"  # the container binds them
+  mkdir -p "$CONFIG_OUTPUT_DIR" "$job_log_dir" "$HF_HOME" "$WANDB_DIR"  # the container binds them
   mapfile -d '' -t pairs < <(canary_py settings "$@")
   ((${#pairs[@]})) || die "CANARY=1: could not work out the canary's workload (above)"
   for pair in "${pairs[@]}"; do

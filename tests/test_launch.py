@@ -56,7 +56,9 @@ def test_two_nodes_with_a_separate_reward_node(job, fake_cluster):
     assert_everything_stopped(env)
 
 
-def test_two_training_nodes_join_one_real_ray_cluster_and_a_requeue_resumes_the_same_wandb_run(job, fake_cluster):
+def test_two_training_nodes_join_one_real_ray_cluster_and_each_offline_start_is_its_own_wandb_run_in_one_group(
+    job, fake_cluster
+):
     # Slurm's end time in its local-time format; verl saves once the expiry (that minus CHECKPOINT_BEFORE_END) nears.
     end = int(time.time()) + 7200
     end_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end))
@@ -78,13 +80,40 @@ def test_two_training_nodes_join_one_real_ray_cluster_and_a_requeue_resumes_the_
         for node_env in nodes.values():
             # What verl's TaskRunner and workers read, wherever Ray places them.
             assert node_env["MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"] == str(end - 1800)
-            assert node_env["WANDB_RESUME"] == "allow" and node_env["token"]
+            assert node_env["token"]
+            # Offline (the default), wandb ignores resume: a shared id would be overwritten at `wandb sync`.
+            assert node_env["WANDB_RESUME"] is None and node_env["WANDB_RUN_GROUP"] == "qwen3_4b_grpo_megatron-777"
             run_ids.append(node_env["WANDB_RUN_ID"])
-    assert set(run_ids) == {"qwen3_4b_grpo_megatron-777"}, "one wandb run for the job, across its requeue"
+    assert sorted(set(run_ids)) == ["qwen3_4b_grpo_megatron-777", "qwen3_4b_grpo_megatron-777-r1"], run_ids
     assert ["show", "job", "777"] in [c["argv"] for c in fake_cluster.calls("scontrol")], "the end time from Slurm"
     logs = sorted(p.name for p in Path(env["CONFIG_LOG_DIR"]).iterdir())
     assert logs == ["777", "777-r1"], "each start of the job logs to its own folder"
     assert any(p.name.startswith("ray_worker_") for p in (Path(env["CONFIG_LOG_DIR"]) / "777-r1").iterdir())
+
+
+def test_online_a_requeue_resumes_the_jobs_one_wandb_run_and_wandb_dir_exists_before_the_trainer_starts(job):
+    env = slurm(job, 1, WANDB_MODE="online", PREFLIGHT_DATA="0", PREFLIGHT_REWARD="0")
+    env.pop("WANDB_DIR")  # the job's default: beside each start's logs
+    seen_by_start = []
+    for restart in ("", "1"):
+        Path(env["FAKE_TRAINER_LOG"]).unlink(missing_ok=True)
+        Path(env["CONFIG_OUTPUT_DIR"], "TRAINING_DONE").unlink(missing_ok=True)
+        result = run(env | ({"SLURM_RESTART_COUNT": restart} if restart else {}))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        seen_by_start.append(seen(env))
+    for trainer, folder in zip(seen_by_start, ("777", "777-r1"), strict=True):
+        assert (trainer["WANDB_RUN_ID"], trainer["WANDB_RESUME"]) == ("qwen3_4b_grpo_megatron-777", "allow")
+        assert trainer["WANDB_DIR"] == str(Path(env["CONFIG_LOG_DIR"]) / folder / "wandb")
+        assert trainer["wandb_dir_is_dir"], "WANDB_DIR exists before the trainer starts"
+
+
+def test_a_wandb_dir_that_cannot_be_created_stops_the_job_before_anything_starts(job, fake_cluster, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    result = run(job | {"WANDB_DIR": str(blocker / "wandb"), "PREFLIGHT_ONLY": "1"})
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert "could not create the job's folders" in result.stderr and "WANDB_DIR" in result.stderr
+    assert not fake_cluster.calls("srun") and not fake_cluster.calls("singularity")
 
 
 # --- failures ----------------------------------------------------------------------------------------------------

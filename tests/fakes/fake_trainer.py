@@ -127,7 +127,7 @@ def imitate_fit(argv: list[str]) -> int:
     return 0
 
 
-NODE_ENV = ("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP", "WANDB_RUN_ID", "WANDB_RESUME")
+NODE_ENV = ("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_RUN_GROUP")
 
 
 def probe_nodes(ray) -> dict[str, dict]:
@@ -149,6 +149,7 @@ def main() -> int:
     for key in ("REWARD_SERVER_URLS", "REWARD_LOG_PATH", "WANDB_MODE", "WANDB_DIR", "PYTHONPATH", "HF_HOME", *NODE_ENV):
         seen[key] = os.environ.get(key)
     seen["REWARD_SERVER_TOKEN"] = bool(os.environ.get("REWARD_SERVER_TOKEN"))  # whether it is set, never its value
+    seen["wandb_dir_is_dir"] = bool(os.environ.get("WANDB_DIR")) and os.path.isdir(os.environ["WANDB_DIR"])
     urls = [u for u in (os.environ.get("REWARD_SERVER_URLS") or "").split(",") if u]
     headers = {"Authorization": f"Bearer {os.environ['REWARD_SERVER_TOKEN']}"} if seen["REWARD_SERVER_TOKEN"] else {}
     seen["reward_health"] = []
