@@ -81,6 +81,7 @@ EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_4b_grpo_megatron}"
 SAVE_FREQ="${SAVE_FREQ:-25}"
 MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"                       # actor and critic checkpoints kept (~56 GB each for 4B)
 CHECKPOINT_BEFORE_END="${CHECKPOINT_BEFORE_END:-1800}"          # s before the time limit verl saves (> --signal's 900)
+ESI_REDUNDANT_TIME="${ESI_REDUNDANT_TIME:-auto}"                # s that window adds for validation + save; auto: measured
 ROLLOUT_ENFORCE_EAGER="${ROLLOUT_ENFORCE_EAGER:-false}"         # true: no SGLang CUDA graphs (slower; debugging)
 TEST_FREQ="${TEST_FREQ:-5}"
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"
@@ -147,17 +148,21 @@ export_wandb_run() {
   export WANDB_DIR
 }
 
-# export_checkpoint_deadline: verl 0.6.1 saves a checkpoint after any step once this time (epoch s) is within a step
-# and a minute (checkpoint_manager.should_save_ckpt_esi), so the time-limit signal finds the last step saved.
+# export_checkpoint_deadline: the job's end (JOB_END_TIME, epoch s) and verl 0.6.1's expiry, CHECKPOINT_BEFORE_END
+# before it: the main trainer saves after any step that ends within 60 s + its longest step + trainer.esi_redundant_time
+# of it (checkpoint_manager.should_save_ckpt_esi); the preflight says what that means for this job (launch/deadline.py).
+# JOB_SIGNAL_LEAD: the time-limit signal's lead in this script's own header (#SBATCH --signal=B:USR1@N).
 export_checkpoint_deadline() {
   local end=${SLURM_JOB_END_TIME:-}
   if [[ -z "$end" && -n "${SLURM_JOB_ID:-}" ]]; then
     end=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'EndTime=[^ ]*' | cut -d= -f2 || true)
     end=$(date -d "$end" +%s 2>/dev/null || true)
   fi
+  JOB_SIGNAL_LEAD=$(sed -n 's/^#SBATCH --signal=[^@]*@\([0-9]*\).*/\1/p' "${BASH_SOURCE[0]}" | head -n 1)
+  export JOB_SIGNAL_LEAD=${JOB_SIGNAL_LEAD:-0}
   if [[ "$end" =~ ^[0-9]+$ ]]; then
-    export MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP=$((end - CHECKPOINT_BEFORE_END))
-    log "the job ends at $(date -d "@$end" '+%F %T'): verl saves a checkpoint from $CHECKPOINT_BEFORE_END s before"
+    export JOB_END_TIME=$end MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP=$((end - CHECKPOINT_BEFORE_END))
+    log "the job ends at $(date -d "@$end" '+%F %T') (the preflight says what verl saves before that)"
   fi
 }
 
