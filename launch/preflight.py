@@ -498,6 +498,17 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    from launch.deadline import plan
+
+    lines, warnings, problems = plan(settings, os.environ)
+    for line in lines:
+        print(f"preflight: save before the time limit: {line}")
+    for warning in warnings:
+        print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
+    for problem in problems:
+        print(f"setting error: {problem}", file=sys.stderr)
+    if problems:
+        return 1
     try:
         module, path, name, overrides = split_command(trainer_argv(settings, extra=extra))
     except SettingError as exc:

@@ -88,6 +88,8 @@ class Settings:
     rollout_engine: str = setting("ROLLOUT_ENGINE")
     max_ckpt_to_keep: int = setting("MAX_CKPT_TO_KEEP")
     rollout_enforce_eager: bool = setting("ROLLOUT_ENFORCE_EAGER")
+    checkpoint_before_end: int = setting("CHECKPOINT_BEFORE_END")
+    esi_redundant_time_setting: str = setting("ESI_REDUNDANT_TIME")
     # Not settings: Slurm's node count, the reward client's score range, and two removed settings still read so that
     # a stale value is refused, not ignored.
     nnodes: int = 1
@@ -171,6 +173,9 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
     """Every problem, each naming the setting to change. Empty when the job can start."""
     problems: list[str] = []
     problems += combination_problems(s)
+    from launch.deadline import setting_problems
+
+    problems += setting_problems(s)
     if s.container not in ("singularity", "apptainer", "none"):
         problems.append(f"CONTAINER={s.container!r}: use singularity, apptainer or none")
     if s.rollout_mode not in ("sync", "async"):
@@ -512,6 +517,12 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"trainer.max_critic_ckpt_to_keep={s.max_ckpt_to_keep}",
         *FIXED_OVERRIDES,
     ]  # fmt: skip
+    if not s.uses_recipe:
+        # Room in verl's save-before-the-limit window for the validation and the save its longest step leaves out
+        # (launch/deadline.py); the recipes never make that check.
+        from launch.deadline import redundant_time
+
+        argv.append(f"trainer.esi_redundant_time={redundant_time(s, os.environ)[0]}")
     if s.trainer_mode == "one_step_off":
         # Its own rollout GPU pool (a top-level `rollout:` block), and no hybrid engine.
         argv += [
