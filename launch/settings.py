@@ -90,6 +90,8 @@ class Settings:
     rollout_enforce_eager: bool = setting("ROLLOUT_ENFORCE_EAGER")
     checkpoint_before_end: int = setting("CHECKPOINT_BEFORE_END")
     esi_redundant_time_setting: str = setting("ESI_REDUNDANT_TIME")
+    reward_restarts: int = setting("REWARD_RESTARTS")
+    reward_restart_window: int = setting("REWARD_RESTART_WINDOW")
     # Not settings: Slurm's node count, the reward client's score range, and two removed settings still read so that
     # a stale value is refused, not ignored.
     nnodes: int = 1
@@ -230,6 +232,12 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
                 problems.append(f"OVERLONG_PENALTY_FACTOR={s.overlong_penalty_factor}: a penalty size, 0 or more")
         except SettingError as exc:
             problems.append(str(exc))
+    if s.reward_restarts < 0:
+        problems.append(f"REWARD_RESTARTS={s.reward_restarts}: restarts of a reward server that dies, 0 or more")
+    if s.reward_restart_window < 1:
+        problems.append(
+            f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
+        )
     if not 0 < s.rollout_gpu_memory < 1:
         problems.append(f"ROLLOUT_GPU_MEMORY={s.rollout_gpu_memory}: a share of GPU memory in (0, 1)")
     if check_paths:

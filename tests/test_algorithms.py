@@ -214,6 +214,8 @@ def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes)
         ({"ALGORITHM": "reinforce"}, "ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         ({"STRATEGY": "fsdp"}, "STRATEGY='fsdp': use one of megatron, fsdp2"),
         # sync SGLang never passes enforce_eager on (sglang_rollout.py:426-477); DAPO's recipe rolls out in sync too
+        ({"REWARD_RESTARTS": "-1"}, "REWARD_RESTARTS=-1: restarts of a reward server that dies, 0 or more"),
+        ({"REWARD_RESTART_WINDOW": "0"}, "REWARD_RESTART_WINDOW=0: the seconds REWARD_RESTARTS counts over"),
         ({"ROLLOUT_ENFORCE_EAGER": "true", "ROLLOUT_MODE": "sync"}, "ROLLOUT_ENFORCE_EAGER=true with ROLLOUT_ENGINE=sglang and ROLLOUT_MODE=sync: verl 0.6.1's sync SGLang engine never reads it"),
         ({"ROLLOUT_ENFORCE_EAGER": "true", "ROLLOUT_MODE": "sync", "ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true"}, "use ROLLOUT_MODE=async (its SGLang server sets disable_cuda_graph from it)"),
     ],

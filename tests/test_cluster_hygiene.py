@@ -4,7 +4,9 @@ per-job ports and token, reward GPUs within the job's own, the node address, the
 The end-to-end tests run the real scripts against the fake cluster programs, real reward servers and real Ray (see
 test_launch.py); they skip the preflight, which test_launch.py covers, to stay within the machine's few cores."""
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -190,13 +192,104 @@ def test_sigterm_mid_training_stops_every_process_and_port_of_the_job_and_exits_
     assert_everything_stopped(env)
 
 
-def test_a_reward_server_killed_after_it_became_healthy_stops_the_job_naming_it(job, tmp_path):
-    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300", "REWARD_SERVER_TOKEN": "a-token-never-logged"}
+def reward_servers(env) -> list[tuple[int, str]]:
+    """(pid, command line) of the job's live reward servers."""
+    found = [p for p in job_processes(job_dir(env)) if "reward_server.py" in p]
+    return [(int(p.split()[0]), p) for p in found]
+
+
+def wait_for(what: str, probe, timeout: float, proc):
+    """Poll `probe` until it returns something true; fail at the deadline saying what was seen last."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout} s (job exit code {proc.poll()}; last seen: {last!r})")
+
+
+def ours_at(url: str, token: str):
+    """The server at url, if it answers /health 200 to this token and checked it ("auth": true)."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            body = json.loads(resp.read())
+    except OSError:
+        return None
+    return body if resp.status == 200 and body.get("auth") else None
+
+
+def test_a_reward_server_killed_mid_training_comes_back_healthy_at_its_url_and_the_job_completes(job, tmp_path):
+    go = tmp_path / "go"
+    env = job | FAST | {"FAKE_TRAINER_WAIT_FOR": str(go), "REWARD_SERVER_TOKEN": "a-token-never-logged"}
     proc = start_job(env, tmp_path / "job.out")
     try:
         wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
-        (server,) = [p for p in job_processes(job_dir(env)) if "reward_server.py" in p]
-        os.kill(int(server.split()[0]), signal.SIGKILL)
+        ((killed, _),) = reward_servers(env)
+        url = seen(env)["REWARD_SERVER_URLS"]
+        os.kill(killed, signal.SIGKILL)
+        wait_for("the reward server gone", lambda: ours_at(url, env["REWARD_SERVER_TOKEN"]) is None, 30, proc)
+        wait_for("a new reward server healthy at the same URL, with this job's token",
+                 lambda: ours_at(url, env["REWARD_SERVER_TOKEN"]), 240, proc)  # fmt: skip
+        ((restarted, _),) = reward_servers(env)
+        go.touch()
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = tail(tmp_path / "job.out", 80)
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    log = job_dir(env) / f"reward_server_{socket.gethostname()}_{port}.log"
+    assert rc == 0, out
+    assert restarted != killed
+    assert f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): killed by SIGKILL" in out
+    assert "restart 1/3 within 3600 s, same port and token" in out and "is back: healthy at the same URL" in out
+    assert "restart 1 after: killed by SIGKILL" in log.read_text(), "the log keeps every life of the server"
+    assert json.loads(Path(env["FAKE_TRAINER_LOG"] + ".end").read_text())["reward_health"] == [200]
+    written = [p for p in job_dir(env).rglob("*") if p.is_file()] + [tmp_path / "job.out"]
+    assert not [p for p in written if b"a-token-never-logged" in p.read_bytes()], "the token is in no log or command"
+    assert_everything_stopped(env)
+
+
+def test_a_reward_server_that_keeps_dying_stops_the_job_naming_it_once_its_restarts_are_spent(
+    job, tmp_path, tiny_models
+):
+    model = tmp_path / "reward_model"
+    shutil.copytree(tiny_models.reward_model, model)
+    env = job | FAST | {"FAKE_TRAINER_SLEEP": "600", "REWARD_RESTARTS": "2", "CONFIG_REWARD_MODEL_PATH": str(model)}
+    proc = start_job(env, tmp_path / "job.out")
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        ((server, _),) = reward_servers(env)
+        (model / "config.json").unlink()  # every restart now fails to load the model, and says so in its log
+        os.kill(server, signal.SIGKILL)
+        rc = proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = tail(tmp_path / "job.out", 120)
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    log = job_dir(env) / f"reward_server_{socket.gethostname()}_{port}.log"
+    assert rc == 1, out
+    assert "restart 1/2" in out and "restart 2/2" in out, out
+    stop = f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): exited with "
+    assert stop in out and "3 death(s) within 3600 s, its REWARD_RESTARTS=2 restarts spent: stopping the job" in out
+    reason = out.split(stop, 1)[1].split("\n", 1)[0]
+    assert "; its log: " in reason and "config.json" in reason, f"the reason is the server's own: {reason}"
+    assert_everything_stopped(env)
+
+
+def test_with_no_restarts_a_reward_server_that_dies_stops_the_job_at_once_naming_it(job, tmp_path):
+    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300", "REWARD_RESTARTS": "0"}
+    proc = start_job(env, tmp_path / "job.out")
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        ((server, _),) = reward_servers(env)
+        os.kill(server, signal.SIGKILL)
         killed = time.monotonic()
         rc = proc.wait(120)
         seconds = time.monotonic() - killed
@@ -207,16 +300,16 @@ def test_a_reward_server_killed_after_it_became_healthy_stops_the_job_naming_it(
     port = env["CONFIG_REWARD_SERVER_PORT"]
     log = job_dir(env) / f"reward_server_{socket.gethostname()}_{port}.log"
     assert rc == 1, out
-    assert f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): stopping the job" in out
+    assert f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): killed by SIGKILL" in out
+    assert "REWARD_RESTARTS=0 restarts spent: stopping the job" in out
     assert seconds < 5 + int(env["STOP_TIMEOUT"]), f"the job went on for {seconds:.0f} s after its server died"
-    written = [p for p in job_dir(env).rglob("*") if p.is_file()] + [tmp_path / "job.out"]
-    assert not [p for p in written if b"a-token-never-logged" in p.read_bytes()], "the token is in no log or command"
     assert_everything_stopped(env)
 
 
 def test_a_reward_node_whose_server_dies_stops_the_head_with_the_same_message(job, tmp_path):
     """The watchdog runs on every node: the reward node's failure reaches the head through the job's folder."""
-    env = slurm(job, 2, CONFIG_USE_SEPARATE_REWARD_NODE="true", REWARD_REPLICAS="1", FAKE_TRAINER_SLEEP="300", **FAST)
+    env = slurm(job, 2, CONFIG_USE_SEPARATE_REWARD_NODE="true", REWARD_REPLICAS="1", FAKE_TRAINER_SLEEP="300",
+                REWARD_RESTARTS="0", **FAST)  # fmt: skip
     proc = start_job(env, tmp_path / "job.out")
     try:
         wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)

@@ -4,7 +4,8 @@ It writes one JSON object to $FAKE_TRAINER_LOG: its argv, the reward URLs and en
 every reward server (asked with this job's REWARD_SERVER_TOKEN, as the reward function sends it), and (with the Ray
 address from `+ray_kwargs.ray_init.address=`) the alive Ray nodes and GPUs. With FAKE_TRAINER_PROBE_NODES=1 it also
 runs one Ray task on every node and records what verl's workers there would see in their environment.
-Then it sleeps $FAKE_TRAINER_SLEEP seconds and exits with $FAKE_TRAINER_RC (default 0).
+Then it sleeps $FAKE_TRAINER_SLEEP seconds, with $FAKE_TRAINER_WAIT_FOR waits until that file exists and records the
+reward servers' health again ($FAKE_TRAINER_LOG.end), and exits with $FAKE_TRAINER_RC (default 0).
 
 Given `trainer.total_training_steps=N`, it also imitates what verl 0.6.1's fit loops show from outside:
 `_load_checkpoint` (resume_mode=auto: the tracker file, its messages, the step it resumes at), one console-logger line
@@ -143,6 +144,11 @@ def probe_nodes(ray) -> dict[str, dict]:
     return dict(zip(nodes, ray.get(refs, timeout=120), strict=True))
 
 
+def health(url: str, headers: dict) -> int:
+    with urllib.request.urlopen(urllib.request.Request(url + "/health", headers=headers), timeout=10) as resp:
+        return resp.status
+
+
 def main() -> int:
     argv = sys.argv[1:]
     seen = {"argv": argv, "cwd": os.getcwd()}
@@ -152,10 +158,7 @@ def main() -> int:
     seen["wandb_dir_is_dir"] = bool(os.environ.get("WANDB_DIR")) and os.path.isdir(os.environ["WANDB_DIR"])
     urls = [u for u in (os.environ.get("REWARD_SERVER_URLS") or "").split(",") if u]
     headers = {"Authorization": f"Bearer {os.environ['REWARD_SERVER_TOKEN']}"} if seen["REWARD_SERVER_TOKEN"] else {}
-    seen["reward_health"] = []
-    for url in urls:
-        with urllib.request.urlopen(urllib.request.Request(url + "/health", headers=headers), timeout=10) as resp:
-            seen["reward_health"].append(resp.status)
+    seen["reward_health"] = [health(url, headers) for url in urls]
     address = next((a.split("=", 1)[1] for a in argv if a.startswith("+ray_kwargs.ray_init.address=")), None)
     if address:
         import ray
@@ -175,6 +178,14 @@ def main() -> int:
     else:
         print("fake trainer: step 1/1 done", flush=True)
     time.sleep(float(os.environ.get("FAKE_TRAINER_SLEEP", "0")))
+    if os.environ.get("FAKE_TRAINER_WAIT_FOR"):
+        # A test's go-ahead to finish; then the reward servers again, as the next step's reward calls would see them.
+        go = Path(os.environ["FAKE_TRAINER_WAIT_FOR"])
+        deadline = time.monotonic() + 600
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        end = {"reward_health": [health(url, headers) for url in urls]}
+        Path(os.environ["FAKE_TRAINER_LOG"] + ".end").write_text(json.dumps(end))
     return int(os.environ.get("FAKE_TRAINER_RC", "0"))
 
 
