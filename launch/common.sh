@@ -149,11 +149,11 @@ start_bg() {
   BG_PID=$!
 }
 
-# exit_reason PID LOG: why a child that died did (its exit status, or the signal that killed it) and the last
-# error-looking line its log got since it (re)started (after the last `=== ... restart` marker).
+# exit_reason STATUS LOG: why a child that died did, from its exit status (`wait PID` in the shell that started it:
+# a subshell cannot wait for it) and the last error-looking line its log got since it (re)started (after the last
+# `=== ... restart` marker).
 exit_reason() {
-  local pid=$1 logfile=$2 rc=0 line why
-  wait "$pid" 2>/dev/null || rc=$?
+  local rc=$1 logfile=$2 line why
   if ((rc > 128)); then
     why="killed by SIG$(kill -l $((rc - 128)) 2>/dev/null || echo $((rc - 128)))"
     ((rc != 137)) || why+=" (kill -9, or the kernel's out-of-memory killer)"
