@@ -122,9 +122,10 @@ launch_reward_server() {
 # REWARD_RESTART_WINDOW seconds) start it again on the same GPU, port and token, and log why it died (the reward
 # function fails over to the other servers and retries for REWARD_RETRY_SECONDS meanwhile); past it, stop the job.
 restart_reward_server() {
-  local i=$1 k=$2 reason now t
+  local i=$1 k=$2 reason now t rc=0
   local -a recent=()
-  reason=$(exit_reason "${watch_pids[$i]}" "${srv_log[$k]}")
+  wait "${watch_pids[$i]}" 2>/dev/null || rc=$?  # here, not in $(...): only this shell can wait for its child
+  reason=$(exit_reason "$rc" "${srv_log[$k]}")
   now=$(date +%s)
   for t in ${srv_deaths[$k]}; do
     ((now - t >= REWARD_RESTART_WINDOW)) || recent+=("$t")
