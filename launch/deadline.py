@@ -27,7 +27,8 @@ from launch.settings import Settings
 
 FIRST_GUESS = 600  # s for a validation and a save before this job measured any (a 4B save with optimizer: minutes)
 VERL_SAVE_SECONDS = 60  # should_save_ckpt_esi's own save_ckpt_duration
-_TIMING = re.compile(r"(?:^|\s)timing_s/(testing|save_checkpoint):([0-9.eE+-]+)")
+# verl's console logger prints each number with pprint.pformat: a float as is, a numpy one as np.float64(...) (numpy 2)
+_TIMING = re.compile(r"(?:^|\s)timing_s/(testing|save_checkpoint):(?:np\.float\d+\()?([0-9.eE+-]+)")
 
 
 def earlier_starts(env: Mapping[str, str]) -> list[Path]:

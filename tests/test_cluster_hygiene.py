@@ -235,6 +235,9 @@ def test_a_reward_server_killed_mid_training_comes_back_healthy_at_its_url_and_t
         wait_for("the reward server gone", lambda: ours_at(url, env["REWARD_SERVER_TOKEN"]) is None, 30, proc)
         wait_for("a new reward server healthy at the same URL, with this job's token",
                  lambda: ours_at(url, env["REWARD_SERVER_TOKEN"]), 240, proc)  # fmt: skip
+        wait_for(
+            "the job seeing its server back", lambda: "is back: healthy" in tail(tmp_path / "job.out", 80), 30, proc
+        )
         ((restarted, _),) = reward_servers(env)
         go.touch()
         rc = proc.wait(120)
@@ -281,6 +284,50 @@ def test_a_reward_server_that_keeps_dying_stops_the_job_naming_it_once_its_resta
     reason = out.split(stop, 1)[1].split("\n", 1)[0]
     assert "; its log: " in reason and "config.json" in reason, f"the reason is the server's own: {reason}"
     assert_everything_stopped(env)
+
+
+def test_a_server_of_another_job_that_takes_the_port_while_ours_restarts_is_never_taken_for_ours(job, tmp_path):
+    import http.server
+    import threading
+
+    class OtherJobsServer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802  (http.server's name)
+            self.send_response(401)  # another token: what another job's reward server answers ours
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300"}
+    proc = start_job(env, tmp_path / "job.out")
+    squatter = None
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        ((server, _),) = reward_servers(env)
+        os.kill(server, signal.SIGKILL)
+        # Bound within milliseconds: our restarted server is still importing torch when it tries the port.
+        deadline = time.monotonic() + 10
+        while squatter is None and time.monotonic() < deadline:
+            try:
+                squatter = http.server.HTTPServer(("0.0.0.0", int(env["CONFIG_REWARD_SERVER_PORT"])), OtherJobsServer)
+            except OSError:
+                time.sleep(0.01)
+        assert squatter is not None, "the port never came free after the kill"
+        threading.Thread(target=squatter.serve_forever, daemon=True).start()
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if squatter is not None:
+            squatter.shutdown()
+            squatter.server_close()
+    out = tail(tmp_path / "job.out", 80)
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    assert rc == 1, out
+    assert "restart 1/3" in out
+    assert f"reward server (port {port}) on {socket.gethostname()}: another server answers on its port" in out
+    assert "/health: theirs), not this job's: stopping the job" in out
+    assert "is back" not in out, "a 401 is never taken for our server"
 
 
 def test_with_no_restarts_a_reward_server_that_dies_stops_the_job_at_once_naming_it(job, tmp_path):
