@@ -173,7 +173,8 @@ container_cmd() {
   if [[ "$CONTAINER" == none ]]; then
     return
   fi
-  local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME" --bind "$WANDB_DIR")
+  local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME")
+  [[ "$WANDB_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$WANDB_DIR")  # a WANDB_DIR set elsewhere
   local path
   for path in "$CONFIG_MODEL_PATH" "$CONFIG_REWARD_MODEL_PATH" "$(dirname "$CONFIG_TRAIN_FILE")" \
     "$(dirname "$CONFIG_TEST_FILE")"; do
