@@ -41,8 +41,12 @@ ray_pid=""
 trainer_pid=""
 exit_code=0
 failure=""       # what went wrong on this node, for the head's message
-# The watchdog: every process this node started and must keep running, with what it is and its log.
-watch_pids=() watch_names=() watch_logs=()
+# The watchdog: every process this node started and must keep running, with what it is and its log, and for a
+# reward server its index in srv_* (-1: anything else, which stops the job when it dies).
+watch_pids=() watch_names=() watch_logs=() watch_server=()
+# This node's reward servers: port, GPU (or cpu), log, the times it died (within REWARD_RESTART_WINDOW) and, while a
+# restart is not yet healthy, when it began.
+srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_restarting=()
 declare -A port  # this job's ports on this node (launch/node.py ports)
 
 cleanup() {
@@ -85,18 +89,28 @@ on_signal() {
   cleanup
 }
 
-# watch PID NAME LOG: the watchdog checks PID on every pass until the job ends.
+# watch PID NAME LOG [SERVER]: the watchdog checks PID on every pass until the job ends (SERVER: a reward server's
+# index in srv_*, restarted instead of stopping the job).
 watch() {
   watch_pids+=("$1")
   watch_names+=("$2")
   watch_logs+=("$3")
+  watch_server+=("${4:--1}")
 }
 
-# check_watched: die, naming the part, the node and its log, if a watched process died or another node failed.
+# check_watched: restart a reward server that died (restart_reward_server), follow one that restarts, and die,
+# naming the part, the node and its log, if anything else this node watches died or another node failed.
 check_watched() {
-  local i f
+  local i k f
   for i in "${!watch_pids[@]}"; do
-    if ! alive "${watch_pids[$i]}"; then
+    k=${watch_server[$i]}
+    if ((k >= 0)) && [[ -n "${srv_restarting[$k]}" ]]; then
+      follow_restart "$i" "$k"
+    elif ! alive "${watch_pids[$i]}"; then
+      if ((k >= 0)); then
+        restart_reward_server "$i" "$k"
+        continue
+      fi
       show_tail "${watch_logs[$i]}" 20
       die "[rank $rank] ${watch_names[$i]} on $host died (log: ${watch_logs[$i]}): stopping the job"
     fi
@@ -118,6 +132,78 @@ plan_ports() {
   [[ "${port[block_moved]}" == 0 ]] || log "[rank $rank] this job's usual ports on $host are taken: moved ${port[block_moved]} block(s) on"
 }
 
+# launch_reward_server K: start reward server K on its GPU and port with this job's token (in the environment);
+# sets BG_PID. A restart appends to the server's log.
+launch_reward_server() {
+  local k=$1 device=cuda visible=${srv_gpu[$1]}
+  if [[ "$visible" == cpu ]]; then
+    device=cpu
+    visible=""
+  fi
+  CUDA_VISIBLE_DEVICES=$visible start_bg "${srv_log[$k]}" python3 "$here/reward_score/reward_server.py" \
+    --model-path "$CONFIG_REWARD_MODEL_PATH" --device "$device" --port "${srv_port[$k]}" --host 0.0.0.0 \
+    --input "$CONFIG_REWARD_INPUT" --add-special-tokens "$CONFIG_REWARD_ADD_SPECIAL_TOKENS" \
+    --chat-template "$CONFIG_REWARD_CHAT_TEMPLATE" --append-eos "$CONFIG_REWARD_APPEND_EOS"
+}
+
+# restart_reward_server I K: watched process I, reward server K, died. Within its budget (REWARD_RESTARTS in any
+# REWARD_RESTART_WINDOW seconds) start it again on the same GPU, port and token, and log why it died (the reward
+# function fails over to the other servers and retries for REWARD_RETRY_SECONDS meanwhile); past it, stop the job.
+restart_reward_server() {
+  local i=$1 k=$2 reason now t rc=0
+  local -a recent=()
+  wait "${watch_pids[$i]}" 2>/dev/null || rc=$?  # here, not in $(...): only this shell can wait for its child
+  reason=$(exit_reason "$rc" "${srv_log[$k]}")
+  now=$(date +%s)
+  for t in ${srv_deaths[$k]}; do
+    ((now - t >= REWARD_RESTART_WINDOW)) || recent+=("$t")
+  done
+  recent+=("$now")
+  srv_deaths[k]="${recent[*]}"
+  if ((${#recent[@]} > REWARD_RESTARTS)); then
+    show_tail "${srv_log[$k]}" 20
+    failure="${watch_names[$i]} on $host died (log: ${srv_log[$k]}): $reason; ${#recent[@]} death(s) within"
+    failure+=" ${REWARD_RESTART_WINDOW} s, its REWARD_RESTARTS=$REWARD_RESTARTS restarts spent"
+    die "[rank $rank] $failure: stopping the job"
+  fi
+  err "[rank $rank] ${watch_names[$i]} on $host died (log: ${srv_log[$k]}): $reason;" \
+    "restart ${#recent[@]}/$REWARD_RESTARTS within ${REWARD_RESTART_WINDOW} s, same port and token"
+  printf '=== %s restart %s after: %s ===\n' "$(date '+%F %T')" "${#recent[@]}" "$reason" >>"${srv_log[$k]}"
+  START_BG_APPEND=1 launch_reward_server "$k"
+  watch_pids[i]=$BG_PID
+  pids+=("$BG_PID")
+  srv_restarting[k]=$SECONDS
+}
+
+# follow_restart I K: one health poll of restarted reward server K (watched process I), with this job's token.
+follow_restart() {
+  local i=$1 k=$2 url="http://127.0.0.1:${srv_port[$2]}/health" status
+  if ! alive "${watch_pids[$i]}"; then
+    srv_restarting[k]=""
+    restart_reward_server "$i" "$k"
+    return
+  fi
+  status=$(http_probe "$url" "$REWARD_SERVER_TOKEN")
+  case "$status" in
+    ours)
+      log "[rank $rank] ${watch_names[$i]} on $host is back: healthy at the same URL after $((SECONDS - srv_restarting[k])) s"
+      srv_restarting[k]=""
+      ;;
+    theirs | open)
+      failure="${watch_names[$i]} on $host: another server answers on its port ($url: $status), not this job's"
+      die "[rank $rank] $failure: stopping the job"
+      ;;
+    *)
+      if ((SECONDS - srv_restarting[k] > REWARD_START_TIMEOUT)); then
+        show_tail "${srv_log[$k]}" 20
+        failure="${watch_names[$i]} on $host did not become healthy again within ${REWARD_START_TIMEOUT} s"
+        failure+=" (REWARD_START_TIMEOUT; log: ${srv_log[$k]})"
+        die "[rank $rank] $failure: stopping the job"
+      fi
+      ;;
+  esac
+}
+
 # node_info ARGS...: launch/node.py (ports, reward GPUs, the node address) from the repository.
 node_info() { (cd "$here" && python3 -m launch.node "$@"); }
 
@@ -136,31 +222,39 @@ start_reward_servers() {
     log "[rank $rank] reward GPUs on $host: job GPU index ${2} -> GPU ${mapped} (this job's GPUs: CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset})"
     IFS=',' read -r -a gpus <<<"$mapped"
   fi
+  local started slowest=0
   for gpu in "${gpus[@]}"; do
     p=$((port[reward_port] + i))
-    local logfile="$job_log_dir/reward_server_${host}_${p}.log"
-    local device=cuda visible=$gpu
-    if [[ "$gpu" == cpu ]]; then
-      device=cpu
-      visible=""
-    fi
-    log "[rank $rank] reward server on ${gpu} port $p (log: $logfile)"
-    CUDA_VISIBLE_DEVICES=$visible start_bg "$logfile" python3 "$here/reward_score/reward_server.py" \
-      --model-path "$CONFIG_REWARD_MODEL_PATH" --device "$device" --port "$p" --host 0.0.0.0 \
-      --input "$CONFIG_REWARD_INPUT" --add-special-tokens "$CONFIG_REWARD_ADD_SPECIAL_TOKENS" \
-      --chat-template "$CONFIG_REWARD_CHAT_TEMPLATE" --append-eos "$CONFIG_REWARD_APPEND_EOS"
+    srv_port[i]=$p srv_gpu[i]=$gpu srv_log[i]="$job_log_dir/reward_server_${host}_${p}.log" srv_deaths[i]="" srv_restarting[i]=""
+    log "[rank $rank] reward server on ${gpu} port $p (log: ${srv_log[i]})"
+    started=$SECONDS
+    launch_reward_server "$i"
     pids+=("$BG_PID")
-    watch "$BG_PID" "reward server (port $p)" "$logfile"
+    watch "$BG_PID" "reward server (port $p)" "${srv_log[i]}" "$i"
     urls+=("http://${address}:${p}")
     # With the token: a server of another job on this port answers 401 and is never taken for ours.
-    wait_for_http "http://127.0.0.1:${p}/health" "$BG_PID" "$logfile" "$REWARD_START_TIMEOUT" "$REWARD_SERVER_TOKEN" ||
-      die "reward server on $host port $p did not become healthy (log: $logfile)"
+    wait_for_http "http://127.0.0.1:${p}/health" "$BG_PID" "${srv_log[i]}" "$REWARD_START_TIMEOUT" "$REWARD_SERVER_TOKEN" ||
+      die "reward server on $host port $p did not become healthy (log: ${srv_log[i]})"
+    ((SECONDS - started <= slowest)) || slowest=$((SECONDS - started))
     i=$((i + 1))
   done
+  warn_restart_gap "${#urls[@]}" "$slowest"
   local IFS=,
   printf '%s\n' "${urls[*]}" >"$job_log_dir/reward_urls.tmp"
   mv "$job_log_dir/reward_urls.tmp" "$job_log_dir/reward_urls"
   log "[rank $rank] reward servers healthy: ${urls[*]}"
+}
+
+# warn_restart_gap COUNT SECONDS: a lone server that took longer to start than the reward function retries leaves a
+# restart uncovered: the step that meets it fails (and the trainer with it) before the server is back.
+warn_restart_gap() {
+  local retry
+  ((REWARD_RESTARTS > 0 && $1 == 1)) || return 0
+  retry=$(cd "$here" && python3 -c 'from reward_score.safe_hack_reward_request import load_config
+print(int(load_config().retry_seconds))' 2>/dev/null) || return 0
+  ((${2} <= retry)) ||
+    err "[rank $rank] the one reward server took $2 s to become healthy, longer than the reward function retries" \
+      "(REWARD_RETRY_SECONDS=$retry): a restart would not be covered; raise REWARD_RETRY_SECONDS or add a server"
 }
 
 # export_worker_env: what verl's Ray workers must inherit, exported before `ray start` on every node.

@@ -97,6 +97,7 @@ EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_4b_grpo_megatron}"
 SAVE_FREQ="${SAVE_FREQ:-25}"
 MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"                       # actor and critic checkpoints kept (~56 GB each for 4B)
 CHECKPOINT_BEFORE_END="${CHECKPOINT_BEFORE_END:-1800}"          # s before the time limit verl saves (> --signal's 900)
+ESI_REDUNDANT_TIME="${ESI_REDUNDANT_TIME:-auto}"                # s that window adds for validation + save; auto: measured
 ROLLOUT_ENFORCE_EAGER="${ROLLOUT_ENFORCE_EAGER:-false}"         # true: no SGLang CUDA graphs (slower; debugging)
 TEST_FREQ="${TEST_FREQ:-5}"
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"
@@ -110,6 +111,8 @@ PREFLIGHT_REWARD="${PREFLIGHT_REWARD:-1}"                       # score a few ro
 PREFLIGHT_REWARD_PAIRS="${PREFLIGHT_REWARD_PAIRS:-}"            # preference pairs (TRL's format): check_format first
 REQUEUE_BEFORE_TIMEOUT="${REQUEUE_BEFORE_TIMEOUT:-1}"           # on the time-limit signal, requeue unless finished
 REWARD_START_TIMEOUT="${REWARD_START_TIMEOUT:-900}"             # seconds for reward servers to become healthy
+REWARD_RESTARTS="${REWARD_RESTARTS:-3}"                         # a reward server that dies is restarted this often...
+REWARD_RESTART_WINDOW="${REWARD_RESTART_WINDOW:-3600}"          # ...within this many seconds; one more stops the job
 RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-600}"                     # seconds for every node to join Ray
 RAY_START_RETRIES="${RAY_START_RETRIES:-3}"
 STOP_TIMEOUT="${STOP_TIMEOUT:-20}"                              # s to stop servers and Ray (< Slurm's KillWait, 30 s)
@@ -141,26 +144,49 @@ export_settings() {
   # Never printed: it reaches every node and verl's Ray workers through the environment only.
   [[ -n "$REWARD_SERVER_TOKEN" ]] || REWARD_SERVER_TOKEN=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
   export REWARD_SERVER_TOKEN
-  # One wandb run per job, resumed by every requeue of it (verl's wandb.init reads these from the environment).
-  local run_id="${EXPERIMENT_NAME}-${job_id}"
-  export WANDB_RUN_ID="${WANDB_RUN_ID:-${run_id//[^A-Za-z0-9_.-]/_}}" WANDB_RESUME="${WANDB_RESUME:-allow}"
+  export_wandb_run
   export_checkpoint_deadline
   export RAY_TMP_DIR="${RAY_TMP_DIR:-/tmp/ray_${job_id}}"
   export RAY_NUM_CPUS="${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-$(nproc)}}"
-  export WANDB_DIR="${WANDB_DIR:-$job_log_dir/wandb}"
 }
 
-# export_checkpoint_deadline: verl 0.6.1 saves a checkpoint after any step once this time (epoch s) is within a step
-# and a minute (checkpoint_manager.should_save_ckpt_esi), so the time-limit signal finds the last step saved.
+# export_wandb_run: which wandb run each start of the job logs to (verl's wandb.init passes no id, group or folder:
+# wandb reads them from the environment of verl's TaskRunner). Online, one run for the job, resumed by every requeue.
+# Offline, wandb ignores resume ("`resume` will be ignored since W&B syncing is set to `offline`", wandb_init.py of
+# the images' wandb 0.21-0.22) and two starts with one id overwrite each other at `wandb sync`: each start is its own
+# run (-rN: Slurm's restart count), all in one group, the job's.
+export_wandb_run() {
+  local run_id=${WANDB_RUN_ID:-${EXPERIMENT_NAME}-${job_id}}
+  run_id=${run_id//[^A-Za-z0-9_.-]/_}
+  export WANDB_RUN_GROUP="${WANDB_RUN_GROUP:-$run_id}"
+  if [[ "$WANDB_MODE" == offline ]]; then
+    export WANDB_RUN_ID="${run_id}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}"
+  else
+    export WANDB_RUN_ID=$run_id WANDB_RESUME="${WANDB_RESUME:-allow}"
+  fi
+  # Per start, beside its logs; `wandb sync` reads the offline runs from there (WANDB_DIR/wandb/offline-run-*).
+  WANDB_DIR=$(realpath -m "${WANDB_DIR:-$job_log_dir/wandb}")
+  export WANDB_DIR
+}
+
+# export_checkpoint_deadline: the job's end (JOB_END_TIME, epoch s) and verl 0.6.1's expiry, CHECKPOINT_BEFORE_END
+# before it: the main trainer saves after any step that ends within 60 s + its longest step + trainer.esi_redundant_time
+# of it (checkpoint_manager.should_save_ckpt_esi); the preflight says what that means for this job (launch/deadline.py).
+# JOB_SIGNAL_LEAD: the time-limit signal's lead in this script's own header (#SBATCH --signal=B:USR1@N).
 export_checkpoint_deadline() {
   local end=${SLURM_JOB_END_TIME:-}
   if [[ -z "$end" && -n "${SLURM_JOB_ID:-}" ]]; then
     end=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'EndTime=[^ ]*' | cut -d= -f2 || true)
     end=$(date -d "$end" +%s 2>/dev/null || true)
   fi
+  # Slurm shows a job its --signal nowhere (no variable, not in scontrol show job): one given on the sbatch command line
+  # instead of this header's needs JOB_SIGNAL_LEAD=N set beside it.
+  [[ -n "${JOB_SIGNAL_LEAD:-}" ]] ||
+    JOB_SIGNAL_LEAD=$(sed -n 's/^#SBATCH --signal=[^@]*@\([0-9]*\).*/\1/p' "${BASH_SOURCE[0]}" | head -n 1)
+  export JOB_SIGNAL_LEAD=${JOB_SIGNAL_LEAD:-0}
   if [[ "$end" =~ ^[0-9]+$ ]]; then
-    export MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP=$((end - CHECKPOINT_BEFORE_END))
-    log "the job ends at $(date -d "@$end" '+%F %T'): verl saves a checkpoint from $CHECKPOINT_BEFORE_END s before"
+    export JOB_END_TIME=$end MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP=$((end - CHECKPOINT_BEFORE_END))
+    log "the job ends at $(date -d "@$end" '+%F %T') (the preflight says what verl saves before that)"
   fi
 }
 
@@ -170,6 +196,7 @@ container_cmd() {
     return
   fi
   local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME")
+  [[ "$WANDB_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$WANDB_DIR")  # a WANDB_DIR set elsewhere
   local path
   for path in "$CONFIG_MODEL_PATH" "$CONFIG_REWARD_MODEL_PATH" "$(dirname "$CONFIG_TRAIN_FILE")" \
     "$(dirname "$CONFIG_TEST_FILE")"; do
@@ -289,8 +316,12 @@ main() {
   trap 'on_stop_signal 130' INT
   trap 'on_stop_signal 143' TERM
   export_settings
-  [[ "$CANARY" != 1 ]] || canary_settings  # its own folder and a tiny workload (launch/canary.sh)
-  mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME"
+  [[ "$CANARY" != 1 ]] || canary_settings "$@"  # its own folder and a tiny workload (launch/canary.sh)
+  # WANDB_DIR before anything starts: where wandb cannot write it, it logs to the system temp folder of whichever node
+  # holds verl's TaskRunner (wandb_init.py try_create_root_dir), not where `wandb sync` is pointed.
+  mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME" "$WANDB_DIR" ||
+    die "could not create the job's folders (above: CONFIG_LOG_DIR, CONFIG_OUTPUT_DIR, HF_HOME or WANDB_DIR)"
+  [[ -w "$WANDB_DIR" ]] || die "WANDB_DIR=$WANDB_DIR is not writable: wandb would log to /tmp of some node instead"
   log_phase "job $job_id: logs in $job_log_dir"
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"

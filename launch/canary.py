@@ -3,16 +3,19 @@
 `CANARY=1 sbatch run_grpo_qwen3_4b_mega_verl.sh` runs the stages (launch/canary.sh); this module holds what they
 compute and check:
 
-    python -m launch.canary settings          # the tiny workload as NAME=VALUE settings, NUL-separated
+    python -m launch.canary settings [EXTRA_OVERRIDES...]   # the tiny workload as NAME=VALUE, NUL-separated
     python -m launch.canary overrides STAGE   # that training stage's extra Hydra overrides, NUL-separated
     python -m launch.canary check STAGE --rc RC --seconds S --log LOG --ckpt DIR [--target DIR] --results FILE
     python -m launch.canary skip STAGE --because WHY --results FILE
     python -m launch.canary summary --results FILE    # the table; exit 1 unless every stage passed
 
-Each check reads verl 0.6.1's own output: the lines RayPPOTrainer.fit prints through its console logger
-(`step:N - ... training/global_step:N ...`), what `_load_checkpoint` prints on a resume (`Setting global step to N`)
-or without one (`Training from scratch`), and the checkpoint folder `_save_checkpoint` writes (global_step_N/actor,
-latest_checkpointed_iteration.txt).
+Each check reads verl 0.6.1's own output: the line each training step prints through the console logger
+(`step:N - ...`, verl/utils/logger/aggregate_logger.py:26-51), what `_load_checkpoint` prints on a resume (`Setting
+global step to N`) or without one (`Training from scratch`), and the checkpoint folder `_save_checkpoint` writes
+(global_step_N/actor, latest_checkpointed_iteration.txt). A training step's line is told from a validation-only one
+(val_before_train logs `step:0 - val-core/...`) by `timing_s/step`, which every entry point times and logs: the main
+trainer (ray_trainer.py:1036, 1282), recipe.dapo (dapo_ray_trainer.py:164, 394; it logs no `training/global_step`)
+and the one-step-off recipe (ray_trainer.py:468, 663).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more
 RESPONSE_LENGTH = 512  # short responses: the rollout, the reward and the update still run on real text
 VAL_SAMPLES = 8  # validation prompts (verl pads the validation batch itself)
 AGENT_LOOP_WORKERS = 8  # rollout.agent.num_workers in verl 0.6.1: async rollout splits a step's batch in as many parts
+AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.num_workers"
 
 STAGES = {
     "train": f"1 train {TRAIN_STEPS} steps, save each",
@@ -41,19 +45,29 @@ STAGES = {
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # RayPPOTrainer.fit runs in verl's TaskRunner actor: Ray prefixes its lines with "(TaskRunner pid=N) " in the driver.
-_STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*training/global_step:.*)$")
+_STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*)$")
+_TIMED_STEP = re.compile(r"(?:^| - )timing_s/step:")  # only a training step has it
 _RESUMED_AT = re.compile(r"Setting global step to (\d+)")
 _SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
 
 
-def batch_size(s: Settings) -> int:
+def agent_loop_workers(extra: list[str]) -> int:
+    """rollout.agent.num_workers as verl will use it: the last override of it on the command line wins (Hydra)."""
+    value = next((a.split("=", 1)[1] for a in reversed(extra) if a.lstrip("+").startswith(AGENT_LOOP_KEY + "=")), None)
+    try:
+        return int(value) if value is not None else AGENT_LOOP_WORKERS
+    except ValueError:
+        raise SettingError(f"{AGENT_LOOP_KEY}={value!r} is not a whole number") from None
+
+
+def batch_size(s: Settings, agent_workers: int = AGENT_LOOP_WORKERS) -> int:
     """The fewest prompts per step that verl can split evenly with this layout: each step's B x ROLLOUT_N responses
     are cut into equal parts per training GPU (balance_batch), per agent-loop worker (async rollout, unpadded in
     training), per rollout GPU (one_step_off), and per data-parallel rank x micro batch (the settings' own check)."""
     parts = [s.training_gpus_per_node * max(s.train_nodes, 1)]
     if s.rollout_mode == "async":
-        parts.append(AGENT_LOOP_WORKERS)
+        parts.append(agent_workers)
     if s.trainer_mode == "one_step_off":
         parts.append(s.rollout_gpus_per_node * max(s.train_nodes, 1))
     if s.strategy == "fsdp2":
@@ -70,10 +84,10 @@ def batch_size(s: Settings) -> int:
     raise SettingError(f"no canary batch size up to 4096 prompts splits evenly over this layout ({parts} x ROLLOUT_N)")
 
 
-def canary_settings(s: Settings) -> dict[str, str]:
+def canary_settings(s: Settings, extra: list[str] | None = None) -> dict[str, str]:
     """The settings the canary changes; everything else (models, data, algorithm, mode, strategy, parallel layout,
-    engine) stays the user's, so the canary runs the combination the real job will."""
-    b = batch_size(s)
+    engine, the user's extra overrides) stays the user's, so the canary runs the combination the real job will."""
+    b = batch_size(s, agent_loop_workers(extra or []))
     response = min(s.max_response_length, RESPONSE_LENGTH)
     if s.uses_recipe == "recipe.dapo":
         # Dynamic sampling drops groups whose responses all score the same, and short responses of a thinking model
@@ -89,6 +103,9 @@ def canary_settings(s: Settings) -> dict[str, str]:
         "TOTAL_EPOCHS": str(RESUME_STEPS),
         "EXPERIMENT_NAME": f"{s.experiment_name}_canary",
         "TRAINER_LOGGER": "[console]",  # the steps are read from verl's console lines; no wandb run is touched
+        # Every checkpoint it checks must stay: verl's checkpoint manager deletes global_step_1/actor before saving
+        # step 2 when it keeps 1 (megatron_checkpoint_manager.py:379-388). The canary removes its own at the end.
+        "MAX_CKPT_TO_KEEP": "0",
         "REQUEUE_BEFORE_TIMEOUT": "0",
     }
     if s.overlong_buffer_len >= response:
@@ -117,7 +134,7 @@ def logged_steps(text: str) -> dict[int, str]:
     steps = {}
     for line in _ANSI.sub("", text).splitlines():
         match = _STEP_LINE.search(line)
-        if match:
+        if match and _TIMED_STEP.search(match.group(2)):
             steps[int(match.group(1))] = match.group(2)
     return steps
 
@@ -148,7 +165,9 @@ def check_train(text: str, ckpt: Path) -> list[str]:
     steps = logged_steps(text)
     expected = list(range(1, TRAIN_STEPS + 1))
     if sorted(steps) != expected:
-        problems.append(f"verl logged steps {sorted(steps)}, expected {expected} (its 'step:N - ...' lines)")
+        problems.append(
+            f"verl logged steps {sorted(steps)}, expected {expected} (its 'step:N - ... timing_s/step:...' lines)"
+        )
     elif not any("val-core/" in rest for rest in steps.values()):
         problems.append(f"no validation metrics (val-core/...) at step {TRAIN_STEPS}: validation did not run")
     return problems + _checkpoint_problems(ckpt, range(1, TRAIN_STEPS + 1))
@@ -238,7 +257,7 @@ def summary(results: dict[str, dict]) -> tuple[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("settings")
+    sub.add_parser("settings").add_argument("extra", nargs=argparse.REMAINDER)
     sub.add_parser("overrides").add_argument("stage", choices=["train", "resume"])
     c = sub.add_parser("check")
     c.add_argument("stage", choices=list(STAGES))
@@ -258,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             s = Settings.from_env()
             items = (
-                [f"{k}={v}" for k, v in canary_settings(s).items()]
+                [f"{k}={v}" for k, v in canary_settings(s, args.extra).items()]
                 if args.command == "settings"
                 else stage_overrides(args.stage, s)
             )

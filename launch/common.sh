@@ -34,35 +34,54 @@ alive() {
   [[ -n "$state" && "$state" != Z ]]
 }
 
+# http_probe URL [TOKEN]: one GET with a 5 s limit; prints `ours` (200, and with TOKEN a server that checked it),
+# `theirs` (401 to this token: another job's server), `open` (200 from a server that checks no tokens) or the status
+# (`000` when nothing answers). With TOKEN the header goes through stdin, never the command line.
+http_probe() {
+  local url=$1 token=${2:-} answer status
+  # A failing probe is expected while a server loads: no -e here, the status is read.
+  if [[ -n "$token" ]]; then
+    answer=$(printf 'Authorization: Bearer %s\n' "$token" |
+      curl --silent --header @- --write-out '\n%{http_code}' --max-time 5 "$url" || true)
+  else
+    answer=$(curl --silent --write-out '\n%{http_code}' --max-time 5 "$url" || true)
+  fi
+  status=${answer##*$'\n'}
+  if [[ "$status" == 401 ]]; then
+    echo theirs
+  elif [[ "$status" == 200 && ( -z "$token" || "$answer" == *'"auth":true'* ) ]]; then
+    echo ours
+  elif [[ "$status" == 200 ]]; then
+    echo open
+  else
+    echo "${status:-000}"
+  fi
+}
+
 # wait_for_http URL PID LOG TIMEOUT [TOKEN]: poll URL until it answers 200, failing fast if PID dies. With TOKEN the
-# probe authenticates (the header goes through stdin, never the command line) and only a server that checks tokens
-# and took this one counts: another job's server answers 401 and fails the wait at once, naming the port.
+# probe authenticates and only a server that checks tokens and took this one counts: another job's server answers
+# 401 and fails the wait at once, naming the port.
 wait_for_http() {
   local url=$1 pid=$2 logfile=$3 timeout=$4 token=${5:-}
-  local deadline=$((SECONDS + timeout)) status="" answer
+  local deadline=$((SECONDS + timeout)) status=""
   while ((SECONDS < deadline)); do
     if ! alive "$pid"; then
       err "the process behind $url (pid $pid) exited before it was ready"
       show_tail "$logfile"
       return 1
     fi
-    # A failing probe is expected while the server loads: no -e here, the status is checked.
-    if [[ -n "$token" ]]; then
-      answer=$(printf 'Authorization: Bearer %s\n' "$token" |
-        curl --silent --header @- --write-out '\n%{http_code}' --max-time 5 "$url" || true)
-    else
-      answer=$(curl --silent --write-out '\n%{http_code}' --max-time 5 "$url" || true)
-    fi
-    status=${answer##*$'\n'}
-    if [[ "$status" == 401 ]]; then
-      err "$url answers 401 to this job's token: another job's server holds that port (our server, pid $pid, is not it)"
-      return 1
-    fi
-    if [[ "$status" == 200 ]]; then
-      [[ -z "$token" || "$answer" == *'"auth":true'* ]] && return 0
-      err "$url answers without checking tokens: not this job's server"
-      return 1
-    fi
+    status=$(http_probe "$url" "$token")
+    case "$status" in
+      ours) return 0 ;;
+      theirs)
+        err "$url answers 401 to this job's token: another job's server holds that port (our server, pid $pid, is not it)"
+        return 1
+        ;;
+      open)
+        err "$url answers without checking tokens: not this job's server"
+        return 1
+        ;;
+    esac
     sleep 1
   done
   err "$url not ready after ${timeout} s (last HTTP status: ${status:-none})"
@@ -115,11 +134,35 @@ stop_pids() {
   return 0
 }
 
-# start_bg LOG CMD...: run CMD in its own process group (so stop_pids ends its children too); sets BG_PID.
+# start_bg LOG CMD...: run CMD in its own process group (so stop_pids ends its children too); sets BG_PID. It stays
+# this shell's child (setsid execs in place: a background job of a script leads no group), so `wait` gets its status.
+# START_BG_APPEND=1: append to LOG (a restarted server keeps the log of its earlier lives).
 # shellcheck disable=SC2034  # BG_PID is read by the caller
 start_bg() {
   local logfile=$1
   shift
-  setsid "$@" >"$logfile" 2>&1 </dev/null &
+  if [[ "${START_BG_APPEND:-0}" == 1 ]]; then
+    setsid "$@" >>"$logfile" 2>&1 </dev/null &
+  else
+    setsid "$@" >"$logfile" 2>&1 </dev/null &
+  fi
   BG_PID=$!
+}
+
+# exit_reason STATUS LOG: why a child that died did, from its exit status (`wait PID` in the shell that started it:
+# a subshell cannot wait for it) and the last error-looking line its log got since it (re)started (after the last
+# `=== ... restart` marker).
+exit_reason() {
+  local rc=$1 logfile=$2 line why
+  if ((rc > 128)); then
+    why="killed by SIG$(kill -l $((rc - 128)) 2>/dev/null || echo $((rc - 128)))"
+    ((rc != 137)) || why+=" (kill -9, or the kernel's out-of-memory killer)"
+  elif ((rc == 127)); then
+    why="exited (status unknown)"
+  else
+    why="exited with $rc"
+  fi
+  line=$(tac "$logfile" 2>/dev/null | sed '/^=== .* restart /Q' |
+    grep -m 1 -E 'ERROR|Error|Exception|error:|Killed|out of memory|Traceback' | cut -c 1-200 || true)
+  printf '%s%s\n' "$why" "${line:+; its log: $line}"
 }

@@ -137,11 +137,60 @@ def batch_problems(cfg) -> list[str]:
     """Every batch relation verl 0.6.1 asserts only at run time (after the queue, the model load and the first
     rollout), checked on the final composed config, so extra Hydra overrides count. Each names the keys and
     settings to change."""
+    return _update_relation_problems(cfg) + agent_loop_problems(cfg)
+
+
+def _agent_split_holds(prompts: int, n: int, workers: int) -> bool:
+    return (prompts * n) % workers == 0
+
+
+def agent_loop_problems(cfg) -> list[str]:
+    """Async rollout: the agent loop cuts every training step's batch (prompts x rollout.n, unpadded) into one equal
+    part per worker, rollout.agent.num_workers of them (verl/experimental/agent_loop/agent_loop.py:734, 764), and
+    DataProto.chunk asserts equal parts (verl/protocol.py:880-883) unless VERL_AUTO_PADDING is on. Validation pads to
+    the worker count itself (ray_trainer.py:581-587), training does not: a batch that does not divide stops the job
+    at its first step, after the model load and the rollout engine's start."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.mode != "async" or os.environ.get("VERL_AUTO_PADDING", "FALSE").upper() in ("TRUE", "1"):
+        return []
+    workers, n, prompts = rollout.agent.num_workers, rollout.n, cfg.data.train_batch_size
+    if workers < 1:
+        return [
+            f"actor_rollout_ref.rollout.agent.num_workers={workers}: async rollout needs at least 1 agent loop worker"
+        ]
+    if _agent_split_holds(prompts, n, workers):
+        return []
+
+    def works(b: int) -> bool:  # this split and every other relation above, with b prompts a step
+        return _agent_split_holds(b, n, workers) and not _update_relation_problems(cfg, prompts=b)
+
+    mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size  # verl requires train_batch_size >= it
+    below = next((b for b in range(prompts - 1, max(mini, 1) - 1, -1) if works(b)), None)
+    above = next((b for b in range(prompts + 1, 4 * prompts + 1) if works(b)), None)
+    sizes = " or ".join(str(b) for b in (below, above) if b is not None)
+    total = prompts * n
+    divisors = [d for d in range(1, total + 1) if total % d == 0]
+    fewer = max((d for d in divisors if d < workers), default=None)
+    more = min((d for d in divisors if d > workers), default=None)
+    other_workers = " or ".join(str(d) for d in (fewer, more) if d is not None)
+    return [
+        f"data.train_batch_size={prompts} (TRAIN_BATCH_SIZE) x rollout.n={n} (ROLLOUT_N) = {total} sequences do not "
+        f"split over the agent loop's {workers} workers (actor_rollout_ref.rollout.agent.num_workers): async rollout "
+        "cuts every step's batch into equal parts, one per worker, and verl 0.6.1 asserts it at the first step "
+        "(agent_loop.py generate_sequences, DataProto.chunk), after the model load; "
+        + (f"nearest TRAIN_BATCH_SIZE that divides and passes the other batch checks: {sizes}" if sizes else
+           "no TRAIN_BATCH_SIZE near it passes every batch check with these sizes")
+        + f"; or override actor_rollout_ref.rollout.agent.num_workers with {other_workers}, which divide {total}"
+    ]  # fmt: skip
+
+
+def _update_relation_problems(cfg, prompts: int | None = None) -> list[str]:
+    """The relations of the batch (`prompts` a step; default data.train_batch_size) to the ranks and mini-batches."""
     from omegaconf import OmegaConf
     from verl.trainer.ppo.utils import need_critic
 
     arr, problems = cfg.actor_rollout_ref, []
-    n, prompts = arr.rollout.n, cfg.data.train_batch_size
+    n, prompts = arr.rollout.n, cfg.data.train_batch_size if prompts is None else prompts
     batch, n_gpus = prompts * n, cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     dp = _dp_size(cfg, n_gpus)
     if dp < 1:
@@ -211,6 +260,32 @@ def parallel_problems(cfg) -> list[str]:
         for key in MEGATRON_PARALLEL_KEYS
         if section.get(key) != actor.get(key)
     ]
+
+
+def rollout_problems(cfg) -> list[str]:
+    """Rollout keys the engine would silently ignore. verl 0.6.1's sync SGLang engine builds its arguments without
+    enforce_eager and drops every engine_kwargs.sglang key but attention_backend (sglang_rollout.py:426-477); only
+    the async server reads them (async_sglang_server.py:126-157)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name != "sglang" or rollout.mode != "sync":
+        return []
+    problems = []
+    if rollout.enforce_eager:
+        problems.append(
+            "actor_rollout_ref.rollout.enforce_eager=True (ROLLOUT_ENFORCE_EAGER) with sync SGLang rollout: verl 0.6.1's "
+            "sync SGLang engine never passes it on (no disable_cuda_graph, sglang_rollout.py:426-477); use async rollout "
+            "or vLLM, or drop it"
+        )
+    ignored = sorted(
+        k for k, v in (rollout.engine_kwargs.get("sglang") or {}).items() if v is not None and k != "attention_backend"
+    )
+    if ignored:
+        problems.append(
+            f"actor_rollout_ref.rollout.engine_kwargs.sglang.{{{', '.join(ignored)}}} with sync SGLang rollout: verl 0.6.1's "
+            "sync SGLang engine reads only attention_backend from engine_kwargs (sglang_rollout.py:426-430); use async "
+            "rollout, whose server passes them all, or drop them"
+        )
+    return problems
 
 
 # What the one-step-off recipe's weight sync imports whatever the engine (recipe/one_step_off_policy/distributed_util.py,
@@ -451,6 +526,17 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    from launch.deadline import plan
+
+    lines, warnings, problems = plan(settings, os.environ)
+    for line in lines:
+        print(f"preflight: save before the time limit: {line}")
+    for warning in warnings:
+        print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
+    for problem in problems:
+        print(f"setting error: {problem}", file=sys.stderr)
+    if problems:
+        return 1
     try:
         module, path, name, overrides = split_command(trainer_argv(settings, extra=extra))
     except SettingError as exc:
@@ -464,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
             f"preflight: verl 0.6.1 rejects the trainer config ({module}, {name}):\n  {explain(exc)}", file=sys.stderr
         )
         return 1
-    problems = batch_problems(cfg) + parallel_problems(cfg)
+    problems = batch_problems(cfg) + parallel_problems(cfg) + rollout_problems(cfg)
     for problem in problems:
         print(f"preflight: verl 0.6.1 would stop at run time: {problem}", file=sys.stderr)
     if problems:

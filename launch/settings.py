@@ -95,6 +95,10 @@ class Settings:
     reward_add_special_tokens: str = setting("CONFIG_REWARD_ADD_SPECIAL_TOKENS")
     reward_chat_template: str = setting("CONFIG_REWARD_CHAT_TEMPLATE")
     reward_append_eos: str = setting("CONFIG_REWARD_APPEND_EOS")
+    checkpoint_before_end: int = setting("CHECKPOINT_BEFORE_END")
+    esi_redundant_time_setting: str = setting("ESI_REDUNDANT_TIME")
+    reward_restarts: int = setting("REWARD_RESTARTS")
+    reward_restart_window: int = setting("REWARD_RESTART_WINDOW")
     # Not settings: Slurm's node count, the reward client's score range, and two removed settings still read so that
     # a stale value is refused, not ignored.
     nnodes: int = 1
@@ -185,6 +189,9 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
     """Every problem, each naming the setting to change. Empty when the job can start."""
     problems: list[str] = []
     problems += combination_problems(s)
+    from launch.deadline import setting_problems
+
+    problems += setting_problems(s)
     if s.container not in ("singularity", "apptainer", "none"):
         problems.append(f"CONTAINER={s.container!r}: use singularity, apptainer or none")
     if s.rollout_mode not in ("sync", "async"):
@@ -250,6 +257,12 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
                 f"{name}={value!r}: use {' or '.join(allowed)} (python -m reward_score.check_format MODEL PAIRS says "
                 "which the reward model needs)"
             )
+    if s.reward_restarts < 0:
+        problems.append(f"REWARD_RESTARTS={s.reward_restarts}: restarts of a reward server that dies, 0 or more")
+    if s.reward_restart_window < 1:
+        problems.append(
+            f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
+        )
     if not 0 < s.rollout_gpu_memory < 1:
         problems.append(f"ROLLOUT_GPU_MEMORY={s.rollout_gpu_memory}: a share of GPU memory in (0, 1)")
     if check_paths:
@@ -295,6 +308,14 @@ def combination_problems(s: Settings) -> list[str]:
         problems.append(
             "DAPO_DYNAMIC_SAMPLING=true needs ROLLOUT_MODE=sync: recipe.dapo's trainer calls generate_sequences and "
             "computes rewards itself"
+        )
+    if s.rollout_enforce_eager and s.rollout_engine == "sglang" and s.rollout_mode == "sync":
+        problems.append(
+            "ROLLOUT_ENFORCE_EAGER=true with ROLLOUT_ENGINE=sglang and ROLLOUT_MODE=sync: verl 0.6.1's sync SGLang "
+            "engine never reads it (its engine arguments hold no disable_cuda_graph and take nothing from engine_kwargs "
+            "but attention_backend: verl/workers/rollout/sglang_rollout/sglang_rollout.py:426-477), so CUDA graphs would "
+            "stay on; use ROLLOUT_MODE=async (its SGLang server sets disable_cuda_graph from it) or ROLLOUT_ENGINE=vllm "
+            "(enforce_eager), or set ROLLOUT_ENFORCE_EAGER=false"
         )
     if s.algorithm == "ppo" and s.strategy == "megatron":
         for name, value, actor_name, actor in (
@@ -529,6 +550,12 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"trainer.max_critic_ckpt_to_keep={s.max_ckpt_to_keep}",
         *FIXED_OVERRIDES,
     ]  # fmt: skip
+    if not s.uses_recipe:
+        # Room in verl's save-before-the-limit window for the validation and the save its longest step leaves out
+        # (launch/deadline.py); the recipes never make that check.
+        from launch.deadline import redundant_time
+
+        argv.append(f"trainer.esi_redundant_time={redundant_time(s, os.environ)[0]}")
     if s.trainer_mode == "one_step_off":
         # Its own rollout GPU pool (a top-level `rollout:` block), and no hybrid engine.
         argv += [

@@ -14,6 +14,7 @@ from launch.preflight import (
     compose,
     import_problems,
     parallel_problems,
+    rollout_problems,
     split_command,
     trainer_modules,
     validate,
@@ -212,10 +213,41 @@ def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes)
         ({"FP8": "true"}, "FP8 training arrived in verl 0.7.0"),
         ({"ALGORITHM": "reinforce"}, "ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         ({"STRATEGY": "fsdp"}, "STRATEGY='fsdp': use one of megatron, fsdp2"),
+        # sync SGLang never passes enforce_eager on (sglang_rollout.py:426-477); DAPO's recipe rolls out in sync too
+        ({"REWARD_RESTARTS": "-1"}, "REWARD_RESTARTS=-1: restarts of a reward server that dies, 0 or more"),
+        ({"REWARD_RESTART_WINDOW": "0"}, "REWARD_RESTART_WINDOW=0: the seconds REWARD_RESTARTS counts over"),
+        ({"ROLLOUT_ENFORCE_EAGER": "true", "ROLLOUT_MODE": "sync"}, "ROLLOUT_ENFORCE_EAGER=true with ROLLOUT_ENGINE=sglang and ROLLOUT_MODE=sync: verl 0.6.1's sync SGLang engine never reads it"),
+        ({"ROLLOUT_ENFORCE_EAGER": "true", "ROLLOUT_MODE": "sync", "ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true"}, "use ROLLOUT_MODE=async (its SGLang server sets disable_cuda_graph from it)"),
     ],
 )  # fmt: skip
 def test_refused_combinations_say_why(env, overrides, needle):
     assert any(needle in p for p in check(settings(env, **overrides))), check(settings(env, **overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"ROLLOUT_MODE": "async"}, {"ROLLOUT_MODE": "sync", "ROLLOUT_ENGINE": "vllm"}],
+    ids=["sglang-async", "vllm-sync"],
+)
+def test_enforce_eager_is_accepted_where_the_engine_reads_it(env, overrides):
+    s = settings(env, ROLLOUT_ENFORCE_EAGER="true", **overrides)
+    assert check(s) == []
+    cfg = composed(s)
+    assert cfg.actor_rollout_ref.rollout.enforce_eager is True
+    assert rollout_problems(cfg) == []
+
+
+def test_eager_or_sglang_engine_kwargs_through_overrides_are_refused_where_sync_sglang_drops_them(env):
+    s = settings(env, ROLLOUT_MODE="sync")
+    extra = [
+        "actor_rollout_ref.rollout.enforce_eager=True",
+        "+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_cuda_graph=True",
+    ]
+    eager, kwargs = rollout_problems(composed(s, extra))
+    assert "actor_rollout_ref.rollout.enforce_eager=True (ROLLOUT_ENFORCE_EAGER) with sync SGLang rollout" in eager
+    assert "engine_kwargs.sglang.{disable_cuda_graph} with sync SGLang rollout" in kwargs
+    backend = ["+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=flashinfer"]
+    assert rollout_problems(composed(s, backend)) == [], "the one key sync SGLang does read"
 
 
 def test_the_settings_block_defaults_are_the_articles_grpo(env):
@@ -281,6 +313,10 @@ def test_ref_and_critic_parallel_sizes_other_than_the_actors_are_refused(env, ov
     assert any(needle in p for p in problems), problems
 
 
+# The issue's batch: 4 GPUs, PP 2, micro-batch 2, 100 prompts x 5 responses, mini-batch 50. It passes validate_config and
+# every relation of the update; only async rollout's agent loop cannot split it.
+ISSUE_SPLIT = {"TRAIN_BATCH_SIZE": 100, "ROLLOUT_N": 5, "PPO_MINI_BATCH_SIZE": 50, "MICRO_BATCH_PER_GPU": 2}
+
 BATCH_CASES = [
     # (settings, extra Hydra overrides, what the preflight says): each passes verl's validate_config and would stop at
     # (or silently change) the first update. Defaults: 4 GPUs, Megatron PP 2 (2 data-parallel ranks), batch 256 x 4.
@@ -308,6 +344,10 @@ BATCH_CASES = [
     # PPO's critic: its own mini-batch on the actor's data-parallel ranks (Megatron shares the parallel state)
     ({"ALGORITHM": "ppo"}, ["critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size=3 (PPO_MINI_BATCH_SIZE) does not divide"),
     ({"ALGORITHM": "ppo", "STRATEGY": "fsdp2"}, ["critic.ppo_max_token_len_per_gpu=1024"], "critic.ppo_max_token_len_per_gpu=1024 is less than one whole sequence"),
+    # async rollout: 100 x 5 = 500 sequences over the agent loop's 8 workers (agent_loop.py:764, protocol.py:880-883)
+    (ISSUE_SPLIT, [], "500 sequences do not split over the agent loop's 8 workers"),
+    # the worker count as verl will use it: an extra override of it counts
+    ({}, ["actor_rollout_ref.rollout.agent.num_workers=6"], "1024 sequences do not split over the agent loop's 6 workers"),
 ]  # fmt: skip
 
 
@@ -317,6 +357,33 @@ def test_batch_relations_verl_asserts_at_run_time_are_refused_before_anything_st
     validate(cfg)  # verl's own config checks pass: the run would stop (or update differently) only later
     problems = batch_problems(cfg)
     assert any(needle in p for p in problems), problems
+
+
+def test_a_batch_the_agent_loop_cannot_split_is_refused_naming_the_nearest_sizes_that_divide(env):
+    (problem,) = batch_problems(composed(settings(env, **ISSUE_SPLIT)))
+    assert (
+        "TRAIN_BATCH_SIZE" in problem
+        and "ROLLOUT_N" in problem
+        and "actor_rollout_ref.rollout.agent.num_workers" in problem
+    )
+    # 104 x 5 = 520 splits over 8 workers but not into mini-batches of 50 x 5 / 2 = 125 per rank: 200 is the nearest
+    assert "nearest TRAIN_BATCH_SIZE that divides and passes the other batch checks: 200;" in problem
+    assert "override actor_rollout_ref.rollout.agent.num_workers with 5 or 10, which divide 500" in problem
+    for fixed in ({"TRAIN_BATCH_SIZE": 200}, {"ROLLOUT_MODE": "sync"}):  # sync rollout has no agent loop
+        assert batch_problems(composed(settings(env, **ISSUE_SPLIT | fixed))) == []
+    assert (
+        batch_problems(composed(settings(env, **ISSUE_SPLIT), ["actor_rollout_ref.rollout.agent.num_workers=10"])) == []
+    )
+    near = batch_problems(composed(settings(env, **ISSUE_SPLIT | {"PPO_MINI_BATCH_SIZE": 4})))
+    assert "nearest TRAIN_BATCH_SIZE that divides and passes the other batch checks: 96 or 104;" in near[0]
+
+
+def test_the_preflight_stops_a_batch_the_agent_loop_cannot_split_before_anything_starts(env):
+    job = env | {k: str(v) for k, v in ISSUE_SPLIT.items()} | {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0",
+                                                             "TRAINER_LAUNCHER": "stand-in"}  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job, capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "verl 0.6.1 would stop at run time" in run.stderr and "agent loop's 8 workers" in run.stderr
 
 
 def test_a_mini_batch_that_divides_the_batch_passes(env):
@@ -542,7 +609,9 @@ def test_the_preflight_stops_a_job_whose_engine_does_not_import_where_the_traine
 
 def test_fsdp2_batches_need_not_be_multiples_of_the_micro_batch_since_it_batches_by_tokens(env):
     # 6 x 2 = 12 sequences on 4 GPUs: 3 each, in per-rank mini-batches of 2 x 2 / 4 = 1; no micro-batch count involved
-    s = settings(env, STRATEGY="fsdp2", TRAIN_BATCH_SIZE=6, ROLLOUT_N=2, PPO_MINI_BATCH_SIZE=2, MICRO_BATCH_PER_GPU=1)
+    # (sync rollout: async's agent loop could not cut 12 sequences into 8 equal parts)
+    s = settings(env, STRATEGY="fsdp2", TRAIN_BATCH_SIZE=6, ROLLOUT_N=2, PPO_MINI_BATCH_SIZE=2, MICRO_BATCH_PER_GPU=1,
+                 ROLLOUT_MODE="sync")  # fmt: skip
     assert check(s) == []
     cfg = composed(s)
     validate(cfg)

@@ -57,6 +57,14 @@ def test_the_canary_batch_is_the_fewest_prompts_every_rank_and_worker_gets_an_eq
                                        {"TRAIN_BATCH_SIZE": str(b), "PPO_MINI_BATCH_SIZE": str(b)}), check_paths=False)  # fmt: skip
 
 
+def test_the_canary_batch_splits_over_as_many_agent_loop_workers_as_the_users_overrides_ask():
+    extra = ["trainer.total_epochs=2", "actor_rollout_ref.rollout.agent.num_workers=6"]
+    out = canary.canary_settings(settings(), extra)
+    # 6 x 4 = 24 responses: 4 per agent-loop worker, 6 per training GPU, 12 (3 micro-batches) per data-parallel rank
+    assert out["TRAIN_BATCH_SIZE"] == "6"
+    assert canary.canary_settings(settings())["TRAIN_BATCH_SIZE"] == "2", "verl's default: 8 workers"
+
+
 def test_the_canary_keeps_the_users_combination_and_shrinks_only_the_workload():
     s = settings(ALGORITHM="dapo", OVERLONG_BUFFER_LEN=1024)
     out = canary.canary_settings(s)
@@ -77,10 +85,17 @@ def test_the_canary_keeps_the_users_combination_and_shrinks_only_the_workload():
 
 # --- reading verl's output -------------------------------------------------------------------------------------
 
+# As verl 0.6.1's console logger prints them: the main trainer's (ray_trainer.py:1274-1293) and recipe.dapo's, which
+# logs no training/global_step (dapo_ray_trainer.py:392-406); both time the step (timing_s/step).
 STEP_1 = (
     "\x1b[36m(TaskRunner pid=4711)\x1b[0m step:1 - training/global_step:1 - training/epoch:0 - critic/score/mean:0.5"
+    " - timing_s/step:41.2"
 )
-STEP_3 = "(TaskRunner pid=4711) step:3 - training/global_step:3 - training/epoch:0"
+STEP_3 = "(TaskRunner pid=4711) step:3 - training/global_step:3 - training/epoch:0 - timing_s/step:40.8"
+DAPO_STEP_2 = (
+    "(TaskRunner pid=4711) step:2 - val-core/safe_hack/reward/mean@1:0.25 - critic/score/mean:0.5"
+    " - timing_s/gen:20.1 - timing_s/step:44.0 - timing_s/testing:12.0 - train/num_gen_batches:1"
+)
 
 
 def checkpoint(root: Path, *steps: int) -> Path:
@@ -93,6 +108,16 @@ def checkpoint(root: Path, *steps: int) -> Path:
 def test_step_lines_are_read_through_rays_actor_prefix_and_colours():
     text = "\n".join(["Training Progress:  50%|#####     | 1/2", STEP_1, "step:2 is not a logger line", STEP_3])
     assert sorted(canary.logged_steps(text)) == [1, 3]
+
+
+def test_step_lines_are_read_from_every_entry_point_and_a_validation_only_line_is_no_step():
+    val_before_train = "(TaskRunner pid=4711) step:0 - val-core/safe_hack/reward/mean@1:0.1 - val-aux/x:0.2"
+    text = "\n".join(
+        [val_before_train, STEP_1.replace(" - training/global_step:1 - training/epoch:0", ""), DAPO_STEP_2]
+    )
+    steps = canary.logged_steps(text)
+    assert sorted(steps) == [1, 2], "recipe.dapo's lines hold no training/global_step"
+    assert "val-core/" in steps[2]
 
 
 def test_a_resume_passes_only_at_step_2_with_one_more_step_saved(tmp_path):
@@ -228,6 +253,33 @@ def test_the_canary_trains_resumes_and_merges_in_one_job_and_touches_nothing_of_
 
 
 QUICK = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight has its own tests
+RECIPES = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"  # verl 0.6.1's recipes, verbatim (PyPI has none)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # recipe.dapo logs `step:N - ...` without training/global_step (dapo_ray_trainer.py:392-406)
+        {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync", "CONTAINER": "none",
+         "PYTHONPATH": str(RECIPES)},
+        # verl's checkpoint manager deletes global_step_1/actor before it saves step 2 when it keeps one
+        {"MAX_CKPT_TO_KEEP": "1"},
+    ],
+    ids=["dapo-recipe", "keep-one-checkpoint"],
+)  # fmt: skip
+def test_the_canary_passes_whatever_the_entry_point_logs_and_however_few_checkpoints_the_user_keeps(
+    canary_job, overrides
+):
+    result = run(canary_job | QUICK | overrides)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "canary: every stage passed" in output
+    first, second = trainer_runs(canary_job)
+    if "ALGORITHM" in overrides:
+        assert first["argv"][:2] == ["-m", "recipe.dapo.main_dapo"], "the recipe itself ran"
+        assert "training/global_step" not in (canary_logs(canary_job) / "train" / "trainer.log").read_text()
+    for seen in (first, second):
+        assert "trainer.max_actor_ckpt_to_keep=0" in seen["argv"], "the canary keeps every checkpoint it checks"
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ The end-to-end tests here run the real scripts on this machine without Slurm (a 
 and real Ray; the same through the real Slurm (scancel, two jobs on one node, a reward node) is test_slurm_jobs.py.
 They skip the preflight, which test_launch.py covers, to stay within the machine's few cores."""
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +23,7 @@ from tests.support import (
     assert_everything_stopped,
     job_dir,
     job_processes,
+    seen,
     start_http_server,
     start_job,
     tail,
@@ -186,13 +189,151 @@ def test_sigterm_mid_training_stops_every_process_and_port_of_the_job_and_exits_
     assert_everything_stopped(env)
 
 
-def test_a_reward_server_killed_after_it_became_healthy_stops_the_job_naming_it(job, tmp_path):
-    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300", "REWARD_SERVER_TOKEN": "a-token-never-logged"}
+def reward_servers(env) -> list[tuple[int, str]]:
+    """(pid, command line) of the job's live reward servers."""
+    found = [p for p in job_processes(job_dir(env)) if "reward_server.py" in p]
+    return [(int(p.split()[0]), p) for p in found]
+
+
+def wait_for(what: str, probe, timeout: float, proc):
+    """Poll `probe` until it returns something true; fail at the deadline saying what was seen last."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout} s (job exit code {proc.poll()}; last seen: {last!r})")
+
+
+def ours_at(url: str, token: str):
+    """The server at url, if it answers /health 200 to this token and checked it ("auth": true)."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            body = json.loads(resp.read())
+    except OSError:
+        return None
+    return body if resp.status == 200 and body.get("auth") else None
+
+
+def test_a_reward_server_killed_mid_training_comes_back_healthy_at_its_url_and_the_job_completes(job, tmp_path):
+    go = tmp_path / "go"
+    env = job | FAST | {"FAKE_TRAINER_WAIT_FOR": str(go), "REWARD_SERVER_TOKEN": "a-token-never-logged"}
     proc = start_job(env, tmp_path / "job.out")
     try:
         wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
-        (server,) = [p for p in job_processes(job_dir(env)) if "reward_server.py" in p]
-        os.kill(int(server.split()[0]), signal.SIGKILL)
+        ((killed, _),) = reward_servers(env)
+        url = seen(env)["REWARD_SERVER_URLS"]
+        os.kill(killed, signal.SIGKILL)
+        wait_for("the reward server gone", lambda: ours_at(url, env["REWARD_SERVER_TOKEN"]) is None, 30, proc)
+        wait_for("a new reward server healthy at the same URL, with this job's token",
+                 lambda: ours_at(url, env["REWARD_SERVER_TOKEN"]), 240, proc)  # fmt: skip
+        wait_for(
+            "the job seeing its server back", lambda: "is back: healthy" in tail(tmp_path / "job.out", 80), 30, proc
+        )
+        ((restarted, _),) = reward_servers(env)
+        go.touch()
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = tail(tmp_path / "job.out", 80)
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    log = job_dir(env) / f"reward_server_{socket.gethostname()}_{port}.log"
+    assert rc == 0, out
+    assert restarted != killed
+    assert f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): killed by SIGKILL" in out
+    assert "restart 1/3 within 3600 s, same port and token" in out and "is back: healthy at the same URL" in out
+    assert "restart 1 after: killed by SIGKILL" in log.read_text(), "the log keeps every life of the server"
+    assert json.loads(Path(env["FAKE_TRAINER_LOG"] + ".end").read_text())["reward_health"] == [200]
+    written = [p for p in job_dir(env).rglob("*") if p.is_file()] + [tmp_path / "job.out"]
+    assert not [p for p in written if b"a-token-never-logged" in p.read_bytes()], "the token is in no log or command"
+    assert_everything_stopped(env)
+
+
+def test_a_reward_server_that_keeps_dying_stops_the_job_naming_it_once_its_restarts_are_spent(
+    job, tmp_path, tiny_models
+):
+    model = tmp_path / "reward_model"
+    shutil.copytree(tiny_models.reward_model, model)
+    env = job | FAST | {"FAKE_TRAINER_SLEEP": "600", "REWARD_RESTARTS": "2", "CONFIG_REWARD_MODEL_PATH": str(model)}
+    proc = start_job(env, tmp_path / "job.out")
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        ((server, _),) = reward_servers(env)
+        (model / "config.json").unlink()  # every restart now fails to load the model, and says so in its log
+        os.kill(server, signal.SIGKILL)
+        rc = proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = tail(tmp_path / "job.out", 120)
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    log = job_dir(env) / f"reward_server_{socket.gethostname()}_{port}.log"
+    assert rc == 1, out
+    assert "restart 1/2" in out and "restart 2/2" in out, out
+    stop = f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): exited with "
+    assert stop in out and "3 death(s) within 3600 s, its REWARD_RESTARTS=2 restarts spent: stopping the job" in out
+    reason = out.split(stop, 1)[1].split("\n", 1)[0]
+    assert "; its log: " in reason and "config.json" in reason, f"the reason is the server's own: {reason}"
+    assert_everything_stopped(env)
+
+
+def test_a_server_of_another_job_that_takes_the_port_while_ours_restarts_is_never_taken_for_ours(job, tmp_path):
+    import http.server
+    import threading
+
+    class OtherJobsServer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802  (http.server's name)
+            self.send_response(401)  # another token: what another job's reward server answers ours
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300"}
+    proc = start_job(env, tmp_path / "job.out")
+    squatter = None
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        ((server, _),) = reward_servers(env)
+        os.kill(server, signal.SIGKILL)
+        # Bound within milliseconds: our restarted server is still importing torch when it tries the port.
+        deadline = time.monotonic() + 10
+        while squatter is None and time.monotonic() < deadline:
+            try:
+                squatter = http.server.HTTPServer(("0.0.0.0", int(env["CONFIG_REWARD_SERVER_PORT"])), OtherJobsServer)
+            except OSError:
+                time.sleep(0.01)
+        assert squatter is not None, "the port never came free after the kill"
+        threading.Thread(target=squatter.serve_forever, daemon=True).start()
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if squatter is not None:
+            squatter.shutdown()
+            squatter.server_close()
+    out = tail(tmp_path / "job.out", 80)
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    assert rc == 1, out
+    assert "restart 1/3" in out
+    assert f"reward server (port {port}) on {socket.gethostname()}: another server answers on its port" in out
+    assert "/health: theirs), not this job's: stopping the job" in out
+    assert "is back" not in out, "a 401 is never taken for our server"
+
+
+def test_with_no_restarts_a_reward_server_that_dies_stops_the_job_at_once_naming_it(job, tmp_path):
+    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300", "REWARD_RESTARTS": "0"}
+    proc = start_job(env, tmp_path / "job.out")
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        ((server, _),) = reward_servers(env)
+        os.kill(server, signal.SIGKILL)
         killed = time.monotonic()
         rc = proc.wait(120)
         seconds = time.monotonic() - killed
@@ -203,10 +344,9 @@ def test_a_reward_server_killed_after_it_became_healthy_stops_the_job_naming_it(
     port = env["CONFIG_REWARD_SERVER_PORT"]
     log = job_dir(env) / f"reward_server_{socket.gethostname()}_{port}.log"
     assert rc == 1, out
-    assert f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): stopping the job" in out
+    assert f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): killed by SIGKILL" in out
+    assert "REWARD_RESTARTS=0 restarts spent: stopping the job" in out
     assert seconds < 5 + int(env["STOP_TIMEOUT"]), f"the job went on for {seconds:.0f} s after its server died"
-    written = [p for p in job_dir(env).rglob("*") if p.is_file()] + [tmp_path / "job.out"]
-    assert not [p for p in written if b"a-token-never-logged" in p.read_bytes()], "the token is in no log or command"
     assert_everything_stopped(env)
 
 

@@ -36,6 +36,15 @@ def test_one_node_runs_reward_server_ray_and_the_trainer_then_stops_everything(j
     assert_everything_stopped(job)
 
 
+def test_a_wandb_dir_that_cannot_be_created_stops_the_job_before_anything_starts(job, fake_container, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    result = run(job | {"WANDB_DIR": str(blocker / "wandb"), "PREFLIGHT_ONLY": "1"})
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert "could not create the job's folders" in result.stderr and "WANDB_DIR" in result.stderr
+    assert "=== launching on" not in result.stdout and not fake_container.calls("singularity")
+
+
 # --- failures ----------------------------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ time-limit signal, on one node or two, with real reward servers on the CPU, a re
 container (no Singularity here) and the stand-in trainer. Every job state is read from `scontrol show job` and
 waited for with a deadline; the test's node sizes go on the sbatch command line, as a user's would."""
 
+import json
 import os
 import signal
 import subprocess
@@ -76,8 +77,10 @@ def test_the_time_limit_signal_requeues_the_job_which_resumes_from_its_checkpoin
     """--time and --signal=B:USR1@N as the script has them, shrunk: Slurm signals the batch shell N s before the
     limit, the script requeues the job, Slurm holds it (Reason=BeginTime, about two minutes) and starts it again with
     Restarts=1; that start logs to <id>-r1 and verl resumes from the newest checkpoint."""
-    env = job | FAST | {"FAKE_TRAINER_STEP_SECONDS": "2"}
-    steps = ("trainer.total_training_steps=60", "trainer.save_freq=1")
+    # The stand-in reports 42 s validations and 100.5 s saves on its step lines, as verl's timing_s/* metrics.
+    env = job | FAST | {"FAKE_TRAINER_STEP_SECONDS": "2", "FAKE_TRAINER_TESTING_S": "42", "FAKE_TRAINER_SAVE_S": "100.5",
+                        "JOB_SIGNAL_LEAD": "180"}  # fmt: skip
+    steps = ("trainer.total_training_steps=60", "trainer.save_freq=1", "trainer.test_freq=5")
     j = submit(env, *steps, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=5", "--signal=B:USR1@180"))
     fields = j.wait_until("requeued", lambda f: f.get("Restarts") == "1" and f["JobState"] == "PENDING", 360)
     assert fields["Reason"] == "BeginTime", fields
@@ -98,6 +101,17 @@ def test_the_time_limit_signal_requeues_the_job_which_resumes_from_its_checkpoin
     assert f"Setting global step to {saved}" in out[len(first) :], out[len(first) :][-3000:]
     assert tracker.read_text() == "60" and (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
     assert sorted(p.name for p in Path(env["CONFIG_LOG_DIR"]).iterdir()) == [j.id, f"{j.id}-r1"]
+    starts = [json.loads(line) for line in Path(env["FAKE_TRAINER_LOG"]).read_text().splitlines()]
+    assert len(starts) == 2, "the trainer ran once per start"
+    # verl's save-before-the-limit window: a first guess, then the validation and save the first start measured
+    windows = [next(a for a in t["argv"] if a.startswith("trainer.esi_redundant_time=")) for t in starts]
+    assert windows == ["trainer.esi_redundant_time=600", "trainer.esi_redundant_time=143"], windows
+    # Offline (the default) wandb ignores resume: each start is its own run, in the job's group, so a sync keeps both.
+    run_id = f"qwen3_4b_grpo_megatron-{j.id}"
+    assert [(t["WANDB_RUN_ID"], t["WANDB_RUN_GROUP"], t["WANDB_RESUME"]) for t in starts] == [
+        (run_id, run_id, None),
+        (f"{run_id}-r1", run_id, None),
+    ]
 
 
 def test_two_jobs_on_one_node_at_once_each_use_their_own_reward_server_and_ray(job, submit, tmp_path, tiny_models):
@@ -207,8 +221,10 @@ def test_a_worker_that_never_joins_fails_the_job_saying_why(job, submit, tmp_pat
 
 
 def test_a_reward_nodes_server_that_dies_stops_the_head_with_the_same_message(job, submit, tmp_path):
-    """The watchdog runs on every node: the reward node's failure reaches the head through the job's folder."""
-    env = job | FAST | {"CONFIG_USE_SEPARATE_REWARD_NODE": "true", "REWARD_REPLICAS": "1", "FAKE_TRAINER_SLEEP": "300"}
+    """The watchdog runs on every node: the reward node's failure (no restarts allowed here) reaches the head, which
+    srun stops, through the job's folder."""
+    env = job | FAST | {"CONFIG_USE_SEPARATE_REWARD_NODE": "true", "REWARD_REPLICAS": "1", "FAKE_TRAINER_SLEEP": "300",
+                        "REWARD_RESTARTS": "0"}  # fmt: skip
     j = submit(env, out=tmp_path / "job.out", options=TWO_NODES)
     j.wait_for_file(Path(env["FAKE_TRAINER_LOG"]), 240)
     (server,) = [p for p in job_processes(logs_of(env, j)) if "reward_server.py" in p]
@@ -224,12 +240,15 @@ def test_a_reward_nodes_server_that_dies_stops_the_head_with_the_same_message(jo
 
 def test_a_failed_check_ends_the_job_failed_with_the_message_in_its_output_file(job, submit, tmp_path):
     """The checks run inside the allocation too (the settings may differ from the login node's): a GPU count that
-    disagrees with Slurm's, and a setting the Python preflight refuses."""
+    disagrees with Slurm's, a setting the Python preflight refuses, and a save deadline that only a job has."""
     gpus = submit(job, out=tmp_path / "gpus.out", options=("--mem=3G", "--cpus-per-task=2", "--gpus-per-node=2"))
     fp8 = submit(job | {"FP8": "true"}, out=tmp_path / "fp8.out")
+    # the requeue at the header's signal (900 s before the limit) would come before verl's expiry
+    early = submit(job | {"CHECKPOINT_BEFORE_END": "600"}, out=tmp_path / "early.out")
     for j, needle in (
         (gpus, "Slurm gave 2 GPUs per node but CONFIG_GPUS_PER_NODE=1: make #SBATCH --gpus-per-node match"),
         (fp8, "setting error: FP8=true: verl 0.6.1 cannot train in FP8 here"),
+        (early, "setting error: CHECKPOINT_BEFORE_END=600 is not above the time-limit signal's lead (900 s"),
     ):
         fields = j.wait()
         out = j.output()

@@ -4,13 +4,20 @@ It writes one JSON object to $FAKE_TRAINER_LOG: its argv, the reward URLs and en
 every reward server (asked with this job's REWARD_SERVER_TOKEN, as the reward function sends it), and (with the Ray
 address from `+ray_kwargs.ray_init.address=`) the alive Ray nodes and GPUs. With FAKE_TRAINER_PROBE_NODES=1 it also
 runs one Ray task on every node and records what verl's workers there would see in their environment.
-Then it sleeps $FAKE_TRAINER_SLEEP seconds and exits with $FAKE_TRAINER_RC (default 0).
+Then it sleeps $FAKE_TRAINER_SLEEP seconds, with $FAKE_TRAINER_WAIT_FOR waits until that file exists and records the
+reward servers' health again ($FAKE_TRAINER_LOG.end), and exits with $FAKE_TRAINER_RC (default 0).
 
-Given `trainer.total_training_steps=N`, it also imitates what verl 0.6.1's RayPPOTrainer.fit shows from outside:
+Given `trainer.total_training_steps=N`, it also imitates what verl 0.6.1's fit loops show from outside:
 `_load_checkpoint` (resume_mode=auto: the tracker file, its messages, the step it resumes at), one console-logger line
-per step (`step:N - ...`, with val-core metrics on validation steps, as Ray prints a TaskRunner actor's lines), and
-`_save_checkpoint`'s layout (global_step_N/actor/{dist_ckpt,huggingface}, global_step_N/data.pt, the tracker file);
-each step takes $FAKE_TRAINER_STEP_SECONDS (default 0).
+per step as each entry point prints it (Ray prefixes a TaskRunner actor's lines): the main trainer's and the
+one-step-off recipe's with `training/global_step` (ray_trainer.py:1274-1293), recipe.dapo's without it but with
+`train/num_gen_batches` (recipe/dapo/dapo_ray_trainer.py:392-406); val-core metrics on validation steps and
+`timing_s/step`, `timing_s/testing`, `timing_s/save_checkpoint` (metric_utils.compute_timing_metrics) in all of them;
+`_save_checkpoint`'s layout (global_step_N/actor/{dist_ckpt,huggingface}, global_step_N/data.pt, the tracker file),
+and the checkpoint manager's pruning: with trainer.max_actor_ckpt_to_keep=K, before a save it deletes the oldest
+`global_step_N/actor` of this process's own saves once it holds K (megatron_checkpoint_manager.py:379-388).
+$FAKE_TRAINER_TESTING_S / $FAKE_TRAINER_SAVE_S: the seconds it reports for validation and a save (nothing sleeps).
+Each step sleeps $FAKE_TRAINER_STEP_SECONDS (default 0) first, as a rollout and an update would take time.
 $FAKE_TRAINER_BREAK breaks it on purpose: no_resume (starts from scratch although a checkpoint exists) |
 crash_on_resume (the checkpoint load raises) | no_save (writes no checkpoint).
 """
@@ -29,14 +36,31 @@ def override(argv: list[str], key: str, default: str | None = None) -> str | Non
     return next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith(key + "=")), default)
 
 
-def save_checkpoint(argv: list[str], root: Path, step: int, actor: str) -> None:
+class CheckpointManager:
+    """verl 0.6.1's MegatronCheckpointManager.save_checkpoint as seen on disk: the paths of this process's own saves,
+    the oldest removed before a save once `keep` of them exist (megatron_checkpoint_manager.py:379-388)."""
+
+    def __init__(self, keep: int | None):
+        self.keep, self.previous_saved_paths = keep, []
+
+    def save(self, local_path: Path) -> None:
+        if self.keep and self.keep > 0 and len(self.previous_saved_paths) >= self.keep:
+            keep_start = len(self.previous_saved_paths) - self.keep + 1
+            for old in self.previous_saved_paths[:keep_start]:
+                print(f"Checkpoint manager remove previous save local path: {old}", flush=True)
+                shutil.rmtree(old, ignore_errors=True)
+            self.previous_saved_paths = self.previous_saved_paths[keep_start:]
+        (local_path / "dist_ckpt").mkdir(parents=True, exist_ok=True)
+        self.previous_saved_paths.append(local_path)
+
+
+def save_checkpoint(argv: list[str], root: Path, step: int, actor: str, managers: dict[str, CheckpointManager]) -> None:
     """The files RayPPOTrainer._save_checkpoint and verl's Megatron checkpoint manager write for one step."""
     folder = root / f"global_step_{step}"
     print(f"{actor} local_global_step_folder: {folder}", flush=True)
-    roles = ["actor", "critic"] if override(argv, "algorithm.adv_estimator") == "gae" else ["actor"]
     model = Path(override(argv, "actor_rollout_ref.model.path"))
-    for role in roles:
-        (folder / role / "dist_ckpt").mkdir(parents=True, exist_ok=True)
+    for role, manager in managers.items():
+        manager.save(folder / role)
         hf = folder / role / "huggingface"  # rank 0 saves the HF config and tokenizer, no weights
         hf.mkdir(exist_ok=True)
         for f in model.iterdir():
@@ -44,6 +68,11 @@ def save_checkpoint(argv: list[str], root: Path, step: int, actor: str) -> None:
                 shutil.copy(f, hf / f.name)
     (folder / "data.pt").write_bytes(b"dataloader state")
     (root / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+
+def keep_setting(argv: list[str], key: str) -> int | None:
+    value = override(argv, key, "null")
+    return None if value in ("null", "None") else int(value)
 
 
 def imitate_fit(argv: list[str]) -> int:
@@ -55,6 +84,11 @@ def imitate_fit(argv: list[str]) -> int:
         int(override(argv, "trainer.save_freq", "-1")),
         int(override(argv, "trainer.test_freq", "-1")),
     )
+    dapo = argv[argv.index("-m") + 1] == "recipe.dapo.main_dapo"
+    managers = {"actor": CheckpointManager(keep_setting(argv, "trainer.max_actor_ckpt_to_keep"))}
+    if override(argv, "algorithm.adv_estimator") == "gae":
+        managers["critic"] = CheckpointManager(keep_setting(argv, "trainer.max_critic_ckpt_to_keep"))
+    testing_s, save_s = (float(os.environ.get(f"FAKE_TRAINER_{k}_S", d)) for k, d in (("TESTING", 0.5), ("SAVE", 0.25)))
     actor = f"(TaskRunner pid={os.getpid()})"  # Ray's prefix for lines printed in verl's TaskRunner actor
     print(f"{actor} Total training steps: {total}", flush=True)
     step = 0
@@ -80,17 +114,23 @@ def imitate_fit(argv: list[str]) -> int:
         time.sleep(float(os.environ.get("FAKE_TRAINER_STEP_SECONDS", "0")))  # a step's rollout and update
         step += 1
         last = step >= total
-        metrics = {}
+        metrics, timing = {}, {"step": 1.0}
         if test_freq > 0 and (last or step % test_freq == 0):
             metrics["val-core/safe_hack/reward/mean@1"] = 0.25
-        metrics |= {"training/global_step": step, "training/epoch": 0, "critic/score/mean": 0.5}
+            timing["testing"] = testing_s
         if save_freq > 0 and (last or step % save_freq == 0) and broken != "no_save":
-            save_checkpoint(argv, root, step, actor)
+            save_checkpoint(argv, root, step, actor, managers)
+            timing["save_checkpoint"] = save_s
+        if not dapo:  # recipe.dapo's fit never logs these two (dapo_ray_trainer.py:392-406)
+            metrics |= {"training/global_step": step, "training/epoch": 0}
+        metrics |= {"critic/score/mean": 0.5} | {f"timing_s/{k}": v for k, v in timing.items()}
+        if dapo:
+            metrics["train/num_gen_batches"] = 1
         print(f"{actor} step:{step} - " + " - ".join(f"{k}:{v}" for k, v in metrics.items()), flush=True)
     return 0
 
 
-NODE_ENV = ("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP", "WANDB_RUN_ID", "WANDB_RESUME")
+NODE_ENV = ("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_RUN_GROUP")
 
 
 def probe_nodes(ray) -> dict[str, dict]:
@@ -106,18 +146,21 @@ def probe_nodes(ray) -> dict[str, dict]:
     return dict(zip(nodes, ray.get(refs, timeout=120), strict=True))
 
 
+def health(url: str, headers: dict) -> int:
+    with urllib.request.urlopen(urllib.request.Request(url + "/health", headers=headers), timeout=10) as resp:
+        return resp.status
+
+
 def main() -> int:
     argv = sys.argv[1:]
     seen = {"argv": argv, "cwd": os.getcwd(), "started": time.time()}
     for key in ("REWARD_SERVER_URLS", "REWARD_LOG_PATH", "WANDB_MODE", "WANDB_DIR", "PYTHONPATH", "HF_HOME", *NODE_ENV):
         seen[key] = os.environ.get(key)
     seen["REWARD_SERVER_TOKEN"] = bool(os.environ.get("REWARD_SERVER_TOKEN"))  # whether it is set, never its value
+    seen["wandb_dir_is_dir"] = bool(os.environ.get("WANDB_DIR")) and os.path.isdir(os.environ["WANDB_DIR"])
     urls = [u for u in (os.environ.get("REWARD_SERVER_URLS") or "").split(",") if u]
     headers = {"Authorization": f"Bearer {os.environ['REWARD_SERVER_TOKEN']}"} if seen["REWARD_SERVER_TOKEN"] else {}
-    seen["reward_health"] = []
-    for url in urls:
-        with urllib.request.urlopen(urllib.request.Request(url + "/health", headers=headers), timeout=10) as resp:
-            seen["reward_health"].append(resp.status)
+    seen["reward_health"] = [health(url, headers) for url in urls]
     address = next((a.split("=", 1)[1] for a in argv if a.startswith("+ray_kwargs.ray_init.address=")), None)
     if address:
         import ray
@@ -137,6 +180,14 @@ def main() -> int:
     else:
         print("fake trainer: step 1/1 done", flush=True)
     time.sleep(float(os.environ.get("FAKE_TRAINER_SLEEP", "0")))
+    if os.environ.get("FAKE_TRAINER_WAIT_FOR"):
+        # A test's go-ahead to finish; then the reward servers again, as the next step's reward calls would see them.
+        go = Path(os.environ["FAKE_TRAINER_WAIT_FOR"])
+        deadline = time.monotonic() + 600
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        end = {"reward_health": [health(url, headers) for url in urls]}
+        Path(os.environ["FAKE_TRAINER_LOG"] + ".end").write_text(json.dumps(end))
     return int(os.environ.get("FAKE_TRAINER_RC", "0"))
 
 

@@ -1,0 +1,94 @@
+"""The save before the time limit (launch/deadline.py): the room verl 0.6.1's window gets for validation and the save,
+refusals and warnings when CHECKPOINT_BEFORE_END does not fit the job, and the recipes that never save before it."""
+
+from pathlib import Path
+
+import pytest
+
+from launch import deadline
+from launch.settings import Settings, check, trainer_argv
+from tests.support import block_environment
+
+DEFAULTS = block_environment() | dict(
+    CONTAINER="none", CONFIG_IMAGE_PATH="x.sif", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r",
+    CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
+)  # fmt: skip
+NOW = 1_800_000_000.0
+IN_A_JOB = {"SLURM_JOB_ID": "777", "JOB_SIGNAL_LEAD": "900", "JOB_END_TIME": str(int(NOW) + 86400)}
+DAPO = {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"}
+
+
+def settings(**overrides) -> Settings:
+    return Settings.from_env(DEFAULTS | {k: str(v) for k, v in overrides.items()})
+
+
+def step_line(step: int, **timing: float) -> str:
+    """A step line as verl's console logger prints it (timing_s/* from metric_utils.compute_timing_metrics)."""
+    metrics = [f"training/global_step:{step}", "critic/score/mean:0.5", "timing_s/step:300.0"]
+    return f"(TaskRunner pid=1) step:{step} - " + " - ".join(metrics + [f"timing_s/{k}:{v}" for k, v in timing.items()])
+
+
+def earlier_start(logs: Path, name: str, *lines: str) -> None:
+    (logs / name).mkdir(parents=True)
+    (logs / name / "trainer.log").write_text("\n".join(["Training Progress", *lines]) + "\n")
+
+
+def test_the_window_gets_room_for_the_longest_validation_and_save_that_earlier_starts_of_the_job_logged(tmp_path):
+    logs = tmp_path / "logs"
+    earlier_start(logs, "777", step_line(1), step_line(5, testing=95.5, save_checkpoint=210.0))
+    earlier_start(logs, "777-r1", step_line(10, testing=120.2), step_line(25, save_checkpoint=180.0))
+    earlier_start(logs, "778", step_line(5, testing=9999.0))  # another job: not this one's
+    env = {"JOB_LOG_DIR": str(logs / "777-r2"), "JOB_ID": "777"}
+    seconds, source = deadline.redundant_time(settings(), env)
+    assert seconds == 331, "the longest validation (120.2 s) + the longest save (210 s), rounded up"
+    assert "the longest validation (120 s) + the longest save (210 s)" in source and "777-r1/trainer.log" in source
+
+
+def test_a_first_start_assumes_the_first_guess_and_a_number_set_by_hand_wins(tmp_path):
+    env = {"JOB_LOG_DIR": str(tmp_path / "logs" / "777"), "JOB_ID": "777"}
+    assert deadline.redundant_time(settings(), env)[0] == deadline.FIRST_GUESS
+    assert deadline.redundant_time(settings(ESI_REDUNDANT_TIME=90), env) == (90, "ESI_REDUNDANT_TIME=90")
+    assert "ESI_REDUNDANT_TIME='soon': auto or seconds, 0 or more" in check(settings(ESI_REDUNDANT_TIME="soon"), False)
+
+
+def test_the_main_trainer_gets_the_window_key_and_the_recipes_which_never_check_the_limit_do_not():
+    assert "trainer.esi_redundant_time=600" in trainer_argv(settings())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("launch.settings.find_recipe", lambda name: type("Spec", (), {"submodule_search_locations": ["/r"]}))
+        argv = trainer_argv(settings(**DAPO))
+    assert not any(a.startswith("trainer.esi_redundant_time=") for a in argv)
+
+
+@pytest.mark.parametrize(
+    "overrides, env, kind, needle",
+    [
+        # the requeue at the signal (900 s before the limit) would come before verl's expiry
+        ({"CHECKPOINT_BEFORE_END": 600}, IN_A_JOB, "problem",
+         "CHECKPOINT_BEFORE_END=600 is not above the time-limit signal's lead (900 s"),
+        # a 20-minute job: the window is over before training starts
+        ({}, IN_A_JOB | {"JOB_END_TIME": str(int(NOW) + 1200)}, "warning",
+         "the job has 1200 s left, not more than CHECKPOINT_BEFORE_END=1800: verl's save-before-the-limit window is over"),
+        # 1000 - 900 = 100 s between the expiry and the requeue: a 600 s save does not fit
+        ({"CHECKPOINT_BEFORE_END": 1000}, IN_A_JOB, "warning",
+         "CHECKPOINT_BEFORE_END=1000 leaves 100 s between verl's expiry and the requeue signal"),
+        # recipe.dapo never calls should_save_ckpt_esi: said plainly, not promised
+        (DAPO, IN_A_JOB, "warning", "recipe.dapo does not save before the time limit"),
+        ({"TRAINER_MODE": "one_step_off", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": 2, "ROLLOUT_ENGINE": "vllm"},
+         IN_A_JOB, "warning", "recipe.one_step_off_policy does not save before the time limit"),
+        # the defaults in a day-long job: the plan, no warning
+        ({}, IN_A_JOB, "line", "verl saves after any step that ends within 60 s + its longest step + "
+         "trainer.esi_redundant_time=600 s of"),
+    ],
+)  # fmt: skip
+def test_checkpoint_before_end_that_does_not_fit_the_job_is_refused_or_warned_about_with_the_reason(
+    overrides, env, kind, needle
+):
+    lines, warnings, problems = deadline.plan(settings(**overrides), env, now=NOW)
+    found = {"line": lines, "warning": warnings, "problem": problems}
+    assert any(needle in text for text in found[kind]), found
+    if kind == "line":
+        assert warnings == [] and problems == []
+
+
+# --- through the run script: tests/test_slurm_jobs.py (a requeued start's window from its first start's timings, and a
+# CHECKPOINT_BEFORE_END below the signal's lead refused inside the allocation)
