@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests import real_slurm
-from tests.support import REPO, RUN, FakeContainer, free_port
+from tests.support import REPO, RUN, FakeContainer, free_port, stop_ray
 
 
 @pytest.fixture(autouse=True)
@@ -74,6 +73,7 @@ def ray_tmp(monkeypatch: pytest.MonkeyPatch):
     path = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     monkeypatch.setenv("RAY_TMPDIR", str(path))
     yield path
+    stop_ray(path)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -120,8 +120,8 @@ def job(tmp_path, tiny_models, demo_data, fake_container):
     for key in [k for k in env if k.startswith("SLURM_")]:  # a test run inside an allocation is not a job's step
         del env[key]
     yield env
-    subprocess.run(["pkill", "-f", str(ray_tmp)], check=False)
-    subprocess.run(["rm", "-rf", str(ray_tmp)], check=False)
+    stop_ray(ray_tmp)  # what a job left behind (each test asserts there is nothing), then its files
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,26 @@ class Process:
         return procs.stop_process(self.popen, timeout)
 
 
+def stop_ray(temp_dir: Path | str, timeout: float = 10.0) -> list[str]:
+    """Stop the Ray processes of one cluster (each names its temp dir on its command line): SIGTERM, then SIGKILL what
+    is left after `timeout` (a GCS server can outlive SIGTERM); the processes still there after that, if any.
+    Never `ray stop`: it ends every Ray cluster on the machine, other tests' and other jobs' too."""
+    pattern = str(temp_dir)
+
+    def left() -> list[str]:
+        found = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout.splitlines()
+        return [line for line in found if "pgrep" not in line]
+
+    for signal_name in ("TERM", "KILL"):
+        subprocess.run(["pkill", f"-{signal_name}", "-f", pattern], check=False)
+        deadline = time.monotonic() + timeout
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if not left():
+            return []
+    return left()
+
+
 def start_process(cmd: Sequence[str], log: Path, env: Mapping[str, str] | None = None, cwd: Path = REPO) -> Process:
     return Process(procs.start_process(cmd, log, env, cwd), log)
 

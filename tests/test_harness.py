@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launch import procs
-from tests.support import REPO, free_port, http_get, start_http_server, start_process, wait_for_http
+from tests.support import REPO, free_port, http_get, start_http_server, start_process, stop_ray, wait_for_http
 
 # --- tiny models ---------------------------------------------------------------------------------------------
 
@@ -184,7 +184,7 @@ def test_real_ray_head_starts_on_loopback_in_a_private_temp_dir(ray_tmp, tmp_pat
         assert len(re.findall(r"\bnode_", active)) == 1, out
         assert any(ray_tmp.glob("session_*")), "Ray must write its session under the given temp dir"
     finally:
-        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=60)
+        assert not stop_ray(ray_tmp), "this test's Ray head outlived SIGKILL"
 
 
 # --- verl 0.6.1 on CPU ---------------------------------------------------------------------------------------
