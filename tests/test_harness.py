@@ -125,7 +125,12 @@ def test_the_local_slurm_cluster_hands_out_two_nodes_and_their_gpus(slurm_cluste
                  options=("--nodes=2", "--mem=1G", "--gpus-per-node=2"))  # fmt: skip
     fields = job.wait(120)
     assert fields["JobState"] == "COMPLETED", job.output()
-    assert job.output().splitlines() == ["0 n1 2 0,1", "1 n2 2 0,1"]
+    lines = [line.split() for line in job.output().splitlines()]
+    assert [line[:3] for line in lines] == [["0", "n1", "2"], ["1", "n2", "2"]], job.output()
+    for *_, visible in lines:
+        # The GPUs Slurm gave this job (not always the first ones: another job may hold those), as indices.
+        gpus = visible.split(",")
+        assert len(set(gpus)) == 2 and set(gpus) <= {"0", "1", "2", "3"}, job.output()
 
 
 # --- processes, ports, isolation -------------------------------------------------------------------------------
