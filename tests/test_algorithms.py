@@ -9,17 +9,9 @@ from pathlib import Path
 import pytest
 
 import launch.settings as settings_module
-from launch.preflight import (
-    batch_problems,
-    compose,
-    import_problems,
-    parallel_problems,
-    rollout_problems,
-    split_command,
-    trainer_modules,
-    validate,
-)
-from launch.settings import SettingError, Settings, check, trainer_argv
+from launch.preflight import compose, import_problems, split_command, trainer_modules, validate
+from launch.refusals import batch_problems, check, parallel_problems, rollout_problems
+from launch.settings import SettingError, Settings, trainer_argv
 from tests.support import REPO
 
 
