@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 #SBATCH --job-name=merge-mcore-hf
+##SBATCH --partition=your_partition    # remove one '#' to use it (your cluster's partition; sinfo lists them)
+##SBATCH --account=your_account        # remove one '#' where your cluster bills GPU hours to an account
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
 #SBATCH --gpus-per-node=1
