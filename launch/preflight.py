@@ -261,7 +261,10 @@ def start_reward_server(
            "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"),
            *format_flags]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    return start_server(cmd, log, url + "/health", timeout, name="the reward server for the check"), url
+    # Its device is PREFLIGHT_REWARD_DEVICE's (a login node has no GPU): the job's CONFIG_REWARD_DEVICE is not for it,
+    # and the server would report that name as set and not read.
+    env = {k: v for k, v in os.environ.items() if k != "CONFIG_REWARD_DEVICE"}
+    return start_server(cmd, log, url + "/health", timeout, env, name="the reward server for the check"), url
 
 
 def check_reward_format(settings: Settings, pairs: str, timeout: float = 3600) -> bool:
