@@ -11,10 +11,12 @@ at a time and seeing which overrides move). tests/test_docs.py runs `check`.
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from launch.settings import FIXED_OVERRIDES, REPO, SettingError, Settings, trainer_argv
 
@@ -255,6 +257,199 @@ def command_page() -> str:
 
 PAGES = {SETTINGS_PAGE: settings_page, COMMAND_PAGE: command_page}
 
+# --- the messages the scripts print, for docs/operations.md -------------------------------------------------------
+
+OPERATIONS_PAGE = REPO / "docs" / "operations.md"
+# Where the job and the merge print errors and warnings: the entry scripts and their bash library (die, err, the
+# reasons a node reports to the others, the settings the run script refuses before the container starts), and the
+# Python they run before and while the job starts (refusals, reading the settings, the preflight, the save deadline,
+# each node's ports and address, the wait for Ray, starting a server).
+BASH_SOURCES = ("run_grpo_qwen3_4b_mega_verl.sh", "helper_grpo_qwen3_4b.sh", "merge_mcore_to_hf.sh",
+                "launch/common.sh", "launch/canary.sh")  # fmt: skip
+PYTHON_SOURCES = ("launch/refusals.py", "launch/settings.py", "launch/preflight.py", "launch/deadline.py",
+                  "launch/node.py", "launch/ray_cluster.py", "launch/procs.py")  # fmt: skip
+MIN_LITERAL = 12  # a message whose every literal piece is shorter is all variables (err "$*"): nothing to key on
+
+
+@dataclass(frozen=True)
+class Message:
+    where: str  # file:line
+    pieces: tuple[str, ...]  # its literal text, split where a value is filled in
+
+    def text(self) -> str:
+        return " ... ".join(self.pieces)
+
+
+def _double_quoted(s: str, i: int) -> tuple[str, int]:
+    """The raw text of the double-quoted bash string that starts at s[i] == '"', and the index after it; quotes
+    inside $(...) belong to the command, not to this string."""
+    j, depth = i + 1, 0
+    while j < len(s):
+        c = s[j]
+        if c == "\\":
+            j += 2
+            continue
+        if s.startswith("$(", j):
+            depth += 1
+            j += 2
+            continue
+        if depth and c == ")":
+            depth -= 1
+        elif depth and c == '"':
+            _, j = _double_quoted(s, j)
+            continue
+        elif not depth and c == '"':
+            return s[i + 1 : j], j + 1
+        j += 1
+    return s[i + 1 :], len(s)
+
+
+def _bash_pieces(raw: str) -> list[str]:
+    """The literal pieces of a double-quoted string's text: every $(...), ${...} and $name breaks it."""
+    out, j, depth = [""], 0, 0
+    while j < len(raw):
+        if raw.startswith("$(", j):
+            depth, j = 1, j + 2
+            while j < len(raw) and depth:
+                depth += {"(": 1, ")": -1}.get(raw[j], 0)
+                j += 1
+            out.append("")
+        elif raw.startswith("${", j):
+            j = raw.find("}", j) + 1 or len(raw)
+            out.append("")
+        elif raw[j] == "$" and j + 1 < len(raw) and (raw[j + 1].isalnum() or raw[j + 1] in "_*#?@$"):
+            m = re.match(r"\$(?:[A-Za-z_][A-Za-z0-9_]*|.)", raw[j:])
+            j += m.end()
+            out.append("")
+        else:
+            out[-1] += raw[j + 1] if raw[j] == "\\" and j + 1 < len(raw) else raw[j]
+            j += 2 if raw[j] == "\\" else 1
+    return out
+
+
+_BASH_MESSAGE = re.compile(r"(?:\b(?:die|err)\s+|\bfailure\+?=|\bmissing\+=\(|printf '(?=ERROR))")
+
+
+def _where(path: Path, line: int) -> str:
+    return f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{line}"
+
+
+def bash_messages(path: Path) -> list[Message]:
+    """die and err calls, the `failure` a node reports, the run script's `missing` settings, printf 'ERROR: ...'."""
+    found, lines = [], path.read_text().splitlines()
+    logical, start = "", 0
+    for number, line in enumerate(lines, 1):
+        if not logical:
+            start = number
+        logical += line.rstrip("\\") + " " if line.endswith("\\") else line
+        if line.endswith("\\"):
+            continue
+        text, logical = logical, ""
+        if text.lstrip().startswith("#"):
+            continue
+        for m in _BASH_MESSAGE.finditer(text):
+            rest, pieces, j = text[m.end() :], [], 0
+            if m.group(0).startswith("printf"):
+                pieces = [re.split(r"%s|\\n", rest.split("'", 1)[0])]
+            else:
+                while j < len(rest) and rest[j] in " \"'":
+                    if rest[j] == '"':
+                        raw, j = _double_quoted(rest, j)
+                        pieces.append(_bash_pieces(raw))
+                    elif rest[j] == "'":
+                        end = rest.index("'", j + 1)
+                        pieces.append([rest[j + 1 : end]])
+                        j = end + 1
+                    else:
+                        j += 1
+            flat = tuple(p.strip() for group in pieces for p in group if p.strip())
+            if m.group(0) == "failure+=" and found and found[-1].where == _where(path, start - 1):
+                # the rest of the reason the line above began: one message
+                found[-1] = Message(_where(path, start), found[-1].pieces + flat)
+                continue
+            found.append(Message(_where(path, start), flat))
+    return found
+
+
+def _py_pieces(node) -> list[str]:
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        out = [""]
+        for value in node.values:
+            if isinstance(value, ast.Constant):
+                out[-1] += value.value
+            else:
+                out.append("")
+        return out
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _py_pieces(node.left), _py_pieces(node.right)
+        return [*left[:-1], left[-1] + right[0], *right[1:]]
+    if isinstance(node, ast.IfExp):
+        return ["", *_py_pieces(node.body), "", *_py_pieces(node.orelse), ""]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join":
+        return [""]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [p for element in node.elts for p in ("", *_py_pieces(element))]
+    return [""]
+
+
+_RAISED = ("SettingError", "NodeError", "ValueError", "RuntimeError", "TimeoutError")
+
+
+def python_messages(path: Path) -> list[Message]:
+    """What a module adds to its problems or warnings, raises as one of _RAISED, or prints to stderr."""
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        texts = []
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append":
+            target = node.func.value  # problems.append, or (warnings if ... else lines).append
+            names = [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+            if isinstance(target, (ast.Name, ast.IfExp)) and {"problems", "warnings"} & set(names):
+                texts = node.args
+        elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            if isinstance(node.exc.func, ast.Name) and node.exc.func.id in _RAISED:
+                texts = node.exc.args
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+            if any(k.arg == "file" and ast.unparse(k.value) == "sys.stderr" for k in node.keywords):
+                texts = node.args
+        elif isinstance(node, ast.Return) and path.name == "refusals.py":  # `return problems + [...]`
+            value = node.value.elt if isinstance(node.value, ast.ListComp) else node.value
+            texts = [value] if isinstance(value, (ast.List, ast.BinOp, ast.JoinedStr)) else []
+        for text in texts:
+            pieces = tuple(p.strip() for p in _py_pieces(text) if p.strip())
+            if isinstance(node, ast.Return) and not any(len(p) >= MIN_LITERAL for p in pieces):
+                continue  # a list of values, not a message
+            found.append(Message(_where(path, node.lineno), pieces))
+    return found
+
+
+def messages() -> list[Message]:
+    """Every error or warning message the job and the merge can print, with some literal text to key on."""
+    found = [m for name in BASH_SOURCES for m in bash_messages(REPO / name)]
+    found += [m for name in PYTHON_SOURCES for m in python_messages(REPO / name)]
+    return [m for m in found if any(len(p) >= MIN_LITERAL for p in m.pieces)]
+
+
+def documented_keys(page: Path = OPERATIONS_PAGE) -> list[str]:
+    """The keys of docs/operations.md's message table: the first cell of each row, a piece of a message's text."""
+    text = page.read_text() if page.is_file() else ""
+    section = text.split("\n## Messages", 1)[1] if "\n## Messages" in text else ""
+    return [k.replace("\\|", "|") for k in re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)]  # \| in a table
+
+
+def undocumented(keys: list[str] | None = None) -> list[Message]:
+    keys = documented_keys() if keys is None else keys
+    return [m for m in messages() if not any(k in p for k in keys for p in m.pieces)]
+
+
+def stale_keys(keys: list[str] | None = None) -> list[str]:
+    keys = documented_keys() if keys is None else keys
+    every = messages()
+    return [k for k in keys if not any(k in p for m in every for p in m.pieces)]
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -270,7 +465,12 @@ def main(argv: list[str] | None = None) -> int:
             stale.append(page.relative_to(REPO))
     for page in stale:
         print(f"{page} is not what the code makes: run python -m launch.reference write", file=sys.stderr)
-    return 1 if stale else 0
+    missing, unknown = undocumented(), stale_keys()
+    for message in missing:
+        print(f"docs/operations.md has no entry for {message.where}: {message.text()}", file=sys.stderr)
+    for key in unknown:
+        print(f"docs/operations.md: no message of the scripts contains `{key}`", file=sys.stderr)
+    return 1 if stale or missing or unknown else 0
 
 
 if __name__ == "__main__":

@@ -33,3 +33,82 @@ def test_each_override_of_the_trainer_command_page_names_the_settings_that_move_
     assert fed["trainer.resume_mode"] == "every job (FIXED_OVERRIDES)"
     assert "/path/to/repo/reward_score/safe_hack_reward_request.py" in " ".join(lines), "no path of this machine"
     assert str(REPO) not in " ".join(lines)
+
+
+# --- docs/operations.md: every message the scripts print -------------------------------------------------------------
+
+
+def test_every_message_the_scripts_print_has_an_entry_in_operations_md_and_every_entry_a_message():
+    missing = [f"{m.where}: {m.text()}" for m in reference.undocumented()]
+    assert missing == [], "add a row to docs/operations.md's Messages for:\n" + "\n".join(missing)
+    assert reference.stale_keys() == [], "rows of docs/operations.md that no message of the scripts contains"
+
+
+def test_the_message_list_holds_each_kind_of_message_the_scripts_print():
+    """die/err in bash, a node's failure reason built over two lines, the run script's refused settings, each refusal
+    (appended, returned, or one per key of a list comprehension), the preflight's stderr lines, a raised SettingError."""
+    texts = {m.where.split(":")[0]: [] for m in reference.messages()}
+    for m in reference.messages():
+        texts[m.where.split(":")[0]].append(" ".join(m.pieces))
+    expected = {
+        "run_grpo_qwen3_4b_mega_verl.sh": ["which is not the repository", "no config.json there (no such folder",
+                                           "could not create the job's folders"],
+        "helper_grpo_qwen3_4b.sh": ["death(s) within s, its REWARD_RESTARTS= restarts spent", "trainer exited with"],
+        "merge_mcore_to_hf.sh": ["holds only Megatron weights"],
+        "launch/refusals.py": ["FP8=true: verl 0.6.1 cannot train", "sets Megatron's parallel state once per process",
+                               "is less than one per data-parallel rank"],
+        "launch/deadline.py": ["does not save before the time limit"],
+        "launch/preflight.py": ["preflight: verl 0.6.1 would stop at run time:"],
+        "launch/settings.py": ["is not installed here (verl's PyPI wheel holds no recipes)"],
+        "launch/node.py": ["is not a GPU index"],
+    }  # fmt: skip
+    for source, needles in expected.items():
+        for needle in needles:
+            assert any(needle in text for text in texts.get(source, [])), (source, needle)
+
+
+def test_a_bash_message_is_read_across_continuation_lines_and_around_nested_quotes(tmp_path):
+    script = tmp_path / "x.sh"
+    script.write_text(
+        'die "$name=${!name}: first part of it" \\\n'
+        '  "and $(basename "$f") the second part"\n'
+        '# die "a comment is no message"\n'
+        '[[ -f x ]] || err "only this one here"; log "not an error"\n'
+    )
+    first, second = reference.bash_messages(script)
+    assert first.pieces == ("=", ": first part of it", "and", "the second part") and first.where.endswith(":1")
+    assert second.pieces == ("only this one here",)
+
+
+# --- links -----------------------------------------------------------------------------------------------------
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page) -> set[str]:
+    return {slug(h) for h in re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)}
+
+
+def test_every_link_of_the_readmes_and_docs_points_at_a_file_and_heading_that_exist():
+    pages = [REPO / "README.md", REPO / "README.ja.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in anchors(file)):
+                broken.append(f"{page.relative_to(REPO)}: ({target})")
+    assert broken == []
+
+
+def test_the_readme_fits_a_first_hour_and_links_the_japanese_one_first():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, len(lines)
+    assert "(README.ja.md)" in "\n".join(lines[:4])
+    quickstart = next(i for i, line in enumerate(lines) if line == "## Quickstart on a cluster")
+    assert quickstart < 25 and "not** run on GPUs yet" in "\n".join(lines[:quickstart]), "the status before the steps"
