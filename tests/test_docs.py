@@ -112,3 +112,31 @@ def test_the_readme_fits_a_first_hour_and_links_the_japanese_one_first():
     assert "(README.ja.md)" in "\n".join(lines[:4])
     quickstart = next(i for i, line in enumerate(lines) if line == "## Quickstart on a cluster")
     assert quickstart < 25 and "not** run on GPUs yet" in "\n".join(lines[:quickstart]), "the status before the steps"
+
+
+# --- README.ja.md keeps up with README.md -------------------------------------------------------------------------
+
+
+def code_blocks(text: str, language: str) -> list[list[str]]:
+    """Each ```language block's lines, a bash line without its comment (the comments are each README's language)."""
+    blocks = re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.M | re.S)
+    return [[line.split("  #", 1)[0].rstrip() for line in block.splitlines()] for block in blocks]
+
+
+NAME = re.compile(r"\b[A-Z][A-Z0-9_]{2,}\b|#SBATCH --[a-z-]+|--[a-z][a-z-]+")
+
+
+def names(text: str) -> set[str]:
+    """The setting names, #SBATCH lines and options a README names in its code spans and blocks."""
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S))
+    return {n for span in spans for n in NAME.findall(span)}
+
+
+def test_the_japanese_readme_has_the_english_ones_commands_settings_output_and_links():
+    english, japanese = (REPO / "README.md").read_text(), (REPO / "README.ja.md").read_text()
+    assert code_blocks(japanese, "bash") == code_blocks(english, "bash"), "the same commands, block by block"
+    assert code_blocks(japanese, "text") == code_blocks(english, "text"), "the same healthy-job output"
+    assert names(japanese) == names(english), (names(english) - names(japanese), names(japanese) - names(english))
+    links = re.compile(r"\]\((docs/[^)#]+)")
+    assert set(links.findall(japanese)) == set(links.findall(english))
+    assert {"CONFIG_MODEL_PATH", "CONFIG_REWARD_MODEL_PATH", "TRAINING_DONE", "#SBATCH --partition"} <= names(english)
