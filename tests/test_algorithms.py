@@ -258,7 +258,7 @@ def test_the_settings_block_defaults_are_the_articles_grpo(env):
 
 
 def test_the_main_job_without_gpus_runs_every_check_and_the_reward_round_trip(tmp_path):
-    """`make demo`: the README's first command, end to end on tiny models."""
+    """`make demo`: the README's first development command, end to end on tiny models."""
     run = subprocess.run([sys.executable, "-m", "demo.run", "--out", str(tmp_path / "demo")], cwd=REPO,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     out = run.stdout + run.stderr
