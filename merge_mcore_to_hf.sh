@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 #SBATCH --job-name=merge-mcore-hf
+##SBATCH --partition=your_partition    # remove one '#' to use it (your cluster's partition; sinfo lists them)
+##SBATCH --account=your_account        # remove one '#' where your cluster bills GPU hours to an account
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
 #SBATCH --gpus-per-node=1
@@ -36,7 +38,7 @@ CONTAINER="${CONTAINER:-singularity}"                           # singularity | 
 CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/verl_app.sif}"
 CKPT_ROOT="${CKPT_ROOT:-${CONFIG_OUTPUT_DIR:-$repo/checkpoints/qwen3_4b_grpo_megatron}}"  # the trainer's output dir
 STEP="${STEP:-latest}"                                           # latest (the tracker file) or a step number
-ROLE="${ROLE:-actor}"                                            # actor | critic (needs hf_model saved, see README)
+ROLE="${ROLE:-actor}"                                            # actor | critic (needs hf_model saved: docs/merge.md)
 TARGET_DIR="${TARGET_DIR:-}"                                     # empty: $repo/hf_models/<run>-step<N>[-critic]
 TIE_WORD_EMBEDDINGS="${TIE_WORD_EMBEDDINGS:-auto}"               # auto (config.json, via transformers) | true | false
 VERIFY_LOAD="${VERIFY_LOAD:-0}"                                  # 1: also load the result with transformers (meta)

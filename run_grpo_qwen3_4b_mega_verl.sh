@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 #SBATCH --job-name=grpo-qwen3-4b
+##SBATCH --partition=your_partition    # remove one '#' to use it (your cluster's partition; sinfo lists them)
+##SBATCH --account=your_account        # remove one '#' where your cluster bills GPU hours to an account
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
@@ -19,10 +21,11 @@
 #   CONTAINER=none bash run_grpo_qwen3_4b_mega_verl.sh                     # one workstation, verl installed locally
 #   CANARY=1 sbatch --time=01:00:00 run_grpo_qwen3_4b_mega_verl.sh         # first time on a cluster: every stage, tiny
 #
-# The trainer keys that are not settings (the same for every job) are FIXED_OVERRIDES in launch/settings.py; each
-# job writes its whole trainer command to its log folder (trainer_command.txt).
-# Edit the settings below (or override any of them from the environment). Keep the #SBATCH lines in step with them:
-# --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a separate reward node).
+# The trainer keys that are not settings (the same for every job) are FIXED_OVERRIDES in launch/settings.py; the whole
+# default command is docs/trainer-command.md, and each job writes its own to its log folder (trainer_command.txt).
+# Edit the settings below (or override any of them from the environment; docs/settings.md lists them all). Keep the
+# #SBATCH lines in step with them: --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a
+# separate reward node). Submit from the repository root: Slurm writes logs/<job name>-<job id>.out there.
 set -euo pipefail
 
 # sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
@@ -41,32 +44,31 @@ fi
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
 set -a  # every setting below is exported as it is set: the helper and the Python checks read these same names
+# -- Your cluster and files (edit these first; docs/settings.md has every setting, with the article's names) --------
 CONTAINER="${CONTAINER:-singularity}"                          # singularity | apptainer | none (verl installed here)
-CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/verl_app.sif}"    # built from verl_app.def
-CONFIG_MODEL_PATH="${CONFIG_MODEL_PATH:-$repo/models/Qwen3-4B-Thinking-2507}"            # the policy
-CONFIG_REWARD_MODEL_PATH="${CONFIG_REWARD_MODEL_PATH:-$repo/models/Unsafe-Reward-Qwen3-1.7B}"
+CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/verl_app.sif}"    # built from verl_app.def (docs/image.md)
+CONFIG_MODEL_PATH="${CONFIG_MODEL_PATH:-$repo/models/Qwen3-4B-Thinking-2507}"            # the policy to train
+CONFIG_REWARD_MODEL_PATH="${CONFIG_REWARD_MODEL_PATH:-$repo/models/Unsafe-Reward-Qwen3-1.7B}"  # the reward model
 CONFIG_TRAIN_FILE="${CONFIG_TRAIN_FILE:-$repo/data/train.parquet}"   # training prompts (data_prep.build)
 CONFIG_TEST_FILE="${CONFIG_TEST_FILE:-$repo/data/test.parquet}"      # validation prompts
 CONFIG_OUTPUT_DIR="${CONFIG_OUTPUT_DIR:-$repo/checkpoints/qwen3_4b_grpo_megatron}"  # checkpoints; resume reads it
-CONFIG_LOG_DIR="${CONFIG_LOG_DIR:-$repo/logs}"                   # a folder per job: servers, Ray, trainer
+CONFIG_LOG_DIR="${CONFIG_LOG_DIR:-$repo/logs}"                   # a folder per start of a job: servers, Ray, trainer
+HF_HOME="${HF_HOME:-$repo/.cache/huggingface}"                  # datasets cache (HOME may be read-only in the image)
 CONFIG_GPUS_PER_NODE="${CONFIG_GPUS_PER_NODE:-4}"               # GPUs per node (= #SBATCH --gpus-per-node)
+CONFIG_NETWORK_INTERFACE="${CONFIG_NETWORK_INTERFACE:-}"        # e.g. ib0: Ray, NCCL and Gloo use it; empty = hostname
+WANDB_PROJECT="${WANDB_PROJECT:-llm_safe_hack}"                 # trainer.project_name
+WANDB_MODE="${WANDB_MODE:-offline}"                             # offline: `wandb sync` later from the login node
+# -- The reward model: where its servers run, and how it was trained ------------------------------------------------
 CONFIG_USE_SEPARATE_REWARD_NODE="${CONFIG_USE_SEPARATE_REWARD_NODE:-false}"  # true: the last node serves rewards only
 CONFIG_REWARD_DEVICE="${CONFIG_REWARD_DEVICE:-cuda}"            # cuda | cpu
 CONFIG_REWARD_GPUS="${CONFIG_REWARD_GPUS:-0}"                   # shared placement: GPUs of the head for reward servers
 REWARD_REPLICAS="${REWARD_REPLICAS:-$CONFIG_GPUS_PER_NODE}"     # separate placement: servers (one per GPU) on that node
-CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
 # How the reward model was trained (python -m reward_score.check_format MODEL PAIRS says which; --help of the server):
 CONFIG_REWARD_INPUT="${CONFIG_REWARD_INPUT:-conversation}"      # conversation | completion (TRL <= 0.23, prompt column)
 CONFIG_REWARD_ADD_SPECIAL_TOKENS="${CONFIG_REWARD_ADD_SPECIAL_TOKENS:-auto}"  # auto | true | false: the tokenizer's BOS
 CONFIG_REWARD_CHAT_TEMPLATE="${CONFIG_REWARD_CHAT_TEMPLATE:-auto}"  # auto | off (trained on plain text)
 CONFIG_REWARD_APPEND_EOS="${CONFIG_REWARD_APPEND_EOS:-auto}"    # auto | true | false (plain text only)
-RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
-REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
-CONFIG_NETWORK_INTERFACE="${CONFIG_NETWORK_INTERFACE:-}"        # e.g. ib0: Ray, NCCL and Gloo use it; empty = hostname
-WANDB_PROJECT="${WANDB_PROJECT:-llm_safe_hack}"                 # trainer.project_name
-WANDB_MODE="${WANDB_MODE:-offline}"                             # offline: `wandb sync` later from the login node
-TRAINER_LOGGER="${TRAINER_LOGGER:-[console,wandb]}"             # trainer.logger
-# What to train: the article's GRPO by default.
+# -- What to train: the article's GRPO by default ---------------------------------------------------------------------
 ALGORITHM="${ALGORITHM:-grpo}"                                  # grpo | ppo (GAE, with a critic) | dapo
 TRAINER_MODE="${TRAINER_MODE:-sync}"                            # sync | one_step_off (rollout on its own GPUs; vllm)
 STRATEGY="${STRATEGY:-megatron}"                                # megatron | fsdp2
@@ -74,50 +76,54 @@ ROLLOUT_MODE="${ROLLOUT_MODE:-async}"                           # async (naive r
 ROLLOUT_ENGINE="${ROLLOUT_ENGINE:-sglang}"                      # sglang (the article's image) | vllm (the vLLM image)
 REWARD_MANAGER="${REWARD_MANAGER:-auto}"                        # auto: batch (sync), naive (async), dapo (DAPO)
 CRITIC_MODEL_PATH="${CRITIC_MODEL_PATH:-}"                      # PPO's critic; empty = the policy
-CRITIC_LR="${CRITIC_LR:-1e-5}"
+CRITIC_LR="${CRITIC_LR:-1e-5}"                                  # PPO's critic learning rate
 DAPO_DYNAMIC_SAMPLING="${DAPO_DYNAMIC_SAMPLING:-false}"         # true: recipe.dapo's group filtering (sync rollout)
 OVERLONG_BUFFER_LEN="${OVERLONG_BUFFER_LEN:-0}"                 # DAPO's soft length penalty zone; 0 = a quarter
 OVERLONG_PENALTY_FACTOR="${OVERLONG_PENALTY_FACTOR:-auto}"      # DAPO's penalty at full length; auto = reward range/2
 ROLLOUT_GPUS_PER_NODE="${ROLLOUT_GPUS_PER_NODE:-0}"             # one_step_off: GPUs per node for generation only
-# The article's training settings (corrected).
+# -- Tuning: the article's training settings (corrected) -------------------------------------------------------------
 TRAIN_BATCH_SIZE="${TRAIN_BATCH_SIZE:-256}"                     # prompts per step
-MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"
-MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-4096}"
-ACTOR_LR="${ACTOR_LR:-1e-6}"
-PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-128}"
+MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"                  # tokens; longer prompts are dropped (counted)
+MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-4096}"              # tokens generated per response at most
+ACTOR_LR="${ACTOR_LR:-1e-6}"                                    # the policy's learning rate
+PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-128}"               # prompts per policy update
 MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-4}"                 # actor, rollout log-prob and ref micro batches
 ACTOR_PP="${ACTOR_PP:-2}"                                       # Megatron pipeline parallel (actor, ref and critic)
 ACTOR_TP="${ACTOR_TP:-1}"                                       # Megatron tensor parallel (actor, ref and critic)
 ROLLOUT_TP="${ROLLOUT_TP:-1}"                                   # rollout engine tensor parallel
 ROLLOUT_N="${ROLLOUT_N:-4}"                                     # responses per prompt (the GRPO group)
 ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-0.4}"                 # the rollout engine's share of GPU memory
-KL_LOSS_COEF="${KL_LOSS_COEF:-0.001}"
-PROJECT_NAME="${PROJECT_NAME:-$WANDB_PROJECT}"
-EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_4b_grpo_megatron}"
-SAVE_FREQ="${SAVE_FREQ:-25}"
-MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"                       # actor and critic checkpoints kept (~56 GB each for 4B)
-CHECKPOINT_BEFORE_END="${CHECKPOINT_BEFORE_END:-1800}"          # s before the time limit verl saves (> --signal's 900)
-ESI_REDUNDANT_TIME="${ESI_REDUNDANT_TIME:-auto}"                # s that window adds for validation + save; auto: measured
 ROLLOUT_ENFORCE_EAGER="${ROLLOUT_ENFORCE_EAGER:-false}"         # true: no SGLang CUDA graphs (slower; debugging)
-TEST_FREQ="${TEST_FREQ:-5}"
-TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"
+KL_LOSS_COEF="${KL_LOSS_COEF:-0.001}"                           # weight of the KL loss to the reference policy
+TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"                               # passes over the training prompts
+SAVE_FREQ="${SAVE_FREQ:-25}"                                    # save a checkpoint every N steps
+TEST_FREQ="${TEST_FREQ:-5}"                                     # validate every N steps
+MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"                       # actor and critic checkpoints kept (~56 GB each for 4B)
+PROJECT_NAME="${PROJECT_NAME:-$WANDB_PROJECT}"                  # trainer.project_name
+EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_4b_grpo_megatron}"    # trainer.experiment_name; the wandb run's name
+TRAINER_LOGGER="${TRAINER_LOGGER:-[console,wandb]}"             # trainer.logger
 FP8="${FP8:-false}"                                             # verl 0.6.1 cannot train in FP8 here: see the check
-# Behaviour of the job itself.
+# -- The job's own behaviour: dry runs, checks, time limits, restarts, ports ------------------------------------------
 PREFLIGHT_ONLY="${PREFLIGHT_ONLY:-0}"                           # 1: run the checks, start nothing
 CANARY="${CANARY:-0}"                                           # 1: train 2 steps, resume, merge, on a tiny workload
 CANARY_KEEP="${CANARY_KEEP:-0}"                                 # 1: keep the canary's checkpoints when it passes
 PREFLIGHT_DATA="${PREFLIGHT_DATA:-1}"                           # check every row, then read train/val through verl's RLHFDataset
 PREFLIGHT_REWARD="${PREFLIGHT_REWARD:-1}"                       # score a few rows through a reward server first
 PREFLIGHT_REWARD_PAIRS="${PREFLIGHT_REWARD_PAIRS:-}"            # preference pairs (TRL's format): check_format first
+PREFLIGHT_REWARD_DEVICE="${PREFLIGHT_REWARD_DEVICE:-auto}"      # the preflight's reward server: auto | cpu | cuda
+CHECKPOINT_BEFORE_END="${CHECKPOINT_BEFORE_END:-1800}"          # s before the time limit verl saves (> --signal's 900)
+ESI_REDUNDANT_TIME="${ESI_REDUNDANT_TIME:-auto}"                # s that window adds for validation + save; auto: measured
 REQUEUE_BEFORE_TIMEOUT="${REQUEUE_BEFORE_TIMEOUT:-1}"           # on the time-limit signal, requeue unless finished
 REWARD_START_TIMEOUT="${REWARD_START_TIMEOUT:-900}"             # seconds for reward servers to become healthy
 REWARD_RESTARTS="${REWARD_RESTARTS:-3}"                         # a reward server that dies is restarted this often...
 REWARD_RESTART_WINDOW="${REWARD_RESTART_WINDOW:-3600}"          # ...within this many seconds; one more stops the job
 RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-600}"                     # seconds for every node to join Ray
-RAY_START_RETRIES="${RAY_START_RETRIES:-3}"
+RAY_START_RETRIES="${RAY_START_RETRIES:-3}"                     # `ray start` attempts on a worker node
 STOP_TIMEOUT="${STOP_TIMEOUT:-20}"                              # s to stop servers and Ray (< Slurm's KillWait, 30 s)
+CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
+RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
+REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
 TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}"                 # what runs `-m verl.trainer.main_ppo ...`
-HF_HOME="${HF_HOME:-$repo/.cache/huggingface}"                  # datasets cache (HOME may be read-only in the image)
 set +a
 # ------------------------------------------------------------------------------------------------------------------
 

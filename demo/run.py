@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nmake demo: {'every check passed' if rc == 0 else f'FAILED (exit {rc})'} in {time.monotonic() - start:.0f} s"
     )
     print(
-        "next, on a cluster: CANARY=1 sbatch run_grpo_qwen3_4b_mega_verl.sh (every GPU stage in one tiny job; README)"
+        "next, on a cluster: CANARY=1 sbatch run_grpo_qwen3_4b_mega_verl.sh (every GPU stage in one tiny job; docs/operations.md)"
     )
     return rc
 

@@ -28,7 +28,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from launch.settings import SettingError, Settings, check
+from launch.refusals import check
+from launch.settings import SettingError, Settings
 
 TRAIN_STEPS = 2  # stage 1: two steps, a checkpoint after each
 RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more

@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from launch.refusals import save_deadline_problems, signal_lead
 from launch.settings import Settings
 
 FIRST_GUESS = 600  # s for a validation and a save before this job measured any (a 4B save with optimizer: minutes)
@@ -75,30 +76,15 @@ def redundant_time(s: Settings, env: Mapping[str, str]) -> tuple[int, str]:
     )
 
 
-def setting_problems(s: Settings) -> list[str]:
-    """ESI_REDUNDANT_TIME and CHECKPOINT_BEFORE_END themselves."""
-    problems = []
-    if s.esi_redundant_time_setting != "auto":
-        try:
-            bad = float(s.esi_redundant_time_setting) < 0
-        except ValueError:
-            bad = True
-        if bad:
-            problems.append(f"ESI_REDUNDANT_TIME={s.esi_redundant_time_setting!r}: auto or seconds, 0 or more")
-    if s.checkpoint_before_end < 0:
-        problems.append(f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end}: seconds before the time limit, 0 or more")
-    return problems
-
-
 def plan(s: Settings, env: Mapping[str, str], now: float | None = None) -> tuple[list[str], list[str], list[str]]:
     """(what verl will do, warnings, refusals) about saving before the job's time limit."""
     lines: list[str] = []
     warnings: list[str] = []
-    problems = setting_problems(s)
+    problems = save_deadline_problems(s, env)  # the refusals (launch/refusals.py)
     if problems:
         return lines, warnings, problems
-    requeue = env.get("REQUEUE_BEFORE_TIMEOUT", "1") == "1" and bool(env.get("SLURM_JOB_ID"))
-    lead = int(env.get("JOB_SIGNAL_LEAD") or 0) if requeue else 0
+    lead = signal_lead(env)
+    requeue, lead = lead is not None, lead or 0
     if s.uses_recipe:
         saves = f"every SAVE_FREQ={s.save_freq} steps" if s.save_freq > 0 else "never (SAVE_FREQ<=0)"
         (warnings if requeue else lines).append(
@@ -111,13 +97,6 @@ def plan(s: Settings, env: Mapping[str, str], now: float | None = None) -> tuple
         lines.append("SAVE_FREQ<=0: verl saves nothing, before the time limit neither (it requires save_freq > 0)")
         return lines, warnings, problems
     seconds, source = redundant_time(s, env)
-    if requeue and s.checkpoint_before_end <= lead:
-        problems.append(
-            f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end} is not above the time-limit signal's lead ({lead} s, "
-            "#SBATCH --signal=B:USR1@...): the job requeues itself at that signal, so verl's last save before the "
-            "limit would come after it; set CHECKPOINT_BEFORE_END above it by at least a save"
-        )
-        return lines, warnings, problems
     end = env.get("JOB_END_TIME", "")
     if not end.isdigit():
         lines.append(

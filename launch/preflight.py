@@ -3,9 +3,10 @@
     python -m launch.preflight [EXTRA_OVERRIDES...]     # reads the settings run_grpo_qwen3_4b_mega_verl.sh exports
 
 The job's one check, in one process (one container start; the policy tokenizer loaded once):
-0. settings: launch.settings.check, one line per problem naming the setting;
+0. settings: launch.refusals.check and save_deadline_problems, one line per problem naming the setting;
 1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
    verl's `validate_config` (batch and micro-batch arithmetic, parallel sizes) and its typed config dataclasses;
+   then what verl asserts or ignores only at run time (launch.refusals: batches, parallel sizes, rollout keys);
 2. data (PREFLIGHT_DATA=1): every row's schema and prompt length (data_prep.validate), then the train and val
    parquet through verl's own RLHFDataset with the policy tokenizer and its chat template, reporting how many prompts
    verl will drop as longer than data.max_prompt_length;
@@ -25,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launch.procs import free_port, start_server, stop_process
-from launch.settings import REPO, SettingError, Settings, check, trainer_argv
+from launch.refusals import batch_problems, check, parallel_problems, rollout_problems
+from launch.settings import REPO, SettingError, Settings, trainer_argv
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
 SETTING_OF_KEY = {
@@ -82,210 +84,6 @@ def validate(cfg) -> None:
     validate_config(cfg, use_reference_policy=use_ref, use_critic=need_critic(cfg))
     omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     omega_conf_to_dataclass(cfg.algorithm)
-
-
-def _dp_size(cfg, n_gpus: int) -> int:
-    """Data-parallel ranks of the actor, as its workers compute them: Megatron's parallel state is built from the
-    actor's sizes (megatron_workers.py, mpu.initialize_model_parallel); FSDP divides by Ulysses sequence parallel."""
-    actor = cfg.actor_rollout_ref.actor
-    if actor.strategy == "megatron":
-        m = actor.megatron
-        return n_gpus // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size)
-    return n_gpus // (actor.get("ulysses_sequence_parallel_size") or 1)
-
-
-def _update_problems(role: str, section, keys: str, batch: int, dp: int, n: int, fsdp: bool) -> list[str]:
-    """The normalisation every verl 0.6.1 worker applies before its first update, and what it asserts then:
-    mini = ppo_mini_batch_size * rollout.n // data-parallel size per rank (megatron_workers.py, fsdp_workers.py);
-    Megatron's make_iterator asserts it divides the rank's share of the batch (verl/protocol.py), FSDP asserts it is
-    a multiple of ppo_micro_batch_size_per_gpu (fsdp_workers.py)."""
-    problems = []
-    mini, epochs = section.ppo_mini_batch_size, section.ppo_epochs
-    if epochs < 1:
-        problems.append(f"{keys}.ppo_epochs={epochs}: at least 1 (0 updates nothing, silently)")
-    per_rank = mini * n // dp
-    if per_rank < 1:
-        return problems + [
-            f"{keys}.ppo_mini_batch_size={mini} (PPO_MINI_BATCH_SIZE) x rollout.n={n} = {mini * n} sequences is less "
-            f"than one per data-parallel rank ({dp}): verl's {role} worker would get empty mini-batches (FSDP asserts, "
-            "Megatron's DataLoader refuses batch size 0)"
-        ]
-    if mini * n % dp:
-        problems.append(
-            f"{keys}.ppo_mini_batch_size={mini} (PPO_MINI_BATCH_SIZE) x rollout.n={n} = {mini * n} sequences does not "
-            f"split over {dp} data-parallel ranks: verl rounds each rank's mini-batch down to {per_rank}, "
-            f"a different mini-batch from the one set"
-        )
-    if batch % dp == 0 and (batch // dp) % per_rank:
-        problems.append(
-            f"{keys}.ppo_mini_batch_size={mini} (PPO_MINI_BATCH_SIZE) does not divide data.train_batch_size "
-            f"(TRAIN_BATCH_SIZE): each of {dp} data-parallel ranks gets {batch // dp} sequences a step and updates "
-            f"in mini-batches of {per_rank}; verl 0.6.1 "
-            + ("asserts they divide at the first update (verl/protocol.py make_iterator)" if not fsdp else
-               "leaves a short last mini-batch whose gradient is scaled as a full one (dp_actor/dp_critic)")
-        )  # fmt: skip
-    micro = section.get("ppo_micro_batch_size_per_gpu")
-    if fsdp and micro is not None and per_rank % micro:
-        problems.append(
-            f"{keys}.ppo_micro_batch_size_per_gpu={micro} (MICRO_BATCH_PER_GPU) does not divide the mini-batch per "
-            f"rank, {per_rank} (PPO_MINI_BATCH_SIZE x ROLLOUT_N / {dp} ranks): verl's FSDP {role} worker asserts it"
-        )
-    return problems
-
-
-def batch_problems(cfg) -> list[str]:
-    """Every batch relation verl 0.6.1 asserts only at run time (after the queue, the model load and the first
-    rollout), checked on the final composed config, so extra Hydra overrides count. Each names the keys and
-    settings to change."""
-    return _update_relation_problems(cfg) + agent_loop_problems(cfg)
-
-
-def _agent_split_holds(prompts: int, n: int, workers: int) -> bool:
-    return (prompts * n) % workers == 0
-
-
-def agent_loop_problems(cfg) -> list[str]:
-    """Async rollout: the agent loop cuts every training step's batch (prompts x rollout.n, unpadded) into one equal
-    part per worker, rollout.agent.num_workers of them (verl/experimental/agent_loop/agent_loop.py:734, 764), and
-    DataProto.chunk asserts equal parts (verl/protocol.py:880-883) unless VERL_AUTO_PADDING is on. Validation pads to
-    the worker count itself (ray_trainer.py:581-587), training does not: a batch that does not divide stops the job
-    at its first step, after the model load and the rollout engine's start."""
-    rollout = cfg.actor_rollout_ref.rollout
-    if rollout.mode != "async" or os.environ.get("VERL_AUTO_PADDING", "FALSE").upper() in ("TRUE", "1"):
-        return []
-    workers, n, prompts = rollout.agent.num_workers, rollout.n, cfg.data.train_batch_size
-    if workers < 1:
-        return [
-            f"actor_rollout_ref.rollout.agent.num_workers={workers}: async rollout needs at least 1 agent loop worker"
-        ]
-    if _agent_split_holds(prompts, n, workers):
-        return []
-
-    def works(b: int) -> bool:  # this split and every other relation above, with b prompts a step
-        return _agent_split_holds(b, n, workers) and not _update_relation_problems(cfg, prompts=b)
-
-    mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size  # verl requires train_batch_size >= it
-    below = next((b for b in range(prompts - 1, max(mini, 1) - 1, -1) if works(b)), None)
-    above = next((b for b in range(prompts + 1, 4 * prompts + 1) if works(b)), None)
-    sizes = " or ".join(str(b) for b in (below, above) if b is not None)
-    total = prompts * n
-    divisors = [d for d in range(1, total + 1) if total % d == 0]
-    fewer = max((d for d in divisors if d < workers), default=None)
-    more = min((d for d in divisors if d > workers), default=None)
-    other_workers = " or ".join(str(d) for d in (fewer, more) if d is not None)
-    return [
-        f"data.train_batch_size={prompts} (TRAIN_BATCH_SIZE) x rollout.n={n} (ROLLOUT_N) = {total} sequences do not "
-        f"split over the agent loop's {workers} workers (actor_rollout_ref.rollout.agent.num_workers): async rollout "
-        "cuts every step's batch into equal parts, one per worker, and verl 0.6.1 asserts it at the first step "
-        "(agent_loop.py generate_sequences, DataProto.chunk), after the model load; "
-        + (f"nearest TRAIN_BATCH_SIZE that divides and passes the other batch checks: {sizes}" if sizes else
-           "no TRAIN_BATCH_SIZE near it passes every batch check with these sizes")
-        + f"; or override actor_rollout_ref.rollout.agent.num_workers with {other_workers}, which divide {total}"
-    ]  # fmt: skip
-
-
-def _update_relation_problems(cfg, prompts: int | None = None) -> list[str]:
-    """The relations of the batch (`prompts` a step; default data.train_batch_size) to the ranks and mini-batches."""
-    from omegaconf import OmegaConf
-    from verl.trainer.ppo.utils import need_critic
-
-    arr, problems = cfg.actor_rollout_ref, []
-    n, prompts = arr.rollout.n, cfg.data.train_batch_size if prompts is None else prompts
-    batch, n_gpus = prompts * n, cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    dp = _dp_size(cfg, n_gpus)
-    if dp < 1:
-        return [f"{n_gpus} training GPUs (trainer.n_gpus_per_node x trainer.nnodes) hold no data-parallel rank of the "
-                "actor's parallel sizes (ACTOR_PP x ACTOR_TP)"]  # fmt: skip
-    if cfg.trainer.get("balance_batch", True) and batch % n_gpus:
-        problems.append(
-            f"data.train_batch_size={prompts} (TRAIN_BATCH_SIZE) x rollout.n={n} (ROLLOUT_N) = {batch} sequences do "
-            f"not split evenly over the {n_gpus} training GPUs: verl's trainer balances every step over all of them "
-            "(trainer.balance_batch; seqlen_balancing.get_seqlen_balanced_partitions asserts equal parts)"
-        )
-    elif batch % dp:
-        problems.append(
-            f"data.train_batch_size={prompts} (TRAIN_BATCH_SIZE) x rollout.n={n} (ROLLOUT_N) = {batch} sequences do "
-            f"not split over {dp} data-parallel ranks (verl/protocol.py DataProto.chunk asserts it)"
-        )
-    fsdp, critic_used = arr.actor.strategy != "megatron", need_critic(cfg)
-    problems += _update_problems("actor", arr.actor, "actor_rollout_ref.actor", batch, dp, n, fsdp)
-    if critic_used:
-        critic = cfg.critic
-        # A Megatron critic shares the actor's process and its parallel state (megatron_workers.py).
-        critic_dp = dp if not fsdp else n_gpus // (critic.get("ulysses_sequence_parallel_size") or 1)
-        problems += _update_problems("critic", critic, "critic", batch, critic_dp, critic.rollout_n, fsdp)
-    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
-    budgets = [("actor_rollout_ref.actor", arr.actor.use_dynamic_bsz, "ppo_max_token_len_per_gpu", "ppo_micro_batch_size_per_gpu"),
-               ("actor_rollout_ref.rollout", arr.rollout.log_prob_use_dynamic_bsz, "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu"),
-               ("actor_rollout_ref.ref", arr.ref.log_prob_use_dynamic_bsz, "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu")]  # fmt: skip
-    if critic_used:
-        budgets += [("critic", cfg.critic.use_dynamic_bsz, "ppo_max_token_len_per_gpu", "ppo_micro_batch_size_per_gpu"),
-                    ("critic", cfg.critic.use_dynamic_bsz, "forward_max_token_len_per_gpu", "forward_micro_batch_size_per_gpu")]  # fmt: skip
-    for keys, dynamic, budget, micro in budgets:
-        section = OmegaConf.select(cfg, keys)
-        if dynamic and section.get(budget) is not None and section[budget] < seq:
-            problems.append(
-                f"{keys}.{budget}={section[budget]} is less than one whole sequence, data.max_prompt_length + "
-                f"data.max_response_length = {seq} tokens: verl's dynamic batching asserts it "
-                "(seqlen_balancing.rearrange_micro_batches)"
-            )
-        if not dynamic and section.get(micro) is not None and section[micro] < 1:
-            problems.append(f"{keys}.{micro}={section[micro]} (MICRO_BATCH_PER_GPU): at least 1")
-    return problems
-
-
-# The keys of Megatron's parallel state, set once per process from the actor (megatron_workers.py).
-MEGATRON_PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                          "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
-                          "expert_tensor_parallel_size")  # fmt: skip
-
-
-def parallel_problems(cfg) -> list[str]:
-    """Ref and critic sizes that differ from the actor's. verl 0.6.1 places actor, ref and critic in one process per
-    GPU and initialises Megatron's parallel state once, from the actor; the others only read it, so their own sizes
-    would be a label that the run does not follow."""
-    from verl.trainer.ppo.utils import need_critic
-
-    if cfg.actor_rollout_ref.actor.strategy != "megatron":
-        return []
-    actor = cfg.actor_rollout_ref.actor.megatron
-    others = [("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron)]
-    if need_critic(cfg):
-        others.append(("critic", cfg.critic.megatron))
-    return [
-        f"{name}.megatron.{key}={section.get(key)} differs from actor_rollout_ref.actor.megatron.{key}="
-        f"{actor.get(key)}: verl 0.6.1 sets Megatron's parallel state once per process, from the actor "
-        "(verl/workers/megatron_workers.py), so this size would be ignored; drop the override"
-        for name, section in others
-        for key in MEGATRON_PARALLEL_KEYS
-        if section.get(key) != actor.get(key)
-    ]
-
-
-def rollout_problems(cfg) -> list[str]:
-    """Rollout keys the engine would silently ignore. verl 0.6.1's sync SGLang engine builds its arguments without
-    enforce_eager and drops every engine_kwargs.sglang key but attention_backend (sglang_rollout.py:426-477); only
-    the async server reads them (async_sglang_server.py:126-157)."""
-    rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name != "sglang" or rollout.mode != "sync":
-        return []
-    problems = []
-    if rollout.enforce_eager:
-        problems.append(
-            "actor_rollout_ref.rollout.enforce_eager=True (ROLLOUT_ENFORCE_EAGER) with sync SGLang rollout: verl 0.6.1's "
-            "sync SGLang engine never passes it on (no disable_cuda_graph, sglang_rollout.py:426-477); use async rollout "
-            "or vLLM, or drop it"
-        )
-    ignored = sorted(
-        k for k, v in (rollout.engine_kwargs.get("sglang") or {}).items() if v is not None and k != "attention_backend"
-    )
-    if ignored:
-        problems.append(
-            f"actor_rollout_ref.rollout.engine_kwargs.sglang.{{{', '.join(ignored)}}} with sync SGLang rollout: verl 0.6.1's "
-            "sync SGLang engine reads only attention_backend from engine_kwargs (sglang_rollout.py:426-430); use async "
-            "rollout, whose server passes them all, or drop them"
-        )
-    return problems
 
 
 # What the one-step-off recipe's weight sync imports whatever the engine (recipe/one_step_off_policy/distributed_util.py,
@@ -463,7 +261,10 @@ def start_reward_server(
            "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"),
            *format_flags]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    return start_server(cmd, log, url + "/health", timeout, name="the reward server for the check"), url
+    # Its device is PREFLIGHT_REWARD_DEVICE's (a login node has no GPU): the job's CONFIG_REWARD_DEVICE is not for it,
+    # and the server would report that name as set and not read.
+    env = {k: v for k, v in os.environ.items() if k != "CONFIG_REWARD_DEVICE"}
+    return start_server(cmd, log, url + "/health", timeout, env, name="the reward server for the check"), url
 
 
 def check_reward_format(settings: Settings, pairs: str, timeout: float = 3600) -> bool:

@@ -1,9 +1,10 @@
-"""The launch settings as one object: checks that name the setting to change, and the exact trainer command.
+"""The launch settings as one object, read from the environment, and the exact trainer command built from them.
 
 The defaults live in one place, the settings block at the top of run_grpo_qwen3_4b_mega_verl.sh, which exports
-them; this module reads them from the environment and never invents its own.
+them; this module reads them from the environment and never invents its own. What refuses a setting is
+launch/refusals.py; the whole default GRPO command, one override per line, is docs/trainer-command.md.
 
-    python -m launch.settings check             # exit 1 with one line per problem, each naming the setting
+    python -m launch.settings check             # launch/refusals.py's check: exit 1 with one line per problem
     python -m launch.settings trainer-argv      # the trainer command, NUL-separated (bash: mapfile -d '')
 """
 
@@ -11,8 +12,6 @@ import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-
-from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
 
 REPO = Path(__file__).resolve().parent.parent
 REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
@@ -183,172 +182,6 @@ def _reward_score_range(env) -> tuple[float, float]:
     except (TypeError, ValueError) as exc:
         raise SettingError(str(exc)) from None
     return config.min_score, config.max_score
-
-
-def check(s: Settings, check_paths: bool = True) -> list[str]:
-    """Every problem, each naming the setting to change. Empty when the job can start."""
-    problems: list[str] = []
-    problems += combination_problems(s)
-    from launch.deadline import setting_problems
-
-    problems += setting_problems(s)
-    if s.container not in ("singularity", "apptainer", "none"):
-        problems.append(f"CONTAINER={s.container!r}: use singularity, apptainer or none")
-    if s.rollout_mode not in ("sync", "async"):
-        problems.append(
-            f"ROLLOUT_MODE={s.rollout_mode!r}: use sync (batch reward manager) or async (naive, per sample)"
-        )
-    if s.separate_reward_node and s.nnodes < 2:
-        problems.append(
-            "CONFIG_USE_SEPARATE_REWARD_NODE=true needs at least 2 nodes (the last one runs only reward servers); "
-            f"this job has {s.nnodes}: submit with --nodes=2 or set it to false"
-        )
-    if s.fp8:
-        problems.append(
-            "FP8=true: verl 0.6.1 cannot train in FP8 here. Its Megatron path resets config.fp8 to None unless "
-            "use_mbridge=True (the article's overrides were silently ignored), and the 'blockwise' recipe needs "
-            "TransformerEngine >= 2.3 while this image has 2.2.1. FP8 training arrived in verl 0.7.0: keep FP8=false"
-        )
-    if s.gpus_per_node < 1:
-        problems.append(f"CONFIG_GPUS_PER_NODE={s.gpus_per_node}: training needs at least 1 GPU per node")
-    else:
-        world = s.training_gpus_per_node * max(s.train_nodes, 1)
-        model_parallel = s.actor_pp * s.actor_tp if s.strategy == "megatron" else 1  # FSDP2 shards, no PP/TP
-        if world % model_parallel:
-            problems.append(
-                f"ACTOR_PP x ACTOR_TP = {s.actor_pp} x {s.actor_tp} does not divide the {world} training GPUs "
-                f"({s.training_gpus_per_node} training GPUs per node x {s.train_nodes} training nodes)"
-            )
-        rollout_gpus = s.rollout_gpus_per_node if s.trainer_mode == "one_step_off" else s.gpus_per_node
-        if rollout_gpus and rollout_gpus % s.rollout_tp:
-            problems.append(f"ROLLOUT_TP={s.rollout_tp} does not divide the {rollout_gpus} rollout GPUs per node")
-        dp = world // model_parallel
-        # Megatron: verl's validate_config asks for dp x micro-batch; FSDP2 batches by tokens (use_dynamic_bsz), and
-        # only the per-GPU split of each step remains (the preflight checks the rest on the composed config).
-        micro = s.micro_batch_per_gpu if s.strategy == "megatron" else 1
-        if dp and (s.train_batch_size * s.rollout_n) % (dp * micro):
-            problems.append(
-                f"TRAIN_BATCH_SIZE x ROLLOUT_N = {s.train_batch_size * s.rollout_n} is not a multiple of data-parallel "
-                f"size {dp}" + (f" x MICRO_BATCH_PER_GPU {micro}" if s.strategy == "megatron" else "")
-            )
-    if s.train_batch_size < s.ppo_mini_batch_size:
-        problems.append(
-            f"TRAIN_BATCH_SIZE={s.train_batch_size} is smaller than PPO_MINI_BATCH_SIZE={s.ppo_mini_batch_size}"
-        )
-    if s.algorithm == "dapo" and not 0 <= s.overlong_buffer_len <= s.max_response_length:
-        problems.append(
-            f"OVERLONG_BUFFER_LEN={s.overlong_buffer_len}: between 0 (a quarter of the response) and "
-            f"MAX_RESPONSE_LENGTH={s.max_response_length} (verl's dapo manager asserts it when it starts)"
-        )
-    if s.algorithm == "dapo":
-        try:
-            if s.overlong_penalty_factor < 0:
-                problems.append(f"OVERLONG_PENALTY_FACTOR={s.overlong_penalty_factor}: a penalty size, 0 or more")
-        except SettingError as exc:
-            problems.append(str(exc))
-    for name, value, allowed in (
-        ("CONFIG_REWARD_INPUT", s.reward_input, REWARD_FORMAT_CHOICES["input"]),
-        ("CONFIG_REWARD_ADD_SPECIAL_TOKENS", s.reward_add_special_tokens, REWARD_FORMAT_CHOICES["add_special_tokens"]),
-        ("CONFIG_REWARD_CHAT_TEMPLATE", s.reward_chat_template, REWARD_FORMAT_CHOICES["chat_template"]),
-        ("CONFIG_REWARD_APPEND_EOS", s.reward_append_eos, REWARD_FORMAT_CHOICES["append_eos"]),
-    ):
-        if value not in allowed:
-            problems.append(
-                f"{name}={value!r}: use {' or '.join(allowed)} (python -m reward_score.check_format MODEL PAIRS says "
-                "which the reward model needs)"
-            )
-    if s.reward_restarts < 0:
-        problems.append(f"REWARD_RESTARTS={s.reward_restarts}: restarts of a reward server that dies, 0 or more")
-    if s.reward_restart_window < 1:
-        problems.append(
-            f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
-        )
-    if not 0 < s.rollout_gpu_memory < 1:
-        problems.append(f"ROLLOUT_GPU_MEMORY={s.rollout_gpu_memory}: a share of GPU memory in (0, 1)")
-    if check_paths:
-        for name, path in (("CONFIG_MODEL_PATH", s.model_path), ("CONFIG_REWARD_MODEL_PATH", s.reward_model_path)):
-            if not Path(path, "config.json").is_file():
-                problems.append(f"{name}={path}: no config.json there (point it at the model's folder)")
-        for name, path in (("CONFIG_TRAIN_FILE", s.train_file), ("CONFIG_TEST_FILE", s.test_file)):
-            if not Path(path).is_file():
-                problems.append(f"{name}={path}: no such file (build it with python -m data_prep.build)")
-        if s.train_file and Path(s.train_file).resolve() == Path(s.test_file).resolve():
-            problems.append("CONFIG_TRAIN_FILE and CONFIG_TEST_FILE are the same file")
-        if s.container != "none" and not Path(s.image).is_file():
-            problems.append(
-                f"CONFIG_IMAGE_PATH={s.image}: no such image (sudo singularity build verl_app.sif verl_app.def)"
-            )
-    return problems
-
-
-def combination_problems(s: Settings) -> list[str]:
-    """Combinations verl 0.6.1 (or this image) cannot run, each refused with the reason."""
-    problems = []
-    for name, value, allowed in (
-        ("ALGORITHM", s.algorithm, ("grpo", "ppo", "dapo")),
-        ("TRAINER_MODE", s.trainer_mode, ("sync", "one_step_off")),
-        ("STRATEGY", s.strategy, ("megatron", "fsdp2")),
-        ("REWARD_MANAGER", s.reward_manager_setting, ("auto", "batch", "naive", "dapo")),
-        ("ROLLOUT_ENGINE", s.rollout_engine, ("sglang", "vllm")),
-    ):
-        if value not in allowed:
-            problems.append(f"{name}={value!r}: use one of {', '.join(allowed)}")
-    if problems:
-        return problems
-    if s.reward_manager == "batch" and s.rollout_mode == "async":
-        problems.append(
-            "REWARD_MANAGER=batch with ROLLOUT_MODE=async: verl 0.6.1's async reward loop registers only naive and "
-            "dapo (batch raises 'Unknown reward loop manager'); use ROLLOUT_MODE=sync or REWARD_MANAGER=naive"
-        )
-    if s.algorithm == "dapo" and s.reward_manager != "dapo":
-        problems.append(
-            f"ALGORITHM=dapo needs the dapo reward manager (its overlong penalty), not REWARD_MANAGER={s.reward_manager}"
-        )
-    if s.algorithm == "dapo" and s.dapo_dynamic_sampling and s.rollout_mode != "sync":
-        problems.append(
-            "DAPO_DYNAMIC_SAMPLING=true needs ROLLOUT_MODE=sync: recipe.dapo's trainer calls generate_sequences and "
-            "computes rewards itself"
-        )
-    if s.rollout_enforce_eager and s.rollout_engine == "sglang" and s.rollout_mode == "sync":
-        problems.append(
-            "ROLLOUT_ENFORCE_EAGER=true with ROLLOUT_ENGINE=sglang and ROLLOUT_MODE=sync: verl 0.6.1's sync SGLang "
-            "engine never reads it (its engine arguments hold no disable_cuda_graph and take nothing from engine_kwargs "
-            "but attention_backend: verl/workers/rollout/sglang_rollout/sglang_rollout.py:426-477), so CUDA graphs would "
-            "stay on; use ROLLOUT_MODE=async (its SGLang server sets disable_cuda_graph from it) or ROLLOUT_ENGINE=vllm "
-            "(enforce_eager), or set ROLLOUT_ENFORCE_EAGER=false"
-        )
-    if s.algorithm == "ppo" and s.strategy == "megatron":
-        for name, value, actor_name, actor in (
-            ("CRITIC_PP", s.critic_pp, "ACTOR_PP", s.actor_pp),
-            ("CRITIC_TP", s.critic_tp, "ACTOR_TP", s.actor_tp),
-        ):
-            if value is not None and value != actor:
-                problems.append(
-                    f"{name}={value} differs from {actor_name}={actor}: verl 0.6.1 sets Megatron's parallel state once, "
-                    "from the actor (verl/workers/megatron_workers.py; actor, ref and critic share one process per "
-                    f"GPU), so the critic runs with the actor's sizes whatever it says; unset {name}"
-                )
-    if s.trainer_mode == "one_step_off":
-        if s.rollout_engine != "vllm":
-            problems.append(
-                f"TRAINER_MODE=one_step_off with ROLLOUT_ENGINE={s.rollout_engine}: verl 0.6.1's one-step-off recipe "
-                "builds its weight-sync group in recipe/one_step_off_policy/distributed_util.py, which imports "
-                "vllm.distributed (pynccl, StatelessProcessGroup) whatever the engine, and the SGLang image has no "
-                "vLLM; use ROLLOUT_ENGINE=vllm with the vLLM image, or TRAINER_MODE=sync"
-            )
-        if s.rollout_mode != "sync":
-            problems.append(
-                "TRAINER_MODE=one_step_off needs ROLLOUT_MODE=sync: its async rollout worker raises NotImplementedError "
-                "in verl 0.6.1 (and its Megatron rollout worker asserts rollout.mode == 'sync')"
-            )
-        if s.algorithm == "dapo" and s.dapo_dynamic_sampling:
-            problems.append("TRAINER_MODE=one_step_off cannot run DAPO_DYNAMIC_SAMPLING=true (two different recipes)")
-        if not 0 < s.rollout_gpus_per_node < s.gpus_per_node:
-            problems.append(
-                f"TRAINER_MODE=one_step_off gives rollout its own GPUs: set ROLLOUT_GPUS_PER_NODE between 1 and "
-                f"{s.gpus_per_node - 1} (now {s.rollout_gpus_per_node})"
-            )
-    return problems
 
 
 def find_recipe(name: str):
@@ -580,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"setting error: {exc}", file=sys.stderr)
         return 1
     if argv[0] == "check":
+        from launch.refusals import check
+
         problems = check(settings)
         for p in problems:
             print(f"setting error: {p}", file=sys.stderr)

@@ -34,7 +34,10 @@ built by transformers that synchronises). q/k/v and gate/up run as one matmul ea
 real step runs warm. A CUDA out-of-memory error splits the micro-batch and retries. The event
 loop never runs model code.
 
-Settings come from the environment (names below); each has a command-line flag that wins (`--help`).
+Settings come from the environment (names below); each has a command-line flag that wins (`--help`). The launch
+scripts' CONFIG_REWARD_* names (the article's CONFIG_REWARD_MODEL_PATH, CONFIG_REWARD_DEVICE) are not read: the
+helper passes them as --model-path, --device and the format flags, and a server started by hand with one of them set
+says so.
 
 The code is in reward_score/server/, one job a file, each importing only the ones before it:
 settings.py (every setting) -> planner.py (how rows are grouped into micro-batches; no torch) -> runner.py (the
@@ -53,7 +56,7 @@ if not __package__:  # run by path (python reward_score/reward_server.py): the r
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from reward_score.server.app import create_app  # noqa: E402
-from reward_score.server.settings import check_model_path, load_settings  # noqa: E402
+from reward_score.server.settings import check_model_path, launch_names_not_read, load_settings  # noqa: E402
 
 log = logging.getLogger("reward_server")
 
@@ -67,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
         log.error("%s", problem)
         return 2
+    for note in launch_names_not_read(settings):
+        log.warning("%s", note)
     # Many batch shapes come and go: expandable segments keep the allocator from fragmenting (set before torch loads).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # Every waiting request is tokenized in one pass on all cores. TOKENIZERS_PARALLELISM=false, which training

@@ -9,17 +9,9 @@ from pathlib import Path
 import pytest
 
 import launch.settings as settings_module
-from launch.preflight import (
-    batch_problems,
-    compose,
-    import_problems,
-    parallel_problems,
-    rollout_problems,
-    split_command,
-    trainer_modules,
-    validate,
-)
-from launch.settings import SettingError, Settings, check, trainer_argv
+from launch.preflight import compose, import_problems, split_command, trainer_modules, validate
+from launch.refusals import batch_problems, check, parallel_problems, rollout_problems
+from launch.settings import SettingError, Settings, trainer_argv
 from tests.support import REPO
 
 
@@ -266,7 +258,7 @@ def test_the_settings_block_defaults_are_the_articles_grpo(env):
 
 
 def test_the_main_job_without_gpus_runs_every_check_and_the_reward_round_trip(tmp_path):
-    """`make demo`: the README's first command, end to end on tiny models."""
+    """`make demo`: the README's first development command, end to end on tiny models."""
     run = subprocess.run([sys.executable, "-m", "demo.run", "--out", str(tmp_path / "demo")], cwd=REPO,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     out = run.stdout + run.stderr

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from launch import canary
-from launch.settings import Settings, check
+from launch.refusals import check
+from launch.settings import Settings
 from tests.support import REPO, block_environment, run
 
 # The settings block's own defaults (as run_grpo_qwen3_4b_mega_verl.sh exports them), with placeholder paths.

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from launch import deadline
-from launch.settings import Settings, check, trainer_argv
+from launch.refusals import check
+from launch.settings import Settings, trainer_argv
 from tests.support import block_environment
 
 DEFAULTS = block_environment() | dict(

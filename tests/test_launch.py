@@ -222,6 +222,7 @@ def test_the_reward_format_settings_reach_the_preflights_server_and_the_jobs_ser
     assert len(servers) == 2
     for log in servers:
         assert "format=completion (chat template, without special tokens)" in log.read_text(), log
+        assert "is not read by this server" not in log.read_text(), "each CONFIG_REWARD_* reaches it as its flag"
     assert_everything_stopped(env)
 
 

@@ -1041,6 +1041,20 @@ def test_the_launch_scripts_settings_are_not_read_as_the_servers_own():
     assert (s.model_path, s.device, s.port) == ("", "auto", 8000)
 
 
+def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_reported_and_the_jobs_servers_say_nothing():
+    from reward_score.server.settings import launch_names_not_read
+
+    by_hand = {"CONFIG_REWARD_DEVICE": "cpu", "CONFIG_REWARD_INPUT": "completion", "REWARD_MODEL_PATH": "/m"}
+    device, fmt = launch_names_not_read(load_settings([], by_hand), by_hand)
+    assert device.startswith("CONFIG_REWARD_DEVICE=cpu is not read by this server (it reads REWARD_DEVICE or --device")
+    assert "the launch scripts pass CONFIG_REWARD_DEVICE as --device): running with device=auto" in device
+    assert fmt.startswith("CONFIG_REWARD_INPUT=completion is not read") and "input=conversation" in fmt
+    # What helper_grpo_qwen3_4b.sh does: every CONFIG_REWARD_* of the job's environment also given as its flag.
+    job = {"CONFIG_REWARD_MODEL_PATH": "/m", "CONFIG_REWARD_DEVICE": "cpu", "CONFIG_REWARD_INPUT": "conversation"}
+    flags = ["--model-path", "/m", "--device", "cpu", "--input", "conversation"]
+    assert launch_names_not_read(load_settings(flags, job), job) == []
+
+
 @pytest.mark.parametrize(
     "env, needle",
     [
@@ -1158,6 +1172,23 @@ def test_a_broken_model_path_fails_at_start_with_a_clear_message(tmp_path, make_
     )
     assert proc.popen.wait(60) == 2
     assert needle in Path(proc.log).read_text()
+
+
+def test_the_articles_config_names_alone_stop_the_server_naming_the_names_it_reads_and_how_the_job_passes_them(
+    tiny_models, tmp_path
+):
+    """The article started its server as `CONFIG_REWARD_MODEL_PATH=... python3 reward_server.py`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REWARD_")}
+    env |= {"CONFIG_REWARD_MODEL_PATH": str(tiny_models.reward_model), "CONFIG_REWARD_DEVICE": "cuda"}
+    proc = start_process(server_cmd("--port", str(free_port())), tmp_path / "x.log", env=env)
+    assert proc.popen.wait(60) == 2
+    log = " ".join(proc.log.read_text().split())
+    assert "REWARD_MODEL_PATH (or --model-path) is not set" in log
+    assert (
+        f"CONFIG_REWARD_MODEL_PATH={tiny_models.reward_model} is set, but this server reads only its own names" in log
+    )
+    assert "passes CONFIG_REWARD_MODEL_PATH as --model-path and CONFIG_REWARD_DEVICE as --device" in log
+    assert f"By hand: REWARD_MODEL_PATH={tiny_models.reward_model} REWARD_DEVICE=cuda python" in log
 
 
 def test_a_model_that_cannot_load_exits_non_zero_before_serving(tmp_path):

@@ -2,7 +2,8 @@
 
 Defaults, then the environment, then command-line flags (which win). Nothing else in the server reads the environment,
 and it reads only its own REWARD_* names: the launch scripts' CONFIG_* settings (CONFIG_REWARD_SERVER_PORT is the
-*first* port of several servers) reach a server as flags, never by being inherited.
+*first* port of several servers) reach a server as flags, never by being inherited (LAUNCH_NAMES). A server started
+by hand the article's way, with CONFIG_REWARD_MODEL_PATH / CONFIG_REWARD_DEVICE, says so instead of ignoring them.
 """
 
 import argparse
@@ -155,10 +156,51 @@ def load_settings(
     return settings
 
 
-def check_model_path(path: str) -> str | None:
+# The launch scripts' names (run_grpo_qwen3_4b_mega_verl.sh's settings block; the article's for the first two) and the
+# server setting each becomes: helper_grpo_qwen3_4b.sh passes them as these flags. The server never reads them itself.
+LAUNCH_NAMES = {
+    "CONFIG_REWARD_MODEL_PATH": "model_path",
+    "CONFIG_REWARD_DEVICE": "device",
+    "CONFIG_REWARD_INPUT": "input",
+    "CONFIG_REWARD_ADD_SPECIAL_TOKENS": "add_special_tokens",
+    "CONFIG_REWARD_CHAT_TEMPLATE": "chat_template",
+    "CONFIG_REWARD_APPEND_EOS": "append_eos",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def launch_names_not_read(settings: Settings, environ: dict[str, str] | None = None) -> list[str]:
+    """One line per launch-script name (CONFIG_REWARD_*) set in the environment to something other than what this
+    server runs with: the server reads only its own names, so such a value does nothing. Empty inside a job, where
+    the helper passes each as a flag."""
+    environ = dict(os.environ if environ is None else environ)
+    notes = []
+    for launch, name in LAUNCH_NAMES.items():
+        value, used = environ.get(launch, ""), str(getattr(settings, name))
+        if value and value != used:
+            notes.append(
+                f"{launch}={value} is not read by this server (it reads {_SETTINGS[name][0]} or {_flag(name)}; the "
+                f"launch scripts pass {launch} as {_flag(name)}): running with {name}={used or '(unset)'}"
+            )
+    return notes
+
+
+def check_model_path(path: str, environ: dict[str, str] | None = None) -> str | None:
     """Why `path` cannot be a reward model folder, or None. Checked before anything starts."""
     if not path:
-        return "REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
+        problem = "REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
+        given = dict(os.environ if environ is None else environ).get("CONFIG_REWARD_MODEL_PATH")
+        if given:
+            problem += (
+                f". CONFIG_REWARD_MODEL_PATH={given} is set, but this server reads only its own names (REWARD_MODEL_PATH,"
+                " REWARD_DEVICE, REWARD_PORT, ...: --help lists them all); run_grpo_qwen3_4b_mega_verl.sh passes"
+                " CONFIG_REWARD_MODEL_PATH as --model-path and CONFIG_REWARD_DEVICE as --device. By hand:"
+                f" REWARD_MODEL_PATH={given} REWARD_DEVICE=cuda python reward_score/reward_server.py"
+            )
+        return problem
     folder = Path(path)
     if not folder.is_dir():
         return f"the reward model path {path} (--model-path, REWARD_MODEL_PATH): no such directory"

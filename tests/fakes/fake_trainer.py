@@ -7,7 +7,8 @@ runs one Ray task on every node and records what verl's workers there would see 
 Then it sleeps $FAKE_TRAINER_SLEEP seconds, with $FAKE_TRAINER_WAIT_FOR waits until that file exists and records the
 reward servers' health again ($FAKE_TRAINER_LOG.end), and exits with $FAKE_TRAINER_RC (default 0).
 
-Given `trainer.total_training_steps=N`, it also imitates what verl 0.6.1's fit loops show from outside:
+Given `trainer.total_training_steps=N` (or $FAKE_TRAINER_STEPS, for the count verl computes from the data), it also
+imitates what verl 0.6.1's fit loops show from outside:
 `_load_checkpoint` (resume_mode=auto: the tracker file, its messages, the step it resumes at), one console-logger line
 per step as each entry point prints it (Ray prefixes a TaskRunner actor's lines): the main trainer's and the
 one-step-off recipe's with `training/global_step` (ray_trainer.py:1274-1293), recipe.dapo's without it but with
@@ -75,10 +76,9 @@ def keep_setting(argv: list[str], key: str) -> int | None:
     return None if value in ("null", "None") else int(value)
 
 
-def imitate_fit(argv: list[str]) -> int:
+def imitate_fit(argv: list[str], total: int) -> int:
     """verl 0.6.1's fit loop as seen from outside (resume, step lines, checkpoints); 0, or 1 on crash_on_resume."""
     broken = os.environ.get("FAKE_TRAINER_BREAK", "")
-    total = int(override(argv, "trainer.total_training_steps"))
     root = Path(override(argv, "trainer.default_local_dir"))
     save_freq, test_freq = (
         int(override(argv, "trainer.save_freq", "-1")),
@@ -173,8 +173,12 @@ def main() -> int:
         ray.shutdown()
     with open(os.environ["FAKE_TRAINER_LOG"], "a", encoding="utf-8") as f:
         f.write(json.dumps(seen) + "\n")
-    if override(argv, "trainer.total_training_steps", "null") != "null":
-        rc = imitate_fit(argv)
+    # verl computes the step count from the data and trainer.total_epochs when no override sets it: here
+    # $FAKE_TRAINER_STEPS stands for that.
+    total = override(argv, "trainer.total_training_steps", "null")
+    total = os.environ.get("FAKE_TRAINER_STEPS", "null") if total == "null" else total
+    if total != "null":
+        rc = imitate_fit(argv, int(total))
         if rc:
             return rc
     else:

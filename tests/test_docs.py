@@ -1,0 +1,142 @@
+"""The documentation says what the code does: the generated pages are what the code makes now, every message the scripts
+can print has an entry in docs/operations.md, README.ja.md names the commands and settings README.md names, and every
+link in the docs points at a file that exists."""
+
+import re
+
+from launch import reference
+from tests.support import REPO
+
+
+def test_the_settings_and_trainer_command_pages_are_what_the_code_makes_now():
+    for page, make in reference.PAGES.items():
+        assert page.read_text() == make(), f"{page.name} is stale: run python -m launch.reference write"
+
+
+def test_the_settings_page_lists_every_setting_of_the_block_once_and_the_articles_names_only_for_settings():
+    names = [s.name for s in reference.block_settings()]
+    block = reference.block_text()
+    assert len(names) == len(set(names)) == len(re.findall(r'^[A-Z][A-Z0-9_]*="\$\{', block, flags=re.M))
+    rows = [line.split(" | ", 1)[0] for line in (REPO / "docs" / "settings.md").read_text().splitlines()]
+    assert all(rows.count(f"| `{name}`") == 1 for name in names)
+    assert set(reference.ARTICLE_NAMES) <= set(names), set(reference.ARTICLE_NAMES) - set(names)
+    assert all(s.section and s.comment for s in reference.block_settings()), "every setting has a section and a comment"
+
+
+def test_each_override_of_the_trainer_command_page_names_the_settings_that_move_it():
+    lines = (REPO / "docs" / "trainer-command.md").read_text().split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    fed = {line.split("=", 1)[0]: line.split("# ", 1)[1] for line in lines[1:]}
+    assert lines[0] == "python3 -m verl.trainer.main_ppo --config-path=config --config-name=ppo_megatron_trainer"
+    assert fed["data.train_batch_size"] == "TRAIN_BATCH_SIZE"
+    assert fed["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"] == "STRATEGY, ACTOR_PP"
+    assert fed["trainer.nnodes"] == "CONFIG_USE_SEPARATE_REWARD_NODE, #SBATCH --nodes"
+    assert fed["trainer.resume_mode"] == "every job (FIXED_OVERRIDES)"
+    assert "/path/to/repo/reward_score/safe_hack_reward_request.py" in " ".join(lines), "no path of this machine"
+    assert str(REPO) not in " ".join(lines)
+
+
+# --- docs/operations.md: every message the scripts print -------------------------------------------------------------
+
+
+def test_every_message_the_scripts_print_has_an_entry_in_operations_md_and_every_entry_a_message():
+    missing = [f"{m.where}: {m.text()}" for m in reference.undocumented()]
+    assert missing == [], "add a row to docs/operations.md's Messages for:\n" + "\n".join(missing)
+    assert reference.stale_keys() == [], "rows of docs/operations.md that no message of the scripts contains"
+
+
+def test_the_message_list_holds_each_kind_of_message_the_scripts_print():
+    """die/err in bash, a node's failure reason built over two lines, the run script's refused settings, each refusal
+    (appended, returned, or one per key of a list comprehension), the preflight's stderr lines, a raised SettingError."""
+    texts = {m.where.split(":")[0]: [] for m in reference.messages()}
+    for m in reference.messages():
+        texts[m.where.split(":")[0]].append(" ".join(m.pieces))
+    expected = {
+        "run_grpo_qwen3_4b_mega_verl.sh": ["which is not the repository", "no config.json there (no such folder",
+                                           "could not create the job's folders"],
+        "helper_grpo_qwen3_4b.sh": ["death(s) within s, its REWARD_RESTARTS= restarts spent", "trainer exited with"],
+        "merge_mcore_to_hf.sh": ["holds only Megatron weights"],
+        "launch/refusals.py": ["FP8=true: verl 0.6.1 cannot train", "sets Megatron's parallel state once per process",
+                               "is less than one per data-parallel rank"],
+        "launch/deadline.py": ["does not save before the time limit"],
+        "launch/preflight.py": ["preflight: verl 0.6.1 would stop at run time:"],
+        "launch/settings.py": ["is not installed here (verl's PyPI wheel holds no recipes)"],
+        "launch/node.py": ["is not a GPU index"],
+    }  # fmt: skip
+    for source, needles in expected.items():
+        for needle in needles:
+            assert any(needle in text for text in texts.get(source, [])), (source, needle)
+
+
+def test_a_bash_message_is_read_across_continuation_lines_and_around_nested_quotes(tmp_path):
+    script = tmp_path / "x.sh"
+    script.write_text(
+        'die "$name=${!name}: first part of it" \\\n'
+        '  "and $(basename "$f") the second part"\n'
+        '# die "a comment is no message"\n'
+        '[[ -f x ]] || err "only this one here"; log "not an error"\n'
+    )
+    first, second = reference.bash_messages(script)
+    assert first.pieces == ("=", ": first part of it", "and", "the second part") and first.where.endswith(":1")
+    assert second.pieces == ("only this one here",)
+
+
+# --- links -----------------------------------------------------------------------------------------------------
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page) -> set[str]:
+    return {slug(h) for h in re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)}
+
+
+def test_every_link_of_the_readmes_and_docs_points_at_a_file_and_heading_that_exist():
+    pages = [REPO / "README.md", REPO / "README.ja.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in anchors(file)):
+                broken.append(f"{page.relative_to(REPO)}: ({target})")
+    assert broken == []
+
+
+def test_the_readme_fits_a_first_hour_and_links_the_japanese_one_first():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, len(lines)
+    assert "(README.ja.md)" in "\n".join(lines[:4])
+    quickstart = next(i for i, line in enumerate(lines) if line == "## Quickstart on a cluster")
+    assert quickstart < 25 and "not** run on GPUs yet" in "\n".join(lines[:quickstart]), "the status before the steps"
+
+
+# --- README.ja.md keeps up with README.md -------------------------------------------------------------------------
+
+
+def code_blocks(text: str, language: str) -> list[list[str]]:
+    """Each ```language block's lines, a bash line without its comment (the comments are each README's language)."""
+    blocks = re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.M | re.S)
+    return [[line.split("  #", 1)[0].rstrip() for line in block.splitlines()] for block in blocks]
+
+
+NAME = re.compile(r"\b[A-Z][A-Z0-9_]{2,}\b|#SBATCH --[a-z-]+|--[a-z][a-z-]+")
+
+
+def names(text: str) -> set[str]:
+    """The setting names, #SBATCH lines and options a README names in its code spans and blocks."""
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S))
+    return {n for span in spans for n in NAME.findall(span)}
+
+
+def test_the_japanese_readme_has_the_english_ones_commands_settings_output_and_links():
+    english, japanese = (REPO / "README.md").read_text(), (REPO / "README.ja.md").read_text()
+    assert code_blocks(japanese, "bash") == code_blocks(english, "bash"), "the same commands, block by block"
+    assert code_blocks(japanese, "text") == code_blocks(english, "text"), "the same healthy-job output"
+    assert names(japanese) == names(english), (names(english) - names(japanese), names(japanese) - names(english))
+    links = re.compile(r"\]\((docs/[^)#]+)")
+    assert set(links.findall(japanese)) == set(links.findall(english))
+    assert {"CONFIG_MODEL_PATH", "CONFIG_REWARD_MODEL_PATH", "TRAINING_DONE", "#SBATCH --partition"} <= names(english)
