@@ -17,7 +17,8 @@ export PATH := $(BIN):$(PATH)
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k reward -x"
 PYTEST_ARGS ?=
 
-shell_files = $(shell find . -path ./$(VENV) -prune -o -type f \( -name '*.sh' -o -path './.ci/*' \) -print | sort)
+# The repository's own shell files (git's list: not what an ignored folder holds), untracked new ones included.
+shell_files = $(shell git ls-files --cached --others --exclude-standard -- '*.sh' '.ci/*' | sort)
 
 .PHONY: help env trl demo test lint slurm clean-env
 
