@@ -3,6 +3,7 @@ several sequences packed to a row), warm-up, per-layer compile and the choice of
 the batcher (batcher.py) owns when. torch and transformers are imported only when a model loads, so `--help` and the
 settings checks run without them."""
 
+import contextlib
 import logging
 import random
 import sys
@@ -560,63 +561,57 @@ class RewardScorer:
         if self.device.startswith("cuda"):
             self.torch.cuda.synchronize(self.device)
 
-    def _check_fusion(self, seqs: list[list[int]]) -> None:
-        """Keep the fused projections only where they score as the model's own forward does. Decided eager, so that
-        a compile failure is not mistaken for the fusion's."""
-        if not self.fused:
-            return
+    @contextlib.contextmanager
+    def _eager_layers(self):
+        """The decoder layers' own (uncompiled) forward while a path is checked, so that a compile failure is not
+        mistaken for the path's."""
         layers = list(getattr(self.base, "layers", []))
         compiled = [getattr(layer, "_compiled_call_impl", None) for layer in layers]
         for layer in layers:
             layer._compiled_call_impl = None
         try:
-            self._set_fused(False)
-            expected = self.score_ids(seqs)
-            self._set_fused(True)
-            try:
-                got, why = self.score_ids(seqs), ""
-            except Exception as exc:  # noqa: BLE001 - a forward that does not match ours: serve unfused
-                got, why = None, f"{type(exc).__name__}: {exc}"
-            tolerance = 1e-4 if self.dtype == "float32" else 5e-2
-            if got is not None and any(
-                abs(a - b) > tolerance * max(1.0, abs(b)) for a, b in zip(got, expected, strict=True)
-            ):
-                why = f"scores {got} differ from {expected}"
-            if why:
-                log.warning("REWARD_FUSE: the fused projections do not score as the model does (%s); serving "
-                            "separate projections", why)  # fmt: skip
-                self.unfuse_projections()
+            yield
         finally:
             for layer, call in zip(layers, compiled, strict=True):
                 layer._compiled_call_impl = call
 
+    def _differs(self, seqs: list[list[int]], expected: list[float]) -> str:
+        """Why scoring `seqs` the way the model is set now does not give `expected` (it raised, or a score is off by
+        more than the dtype's tolerance); empty when it agrees."""
+        try:
+            got = self.score_ids(seqs)
+        except Exception as exc:  # noqa: BLE001 - a forward the model does not take: the caller falls back
+            return f"{type(exc).__name__}: {exc}"
+        tolerance = 1e-4 if self.dtype == "float32" else 5e-2
+        if any(abs(a - b) > tolerance * max(1.0, abs(b)) for a, b in zip(got, expected, strict=True)):
+            return f"scores {got} differ from {expected}"
+        return ""
+
+    def _check_fusion(self, seqs: list[list[int]]) -> None:
+        """Keep the fused projections only where they score as the model's own forward does."""
+        if not self.fused:
+            return
+        with self._eager_layers():
+            self._set_fused(False)
+            expected = self.score_ids(seqs)
+            self._set_fused(True)
+            why = self._differs(seqs, expected)
+            if why:
+                log.warning("REWARD_FUSE: the fused projections do not score as the model does (%s); serving "
+                            "separate projections", why)  # fmt: skip
+                self.unfuse_projections()
+
     def _choose_mask_path(self, seqs: list[list[int]]) -> None:
-        """Use the mask mapping where the model takes it and scores as it does building its own mask. Decided
-        eager, so that a compile failure is not mistaken for the model's answer."""
+        """Use the mask mapping where the model takes it and scores as it does building its own mask."""
         if not self.can_map_mask:
             return
-        layers = list(getattr(self.base, "layers", []))
-        compiled = [getattr(layer, "_compiled_call_impl", None) for layer in layers]
-        for layer in layers:
-            layer._compiled_call_impl = None
-        try:
+        with self._eager_layers():
             expected = self.score_ids(seqs)
             self.mask_mapping = True
-            try:
-                got, why = self.score_ids(seqs), ""
-            except Exception as exc:  # noqa: BLE001 - a model whose forward does not take the mapping
-                got, why = None, f"{type(exc).__name__}: {exc}"
-            tolerance = 1e-4 if self.dtype == "float32" else 5e-2
-            if got is not None and any(
-                abs(a - b) > tolerance * max(1.0, abs(b)) for a, b in zip(got, expected, strict=True)
-            ):
-                why = f"scores {got} differ from {expected}"
+            why = self._differs(seqs, expected)
             if why:
                 log.warning("the model does not take a per-layer mask mapping (%s); transformers builds masks", why)
                 self.mask_mapping = False
-        finally:
-            for layer, call in zip(layers, compiled, strict=True):
-                layer._compiled_call_impl = call
 
 
 class Launched:
