@@ -129,6 +129,8 @@ plan_ports() {
   while IFS='=' read -r key value; do
     port[$key]=$value
   done <<<"$plan"
+  # Which ports this job holds on this node, for whoever looks at the node (and the tests' check that all are freed).
+  printf '%s\nreward_count=%s\nnode=%s\n' "$plan" "$1" "$host" >"$job_log_dir/ports.$rank"
   [[ "${port[block_moved]}" == 0 ]] || log "[rank $rank] this job's usual ports on $host are taken: moved ${port[block_moved]} block(s) on"
 }
 

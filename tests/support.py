@@ -170,16 +170,19 @@ def listening(ports: Sequence[int]) -> list[int]:
 
 
 def job_ports(log_dir: Path) -> list[int]:
-    """Every port the job's head used: its reward servers and its Ray block (from the files the head published)."""
-    ports = []
+    """Every port the job held on any node: what each node's helper wrote to ports.<rank> (Ray's ports, the worker
+    range, the reward servers), and the reward URLs the head published."""
+    from launch.node import RAY_PORT_OFFSETS
+
+    ports = set()
     urls = (log_dir / "reward_urls").read_text().strip() if (log_dir / "reward_urls").exists() else ""
-    ports += [int(u.rsplit(":", 1)[1]) for u in urls.split(",") if u]
-    cluster = log_dir / "cluster.env"
-    if cluster.exists():
-        address = next(line for line in cluster.read_text().splitlines() if line.startswith("RAY_ADDRESS_FOR_TRAINER="))
-        gcs = int(address.rsplit(":", 1)[1])
-        ports += list(range(gcs, gcs + 512)) if gcs >= 20000 else [gcs]
-    return ports
+    ports |= {int(u.rsplit(":", 1)[1]) for u in urls.split(",") if u}
+    for plan_file in log_dir.glob("ports.*"):
+        plan = dict(line.split("=", 1) for line in plan_file.read_text().splitlines() if "=" in line)
+        ports |= {int(plan[name]) for name in RAY_PORT_OFFSETS}
+        ports |= set(range(int(plan["min_worker_port"]), int(plan["max_worker_port"]) + 1))
+        ports |= set(range(int(plan["reward_port"]), int(plan["reward_port"]) + int(plan["reward_count"])))
+    return sorted(ports)
 
 
 def assert_everything_stopped(env: Mapping[str, str], timeout: float = 10) -> None:
