@@ -805,6 +805,21 @@ def test_a_model_that_does_not_take_the_mask_mapping_builds_its_own_masks(tiny_m
     assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
 
 
+def test_a_deep_models_rounding_in_its_scores_does_not_cost_it_the_mask_mapping(tiny_models, monkeypatch):
+    # Two right ways of running a deep bf16 model end in scores further apart than any tolerance that would still
+    # catch a wrong one (a random Qwen3-14B on an H200: 0.08); here a head that moves every score by more than that.
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+    head, calls = scorer.head, []
+
+    def drifting(hidden):
+        calls.append(1)
+        return head(hidden) + 0.1 * len(calls)
+
+    monkeypatch.setattr(scorer, "head", drifting)
+    scorer.warm_up()
+    assert scorer.mask_mapping is True and len(scorer.fused) == 2 * len(scorer.base.layers)
+
+
 def _count_calls(modules) -> list:
     calls = []
     for m in modules:
