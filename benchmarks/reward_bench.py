@@ -184,6 +184,8 @@ _PROFILE = {
     "queue_wait_s": "reward_queue_wait_seconds_sum",
     "prepare_s": "reward_prepare_seconds_sum",
     "prepare_passes": "reward_prepare_seconds_count",
+    "gpu_busy_s": "reward_gpu_busy_seconds_total",
+    "packed": "reward_packed_forwards_total",
 }
 
 
@@ -205,6 +207,7 @@ def profile_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
         "padded_tokens": d["padded_tokens"], "launch_s_total": d["forward_launch_s"],
         "prepare_s_total": d["prepare_s"], "prepare_passes": d["prepare_passes"],
         "queue_wait_ms_mean": 1000 * d["queue_wait_s"] / max(d["requests"], 1),
+        "gpu_busy_s_total": d["gpu_busy_s"], "packed_micro_batches": d["packed"],
     }  # fmt: skip
 
 
@@ -584,11 +587,14 @@ class Bench:
                          "samples_per_s": len(pairs) / seconds, "tokens_per_s": tokens / seconds, "seed": seed,
                          "server": summed_delta(before, after),
                          "requests": requests_delta(before_requests, servers.requests()), **extra})  # fmt: skip
+            # The share of the wall each server's GPU ran a micro-batch (from its first kernel to its last): the
+            # rest is the GPU idle, waiting on HTTP, tokenizing, planning or the callers (0 on the CPU: not timed).
+            live = len(servers.live_urls)
+            runs[-1]["server"]["gpu_busy_share"] = runs[-1]["server"]["gpu_busy_s_total"] / seconds / live
             if "loop" in extra:
                 extra["loop"]["requests"] = runs[-1]["requests"]
                 # the servers' forward time over the row's wall, per server: the busy share on CPU, where a forward
                 # runs while it is launched; on a GPU a lower bound (see pct_of_ceiling for the FLOP view)
-                live = len(servers.live_urls)
                 extra["loop"]["forward_busy_share"] = runs[-1]["server"]["launch_s_total"] / seconds / live
         name = ROW_NAMES.get(row, "").format(c=self.args.concurrency, n=variant["replicas"])
         if row in LOOP_WORKLOADS:
@@ -922,9 +928,11 @@ def print_summary(result: dict) -> None:
     for r in rows:
         if r["server"]:
             p = r["server"]
-            print(f"  {r['row']:<68} {p['micro_batches']:5.0f} micro-batches x {p['rows_per_micro_batch']:5.1f} rows, "
+            print(f"  {r['row']:<68} {p['micro_batches']:5.0f} micro-batches ({p.get('packed_micro_batches', 0):.0f} packed) x "
+                  f"{p['rows_per_micro_batch']:5.1f} rows, "
                   f"prepare {p['prepare_s_total']:6.2f} s in {p['prepare_passes']:4.0f} passes, launch {p['launch_s_total']:6.2f} s, "
-                  f"queue wait {p['queue_wait_ms_mean']:6.1f} ms")  # fmt: skip
+                  f"queue wait {p['queue_wait_ms_mean']:6.1f} ms, GPU busy {100 * p.get('gpu_busy_share', 0):5.1f}% "
+                  "of the wall")  # fmt: skip
     loop_rows = [r for r in rows if "loop" in r]
     if loop_rows:
         print_loop_rows(loop_rows)

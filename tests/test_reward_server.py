@@ -25,7 +25,15 @@ from hypothesis import strategies as st
 from reward_score.server import runner
 from reward_score.server.app import create_app
 from reward_score.server.batcher import Batcher, Preparer, _Job
-from reward_score.server.planner import MemoryTooSmall, Planner, activation_bytes_per_token, model_token_budget
+from reward_score.server.planner import (
+    MICRO_BATCH_COST,
+    MemoryTooSmall,
+    Planner,
+    activation_bytes_per_token,
+    model_micro_batch_cost,
+    model_packs,
+    model_token_budget,
+)
 from reward_score.server.runner import ConversationRefused, RewardScorer
 from reward_score.server.settings import Settings, load_settings
 from tests.support import REPO, free_port, http_get, start_http_server, start_process
@@ -350,6 +358,27 @@ def test_before_finish_holds_the_next_micro_batch_while_the_running_one_has_far_
     asyncio.run(main())
 
 
+def test_the_gpu_time_of_each_finished_micro_batch_reaches_the_metrics_hook():
+    async def main():
+        scorer, seen = _TimedScorer(), []
+        batcher = Batcher(scorer, max_wait_s=0.01, quiet_s=0.005, depth=2, on_gpu=seen.append)
+        batcher.start()
+        try:
+            task = asyncio.ensure_future(batcher.score([[1] * 10]))
+            await _until(lambda: len(scorer.launched) == 1)
+            assert seen == [], "counted before the GPU finished it"
+            scorer.launched[0][1].set()
+            await asyncio.wait_for(task, 5)
+            await _until(lambda: seen)
+            assert seen == [pytest.approx(1.0)]  # 0.1 s a token, 10 tokens
+        finally:
+            for _, gate in scorer.launched:
+                gate.set()
+            batcher.stop()
+
+    asyncio.run(main())
+
+
 def test_after_wait_queues_the_next_micro_batch_once_its_rows_waited_max_wait_whatever_the_gpu_has_left():
     async def main():
         scorer = _TimedScorer()
@@ -489,6 +518,51 @@ def test_on_the_benchmark_step_the_planner_computes_under_4_percent_padding():
         assert row_count * layout.width <= planner.token_budget
         computed += row_count * layout.width
     assert computed < 1.04 * sum(lengths), computed / sum(lengths)
+
+
+def test_a_bigger_models_planner_splits_rows_into_narrower_micro_batches_with_less_padding():
+    """What 64 per-sample callers leave waiting: a few dozen rows of mixed lengths. The cost of one more forward is
+    time, and a Qwen3-8B token takes ~5x a 1.7B's: at its cost the plan computes fewer padded tokens."""
+    from benchmarks.reward_bench import workload
+
+    assert model_micro_batch_cost(1.41e9) == MICRO_BATCH_COST  # Qwen3-1.7B: as measured
+    assert model_micro_batch_cost(0.44e9) == MICRO_BATCH_COST  # smaller: never more
+    assert 150 < model_micro_batch_cost(6.95e9) < 300  # Qwen3-8B
+    assert model_micro_batch_cost(13.2e9) < model_micro_batch_cost(6.95e9)
+    assert model_micro_batch_cost(1e15) == 64  # a floor
+
+    lengths = [p + r for p, r in workload(8765, 40)]
+
+    def padded(cost: int) -> tuple[int, int]:
+        planner = Planner(token_budget=32768, pad_multiple=16, micro_batch_cost=cost)
+        plan = planner.plan(lengths)
+        assert sorted(i for rows in plan for i in rows) == list(range(len(lengths)))
+        return sum(len(rows) * planner.layout([lengths[i] for i in rows]).width for rows in plan), len(plan)
+
+    (small_model, forwards_small), (big_model, forwards_big) = padded(1024), padded(model_micro_batch_cost(6.95e9))
+    assert forwards_big > forwards_small
+    assert small_model > 1.10 * sum(lengths) and big_model < 1.06 * sum(lengths)  # 12% padding, then 5%
+
+
+def test_only_models_up_to_the_measured_size_pack_and_pack_off_scores_the_same_unpacked(tiny_models):
+    assert model_packs(1.41e9) and not model_packs(6.95e9)  # Qwen3-1.7B packs, Qwen3-8B does not (H200, 64 callers)
+    packing = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", compile="off"))
+    plain = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", compile="off", pack="off"))
+    assert packing.planner.pack and not plain.planner.pack
+    packed, padded = [], []
+    packing.on_packed, plain.on_packed = lambda: packed.append(1), lambda: padded.append(1)
+    seqs = [[5] * 200] + [[7 + k] * 40 for k in range(6)]  # six short ones fit beside each other in 208-token rows
+    assert plain.score_ids(seqs) == pytest.approx(packing.score_ids(seqs), abs=1e-4)
+    assert packed and not padded
+
+
+def test_the_micro_batch_cost_setting_wins_and_the_cpu_keeps_the_measured_one(tiny_models):
+    assert Planner.for_settings(Settings(micro_batch_cost=300), "cuda", pack=True, model_cost=200).micro_batch_cost == 300
+    assert Planner.for_settings(Settings(), "cuda", pack=True, model_cost=200).micro_batch_cost == 200
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+    assert scorer.planner.micro_batch_cost == MICRO_BATCH_COST
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", micro_batch_cost=96))
+    assert scorer.planner.micro_batch_cost == 96
 
 
 def test_the_planner_and_the_settings_load_without_torch():
@@ -1085,6 +1159,8 @@ def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_report
         ({"REWARD_WARMUP": "full"}, "REWARD_WARMUP"),
         ({"REWARD_GPU_MEMORY_GIB": "-4"}, "REWARD_GPU_MEMORY_GIB"),
         ({"REWARD_NEXT_LAUNCH": "soon"}, "REWARD_NEXT_LAUNCH"),
+        ({"REWARD_MICRO_BATCH_COST": "-1"}, "REWARD_MICRO_BATCH_COST must be 0 (from the model)"),
+        ({"REWARD_PACK": "on"}, "REWARD_PACK must be auto or off"),
         ({"REWARD_CUDNN_ATTENTION": "on"}, "REWARD_CUDNN_ATTENTION"),
     ],
 )

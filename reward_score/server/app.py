@@ -95,6 +95,10 @@ class Metrics:
                                registry=r)  # fmt: skip
         self.wait = Histogram("reward_queue_wait_seconds", "time a request waited for the GPU thread", registry=r)
         self.forward = Histogram("reward_forward_seconds", "time to launch one micro-batch forward", registry=r)
+        self.packed = Counter("reward_packed_forwards", "micro-batches run packed (several sequences to a row)",
+                              registry=r)  # fmt: skip
+        self.gpu = Counter("reward_gpu_busy_seconds", "GPU time of the micro-batches served (CUDA events, start to "
+                           "finish of each)", registry=r)  # fmt: skip
         self.prepare = Histogram("reward_prepare_seconds", "time of one render-and-tokenize pass (all requests waiting)",
                                  registry=r)  # fmt: skip
         peak = Gauge("reward_gpu_memory_peak_bytes", "peak GPU memory reserved by this server", registry=r)
@@ -164,6 +168,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
         active = scorer or await run_in_threadpool(RewardScorer.load, settings)
         active.on_forward = metrics.on_forward
         active.on_oom = lambda: metrics.errors.labels("cuda_oom_split").inc()
+        active.on_packed = metrics.packed.inc
         await run_in_threadpool(active.warm_up)
         batcher = Batcher(
             active,
@@ -171,6 +176,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             settings.quiet_ms / 1000,
             on_batch=lambda jobs, waits: [metrics.wait.observe(w) for w in waits],
             next_launch=settings.next_launch,
+            on_gpu=metrics.gpu.inc,
         )
         batcher.start()
         # One pass at a time, in a thread of its own (cheaper to reach than anyio's pool, ~0.1 ms a pass).
@@ -185,11 +191,11 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
         state.update(scorer=active, batcher=batcher, preparer=preparer)
         log.info(
             "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d max_length=%d truncation=%s "
-            "format=%s token_budget=%d warm_up_s=%s",
+            "format=%s token_budget=%d micro_batch_cost=%d warm_up_s=%s",
             settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, len(active.fused),
             settings.max_length, settings.truncation,
             active.format.describe() + ("" if active.has_chat_template else ": the tokenizer has no chat template"),
-            active.planner.token_budget, {k: round(v, 2) for k, v in active.warm_up_s.items()},
+            active.planner.token_budget, active.planner.micro_batch_cost, {k: round(v, 2) for k, v in active.warm_up_s.items()},
         )  # fmt: skip
         try:
             yield
@@ -304,6 +310,8 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             "mask_mapping": active.mask_mapping,
             "fused_modules": len(active.fused),
             "token_budget": active.planner.token_budget,
+            "micro_batch_cost": active.planner.micro_batch_cost,
+            "pack": active.planner.pack,
             "warm_up_s": active.warm_up_s,
             "auth": bool(settings.auth_token),
         }

@@ -52,6 +52,7 @@ class Batcher:
         quiet_s: float = 0.002,
         on_batch=None,
         depth: int = 2,
+        on_gpu=None,
         next_launch: str = "after_wait",
     ):
         self.scorer = scorer
@@ -61,6 +62,7 @@ class Batcher:
         self.depth = depth
         self.next_launch = next_launch
         self.on_batch = on_batch  # metrics hook: (jobs, queue_waits)
+        self.on_gpu = on_gpu  # metrics hook: GPU seconds of a finished micro-batch (timed ones only)
         self.gpu_s_per_token: float | None = None  # measured on finished micro-batches (moving average)
         self.launch_s = 0.02  # host time of a launch onto an idle GPU (moving average; the lead before a finish)
         self._head_since = 0.0  # when the micro-batch at the head of the GPU queue started running
@@ -197,6 +199,8 @@ class Batcher:
         tokens = getattr(handle, "tokens", 0)
         if seconds is None or tokens <= 0:
             return
+        if self.on_gpu:
+            self.on_gpu(seconds)
         rate = seconds / tokens
         self.gpu_s_per_token = rate if self.gpu_s_per_token is None else 0.7 * self.gpu_s_per_token + 0.3 * rate
 

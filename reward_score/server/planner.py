@@ -16,8 +16,16 @@ from reward_score.server.settings import Settings
 
 PACK_WHEN = 0.8  # pack a micro-batch's sequences several to a row when that needs at most 80% of the rows
 # What one more forward costs beyond its tokens, in tokens (launches, smaller matmuls): the planner splits a step into
-# more micro-batches only where that saves more padded tokens than this. About 3% of a 32k-token micro-batch.
+# more micro-batches only where that saves more padded tokens than this. About 3% of a 32k-token micro-batch of a
+# Qwen3-1.7B. That cost is time (the host launching a forward, its matmuls' ramp), and a bigger model's token takes
+# longer, so on a GPU it is fewer of a bigger model's tokens (`model_micro_batch_cost`).
 MICRO_BATCH_COST = 1024
+MICRO_BATCH_COST_PARAMS = 1.5e9  # non-embedding parameters up to which it holds (measured on Qwen3-1.7B: 1.41e9)
+MIN_MICRO_BATCH_COST = 64
+# Packing (REWARD_PACK=auto) up to this size: a packed row attends over its whole width (a dense block mask, no causal
+# skipping), which pays where a forward's fixed cost dominates and costs more than the padding it saves above. One
+# H200, 64 per-sample callers: Qwen3-1.7B 52.6% of the ceiling packed against 43.0% not; Qwen3-8B 74.1% against 81.6%.
+PACK_UP_TO_PARAMS = MICRO_BATCH_COST_PARAMS
 # The token budget a GPU server takes by default (measured on an H200 from 1.7B to 14B parameters: a larger one made
 # fresh lengths and per-sample callers slower), and the memory its activations may take when nothing caps the server.
 DEFAULT_GPU_BUDGET = 32768
@@ -54,6 +62,18 @@ def model_token_budget(per_token_bytes: int, weight_bytes: int, memory_cap_bytes
             f"which leaves no room for a {MIN_BUDGET}-token micro-batch; give the server at least {need:.1f} GiB"
         )
     return min(DEFAULT_GPU_BUDGET, fits)
+
+
+def model_micro_batch_cost(non_embedding_params: float) -> int:
+    """The planner's cost of one more forward, in tokens, for a model of this size on a GPU: MICRO_BATCH_COST at
+    Qwen3-1.7B's size or smaller, in proportion to the time a token takes above it (a Qwen3-8B: ~200 tokens)."""
+    scaled = MICRO_BATCH_COST * MICRO_BATCH_COST_PARAMS / max(non_embedding_params, 1.0)
+    return int(max(MIN_MICRO_BATCH_COST, min(MICRO_BATCH_COST, scaled)))
+
+
+def model_packs(non_embedding_params: float) -> bool:
+    """Whether REWARD_PACK=auto packs for a model of this size (see PACK_UP_TO_PARAMS)."""
+    return non_embedding_params <= PACK_UP_TO_PARAMS
 
 
 class _Packer:
@@ -104,20 +124,24 @@ class Planner:
     pad_multiple: int = 16
     max_length: int = 4096
     pack: bool = False
+    micro_batch_cost: int = MICRO_BATCH_COST  # tokens: what one more forward costs (see MICRO_BATCH_COST)
 
     @classmethod
-    def for_settings(cls, settings: Settings, device: str, pack: bool, model_budget: int | None = None) -> "Planner":
+    def for_settings(
+        cls, settings: Settings, device: str, pack: bool, model_budget: int | None = None, model_cost: int | None = None
+    ) -> "Planner":
         return cls(
             token_budget=settings.effective_token_budget(device, model_budget),
             max_batch_rows=settings.max_batch_rows,
             pad_multiple=settings.pad_multiple,
             max_length=settings.max_length,
             pack=pack,
+            micro_batch_cost=settings.micro_batch_cost or model_cost or MICRO_BATCH_COST,
         )
 
     def plan(self, lengths: Sequence[int]) -> list[list[int]]:
         """Group row indices into micro-batches, longest first, each within the token budget as it will run. Two
-        candidates, the cheaper one wins (tokens as run, plus `MICRO_BATCH_COST` per forward): filling each
+        candidates, the cheaper one wins (tokens as run, plus `micro_batch_cost` per forward): filling each
         micro-batch up to the budget, packing rows several to a padded row where that saves at least a fifth of the
         rows (`_fill`); and cutting the sorted rows where the fewest padded tokens are computed (`_partition`)."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -148,16 +172,16 @@ class Planner:
                     continue
             if current:
                 batches.append(current)
-                cost += as_run * packer.width + MICRO_BATCH_COST
+                cost += as_run * packer.width + self.micro_batch_cost
             current, packer, as_run = [i], _Packer(self.width_for(lengths[i])), 1
             packer.add(i, lengths[i], 0)
         batches.append(current)
-        cost += as_run * packer.width + MICRO_BATCH_COST
+        cost += as_run * packer.width + self.micro_batch_cost
         return batches, cost
 
     def _partition(self, order: list[int], lengths: Sequence[int]) -> tuple[list[list[int]], int]:
         """Padded micro-batches of consecutive rows (longest first) with the fewest padded tokens plus
-        `MICRO_BATCH_COST` each: a shortest path over cut points. A micro-batch ends where the padded width changes
+        `micro_batch_cost` each: a shortest path over cut points. A micro-batch ends where the padded width changes
         (rows of one width are interchangeable) or where the budget is full, so each start tries few ends."""
         widths = [self.width_for(lengths[i]) for i in order]
         n = len(order)
@@ -172,7 +196,7 @@ class Planner:
             j = next_width[i]
             while True:
                 j = min(j, last)
-                cost = best[i] + (j - i) * width + MICRO_BATCH_COST
+                cost = best[i] + (j - i) * width + self.micro_batch_cost
                 if cost < best[j]:
                     best[j], came_from[j] = cost, i
                 if j == last:

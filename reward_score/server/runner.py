@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from reward_score.server.planner import Planner, activation_bytes_per_token, model_token_budget
+from reward_score.server.planner import (
+    Planner,
+    activation_bytes_per_token,
+    model_micro_batch_cost,
+    model_packs,
+    model_token_budget,
+)
 from reward_score.server.settings import Settings
 
 log = logging.getLogger("reward_server")
@@ -161,9 +167,12 @@ class RewardScorer:
         # (a response may contain the pad token's text), and the head runs on B rows instead of B x L.
         self.base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         self.head = getattr(model, "score", None)
-        # Packing needs the fast path and an attention that takes a boolean 4D mask as given (sdpa).
+        # Packing needs the fast path and an attention that takes a boolean 4D mask as given (sdpa); with
+        # REWARD_PACK=auto only models small enough for it to pay (planner.PACK_UP_TO_PARAMS).
         attention = getattr(model.config, "_attn_implementation", None)
-        self.can_pack = self.base is not None and self.head is not None and attention == "sdpa"
+        self.non_embedding_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+        self.can_pack = (self.base is not None and self.head is not None and attention == "sdpa"
+                         and settings.pack == "auto" and model_packs(self.non_embedding_params))  # fmt: skip
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model_budget = None
         if device.startswith("cuda") and not settings.token_budget and self.activation_bytes_per_token():
@@ -171,7 +180,12 @@ class RewardScorer:
             self.model_budget = model_token_budget(
                 self.activation_bytes_per_token(), self.weight_bytes, int(settings.gpu_memory_gib * 2**30)
             )
-        self.planner = Planner.for_settings(settings, device, pack=self.can_pack, model_budget=self.model_budget)
+        # A bigger model's token takes longer, so one more forward costs fewer of its tokens: narrower micro-batches
+        # with less padding pay (on the CPU the cost stays MICRO_BATCH_COST).
+        model_cost = model_micro_batch_cost(self.non_embedding_params) if device.startswith("cuda") else None
+        self.planner = Planner.for_settings(
+            settings, device, pack=self.can_pack, model_budget=self.model_budget, model_cost=model_cost
+        )
         # Hand the model its per-layer mask mapping ourselves (warm_up checks the model takes it and scores the same)?
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
         self.can_map_mask = (self.base is not None and self.head is not None and layer_types == {"full_attention"}
@@ -188,6 +202,7 @@ class RewardScorer:
         self._slow_lock = threading.Lock()
         self.on_forward = None  # metrics hook: (rows, padded_len, real_tokens, seconds)
         self.on_oom = None  # metrics hook: a micro-batch was split after a CUDA out-of-memory error
+        self.on_packed = None  # metrics hook: a micro-batch ran packed (several sequences to a row)
         self.compiled = False
         self.fused: list = []  # the attention and MLP modules running fused projections
         self.warm_up_s: dict[str, float] = {}
@@ -427,6 +442,8 @@ class RewardScorer:
         if layout.bins is not None:
             bins = [[rows[k] for k in members] for members in layout.bins]
             scores = self._forward_packed(rows, bins, seqs, lengths, width)
+            if self.on_packed:
+                self.on_packed()
             if self.on_forward:
                 self.on_forward(len(bins), width, sum(lengths[i] for i in rows), time.perf_counter() - start)
             return scores

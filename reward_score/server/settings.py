@@ -32,6 +32,8 @@ class Settings:
     token_budget: int = 0  # 0: from the model and the memory it may use on a GPU (at most 32768), 8192 on the CPU
     max_batch_rows: int = 256
     pad_multiple: int = 16
+    pack: str = "auto"
+    micro_batch_cost: int = 0  # 0: from the model on a GPU (planner.model_micro_batch_cost), 1024 on the CPU
     max_wait_ms: float = 20.0
     quiet_ms: float = 2.0
     compile: str = "auto"
@@ -76,6 +78,11 @@ _SETTINGS: dict[str, tuple[str, str]] = {
     "token_budget": ("REWARD_TOKEN_BUDGET", "padded tokens per forward (0: from the model on GPU, 8192 on CPU)"),
     "max_batch_rows": ("REWARD_MAX_BATCH_ROWS", "rows per forward at most"),
     "pad_multiple": ("REWARD_PAD_MULTIPLE", "pad each batch to a multiple of this many tokens"),
+    "pack": ("REWARD_PACK", "auto (models up to Qwen3-1.7B's size: several sequences to a padded row where that saves "
+             "a fifth of the rows, each attending only to itself) | off"),
+    "micro_batch_cost": ("REWARD_MICRO_BATCH_COST", "what one more forward costs, in tokens, when rows are split into "
+                         "micro-batches (0: from the model on a GPU: 1024 up to Qwen3-1.7B's size, fewer for bigger "
+                         "models, whose tokens take longer)"),
     "max_wait_ms": ("REWARD_MAX_WAIT_MS", "longest the GPU thread gathers requests into one batch"),
     "quiet_ms": ("REWARD_QUIET_MS", "gathering stops early once no request arrived for this long"),
     "compile": ("REWARD_COMPILE", "auto (per-layer torch.compile on GPU) | layers | off"),
@@ -136,9 +143,13 @@ def load_settings(
     if settings.compile not in ("auto", "layers", "off"):
         problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
     for name, allowed in (("fuse", ("auto", "off")), ("warmup", ("auto", "step", "basic")),
-                          ("next_launch", ("after_wait", "before_finish")), ("cudnn_attention", ("auto", "off"))):  # fmt: skip
+                          ("next_launch", ("after_wait", "before_finish")), ("cudnn_attention", ("auto", "off")),
+                          ("pack", ("auto", "off"))):  # fmt: skip
         if getattr(settings, name) not in allowed:
             problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
+    if settings.micro_batch_cost < 0:
+        problems.append(f"REWARD_MICRO_BATCH_COST must be 0 (from the model) or a number of tokens, got "
+                        f"{settings.micro_batch_cost}")  # fmt: skip
     if settings.gpu_memory_gib < 0:
         problems.append(f"REWARD_GPU_MEMORY_GIB must be 0 (no cap) or a size in GiB, got {settings.gpu_memory_gib}")
     if settings.truncation not in ("left", "reject"):
