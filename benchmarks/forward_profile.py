@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=4321, help="workload seed (fresh lengths: not the warm-up's)")
     parser.add_argument("--group", type=int, default=10, help="sequences per micro-batch in the small-groups layout")
     parser.add_argument("--compile", default="auto", help="REWARD_COMPILE for the scorer")
+    parser.add_argument("--layouts", choices=("both", "batch", "small"), default="both",
+                        help="profile the batch path, the small groups, or both (a big model's small groups take long)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
             scorer.score_ids(seqs[i : i + args.group]) for i in range(0, len(seqs), args.group)
         ],
     }
+    if args.layouts != "both":
+        layouts = dict([list(layouts.items())[0 if args.layouts == "batch" else 1]])
     ceiling = matmul_tflops(args.device)
     results = []
     for k, (name, run) in enumerate(layouts.items()):

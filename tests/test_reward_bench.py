@@ -140,6 +140,9 @@ def test_the_forward_profile_scores_the_step_both_ways_and_names_kernel_kinds(tm
     assert [x["layout"] for x in layouts] == ["batch path (whole step planned at once)",
                                               "small groups (5 sequences per call)"]  # fmt: skip
     assert all(x["wall_s"] > 0 and x["tokens"] > 24 * 100 for x in layouts)
+    run = subprocess.run([*cmd, "--layouts", "batch"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert [x["layout"] for x in json.loads(out.read_text())["layouts"]] == ["batch path (whole step planned at once)"]
 
 
 def test_pairwise_agreement_counts_the_pairs_kept_in_order_and_ignores_ties():
