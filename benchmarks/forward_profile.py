@@ -62,8 +62,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=4321, help="workload seed (fresh lengths: not the warm-up's)")
     parser.add_argument("--group", type=int, default=10, help="sequences per micro-batch in the small-groups layout")
     parser.add_argument("--compile", default="auto", help="REWARD_COMPILE for the scorer")
-    parser.add_argument("--layouts", choices=("both", "batch", "small"), default="both",
-                        help="profile the batch path, the small groups, or both (a big model's small groups take long)")
+    parser.add_argument(
+        "--layouts",
+        choices=("both", "batch", "small"),
+        default="both",
+        help="profile the batch path, the small groups, or both (a big model's small groups take long)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 

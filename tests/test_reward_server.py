@@ -547,7 +547,9 @@ def test_a_bigger_models_planner_splits_rows_into_narrower_micro_batches_with_le
 def test_only_models_up_to_the_measured_size_pack_and_pack_off_scores_the_same_unpacked(tiny_models):
     assert model_packs(1.41e9) and not model_packs(6.95e9)  # Qwen3-1.7B packs, Qwen3-8B does not (H200, 64 callers)
     packing = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", compile="off"))
-    plain = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", compile="off", pack="off"))
+    plain = RewardScorer.load(
+        Settings(model_path=str(tiny_models.reward_model), device="cpu", compile="off", pack="off")
+    )
     assert packing.planner.pack and not plain.planner.pack
     packed, padded = [], []
     packing.on_packed, plain.on_packed = lambda: packed.append(1), lambda: padded.append(1)
@@ -557,7 +559,9 @@ def test_only_models_up_to_the_measured_size_pack_and_pack_off_scores_the_same_u
 
 
 def test_the_micro_batch_cost_setting_wins_and_the_cpu_keeps_the_measured_one(tiny_models):
-    assert Planner.for_settings(Settings(micro_batch_cost=300), "cuda", pack=True, model_cost=200).micro_batch_cost == 300
+    assert (
+        Planner.for_settings(Settings(micro_batch_cost=300), "cuda", pack=True, model_cost=200).micro_batch_cost == 300
+    )
     assert Planner.for_settings(Settings(), "cuda", pack=True, model_cost=200).micro_batch_cost == 200
     scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
     assert scorer.planner.micro_batch_cost == MICRO_BATCH_COST
