@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.reward_bench import SHAPES, build_model, matmul_tflops, texts, workload  # noqa: E402
+from benchmarks.reward_bench import SHAPES, build_model, machine_info, matmul_tflops, scorer_step  # noqa: E402
 from reward_score.server.runner import RewardScorer  # noqa: E402
 from reward_score.server.settings import Settings  # noqa: E402
 
@@ -83,10 +83,6 @@ def main(argv=None) -> int:
         if on_gpu:
             torch.cuda.synchronize()
 
-    def encoded(seed: int) -> list[list[int]]:
-        pairs = texts(workload(seed, args.samples), seed, words)
-        return [e.ids for e in scorer.encode([scorer.render([{"role": "user", "content": p}], r) for p, r in pairs])]
-
     layouts = {
         "batch path (whole step planned at once)": lambda seqs: scorer.score_ids(seqs),
         f"small groups ({args.group} sequences per call)": lambda seqs: [
@@ -98,8 +94,10 @@ def main(argv=None) -> int:
     ceiling = matmul_tflops(args.device)
     results = []
     for k, (name, run) in enumerate(layouts.items()):
-        run(encoded(args.seed + 100 + k))  # shapes of another step first: compile and pick kernels
-        seqs = encoded(args.seed + k)
+        run(
+            scorer_step(scorer, args.seed + 100 + k, args.samples, words)
+        )  # shapes of another step first: compile and pick kernels
+        seqs = scorer_step(scorer, args.seed + k, args.samples, words)
         tokens = sum(len(s) for s in seqs)
         sync()
         t = time.perf_counter()
@@ -129,10 +127,7 @@ def main(argv=None) -> int:
                 print(f"  {kind:<20} {s:8.3f} s  {100 * s / busy:5.1f}% of kernel time")
     out = {"shape": args.shape, "device": args.device, "samples": args.samples, "params_non_embedding": params,
            "ceiling": ceiling, "compiled": scorer.compiled, "layouts": results}  # fmt: skip
-    if on_gpu:
-        import transformers
-
-        out.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__)
+    out.update(machine_info(args.device))
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
     return 0

@@ -27,7 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.reward_bench import SHAPES, build_model, texts, workload  # noqa: E402
+from benchmarks.reward_bench import SHAPES, build_model, machine_info, scorer_step  # noqa: E402
 from reward_score.server.runner import RewardScorer  # noqa: E402
 from reward_score.server.settings import Settings  # noqa: E402
 
@@ -134,11 +134,7 @@ def main(argv=None) -> int:
     scorer = RewardScorer.load(Settings(model_path=str(model_dir), device=args.device))
     scorer.warm_up()
 
-    def encoded(seed: int) -> list[list[int]]:
-        pairs = texts(workload(seed, args.samples), seed, words)
-        return [e.ids for e in scorer.encode([scorer.render([{"role": "user", "content": p}], r) for p, r in pairs])]
-
-    step, other = encoded(args.seed), encoded(args.seed + 100)
+    step, other = (scorer_step(scorer, seed, args.samples, words) for seed in (args.seed, args.seed + 100))
     tokens = sum(len(s) for s in step)
 
     def measure(mode: str) -> dict:
@@ -191,10 +187,7 @@ def main(argv=None) -> int:
            "pairwise_agreement": agreement, "agreement_with_float32": against_fp32, "reference_samples": n,
            "mean_abs_score_error": error, "score_std": spread,
            "bar": {"speedup": SPEEDUP_BAR, "pairwise_agreement": AGREEMENT_BAR}, "meets_bar": keep}  # fmt: skip
-    if on_gpu:
-        import transformers
-
-        out.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__)
+    out.update(machine_info(args.device))
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
     return 0

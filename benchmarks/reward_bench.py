@@ -100,6 +100,25 @@ def texts(pairs: list[tuple[int, int]], seed: int, words: int) -> list[tuple[str
     ]
 
 
+def scorer_step(scorer, seed: int, n: int, words: int) -> list[list[int]]:
+    """The step of `n` pairs as `scorer` (a RewardScorer) tokenizes them: one user turn each, the server's format."""
+    pairs = texts(workload(seed, n), seed, words)
+    return [e.ids for e in scorer.encode([scorer.render([{"role": "user", "content": p}], r) for p, r in pairs])]
+
+
+def machine_info(device: str) -> dict:
+    """What a result ran on: the GPU, how many are visible, torch and transformers (the GPU fields on a GPU only)."""
+    import transformers
+
+    info = {}
+    if device.startswith("cuda"):
+        import torch
+
+        info.update(gpu=torch.cuda.get_device_name(), gpus_visible=torch.cuda.device_count(), torch=torch.__version__)
+    info["transformers"] = transformers.__version__
+    return info
+
+
 def build_model(shape: str, out: Path, device: str) -> tuple[Path, float, int]:
     """A randomly initialised reward model of `shape` and a word-level tokenizer in `out` (kept where `out` already
     holds one of that shape: a big checkpoint is written once); returns (dir, non-embedding params, words)."""
@@ -882,15 +901,7 @@ def assemble(args, params, rate_start, rate_end, article_runs, ours, infos, fail
         "verl_workers": args.verl_workers, "verl_executor": args.verl_executor, "arrival_window_s": args.arrival_window,
         "sdpa_backend": sdpa, "rows": rows,
     }  # fmt: skip
-    if args.device.startswith("cuda"):
-        import torch
-
-        result["gpu"] = torch.cuda.get_device_name()
-        result["gpus_visible"] = torch.cuda.device_count()
-        result["torch"] = torch.__version__
-    import transformers
-
-    result["transformers"] = transformers.__version__
+    result.update(machine_info(args.device))
     return result
 
 
