@@ -191,11 +191,12 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
         state.update(scorer=active, batcher=batcher, preparer=preparer)
         log.info(
             "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d max_length=%d truncation=%s "
-            "format=%s token_budget=%d micro_batch_cost=%d warm_up_s=%s",
+            "format=%s token_budget=%d micro_batch_cost=%d pack=%s warm_up_s=%s",
             settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, len(active.fused),
             settings.max_length, settings.truncation,
             active.format.describe() + ("" if active.has_chat_template else ": the tokenizer has no chat template"),
-            active.planner.token_budget, active.planner.micro_batch_cost, {k: round(v, 2) for k, v in active.warm_up_s.items()},
+            active.planner.token_budget, active.planner.micro_batch_cost, active.planner.pack,
+            {k: round(v, 2) for k, v in active.warm_up_s.items()},
         )  # fmt: skip
         try:
             yield
