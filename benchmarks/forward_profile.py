@@ -83,20 +83,19 @@ def main(argv=None) -> int:
         if on_gpu:
             torch.cuda.synchronize()
 
-    layouts = {
-        "batch path (whole step planned at once)": lambda seqs: scorer.score_ids(seqs),
-        f"small groups ({args.group} sequences per call)": lambda seqs: [
+    layouts = [  # (--layouts name, printed name, how it scores a step); each keeps its seed whichever are run
+        ("batch", "batch path (whole step planned at once)", lambda seqs: scorer.score_ids(seqs)),
+        ("small", f"small groups ({args.group} sequences per call)", lambda seqs: [
             scorer.score_ids(seqs[i : i + args.group]) for i in range(0, len(seqs), args.group)
-        ],
-    }
-    if args.layouts != "both":
-        layouts = dict([list(layouts.items())[0 if args.layouts == "batch" else 1]])
+        ]),
+    ]  # fmt: skip
     ceiling = matmul_tflops(args.device)
     results = []
-    for k, (name, run) in enumerate(layouts.items()):
-        run(
-            scorer_step(scorer, args.seed + 100 + k, args.samples, words)
-        )  # shapes of another step first: compile and pick kernels
+    for k, (key, name, run) in enumerate(layouts):
+        if args.layouts not in ("both", key):
+            continue
+        # shapes of another step first: compile and pick kernels
+        run(scorer_step(scorer, args.seed + 100 + k, args.samples, words))
         seqs = scorer_step(scorer, args.seed + k, args.samples, words)
         tokens = sum(len(s) for s in seqs)
         sync()
