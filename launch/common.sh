@@ -36,15 +36,16 @@ alive() {
 
 # http_probe URL [TOKEN]: one GET with a 5 s limit; prints `ours` (200, and with TOKEN a server that checked it),
 # `theirs` (401 to this token: another job's server), `open` (200 from a server that checks no tokens) or the status
-# (`000` when nothing answers). With TOKEN the header goes through stdin, never the command line.
+# (`000` when nothing answers). With TOKEN the header goes through stdin, never the command line. Never through a
+# proxy: curl would send even 127.0.0.1 to the one http_proxy or all_proxy names.
 http_probe() {
   local url=$1 token=${2:-} answer status
   # A failing probe is expected while a server loads: no -e here, the status is read.
   if [[ -n "$token" ]]; then
     answer=$(printf 'Authorization: Bearer %s\n' "$token" |
-      curl --silent --header @- --write-out '\n%{http_code}' --max-time 5 "$url" || true)
+      curl --silent --noproxy '*' --header @- --write-out '\n%{http_code}' --max-time 5 "$url" || true)
   else
-    answer=$(curl --silent --write-out '\n%{http_code}' --max-time 5 "$url" || true)
+    answer=$(curl --silent --noproxy '*' --write-out '\n%{http_code}' --max-time 5 "$url" || true)
   fi
   status=${answer##*$'\n'}
   if [[ "$status" == 401 ]]; then

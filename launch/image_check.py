@@ -147,6 +147,11 @@ def check_imports(mods: list[Module], gpu: bool) -> list[str]:
     return problems
 
 
+# The probes here go to 127.0.0.1, never through the proxy a build machine's http_proxy or all_proxy names (urllib's
+# default opener would send them there).
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def verl_style_server_listens(timeout: float = 20.0) -> bool:
     """Start a FastAPI app with verl's own run_unvicorn, as its async rollout servers are, and GET it once."""
     from fastapi import FastAPI
@@ -179,7 +184,7 @@ def verl_style_server_listens(timeout: float = 20.0) -> bool:
         raise TimeoutError(f"verl's run_unvicorn did not return within {timeout:.0f} s")
     time.sleep(0.3)  # a server that shuts itself down does so right after start-up
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{started['port']}/ping", timeout=5) as resp:
+        with _DIRECT.open(f"http://127.0.0.1:{started['port']}/ping", timeout=5) as resp:
             return resp.status == 200 and json.loads(resp.read()) == {"pong": True}
     except OSError:
         return False
@@ -230,7 +235,7 @@ def reward_round_trip(timeout: float = 180.0) -> list[str]:
                 if proc.poll() is not None:
                     return [f"the reward server exited with {proc.returncode}:\n{log.read_text()[-2000:]}"]
                 try:
-                    with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    with _DIRECT.open(url + "/health", timeout=2) as resp:
                         if resp.status == 200:
                             break
                 except OSError:

@@ -28,10 +28,15 @@ def tail(path: Path | str, lines: int = 40) -> str:
         return f"(no log at {path})"
 
 
+# Our own servers are reached directly: urllib's default opener sends even 127.0.0.1 to the proxy that http_proxy or
+# all_proxy names (clusters set them; only no_proxy is an exception).
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    """GET without raising on 4xx/5xx; (status, body). Connection errors propagate."""
+    """GET without raising on 4xx/5xx, never through a proxy; (status, body). Connection errors propagate."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with _DIRECT.open(url, timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()

@@ -191,11 +191,15 @@ _next_server = itertools.count()
 
 
 def _get_session() -> requests.Session:
-    """One pooled keep-alive session per process (verl calls from a thread pool in async mode)."""
+    """One pooled keep-alive session per process (verl calls from a thread pool in async mode). It never goes through
+    a proxy: clusters set http_proxy/https_proxy/all_proxy, Singularity and Ray pass them to verl's workers, and a
+    requests session would send every reward request to that proxy (a 4xx then fails the step, a 5xx after the
+    retry budget). The reward servers are the job's own, on its nodes."""
     global _session
     with _session_lock:
         if _session is None:
             session = requests.Session()
+            session.trust_env = False  # no proxies from the environment (nor .netrc or REQUESTS_CA_BUNDLE)
             adapter = requests.adapters.HTTPAdapter(pool_connections=16, pool_maxsize=64, max_retries=0)
             session.mount("http://", adapter)
             session.mount("https://", adapter)
