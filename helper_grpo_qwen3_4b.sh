@@ -5,7 +5,7 @@
 #   rank 0            Ray head; reward servers too when CONFIG_USE_SEPARATE_REWARD_NODE=false; runs the trainer
 #   last rank         with CONFIG_USE_SEPARATE_REWARD_NODE=true and 2+ nodes: reward servers only, no training
 #   other ranks       Ray workers
-# Nodes talk through files in the job's log folder (shared filesystem): reward_urls, cluster.env, done.
+# Nodes talk through files in the job's log folder (shared filesystem): reward_urls, address.RANK, cluster.env, done.
 # Arguments: extra Hydra overrides for the trainer (passed last).
 set -euo pipefail
 unset RAY_ADDRESS  # never attach to another job's cluster by accident
@@ -130,7 +130,7 @@ plan_ports() {
     port[$key]=$value
   done <<<"$plan"
   # Which ports this job holds on this node, for whoever looks at the node (and the tests' check that all are freed).
-  printf '%s\nreward_count=%s\nnode=%s\n' "$plan" "$1" "$host" >"$job_log_dir/ports.$rank"
+  printf '%s\nreward_count=%s\ngpus=%s\nnode=%s\n' "$plan" "$1" "$CONFIG_GPUS_PER_NODE" "$host" >"$job_log_dir/ports.$rank"
   [[ "${port[block_moved]}" == 0 ]] || log "[rank $rank] this job's usual ports on $host are taken: moved ${port[block_moved]} block(s) on"
 }
 
@@ -259,9 +259,21 @@ print(int(load_config().retry_seconds))' 2>/dev/null) || return 0
       "(REWARD_RETRY_SECONDS=$retry): a restart would not be covered; raise REWARD_RETRY_SECONDS or add a server"
 }
 
-# export_worker_env: what verl's Ray workers must inherit, exported before `ray start` on every node.
+# export_worker_env URLS RAY_ADDRESS ADDRESS ADDRESSES: what verl's Ray workers must inherit, exported before
+# `ray start` on every node, once this node has its address and ports (ADDRESSES: every training node's).
 export_worker_env() {
   export REWARD_SERVER_URLS=$1
+  # The job's own servers are reached directly. A cluster's proxy (http_proxy, https_proxy, all_proxy: Singularity
+  # and Ray pass them on) stays for what must reach the outside (wandb online); our reward client and probes bypass
+  # it in their own code, this covers everything else verl and Ray start (launch/node.py no_proxy).
+  NO_PROXY=$(node_info no-proxy "$1" "$2" "$4" "$host" "$(hostname)") || die "[rank $rank] could not build NO_PROXY (above)"
+  export NO_PROXY no_proxy=$NO_PROXY
+  # verl's sync SGLang engines take their ports from SGLANG_PORT, 30000 for every job when unset (launch/node.py).
+  if [[ "$ROLLOUT_ENGINE" == sglang ]]; then
+    SGLANG_PORT=$(node_info sglang-port --block-port "${port[sglang_port]}" --gpus "$CONFIG_GPUS_PER_NODE" \
+      --address "$3" --addresses "$4") || die "[rank $rank] no SGLang ports for this node (above)"
+    export SGLANG_PORT
+  fi
   export REWARD_SERVER_LOG="$job_log_dir/reward_server_*.log"
   export REWARD_LOG_PATH=${REWARD_LOG_PATH:-$job_log_dir/rewards.jsonl}
   export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
@@ -284,6 +296,24 @@ ray_args() {
     --max-worker-port="${port[max_worker_port]}"
 }
 
+# collect_addresses ADDRESS: every training node's address into node_addresses, the head's (ADDRESS) first: each
+# worker writes address.<rank> as it starts, and verl numbers its ranks by these (launch/node.py sglang_port).
+node_addresses=""
+collect_addresses() {
+  local r f deadline=$((SECONDS + RAY_JOIN_TIMEOUT))
+  node_addresses=$1
+  for ((r = 1; r < train_nodes; r++)); do
+    f="$job_log_dir/address.$r"
+    while [[ ! -s "$f" ]]; do
+      check_watched  # a node that failed first says why
+      ((SECONDS < deadline)) ||
+        die "[rank 0] node $r (of $train_nodes training nodes) wrote no address.$r within ${RAY_JOIN_TIMEOUT} s (RAY_JOIN_TIMEOUT): is its helper running? (the job output shows each node's lines)"
+      sleep 1
+    done
+    node_addresses+=",$(cat "$f")"
+  done
+}
+
 run_head() {
   local address
   address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
@@ -302,9 +332,10 @@ run_head() {
   else
     start_reward_servers "$address" "$CONFIG_REWARD_GPUS"
   fi
-  export_worker_env "$(cat "$job_log_dir/reward_urls")"
-
+  collect_addresses "$address"
   local ray_address="${address}:${port[ray_port]}"
+  export_worker_env "$(cat "$job_log_dir/reward_urls")" "$ray_address" "$address" "$node_addresses"
+
   log_phase "[rank 0] Ray head on ${ray_address} (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
   local -a args
   mapfile -d '' -t args < <(ray_args)
@@ -315,8 +346,8 @@ run_head() {
   ray_pid=$BG_PID
   pids+=("$ray_pid")
   watch "$ray_pid" "the Ray head" "$job_log_dir/ray_head.log"
-  printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\n' "$ray_address" "$REWARD_SERVER_URLS" \
-    >"$job_log_dir/cluster.env.tmp"
+  printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\nNODE_ADDRESSES=%s\n' "$ray_address" \
+    "$REWARD_SERVER_URLS" "$node_addresses" >"$job_log_dir/cluster.env.tmp"
   mv "$job_log_dir/cluster.env.tmp" "$job_log_dir/cluster.env"
   python3 -m launch.ray_cluster wait --address "$ray_address" --nodes "$train_nodes" \
     --gpus $((CONFIG_GPUS_PER_NODE * train_nodes)) --timeout "$RAY_JOIN_TIMEOUT" --watch-pid "$ray_pid" || {
@@ -369,7 +400,12 @@ run_reward_node() {
 }
 
 run_worker() {
-  log_phase "[rank $rank] Ray worker on $host: waiting for the head"
+  local address
+  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
+    die "[rank $rank] no address for $host that the other nodes can reach (above)"
+  printf '%s\n' "$address" >"$job_log_dir/address.$rank.tmp"
+  mv "$job_log_dir/address.$rank.tmp" "$job_log_dir/address.$rank"
+  log_phase "[rank $rank] Ray worker on $host ($address): waiting for the head"
   # The head writes cluster.env once its reward servers are healthy and its Ray head runs: allow for both.
   local found wait_s=$((REWARD_START_TIMEOUT + RAY_JOIN_TIMEOUT))
   found=$(wait_for_any "$wait_s" "$job_log_dir/cluster.env" "$job_log_dir/done") ||
@@ -378,13 +414,12 @@ run_worker() {
     log "[rank $rank] the head finished before this node joined; nothing to do"
     return
   fi
-  local ray_address reward_urls address attempt logfile="$job_log_dir/ray_worker_${host}.log"
+  local ray_address reward_urls addresses attempt logfile="$job_log_dir/ray_worker_${host}.log"
   ray_address=$(sed -n 's/^RAY_ADDRESS_FOR_TRAINER=//p' "$job_log_dir/cluster.env")
   reward_urls=$(sed -n 's/^REWARD_SERVER_URLS=//p' "$job_log_dir/cluster.env")
-  export_worker_env "$reward_urls"
-  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
-    die "[rank $rank] no address for $host that the other nodes can reach (above)"
+  addresses=$(sed -n 's/^NODE_ADDRESSES=//p' "$job_log_dir/cluster.env")
   plan_ports 0
+  export_worker_env "$reward_urls" "$ray_address" "$address" "$addresses"
   local -a args
   mapfile -d '' -t args < <(ray_args)
   for attempt in $(seq 1 "$RAY_START_RETRIES"); do

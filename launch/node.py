@@ -5,12 +5,16 @@ The helper runs this on every node (inside the container) and reads `NAME=VALUE`
     python -m launch.node ports --job-id 4242 --rank 0 --reward-count 1   # this job's free ports on this node
     python -m launch.node reward-gpus 0,1      # CONFIG_REWARD_GPUS (indices into this job's GPUs) -> physical GPUs
     python -m launch.node address [--interface ib0] [--nodes 2]   # the address other nodes reach this one on
+    python -m launch.node sglang-port --block-port 20032 --gpus 4 --address A --addresses A,B   # SGLANG_PORT here
+    python -m launch.node master-port --job-id 4243   # one free port of this job's own (the merge's MASTER_PORT)
+    python -m launch.node no-proxy HOST...     # NO_PROXY: what the environment had, and the job's own hosts
 
 Ports: every job takes one block of PORT_BLOCK ports between PORT_FIRST and PORT_LAST (below Linux's ephemeral range,
 so no outgoing connection takes them), chosen from the job id (and the node's rank, so two "nodes" of a test on one
 machine differ) and moved to the next block while any port of it is taken on this node. The range starts above Ray's
 default worker ports (10002-19999), which Ray clusters of other jobs take and free all the time. A port set by hand
 (RAY_PORT, CONFIG_REWARD_SERVER_PORT) is used as is, and refused, naming the setting, when something holds it.
+verl's sync SGLang engines take their ports from SGLANG_PORT (see `sglang_port`): the block holds those too.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import socket
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from urllib.parse import urlsplit
 
 PORT_FIRST, PORT_LAST = 20000, 32767  # 24 blocks
 PORT_BLOCK = 512
@@ -41,7 +46,9 @@ RAY_PORT_OFFSETS = {
     "runtime_env_agent_port": 8,
 }
 REWARD_OFFSET, REWARD_MAX = 16, 16  # reward servers: offsets 16..31
-WORKER_OFFSET = 32  # --min-worker-port..--max-worker-port: the rest of the block (one port per Ray worker process)
+# verl's sync SGLang engines: two ports per GPU of the node (`sglang_port`), offsets 32..63, up to 16 GPUs a node.
+SGLANG_OFFSET, SGLANG_MAX_GPUS = 32, 16
+WORKER_OFFSET = 64  # --min-worker-port..--max-worker-port: the rest of the block (one port per Ray worker process)
 
 
 class NodeError(ValueError):
@@ -86,6 +93,7 @@ def plan_ports(
         raise NodeError(f"no free block of {PORT_BLOCK} ports between {PORT_FIRST} and {PORT_LAST} on this node")
     plan = {name: base + offset for name, offset in RAY_PORT_OFFSETS.items()}
     plan["reward_port"] = base + REWARD_OFFSET
+    plan["sglang_port"] = base + SGLANG_OFFSET
     plan["min_worker_port"] = base + WORKER_OFFSET
     plan["max_worker_port"] = base + PORT_BLOCK - 1
     if ray_port:
@@ -104,6 +112,62 @@ def plan_ports(
         plan["reward_port"] = reward_port
     plan["block_moved"] = int(i)
     return plan
+
+
+def master_port(job_id: str) -> int:
+    """One port of this job's own free block on this node, for a process group's store (MASTER_PORT): the first
+    one, Ray's head port, which a job without Ray (the merge) never opens otherwise."""
+    return plan_ports(job_id, 0, 0)["ray_port"]
+
+
+def training_node_index(address: str, addresses: Sequence[str]) -> int:
+    """Which training node this is in verl's order: verl sorts its per-node placement groups by the node's address
+    as Ray has it (the --node-ip-address each node started with), as strings, and numbers the ranks node by node:
+    rank = index x GPUs per node + local rank (verl/single_controller/ray/base.py:62-79, 384-390). Two nodes with one
+    address (containers on one host) cannot be told apart: both get the first index."""
+    if address not in addresses:
+        raise NodeError(f"this node's address {address} is not among the training nodes' ({', '.join(addresses)})")
+    return sorted(addresses).index(address)
+
+
+def sglang_port(block_port: int, node_index: int, gpus_per_node: int) -> int:
+    """SGLANG_PORT for one training node. verl's sync SGLang engine of global rank r passes SGLANG_PORT + 2r as its
+    port and binds SGLANG_PORT + 2r + 1, its nccl_port, as a TCP store (verl/workers/rollout/sglang_rollout/
+    sglang_rollout.py:442, 461-462; SGLang model_runner.py:622); unset, SGLANG_PORT is 30000, the same for every
+    job. Node k holds ranks k*G .. k*G + G - 1, so this puts its engines on block_port .. block_port + 2G - 1: this
+    node's own. SGLang itself, once SGLANG_PORT is set, also takes the first free port from it upwards for the
+    message queues of a tensor-parallel group (sglang/srt/utils.py:1995-2006, get_open_port)."""
+    if gpus_per_node > SGLANG_MAX_GPUS:
+        raise NodeError(
+            f"CONFIG_GPUS_PER_NODE={gpus_per_node}: a job's port block holds SGLang's ports for at most "
+            f"{SGLANG_MAX_GPUS} GPUs per node"
+        )
+    return block_port - 2 * node_index * gpus_per_node
+
+
+# What Ray's dashboard head asks at start even with --disable-usage-stats (ray/dashboard/modules/usage_stats/
+# usage_stats_head.py run(): the cloud's metadata service, then one "usage stats disabled" notice; ray/_common/usage/
+# usage_lib.py get_cloud_from_metadata_requests, _usage_stats_report_url) with a requests client that honours the
+# proxy variables: never through a proxy (a metadata service is link-local; without a way out the notice fails at once).
+RAY_OWN_HOSTS = ("169.254.169.254", "metadata.google.internal", "usage-stats.ray.io")
+
+
+def no_proxy(hosts: Sequence[str], environ: Mapping[str, str]) -> str:
+    """NO_PROXY (and no_proxy) for the job's processes: what the environment had in either spelling, then loopback,
+    the job's own hosts and RAY_OWN_HOSTS, each once. A proxy the cluster sets (http_proxy, https_proxy, all_proxy)
+    stays for what must reach the outside (wandb online); every client that honours these names (requests, urllib,
+    curl, gRPC: Ray's metrics exporters, which reach each node's dashboard agent) then reaches the job's own servers
+    directly."""
+    names = []
+    local = ("localhost,127.0.0.1,::1", *hosts, *RAY_OWN_HOSTS)
+    for raw in (environ.get("NO_PROXY", ""), environ.get("no_proxy", ""), *local):
+        names += [n.strip() for n in raw.split(",") if n.strip()]
+    return ",".join(dict.fromkeys(names))
+
+
+def host_of(item: str) -> str:
+    """The host of a URL (http://10.0.0.1:20016), an address with a port (10.0.0.1:6379) or a bare host."""
+    return urlsplit(item if "://" in item else "//" + item).hostname or item
 
 
 def reward_gpus(indices: str, visible: str | None) -> list[str]:
@@ -190,6 +254,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = sub.add_parser("address")
     a.add_argument("--interface", default="")
     a.add_argument("--nodes", type=int, default=1)
+    s = sub.add_parser("sglang-port")
+    s.add_argument("--block-port", type=int, required=True, help="sglang_port of this node's plan (ports)")
+    s.add_argument("--gpus", type=int, required=True, help="CONFIG_GPUS_PER_NODE")
+    s.add_argument("--address", required=True, help="this node's address, as it starts Ray with it")
+    s.add_argument("--addresses", required=True, help="every training node's address, comma-separated")
+    m = sub.add_parser("master-port")
+    m.add_argument("--job-id", required=True)
+    n = sub.add_parser("no-proxy")
+    n.add_argument("hosts", nargs="*", help="hosts, addresses with a port, or URLs; comma-separated lists too")
     args = parser.parse_args(argv)
     try:
         if args.command == "ports":
@@ -202,6 +275,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(f"{k}={v}" for k, v in plan.items()))
         elif args.command == "reward-gpus":
             print(",".join(reward_gpus(args.indices, os.environ.get("CUDA_VISIBLE_DEVICES"))))
+        elif args.command == "sglang-port":
+            index = training_node_index(args.address, [a for a in args.addresses.split(",") if a])
+            print(sglang_port(args.block_port, index, args.gpus))
+        elif args.command == "master-port":
+            print(master_port(args.job_id))
+        elif args.command == "no-proxy":
+            hosts = [host_of(item) for raw in args.hosts for item in raw.split(",") if item.strip()]
+            print(no_proxy(hosts, os.environ))
         else:
             available = ", ".join(f"{n} ({ip})" for n, ip in interfaces()) or "none found"
             iface_addr = interface_ipv4(args.interface) if args.interface else None
