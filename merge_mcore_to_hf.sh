@@ -137,8 +137,14 @@ merge() {
     log_phase "the checkpoint already holds Hugging Face weights: copying $step_dir/huggingface"
     cp -r "$step_dir/huggingface/." "$tmp"
   else
-    local -a cmd
-    cmd=("$MERGER_LAUNCHER" -m verl.model_merger merge --backend megatron --local_dir "$step_dir" --target_dir "$tmp")
+    # verl's merger starts a one-process torch.distributed group; with no WORLD_SIZE set it takes MASTER_PORT=12355
+    # (verl/model_merger/megatron_model_merger.py:146-151), which a second merge on the node, or anything else
+    # there, may hold. This merge's own free port instead (from its job's port block, launch/node.py), on loopback.
+    local master_port
+    master_port=$(cd "$repo" && "${wrap[@]}" python3 -m launch.node master-port --job-id "${SLURM_JOB_ID:-merge-$$}") ||
+      { rm -rf "$tmp"; die "no free port for the merger's process group on this node (above); nothing was written"; }
+    local -a cmd=(env WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 "MASTER_PORT=$master_port")
+    cmd+=("$MERGER_LAUNCHER" -m verl.model_merger merge --backend megatron --local_dir "$step_dir" --target_dir "$tmp")
     [[ "$tie" == true ]] && cmd+=(--tie-word-embedding)
     log_phase "merging: ${cmd[*]}"
     "${wrap[@]}" "${cmd[@]}" || { rm -rf "$tmp"; die "the merger failed (output above); nothing was written to $TARGET_DIR"; }
