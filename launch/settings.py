@@ -277,6 +277,14 @@ def _algorithm_overrides(s: Settings) -> list[str]:
                 f"critic.megatron.pipeline_model_parallel_size={s.actor_pp}",
                 f"critic.megatron.tensor_model_parallel_size={s.actor_tp}",
             ]
+        # The critic's optimizer state (fp32 weights and Adam's two moments, 12 bytes a parameter) waits in host
+        # memory between its updates, as the actor's does: verl's default keeps it on the GPUs that also hold the
+        # actor's update (megatron_workers.py CriticWorker, fsdp_workers.py CriticWorker: optimizer_offload).
+        critic.append(
+            "critic.megatron.optimizer_offload=True"
+            if s.strategy == "megatron"
+            else "critic.model.fsdp_config.optimizer_offload=True"
+        )
         return critic + [f"{a}.use_kl_loss=True", f"{a}.kl_loss_coef={s.kl_loss_coef}", f"{a}.kl_loss_type=low_var_kl"]
     if s.algorithm == "dapo":
         out = [
