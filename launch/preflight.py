@@ -310,6 +310,14 @@ def check_rows(cfg, tokenizer) -> bool:
     return validate_files(files, tokenizer, cfg.data.max_prompt_length, "warn", template_kwargs)
 
 
+def gpu_memory_line(settings: Settings) -> str:
+    """What each GPU holds (launch/gpu_memory.py): the rollout's share, the reward servers' peak, what is left."""
+    from launch.gpu_memory import gpu_total, memory_line, reward_server_peak
+
+    peak = None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
+    return memory_line(settings, peak, gpu_total(), settings.reward_replicas)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every check, in the order that fails cheapest first; one line per problem, naming what to change."""
     extra = sys.argv[1:] if argv is None else argv
@@ -361,6 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(adv_estimator={cfg.algorithm.adv_estimator}, reward_manager={cfg.reward_model.reward_manager}, "
         f"rollout={cfg.actor_rollout_ref.rollout.name}/{cfg.actor_rollout_ref.rollout.mode})"
     )
+    try:
+        print(f"preflight: {gpu_memory_line(settings)}")
+    except (Exception, SystemExit) as exc:  # the reward server's settings (argparse exits) or its model's config
+        print(
+            f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
+        )
+        return 1
     if trainer_is_verl():
         modules = trainer_modules(module, cfg)
         problems = import_problems(modules, cfg.actor_rollout_ref.rollout.name)

@@ -29,6 +29,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from launch.node import SGLANG_MAX_GPUS
 from launch.settings import SettingError, Settings
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
 
@@ -39,6 +40,12 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
     """Every problem, each naming the setting to change. Empty when the job can start."""
     problems: list[str] = []
     problems += combination_problems(s)
+    problems += reward_gpu_problems(s)
+    if s.rollout_engine == "sglang" and s.gpus_per_node > SGLANG_MAX_GPUS:
+        problems.append(
+            f"CONFIG_GPUS_PER_NODE={s.gpus_per_node} with ROLLOUT_ENGINE=sglang: a job's port block holds the ports "
+            f"verl's SGLang engines take (two per GPU) for at most {SGLANG_MAX_GPUS} GPUs per node (launch/node.py)"
+        )
     problems += save_deadline_setting_problems(s)
     if s.container not in ("singularity", "apptainer", "none"):
         problems.append(f"CONTAINER={s.container!r}: use singularity, apptainer or none")
@@ -200,6 +207,31 @@ def combination_problems(s: Settings) -> list[str]:
 
 
 # --- 2. the save before the time limit ------------------------------------------------------------------------------
+
+
+def reward_gpu_problems(s: Settings) -> list[str]:
+    """Reward servers on some of the GPUs a tensor-parallel SGLang rollout runs on. SGLang refuses to start a
+    tensor-parallel group when the least free memory of its GPUs is under 90% of this GPU's (sglang/srt/
+    model_executor/model_runner.py:676-688: `The memory capacity is unbalanced`), and a reward server's GPU has its
+    peak less: an 8B reward model fails that, a 1.7B one on 80 GB passes by about 1 GiB. Which GPUs verl's ranks get
+    on a node is Ray's choice, so the placements that hold are a server on every GPU of the node (all equally less),
+    or none (CONFIG_USE_SEPARATE_REWARD_NODE, CONFIG_REWARD_DEVICE=cpu). vLLM has no such check."""
+    if (s.separate_reward_node or s.reward_device != "cuda" or s.rollout_engine != "sglang" or s.rollout_tp < 2
+            or s.trainer_mode != "sync" or s.sglang_memory_check_off):  # fmt: skip
+        return []
+    indices = {g.strip() for g in s.reward_gpus.split(",") if g.strip()}
+    every = {str(g) for g in range(s.gpus_per_node)}
+    if not indices or indices == every:
+        return []  # no server on a GPU, or one on each (an index beyond the job's GPUs is launch/node.py's to refuse)
+    return [
+        f"ROLLOUT_TP={s.rollout_tp} with reward servers on GPU {s.reward_gpus} of {s.gpus_per_node} "
+        "(CONFIG_REWARD_GPUS): SGLang refuses to start a tensor-parallel group whose GPUs' free memory differs by "
+        "over 10% (sglang model_runner.py: 'The memory capacity is unbalanced'), and a reward server's GPU has its "
+        f"peak less. Put a server on every GPU of the node (CONFIG_REWARD_GPUS={','.join(sorted(every, key=int))}), "
+        "give the servers their own node (CONFIG_USE_SEPARATE_REWARD_NODE=true), run them on the CPU "
+        "(CONFIG_REWARD_DEVICE=cpu), or use ROLLOUT_TP=1; SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK=true makes SGLang "
+        "size its cache from the GPU with the least free memory instead"
+    ]
 
 
 def save_deadline_setting_problems(s: Settings) -> list[str]:

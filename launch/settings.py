@@ -56,6 +56,9 @@ class Settings:
     output_dir: str = setting("CONFIG_OUTPUT_DIR")
     gpus_per_node: int = setting("CONFIG_GPUS_PER_NODE")
     separate_reward_node: bool = setting("CONFIG_USE_SEPARATE_REWARD_NODE")
+    reward_device: str = setting("CONFIG_REWARD_DEVICE")
+    reward_gpus: str = setting("CONFIG_REWARD_GPUS")
+    reward_replicas: int = setting("REWARD_REPLICAS")
     rollout_mode: str = setting("ROLLOUT_MODE")
     train_batch_size: int = setting("TRAIN_BATCH_SIZE")
     max_prompt_length: int = setting("MAX_PROMPT_LENGTH")
@@ -98,12 +101,13 @@ class Settings:
     esi_redundant_time_setting: str = setting("ESI_REDUNDANT_TIME")
     reward_restarts: int = setting("REWARD_RESTARTS")
     reward_restart_window: int = setting("REWARD_RESTART_WINDOW")
-    # Not settings: Slurm's node count, the reward client's score range, and two removed settings still read so that
-    # a stale value is refused, not ignored.
+    # Not settings: Slurm's node count, the reward client's score range, two removed settings still read so that
+    # a stale value is refused, not ignored, and SGLang's own switch for its memory-balance check.
     nnodes: int = 1
     reward_score_range: tuple[float, float] = (-40.0, 30.0)
     critic_pp: int | None = None
     critic_tp: int | None = None
+    sglang_memory_check_off: bool = False
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -122,6 +126,8 @@ class Settings:
             **values,
             nnodes=int(env.get("SLURM_NNODES") or env.get("CONFIG_NUM_NODES") or 1),
             reward_score_range=_reward_score_range(env),
+            # as SGLang reads it (get_bool_env_var: "true" or "1")
+            sglang_memory_check_off=env.get("SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK", "").lower() in ("true", "1"),
         )
 
     @property
