@@ -171,7 +171,7 @@ def listening(ports: Sequence[int]) -> list[int]:
 
 def job_ports(log_dir: Path) -> list[int]:
     """Every port the job held on any node: what each node's helper wrote to ports.<rank> (Ray's ports, the worker
-    range, the reward servers), and the reward URLs the head published."""
+    range, the reward servers, verl's SGLang engines), and the reward URLs the head published."""
     from launch.node import RAY_PORT_OFFSETS
 
     ports = set()
@@ -182,6 +182,8 @@ def job_ports(log_dir: Path) -> list[int]:
         ports |= {int(plan[name]) for name in RAY_PORT_OFFSETS}
         ports |= set(range(int(plan["min_worker_port"]), int(plan["max_worker_port"]) + 1))
         ports |= set(range(int(plan["reward_port"]), int(plan["reward_port"]) + int(plan["reward_count"])))
+        if "sglang_port" in plan:  # verl's sync SGLang engines: two ports per GPU (launch/node.py sglang_port)
+            ports |= set(range(int(plan["sglang_port"]), int(plan["sglang_port"]) + 2 * int(plan["gpus"])))
     return sorted(ports)
 
 
