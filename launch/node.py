@@ -46,9 +46,10 @@ RAY_PORT_OFFSETS = {
     "runtime_env_agent_port": 8,
 }
 REWARD_OFFSET, REWARD_MAX = 16, 16  # reward servers: offsets 16..31
-# verl's sync SGLang engines: two ports per GPU of the node (`sglang_port`), offsets 32..63, up to 16 GPUs a node.
-SGLANG_OFFSET, SGLANG_MAX_GPUS = 32, 16
-WORKER_OFFSET = 64  # --min-worker-port..--max-worker-port: the rest of the block (one port per Ray worker process)
+WORKER_OFFSET = 32  # --min-worker-port..--max-worker-port: up to the SGLang ports (one port per Ray worker process)
+# verl's sync SGLang engines: two ports per GPU of the node (`sglang_port`), the block's last 32, up to 16 GPUs a node.
+SGLANG_MAX_GPUS = 16
+SGLANG_OFFSET = PORT_BLOCK - 2 * SGLANG_MAX_GPUS
 
 
 class NodeError(ValueError):
@@ -95,7 +96,7 @@ def plan_ports(
     plan["reward_port"] = base + REWARD_OFFSET
     plan["sglang_port"] = base + SGLANG_OFFSET
     plan["min_worker_port"] = base + WORKER_OFFSET
-    plan["max_worker_port"] = base + PORT_BLOCK - 1
+    plan["max_worker_port"] = base + SGLANG_OFFSET - 1
     if ray_port:
         if taken(ray_port):
             raise NodeError(
@@ -136,7 +137,9 @@ def sglang_port(block_port: int, node_index: int, gpus_per_node: int) -> int:
     sglang_rollout.py:442, 461-462; SGLang model_runner.py:622); unset, SGLANG_PORT is 30000, the same for every
     job. Node k holds ranks k*G .. k*G + G - 1, so this puts its engines on block_port .. block_port + 2G - 1: this
     node's own. SGLang itself, once SGLANG_PORT is set, also takes the first free port from it upwards for the
-    message queues of a tensor-parallel group (sglang/srt/utils.py:1995-2006, get_open_port)."""
+    message queues of a tensor-parallel group (sglang/srt/utils.py:1995-2006, get_open_port): SGLANG_PORT is 2kG
+    below the block's SGLang ports, in its Ray worker range for the first 448 / 2G nodes, so that scan finds a port of
+    this job's own block, never another job's."""
     if gpus_per_node > SGLANG_MAX_GPUS:
         raise NodeError(
             f"CONFIG_GPUS_PER_NODE={gpus_per_node}: a job's port block holds SGLang's ports for at most "
