@@ -95,7 +95,8 @@ _SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, f
     "fuse": ("REWARD_FUSE", "auto|off", "auto (q/k/v and gate/up as one matmul each, if warm-up scores the same) | "
              "off"),
     "liger": ("REWARD_LIGER", "on|off", "on: Liger Kernel's Triton RMSNorm, SwiGLU and RoPE in every decoder layer "
-              "(liger-kernel, CUDA; kept if warm-up computes the same) | off: transformers' own, compiled"),
+              "(liger-kernel, CUDA; kept if warm-up computes the same; slower on an H200) | off: transformers' own, "
+              "compiled"),
     "cudnn_attention": ("REWARD_CUDNN_ATTENTION", "auto|off", "auto (torch's choice: cuDNN on Hopper) | off (flash, "
                         "mem-efficient)"),
     "warmup": ("REWARD_WARMUP", "auto|step|basic", "auto (step on GPU, basic on CPU) | step (a full-budget synthetic "
