@@ -142,7 +142,9 @@ ENV_SEEN = ("SGLANG_PORT", "NO_PROXY", "no_proxy", "http_proxy", "HTTPS_PROXY", 
 
 def on_node(path: str, name: str, urls: list[str], ranks: list[int], release: str) -> dict:
     """Run in a Ray task on one node: what verl's workers there would see, do and bind."""
-    out = {"env": {k: os.environ.get(k) for k in ENV_SEEN}, "ip": __import__("ray").util.get_node_ip_address()}
+    import ray
+
+    out = {"env": {k: os.environ.get(k) for k in ENV_SEEN}, "ip": ray.util.get_node_ip_address()}
     try:
         out["scores"] = call_reward(path, name)
     except Exception as exc:  # recorded for the test's message, never a score
