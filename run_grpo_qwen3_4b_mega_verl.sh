@@ -151,6 +151,9 @@ export_settings() {
   [[ -n "$REWARD_SERVER_TOKEN" ]] || REWARD_SERVER_TOKEN=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
   export REWARD_SERVER_TOKEN
   export_wandb_run
+  # verl's tensorboard logger (TRAINER_LOGGER=[console,tensorboard]) writes there, per start as wandb's runs
+  TENSORBOARD_DIR=$(realpath -m "${TENSORBOARD_DIR:-$job_log_dir/tensorboard}")
+  export TENSORBOARD_DIR
   export_checkpoint_deadline
   export RAY_TMP_DIR="${RAY_TMP_DIR:-/tmp/ray_${job_id}}"
   export RAY_NUM_CPUS="${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-$(nproc)}}"
@@ -203,6 +206,7 @@ container_cmd() {
   fi
   local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME")
   [[ "$WANDB_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$WANDB_DIR")  # a WANDB_DIR set elsewhere
+  [[ "$TENSORBOARD_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$TENSORBOARD_DIR")
   local path
   for path in "$CONFIG_MODEL_PATH" "$CONFIG_REWARD_MODEL_PATH" "$(dirname "$CONFIG_TRAIN_FILE")" \
     "$(dirname "$CONFIG_TEST_FILE")"; do
@@ -328,6 +332,8 @@ main() {
   mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME" "$WANDB_DIR" ||
     die "could not create the job's folders (above: CONFIG_LOG_DIR, CONFIG_OUTPUT_DIR, HF_HOME or WANDB_DIR)"
   [[ -w "$WANDB_DIR" ]] || die "WANDB_DIR=$WANDB_DIR is not writable: wandb would log to /tmp of some node instead"
+  [[ "$TENSORBOARD_DIR/" == "$CONFIG_LOG_DIR/"* ]] || mkdir -p "$TENSORBOARD_DIR" ||
+    die "could not create TENSORBOARD_DIR=$TENSORBOARD_DIR (the container binds it)"
   log_phase "job $job_id: logs in $job_log_dir"
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"
