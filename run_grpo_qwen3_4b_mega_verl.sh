@@ -21,6 +21,7 @@
 #   CONTAINER=none bash run_grpo_qwen3_4b_mega_verl.sh                     # one workstation, verl installed locally
 #   CANARY=1 sbatch --time=01:00:00 run_grpo_qwen3_4b_mega_verl.sh         # first time on a cluster: every stage, tiny
 #   salloc --nodes=1 --gpus-per-node=4 ...  then  bash run_grpo_qwen3_4b_mega_verl.sh   # in that allocation; Ctrl-C stops
+#   python -m launch.status [JOB_ID] [--png FILE] [--follow]               # where a job is, when it ends, how it learns
 #
 # The trainer keys that are not settings (the same for every job) are FIXED_OVERRIDES in launch/settings.py; the whole
 # default command is docs/trainer-command.md, and each job writes its own to its log folder (trainer_command.txt).
