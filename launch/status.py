@@ -637,10 +637,10 @@ def progress(job: Job) -> dict:
     saved = (job.checkpoint or {}).get("step")
     st, _ = state(job)
     s = job.newest
-    if s and s.training_steps():
-        current = s.training_steps()[-1]
-    elif st in ("pending", "requeued") and saved is not None:
+    if st in ("pending", "requeued") and saved is not None:
         current = saved  # the next start resumes from there
+    elif s and s.training_steps():
+        current = s.training_steps()[-1]
     elif s and s.resumed_from is not None:
         current = s.resumed_from  # loaded, not trained yet
     else:
@@ -811,7 +811,9 @@ def render(r: dict) -> str:
                      f"{p['wall_per_step_s']:.1f} s with validations and saves")  # fmt: skip
     if p.get("eta"):
         starts = p.get("starts_left")
-        more = "in this start" if starts == 1 else f"in {starts} more start(s)" if starts else ""
+        running = r["state"] == "running"
+        more = ("in this start" if running and starts == 1 else f"in {starts} starts, this one included" if running
+                else f"in {starts} start(s)")  # fmt: skip
         lines.append(f"  ETA {clock(p['eta'])} ({duration(p['remaining_s'])} of training {more}"
                      + (", queue waits not counted" if starts and starts > 1 else "") + ")")  # fmt: skip
         if p.get("time_limit_s"):

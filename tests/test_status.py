@@ -183,6 +183,36 @@ def test_every_failure_the_status_names_points_at_a_section_that_says_what_to_do
     assert [a for _, a, _ in status.FAILURES if a not in sections] == []
 
 
+@pytest.mark.parametrize("silent_minutes, warned", [(40, True), (10, False)])
+def test_a_running_job_whose_trainer_has_written_nothing_for_long_is_flagged_as_a_possible_hang(
+    tmp_path, silent_minutes, warned
+):
+    folder = start_folder(tmp_path / "logs", LOCAL_ID, training(1, 5))  # steps of 100 s, one validation of 40 s
+    written = time.time() - silent_minutes * 60
+    os.utime(folder / "trainer.log", (written, written))
+    job = status.load(str(folder))
+    job.slurm = {"state": "RUNNING", "nodes": "n1"}  # as scontrol says while it runs
+    warnings = status.report(job)["warnings"]
+    hang = [w for w in warnings if w.startswith("no progress for")]
+    assert hang == ([f"no progress for {silent_minutes} min: the trainer has written nothing since then (the longest "
+                     "step took 2 min): a hang? docs/operations.md#nccl-timeouts-and-hangs says what to look at"]
+                    if warned else [])  # fmt: skip
+
+
+def test_reward_server_restarts_are_counted_from_the_marker_each_restart_leaves_in_the_servers_log(tmp_path):
+    folder = start_folder(tmp_path / "logs", LOCAL_ID, training(1, 5))
+    # what helper_grpo_qwen3_4b.sh's restart_reward_server appends to the server's log before starting it again
+    marker = (
+        "=== 2026-01-01 10:00:00 restart 1 after: killed by SIGKILL (kill -9, or the kernel's out-of-memory killer) ==="
+    )
+    (folder / "reward_server_n1_20016.log").write_text(f"INFO: serving\n{marker}\nINFO: serving\n")
+    r = status.report(status.load(str(folder)))
+    (restart,) = r["starts"][0]["reward_restarts"]
+    assert restart["reason"].startswith("killed by SIGKILL") and restart["log"].endswith("reward_server_n1_20016.log")
+    assert any(w.startswith("reward servers restarted 1 time(s) in this job, the last at 2026-01-01 10:00 after: "
+                            "killed by SIGKILL") for w in r["warnings"])  # fmt: skip
+
+
 # --- the time it takes ------------------------------------------------------------------------------------------
 
 
