@@ -134,7 +134,8 @@ def seen(env: Mapping[str, str]) -> dict:
 
 
 def job_dir(env: Mapping[str, str]) -> Path:
-    (d,) = Path(env["CONFIG_LOG_DIR"]).iterdir()
+    """The one start folder of the job (CONFIG_LOG_DIR also holds an interactive job's output file, as logs/ does)."""
+    (d,) = [p for p in Path(env["CONFIG_LOG_DIR"]).iterdir() if p.is_dir()]
     return d
 
 

@@ -31,9 +31,10 @@ def quickstart_lines() -> list[str]:
     return [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip()]
 
 
-def healthy_lines() -> list[re.Pattern]:
-    """The README's 'A healthy job prints' block, each line a pattern: <...> and ... stand for anything."""
-    block = README.read_text().split("**A healthy job** prints", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+def healthy_lines(after: str = "**A healthy job** prints") -> list[re.Pattern]:
+    """The README's first text block after `after` (by default the 'A healthy job prints' block), each line a pattern:
+    <...> and ... stand for anything."""
+    block = README.read_text().split(after, 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
     patterns = []
     for line in block.splitlines():
         pattern = re.sub(r"<[^>]*>", ".+?", re.escape(line).replace(r"\<", "<").replace(r"\>", ">"))
@@ -120,6 +121,7 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
     assert (repo / "data" / "train.parquet").is_file() and (repo / "data" / "test.parquet").is_file()
     assert ran.index(preflight) < ran.index(canary) < ran.index(train) < ran.index(merge)
     assert "canary: every stage passed" in out[canary]
+    assert_in_order(healthy_lines("A passing canary"), out[canary])  # the README's table, as the canary printed it
     train_job = jobs[[r for r in ran if "sbatch" in r].index(train)]
     assert train_job.out == repo / "logs" / f"grpo-qwen3-4b-{train_job.id}.out", "the README's output file"
     assert_in_order(healthy_lines(), out[train])
