@@ -47,6 +47,15 @@ OVERRIDES = [
      "the shims below, in every Ray worker process of the job (verl's TaskRunner and workers run there)"),
 ]  # fmt: skip
 
+# The environment of the job (the run script's, which every node's `ray start` inherits): Ray's, not verl's.
+ENVIRONMENT = {
+    # lean: Ray starts an idle worker per CPU with the raylet and one more for the first driver
+    # (ray/_private/services.py:2019-2021), which verl's actors cannot use (their runtime env, verl's env_vars and
+    # this hook, differs): on a 2-core machine they only take CPU and memory.
+    "RAY_enable_worker_prestart": "0",
+    "RAY_prestart_worker_first_driver": "0",
+}
+
 
 def overrides() -> list[str]:
     """The Hydra overrides of a CPU run, to pass after everything else."""
