@@ -134,10 +134,14 @@ def _unpinned_offload() -> None:
 
 def _register_rollout() -> None:
     """verl 0.6.1 registers only vLLM and SGLang (verl/workers/rollout/base.py:81-86) and asserts on anything else
-    (:99); its HF rollout ships unregistered."""
+    (:99); its HF rollout ships unregistered. Async rollout (the agent loop) also asks a replica class for the
+    servers it sends prompts to (verl/workers/rollout/replica.py:193-246, looked up in agent_loop.py:682)."""
     from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    base._ROLLOUT_REGISTRY[(ROLLOUT, "sync")] = "demo.verl_cpu.CPURollout"
+    for mode in ("sync", "async"):
+        base._ROLLOUT_REGISTRY[(ROLLOUT, mode)] = "demo.verl_cpu.CPURollout"
+    RolloutReplicaRegistry.register(ROLLOUT, _cpu_replica_class)
 
 
 SHIMS = (_gloo_for_nccl, _gather_like_nccl, _cpu_device_calls, _unpinned_offload, _register_rollout)
@@ -199,11 +203,62 @@ def _cpu_rollout_class():
             self.synced = True
 
         def generate_sequences(self, prompts):
-            if not self.synced:
-                raise RuntimeError("CPURollout: generate before the actor's weights arrived (update_weights)")
+            """Sync rollout: a batch, through verl's own HFRollout."""
+            self._check_synced()
             return super().generate_sequences(prompts)
 
+        async def generate(self, prompt_ids, sampling_params, request_id, image_data=None):
+            """Async rollout (the agent loop): one prompt's tokens in, its response's tokens out, as the SGLang and vLLM
+            servers answer (async_sglang_server.py:224-253: the same length limit, TokenOutput)."""
+            from verl.workers.rollout.replica import TokenOutput
+
+            self._check_synced()
+            if sampling_params.get("logprobs") or image_data:
+                raise NotImplementedError("CPURollout.generate returns tokens only: no log-probs, no images")
+            limit = self.config.max_model_len or self.module.config.max_position_embeddings
+            temperature = sampling_params.get("temperature", 1.0)
+            sampling = dict(do_sample=temperature > 0, top_p=sampling_params.get("top_p", 1.0), top_k=0)
+            if temperature > 0:
+                sampling["temperature"] = temperature
+            generation = self.model_config.generation_config
+            tokenizer = self.model_config.tokenizer
+            with torch.no_grad():
+                out = self.module.generate(
+                    torch.tensor([prompt_ids]),
+                    attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                    max_new_tokens=min(self.config.response_length, limit - len(prompt_ids) - 1),
+                    eos_token_id=generation.eos_token_id if generation is not None else tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **sampling,
+                )
+            return TokenOutput(token_ids=out[0, len(prompt_ids) :].tolist())
+
+        def _check_synced(self):
+            if not self.synced:
+                raise RuntimeError("CPURollout: generate before the actor's weights arrived (update_weights)")
+
     return CPURollout
+
+
+def _cpu_replica_class():
+    """The agent loop's rollout servers for CPURollout: in verl's hybrid mode each server is the hybrid worker itself,
+    which holds the engine and answers `generate` (AsyncActorRolloutRefWorker.generate, fsdp_workers.py:1952-1961);
+    wake_up and sleep, which the replica sends its servers around every rollout, are that worker's own weight sync
+    (fsdp_workers.py:1929-1937). The SGLang and vLLM replicas start a server process of their own instead."""
+    from verl.workers.rollout.replica import RolloutMode, RolloutReplica
+
+    class CPUReplica(RolloutReplica):
+        def get_ray_class_with_init_args(self):
+            raise NotImplementedError("CPUReplica serves from the hybrid workers only (hybrid_engine=True)")
+
+        async def launch_servers(self):
+            if self.rollout_mode != RolloutMode.HYBRID or len(self.workers) != 1:
+                raise NotImplementedError("CPUReplica: hybrid mode, one worker per replica (rollout TP, DP and PP 1)")
+            self.servers = list(self.workers)
+            self._server_handle = self.workers[0]
+            self._server_address = f"hf-rollout-{self.replica_rank}"  # no HTTP server: only the handle answers
+
+    return CPUReplica
 
 
 def __getattr__(name: str):
