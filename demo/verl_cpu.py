@@ -71,10 +71,10 @@ def _gloo_for_nccl() -> None:
 
     original = dist.init_process_group
 
-    def init_process_group(*args, backend=None, **kwargs):
+    def init_process_group(backend=None, *args, **kwargs):
         if backend is not None and "nccl" in backend:
             backend = "gloo"
-        return original(*args, backend=backend, **kwargs)
+        return original(backend, *args, **kwargs)
 
     dist.init_process_group = init_process_group
 

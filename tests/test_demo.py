@@ -82,3 +82,57 @@ def test_make_demo_trains_with_verls_own_trainer_on_the_cpu_saves_resumes_and_me
     assert (root / "hf_model" / "config.json").is_file() and (root / "hf_model" / "model.safetensors").is_file()
     hints = run.stdout.split("next, on a cluster", 1)[1].splitlines()[1:]
     assert [line.strip() for line in hints] == quickstart_lines(), "make demo's last lines are the README's quickstart"
+
+
+SHIMS_CHECK = r"""
+import sys, torch, torch.distributed as dist
+from demo import verl_cpu
+
+def outcome(what, call):
+    try:
+        call()
+    except Exception as exc:
+        return f"{what}: {type(exc).__name__}"
+    return f"{what}: ok"
+
+def verl_calls(address):
+    from verl.utils.device import get_torch_device
+    from verl.utils.profiler.performance import topk_reduce_ratio_min_max
+    from verl.workers.rollout.base import get_rollout_class
+    yield outcome("rollout", lambda: get_rollout_class("hf", "sync"))
+    yield outcome("backend", lambda: dist.init_process_group("cpu:gloo,cpu:nccl", init_method=address, rank=0,
+                                                             world_size=1))
+    if not dist.is_initialized():  # a plain gloo group, for the next check
+        dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
+    yield outcome("gather", lambda: topk_reduce_ratio_min_max(1.5))
+    dist.destroy_process_group()
+    device = get_torch_device()
+    yield outcome("device", lambda: (device.empty_cache(), device.set_rng_state(device.get_rng_state()),
+                                     device.memory_reserved(), device.max_memory_allocated()))
+
+print("before", *verl_calls(sys.argv[1]), sep="|")
+verl_cpu.install()
+from verl.utils.fsdp_utils import CPUOffloadPolicy
+from verl.workers.rollout.replica import get_rollout_replica_class
+print("after", *verl_calls(sys.argv[2]), f"pinned: {CPUOffloadPolicy(pin_memory=True).pin_memory}",
+      f"replica: {get_rollout_replica_class('hf').__name__}", sep="|")
+"""
+
+
+def test_without_the_shims_verl_stops_where_they_say_and_with_them_it_goes_on(tmp_path):
+    """Each shim of demo/verl_cpu.py on its own, in a fresh interpreter (as a Ray worker gets them): the verl call it
+    names fails before install() and works after."""
+    from tests.support import free_port
+
+    addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    run = subprocess.run([sys.executable, "-c", SHIMS_CHECK, *addresses], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, after = (line.split("|")[1:] for line in run.stdout.splitlines() if line.startswith(("before", "after")))
+    assert before == [
+        "rollout: AssertionError",
+        "backend: ValueError",
+        "gather: RuntimeError",
+        "device: AttributeError",
+    ]
+    assert after == ["rollout: ok", "backend: ok", "gather: ok", "device: ok", "pinned: False", "replica: CPUReplica"]
