@@ -96,13 +96,18 @@ ONE_STEP_OFF_VLLM = ("vllm.distributed.device_communicators.pynccl", "vllm.distr
 # its base image can hold it.
 TENSORBOARD_WRITER = "torch.utils.tensorboard"
 
+# The engine a rollout name needs, where that is not a package of its own name: `hf` is verl's own HF generate, which
+# only the CPU runs of make demo and the tests register (demo/verl_cpu.py; refusals.rollout_problems).
+ENGINE_MODULES = {"hf": "verl.workers.rollout.hf_rollout"}
+
 
 def trainer_modules(module: str, cfg) -> list[str]:
     """What the trainer command imports before it can train: the rollout engine, the entry module, and a recipe's
     trainer (and for one-step-off its workers for this strategy, which it picks by actor.strategy). verl's own
     worker modules are the image's to check (its %test): Megatron's pull in TransformerEngine, which a login node
     without a GPU driver may not load."""
-    modules = [cfg.actor_rollout_ref.rollout.name, module]
+    engine = cfg.actor_rollout_ref.rollout.name
+    modules = [ENGINE_MODULES.get(engine, engine), module]
     if module.startswith("recipe.one_step_off_policy."):
         package = "recipe.one_step_off_policy"
         workers = "megatron_workers" if cfg.actor_rollout_ref.actor.strategy == "megatron" else "fsdp_workers"
