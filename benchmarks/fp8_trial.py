@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.reward_bench import SHAPES, build_model, machine_info, scorer_step  # noqa: E402
 from reward_score.server.runner import RewardScorer  # noqa: E402
 from reward_score.server.settings import Settings  # noqa: E402
+from reward_score.server.warmup import warm_up  # noqa: E402
 
 SPEEDUP_BAR = 1.3
 AGREEMENT_BAR = 0.995
@@ -69,7 +70,7 @@ def to_fp8(scorer: RewardScorer) -> int:
     """Every decoder layer's linear layers as FP8 ones (recompiled where the scorer compiles); returns how many."""
     torch = scorer.torch
     compiled = scorer.compiled
-    scorer.uncompile_layers()
+    scorer.kernels.uncompile()
     torch._dynamo.reset()
     count = 0
     for layer in scorer.base.layers:
@@ -80,7 +81,7 @@ def to_fp8(scorer: RewardScorer) -> int:
                 setattr(parent, name, fp8_linear_class(torch)(getattr(parent, name)))
                 count += 1
     if compiled:
-        scorer.compile_layers()
+        scorer.kernels.compile()
     return count
 
 
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="fp8_trial_")) / "model"
     model_dir, params, words = build_model(args.shape, model_dir, args.device)
     scorer = RewardScorer.load(Settings(model_path=str(model_dir), device=args.device))
-    scorer.warm_up()
+    warm_up(scorer)
 
     step, other = (scorer_step(scorer, seed, args.samples, words) for seed in (args.seed, args.seed + 100))
     tokens = sum(len(s) for s in step)

@@ -264,12 +264,6 @@ REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
 LOOP_FUNCTIONS = {"safe_hack_reward": "plain function", "safe_hack_reward_async": "async entry point"}
 
 
-# --- through verl 0.6.1's own async reward loop ----------------------------------------------------------------
-
-REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
-LOOP_FUNCTIONS = {"safe_hack_reward": "plain function", "safe_hack_reward_async": "async entry point"}
-
-
 def verl_default_executor_size() -> int:
     """The threads of an asyncio loop's default executor (Python's own default): where verl's naive reward loop runs a
     plain reward function, one sample per thread."""
@@ -921,8 +915,10 @@ def print_summary(result: dict) -> None:
     else:
         print("\n(no GPU: no ceiling)")
     for info in result["variants"]:
+        health = info.get("health") or {}
         print(f"variant {info['name']}: {info['replicas']} server(s), healthy after {info['startup_s']:.1f} s, "
-              f"peak {info['peak_gib']} GiB, env {info['env']}"
+              f"peak {info['peak_gib']} GiB, env {info['env']}, compiled {health.get('compiled')}, liger "
+              f"{health.get('liger')}, first-layer checks {health.get('checks')}"
               + "".join(f", {k.replace('_over_', '/')} {info[k]:.2f}" for k in ("cold_over_warm", "cold_over_fresh")
                         if k in info))  # fmt: skip
     print(f"{'row':<70} {'variant':>10} {'wall s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'% ceil':>7} "

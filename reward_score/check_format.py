@@ -16,7 +16,7 @@ TRL <= 0.23 tokenized with the special tokens (a second BOS where the template h
 alone when the dataset had a `prompt` column, and appended no EOS to plain text. Conversations were always rendered
 with the chat template, plain text never: the layout of PAIRS decides that, and the rest is measured.
 
-Every format is scored through the server's own code (reward_score/server/runner.py: render, tokenize, fit,
+Every format is scored through the server's own code (reward_score/server/inputs.py: render, tokenize, fit,
 score_ids); formats that score the same token ids for these pairs are one row. Printed per format: the pairs ranked
 right (chosen scores higher), the mean margin (chosen - rejected) and the mean Bradley-Terry loss (-log sigmoid of
 the margin, TRL's training loss). The recommendation is the format that ranks the most pairs right; between formats
@@ -256,10 +256,10 @@ class FormatResult:
     """One way of building the ids (several settings may give the same ids: they are one result)."""
 
     settings: dict[str, str]  # the simplest settings that give these ids (most values left at auto)
-    format: object  # runner.InputFormat of those settings
+    format: object  # inputs.InputFormat of those settings
     same_as: list[dict[str, str]] = field(default_factory=list)  # other settings giving the same ids
     ids: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (chosen, rejected) as tokenized
-    scored: list[tuple[list[int], list[int]]] = field(default_factory=list)  # as scored (runner.fit)
+    scored: list[tuple[list[int], list[int]]] = field(default_factory=list)  # as scored (inputs.fit)
     chosen: list[float] = field(default_factory=list)
     rejected: list[float] = field(default_factory=list)
     truncated: int = 0
@@ -313,7 +313,7 @@ def _simplicity(settings: dict[str, str]) -> tuple[int, int]:
 def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | None = None) -> Report:
     """Score `pairs` in every candidate format with `scorer` (a server RewardScorer), one forward pass per distinct
     set of ids; results best first."""
-    from reward_score.server.runner import ConversationRefused, InputFormat
+    from reward_score.server.inputs import ConversationRefused, InputFormat
 
     given = given or {k: getattr(Settings(), k) for k in FORMAT_SETTINGS}
     base = scorer.settings

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reward_score.server import runner
+from reward_score.server import layers
 from reward_score.server.app import create_app
 from reward_score.server.batcher import Batcher, Preparer, _Job
 from reward_score.server.planner import (
@@ -36,6 +36,7 @@ from reward_score.server.planner import (
 )
 from reward_score.server.runner import ConversationRefused, RewardScorer
 from reward_score.server.settings import Settings, load_settings
+from reward_score.server.warmup import warm_up, warm_up_lengths
 from tests.support import REPO, free_port, http_get, start_http_server, start_process
 
 LONG_ANSWER = " ".join(f"word{i % 17} step {i}" for i in range(120))
@@ -582,7 +583,7 @@ def test_the_planner_and_the_settings_load_without_torch():
 
 
 def test_each_part_of_the_server_imports_only_the_parts_before_it():
-    chain = ["settings", "planner", "runner", "batcher", "app"]
+    chain = ["settings", "planner", "inputs", "layers", "runner", "warmup", "batcher", "app"]
     for k, name in enumerate(chain):
         tree = ast.parse((REPO / "reward_score" / "server" / f"{name}.py").read_text())
         imported = {
@@ -832,7 +833,7 @@ def test_a_nan_score_is_an_internal_error_never_a_score(tiny_models, monkeypatch
         assert metric(c, 'reward_errors_total{kind="internal"}') == 2
 
 
-def test_a_compile_that_fails_at_warm_up_falls_back_to_eager_and_scores_the_same(tiny_models):
+def test_a_compile_that_fails_at_warm_up_falls_back_to_eager_and_scores_the_same(tiny_models, caplog):
     cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", compile="off")
     eager = RewardScorer.load(cfg)
     seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7]
@@ -843,10 +844,48 @@ def test_a_compile_that_fails_at_warm_up_falls_back_to_eager_and_scores_the_same
 
     for layer in eager.base.layers:  # what a failed torch.compile looks like at the first call
         layer._compiled_call_impl = broken
-    eager.compiled = True
-    eager.warm_up()
-    assert eager.compiled is False
+    eager.kernels.compiled = True
+    warm_up(eager)
+    assert eager.compiled is False and "no C++ compiler (simulated)" in caplog.text
     assert eager.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
+
+
+def _compiled_as(layer, change):
+    """What torch.compile leaves on a layer (`_compiled_call_impl`, run with the layer's hooks), computing its forward's
+    output through `change`."""
+
+    def call(*args, **kwargs):
+        forward = type(layer).forward
+        layer.forward = lambda *a, **k: change(forward(layer, *a, **k))
+        try:
+            return layer._call_impl(*args, **kwargs)
+        finally:
+            del layer.forward
+
+    return call
+
+
+@pytest.mark.parametrize("computes", ["the same", "otherwise"])
+def test_compiled_layers_serve_only_where_they_compute_as_the_layers_do_at_warm_up(tiny_models, caplog, computes):
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7]
+    expected = scorer.score_ids(seqs)
+    scale = 1.0 if computes == "the same" else 1.1  # Inductor's fused kernels, right or wrong
+
+    def change(out):
+        return tuple(o * scale if k == 0 else o for k, o in enumerate(out)) if isinstance(out, tuple) else out * scale
+
+    for layer in scorer.base.layers:
+        layer._compiled_call_impl = _compiled_as(layer, change)
+    scorer.kernels.compiled = True
+    warm_up(scorer)
+    if computes == "the same":
+        assert scorer.compiled is True and scorer.checks["compile"] == 0.0
+        assert all(layer._compiled_call_impl is not None for layer in scorer.base.layers)
+    else:
+        assert scorer.compiled is False and scorer.checks["compile"] > 0.05
+        assert "REWARD_COMPILE: the compiled layers do not compute as the layers do" in caplog.text
+    assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-5)
 
 
 def test_the_model_gets_its_mask_mapping_from_us_and_scores_the_same(tiny_models, client):
@@ -855,7 +894,7 @@ def test_the_model_gets_its_mask_mapping_from_us_and_scores_the_same(tiny_models
     scorer = RewardScorer.load(cfg)
     seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7, [11] * 3]
     built_by_transformers = scorer.score_ids(seqs)  # padded and packed micro-batches, transformers' own masks
-    scorer.warm_up()
+    warm_up(scorer)
     assert scorer.mask_mapping is True
     assert scorer.score_ids(seqs) == pytest.approx(built_by_transformers, abs=1e-5)
     assert scorer.score_ids([seqs[0]]) == pytest.approx([built_by_transformers[0]], abs=1e-5)
@@ -877,7 +916,7 @@ def test_a_model_that_does_not_take_the_mask_mapping_builds_its_own_masks(tiny_m
         return forward(*args, attention_mask=attention_mask, **kwargs)
 
     monkeypatch.setattr(scorer.base, "forward", older_model)
-    scorer.warm_up()
+    warm_up(scorer)
     assert scorer.mask_mapping is False
     assert "does not take a per-layer mask mapping" in caplog.text
     assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
@@ -894,7 +933,7 @@ def test_a_deep_models_rounding_in_its_scores_does_not_cost_it_the_mask_mapping(
         return head(hidden) + 0.1 * len(calls)
 
     monkeypatch.setattr(scorer, "head", drifting)
-    scorer.warm_up()
+    warm_up(scorer)
     assert scorer.mask_mapping is True and len(scorer.fused) == 2 * len(scorer.base.layers)
 
 
@@ -908,7 +947,7 @@ def _count_calls(modules) -> list:
 def test_fused_projections_score_as_the_checkpoint_and_replace_the_separate_matmuls(tiny_models, reference):
     fused = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
     separate = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", fuse="off"))
-    fused.warm_up()
+    warm_up(fused)
     layers = fused.base.layers
     assert len(fused.fused) == 2 * len(layers) and separate.fused == []
     attention, mlp = layers[0].self_attn, layers[0].mlp
@@ -938,11 +977,82 @@ def test_fused_projections_that_score_otherwise_are_dropped_at_warm_up(tiny_mode
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(up) * gate)
 
-    monkeypatch.setattr(runner, "_fused_mlp_forward", misread)
-    scorer._set_fused(True)
-    scorer.warm_up()
+    monkeypatch.setattr(layers, "_mlp_forward", misread)
+    scorer.kernels.set_fused(True)
+    warm_up(scorer)
     assert scorer.fused == [] and "REWARD_FUSE" in caplog.text
     assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
+
+
+class LigerStandIn:
+    """liger_kernel.transformers.functional's API (liger-kernel 0.6.2) computed by torch, so the wiring runs on a CPU:
+    Liger's own kernels are Triton's and need a GPU (benchmarks/README.md has them measured on an H200). Counts the
+    calls; `wrong` makes the SiLU-and-multiply swap its inputs, as a kernel that computes something else would."""
+
+    def __init__(self, wrong: bool = False):
+        self.calls = {"rms_norm": 0, "swiglu": 0, "rope": 0}
+        self.wrong = wrong
+
+    def liger_rms_norm(self, X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
+        self.calls["rms_norm"] += 1
+        assert casting_mode == "llama" and offset == 0.0
+        x = X.float()
+        return W * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(X.dtype)
+
+    def liger_swiglu(self, a, b):
+        self.calls["swiglu"] += 1
+        return torch.nn.functional.silu(b) * a if self.wrong else torch.nn.functional.silu(a) * b
+
+    def liger_rope(self, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        self.calls["rope"] += 1
+        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("fuse", ["auto", "off"])
+def test_liger_kernels_run_every_norm_swiglu_and_rope_of_each_layer_and_score_as_transformers_modules(
+    tiny_models, reference, monkeypatch, fuse
+):
+    stand_in = LigerStandIn()
+    monkeypatch.setattr(layers, "liger_functions", lambda device: (stand_in, ""))
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", liger="on", fuse=fuse)
+    scorer = RewardScorer.load(cfg)
+    warm_up(scorer)
+    assert scorer.liger is True and 0 <= scorer.checks["liger"] < 1e-4, scorer.checks
+    messages = [{"role": "user", "content": "Is it safe?"}]
+    answers = ["No.", LONG_ANSWER[:300], "Yes, with care " * 9]
+    seqs = [e.ids for e in scorer.encode([scorer.render(messages, a) for a in answers])]
+    stand_in.calls = dict.fromkeys(stand_in.calls, 0)
+    got = scorer.score_ids(seqs)  # one micro-batch
+    n = len(scorer.base.layers)
+    # input and post-attention norms, q and k norms; SwiGLU and RoPE once a layer
+    assert stand_in.calls == {"rms_norm": 4 * n, "swiglu": n, "rope": n}
+    assert got == pytest.approx([reference(messages, a) for a in answers], abs=1e-5)
+    with TestClient(create_app(cfg, scorer)) as c:
+        assert c.get("/health").json()["liger"] is True
+
+
+def test_liger_kernels_that_compute_otherwise_are_dropped_at_warm_up_naming_the_setting(tiny_models, monkeypatch,
+                                                                                          caplog):  # fmt: skip
+    plain = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7]
+    expected = plain.score_ids(seqs)
+    monkeypatch.setattr(layers, "liger_functions", lambda device: (LigerStandIn(wrong=True), ""))
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", liger="on"))
+    warm_up(scorer)
+    assert scorer.liger is False and scorer.checks["liger"] > 2e-2
+    assert "REWARD_LIGER: Liger's kernels do not compute as transformers' modules do" in caplog.text
+    assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
+    assert len(scorer.fused) == 2 * len(scorer.base.layers), "the fused projections passed their own check"
+
+
+def test_liger_where_it_cannot_run_stops_the_server_naming_the_setting(tiny_models):
+    with pytest.raises(
+        RuntimeError, match=r"REWARD_LIGER=on: Liger's kernels are Triton's, for CUDA GPUs.*REWARD_LIGER=off"
+    ):
+        RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", liger="on"))
+    assert RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu")).liger is False
 
 
 # Per-token activations (bf16) of the benchmark's shapes and Qwen3-32B, from their public configs.
@@ -984,16 +1094,16 @@ def test_a_memory_cap_that_leaves_no_room_beside_the_weights_is_refused_naming_t
 def test_the_warm_up_step_runs_full_budget_micro_batches_padded_and_packed_before_ready(tiny_models):
     cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", token_budget=2048, max_length=512)
     basic = RewardScorer.load(cfg)
-    basic.warm_up()
+    warm_up(basic)
     assert "step" not in basic.warm_up_s, "the CPU default is the basic warm-up"
     scorer = RewardScorer.load(replace(cfg, warmup="step"))
     seen, packed = [], []
     scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width))
     real_packed = scorer._forward_packed
     scorer._forward_packed = lambda *args: packed.append(1) or real_packed(*args)
-    scorer.warm_up()
+    warm_up(scorer)
     assert scorer.warm_up_s["step"] > 0
-    assert sum(scorer.warm_up_lengths()[0]) >= 3 * 2048
+    assert sum(warm_up_lengths(scorer)[0]) >= 3 * 2048
     assert any(rows * width > 0.75 * 2048 for rows, width in seen), seen  # micro-batches near the budget
     assert len({width for _, width in seen}) >= 8 and packed, "many widths, and packed rows as well"
 
@@ -1003,7 +1113,7 @@ def test_models_with_sliding_window_layers_keep_transformers_masks(tiny_models):
     scorer.model.config.layer_types = ["full_attention", "sliding_attention"]
     again = RewardScorer(scorer.model, scorer.tokenizer, "cpu", scorer.settings)
     assert again.can_map_mask is False
-    again.warm_up()
+    warm_up(again)
     assert again.mask_mapping is False
 
 
@@ -1180,8 +1290,36 @@ def test_help_lists_the_input_format_settings_with_their_flags(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for flag, env in (("--input", "REWARD_INPUT"), ("--add-special-tokens", "REWARD_ADD_SPECIAL_TOKENS"),
                       ("--chat-template", "REWARD_CHAT_TEMPLATE"), ("--append-eos", "REWARD_APPEND_EOS")):  # fmt: skip
-        assert flag in out and f"env {env}; default" in out
+        assert flag in out and (f"[{env}, default auto" in out or f"[{env}, default conversation" in out)
     assert load_settings(["--input", "completion"], {"REWARD_INPUT": "conversation"}).input == "completion"
+
+
+def test_help_is_short_and_leads_with_the_model_device_port_and_format_and_help_all_lists_every_setting():
+    from reward_score.server.settings import _SETTINGS
+
+    def run(*args):
+        env = dict(os.environ, COLUMNS="80")
+        cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), *args]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+    short = run("--help")
+    assert short.returncode == 0, short.stderr
+    lines = short.stdout.splitlines()
+    assert len(lines) <= 50, f"--help is {len(lines)} lines"
+    assert lines[0].startswith("usage: reward_server --model-path DIR [--device DEVICE] [--port PORT] [--input")
+    flags = [line.split()[0] for line in lines if line.startswith("  --")]
+    assert flags[:8] == ["--help-all", "--model-path", "--device", "--port", "--host", "--input",
+                         "--add-special-tokens", "--chat-template"], flags  # fmt: skip
+    text = " ".join(short.stdout.split())
+    assert "default ]" not in text and "[REWARD_MODEL_PATH, required]" in text
+    assert "--token-budget" not in text and "--liger" not in text, "the tuning settings wait for --help-all"
+    every = run("--help-all")
+    assert every.returncode == 0, every.stderr
+    text = " ".join(every.stdout.split())
+    for name, (env, _, _) in _SETTINGS.items():
+        assert f"--{name.replace('_', '-')} " in text and f"[{env}," in text, name
+    # a setting --help does not show still parses
+    assert load_settings(["--token-budget", "4096", "--liger", "off"], {}).token_budget == 4096
 
 
 # --- the real process --------------------------------------------------------------------------------------------

@@ -253,14 +253,15 @@ def test_post_on_a_base_holding_the_oldest_stack_adds_nothing_and_a_pinned_upgra
 
 
 def test_the_servers_files_the_image_copies_are_all_it_needs(tmp_path):
-    """%files copies parts of the repository to /opt/verl-slurm; the reward server there must start (--help) alone."""
+    """%files copies parts of the repository to /opt/verl-slurm; the reward server there must start (--help-all) alone,
+    every part of it imported."""
     for line in section("files").strip().splitlines():
         source, dest = line.split()
         target = tmp_path / Path(dest).relative_to("/opt/verl-slurm")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / source, target)
     run = subprocess.run(
-        [sys.executable, str(tmp_path / "reward_score" / "reward_server.py"), "--help"],
+        [sys.executable, str(tmp_path / "reward_score" / "reward_server.py"), "--help-all"],
         cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHONNOUSERSITE": "1"},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr

@@ -1,8 +1,11 @@
 """The reward model server in parts (entry point: reward_score/reward_server.py). Each file imports only those above:
 
-settings.py   every setting: environment name, flag, default, checks
+settings.py   every setting: environment name, flag, default, checks, --help
 planner.py    the batching policy: micro-batches within the token budget, padded or packed layout (no torch)
-runner.py     the model: load, format, tokenize, run a planned micro-batch, warm-up, compile, mask path
+inputs.py     a pair as token ids: TRL's formats, the chat template, tokenizing, the fit to max_length (no torch)
+layers.py     how the decoder layers run: fused projections, Liger's kernels, per-layer torch.compile
+runner.py     the model: load, run a planned micro-batch (padded or packed), the mask path
+warmup.py     warm-up before ready: each faster way checked against transformers' own, the shapes, a synthetic step
 batcher.py    the GPU thread over all requests (when to launch what) and the off-loop tokenizing passes
 app.py        HTTP: FastAPI app, request and response bodies, limits, auth, metrics
 """

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from reward_score.server.batcher import Batcher, Preparer
 from reward_score.server.runner import ConversationRefused, InputTooLong, RewardScorer
 from reward_score.server.settings import Settings
+from reward_score.server.warmup import warm_up
 
 log = logging.getLogger("reward_server")
 
@@ -169,7 +170,7 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
         active.on_forward = metrics.on_forward
         active.on_oom = lambda: metrics.errors.labels("cuda_oom_split").inc()
         active.on_packed = metrics.packed.inc
-        await run_in_threadpool(active.warm_up)
+        await run_in_threadpool(warm_up, active)
         batcher = Batcher(
             active,
             settings.max_wait_ms / 1000,
@@ -190,9 +191,10 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
         )
         state.update(scorer=active, batcher=batcher, preparer=preparer)
         log.info(
-            "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d max_length=%d truncation=%s "
-            "format=%s token_budget=%d micro_batch_cost=%d pack=%s warm_up_s=%s",
+            "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d liger=%s max_length=%d "
+            "truncation=%s format=%s token_budget=%d micro_batch_cost=%d pack=%s warm_up_s=%s",
             settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, len(active.fused),
+            active.liger,
             settings.max_length, settings.truncation,
             active.format.describe() + ("" if active.has_chat_template else ": the tokenizer has no chat template"),
             active.planner.token_budget, active.planner.micro_batch_cost, active.planner.pack,
@@ -310,10 +312,12 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             "compiled": active.compiled,
             "mask_mapping": active.mask_mapping,
             "fused_modules": len(active.fused),
+            "liger": active.liger,
             "token_budget": active.planner.token_budget,
             "micro_batch_cost": active.planner.micro_batch_cost,
             "pack": active.planner.pack,
             "warm_up_s": active.warm_up_s,
+            "checks": active.checks,
             "auth": bool(settings.auth_token),
         }
 

@@ -8,6 +8,8 @@ by hand the article's way, with CONFIG_REWARD_MODEL_PATH / CONFIG_REWARD_DEVICE,
 
 import argparse
 import os
+import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -38,6 +40,7 @@ class Settings:
     quiet_ms: float = 2.0
     compile: str = "auto"
     fuse: str = "auto"
+    liger: str = "off"
     warmup: str = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
     next_launch: str = "after_wait"
@@ -58,48 +61,66 @@ class Settings:
         return model_budget or 32768
 
 
-_SETTINGS: dict[str, tuple[str, str]] = {
-    "model_path": ("REWARD_MODEL_PATH", "folder of the reward model (config.json, weights, tokenizer)"),
-    "device": ("REWARD_DEVICE", "cpu | cuda | cuda:N | auto (cuda if available)"),
-    "host": ("REWARD_HOST", "address to bind (0.0.0.0: reachable from the other nodes)"),
-    "port": ("REWARD_PORT", "port to listen on"),
-    "max_length": ("REWARD_MAX_LENGTH", "tokens scored per pair; longer input keeps its last tokens"),
-    "truncation": ("REWARD_TRUNCATION", "left: keep the last max_length tokens; reject: answer 413"),
-    "input": ("REWARD_INPUT", "conversation: prompt + response (TRL >= 0.24; TRL <= 0.23 without a 'prompt' column) | "
-              "completion: the response alone, as the assistant turn (TRL <= 0.23 with a 'prompt' column); "
-              "python -m reward_score.check_format says which"),
-    "add_special_tokens": ("REWARD_ADD_SPECIAL_TOKENS", "auto | true | false: tokenize adding the tokenizer's special "
-                           "tokens (e.g. a BOS); auto: not for a conversation through the chat template (TRL >= "
-                           "0.24), else yes (TRL's tokenizer(text))"),
-    "chat_template": ("REWARD_CHAT_TEMPLATE", "auto: the tokenizer's chat template if it has one | off: TRL's plain-"
-                      "text rule even so (a model trained on a plain-text dataset)"),
-    "append_eos": ("REWARD_APPEND_EOS", "auto | true | false, plain text only: append the EOS token; auto: for "
-                   "conversation (TRL >= 0.24), not for completion (TRL <= 0.23)"),
-    "token_budget": ("REWARD_TOKEN_BUDGET", "padded tokens per forward (0: from the model on GPU, 8192 on CPU)"),
-    "max_batch_rows": ("REWARD_MAX_BATCH_ROWS", "rows per forward at most"),
-    "pad_multiple": ("REWARD_PAD_MULTIPLE", "pad each batch to a multiple of this many tokens"),
-    "pack": ("REWARD_PACK", "auto (models up to Qwen3-1.7B's size: several sequences to a padded row where that saves "
-             "a fifth of the rows, each attending only to itself) | off"),
-    "micro_batch_cost": ("REWARD_MICRO_BATCH_COST", "what one more forward costs, in tokens, when rows are split into "
-                         "micro-batches (0: from the model on a GPU: 1024 up to Qwen3-1.7B's size, fewer for bigger "
-                         "models, whose tokens take longer)"),
-    "max_wait_ms": ("REWARD_MAX_WAIT_MS", "longest the GPU thread gathers requests into one batch"),
-    "quiet_ms": ("REWARD_QUIET_MS", "gathering stops early once no request arrived for this long"),
-    "compile": ("REWARD_COMPILE", "auto (per-layer torch.compile on GPU) | layers | off"),
-    "fuse": ("REWARD_FUSE", "auto (q/k/v and gate/up as one matmul each, if warm-up scores the same) | off"),
-    "warmup": ("REWARD_WARMUP", "auto (step on GPU, basic on CPU) | step (a full-budget synthetic step too) | basic"),
-    "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GPU memory the server may take, weights included (0: no cap)"),
-    "cudnn_attention": (
-        "REWARD_CUDNN_ATTENTION",
-        "auto (torch's choice: cuDNN on Hopper) | off (flash, mem-efficient)",
-    ),
-    "next_launch": ("REWARD_NEXT_LAUNCH", "after_wait | before_finish (queue it as the running one nears its end)"),
-    "max_items": ("REWARD_MAX_ITEMS", "items per /score_batch request at most"),
-    "max_chars": ("REWARD_MAX_CHARS", "characters per prompt, message or response at most"),
-    "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "request body size at most"),
-    "auth_token": ("REWARD_SERVER_TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
-    "log_level": ("REWARD_LOG_LEVEL", "debug | info | warning"),
+_SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, flag's value, help)
+    "model_path": ("REWARD_MODEL_PATH", "DIR", "the reward model's folder (config.json, weights, tokenizer)"),
+    "device": ("REWARD_DEVICE", "DEVICE", "cpu | cuda | cuda:N | auto"),
+    "port": ("REWARD_PORT", "PORT", "port to listen on"),
+    "host": ("REWARD_HOST", "ADDRESS", "address to bind (0.0.0.0: every interface)"),
+    "input": ("REWARD_INPUT", "WHAT", "conversation (prompt + response) | completion (the response alone: TRL <= "
+              "0.23 with a 'prompt' column)"),
+    "add_special_tokens": ("REWARD_ADD_SPECIAL_TOKENS", "auto|true|false", "add the tokenizer's special tokens "
+                           "(auto: as TRL did for the input)"),
+    "chat_template": ("REWARD_CHAT_TEMPLATE", "auto|off", "the tokenizer's chat template (auto) or TRL's plain-text "
+                      "rule (off)"),
+    "append_eos": ("REWARD_APPEND_EOS", "auto|true|false", "plain text: append EOS (auto: for conversation)"),
+    "max_length": ("REWARD_MAX_LENGTH", "TOKENS", "tokens scored per pair; longer input keeps its last tokens"),
+    "truncation": ("REWARD_TRUNCATION", "left|reject", "reject: answer 413 instead of keeping the last tokens"),
+    "auth_token": ("REWARD_SERVER_TOKEN", "TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
+    # --help-all only: logging, how the GPU thread batches, how the layers run, the warm-up, request limits
+    "log_level": ("REWARD_LOG_LEVEL", "LEVEL", "debug | info | warning"),
+    "token_budget": ("REWARD_TOKEN_BUDGET", "TOKENS", "padded tokens per forward (0: from the model on GPU, 8192 on "
+                     "CPU)"),
+    "max_batch_rows": ("REWARD_MAX_BATCH_ROWS", "ROWS", "rows per forward at most"),
+    "pad_multiple": ("REWARD_PAD_MULTIPLE", "TOKENS", "pad each batch to a multiple of this many tokens"),
+    "pack": ("REWARD_PACK", "auto|off", "auto (models up to Qwen3-1.7B's size: several sequences to a padded row "
+             "where that saves a fifth of the rows, each attending only to itself) | off"),
+    "micro_batch_cost": ("REWARD_MICRO_BATCH_COST", "TOKENS", "what one more forward costs, in tokens, when rows are "
+                         "split into micro-batches (0: from the model on a GPU: 1024 up to Qwen3-1.7B's size, fewer "
+                         "for bigger models, whose tokens take longer)"),
+    "max_wait_ms": ("REWARD_MAX_WAIT_MS", "MS", "longest the GPU thread gathers requests into one batch"),
+    "quiet_ms": ("REWARD_QUIET_MS", "MS", "gathering stops early once no request arrived for this long"),
+    "next_launch": ("REWARD_NEXT_LAUNCH", "WHEN", "after_wait | before_finish (queue it as the running one nears its "
+                    "end)"),
+    "compile": ("REWARD_COMPILE", "auto|layers|off", "auto (per-layer torch.compile on GPU) | layers | off"),
+    "fuse": ("REWARD_FUSE", "auto|off", "auto (q/k/v and gate/up as one matmul each, if warm-up scores the same) | "
+             "off"),
+    "liger": ("REWARD_LIGER", "on|off", "on: Liger Kernel's Triton RMSNorm, SwiGLU and RoPE in every decoder layer "
+              "(liger-kernel, CUDA; kept if warm-up computes the same; slower on an H200) | off: transformers' own, "
+              "compiled"),
+    "cudnn_attention": ("REWARD_CUDNN_ATTENTION", "auto|off", "auto (torch's choice: cuDNN on Hopper) | off (flash, "
+                        "mem-efficient)"),
+    "warmup": ("REWARD_WARMUP", "auto|step|basic", "auto (step on GPU, basic on CPU) | step (a full-budget synthetic "
+               "step too) | basic"),
+    "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no "
+                       "cap)"),
+    "max_items": ("REWARD_MAX_ITEMS", "N", "items per /score_batch request at most"),
+    "max_chars": ("REWARD_MAX_CHARS", "N", "characters per prompt, message or response at most"),
+    "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "BYTES", "request body size at most"),
 }  # fmt: skip
+# What `--help` shows, in this order: the model, where it serves, the format it was trained in, what is scored.
+FIRST = ("model_path", "device", "port", "host", "input", "add_special_tokens", "chat_template", "append_eos",
+         "max_length", "truncation", "auth_token")  # fmt: skip
+_GROUPS = {
+    "the model and where it serves": ("model_path", "device", "port", "host"),
+    "the format it was trained in (python -m reward_score.check_format says which)": (
+        "input", "add_special_tokens", "chat_template", "append_eos"),
+    "what is scored, who may ask": ("max_length", "truncation", "auth_token"),
+}  # fmt: skip
+USAGE = "reward_server --model-path DIR [--device DEVICE] [--port PORT] [--input WHAT] [options]"
+DESCRIPTION = """Scores (prompt, response) pairs over HTTP as TRL trained the reward model (docs/reward.md).
+  python reward_score/reward_server.py --model-path /models/Unsafe-Reward-Qwen3-1.7B --device cuda:0
+Each flag has a REWARD_* environment variable (in brackets); the flag wins."""
+EPILOG = """Batching, kernels, warm-up, logging and request limits: --help-all (measured defaults; docs/reward.md)."""
 
 
 # The input-format settings' values (runner.InputFormat reads them).
@@ -111,38 +132,51 @@ CHOICES = {
 }
 
 
-def load_settings(
-    argv: Sequence[str] | None = None, environ: dict[str, str] | None = None, description: str | None = None
-) -> Settings:
+def _default_shown(name: str, default: Any) -> str:
+    if name == "model_path":
+        return "required"
+    return f"default {default if default != '' else 'none'}"
+
+
+def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
     """Defaults, then the environment, then command-line flags (which win). Bad values exit with the name to fix.
-    `description` heads `--help` (the entry point's docstring)."""
+    `--help` shows the settings of FIRST; `--help-all` every one."""
     environ = dict(os.environ if environ is None else environ)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    every = "--help-all" in argv
+    width = min(118, shutil.get_terminal_size().columns - 2)
     parser = argparse.ArgumentParser(
-        prog="reward_server", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+        prog="reward_server", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=width, max_help_position=32),
+    )  # fmt: skip
+    parser.add_argument("--help-all", action="help", help="show every setting and exit")
+    groups = {}
+    for title, names in _GROUPS.items():
+        group = parser.add_argument_group(title)
+        groups.update(dict.fromkeys(names, group))
+    tuning = parser.add_argument_group("tuning (measured defaults)") if every else parser
     defaults = Settings()
     values: dict[str, Any] = {}
-    for f in fields(Settings):
-        env_name, help_text = _SETTINGS[f.name]
-        kind = type(getattr(defaults, f.name))
+    for name in [*FIRST, *(f.name for f in fields(Settings) if f.name not in FIRST)]:
+        env_name, metavar, help_text = _SETTINGS[name]
+        kind = type(getattr(defaults, name))
         raw = environ.get(env_name)
         if raw not in (None, ""):
             try:
-                values[f.name] = kind(raw)
+                values[name] = kind(raw)
             except ValueError:
                 parser.error(f"{env_name}={raw!r} is not a valid {kind.__name__}")
-        flag = "--" + f.name.replace("_", "-")
-        default_shown = "(set)" if f.name == "auth_token" else getattr(defaults, f.name)
-        parser.add_argument(
-            flag, type=kind, default=None, help=f"{help_text} [env {env_name}; default {default_shown}]"
-        )
+        shown = f"{help_text} [{env_name}, {_default_shown(name, getattr(defaults, name))}]"
+        group = groups.get(name, tuning)
+        group.add_argument(_flag(name), type=kind, default=None, metavar=metavar,
+                           help=shown if name in groups or every else argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args(argv)
     values.update({k: v for k, v in vars(args).items() if v is not None})
     settings = replace(defaults, **values)
     problems = []
     if settings.compile not in ("auto", "layers", "off"):
         problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
-    for name, allowed in (("fuse", ("auto", "off")), ("warmup", ("auto", "step", "basic")),
+    for name, allowed in (("fuse", ("auto", "off")), ("liger", ("on", "off")), ("warmup", ("auto", "step", "basic")),
                           ("next_launch", ("after_wait", "before_finish")), ("cudnn_attention", ("auto", "off")),
                           ("pack", ("auto", "off"))):  # fmt: skip
         if getattr(settings, name) not in allowed:

@@ -1,0 +1,155 @@
+"""How a (messages, response) pair becomes the token ids the model scores: which of TRL's formats (`InputFormat`), the
+text through the chat template or TRL's plain-text rule, tokenizing on every core, and the fit to max_length. No torch:
+check_format.py scores every format through this code, and the batcher's tokenizing passes run it off the event loop."""
+
+import threading
+from dataclasses import dataclass
+
+from reward_score.server.settings import Settings
+
+
+class InputTooLong(ValueError):
+    """An item is longer than max_length under REWARD_TRUNCATION=reject, or cannot fit in memory alone."""
+
+
+class ConversationRefused(ValueError):
+    """The chat template raised on these messages (e.g. Qwen3's "No user query found in messages.")."""
+
+
+@dataclass
+class Encoded:
+    ids: list[int]
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class InputFormat:
+    """How a (messages, response) pair becomes token ids: one of the ways TRL's RewardTrainer built a training
+    sequence from a preference dataset (a model scores best in the way it was trained).
+
+    TRL >= 0.24 (reward_trainer.py `_prepare_dataset`): prompt + completion through `apply_chat_template(...,
+    tokenize=True)`, which adds no special tokens; a plain-text dataset as `tokenizer(prompt + completion + eos)`.
+    TRL <= 0.23 (`maybe_apply_chat_template`, then `_tokenize`: `tokenizer(chosen)`): with a `prompt` column only the
+    completion, rendered as the text the chat template adds after the prompt's generation prompt, and always with the
+    tokenizer's special tokens; plain text as it is, no EOS added."""
+
+    input: str  # "conversation": prompt + response; "completion": the response alone
+    chat_template: bool  # through the tokenizer's chat template; False: TRL's plain-text rule
+    add_special_tokens: bool
+    append_eos: bool  # plain text only
+
+    @classmethod
+    def from_settings(cls, settings: Settings, has_chat_template: bool) -> "InputFormat":
+        """The `auto` values resolved: for each input, what the TRL versions that produce it did."""
+        template = has_chat_template and settings.chat_template == "auto"
+        if settings.add_special_tokens == "auto":
+            # Only TRL >= 0.24's apply_chat_template(tokenize=True) tokenized without them; every tokenizer(text) adds.
+            special = not (template and settings.input == "conversation")
+        else:
+            special = settings.add_special_tokens == "true"
+        if settings.append_eos == "auto":
+            eos = settings.input == "conversation"
+        else:
+            eos = settings.append_eos == "true"
+        return cls(settings.input, template, special, eos and not template)
+
+    def describe(self) -> str:
+        how = "chat template" if self.chat_template else "plain text" + (" + EOS" if self.append_eos else "")
+        special = "with" if self.add_special_tokens else "without"
+        return f"{self.input} ({how}, {special} special tokens)"
+
+
+class PairEncoder:
+    """The tokenizer and the formatting rule: `render` a pair as the text the model was trained on, `tokenize` texts,
+    `fit` ids to max_length (`encode`: both). Any thread may call it. The scorer (runner.py) is one."""
+
+    def __init__(self, tokenizer, settings: Settings, read_pad_id: int | None):
+        import jinja2
+
+        self._template_error = jinja2.TemplateError
+        self.tokenizer = tokenizer
+        self.settings = settings
+        # The model's own forward reads its score at the last token that is not config.pad_token_id (transformers'
+        # sequence classification, which is what TRL trained): trailing ones are dropped before scoring (`fit`).
+        self.read_pad_id = read_pad_id
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.format = InputFormat.from_settings(settings, self.has_chat_template)
+        self.backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+        if self.backend is not None:
+            # Never mutated after this, so threads may encode concurrently.
+            self.backend.no_truncation()
+            self.backend.no_padding()
+        self._slow_lock = threading.Lock()
+
+    @property
+    def chat_template(self) -> bool:
+        """Pairs are rendered through the tokenizer's chat template (else TRL's plain-text rule)."""
+        return self.format.chat_template
+
+    def render(self, messages: list[dict[str, str]], response: str, fmt: InputFormat | None = None) -> str:
+        """The exact text the reward model was trained on for this conversation, in `fmt` (default: the server's)."""
+        fmt = fmt or self.format
+        if fmt.chat_template:
+            try:
+                return self._render_template(messages, response, fmt.input == "completion")
+            except self._template_error as exc:  # the template's own raise_exception(...): a wrong conversation
+                raise ConversationRefused(f"the reward model's chat template refused these messages: {exc}") from None
+        # TRL's plain-text rule: prompt then completion (>= 0.24) or the completion alone (<= 0.23 with a prompt
+        # column), EOS appended where TRL appended it.
+        eos = self.tokenizer.eos_token or ""
+        text = response if fmt.input == "completion" else "\n".join(m["content"] for m in messages) + response
+        return text + eos if fmt.append_eos and not text.endswith(eos) else text
+
+    def _render_template(self, messages: list[dict[str, str]], response: str, completion: bool) -> str:
+        apply = self.tokenizer.apply_chat_template
+        full = apply(
+            [*messages, {"role": "assistant", "content": response}], tokenize=False, add_generation_prompt=False
+        )
+        if not completion:
+            return full
+        # TRL <= 0.23's apply_chat_template (data_utils.py): the prompt with its generation prompt (or its last
+        # assistant message continued), then the completion is what the whole conversation adds after the longest
+        # common prefix of the two (Qwen3: "<think>\n\n</think>\n\n" + response + "<|im_end|>\n").
+        last = messages[-1]["role"] if messages else None
+        if last not in ("user", "assistant"):
+            raise ConversationRefused(
+                f"REWARD_INPUT=completion needs the prompt's last message from the user or the assistant, as TRL did "
+                f"(it raised 'Invalid role in the last message'); got {last!r}"
+            )
+        prompt = apply(messages, tokenize=False, add_generation_prompt=last == "user",
+                       continue_final_message=last == "assistant")  # fmt: skip
+        common = 0
+        for a, b in zip(prompt, full, strict=False):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+
+    def tokenize(self, texts: list[str], fmt: InputFormat | None = None) -> list[list[int]]:
+        """Token ids of each text, with or without the tokenizer's special tokens as `fmt` says; any thread. The
+        Rust tokenizer encodes a list on every core without holding the GIL; `encode_batch_fast` (tokenizers >= 0.21)
+        also skips the character offsets nobody reads here. Both are what `tokenizer(text)` calls."""
+        special = (fmt or self.format).add_special_tokens
+        if self.backend is not None:
+            encode = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
+            return [e.ids for e in encode(texts, add_special_tokens=special)]
+        with self._slow_lock:
+            return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+
+    def fit(self, ids: list[int], where: str) -> Encoded:
+        """`ids` as scored: without trailing pad tokens (the model's forward would read its score before them, and a
+        causal model's score there does not depend on them), within max_length: over-long input keeps its last
+        tokens, or is refused under REWARD_TRUNCATION=reject."""
+        end = len(ids)
+        while end > 1 and ids[end - 1] == self.read_pad_id:
+            end -= 1
+        ids = ids[:end] if end < len(ids) else ids
+        limit = self.settings.max_length
+        if len(ids) <= limit:
+            return Encoded(ids, False)
+        if self.settings.truncation == "reject":
+            raise InputTooLong(f"{where} is {len(ids)} tokens; the limit is {limit} (REWARD_MAX_LENGTH)")
+        return Encoded(ids[-limit:], True)
+
+    def encode(self, texts: list[str]) -> list[Encoded]:
+        return [self.fit(ids, f"item {i}") for i, ids in enumerate(self.tokenize(texts))]

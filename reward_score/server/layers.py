@@ -1,0 +1,257 @@
+"""How the decoder layers run. Three switches over the same weights, each of which warm-up (warmup.py) checks against
+transformers' own forward before it serves:
+
+- fused projections (REWARD_FUSE): q/k/v as one matmul and gate/up as one, built from the checkpoint's weights (the
+  layout serving engines use);
+- Liger Kernel's Triton RMSNorm, SiLU-and-multiply and RoPE in place of transformers' (REWARD_LIGER; liger-kernel, which
+  the image holds, on a CUDA GPU). Off by default: on an H200 the 1.7B's step ran at 60.7% of the matmul ceiling with
+  them against 75.2% compiled (benchmarks/README.md): they copy non-contiguous inputs (q and k split from the fused
+  projection, the gate/up halves) before each kernel and leave the residual adds apart;
+- torch.compile of each decoder layer (REWARD_COMPILE): Inductor fuses the elementwise work between the matmuls.
+
+Each module's own forward is transformers' while a switch is off; on, the module gets a forward of ours (an
+instance attribute), so off is always one `pop` away and the check can run both ways on one model."""
+
+import contextlib
+import logging
+import sys
+import types
+
+log = logging.getLogger("reward_server")
+
+# Layers whose forward we know (transformers 4.55 to 5.x): q/k/v and gate/up can each run as one matmul.
+_FUSABLE_ATTENTION = ("Qwen3Attention", "Qwen2Attention", "LlamaAttention")
+_FUSABLE_MLP = ("Qwen3MLP", "Qwen2MLP", "LlamaMLP")
+_RMS_NORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm")
+_NORMS_OF_A_LAYER = ("input_layernorm", "post_attention_layernorm")
+_NORMS_OF_ATTENTION = ("q_norm", "k_norm")  # Qwen3 normalises each head of q and k
+
+
+def _fused_linear(torch, parts):
+    """One Linear whose output is the parts' outputs side by side; each part's weight (and bias) becomes a view into
+    it, so the model holds no second copy and the unfused forward still reads the same numbers."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    has_bias = parts[0].bias is not None
+    bias = torch.cat([p.bias.detach() for p in parts]) if has_bias else None
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = torch.nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for part in parts:
+        n = part.weight.shape[0]
+        part.weight = torch.nn.Parameter(weight[start : start + n], requires_grad=False)
+        if has_bias:
+            part.bias = torch.nn.Parameter(bias[start : start + n], requires_grad=False)
+        start += n
+    return fused, [p.weight.shape[0] for p in parts]
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """The attention of Qwen3/Qwen2/Llama as transformers writes it, with q, k and v from one matmul (`qkv_proj`, where
+    `use_qkv`) and the rotary embedding `rope` (Liger's; None: transformers' own). A KV cache (never used by the
+    server) takes the original forward."""
+    if kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+    for name in ("past_key_values", "past_key_value", "cache_position"):
+        kwargs.pop(name, None)
+    module = sys.modules[type(self).__module__]
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    if self.use_qkv:
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+    else:
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3 normalises each head of q and k
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = (self.rope or module.apply_rotary_pos_emb)(q, k, cos, sin)
+    implementation = self.config._attn_implementation
+    if implementation == "eager":
+        attention = module.eager_attention_forward
+    else:
+        attention = module.ALL_ATTENTION_FUNCTIONS[implementation]
+    if getattr(self, "sliding_window", None) is not None:
+        kwargs["sliding_window"] = self.sliding_window
+    out, weights = attention(
+        self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+    )  # fmt: skip
+    out = out.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(out), weights
+
+
+def _mlp_forward(self, x):
+    """SwiGLU with gate and up from one matmul (`gate_up_proj`, where `use_gate_up`) and the activation-and-multiply
+    `silu_mul` (Liger's one kernel; None: transformers' act_fn(gate) * up)."""
+    if self.use_gate_up:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    else:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(self.silu_mul(gate, up) if self.silu_mul else self.act_fn(gate) * up)
+
+
+def liger_functions(device):
+    """Liger Kernel's functional API (liger_kernel.transformers.functional: liger_rms_norm, liger_swiglu, liger_rope;
+    the image holds liger-kernel 0.6.2) for a model on `device`, or the reason it cannot run there."""
+    if device.type != "cuda":
+        return None, f"Liger's kernels are Triton's, for CUDA GPUs (this model is on {device})"
+    try:
+        from liger_kernel.transformers import functional
+    except Exception as exc:  # noqa: BLE001 - an ImportError, or triton failing to load: the reason is reported
+        return None, f"liger-kernel cannot be imported ({type(exc).__name__}: {exc})"
+    missing = [n for n in ("liger_rms_norm", "liger_swiglu", "liger_rope") if not hasattr(functional, n)]
+    if missing:
+        return None, f"this liger-kernel has no {', '.join(missing)}"
+    return functional, ""
+
+
+class LayerKernels:
+    """The switches of one model's decoder layers (`base.layers`): which modules run fused projections (`fused`),
+    whether Liger's kernels run (`liger`), whether each layer is compiled (`compiled`)."""
+
+    def __init__(self, torch, base):
+        self.torch = torch
+        self.base = base
+        self.layers = list(getattr(base, "layers", None) or [])
+        self.fused: list = []  # the attention and MLP modules that hold fused projections
+        self.fused_on = False  # and run them
+        self.liger = False
+        self.compiled = False
+        self._liger_api = None
+
+    # -- fused projections --
+
+    def fuse_projections(self) -> int:
+        """q/k/v as one projection and gate/up as one in every layer we know the forward of: one larger matmul
+        instead of three and two. Built from the loaded weights, whose tensors become views into the fused ones (no
+        extra memory). Returns the modules fused."""
+        torch = self.torch
+        for layer in self.layers:
+            attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if self._knows_attention(attention) and not hasattr(attention, "qkv_proj"):
+                with torch.no_grad():
+                    attention.qkv_proj, attention.qkv_sizes = _fused_linear(
+                        torch, [attention.q_proj, attention.k_proj, attention.v_proj]
+                    )
+                self.fused.append(attention)
+            if type(mlp).__name__ in _FUSABLE_MLP and not hasattr(mlp, "gate_up_proj"):
+                with torch.no_grad():
+                    mlp.gate_up_proj, _ = _fused_linear(torch, [mlp.gate_proj, mlp.up_proj])
+                self.fused.append(mlp)
+        self.fused_on = bool(self.fused)
+        self._install()
+        return len(self.fused)
+
+    def set_fused(self, on: bool) -> None:
+        """Run the fused projections (on) or the separate ones over the same weights (off)."""
+        self.fused_on = on
+        self._install()
+
+    def unfuse_projections(self) -> None:
+        """Drop the fused projections (the separate ones hold the same weights as views of them)."""
+        for module in self.fused:
+            for name in ("qkv_proj", "gate_up_proj"):
+                if name in module._modules:
+                    delattr(module, name)
+        self.fused = []
+        self._install()
+
+    # -- Liger's kernels --
+
+    def set_liger(self, on: bool) -> str:
+        """Liger's RMSNorm (every norm of every decoder layer), SiLU-and-multiply and RoPE (on), or transformers' own
+        (off). Returns why Liger cannot run here (and leaves it off), else ""."""
+        if on and self._liger_api is None:
+            self._liger_api, why = liger_functions(next(iter(self.base.parameters())).device)
+            if self._liger_api is None:
+                return why
+        self.liger = on
+        for layer in self.layers:
+            attention = getattr(layer, "self_attn", None)
+            norms = [getattr(layer, n, None) for n in _NORMS_OF_A_LAYER]
+            norms += [getattr(attention, n, None) for n in _NORMS_OF_ATTENTION]
+            for norm in norms:
+                if type(norm).__name__ in _RMS_NORMS:
+                    if on:
+                        norm.forward = types.MethodType(self._liger_rms_norm_forward(), norm)
+                    else:
+                        norm.__dict__.pop("forward", None)
+        self._install()
+        return ""
+
+    def _liger_rms_norm_forward(self):
+        rms_norm = self._liger_api.liger_rms_norm
+
+        def forward(norm, hidden_states):
+            # "llama" casting: the inverse RMS in float32, the product cast back, as transformers' RMSNorm computes;
+            # in_place only concerns the backward pass, which never runs here.
+            return rms_norm(hidden_states, norm.weight, norm.variance_epsilon, 0.0, "llama", False)
+
+        return forward
+
+    # -- which forward each attention and MLP module runs --
+
+    @staticmethod
+    def _knows_attention(attention) -> bool:
+        if type(attention).__name__ not in _FUSABLE_ATTENTION:
+            return False
+        module = sys.modules[type(attention).__module__]
+        return all(hasattr(module, n) for n in ("apply_rotary_pos_emb", "eager_attention_forward",
+                                                "ALL_ATTENTION_FUNCTIONS"))  # fmt: skip
+
+    def _install(self) -> None:
+        """Our forward where a module runs a fused projection or Liger's kernels, transformers' own elsewhere."""
+        liger = self._liger_api if self.liger else None
+        for layer in self.layers:
+            attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if self._knows_attention(attention):
+                qkv = self.fused_on and "qkv_proj" in attention._modules
+                self._set_forward(attention, _attention_forward, qkv or liger is not None,
+                                  use_qkv=qkv, rope=liger and liger.liger_rope)  # fmt: skip
+            if type(mlp).__name__ in _FUSABLE_MLP:
+                gate_up = self.fused_on and "gate_up_proj" in mlp._modules
+                self._set_forward(mlp, _mlp_forward, gate_up or liger is not None,
+                                  use_gate_up=gate_up, silu_mul=liger and liger.liger_swiglu)  # fmt: skip
+
+    @staticmethod
+    def _set_forward(module, forward, ours: bool, **attributes) -> None:
+        if ours:
+            module.__dict__.update(attributes, forward=types.MethodType(forward, module))
+        else:
+            for name in ("forward", *attributes):
+                module.__dict__.pop(name, None)
+
+    # -- torch.compile of each layer --
+
+    def compile(self) -> bool:
+        """torch.compile each decoder layer (dynamic shapes): fused kernels, far fewer launches. False if unavailable."""
+        torch = self.torch
+        if not self.layers or not hasattr(torch, "compile") or not hasattr(self.layers[0], "compile"):
+            log.warning(
+                "REWARD_COMPILE: this model or torch %s cannot compile per layer; serving eager", torch.__version__
+            )
+            return False
+        for layer in self.layers:
+            layer.compile(dynamic=True)
+        self.compiled = True
+        return True
+
+    def uncompile(self) -> None:
+        for layer in self.layers:
+            layer._compiled_call_impl = None
+        self.compiled = False
+
+    @contextlib.contextmanager
+    def eager(self):
+        """The decoder layers' own (uncompiled) forward while a path is checked, so that a compile failure is not
+        mistaken for the path's."""
+        compiled = [getattr(layer, "_compiled_call_impl", None) for layer in self.layers]
+        for layer in self.layers:
+            layer._compiled_call_impl = None
+        try:
+            yield
+        finally:
+            for layer, call in zip(self.layers, compiled, strict=True):
+                layer._compiled_call_impl = call

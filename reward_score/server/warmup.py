@@ -1,0 +1,169 @@
+"""Warm-up, before /health says ready: check each faster way of running the model against transformers' own (fused
+projections, Liger's kernels, our mask mapping, then the compiled layers, whose Inductor kernels fuse the elementwise
+work, against the same layers uncompiled), then run the shapes served traffic starts with, and on a GPU a synthetic
+full-budget step, so the first real step runs at the speed of the next.
+
+The checks compare the first decoder layer's output (within the dtype's rounding), not the score: a deep model's bf16
+rounding moves a score by more than any tolerance that would still catch a wrong path (a random Qwen3-14B on an
+H200: 0.08 on a score of 0.5 between two right mask paths), while a wrong path shows at the first layer. A way that
+does not compute the same is dropped with a warning naming its setting, never silently; so is a compile that fails."""
+
+import logging
+import random
+import time
+
+from reward_score.server.runner import RewardScorer
+
+log = logging.getLogger("reward_server")
+
+
+def warm_up(scorer: RewardScorer) -> None:
+    """The checks, then the shapes served traffic starts with (one row, several rows, two lengths, padded and packed);
+    with REWARD_WARMUP=step (auto on a GPU) also the synthetic step of `warm_up_lengths`. With REWARD_COMPILE this
+    compiles; a failure there falls back to eager with a warning, never to a crash. The time of each part is in
+    `scorer.warm_up_s`."""
+    started = time.perf_counter()
+    base = scorer.encode([scorer.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
+    ids = (base * (1 + 200 // len(base)))[: min(200, scorer.settings.max_length)]
+    check_layers(scorer, [ids, ids[: len(ids) // 2], ids[:37]])
+    choose_mask_path(scorer, [ids, ids[: len(ids) // 2]])
+    check_compiled(scorer, [ids, ids[: len(ids) // 2], ids[:37]])
+    scorer.warm_up_s["checks"] = time.perf_counter() - started
+    # Padded: one row, two rows, three equal rows. Packed (two or more sequences to a row): one row, two rows.
+    shapes = [[ids], [ids, ids[: len(ids) // 2]], [ids[:100]] * 3, [ids[:37]], [ids[:150], ids[:40]],
+              [ids[:200], ids[:50], ids[:37]]]  # fmt: skip
+    started = time.perf_counter()
+    try:
+        for seqs in shapes:
+            scorer.score_ids(seqs)
+    except Exception as exc:
+        if not scorer.compiled:
+            raise
+        log.warning("REWARD_COMPILE: compiling failed (%s: %s); serving eager", type(exc).__name__, exc)
+        scorer.kernels.uncompile()
+        for seqs in shapes:
+            scorer.score_ids(seqs)
+    scorer.warm_up_s["shapes"] = time.perf_counter() - started
+    settings = scorer.settings
+    if settings.warmup == "step" or (settings.warmup == "auto" and scorer.device.startswith("cuda")):
+        started = time.perf_counter()
+        _warm_up_step(scorer, base)
+        scorer.warm_up_s["step"] = time.perf_counter() - started
+
+
+def warm_up_lengths(scorer: RewardScorer) -> list[list[int]]:
+    """The synthetic step: sequence lengths (fixed seed) over 16..max_length, 3 token budgets in all, as one request;
+    then 8 groups of 8 mixed lengths, as per-sample callers send them."""
+    rng = random.Random(0)
+    limit = max(16, scorer.settings.max_length)
+    step: list[int] = []
+    while sum(step) < 3 * scorer.planner.token_budget:
+        step.append(rng.randint(16, limit))
+    groups = [[rng.randint(16, min(limit, 2048)) for _ in range(8)] for _ in range(8)]
+    return [step, *groups]
+
+
+def _warm_up_step(scorer: RewardScorer, base: list[int]) -> None:
+    """What the first real step would otherwise meet first: micro-batches at the full token budget, padded and
+    packed, over many widths (the allocator grows to its peak; kernels meet large sizes)."""
+    long = base * (1 + scorer.settings.max_length // len(base))
+    for lengths in warm_up_lengths(scorer):
+        scorer.score_ids([long[:n] for n in lengths])
+    if scorer.device.startswith("cuda"):
+        scorer.torch.cuda.synchronize(scorer.device)
+
+
+# --- the checks ----------------------------------------------------------------------------------------------------
+
+
+def first_layer_outputs(scorer: RewardScorer, seqs: list[list[int]]) -> list:
+    """Score `seqs` the way the model is set now; the first decoder layer's output of each micro-batch, where two
+    ways of running the model are compared."""
+    outputs: list = []
+
+    # Never traced: in a compiled layer the hook runs as plain Python after the compiled forward (a graph break).
+    @scorer.torch.compiler.disable
+    def record(module, args, out):
+        outputs.append((out[0] if isinstance(out, tuple) else out).detach().float().cpu())
+
+    hook = scorer.base.layers[0].register_forward_hook(record)
+    try:
+        scorer.score_ids(seqs)
+    finally:
+        hook.remove()
+    return outputs
+
+
+def differs(scorer: RewardScorer, seqs: list[list[int]], expected: list, check: str) -> str:
+    """Why running `seqs` the way the model is set now does not give `expected` (`first_layer_outputs` of the
+    model's own way): it raised, or the output is off by more than the dtype's rounding. Empty when it agrees. The
+    largest relative difference is kept in `scorer.checks[check]` (/health shows it)."""
+    try:
+        got = first_layer_outputs(scorer, seqs)
+    except Exception as exc:  # noqa: BLE001 - a forward the model does not take: the caller falls back
+        return f"{type(exc).__name__}: {exc}"
+    if len(got) != len(expected):
+        return f"{len(got)} micro-batches instead of {len(expected)}"
+    tolerance = 1e-4 if scorer.dtype == "float32" else 2e-2
+    drift = 0.0
+    for a, b in zip(got, expected, strict=True):
+        if a.shape != b.shape:
+            return f"the first decoder layer's output has the shape {tuple(a.shape)}, not {tuple(b.shape)}"
+        drift = max(drift, ((a - b).norm() / b.norm().clamp(min=1e-12)).item())
+    scorer.checks[check] = drift
+    if drift > tolerance:
+        return f"the first decoder layer's output is {drift:.2%} off (rounding in {scorer.dtype}: <= {tolerance:.2%})"
+    return ""
+
+
+def check_layers(scorer: RewardScorer, seqs: list[list[int]]) -> None:
+    """Keep the fused projections (REWARD_FUSE) and Liger's kernels (REWARD_LIGER) only where each computes as
+    transformers' own modules do, each compared with those, uncompiled."""
+    kernels = scorer.kernels
+    if not kernels.fused and not kernels.liger:
+        return
+    fused, liger = bool(kernels.fused), kernels.liger
+    with kernels.eager():
+        kernels.set_fused(False)
+        kernels.set_liger(False)
+        expected = first_layer_outputs(scorer, seqs)
+        if fused:
+            kernels.set_fused(True)
+            why = differs(scorer, seqs, expected, "fuse")
+            if why:
+                log.warning("REWARD_FUSE: the fused projections do not score as the model does (%s); serving "
+                            "separate projections", why)  # fmt: skip
+                kernels.unfuse_projections()
+        if liger:
+            kernels.set_liger(True)
+            why = differs(scorer, seqs, expected, "liger")
+            if why:
+                log.warning("REWARD_LIGER: Liger's kernels do not compute as transformers' modules do (%s); serving "
+                            "transformers' RMSNorm, SwiGLU and RoPE", why)  # fmt: skip
+                kernels.set_liger(False)
+
+
+def check_compiled(scorer: RewardScorer, seqs: list[list[int]]) -> None:
+    """Keep the compiled layers (REWARD_COMPILE) only where they compute as the same layers uncompiled; this is where
+    they compile first. A compile that fails, or computes otherwise, serves eager with a warning."""
+    if not scorer.compiled:
+        return
+    with scorer.kernels.eager():
+        expected = first_layer_outputs(scorer, seqs)
+    why = differs(scorer, seqs, expected, "compile")
+    if why:
+        log.warning("REWARD_COMPILE: the compiled layers do not compute as the layers do (%s); serving eager", why)
+        scorer.kernels.uncompile()
+
+
+def choose_mask_path(scorer: RewardScorer, seqs: list[list[int]]) -> None:
+    """Use the mask mapping where the model takes it and scores as it does building its own mask."""
+    if not scorer.can_map_mask:
+        return
+    with scorer.kernels.eager():
+        expected = first_layer_outputs(scorer, seqs)
+        scorer.mask_mapping = True
+        why = differs(scorer, seqs, expected, "mask_mapping")
+        if why:
+            log.warning("the model does not take a per-layer mask mapping (%s); transformers builds masks", why)
+            scorer.mask_mapping = False
