@@ -27,6 +27,7 @@ rewards.jsonl (the reward client's log).
 
     python -m benchmarks.verl_step --out verl_step_h200 --timeout 480        # one GPU: 0.6B policy, 1.7B reward model
     python -m benchmarks.verl_step --shape tiny --steps 2 --out verl_step_cpu # a CPU, tiny models (what the test runs)
+    python -m benchmarks.verl_step --out verl_step_h200 --reread              # that run's logs parsed again
 """
 
 from __future__ import annotations
@@ -138,9 +139,14 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 
 
+_NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")  # numpy 2's repr of a scalar, which verl prints as it is
+
+
 def _number(text: str):
+    """A metric's value: `0.5`, or numpy 2's `np.float64(0.5)` (verl logs numpy scalars with f"{v}"); else the text."""
+    m = _NUMPY_SCALAR.match(text)
     try:
-        return float(text)
+        return float(m.group(1) if m else text)
     except ValueError:
         return text
 
@@ -270,6 +276,10 @@ def benchmark_overrides(steps: int, on_cpu: bool) -> list[str]:
             f"trainer.total_training_steps={steps}", "trainer.val_before_train=False"]  # fmt: skip
 
 
+class Terminated(Exception):
+    pass
+
+
 class Group:
     """A process started in a session of its own (launch.procs.start_process); stop() ends every process of that
     group, waiting until none is left: Ray's GCS and raylet outlive the `ray start` that leads the group."""
@@ -337,9 +347,18 @@ class NvmlSampler(threading.Thread):
 
     def report(self, reward_pid: int) -> dict:
         rows = [{"pid": pid, "peak_gib": peak, "cmdline": self.names.get(pid, "?"),
-                 "role": "reward server" if pid == reward_pid else "verl (Ray worker or driver)"}
+                 "role": nvml_role(pid, self.names.get(pid, "?"), reward_pid)}
                 for pid, peak in sorted(self.peaks.items())]  # fmt: skip
         return {"processes": rows, "error": self.error, "interval_s": self.interval}
+
+
+def nvml_role(pid: int, cmdline: str, reward_pid: int) -> str:
+    """Which part of the run a GPU process is: Ray names an actor's process after the method it runs."""
+    if pid == reward_pid:
+        return "reward server"
+    if "WorkerDict" in cmdline:
+        return "verl's hybrid worker: actor, rollout and reference policy"
+    return "other (a Ray worker or the driver)"
 
 
 def _cmdline(pid: int) -> str:
@@ -409,6 +428,25 @@ class Run:
         return offset + end
 
 
+def reread(out: Path) -> dict:
+    """A run's result.json with its steps, phases and summary parsed again from its logs/trainer.log by this module's
+    parsers, and its GPU processes labelled again: a parser's fix applies to a run already made."""
+    result = json.loads((out / "result.json").read_text())
+    steps, phases = [], []
+    for raw in (out / "logs" / "trainer.log").read_text(errors="replace").splitlines():
+        if (step := parse_step_line(raw)) is not None:
+            steps.append(step)
+        elif (phase := parse_phase_line(raw)) is not None:
+            phases.append(phase)
+    result.update(steps=steps, phases=phases, **summarize(steps, phases))
+    for row in (result.get("nvml") or {}).get("processes", []):
+        row["role"] = nvml_role(row["pid"], row["cmdline"], result.get("reward_server_pid", -1))
+    result["reread"] = (
+        "python -m benchmarks.verl_step --out DIR --reread: steps, phases and summary from logs/trainer.log"
+    )
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(POLICY_SHAPES), default="qwen3-0.6b",
@@ -425,7 +463,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4, help="MICRO_BATCH_PER_GPU")
     parser.add_argument("--timeout", type=float, default=0, help="seconds for the whole run (0: none); at the limit "
                         "the trainer is stopped and result.json keeps what was measured")  # fmt: skip
+    parser.add_argument("--reread", action="store_true", help="run nothing: parse --out's logs/trainer.log again "
+                        "into its result.json (after a parser's fix)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.reread:
+        result = reread(args.out)
+        tmp = args.out / "result.json.tmp"
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, args.out / "result.json")
+        print(f"{len(result['steps'])} step(s), {len(result['phases'])} phase lines: {args.out / 'result.json'}")
+        return 0
     args.command = "python -m benchmarks.verl_step " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
         lo, hi = (int(x) for x in args.prompt_words.split("-"))
@@ -449,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     started: list[Group] = []
     nvml = NvmlSampler() if device == "cuda" else None
     rc = 1
+
+    def terminated(signum, frame):
+        raise Terminated(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, terminated)  # an outer `timeout` still gets result.json and a clean stop
     try:
         rc = _run(run, args, device, work, ray_tmp, logs, lo, hi, started, nvml)
     except BaseException as exc:
@@ -457,11 +509,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, KeyboardInterrupt):
             raise
     finally:
-        for group in reversed(started):
-            group.stop()
         if nvml is not None:
             nvml.done.set()
             run.result["nvml"] = nvml.report(run.result.get("reward_server_pid", -1))
+        run.write()  # before the stops, which can take a while
+        for group in started:
+            group.stop()
         run.write()
         print(f"[verl_step] {run.result['status']}; {len(run.steps)} step(s); wrote {run.out / 'result.json'}")
     return rc
@@ -551,7 +604,7 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
                "--include-dashboard=false", "--disable-usage-stats", f"--num-cpus={os.cpu_count() or 2}",
                "--num-gpus=1", *port_flags]  # fmt: skip
     ray_head = Group(ray_cmd, logs / "ray_head.log", env)
-    started.append(ray_head)
+    started.insert(0, ray_head)
     wait_for_http(server.proc, url + "/health", server.log, run.left(900), name="the reward server")
     run.mark("reward_server", since)
     run.result["reward_server_health"] = requests.get(url + "/health", timeout=10).json()
@@ -573,7 +626,7 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
     hydra_cwd = work / "trainer"  # Hydra writes outputs/ into the current folder
     hydra_cwd.mkdir()
     trainer = Group(command, logs / "trainer.log", env, cwd=hydra_cwd)
-    started.insert(0, trainer)  # stopped first
+    started.insert(0, trainer)  # stopped first, then Ray, then the reward server
     offset = 0
     while trainer.alive():
         offset = run.read_trainer(trainer.log, offset)

@@ -187,7 +187,7 @@ def _rollout_class():
             self.dtype = torch.float32 if on_cpu else PrecisionType.to_dtype(self.config.dtype)
             with self.device:
                 self.module = AutoModelForCausalLM.from_config(
-                    self.model_config.hf_config, torch_dtype=self.dtype, attn_implementation="sdpa"
+                    self.model_config.hf_config, dtype=self.dtype, attn_implementation="sdpa"
                 )
             self.synced = False
 
