@@ -17,6 +17,9 @@ the preflight checks, and trainer_command.txt records, the command that runs. Tw
   as Ray's worker_process_setup_hook, which one of the overrides sets (the job's Ray started by
   helper_grpo_qwen3_4b.sh puts the repository on PYTHONPATH, so every worker can import this module).
 
+The HF rollout (HFEngineRollout) takes its device and dtype from the worker: benchmarks/verl_step.py runs the same
+class, registered the same way, with ENGINE_OVERRIDES, on a GPU with NCCL and none of the CPU shims.
+
 Nothing of verl is copied or edited. What stays out of reach on a CPU: Megatron (STRATEGY=megatron) and the SGLang
 and vLLM engines; docs/verl-on-cpu.md says what runs for real.
 
@@ -29,21 +32,30 @@ import sys
 
 HOOK = "demo.verl_cpu.install"
 ROLLOUT = "hf"  # the name verl's FSDP worker already gives its HF rollout (fsdp_workers.py:479, 600)
+ROLLOUT_CLASS = "demo.verl_cpu.HFEngineRollout"  # what get_rollout_class imports for ROLLOUT, sync or async
 
-# (override, why). They go after the job's own overrides, so they win.
-OVERRIDES = [
+# (override, why). They go after the job's own overrides, so they win. ENGINE_OVERRIDES are what any run without
+# SGLang, vLLM and flash-attn needs (benchmarks/verl_step.py passes them on a GPU too); LEAN_OVERRIDES and the hook
+# are for a CPU.
+ENGINE_OVERRIDES = [
     (f"actor_rollout_ref.rollout.name={ROLLOUT}",
-     "HF generate on the CPU: CPURollout below, registered by install"),
+     "HF generate: HFEngineRollout below, registered by install"),
     ("actor_rollout_ref.model.use_remove_padding=False",
      "the unpadded path needs flash-attn (verl/utils/attention_utils.py:27-30 imports it on CUDA only)"),
     ("critic.model.use_remove_padding=False", "the same for PPO's critic"),
     ("+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
      "verl loads models with flash_attention_2 unless told (fsdp_workers.py:318)"),
     ("+critic.model.override_config.attn_implementation=sdpa", "the same for PPO's critic (fsdp_workers.py:1254)"),
+]  # fmt: skip
+LEAN_OVERRIDES = [
     ("actor_rollout_ref.actor.use_torch_compile=False",
      "lean: compiling the entropy function (dp_actor.py:80-83) takes longer on 2 cores than the steps it speeds up"),
     ("data.dataloader_num_workers=0",
      "lean: verl's default 8 loader processes, each a copy of the dataset, on a 2-core machine"),
+]  # fmt: skip
+OVERRIDES = [
+    *ENGINE_OVERRIDES,
+    *LEAN_OVERRIDES,
     (f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}",
      "the shims below, in every Ray worker process of the job (verl's TaskRunner and workers run there)"),
 ]  # fmt: skip
@@ -133,19 +145,20 @@ def _unpinned_offload() -> None:
     fsdp_utils.CPUOffloadPolicy = CPUOffloadPolicy
 
 
-def _register_rollout() -> None:
+def register_rollout() -> None:
     """verl 0.6.1 registers only vLLM and SGLang (verl/workers/rollout/base.py:81-86) and asserts on anything else
     (:99); its HF rollout ships unregistered. Async rollout (the agent loop) also asks a replica class for the
-    servers it sends prompts to (verl/workers/rollout/replica.py:193-246, looked up in agent_loop.py:682)."""
+    servers it sends prompts to (verl/workers/rollout/replica.py:193-246, looked up in agent_loop.py:682). The
+    registration is the one shim a GPU run needs too (benchmarks/verl_step.py)."""
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     for mode in ("sync", "async"):
-        base._ROLLOUT_REGISTRY[(ROLLOUT, mode)] = "demo.verl_cpu.CPURollout"
-    RolloutReplicaRegistry.register(ROLLOUT, _cpu_replica_class)
+        base._ROLLOUT_REGISTRY[(ROLLOUT, mode)] = ROLLOUT_CLASS
+    RolloutReplicaRegistry.register(ROLLOUT, _replica_class)
 
 
-SHIMS = (_gloo_for_nccl, _gather_like_nccl, _cpu_device_calls, _unpinned_offload, _register_rollout)
+SHIMS = (_gloo_for_nccl, _gather_like_nccl, _cpu_device_calls, _unpinned_offload, register_rollout)
 _installed = False
 
 
@@ -166,40 +179,49 @@ def install() -> None:
     _installed = True
 
 
-def _cpu_rollout_class():
-    """CPURollout: verl's own HFRollout (HF generate, hf_rollout.py) behind the interface verl's FSDP worker calls on
-    an engine. HFRollout.__init__(module, config) predates that interface (BaseRollout(config, model_config,
+def _rollout_class():
+    """HFEngineRollout: verl's own HFRollout (HF generate, hf_rollout.py) behind the interface verl's FSDP worker calls
+    on an engine. HFRollout.__init__(module, config) predates that interface (BaseRollout(config, model_config,
     device_mesh), base.py:32-40; hf_rollout.py:40-42 calls super().__init__() with no arguments), so this class has
-    its own: it builds the policy's architecture on the CPU and, as the vLLM and SGLang engines do, takes the actor's
-    weights in update_weights, which the worker calls before every rollout (fsdp_workers.py:651-721)."""
+    its own: it builds the policy's architecture on the worker's device and, as the vLLM and SGLang engines do, takes
+    the actor's weights in update_weights, which the worker calls before every rollout (fsdp_workers.py:651-721).
+    On a GPU (benchmarks/verl_step.py) it holds the weights in the rollout's dtype (rollout.dtype, bfloat16), on a
+    CPU in float32; HFRollout autocasts generation to bfloat16 on either (hf_rollout.py:108)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from verl.utils.device import get_device_id, get_device_name
+    from verl.utils.torch_dtypes import PrecisionType
     from verl.workers.rollout.base import BaseRollout
     from verl.workers.rollout.hf_rollout import HFRollout
 
-    class CPURollout(HFRollout):
+    class HFEngineRollout(HFRollout):
         def __init__(self, config, model_config, device_mesh):
             BaseRollout.__init__(self, config, model_config, device_mesh)
-            self.module = AutoModelForCausalLM.from_config(
-                self.model_config.hf_config, torch_dtype=torch.float32, attn_implementation="sdpa"
-            )
+            on_cpu = get_device_name() == "cpu"
+            self.device = torch.device("cpu") if on_cpu else torch.device(get_device_name(), get_device_id())
+            self.dtype = torch.float32 if on_cpu else PrecisionType.to_dtype(self.config.dtype)
+            with self.device:
+                self.module = AutoModelForCausalLM.from_config(
+                    self.model_config.hf_config, dtype=self.dtype, attn_implementation="sdpa"
+                )
             self.synced = False
 
         async def resume(self, tags: list[str]):
-            """Weights and KV cache stay in CPU memory: nothing to bring back."""
+            """The weights stay where they are between rollouts (on a GPU, one bfloat16 copy of the policy beside the
+            actor's), and HF's KV cache lives only inside generate: nothing to bring back."""
 
         async def release(self):
             """Nothing to free: see resume."""
 
         async def update_weights(self, weights, peft_config=None, **kwargs):
             if peft_config is not None:
-                raise NotImplementedError("CPURollout takes full weights only, not LoRA adapters")
-            state = {name: tensor.detach().to("cpu", torch.float32) for name, tensor in weights}
+                raise NotImplementedError("HFEngineRollout takes full weights only, not LoRA adapters")
+            state = {name: tensor.detach().to(self.device, self.dtype) for name, tensor in weights}
             missing, unexpected = self.module.load_state_dict(state, strict=False)
             tied = {"lm_head.weight"} if self.module.config.tie_word_embeddings else set()
             if set(missing) - tied or unexpected:
                 raise RuntimeError(
-                    f"CPURollout: the actor's weights do not fit: missing {missing}, unexpected {unexpected}"
+                    f"HFEngineRollout: the actor's weights do not fit: missing {missing}, unexpected {unexpected}"
                 )
             self.synced = True
 
@@ -215,7 +237,7 @@ def _cpu_rollout_class():
 
             self._check_synced()
             if sampling_params.get("logprobs") or image_data:
-                raise NotImplementedError("CPURollout.generate returns tokens only: no log-probs, no images")
+                raise NotImplementedError("HFEngineRollout.generate returns tokens only: no log-probs, no images")
             limit = self.config.max_model_len or self.module.config.max_position_embeddings
             temperature = sampling_params.get("temperature", 1.0)
             sampling = dict(do_sample=temperature > 0, top_p=sampling_params.get("top_p", 1.0), top_k=0)
@@ -225,8 +247,8 @@ def _cpu_rollout_class():
             tokenizer = self.model_config.tokenizer
             with torch.no_grad():
                 out = self.module.generate(
-                    torch.tensor([prompt_ids]),
-                    attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                    torch.tensor([prompt_ids], device=self.device),
+                    attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=self.device),
                     max_new_tokens=min(self.config.response_length, limit - len(prompt_ids) - 1),
                     eos_token_id=generation.eos_token_id if generation is not None else tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id,
@@ -236,37 +258,37 @@ def _cpu_rollout_class():
 
         def _check_synced(self):
             if not self.synced:
-                raise RuntimeError("CPURollout: generate before the actor's weights arrived (update_weights)")
+                raise RuntimeError("HFEngineRollout: generate before the actor's weights arrived (update_weights)")
 
-    return CPURollout
+    return HFEngineRollout
 
 
-def _cpu_replica_class():
-    """The agent loop's rollout servers for CPURollout: in verl's hybrid mode each server is the hybrid worker itself,
+def _replica_class():
+    """The agent loop's rollout servers for HFEngineRollout: in verl's hybrid mode each server is the hybrid worker itself,
     which holds the engine and answers `generate` (AsyncActorRolloutRefWorker.generate, fsdp_workers.py:1952-1961);
     wake_up and sleep, which the replica sends its servers around every rollout, are that worker's own weight sync
     (fsdp_workers.py:1929-1937). The SGLang and vLLM replicas start a server process of their own instead."""
     from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
-    class CPUReplica(RolloutReplica):
+    class HFReplica(RolloutReplica):
         def get_ray_class_with_init_args(self):
-            raise NotImplementedError("CPUReplica serves from the hybrid workers only (hybrid_engine=True)")
+            raise NotImplementedError("HFReplica serves from the hybrid workers only (hybrid_engine=True)")
 
         async def launch_servers(self):
             if self.rollout_mode != RolloutMode.HYBRID or len(self.workers) != 1:
-                raise NotImplementedError("CPUReplica: hybrid mode, one worker per replica (rollout TP, DP and PP 1)")
+                raise NotImplementedError("HFReplica: hybrid mode, one worker per replica (rollout TP, DP and PP 1)")
             self.servers = list(self.workers)
             self._server_handle = self.workers[0]
             self._server_address = f"hf-rollout-{self.replica_rank}"  # no HTTP server: only the handle answers
 
-    return CPUReplica
+    return HFReplica
 
 
 def __getattr__(name: str):
-    # The rollout class only where verl asks for it (get_rollout_class imports "demo.verl_cpu.CPURollout"): importing
-    # this module for its overrides (make demo, the tests) stays free of verl and torch.
-    if name == "CPURollout":
-        return _cpu_rollout_class()
+    # The rollout class only where verl asks for it (get_rollout_class imports ROLLOUT_CLASS): importing this module
+    # for its overrides (make demo, the tests, the benchmark's hook) stays free of verl and torch.
+    if name == "HFEngineRollout":
+        return _rollout_class()
     raise AttributeError(name)
 
 

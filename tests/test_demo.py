@@ -135,4 +135,4 @@ def test_without_the_shims_verl_stops_where_they_say_and_with_them_it_goes_on(tm
         "gather: RuntimeError",
         "device: AttributeError",
     ]
-    assert after == ["rollout: ok", "backend: ok", "gather: ok", "device: ok", "pinned: False", "replica: CPUReplica"]
+    assert after == ["rollout: ok", "backend: ok", "gather: ok", "device: ok", "pinned: False", "replica: HFReplica"]
