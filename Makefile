@@ -1,5 +1,5 @@
 # Two commands do all setup on a fresh machine (see README.md):
-#   make demo   the main job on its embedded default: tiny models, no Slurm, no GPU
+#   make demo   verl's own trainer on tiny models, as the canary (train, resume, merge): no Slurm, no GPU
 #   make test   shellcheck + ruff + every test, then the reward tests on the oldest stack we support (what CI runs)
 # Both create the virtual environment in .venv first if it is missing or older than requirements/; `make test` also
 # starts the local Slurm 22.05 cluster the launch tests submit to (tests/slurm/local_slurm.sh; as root it installs

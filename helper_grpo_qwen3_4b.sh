@@ -278,6 +278,10 @@ export_worker_env() {
   export REWARD_LOG_PATH=${REWARD_LOG_PATH:-$job_log_dir/rewards.jsonl}
   export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
   export WANDB_MODE WANDB_DIR HF_HOME
+  # Slurm sets every vendor's GPU variable for a GPU gres without env flags (gres.conf's default: ROCR_VISIBLE_DEVICES
+  # beside CUDA_VISIBLE_DEVICES), and verl 0.6.1's workers refuse to start with both (Worker.__init__,
+  # verl/single_controller/base/worker.py:241-242).
+  [[ -z "${CUDA_VISIBLE_DEVICES:-}" ]] || unset ROCR_VISIBLE_DEVICES
   # Nothing to drain at the end of a job: without this, recent Ray waits 30 s on SIGTERM before it stops.
   export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
   if [[ -n "${CONFIG_NETWORK_INTERFACE}" ]]; then

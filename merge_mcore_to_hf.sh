@@ -8,16 +8,18 @@
 #SBATCH --cpus-per-task=16
 #SBATCH --time=02:00:00
 #SBATCH --output=logs/%x-%j.out
-# merge_mcore_to_hf.sh: a Megatron checkpoint of the training job -> a Hugging Face model folder, verified.
+# merge_mcore_to_hf.sh: a checkpoint of the training job (Megatron; FSDP with STRATEGY=fsdp2) -> a Hugging Face model
+# folder, verified.
 #
 #   sbatch merge_mcore_to_hf.sh                                  # the latest step of the reference job's actor
 #   sbatch --export=ALL,STEP=50,ROLE=critic merge_mcore_to_hf.sh
 #   CONTAINER=none bash merge_mcore_to_hf.sh                     # on a GPU workstation, verl installed locally
 #
-# verl 0.6.1's merger needs one GPU and NCCL (no Ray). Tied embeddings are read from the checkpoint's config as
-# transformers reads it, not assumed: passing --tie-word-embedding for an untied model (Qwen3-8B and larger) silently
-# drops its lm_head. A critic is converted only from the Hugging Face weights verl saved beside it while training
-# (critic.checkpoint.save_contents with hf_model): verl's merger cannot build a value model (see refuse_critic_merge).
+# verl 0.6.1's Megatron merger needs one GPU and NCCL (no Ray); its FSDP merger also runs on a CPU. Tied embeddings
+# are read from the checkpoint's config as transformers reads it, not assumed: passing --tie-word-embedding for an
+# untied model (Qwen3-8B and larger) silently drops its lm_head. A critic is converted only from the Hugging Face
+# weights verl saved beside it while training (critic.checkpoint.save_contents with hf_model): verl's merger cannot
+# build a value model (see refuse_critic_merge).
 set -euo pipefail
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
@@ -137,15 +139,20 @@ merge() {
     log_phase "the checkpoint already holds Hugging Face weights: copying $step_dir/huggingface"
     cp -r "$step_dir/huggingface/." "$tmp"
   else
-    # verl's merger starts a one-process torch.distributed group; with no WORLD_SIZE set it takes MASTER_PORT=12355
-    # (verl/model_merger/megatron_model_merger.py:146-151), which a second merge on the node, or anything else
-    # there, may hold. This merge's own free port instead (from its job's port block, launch/node.py), on loopback.
+    # STRATEGY=fsdp2 saves FSDP shards (verl's FSDP checkpoint manager writes fsdp_config.json beside them), which
+    # verl's FSDP merger reads, on the CPU too; --tie-word-embedding is its Megatron merger's only.
+    local backend=megatron
+    [[ ! -f "$step_dir/fsdp_config.json" ]] || backend=fsdp
+    # verl's Megatron merger starts a one-process torch.distributed group; with no WORLD_SIZE set it takes
+    # MASTER_PORT=12355 (verl/model_merger/megatron_model_merger.py:146-151), which a second merge on the node, or
+    # anything else there, may hold. This merge's own free port instead (from its job's port block, launch/node.py),
+    # on loopback; the FSDP merger starts none and ignores them.
     local master_port
     master_port=$(cd "$repo" && "${wrap[@]}" python3 -m launch.node master-port --job-id "${SLURM_JOB_ID:-merge-$$}") ||
       { rm -rf "$tmp"; die "no free port for the merger's process group on this node (above); nothing was written"; }
     local -a cmd=(env WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 "MASTER_PORT=$master_port")
-    cmd+=("$MERGER_LAUNCHER" -m verl.model_merger merge --backend megatron --local_dir "$step_dir" --target_dir "$tmp")
-    [[ "$tie" == true ]] && cmd+=(--tie-word-embedding)
+    cmd+=("$MERGER_LAUNCHER" -m verl.model_merger merge --backend "$backend" --local_dir "$step_dir" --target_dir "$tmp")
+    [[ "$tie" == true && "$backend" == megatron ]] && cmd+=(--tie-word-embedding)
     log_phase "merging: ${cmd[*]}"
     "${wrap[@]}" "${cmd[@]}" || { rm -rf "$tmp"; die "the merger failed (output above); nothing was written to $TARGET_DIR"; }
   fi

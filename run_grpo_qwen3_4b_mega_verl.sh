@@ -20,6 +20,8 @@
 #   PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh                   # check the settings now, on the login node
 #   CONTAINER=none bash run_grpo_qwen3_4b_mega_verl.sh                     # one workstation, verl installed locally
 #   CANARY=1 sbatch --time=01:00:00 run_grpo_qwen3_4b_mega_verl.sh         # first time on a cluster: every stage, tiny
+#   salloc --nodes=1 --gpus-per-node=4 ...  then  bash run_grpo_qwen3_4b_mega_verl.sh   # in that allocation; Ctrl-C stops
+#   python -m launch.status [JOB_ID] [--png FILE] [--follow]               # where a job is, when it ends, how it learns
 #
 # The trainer keys that are not settings (the same for every job) are FIXED_OVERRIDES in launch/settings.py; the whole
 # default command is docs/trainer-command.md, and each job writes its own to its log folder (trainer_command.txt).
@@ -136,6 +138,11 @@ job_id=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)-$$}
 job_log_dir="$CONFIG_LOG_DIR/${job_id}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}"
 srun_pid=""
 requeued=0  # set once this start asked Slurm to requeue the job
+# Run from the shell of an interactive allocation (salloc: a job id, no batch script), the job runs in it: no requeue
+# (Slurm requeues batch jobs only), its output also in CONFIG_LOG_DIR, and Ctrl-C stops every node's part.
+interactive=0
+[[ -z "${SLURM_JOB_ID:-}" || "${ENVIRONMENT:-}" == BATCH ]] || interactive=1
+step_name="grpo-$$"  # the nodes' srun step, by name, to stop it inside an interactive allocation
 
 # export_settings: the settings' paths made absolute for every node, and what the job derives from them.
 export_settings() {
@@ -151,9 +158,16 @@ export_settings() {
   [[ -n "$REWARD_SERVER_TOKEN" ]] || REWARD_SERVER_TOKEN=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
   export REWARD_SERVER_TOKEN
   export_wandb_run
+  # verl's tensorboard logger (TRAINER_LOGGER=[console,tensorboard]) writes there, per start as wandb's runs
+  TENSORBOARD_DIR=$(realpath -m "${TENSORBOARD_DIR:-$job_log_dir/tensorboard}")
+  export TENSORBOARD_DIR
+  ((!interactive)) || export REQUEUE_BEFORE_TIMEOUT=0  # the preflight's save-deadline checks: no requeue signal
   export_checkpoint_deadline
   export RAY_TMP_DIR="${RAY_TMP_DIR:-/tmp/ray_${job_id}}"
-  export RAY_NUM_CPUS="${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-$(nproc)}}"
+  # The allocation's CPUs per node: --cpus-per-task, else what Slurm gave the node (salloc's shell may run elsewhere)
+  local cpus=${SLURM_JOB_CPUS_PER_NODE:-}
+  cpus=${cpus%%[(,]*}
+  export RAY_NUM_CPUS="${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-${cpus:-$(nproc)}}}"
 }
 
 # export_wandb_run: which wandb run each start of the job logs to (verl's wandb.init passes no id, group or folder:
@@ -203,6 +217,7 @@ container_cmd() {
   fi
   local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME")
   [[ "$WANDB_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$WANDB_DIR")  # a WANDB_DIR set elsewhere
+  [[ "$TENSORBOARD_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$TENSORBOARD_DIR")
   local path
   for path in "$CONFIG_MODEL_PATH" "$CONFIG_REWARD_MODEL_PATH" "$(dirname "$CONFIG_TRAIN_FILE")" \
     "$(dirname "$CONFIG_TEST_FILE")"; do
@@ -239,8 +254,10 @@ preflight() {
     for name in "${missing[@]}"; do err "setting error: $name"; done
     die "fix the settings above (top of run_grpo_qwen3_4b_mega_verl.sh, or the environment); nothing was started"
   fi
-  if [[ -n "${SLURM_GPUS_ON_NODE:-}" && "$SLURM_GPUS_ON_NODE" != "$CONFIG_GPUS_PER_NODE" ]]; then
-    die "Slurm gave $SLURM_GPUS_ON_NODE GPUs per node but CONFIG_GPUS_PER_NODE=$CONFIG_GPUS_PER_NODE: make #SBATCH --gpus-per-node match"
+  local gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-}}  # salloc's shell has only the latter (e.g. gpu:4)
+  gpus=${gpus##*:}
+  if [[ -n "$gpus" && "$gpus" != "$CONFIG_GPUS_PER_NODE" ]]; then
+    die "Slurm gave $gpus GPUs per node but CONFIG_GPUS_PER_NODE=$CONFIG_GPUS_PER_NODE: make #SBATCH --gpus-per-node match"
   fi
   (cd "$repo" && "${wrap[@]}" python3 -m launch.preflight "$@") ||
     die "the preflight failed (above: the settings, verl's config checks, the data or the reward check); nothing was started"
@@ -274,9 +291,25 @@ on_stop_signal() {
   exit "$1"
 }
 
+# stop_step: inside an interactive allocation, SIGTERM to every process of the nodes' srun step (what scancel does to a
+# batch job; srun itself answers a SIGTERM by SIGKILLing them), then the helpers' own stop, until srun has ended.
+stop_step() {
+  local step deadline=$((SECONDS + STOP_TIMEOUT + 15))
+  step=$(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format='%i %j' | awk -v n="$step_name" '$2 == n {print $1}') ||
+    step=""
+  if [[ -z "$step" ]] || ! scancel --signal=TERM "$step"; then
+    err "could not signal the nodes' step ${step:-(not found)} of job $SLURM_JOB_ID: its processes are killed instead"
+    return 0
+  fi
+  while alive "$srun_pid" && ((SECONDS < deadline)); do sleep 0.5; done
+}
+
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
+  if ((interactive)) && [[ -n "$srun_pid" ]]; then
+    stop_step
+  fi
   # The helpers stop their own processes within STOP_TIMEOUT: give them that and a margin before killing them.
   [[ -n "$srun_pid" ]] && stop_pids $((STOP_TIMEOUT + 15)) "$srun_pid"
   log "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=$rc; logs: $job_log_dir)"
@@ -296,6 +329,7 @@ launch() {
     # --cpus-per-task explicitly: srun of Slurm 22.05-23.02 does not inherit it, and each node would get one core.
     runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1
       --cpus-per-task="$RAY_NUM_CPUS")
+    ((!interactive)) || runner+=(--job-name="$step_name")
   else
     runner=()
   fi
@@ -328,6 +362,15 @@ main() {
   mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME" "$WANDB_DIR" ||
     die "could not create the job's folders (above: CONFIG_LOG_DIR, CONFIG_OUTPUT_DIR, HF_HOME or WANDB_DIR)"
   [[ -w "$WANDB_DIR" ]] || die "WANDB_DIR=$WANDB_DIR is not writable: wandb would log to /tmp of some node instead"
+  [[ "$TENSORBOARD_DIR/" == "$CONFIG_LOG_DIR/"* ]] || mkdir -p "$TENSORBOARD_DIR" ||
+    die "could not create TENSORBOARD_DIR=$TENSORBOARD_DIR (the container binds it)"
+  if ((interactive)); then
+    # No Slurm output file in an allocation's shell: every line also goes to one, as a batch job's would.
+    local out="$CONFIG_LOG_DIR/${SLURM_JOB_NAME:-interactive}-${job_id}.out"
+    exec > >(trap '' INT TERM && exec tee -a "$out") 2> >(trap '' INT TERM && exec tee -a "$out" >&2)
+    log "in the interactive allocation of job $job_id: the job runs here and never requeues; Ctrl-C (once) stops" \
+      "everything it started; this output is also in $out"
+  fi
   log_phase "job $job_id: logs in $job_log_dir"
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"

@@ -1,9 +1,12 @@
-"""The main job's embedded default, for a machine without Slurm or GPUs (`make demo`).
+"""The main job on tiny models, for a machine without Slurm or GPUs (`make demo`): verl 0.6.1's own trainer on CPU.
 
 Builds a tiny policy and reward model from configs and the demo dataset under demo_out/, then runs the real
-run_grpo_qwen3_4b_mega_verl.sh on this machine (no container): its checks and verl's own config checks of the full
-GRPO command, a reward server polled until healthy, a real Ray head, and, where the trainer would start, the reward
-round trip through verl's reward manager on demo responses (demo/round_trip.py). Exits with the job's code.
+run_grpo_qwen3_4b_mega_verl.sh on this machine (no container) as the canary (CANARY=1, docs/operations.md): the
+preflight, then in two launches of the job verl's own `python -m verl.trainer.main_ppo` trains 2 GRPO steps and
+saves each, resumes from its step-2 checkpoint and trains step 3, then merge_mcore_to_hf.sh merges what verl saved
+and verifies it; the canary checks verl's own output at every stage. Each launch has a reward server scoring on
+the CPU and a real Ray head. On a CPU the trainer runs with STRATEGY=fsdp2 and verl's HF rollout (demo/verl_cpu.py:
+its overrides and shims) instead of Megatron and SGLang, the two parts that need GPUs. Exits with the job's code.
 
     python -m demo.run [--out demo_out]        # what `make demo` runs
 """
@@ -16,11 +19,34 @@ import sys
 import time
 from pathlib import Path
 
+from demo import verl_cpu
 from demo.data import write_demo
 from demo.tiny_models import build_policy_model, build_reward_model
 from launch.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
+# README.md's quickstart, command for command (tests/test_demo.py compares them).
+NEXT_STEPS = [
+    "cd /path/to/this/repository",
+    "sudo singularity build verl_app.sif verl_app.def",
+    "python3 -m data_prep.build prompts.jsonl --out-dir data",
+    "$EDITOR run_grpo_qwen3_4b_mega_verl.sh",
+    "PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh",
+    "CANARY=1 sbatch --time=01:00:00 run_grpo_qwen3_4b_mega_verl.sh",
+    "sbatch run_grpo_qwen3_4b_mega_verl.sh",
+    "sbatch merge_mcore_to_hf.sh",
+]
+# The job's settings for a 2-core machine: what the settings block would say for verl's FSDP2 workers and sync
+# rollout (the two the CPU can run), and a tiny workload; the canary shrinks the batch and the steps further.
+SETTINGS = {
+    "STRATEGY": "fsdp2",
+    "ROLLOUT_MODE": "sync",
+    "ROLLOUT_N": "4",
+    "MAX_PROMPT_LENGTH": "128",
+    "MAX_RESPONSE_LENGTH": "32",
+    "CONFIG_GPUS_PER_NODE": "1",  # Ray's placeholder GPU: verl places its one worker there, torch computes on the CPU
+    "CONFIG_REWARD_DEVICE": "cpu",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,33 +60,36 @@ def main(argv: list[str] | None = None) -> int:
     if not (out / "policy" / "config.json").exists():
         build_policy_model(out / "policy")
     write_demo(out / "data")
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a finished marker there would skip the run
+    for folder in out.glob("checkpoints*"):
+        shutil.rmtree(folder)  # an earlier demo's: a finished marker there would skip the run
     print(f"demo assets ready in {time.monotonic() - start:.1f} s: {out}", flush=True)
     env = dict(
         os.environ,
+        **SETTINGS,
+        **verl_cpu.ENVIRONMENT,
         CONTAINER="none",
+        CANARY="1",
+        CANARY_KEEP="1",  # the checkpoints and the merged model stay in demo_out/ to look at
         CONFIG_MODEL_PATH=str(out / "policy"),
         CONFIG_REWARD_MODEL_PATH=str(out / "reward_model"),
         CONFIG_TRAIN_FILE=str(out / "data" / "train.parquet"),
         CONFIG_TEST_FILE=str(out / "data" / "test.parquet"),
         CONFIG_OUTPUT_DIR=str(out / "checkpoints"),
         CONFIG_LOG_DIR=str(out / "logs"),
-        CONFIG_REWARD_DEVICE="cpu",
-        CONFIG_GPUS_PER_NODE="1",  # declared to Ray only: the demo runs nothing on a GPU
-        ACTOR_PP="1",
         CONFIG_NETWORK_INTERFACE=os.environ.get("CONFIG_NETWORK_INTERFACE", "lo"),
         CONFIG_REWARD_SERVER_PORT=str(free_port()),
         RAY_PORT=str(free_port()),
-        TRAINER_LAUNCHER=str(REPO / "demo" / "round_trip.py"),
         HF_HOME=str(out / "cache" / "huggingface"),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     )
-    rc = subprocess.call(["bash", str(REPO / "run_grpo_qwen3_4b_mega_verl.sh")], env=env, cwd=REPO)
+    script = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
+    rc = subprocess.call(["bash", str(script), *verl_cpu.overrides()], env=env, cwd=REPO)
+    verdict = "every stage passed" if rc == 0 else f"FAILED (exit {rc})"
     print(
-        f"\nmake demo: {'every check passed' if rc == 0 else f'FAILED (exit {rc})'} in {time.monotonic() - start:.0f} s"
-    )
-    print(
-        "next, on a cluster: CANARY=1 sbatch run_grpo_qwen3_4b_mega_verl.sh (every GPU stage in one tiny job; docs/operations.md)"
+        f"\nmake demo: {verdict} in {time.monotonic() - start:.0f} s: verl 0.6.1's own GRPO steps on the CPU, a save,"
+        f" a resume and the merge (STRATEGY=fsdp2 and HF generate here; a cluster runs Megatron and SGLang on GPUs)."
+        f"\nlogs: {out / 'logs'}; checkpoints and the merged model: {out}/checkpoints_canary"
+        "\nnext, on a cluster (README.md, Quickstart):\n" + "\n".join(f"  {line}" for line in NEXT_STEPS)
     )
     return rc
 

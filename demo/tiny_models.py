@@ -6,7 +6,9 @@ the models are randomly initialised from a `Qwen3Config`. They keep the properti
 - a Qwen3-style chat template with `<|im_start|>` / `<|im_end|>`, `<|im_end|>` as EOS and `<|endoftext|>` as pad;
 - `<think>` / `</think>` as added tokens that are NOT special (as in real Qwen3), so they survive
   `decode(..., skip_special_tokens=True)` exactly as in verl's reward managers;
-- the policy's template opens `<think>\\n` in the generation prompt, as Qwen3-*-Thinking-2507 does;
+- the policy's template opens `<think>\\n` in the generation prompt, as Qwen3-*-Thinking-2507 does, and a few
+  supervised steps (`warm_start`) teach it to close that reasoning and answer, so a GRPO step on it has scores to
+  tell apart (`make demo` and the tests train it with verl's own trainer);
 - the reward model is a `Qwen3ForSequenceClassification` with `num_labels=1` and `pad_token_id` set, so batched
   scoring reads the last non-pad token.
 
@@ -110,15 +112,37 @@ def build_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def warm_start(model, tokenizer, steps: int = 40, seed: int = 0) -> None:
+    """A few supervised steps on made-up replies that close their reasoning (`... </think> answer<|im_end|>`). A
+    randomly initialised policy writes `</think>` about once in 500 tokens: every response of a GRPO group would be
+    cut off mid-reasoning and get the same penalty, so verl's advantages, and its update, would be zero. After these
+    steps most responses hold an answer, which the reward model scores differently (about 4 s on 2 cores)."""
+    import torch
+
+    rng = random.Random(seed)
+    words = lambda lo, hi: " ".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi)))  # noqa: E731
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        replies = [f"{words(1, 4)}{THINK_CLOSE}{words(2, 6)}{EOS}" for _ in range(16)]
+        batch = tokenizer(replies, add_special_tokens=False, padding=True, return_tensors="pt")
+        labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
 def build_policy_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Qwen3ForCausalLM of the same shape, with a Thinking-2507-style chat template."""
+    """Qwen3ForCausalLM of the same shape, with a Thinking-2507-style chat template, warm-started (`warm_start`)."""
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     out = Path(out_dir)
     tokenizer = build_tokenizer(POLICY_CHAT_TEMPLATE, seed=seed)
     torch.manual_seed(seed + 1)
-    model = Qwen3ForCausalLM(_qwen3_config(tokenizer)).eval()
+    model = Qwen3ForCausalLM(_qwen3_config(tokenizer))
+    warm_start(model, tokenizer, seed=seed)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

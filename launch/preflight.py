@@ -91,18 +91,32 @@ def validate(cfg) -> None:
 ONE_STEP_OFF_VLLM = ("vllm.distributed.device_communicators.pynccl", "vllm.distributed.utils")
 
 
+# What verl's tensorboard logger writes with (verl/utils/tracking.py _TensorboardAdapter): it needs the tensorboard
+# package, which verl's wheel depends on but the image does not install (verl_app.def installs verl --no-deps): only
+# its base image can hold it.
+TENSORBOARD_WRITER = "torch.utils.tensorboard"
+
+# The engine a rollout name needs, where that is not a package of its own name: `hf` is verl's own HF generate, which
+# only the CPU runs of make demo and the tests register (demo/verl_cpu.py; refusals.rollout_problems).
+ENGINE_MODULES = {"hf": "verl.workers.rollout.hf_rollout"}
+
+
 def trainer_modules(module: str, cfg) -> list[str]:
     """What the trainer command imports before it can train: the rollout engine, the entry module, and a recipe's
     trainer (and for one-step-off its workers for this strategy, which it picks by actor.strategy). verl's own
     worker modules are the image's to check (its %test): Megatron's pull in TransformerEngine, which a login node
     without a GPU driver may not load."""
-    modules = [cfg.actor_rollout_ref.rollout.name, module]
+    engine = cfg.actor_rollout_ref.rollout.name
+    modules = [ENGINE_MODULES.get(engine, engine), module]
     if module.startswith("recipe.one_step_off_policy."):
         package = "recipe.one_step_off_policy"
         workers = "megatron_workers" if cfg.actor_rollout_ref.actor.strategy == "megatron" else "fsdp_workers"
         modules += [f"{package}.ray_trainer", f"{package}.{workers}", f"{package}.distributed_util", *ONE_STEP_OFF_VLLM]
     elif module.startswith("recipe.dapo."):
         modules += ["recipe.dapo.dapo_ray_trainer"]
+    logger = cfg.trainer.logger
+    if "tensorboard" in ([logger] if isinstance(logger, str) else list(logger)):
+        modules.append(TENSORBOARD_WRITER)
     return modules
 
 
@@ -131,6 +145,8 @@ def import_problems(modules: list[str], engine: str, timeout: float = 600) -> li
                    f"(CONFIG_IMAGE_PATH), or the engine that image has")  # fmt: skip
         elif name.startswith("recipe."):
             fix = "verl's recipes come from its git tag (the image built from verl_app.def has them; PyPI has none)"
+        elif name == TENSORBOARD_WRITER:
+            fix = "TRAINER_LOGGER has tensorboard, which needs the tensorboard package there: drop it from it"
         else:
             fix = "the trainer's own imports: the image (or local environment) is incomplete"
         problems.append(f"import {name} fails ({error}): {fix}")

@@ -263,11 +263,11 @@ OPERATIONS_PAGE = REPO / "docs" / "operations.md"
 # Where the job and the merge print errors and warnings: the entry scripts and their bash library (die, err, the
 # reasons a node reports to the others, the settings the run script refuses before the container starts), and the
 # Python they run before and while the job starts (refusals, reading the settings, the preflight, the save deadline,
-# each node's ports and address, the wait for Ray, starting a server).
+# each node's ports and address, the wait for Ray, starting a server), and the status command's errors and warnings.
 BASH_SOURCES = ("run_grpo_qwen3_4b_mega_verl.sh", "helper_grpo_qwen3_4b.sh", "merge_mcore_to_hf.sh",
                 "launch/common.sh", "launch/canary.sh")  # fmt: skip
 PYTHON_SOURCES = ("launch/refusals.py", "launch/settings.py", "launch/preflight.py", "launch/deadline.py",
-                  "launch/node.py", "launch/ray_cluster.py", "launch/procs.py")  # fmt: skip
+                  "launch/node.py", "launch/ray_cluster.py", "launch/procs.py", "launch/status.py")  # fmt: skip
 MIN_LITERAL = 12  # a message whose every literal piece is shorter is all variables (err "$*"): nothing to key on
 
 
@@ -395,7 +395,7 @@ def _py_pieces(node) -> list[str]:
     return [""]
 
 
-_RAISED = ("SettingError", "NodeError", "ValueError", "RuntimeError", "TimeoutError")
+_RAISED = ("SettingError", "NodeError", "StatusError", "ValueError", "RuntimeError", "TimeoutError")
 
 
 def python_messages(path: Path) -> list[Message]:

@@ -460,6 +460,15 @@ def rollout_problems(cfg) -> list[str]:
     enforce_eager and drops every engine_kwargs.sglang key but attention_backend (sglang_rollout.py:426-477); only
     the async server reads them (async_sglang_server.py:126-157)."""
     rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name == "hf":
+        runtime_env = cfg.get("ray_kwargs", {}).get("ray_init", {}).get("runtime_env", {})
+        if runtime_env.get("worker_process_setup_hook") != "demo.verl_cpu.install":
+            return [
+                "actor_rollout_ref.rollout.name=hf: verl 0.6.1 registers no such engine (verl/workers/rollout/base.py:81-86); "
+                "only the CPU runs of make demo and the tests have one, which demo/verl_cpu.py registers in every Ray "
+                "worker: pass all of its overrides (python -m demo.verl_cpu lists them), or on GPUs ROLLOUT_ENGINE=sglang|vllm"
+            ]
+        return []
     if rollout.name != "sglang" or rollout.mode != "sync":
         return []
     problems = []

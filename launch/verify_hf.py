@@ -6,7 +6,8 @@
 
 The expected tensors come from the checkpoint's own config.json: the model is built on the meta device (no memory),
 and every tensor it has must be in the safetensors files with the same shape, nothing missing, nothing extra.
-An actor has `lm_head.weight` exactly when its embeddings are untied. A critic is a <Model>ForTokenClassification with
+An actor has `lm_head.weight` exactly when its embeddings are untied, or, tied, as a copy equal to the embedding (what
+verl's FSDP merger writes). A critic is a <Model>ForTokenClassification with
 num_labels=1 (what verl's FSDP critic loads, and a head verl's Megatron critic loader accepts): its value head
 `score.weight` is [1, hidden]. `--load` also loads it with transformers and fails on any weight it would have to
 initialise. Exit 1 with every mismatch listed.
@@ -86,6 +87,46 @@ def expected_tensors(target: Path, tied: bool, value_model: bool) -> dict[str, t
     return shapes
 
 
+def input_embedding_name(target: Path) -> str:
+    """The state-dict name of the model's input embedding (model.embed_tokens.weight for Qwen3 and Llama)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target))
+    weight = model.get_input_embeddings().weight
+    return next(name for name, t in model.state_dict(keep_vars=True).items() if t is weight)
+
+
+def read_tensor(target: Path, name: str):
+    from safetensors import safe_open
+
+    index = target / "model.safetensors.index.json"
+    shard = json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors"
+    with safe_open(str(target / shard), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def tied_head_copy(target: Path, stored: dict) -> str | None:
+    """A tied model's lm_head.weight stored beside its embedding: verl's FSDP merger writes both (its
+    --tie-word-embedding is Megatron's only, verl/model_merger/base_model_merger.py:44-46), and transformers ties
+    the head to the embedding on load. Harmless only when the two are the same tensor: a problem when they differ
+    (the head the config would silently discard), None when they are equal."""
+    import torch
+
+    embedding = input_embedding_name(target)
+    if embedding not in stored or stored[embedding] != stored["lm_head.weight"]:
+        return "unexpected tensor lm_head.weight {} (the config says the embeddings are tied)".format(
+            list(stored["lm_head.weight"])
+        )
+    if not torch.equal(read_tensor(target, "lm_head.weight"), read_tensor(target, embedding)):
+        return (
+            f"lm_head.weight differs from {embedding} although the config says they are tied: loading would "
+            "discard the head"
+        )
+    return None
+
+
 def verify(target: Path, tied: bool, value_model: bool = False, load: bool = False) -> tuple[list[str], str]:
     problems = []
     if not (target / "config.json").is_file():
@@ -105,6 +146,14 @@ def verify(target: Path, tied: bool, value_model: bool = False, load: bool = Fal
         if config_problems:
             return problems + config_problems, ""
     expected = expected_tensors(target, tied, value_model)
+    copy_of_embedding = ""
+    if tied and not value_model and "lm_head.weight" in stored and not shard_problems:
+        problem = tied_head_copy(target, stored)
+        if problem:
+            problems.append(problem)
+        else:
+            copy_of_embedding = "tied embeddings, lm_head stored too and equal to the embedding"
+        stored = {k: v for k, v in stored.items() if k != "lm_head.weight"}
     for name in sorted(set(expected) - set(stored)):
         problems.append(f"missing tensor {name} {list(expected[name])}")
     for name in sorted(set(stored) - set(expected)):
@@ -130,6 +179,7 @@ def verify(target: Path, tied: bool, value_model: bool = False, load: bool = Fal
         head = f"value model, value head score.weight {list(stored.get('score.weight', ()))}"
     else:
         head = "tied embeddings, no lm_head" if tied else "untied embeddings, lm_head present"
+        head = copy_of_embedding or head
     summary = f"{target}: {len(stored)} tensors in {shards} shard(s), {params / 1e9:.3f}e9 parameters, {head}"
     return problems, summary
 

@@ -94,12 +94,16 @@ class Job:
 
     def wait_for_file(self, path: Path, timeout: float) -> None:
         """Until `path` exists; fail early, with the output, if the job ends first."""
+        self.wait_for(f"{path} to appear", path.exists, timeout)
+
+    def wait_for(self, what: str, ready: Callable[[], bool], timeout: float) -> None:
+        """Until `ready()` holds while the job runs; fail early, with the output, if the job ends first."""
         deadline = time.monotonic() + timeout
-        while not path.exists():
+        while not ready():
             state = self.show().get("JobState")
             if state in FINISHED or time.monotonic() > deadline:
                 raise AssertionError(
-                    f"job {self.id}: {path} never appeared (JobState={state} after "
+                    f"job {self.id}: waited in vain for {what} (JobState={state} after "
                     f"{timeout - max(deadline - time.monotonic(), 0):.0f} s)\n{self.output()[-4000:]}"
                 )
             time.sleep(0.5)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from demo import verl_cpu
 from launch import procs
 from launch.procs import free_port, http_get, tail  # noqa: F401  (the tests import them from here)
 
@@ -105,6 +106,21 @@ class FakeContainer:
 # --- the launch tests' job (conftest.job gives its environment) -------------------------------------------------
 
 
+# verl 0.6.1's own trainer on the CPU (demo/verl_cpu.py) in a test job, sized for a test node's 2 cores: one prompt of
+# two responses a step, short texts, no wandb; add real_trainer_args() after the job's own Hydra overrides. Ray gets
+# both cores: verl's TaskRunner takes one and its worker's placement bundle another (with one, verl waits for ever).
+REAL_TRAINER = {
+    "TRAINER_LAUNCHER": "python3", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": "1",
+    "PPO_MINI_BATCH_SIZE": "1", "ROLLOUT_N": "2", "MICRO_BATCH_PER_GPU": "2", "MAX_PROMPT_LENGTH": "128",
+    "MAX_RESPONSE_LENGTH": "16", "TRAINER_LOGGER": "[console]", "RAY_NUM_CPUS": "2", **verl_cpu.ENVIRONMENT,
+}  # fmt: skip
+
+
+def real_trainer_args(*args: str) -> list[str]:
+    """`args`, then what every CPU run adds: no validation before training, two validation prompts, verl_cpu's own."""
+    return [*args, "trainer.val_before_train=False", "data.val_max_samples=2", *verl_cpu.overrides()]
+
+
 def run(env: Mapping[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """The run script, to the end, with `env`; output captured."""
     return subprocess.run(["bash", str(RUN), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -134,7 +150,8 @@ def seen(env: Mapping[str, str]) -> dict:
 
 
 def job_dir(env: Mapping[str, str]) -> Path:
-    (d,) = Path(env["CONFIG_LOG_DIR"]).iterdir()
+    """The one start folder of the job (CONFIG_LOG_DIR also holds an interactive job's output file, as logs/ does)."""
+    (d,) = [p for p in Path(env["CONFIG_LOG_DIR"]).iterdir() if p.is_dir()]
     return d
 
 
@@ -187,10 +204,11 @@ def job_ports(log_dir: Path) -> list[int]:
     return sorted(ports)
 
 
-def assert_everything_stopped(env: Mapping[str, str], timeout: float = 10) -> None:
+def assert_everything_stopped(env: Mapping[str, str], timeout: float = 10, logs: Path | None = None) -> None:
     """No process of the job's and no port of the job's is left, within `timeout` seconds of the job's end (the last
-    processes of a stopped job may still be exiting); at the deadline, what was still there."""
-    logs = job_dir(env)
+    processes of a stopped job may still be exiting); at the deadline, what was still there. `logs`: the log folder
+    of one start, for a job that started more than once."""
+    logs = logs or job_dir(env)
     ports = job_ports(logs) + [int(env[k]) for k in ("CONFIG_REWARD_SERVER_PORT", "RAY_PORT") if env.get(k)]
     deadline = time.monotonic() + timeout
     while True:

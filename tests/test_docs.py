@@ -106,6 +106,15 @@ def test_every_link_of_the_readmes_and_docs_points_at_a_file_and_heading_that_ex
     assert broken == []
 
 
+def test_the_readmes_canary_table_is_what_a_passing_canary_prints():
+    from launch import canary
+
+    english = (REPO / "README.md").read_text()
+    block = english.split("A passing canary", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    passed = {stage: {"stage": stage, "status": "passed", "seconds": "<s>"} for stage in canary.STAGES}
+    assert block == canary.summary(passed)[0] + "\n"
+
+
 def test_the_readme_fits_a_first_hour_and_links_the_japanese_one_first():
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 200, len(lines)

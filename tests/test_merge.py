@@ -19,9 +19,11 @@ from tests.support import REPO
 MERGE = REPO / "merge_mcore_to_hf.sh"
 
 
-def make_checkpoint(root: Path, policy: Path, steps=(10, 20), tied=True, roles=("actor",), model_type=None) -> Path:
-    """The folder layout verl 0.6.1's trainer writes: tracker file, global_step_N/<role>/huggingface (+ dist_ckpt).
-    tied=None leaves tie_word_embeddings out of config.json; model_type="gemma" swaps in a tiny Gemma config."""
+def make_checkpoint(root: Path, policy: Path, steps=(10, 20), tied=True, roles=("actor",), model_type=None,
+                    fsdp=False) -> Path:  # fmt: skip
+    """The folder layout verl 0.6.1's trainer writes: tracker file, global_step_N/<role>/huggingface (+ dist_ckpt; with
+    fsdp=True, STRATEGY=fsdp2's fsdp_config.json instead). tied=None leaves tie_word_embeddings out of config.json;
+    model_type="gemma" swaps in a tiny Gemma config."""
     for step in steps:
         for role in roles:
             hf = root / f"global_step_{step}" / role / "huggingface"
@@ -39,7 +41,10 @@ def make_checkpoint(root: Path, policy: Path, steps=(10, 20), tied=True, roles=(
             if tied is not None:
                 config["tie_word_embeddings"] = tied
             (hf / "config.json").write_text(json.dumps(config))
-            (hf.parent / "dist_ckpt").mkdir()
+            if fsdp:
+                (hf.parent / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_size": 1}')
+            else:
+                (hf.parent / "dist_ckpt").mkdir()
     (root / "latest_checkpointed_iteration.txt").write_text(f"{steps[-1]}\n")
     return root
 
@@ -119,11 +124,24 @@ def test_an_untied_model_keeps_its_lm_head(merge_env, tiny_models, tmp_path):
         (REPO / "hf_models").rmdir()
 
 
+def test_an_fsdp_checkpoint_goes_to_verls_fsdp_merger_without_the_megatron_only_tie_flag(merge_env, tiny_models,
+                                                                                          tmp_path):  # fmt: skip
+    """STRATEGY=fsdp2: verl's FSDP checkpoint manager writes fsdp_config.json beside its shards, which only its FSDP
+    merger reads (--backend megatron would look for dist_ckpt); --tie-word-embedding is the Megatron merger's only."""
+    make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True, fsdp=True)
+    result = run(merge_env, TARGET_DIR=str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr
+    (call,) = merger_calls(merge_env)
+    assert call[call.index("--backend") + 1] == "fsdp" and "--tie-word-embedding" not in call, call
+    assert (tmp_path / "hf" / "config.json").exists()
+
+
 @pytest.mark.parametrize(
     "tied, broken, needle",
     [
         (False, "drop_lm_head", "lm_head.weight is missing although the embeddings are untied"),
-        (True, "extra_lm_head", "unexpected tensor lm_head.weight"),
+        # a tied model's lm_head of its own (verl's FSDP merger stores one equal to the embedding: accepted)
+        (True, "extra_lm_head", "lm_head.weight differs from model.embed_tokens.weight although the config says"),
         (True, "missing_shard", "shard model-00002-of-00002.safetensors is listed in the index but missing"),
     ],
 )

@@ -6,7 +6,10 @@ look for them (`models/...`, tiny ones), `prompts.jsonl` holds demo prompts, and
 command line (the test nodes are smaller than the script's #SBATCH lines ask for). Two lines cannot run here: the
 image build (no Singularity: a file stands in for the image at the path the line builds, and the fake container runs
 it) and the editor (the edits a user makes for this machine are environment variables, which the block reads the same
-way: one GPU per node, the reward model on the CPU, the stand-in trainer and merger).
+way: one GPU per node, the reward model on the CPU, verl's FSDP2 workers and sync rollout with a tiny workload).
+Everything else is real, verl 0.6.1's own trainer and merger included, on the CPU: each line that runs the job gets
+demo/verl_cpu.py's Hydra overrides after it (as the README says extra overrides may follow), and the training line a
+step count (2, for what verl would compute from the data).
 """
 
 import os
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from demo.data import demo_examples
 from tests import real_slurm
-from tests.support import REPO
+from tests.support import REAL_TRAINER, REPO, real_trainer_args
 
 README = REPO / "README.md"
 
@@ -31,9 +34,10 @@ def quickstart_lines() -> list[str]:
     return [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip()]
 
 
-def healthy_lines() -> list[re.Pattern]:
-    """The README's 'A healthy job prints' block, each line a pattern: <...> and ... stand for anything."""
-    block = README.read_text().split("**A healthy job** prints", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+def healthy_lines(after: str = "**A healthy job** prints") -> list[re.Pattern]:
+    """The README's first text block after `after` (by default the 'A healthy job prints' block), each line a pattern:
+    <...> and ... stand for anything."""
+    block = README.read_text().split(after, 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
     patterns = []
     for line in block.splitlines():
         pattern = re.sub(r"<[^>]*>", ".+?", re.escape(line).replace(r"\<", "<").replace(r"\>", ">"))
@@ -42,7 +46,8 @@ def healthy_lines() -> list[re.Pattern]:
 
 
 def assert_in_order(patterns: list[re.Pattern], text: str) -> None:
-    lines, at = text.splitlines(), 0
+    """Each pattern on a line of its own, in this order; Ray's colours (what a terminal shows as colour) aside."""
+    lines, at = re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines(), 0
     for pattern in patterns:
         found = next((i for i in range(at, len(lines)) if pattern.search(lines[i])), None)
         assert found is not None, f"the README's healthy-job line {pattern.pattern!r} is not in the output (after line " \
@@ -68,25 +73,15 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
     prompts = "".join(f'{{"prompt": "{row["prompt"]}"}}\n' for row in demo_examples(160))
     (repo / "prompts.jsonl").write_text(prompts, encoding="utf-8")
     bin_dir = fake_container.bin_dir
-    (bin_dir / "fake-trainer").write_text(
-        f'#!/bin/sh\nexec "{sys.executable}" "{REPO}/tests/fakes/fake_trainer.py" "$@"\n'
-    )
-    (bin_dir / "fake-merger").write_text(  # drops `-m verl.model_merger` as test_merge's does
-        f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{REPO}/tests/fakes/fake_merger.py" "$@"\n'
-    )
-    for tool in ("fake-trainer", "fake-merger"):
-        (bin_dir / tool).chmod(0o755)
     ray_tmp = Path(tempfile.mkdtemp(prefix="rayq", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "WANDB_DIR"}
-    env |= {
+    env |= REAL_TRAINER | {
         "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         # the edits of step 3, for this machine: one GPU per node, no GPU for the reward model, one network
         "CONFIG_GPUS_PER_NODE": "1", "ACTOR_PP": "1", "CONFIG_REWARD_DEVICE": "cpu", "CONFIG_NETWORK_INTERFACE": "lo",
-        # the stand-ins for verl's trainer (2 steps: what verl would compute from the data) and its merger
-        "TRAINER_LAUNCHER": str(bin_dir / "fake-trainer"), "FAKE_TRAINER_LOG": str(tmp_path / "trainer_seen.jsonl"),
-        "FAKE_TRAINER_STEPS": "2", "MERGER_LAUNCHER": str(bin_dir / "fake-merger"),
-        "FAKE_MERGER_LOG": str(tmp_path / "merger.jsonl"), "RAY_TMP_DIR": str(ray_tmp),
+        "TRAINER_LOGGER": "[console,wandb]", "RAY_TMP_DIR": str(ray_tmp),
     }  # fmt: skip
+    cpu_args = " ".join(real_trainer_args())
     lines, jobs, ran = quickstart_lines(), [], []
     try:
         for line in lines:
@@ -99,6 +94,9 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
                 ran.append("build")
                 continue
             command = re.sub(r"\bsbatch ", f"sbatch {' '.join(real_slurm.NODE_SIZE)} ", line, count=1)
+            if "run_grpo_qwen3_4b_mega_verl.sh" in line:
+                steps = " trainer.total_training_steps=2" if line.startswith("sbatch ") else ""
+                command += f" {cpu_args}{steps}"
             run = subprocess.run(["bash", "-c", command], cwd=repo, env=real_slurm.slurm_env(env), capture_output=True,
                                  text=True, timeout=600)  # fmt: skip
             if "sbatch" not in line:
@@ -107,7 +105,7 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
                 continue
             job = submitted(run, env)
             jobs.append(job)
-            fields = job.wait(600)
+            fields = job.wait(1200)
             assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), f"{line}\n{job.output()[-4000:]}"
             ran.append(line)
         out = {line: job.output() for line, job in zip([r for r in ran if "sbatch" in r], jobs, strict=True)}
@@ -120,12 +118,19 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
     assert (repo / "data" / "train.parquet").is_file() and (repo / "data" / "test.parquet").is_file()
     assert ran.index(preflight) < ran.index(canary) < ran.index(train) < ran.index(merge)
     assert "canary: every stage passed" in out[canary]
+    assert_in_order(healthy_lines("A passing canary"), out[canary])  # the README's table, as the canary printed it
     train_job = jobs[[r for r in ran if "sbatch" in r].index(train)]
     assert train_job.out == repo / "logs" / f"grpo-qwen3-4b-{train_job.id}.out", "the README's output file"
-    assert_in_order(healthy_lines(), out[train])
+    # The README shows the default job's preflight line (Megatron's config); this one trains with FSDP2's.
+    healthy = [re.compile(p.pattern.replace("ppo_megatron_trainer", "ppo_trainer")) for p in healthy_lines()]
+    assert_in_order(healthy, out[train])
     logs = repo / "logs" / train_job.id
     assert {"trainer.log", "trainer_command.txt", "ray_head.log", "wandb"} <= {p.name for p in logs.iterdir()}
     assert any(p.name.startswith("reward_server_n") for p in logs.iterdir()), "one log per reward server"
+    # verl's own trainer trained those steps, calling our reward function on the job's reward server
+    assert "Training from scratch" in out[train] and "training/global_step:2" in out[train], out[train][-3000:]
+    assert len((logs / "rewards.jsonl").read_text().splitlines()) >= 4, "2 steps x 2 responses scored"
+    assert "-m verl.model_merger merge --backend fsdp" in out[merge], "verl's FSDP merger on what verl saved"
     checkpoints = repo / "checkpoints" / "qwen3_4b_grpo_megatron"
     assert (checkpoints / "TRAINING_DONE").exists() and (
         checkpoints / "latest_checkpointed_iteration.txt"

@@ -1,11 +1,13 @@
 """Whole jobs through a real Slurm 22.05: run_grpo_qwen3_4b_mega_verl.sh submitted with sbatch from a fresh clone
 of the repository to the local two-node cluster (tests/slurm/local_slurm.sh), stopped with scancel, requeued by its
 time-limit signal, on one node or two, with real reward servers on the CPU, a real Ray cluster on loopback, the fake
-container (no Singularity here) and the stand-in trainer. Every job state is read from `scontrol show job` and
-waited for with a deadline; the test's node sizes go on the sbatch command line, as a user's would."""
+container (no Singularity here), and the stand-in trainer or, for the requeue, verl's own on the CPU
+(demo/verl_cpu.py). Every job state is read from `scontrol show job` and waited for with a deadline; the test's node
+sizes go on the sbatch command line, as a user's would."""
 
-import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +18,16 @@ import pytest
 
 from launch import node
 from tests.real_slurm import NODE_SIZE
-from tests.support import REPO, RUN, assert_everything_stopped, job_processes, seen, start_http_server
+from tests.support import (
+    REAL_TRAINER,
+    REPO,
+    RUN,
+    assert_everything_stopped,
+    job_processes,
+    real_trainer_args,
+    seen,
+    start_http_server,
+)
 
 FAST = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight's data and reward checks are test_launch's
 TWO_NODES = ("--nodes=2", *NODE_SIZE)
@@ -70,47 +81,58 @@ def test_scancel_mid_training_ends_the_job_cancelled_with_nothing_of_it_left(job
     assert_everything_stopped(env)
 
 
-def test_the_time_limit_signal_requeues_the_job_which_resumes_from_its_checkpoint_into_the_same_output(
-    job, submit, tmp_path
-):
-    """--time and --signal=B:USR1@N as the script has them, shrunk: Slurm signals the batch shell N s before the
-    limit, the script requeues the job, Slurm holds it (Reason=BeginTime, about two minutes) and starts it again with
-    Restarts=1; that start logs to <id>-r1 and verl resumes from the newest checkpoint."""
-    # The stand-in reports 42 s validations and 100.5 s saves on its step lines, as verl's timing_s/* metrics.
-    env = job | FAST | {"FAKE_TRAINER_STEP_SECONDS": "2", "FAKE_TRAINER_TESTING_S": "42", "FAKE_TRAINER_SAVE_S": "100.5",
-                        "JOB_SIGNAL_LEAD": "180"}  # fmt: skip
-    steps = ("trainer.total_training_steps=60", "trainer.save_freq=1", "trainer.test_freq=5")
-    j = submit(env, *steps, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=5", "--signal=B:USR1@180"))
-    fields = j.wait_until("requeued", lambda f: f.get("Restarts") == "1" and f["JobState"] == "PENDING", 360)
+def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_checkpoint_at_that_step(job, submit,
+                                                                                                 tmp_path):  # fmt: skip
+    """verl's own trainer on the CPU (demo/verl_cpu.py). No regular saves (trainer.save_freq=1000): every checkpoint
+    is verl's save before the expiry (should_save_ckpt_esi: within 60 s + its longest step + trainer.esi_redundant_time
+    of MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP, the job's end minus CHECKPOINT_BEFORE_END). Once it has
+    saved, the test shortens the time limit (as an admin could), so that Slurm's time-limit signal comes (--signal
+    B:USR1@60): the script requeues the job, Slurm holds it (Reason=BeginTime) and starts it again with Restarts=1;
+    that start logs to <id>-r1, verl resumes at the step it saved last and trains on, far from its new expiry, unsaved."""
+    # 10 epochs of the 32 prompts: more steps than the first start can take before the signal
+    env = job | FAST | REAL_TRAINER | {"JOB_SIGNAL_LEAD": "60", "CHECKPOINT_BEFORE_END": "240", "TOTAL_EPOCHS": "10",
+                                       "TRAINER_LOGGER": "[console,wandb]"}  # fmt: skip
+    args = real_trainer_args("trainer.total_training_steps=200", "trainer.save_freq=1000", "trainer.test_freq=-1")
+    j = submit(env, *args, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=12", "--signal=B:USR1@60"))
+    tracker = Path(env["CONFIG_OUTPUT_DIR"]) / "latest_checkpointed_iteration.txt"
+    j.wait_for("verl's first save (step 2: the first step of a start has no longest step yet)", tracker.exists, 600)
+    started = time.mktime(time.strptime(j.show()["StartTime"], "%Y-%m-%dT%H:%M:%S"))
+    j.scontrol("update", f"JobId={j.id}", f"TimeLimit={int((time.time() - started) // 60) + 2}")
+    fields = j.wait_until("requeued", lambda f: f.get("Restarts") == "1" and f["JobState"] == "PENDING", 400)
     assert fields["Reason"] == "BeginTime", fields
     first = j.output()
     assert f"time-limit signal: requeueing job {j.id}" in first, first[-4000:]
     assert "stopping this start for the requeue (within STOP_TIMEOUT=20 s); Slurm starts the job again" in first
     assert "run_grpo_qwen3_4b_mega_verl.sh exiting" in first, "this start stopped before Slurm's SIGKILL"
-    tracker = Path(env["CONFIG_OUTPUT_DIR"]) / "latest_checkpointed_iteration.txt"
     saved = int(tracker.read_text())
-    assert 0 < saved < 60, f"the first start saved step {saved}"
-    # The test does not wait out Slurm's hold, and gives the second start the time to finish (as an admin could).
-    j.scontrol("update", f"JobId={j.id}", "TimeLimit=20", "StartTime=now")
-    fields = j.wait(360)
-    out = j.output()
-    assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "1"), out[-4000:]
-    assert out.startswith(first), "the second start appends to the same output file (--open-mode=append)"
-    assert f"=== job {j.id}: logs in {logs_of(env, j)}-r1" in out[len(first) :]
-    assert f"Setting global step to {saved}" in out[len(first) :], out[len(first) :][-3000:]
-    assert tracker.read_text() == "60" and (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
+    assert saved >= 2 and "Force saving checkpoint: ESI instance expiration approaching." in first, first[-4000:]
+    assert not (Path(env["CONFIG_OUTPUT_DIR"]) / "global_step_1").exists(), "no save after a start's first step"
+    # The test does not wait out Slurm's hold; the second start runs one step past the checkpoint, then it is cancelled.
+    j.scontrol("update", f"JobId={j.id}", "TimeLimit=30", "StartTime=now")
+    j.wait_for(f"step {saved + 1} after the resume", lambda: f" step:{saved + 1} - " in j.output()[len(first) :], 600)
+    second = j.output()[len(first) :]
+    j.scancel()
+    assert j.wait(120)["Restarts"] == "1"
+    assert j.output().startswith(first), "the second start appends to the same output file (--open-mode=append)"
+    assert f"=== job {j.id}: logs in {logs_of(env, j)}-r1" in second
+    assert f"Setting global step to {saved}" in second and f" step:{saved} - " not in second, second[-3000:]
+    assert "Force saving checkpoint" not in second, "the new limit is far: verl's window is closed"
     assert sorted(p.name for p in Path(env["CONFIG_LOG_DIR"]).iterdir()) == [j.id, f"{j.id}-r1"]
-    starts = [json.loads(line) for line in Path(env["FAKE_TRAINER_LOG"]).read_text().splitlines()]
-    assert len(starts) == 2, "the trainer ran once per start"
     # verl's save-before-the-limit window: a first guess, then the validation and save the first start measured
-    windows = [next(a for a in t["argv"] if a.startswith("trainer.esi_redundant_time=")) for t in starts]
-    assert windows == ["trainer.esi_redundant_time=600", "trainer.esi_redundant_time=143"], windows
-    # Offline (the default) wandb ignores resume: each start is its own run, in the job's group, so a sync keeps both.
-    run_id = f"qwen3_4b_grpo_megatron-{j.id}"
-    assert [(t["WANDB_RUN_ID"], t["WANDB_RUN_GROUP"], t["WANDB_RESUME"]) for t in starts] == [
-        (run_id, run_id, None),
-        (f"{run_id}-r1", run_id, None),
+    saves = re.findall(r"timing_s/save_checkpoint:([0-9.e+-]+)", (logs_of(env, j) / "trainer.log").read_text())
+    windows = [
+        next(a for a in (d / "trainer_command.txt").read_text().splitlines() if a.startswith("trainer.esi_redundant_"))
+        for d in (logs_of(env, j), Path(f"{logs_of(env, j)}-r1"))
     ]
+    assert windows == [
+        "trainer.esi_redundant_time=600",
+        f"trainer.esi_redundant_time={math.ceil(max(map(float, saves)))}",
+    ]
+    # Offline (the default) wandb ignores resume: each start is its own run of verl's, in the job's group.
+    runs = sorted(p.name.split("-", 3)[-1] for p in (Path(env["WANDB_DIR"]) / "wandb").glob("offline-run-*"))
+    assert runs == [f"qwen3_4b_grpo_megatron-{j.id}", f"qwen3_4b_grpo_megatron-{j.id}-r1"], runs
+    for start in (logs_of(env, j), Path(f"{logs_of(env, j)}-r1")):
+        assert_everything_stopped(env, logs=start)
 
 
 def test_two_jobs_on_one_node_at_once_each_use_their_own_reward_server_and_ray(job, submit, tmp_path, tiny_models):

@@ -49,8 +49,8 @@ def main() -> int:
     broken = os.environ.get("FAKE_MERGER_BREAK", "")
     if broken == "drop_lm_head":
         state.pop("lm_head.weight", None)
-    if broken == "extra_lm_head":
-        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    if broken == "extra_lm_head":  # a head of its own in a tied model: loading would discard it
+        state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1
     target.mkdir(parents=True, exist_ok=True)  # as verl: os.makedirs(target_dir, exist_ok=True)
     names = sorted(state)
     halves = {

@@ -9,11 +9,16 @@ reward servers' health again ($FAKE_TRAINER_LOG.end), and exits with $FAKE_TRAIN
 
 Given `trainer.total_training_steps=N` (or $FAKE_TRAINER_STEPS, for the count verl computes from the data), it also
 imitates what verl 0.6.1's fit loops show from outside:
-`_load_checkpoint` (resume_mode=auto: the tracker file, its messages, the step it resumes at), one console-logger line
-per step as each entry point prints it (Ray prefixes a TaskRunner actor's lines): the main trainer's and the
-one-step-off recipe's with `training/global_step` (ray_trainer.py:1274-1293), recipe.dapo's without it but with
-`train/num_gen_batches` (recipe/dapo/dapo_ray_trainer.py:392-406); val-core metrics on validation steps and
-`timing_s/step`, `timing_s/testing`, `timing_s/save_checkpoint` (metric_utils.compute_timing_metrics) in all of them;
+`_load_checkpoint` (resume_mode=auto: the tracker file, its messages, the step it resumes at), and each step's metrics
+logged through verl's own `Tracking` (verl/utils/tracking.py, created as fit creates it, ray_trainer.py:967-972) with
+the backends of `trainer.logger` that run without a service: `console` prints verl's `step:N - key:value - ...` line
+(verl/utils/logger/aggregate_logger.py), behind the prefix Ray gives a TaskRunner actor's lines, and `tensorboard`
+writes event files to $TENSORBOARD_DIR (wandb and the others are left out). The metrics are verl's keys with made-up
+values shaped like a run that learns (the same for a step whichever start logs it), as each entry point logs them:
+the main trainer's and the one-step-off recipe's with `training/global_step` (ray_trainer.py:1274-1293), recipe.dapo's
+without it but with `train/num_gen_batches` (recipe/dapo/dapo_ray_trainer.py:392-406); val-core metrics on validation
+steps and `timing_s/step` (the step's measured seconds), `timing_s/testing`, `timing_s/save_checkpoint`
+(metric_utils.compute_timing_metrics) in all of them;
 `_save_checkpoint`'s layout (global_step_N/actor/{dist_ckpt,huggingface}, global_step_N/data.pt, the tracker file),
 and the checkpoint manager's pruning: with trainer.max_actor_ckpt_to_keep=K, before a save it deletes the oldest
 `global_step_N/actor` of this process's own saves once it holds K (megatron_checkpoint_manager.py:379-388).
@@ -23,12 +28,15 @@ $FAKE_TRAINER_BREAK breaks it on purpose: no_resume (starts from scratch althoug
 crash_on_resume (the checkpoint load raises) | no_save (writes no checkpoint).
 """
 
+import io
 import json
+import math
 import os
 import shutil
 import sys
 import time
 import urllib.request
+from contextlib import redirect_stdout
 from pathlib import Path
 
 
@@ -76,6 +84,57 @@ def keep_setting(argv: list[str], key: str) -> int | None:
     return None if value in ("null", "None") else int(value)
 
 
+class RayPrefixed(io.TextIOBase):
+    """What Ray's driver does with an actor's output: every line it prints gets the actor's prefix."""
+
+    def __init__(self, prefix: str, out):
+        self.prefix, self.out, self.pending = prefix, out, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        while "\n" in self.pending:
+            line, self.pending = self.pending.split("\n", 1)
+            self.out.write(f"{self.prefix} {line}\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+SERVICE_FREE_BACKENDS = ("console", "tensorboard")  # trainer.logger backends that need no server or account
+
+
+def verl_tracking(argv: list[str], actor: str):
+    """verl 0.6.1's Tracking for this command's trainer.logger (`[console,wandb]`, `['console']`, `console`), as fit
+    creates it, with the backends a stand-in can run here."""
+    from verl.utils.tracking import Tracking
+
+    backends = [b.strip(" '\"") for b in override(argv, "trainer.logger", "console").strip("[]").split(",")]
+    with redirect_stdout(RayPrefixed(actor, sys.stdout)):  # tensorboard's adapter says where it writes
+        return Tracking(
+            project_name=override(argv, "trainer.project_name", "project"),
+            experiment_name=override(argv, "trainer.experiment_name", "experiment"),
+            default_backend=[b for b in backends if b in SERVICE_FREE_BACKENDS],
+        )
+
+
+def step_metrics(step: int) -> dict[str, float]:
+    """verl's metric keys for one step, with values shaped like a run that learns: the reward rises, responses grow
+    and a few hit the length limit, the KL to the reference grows slowly, the entropy falls."""
+    wobble = math.sin(1.7 * step)
+    score = -0.5 + 1.2 * (1 - math.exp(-step / 20)) + 0.05 * wobble
+    return {
+        "critic/score/mean": score,
+        "critic/score/max": score + 1.5,
+        "critic/score/min": score - 1.5,
+        "response_length/mean": 900 + 600 * (1 - math.exp(-step / 25)) + 30 * wobble,
+        "response_length/clip_ratio": 0.02 + 0.06 * (1 - math.exp(-step / 25)) + 0.005 * wobble,
+        "actor/kl_loss": 0.0004 * step * (1 + 0.1 * wobble),
+        "actor/pg_clipfrac": 0.004 + 0.001 * wobble,
+        "actor/entropy": 0.2 + 0.5 * math.exp(-step / 60),
+    }
+
+
 def imitate_fit(argv: list[str], total: int) -> int:
     """verl 0.6.1's fit loop as seen from outside (resume, step lines, checkpoints); 0, or 1 on crash_on_resume."""
     broken = os.environ.get("FAKE_TRAINER_BREAK", "")
@@ -90,6 +149,7 @@ def imitate_fit(argv: list[str], total: int) -> int:
         managers["critic"] = CheckpointManager(keep_setting(argv, "trainer.max_critic_ckpt_to_keep"))
     testing_s, save_s = (float(os.environ.get(f"FAKE_TRAINER_{k}_S", d)) for k, d in (("TESTING", 0.5), ("SAVE", 0.25)))
     actor = f"(TaskRunner pid={os.getpid()})"  # Ray's prefix for lines printed in verl's TaskRunner actor
+    tracking = verl_tracking(argv, actor)
     print(f"{actor} Total training steps: {total}", flush=True)
     step = 0
     if override(argv, "trainer.resume_mode", "auto") == "auto":
@@ -111,22 +171,24 @@ def imitate_fit(argv: list[str], total: int) -> int:
                 )
                 return 1
     while step < total:
+        started = time.monotonic()
         time.sleep(float(os.environ.get("FAKE_TRAINER_STEP_SECONDS", "0")))  # a step's rollout and update
         step += 1
         last = step >= total
-        metrics, timing = {}, {"step": 1.0}
+        metrics, timing = {}, {"step": round(time.monotonic() - started, 3)}
         if test_freq > 0 and (last or step % test_freq == 0):
-            metrics["val-core/safe_hack/reward/mean@1"] = 0.25
+            metrics["val-core/safe_hack/reward/mean@1"] = step_metrics(step)["critic/score/mean"] + 0.1
             timing["testing"] = testing_s
         if save_freq > 0 and (last or step % save_freq == 0) and broken != "no_save":
             save_checkpoint(argv, root, step, actor, managers)
             timing["save_checkpoint"] = save_s
         if not dapo:  # recipe.dapo's fit never logs these two (dapo_ray_trainer.py:392-406)
             metrics |= {"training/global_step": step, "training/epoch": 0}
-        metrics |= {"critic/score/mean": 0.5} | {f"timing_s/{k}": v for k, v in timing.items()}
+        metrics |= step_metrics(step) | {f"timing_s/{k}": v for k, v in timing.items()}
         if dapo:
             metrics["train/num_gen_batches"] = 1
-        print(f"{actor} step:{step} - " + " - ".join(f"{k}:{v}" for k, v in metrics.items()), flush=True)
+        with redirect_stdout(RayPrefixed(actor, sys.stdout)):
+            tracking.log(data=metrics, step=step)
     return 0
 
 

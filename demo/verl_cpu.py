@@ -1,0 +1,302 @@
+"""verl 0.6.1's own trainer on a machine without a GPU: every adaptation it needs, in this one module.
+
+`make demo` and the CPU job tests run the real `python -m verl.trainer.main_ppo` (RayPPOTrainer.fit: verl's data
+loader, rollout, our reward function through a real reward server, GRPO advantages, the FSDP2 actor update, the
+checkpoint manager, validation, the console logger) with STRATEGY=fsdp2 and ROLLOUT_MODE=sync (async runs too, where
+`cachetools` is installed: verl 0.6.1's agent loop imports it without declaring it; docs/verl-on-cpu.md). They pass
+`overrides()` after their other arguments to run_grpo_qwen3_4b_mega_verl.sh, as a user passes Hydra overrides, so
+the preflight checks, and trainer_command.txt records, the command that runs. Two kinds of adaptation:
+
+- Hydra overrides (OVERRIDES): settings verl already has, chosen for a CPU. trainer.device stays `cuda`, verl's
+  default: verl places its workers on the GPUs Ray was told of (`ray start --num-gpus`, as on a cluster; here
+  placeholders) and picks torch's device from torch itself (verl/utils/device.py:40-52: cpu without CUDA), whereas
+  trainer.device=cpu would ask Ray for a resource literally named `cpu` (verl/single_controller/ray/base.py:117-124).
+- Shims (SHIMS, applied by `install`): what verl 0.6.1 cannot do on a CPU without a change to its code. Each names
+  the verl line it works around. verl's TaskRunner and its workers are Ray actors in other processes, so a patch in
+  the process that runs main_ppo would reach none of them: `install` runs in every Ray worker process of the job,
+  as Ray's worker_process_setup_hook, which one of the overrides sets (the job's Ray started by
+  helper_grpo_qwen3_4b.sh puts the repository on PYTHONPATH, so every worker can import this module).
+
+The HF rollout (HFEngineRollout) takes its device and dtype from the worker: benchmarks/verl_step.py runs the same
+class, registered the same way, with ENGINE_OVERRIDES, on a GPU with NCCL and none of the CPU shims.
+
+Nothing of verl is copied or edited. What stays out of reach on a CPU: Megatron (STRATEGY=megatron) and the SGLang
+and vLLM engines; docs/verl-on-cpu.md says what runs for real.
+
+    python -m demo.verl_cpu          # the overrides, one a line, each with its reason
+"""
+
+from __future__ import annotations
+
+import sys
+
+HOOK = "demo.verl_cpu.install"
+ROLLOUT = "hf"  # the name verl's FSDP worker already gives its HF rollout (fsdp_workers.py:479, 600)
+ROLLOUT_CLASS = "demo.verl_cpu.HFEngineRollout"  # what get_rollout_class imports for ROLLOUT, sync or async
+
+# (override, why). They go after the job's own overrides, so they win. ENGINE_OVERRIDES are what any run without
+# SGLang, vLLM and flash-attn needs (benchmarks/verl_step.py passes them on a GPU too); LEAN_OVERRIDES and the hook
+# are for a CPU.
+ENGINE_OVERRIDES = [
+    (f"actor_rollout_ref.rollout.name={ROLLOUT}",
+     "HF generate: HFEngineRollout below, registered by install"),
+    ("actor_rollout_ref.model.use_remove_padding=False",
+     "the unpadded path needs flash-attn (verl/utils/attention_utils.py:27-30 imports it on CUDA only)"),
+    ("critic.model.use_remove_padding=False", "the same for PPO's critic"),
+    ("+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+     "verl loads models with flash_attention_2 unless told (fsdp_workers.py:318)"),
+    ("+critic.model.override_config.attn_implementation=sdpa", "the same for PPO's critic (fsdp_workers.py:1254)"),
+]  # fmt: skip
+LEAN_OVERRIDES = [
+    ("actor_rollout_ref.actor.use_torch_compile=False",
+     "lean: compiling the entropy function (dp_actor.py:80-83) takes longer on 2 cores than the steps it speeds up"),
+    ("data.dataloader_num_workers=0",
+     "lean: verl's default 8 loader processes, each a copy of the dataset, on a 2-core machine"),
+]  # fmt: skip
+OVERRIDES = [
+    *ENGINE_OVERRIDES,
+    *LEAN_OVERRIDES,
+    (f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}",
+     "the shims below, in every Ray worker process of the job (verl's TaskRunner and workers run there)"),
+]  # fmt: skip
+
+# The environment of the job (the run script's, which every node's `ray start` inherits): Ray's, not verl's.
+ENVIRONMENT = {
+    # lean: Ray starts an idle worker per CPU with the raylet and one more for the first driver
+    # (ray/_private/services.py:2019-2021), which verl's actors cannot use (their runtime env, verl's env_vars and
+    # this hook, differs): on a 2-core machine they only take CPU and memory.
+    "RAY_enable_worker_prestart": "0",
+    "RAY_prestart_worker_first_driver": "0",
+}
+
+
+def overrides() -> list[str]:
+    """The Hydra overrides of a CPU run, to pass after everything else."""
+    return [override for override, _ in OVERRIDES]
+
+
+def _gloo_for_nccl() -> None:
+    """verl's process groups ask for NCCL: `cpu:gloo,cpu:nccl` in the actor and rollout worker
+    (fsdp_workers.py:150) and `nccl` in the critic's (:1155), from get_nccl_backend (verl/utils/device.py:76-85,
+    nccl unless NPU). A CPU has only gloo, and patching get_nccl_backend alone would give `cpu:gloo,cpu:gloo`,
+    which torch refuses (a device named twice)."""
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+
+    def init_process_group(backend=None, *args, **kwargs):
+        if backend is not None and "nccl" in backend:
+            backend = "gloo"
+        return original(backend, *args, **kwargs)
+
+    dist.init_process_group = init_process_group
+
+
+def _gather_like_nccl() -> None:
+    """topk_reduce_ratio_min_max gathers a 0-d timing tensor into 1-element tensors after every rollout
+    (verl/utils/profiler/performance.py:231-234): NCCL checks only element counts, gloo refuses the shapes."""
+    import torch.distributed as dist
+
+    original = dist.all_gather
+
+    def all_gather(tensor_list, tensor, *args, **kwargs):
+        if tensor_list and tensor.shape != tensor_list[0].shape and tensor.numel() == tensor_list[0].numel():
+            tensor = tensor.reshape(tensor_list[0].shape)
+        return original(tensor_list, tensor, *args, **kwargs)
+
+    dist.all_gather = all_gather
+
+
+def _cpu_device_calls() -> None:
+    """On a CPU verl's get_torch_device() is torch.cpu (verl/utils/device.py:55-65), which lacks calls verl makes on
+    every device: empty_cache (memory_utils.py:53), the memory counters (memory_utils.py:46, fsdp_workers.py:882-883)
+    and the random state it swaps between rollout and training (fsdp_workers.py:612-615). Added to torch.cpu, not
+    a stand-in module: verl tells a CPU by `get_torch_device() == torch.cpu` (flops_counter.py:69,
+    profiler/performance.py:45). A CPU has no device memory apart from the process's: the counters read 0, as
+    verl's own CPU branch of its memory log does."""
+    import torch
+
+    calls = {
+        "empty_cache": lambda: None,
+        "get_rng_state": torch.get_rng_state,
+        "set_rng_state": torch.set_rng_state,
+        "manual_seed": torch.manual_seed,
+        "memory_allocated": lambda *a, **k: 0,
+        "memory_reserved": lambda *a, **k: 0,
+        "max_memory_allocated": lambda *a, **k: 0,
+        "max_memory_reserved": lambda *a, **k: 0,
+    }
+    for name, call in calls.items():
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, call)
+
+
+def _unpinned_offload() -> None:
+    """The reference policy's FSDP2 module is always offloaded with pinned memory (fsdp_workers.py:518,
+    CPUOffloadPolicy(pin_memory=True)), and pinning needs an accelerator. It lives in CPU memory either way."""
+    import verl.utils.fsdp_utils as fsdp_utils  # before fsdp_workers imports the name from it
+
+    pinned = fsdp_utils.CPUOffloadPolicy
+
+    class CPUOffloadPolicy(pinned):
+        def __init__(self, pin_memory: bool = True):
+            super().__init__(pin_memory=False)
+
+    fsdp_utils.CPUOffloadPolicy = CPUOffloadPolicy
+
+
+def register_rollout() -> None:
+    """verl 0.6.1 registers only vLLM and SGLang (verl/workers/rollout/base.py:81-86) and asserts on anything else
+    (:99); its HF rollout ships unregistered. Async rollout (the agent loop) also asks a replica class for the
+    servers it sends prompts to (verl/workers/rollout/replica.py:193-246, looked up in agent_loop.py:682). The
+    registration is the one shim a GPU run needs too (benchmarks/verl_step.py)."""
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    for mode in ("sync", "async"):
+        base._ROLLOUT_REGISTRY[(ROLLOUT, mode)] = ROLLOUT_CLASS
+    RolloutReplicaRegistry.register(ROLLOUT, _replica_class)
+
+
+SHIMS = (_gloo_for_nccl, _gather_like_nccl, _cpu_device_calls, _unpinned_offload, register_rollout)
+_installed = False
+
+
+def install() -> None:
+    """Ray's worker_process_setup_hook: every shim, once per process, before verl's modules are imported there (the
+    device calls and the offload policy are taken by name when verl's worker module loads)."""
+    global _installed
+    if _installed:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            f"{HOOK} adapts verl for a machine without CUDA; this one has GPUs: drop the overrides of demo/verl_cpu.py"
+        )
+    for shim in SHIMS:
+        shim()
+    _installed = True
+
+
+def _rollout_class():
+    """HFEngineRollout: verl's own HFRollout (HF generate, hf_rollout.py) behind the interface verl's FSDP worker calls
+    on an engine. HFRollout.__init__(module, config) predates that interface (BaseRollout(config, model_config,
+    device_mesh), base.py:32-40; hf_rollout.py:40-42 calls super().__init__() with no arguments), so this class has
+    its own: it builds the policy's architecture on the worker's device and, as the vLLM and SGLang engines do, takes
+    the actor's weights in update_weights, which the worker calls before every rollout (fsdp_workers.py:651-721).
+    On a GPU (benchmarks/verl_step.py) it holds the weights in the rollout's dtype (rollout.dtype, bfloat16), on a
+    CPU in float32; HFRollout autocasts generation to bfloat16 on either (hf_rollout.py:108)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from verl.utils.device import get_device_id, get_device_name
+    from verl.utils.torch_dtypes import PrecisionType
+    from verl.workers.rollout.base import BaseRollout
+    from verl.workers.rollout.hf_rollout import HFRollout
+
+    class HFEngineRollout(HFRollout):
+        def __init__(self, config, model_config, device_mesh):
+            BaseRollout.__init__(self, config, model_config, device_mesh)
+            on_cpu = get_device_name() == "cpu"
+            self.device = torch.device("cpu") if on_cpu else torch.device(get_device_name(), get_device_id())
+            self.dtype = torch.float32 if on_cpu else PrecisionType.to_dtype(self.config.dtype)
+            with self.device:
+                self.module = AutoModelForCausalLM.from_config(
+                    self.model_config.hf_config, dtype=self.dtype, attn_implementation="sdpa"
+                )
+            self.synced = False
+
+        async def resume(self, tags: list[str]):
+            """The weights stay where they are between rollouts (on a GPU, one bfloat16 copy of the policy beside the
+            actor's), and HF's KV cache lives only inside generate: nothing to bring back."""
+
+        async def release(self):
+            """Nothing to free: see resume."""
+
+        async def update_weights(self, weights, peft_config=None, **kwargs):
+            if peft_config is not None:
+                raise NotImplementedError("HFEngineRollout takes full weights only, not LoRA adapters")
+            state = {name: tensor.detach().to(self.device, self.dtype) for name, tensor in weights}
+            missing, unexpected = self.module.load_state_dict(state, strict=False)
+            tied = {"lm_head.weight"} if self.module.config.tie_word_embeddings else set()
+            if set(missing) - tied or unexpected:
+                raise RuntimeError(
+                    f"HFEngineRollout: the actor's weights do not fit: missing {missing}, unexpected {unexpected}"
+                )
+            self.synced = True
+
+        def generate_sequences(self, prompts):
+            """Sync rollout: a batch, through verl's own HFRollout."""
+            self._check_synced()
+            return super().generate_sequences(prompts)
+
+        async def generate(self, prompt_ids, sampling_params, request_id, image_data=None):
+            """Async rollout (the agent loop): one prompt's tokens in, its response's tokens out, as the SGLang and vLLM
+            servers answer (async_sglang_server.py:224-253: the same length limit, TokenOutput)."""
+            from verl.workers.rollout.replica import TokenOutput
+
+            self._check_synced()
+            if sampling_params.get("logprobs") or image_data:
+                raise NotImplementedError("HFEngineRollout.generate returns tokens only: no log-probs, no images")
+            limit = self.config.max_model_len or self.module.config.max_position_embeddings
+            temperature = sampling_params.get("temperature", 1.0)
+            sampling = dict(do_sample=temperature > 0, top_p=sampling_params.get("top_p", 1.0), top_k=0)
+            if temperature > 0:
+                sampling["temperature"] = temperature
+            generation = self.model_config.generation_config
+            tokenizer = self.model_config.tokenizer
+            with torch.no_grad():
+                out = self.module.generate(
+                    torch.tensor([prompt_ids], device=self.device),
+                    attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=self.device),
+                    max_new_tokens=min(self.config.response_length, limit - len(prompt_ids) - 1),
+                    eos_token_id=generation.eos_token_id if generation is not None else tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **sampling,
+                )
+            return TokenOutput(token_ids=out[0, len(prompt_ids) :].tolist())
+
+        def _check_synced(self):
+            if not self.synced:
+                raise RuntimeError("HFEngineRollout: generate before the actor's weights arrived (update_weights)")
+
+    return HFEngineRollout
+
+
+def _replica_class():
+    """The agent loop's rollout servers for HFEngineRollout: in verl's hybrid mode each server is the hybrid worker itself,
+    which holds the engine and answers `generate` (AsyncActorRolloutRefWorker.generate, fsdp_workers.py:1952-1961);
+    wake_up and sleep, which the replica sends its servers around every rollout, are that worker's own weight sync
+    (fsdp_workers.py:1929-1937). The SGLang and vLLM replicas start a server process of their own instead."""
+    from verl.workers.rollout.replica import RolloutMode, RolloutReplica
+
+    class HFReplica(RolloutReplica):
+        def get_ray_class_with_init_args(self):
+            raise NotImplementedError("HFReplica serves from the hybrid workers only (hybrid_engine=True)")
+
+        async def launch_servers(self):
+            if self.rollout_mode != RolloutMode.HYBRID or len(self.workers) != 1:
+                raise NotImplementedError("HFReplica: hybrid mode, one worker per replica (rollout TP, DP and PP 1)")
+            self.servers = list(self.workers)
+            self._server_handle = self.workers[0]
+            self._server_address = f"hf-rollout-{self.replica_rank}"  # no HTTP server: only the handle answers
+
+    return HFReplica
+
+
+def __getattr__(name: str):
+    # The rollout class only where verl asks for it (get_rollout_class imports ROLLOUT_CLASS): importing this module
+    # for its overrides (make demo, the tests, the benchmark's hook) stays free of verl and torch.
+    if name == "HFEngineRollout":
+        return _rollout_class()
+    raise AttributeError(name)
+
+
+def main() -> int:
+    for override, why in OVERRIDES:
+        print(f"{override}\n    {why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

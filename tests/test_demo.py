@@ -1,0 +1,138 @@
+"""`make demo` (demo/run.py): verl 0.6.1's own trainer on the CPU through the real run script, as the canary runs it,
+and the CPU adaptations it needs (demo/verl_cpu.py).
+
+Nothing here is a stand-in: the run script, the preflight, reward servers on the CPU, Ray, `python -m
+verl.trainer.main_ppo` (RayPPOTrainer.fit with verl's FSDP2 workers and its HF rollout), verl's checkpoint manager, its
+FSDP merger and launch.verify_hf are the real ones; what verl needs on a CPU is demo/verl_cpu.py's overrides and
+shims."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from demo import verl_cpu
+from demo.run import NEXT_STEPS
+from launch.preflight import compose, split_command, validate
+from launch.refusals import rollout_problems
+from launch.settings import Settings, trainer_argv
+from tests.support import REPO, block_environment
+from tests.test_quickstart import quickstart_lines
+
+STEP_LINE = re.compile(r"\(TaskRunner pid=\d+\)\S* step:(\d+) - (.*)$", re.M)
+
+
+def metric(line: str, name: str) -> float:
+    return float(re.search(rf"(?:^| - ){re.escape(name)}:([-\d.e]+)", line).group(1))
+
+
+def steps(log: Path) -> dict[int, str]:
+    """{step: the rest of its line} for every training step verl's console logger printed (validation-only lines,
+    step:0 before training, have no timing_s/step)."""
+    return {int(n): rest for n, rest in STEP_LINE.findall(log.read_text()) if "timing_s/step:" in rest}
+
+
+def test_the_demos_next_steps_are_the_readmes_quickstart_commands():
+    assert NEXT_STEPS == quickstart_lines()
+
+
+def test_the_cpu_overrides_compose_with_the_fsdp2_sync_command_and_hf_is_refused_without_the_hook():
+    env = block_environment() | dict(
+        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
+        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", STRATEGY="fsdp2", ROLLOUT_MODE="sync",
+    )  # fmt: skip
+    module, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=verl_cpu.overrides()))
+    cfg = compose(name, overrides, path)
+    validate(cfg)
+    assert cfg.actor_rollout_ref.rollout.name == "hf" and not cfg.actor_rollout_ref.model.use_remove_padding
+    assert cfg.trainer.device == "cuda", "verl's placement asks Ray for the GPUs it was told of, not for 'cpu'"
+    assert rollout_problems(cfg) == []
+    without_hook = [o for o in overrides if "worker_process_setup_hook" not in o]
+    (problem,) = rollout_problems(compose(name, without_hook, path))
+    assert "actor_rollout_ref.rollout.name=hf: verl 0.6.1 registers no such engine" in problem
+
+
+def test_make_demo_trains_with_verls_own_trainer_on_the_cpu_saves_resumes_and_merges(tmp_path):
+    """Two GRPO steps from scratch with a save after each, a second launch resuming at step 2 for step 3, then the
+    merge of what verl saved: verl's own console lines, checkpoints and merger, checked by the canary as on a cluster,
+    and here again from verl's output."""
+    out = tmp_path / "demo"
+    run = subprocess.run([sys.executable, "-m", "demo.run", "--out", str(out)], cwd=REPO, capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    text = run.stdout + run.stderr
+    assert run.returncode == 0, text[-6000:]
+    assert "canary: every stage passed" in text and "make demo: every stage passed" in text
+    (canary,) = (out / "logs").glob("*/canary")
+    trained, resumed = steps(canary / "train" / "trainer.log"), steps(canary / "resume" / "trainer.log")
+    assert sorted(trained) == [1, 2] and sorted(resumed) == [3], (sorted(trained), sorted(resumed))
+    # A real update: GRPO advantages from scores that differ within a group, and a gradient.
+    assert max(metric(trained[n], "critic/advantages/max") for n in trained) > 0
+    assert max(metric(line, "actor/grad_norm") for line in (*trained.values(), *resumed.values())) > 0
+    assert "val-core/" in trained[2], "validation ran at the last step of stage 1"
+    resume_log = (canary / "resume" / "trainer.log").read_text()
+    assert "Training from scratch" in (canary / "train" / "trainer.log").read_text()
+    assert "Setting global step to 2" in resume_log and "Training from scratch" not in resume_log
+    (root,) = (out / "checkpoints_canary").iterdir()
+    for step in (1, 2, 3):  # verl's FSDP checkpoint manager's files
+        actor = root / "checkpoints" / f"global_step_{step}" / "actor"
+        assert (actor / "model_world_size_1_rank_0.pt").is_file() and (actor / "fsdp_config.json").is_file()
+    assert (root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    merge_log = (canary / "merge.log").read_text()
+    assert "-m verl.model_merger merge --backend fsdp" in merge_log and "verified " in merge_log
+    assert (root / "hf_model" / "config.json").is_file() and (root / "hf_model" / "model.safetensors").is_file()
+    hints = run.stdout.split("next, on a cluster", 1)[1].splitlines()[1:]
+    assert [line.strip() for line in hints] == quickstart_lines(), "make demo's last lines are the README's quickstart"
+
+
+SHIMS_CHECK = r"""
+import sys, torch, torch.distributed as dist
+from demo import verl_cpu
+
+def outcome(what, call):
+    try:
+        call()
+    except Exception as exc:
+        return f"{what}: {type(exc).__name__}"
+    return f"{what}: ok"
+
+def verl_calls(address):
+    from verl.utils.device import get_torch_device
+    from verl.utils.profiler.performance import topk_reduce_ratio_min_max
+    from verl.workers.rollout.base import get_rollout_class
+    yield outcome("rollout", lambda: get_rollout_class("hf", "sync"))
+    yield outcome("backend", lambda: dist.init_process_group("cpu:gloo,cpu:nccl", init_method=address, rank=0,
+                                                             world_size=1))
+    if not dist.is_initialized():  # a plain gloo group, for the next check
+        dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
+    yield outcome("gather", lambda: topk_reduce_ratio_min_max(1.5))
+    dist.destroy_process_group()
+    device = get_torch_device()
+    yield outcome("device", lambda: (device.empty_cache(), device.set_rng_state(device.get_rng_state()),
+                                     device.memory_reserved(), device.max_memory_allocated()))
+
+print("before", *verl_calls(sys.argv[1]), sep="|")
+verl_cpu.install()
+from verl.utils.fsdp_utils import CPUOffloadPolicy
+from verl.workers.rollout.replica import get_rollout_replica_class
+print("after", *verl_calls(sys.argv[2]), f"pinned: {CPUOffloadPolicy(pin_memory=True).pin_memory}",
+      f"replica: {get_rollout_replica_class('hf').__name__}", sep="|")
+"""
+
+
+def test_without_the_shims_verl_stops_where_they_say_and_with_them_it_goes_on(tmp_path):
+    """Each shim of demo/verl_cpu.py on its own, in a fresh interpreter (as a Ray worker gets them): the verl call it
+    names fails before install() and works after."""
+    from tests.support import free_port
+
+    addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    run = subprocess.run([sys.executable, "-c", SHIMS_CHECK, *addresses], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, after = (line.split("|")[1:] for line in run.stdout.splitlines() if line.startswith(("before", "after")))
+    assert before == [
+        "rollout: AssertionError",
+        "backend: ValueError",
+        "gather: RuntimeError",
+        "device: AttributeError",
+    ]
+    assert after == ["rollout: ok", "backend: ok", "gather: ok", "device: ok", "pinned: False", "replica: HFReplica"]
