@@ -25,8 +25,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from launch.deadline import plan
 from launch.procs import free_port, start_server, stop_process
-from launch.refusals import batch_problems, check, parallel_problems, rollout_problems
+from launch.refusals import batch_problems, check, parallel_problems, rollout_problems, save_deadline_problems
 from launch.settings import REPO, SettingError, Settings, trainer_argv
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
@@ -327,17 +328,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    from launch.deadline import plan
-
-    lines, warnings, problems = plan(settings, os.environ)
-    for line in lines:
-        print(f"preflight: save before the time limit: {line}")
-    for warning in warnings:
-        print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
+    problems = save_deadline_problems(settings, os.environ)
     for problem in problems:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:
         return 1
+    lines, warnings = plan(settings, os.environ)
+    for line in lines:
+        print(f"preflight: save before the time limit: {line}")
+    for warning in warnings:
+        print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
     try:
         module, path, name, overrides = split_command(trainer_argv(settings, extra=extra))
     except SettingError as exc:

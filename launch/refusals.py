@@ -29,6 +29,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from launch.deadline import signal_lead
 from launch.settings import SettingError, Settings
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
 
@@ -215,14 +216,6 @@ def save_deadline_setting_problems(s: Settings) -> list[str]:
     if s.checkpoint_before_end < 0:
         problems.append(f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end}: seconds before the time limit, 0 or more")
     return problems
-
-
-def signal_lead(env: Mapping[str, str]) -> int | None:
-    """Seconds before the time limit at which the job requeues itself (its #SBATCH --signal lead, JOB_SIGNAL_LEAD), or
-    None where it will not requeue (outside Slurm, or REQUEUE_BEFORE_TIMEOUT=0)."""
-    if env.get("REQUEUE_BEFORE_TIMEOUT", "1") != "1" or not env.get("SLURM_JOB_ID"):
-        return None
-    return int(env.get("JOB_SIGNAL_LEAD") or 0)
 
 
 def save_deadline_problems(s: Settings, env: Mapping[str, str]) -> list[str]:

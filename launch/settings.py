@@ -4,14 +4,18 @@ The defaults live in one place, the settings block at the top of run_grpo_qwen3_
 them; this module reads them from the environment and never invents its own. What refuses a setting is
 launch/refusals.py; the whole default GRPO command, one override per line, is docs/trainer-command.md.
 
-    python -m launch.settings check             # launch/refusals.py's check: exit 1 with one line per problem
     python -m launch.settings trainer-argv      # the trainer command, NUL-separated (bash: mapfile -d '')
+
+launch/'s imports go one way: deadline (bottom) <- settings <- refusals <- preflight, canary, reference. This module
+imports nothing above it (tests/test_settings.py checks the order).
 """
 
 import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from launch.deadline import redundant_time
 
 REPO = Path(__file__).resolve().parent.parent
 REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
@@ -386,8 +390,6 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
     if not s.uses_recipe:
         # Room in verl's save-before-the-limit window for the validation and the save its longest step leaves out
         # (launch/deadline.py); the recipes never make that check.
-        from launch.deadline import redundant_time
-
         argv.append(f"trainer.esi_redundant_time={redundant_time(s, os.environ)[0]}")
     if s.trainer_mode == "one_step_off":
         # Its own rollout GPU pool (a top-level `rollout:` block), and no hybrid engine.
@@ -404,7 +406,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("check", "trainer-argv"):
+    if not argv or argv[0] != "trainer-argv":
         print(__doc__, file=sys.stderr)
         return 2
     try:
@@ -412,13 +414,6 @@ def main(argv: list[str] | None = None) -> int:
     except SettingError as exc:
         print(f"setting error: {exc}", file=sys.stderr)
         return 1
-    if argv[0] == "check":
-        from launch.refusals import check
-
-        problems = check(settings)
-        for p in problems:
-            print(f"setting error: {p}", file=sys.stderr)
-        return 1 if problems else 0
     ray_address, extra = os.environ.get("RAY_ADDRESS_FOR_TRAINER", ""), argv[1:]
     try:
         command = trainer_argv(settings, ray_address, extra)
