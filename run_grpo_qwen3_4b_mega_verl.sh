@@ -48,6 +48,7 @@ set -a  # every setting below is exported as it is set: the helper and the Pytho
 CONTAINER="${CONTAINER:-singularity}"                          # singularity | apptainer | none (verl installed here)
 CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/verl_app.sif}"    # built from verl_app.def (docs/image.md)
 CONFIG_MODEL_PATH="${CONFIG_MODEL_PATH:-$repo/models/Qwen3-4B-Thinking-2507}"            # the policy to train
+REWARD_PROMPT_OPENS_THINK="${REWARD_PROMPT_OPENS_THINK:-auto}"  # its prompt opens a think block: auto (its template) | true | false
 CONFIG_REWARD_MODEL_PATH="${CONFIG_REWARD_MODEL_PATH:-$repo/models/Unsafe-Reward-Qwen3-1.7B}"  # the reward model
 CONFIG_TRAIN_FILE="${CONFIG_TRAIN_FILE:-$repo/data/train.parquet}"   # training prompts (data_prep.build)
 CONFIG_TEST_FILE="${CONFIG_TEST_FILE:-$repo/data/test.parquet}"      # validation prompts

@@ -6,7 +6,8 @@ the models are randomly initialised from a `Qwen3Config`. They keep the properti
 - a Qwen3-style chat template with `<|im_start|>` / `<|im_end|>`, `<|im_end|>` as EOS and `<|endoftext|>` as pad;
 - `<think>` / `</think>` as added tokens that are NOT special (as in real Qwen3), so they survive
   `decode(..., skip_special_tokens=True)` exactly as in verl's reward managers;
-- the policy's template opens `<think>\\n` in the generation prompt, as Qwen3-*-Thinking-2507 does;
+- the policy's template opens `<think>\\n` in the generation prompt, as Qwen3-*-Thinking-2507 does (an
+  Instruct-style policy, whose prompt opens none, is built with `chat_template=INSTRUCT_POLICY_CHAT_TEMPLATE`);
 - the reward model is a `Qwen3ForSequenceClassification` with `num_labels=1` and `pad_token_id` set, so batched
   scoring reads the last non-pad token.
 
@@ -31,6 +32,8 @@ REWARD_CHAT_TEMPLATE = (
 )
 # Qwen3-*-Thinking-2507 opens the reasoning block in the prompt: responses then contain only `</think>`.
 POLICY_CHAT_TEMPLATE = REWARD_CHAT_TEMPLATE.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
+# Qwen3-*-Instruct-2507 and most other models: the generation prompt opens no reasoning block.
+INSTRUCT_POLICY_CHAT_TEMPLATE = REWARD_CHAT_TEMPLATE
 
 _WORDS = (
     "the a reward model policy answer question safe unsafe think step because therefore why how what cluster "
@@ -110,13 +113,13 @@ def build_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def build_policy_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Qwen3ForCausalLM of the same shape, with a Thinking-2507-style chat template."""
+def build_policy_model(out_dir: str | Path, seed: int = 0, chat_template: str = POLICY_CHAT_TEMPLATE) -> Path:
+    """Qwen3ForCausalLM of the same shape, with a Thinking-2507-style chat template (or `chat_template`)."""
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     out = Path(out_dir)
-    tokenizer = build_tokenizer(POLICY_CHAT_TEMPLATE, seed=seed)
+    tokenizer = build_tokenizer(chat_template, seed=seed)
     torch.manual_seed(seed + 1)
     model = Qwen3ForCausalLM(_qwen3_config(tokenizer)).eval()
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

@@ -27,8 +27,16 @@ from pathlib import Path
 
 from launch.deadline import plan
 from launch.procs import free_port, start_server, stop_process
-from launch.refusals import batch_problems, check, parallel_problems, rollout_problems, save_deadline_problems
-from launch.settings import REPO, SettingError, Settings, trainer_argv
+from launch.refusals import (
+    batch_problems,
+    check,
+    parallel_problems,
+    rollout_problems,
+    save_deadline_problems,
+    thinking_problems,
+)
+from launch.settings import REPO, SettingError, Settings, prompt_opens_think, trainer_argv
+from launch.thinking import TemplateError
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
 SETTING_OF_KEY = {
@@ -224,9 +232,15 @@ def reward_round_trip(cfg, tokenizer=None, rows: int = 8) -> list[str]:
         scores = [reward_tensor[i, n - 1].item() for i, n in enumerate(lengths)]
         penalized = [int(x) for x in extra["penalized"]]
         what = f"verl's {cfg.reward_model.reward_manager} reward manager"
-    expected = [int("</think>" not in r) for r in responses]
+    # Only a response without </think> after a prompt that opened <think> was cut off mid-reasoning (none of
+    # CHECK_RESPONSES opens a block of its own).
+    opens = bool(cfg.custom_reward_function.reward_kwargs.prompt_opens_think)
+    expected = [int(opens and "</think>" not in r) for r in responses]
     if penalized != expected:
-        raise ValueError(f"penalties {penalized}, expected {expected} (REWARD_PROMPT_OPENS_THINK?)")
+        raise ValueError(
+            f"penalties {penalized}, expected {expected} for prompt_opens_think={opens}: the reward function did not "
+            "get the value the job passes it (custom_reward_function.reward_kwargs, REWARD_PROMPT_OPENS_THINK)"
+        )
     lines = [f"{what} scored {len(sample)} validation rows through {cfg.custom_reward_function.name}:"]
     for row, score, pen in zip(sample, scores, penalized, strict=True):
         note = "  (penalty: cut off mid-reasoning)" if pen else ""
@@ -356,6 +370,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preflight: verl 0.6.1 would stop at run time: {problem}", file=sys.stderr)
     if problems:
         return 1
+    try:
+        problems = thinking_problems(cfg, settings.prompt_opens_think_setting)
+    except TemplateError as exc:
+        problems = [str(exc)]
+    for problem in problems:
+        print(f"setting error: {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    _, source = prompt_opens_think(settings, extra)
+    print(
+        f"preflight: thinking: {source}; the reward function gets prompt_opens_think="
+        f"{cfg.custom_reward_function.reward_kwargs.prompt_opens_think} (a response without </think> "
+        + ("is cut off mid-reasoning: the penalty)" if cfg.custom_reward_function.reward_kwargs.prompt_opens_think
+           else "is all answer)")
+    )  # fmt: skip
     print(
         f"preflight: {module} --config-name={name} with {len(overrides)} overrides composes and passes verl's checks "
         f"(adv_estimator={cfg.algorithm.adv_estimator}, reward_manager={cfg.reward_model.reward_manager}, "

@@ -11,7 +11,8 @@ line of its own, naming the setting (or the trainer key and the setting behind i
    printed as `setting error: ...` (launch/deadline.py says what verl will save, and warns).
 3. batch_problems(cfg), parallel_problems(cfg), rollout_problems(cfg): the trainer config composed with verl's own
    Hydra config, the user's extra overrides included, for what verl 0.6.1 asserts or silently ignores only at run
-   time, hours in; printed as `preflight: verl 0.6.1 would stop at run time: ...`.
+   time, hours in; printed as `preflight: verl 0.6.1 would stop at run time: ...`; thinking_problems(cfg, setting):
+   what the reward function is told about the policy's prompt against its chat template, printed as `setting error`.
 
 Refused elsewhere, because only there is what they need:
 - run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
@@ -29,6 +30,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from launch import thinking
 from launch.deadline import signal_lead
 from launch.settings import SettingError, Settings
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
@@ -106,6 +108,11 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
                 f"{name}={value!r}: use {' or '.join(allowed)} (python -m reward_score.check_format MODEL PAIRS says "
                 "which the reward model needs)"
             )
+    if s.prompt_opens_think_setting not in thinking.CHOICES:
+        problems.append(
+            f"REWARD_PROMPT_OPENS_THINK={s.prompt_opens_think_setting!r}: use auto (read from the policy's chat "
+            "template), true or false"
+        )
     if s.reward_restarts < 0:
         problems.append(f"REWARD_RESTARTS={s.reward_restarts}: restarts of a reward server that dies, 0 or more")
     if s.reward_restart_window < 1:
@@ -440,3 +447,24 @@ def rollout_problems(cfg) -> list[str]:
             "rollout, whose server passes them all, or drop them"
         )
     return problems
+
+
+def thinking_problems(cfg, setting: str) -> list[str]:
+    """The prompt_opens_think the reward function gets (REWARD_PROMPT_OPENS_THINK, or an extra override of it) against
+    what the policy's chat template does with the job's data.apply_chat_template_kwargs (launch/thinking.py): a
+    thinking policy told false scores cut-off reasoning as answers; a policy told true that opens no block gets the
+    penalty on every answer without `</think>`, from the first step."""
+    told = (cfg.custom_reward_function.get("reward_kwargs") or {}).get("prompt_opens_think")
+    kwargs = dict(cfg.data.get("apply_chat_template_kwargs") or {})
+    opens = thinking.template_opens_think(cfg.actor_rollout_ref.model.path, kwargs)
+    if told is None or bool(told) == opens:
+        return []
+    given = f" with data.apply_chat_template_kwargs={kwargs}" if kwargs else ""
+    return [
+        f"REWARD_PROMPT_OPENS_THINK={setting} tells the reward function prompt_opens_think={bool(told)}, but the "
+        f"policy's chat template{given} {thinking.describe(opens)} (CONFIG_MODEL_PATH="
+        f"{cfg.actor_rollout_ref.model.path}): "
+        + ("responses start mid-reasoning and hold only </think>, so cut-off reasoning would be scored as an answer"
+           if opens else "every answer without </think> would get the penalty")
+        + f"; set REWARD_PROMPT_OPENS_THINK={'true' if opens else 'false'} (or auto)"
+    ]  # fmt: skip

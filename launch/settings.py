@@ -6,8 +6,8 @@ launch/refusals.py; the whole default GRPO command, one override per line, is do
 
     python -m launch.settings trainer-argv      # the trainer command, NUL-separated (bash: mapfile -d '')
 
-launch/'s imports go one way: deadline (bottom) <- settings <- refusals <- preflight, canary, reference. This module
-imports nothing above it (tests/test_settings.py checks the order).
+launch/'s imports go one way: deadline and thinking (bottom) <- settings <- refusals <- preflight, canary, reference.
+This module imports nothing above it (tests/test_settings.py checks the order).
 """
 
 import os
@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from launch import thinking
 from launch.deadline import redundant_time
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,6 +55,7 @@ class Settings:
     container: str = setting("CONTAINER")
     image: str = setting("CONFIG_IMAGE_PATH")
     model_path: str = setting("CONFIG_MODEL_PATH")
+    prompt_opens_think_setting: str = setting("REWARD_PROMPT_OPENS_THINK")  # auto | true | false (launch/thinking.py)
     reward_model_path: str = setting("CONFIG_REWARD_MODEL_PATH")
     train_file: str = setting("CONFIG_TRAIN_FILE")
     test_file: str = setting("CONFIG_TEST_FILE")
@@ -333,6 +335,15 @@ FIXED_OVERRIDES = [
 ]
 
 
+def prompt_opens_think(s: Settings, extra: list[str] | None = None) -> tuple[bool, str]:
+    """What the reward function is told about the policy's prompt (REWARD_PROMPT_OPENS_THINK; auto: its chat template
+    with the data.apply_chat_template_kwargs of `extra`), and where that came from."""
+    try:
+        return thinking.resolve(s.prompt_opens_think_setting, s.model_path, thinking.template_kwargs(extra or []))
+    except thinking.TemplateError as exc:
+        raise SettingError(str(exc)) from None
+
+
 def reward_function(s: Settings) -> str:
     """The entry point of reward_score/safe_hack_reward_request.py that verl calls. Sync rollout: the batch function
     (one request a step) or, under the naive/dapo managers, the plain one. Async rollout: the coroutine, which verl's
@@ -347,6 +358,7 @@ def reward_function(s: Settings) -> str:
 def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = None) -> list[str]:
     """The exact trainer command for this algorithm, mode and strategy; the user's overrides last."""
     reward_fn = reward_function(s)
+    opens_think, _ = prompt_opens_think(s, extra)
     a = "actor_rollout_ref"
     argv = [
         *_entry(s),
@@ -359,6 +371,8 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"data.max_response_length={s.max_response_length}",
         f"custom_reward_function.path={REWARD_FILE}",
         f"custom_reward_function.name={reward_fn}",
+        # The client cannot read a chat template (stdlib + requests): it is told (launch/thinking.py).
+        f"+custom_reward_function.reward_kwargs.prompt_opens_think={opens_think}",
         f"reward_model.reward_manager={s.reward_manager}",
         f"{a}.model.path={Path(s.model_path).resolve()}",
         f"{a}.actor.optim.lr={s.actor_lr}",

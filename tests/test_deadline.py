@@ -13,6 +13,7 @@ from tests.support import block_environment
 DEFAULTS = block_environment() | dict(
     CONTAINER="none", CONFIG_IMAGE_PATH="x.sif", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r",
     CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
+    REWARD_PROMPT_OPENS_THINK="true",  # auto would read the template of a policy that is not here
 )  # fmt: skip
 NOW = 1_800_000_000.0
 IN_A_JOB = {"SLURM_JOB_ID": "777", "JOB_SIGNAL_LEAD": "900", "JOB_END_TIME": str(int(NOW) + 86400)}

@@ -140,3 +140,18 @@ def test_the_japanese_readme_has_the_english_ones_commands_settings_output_and_l
     links = re.compile(r"\]\((docs/[^)#]+)")
     assert set(links.findall(japanese)) == set(links.findall(english))
     assert {"CONFIG_MODEL_PATH", "CONFIG_REWARD_MODEL_PATH", "TRAINING_DONE", "#SBATCH --partition"} <= names(english)
+
+
+def step_3_settings(readme) -> list[str]:
+    """The setting names in the first column of a README's step-3 table (the settings to edit first)."""
+    text = readme.read_text()
+    table = re.split(r"\n\*\*(?:Step 3|手順 3)", text, maxsplit=1)[1].split("\n\n", 2)[1]
+    return [n for row in table.splitlines()[2:] for n in re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split(" | ")[0])]
+
+
+def test_the_step_3_tables_name_settings_of_the_block_and_the_thinking_one_among_them():
+    block = {s.name for s in reference.block_settings()}
+    for readme in (REPO / "README.md", REPO / "README.ja.md"):
+        names = step_3_settings(readme)
+        assert "REWARD_PROMPT_OPENS_THINK" in names, readme.name
+        assert set(names) <= block, (readme.name, set(names) - block)

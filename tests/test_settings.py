@@ -43,8 +43,9 @@ def test_a_missing_or_malformed_setting_names_itself():
 
 @pytest.mark.parametrize("algorithm, strategy", [("grpo", "megatron"), ("ppo", "fsdp2"), ("dapo", "megatron")])
 def test_the_fixed_trainer_keys_are_in_every_command_and_no_key_is_set_twice(algorithm, strategy):
-    settings = Settings.from_env(block_environment() | {"ALGORITHM": algorithm, "STRATEGY": strategy})
-    argv = trainer_argv(settings)
+    # REWARD_PROMPT_OPENS_THINK=auto would read the default policy's template, which is not here
+    env = block_environment() | {"ALGORITHM": algorithm, "STRATEGY": strategy, "REWARD_PROMPT_OPENS_THINK": "true"}
+    argv = trainer_argv(Settings.from_env(env))
     assert all(fixed in argv for fixed in FIXED_OVERRIDES)
     keys = [a.split("=", 1)[0].lstrip("+") for a in argv if "=" in a and not a.startswith("--")]
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
