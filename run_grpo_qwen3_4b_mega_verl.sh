@@ -88,7 +88,7 @@ MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"                  # tokens; longer
 MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-4096}"              # tokens generated per response at most
 ACTOR_LR="${ACTOR_LR:-1e-6}"                                    # the policy's learning rate
 PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-128}"               # prompts per policy update
-MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-4}"                 # actor, rollout log-prob and ref micro batches
+MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-4}"                 # micro-batches of this x 6144 tokens per GPU (>= 1 sequence)
 ACTOR_PP="${ACTOR_PP:-2}"                                       # Megatron pipeline parallel (actor, ref and critic)
 ACTOR_TP="${ACTOR_TP:-1}"                                       # Megatron tensor parallel (actor, ref and critic)
 ROLLOUT_TP="${ROLLOUT_TP:-1}"                                   # rollout engine tensor parallel
@@ -96,6 +96,11 @@ ROLLOUT_N="${ROLLOUT_N:-4}"                                     # responses per 
 ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-0.4}"                 # the rollout engine's share of GPU memory
 ROLLOUT_ENFORCE_EAGER="${ROLLOUT_ENFORCE_EAGER:-false}"         # true: no SGLang CUDA graphs (slower; debugging)
 KL_LOSS_COEF="${KL_LOSS_COEF:-0.001}"                           # weight of the KL loss to the reference policy
+# Validation sampling, the Qwen3 thinking cards' values (greedy decoding makes them repeat to the length limit):
+VAL_DO_SAMPLE="${VAL_DO_SAMPLE:-true}"                          # false: greedy (async rollout: VAL_TEMPERATURE=0 too)
+VAL_TEMPERATURE="${VAL_TEMPERATURE:-0.6}"                       # Instruct-2507 cards: 0.7
+VAL_TOP_P="${VAL_TOP_P:-0.95}"                                  # Instruct-2507 cards: 0.8
+VAL_TOP_K="${VAL_TOP_K:-20}"                                    # -1: off; sync rollout only (verl's agent loop drops it)
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"                               # passes over the training prompts
 SAVE_FREQ="${SAVE_FREQ:-25}"                                    # save a checkpoint every N steps
 TEST_FREQ="${TEST_FREQ:-5}"                                     # validate every N steps

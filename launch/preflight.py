@@ -303,6 +303,21 @@ def check_reward_format(settings: Settings, pairs: str, timeout: float = 3600) -
     return False
 
 
+def validation_sampling(cfg) -> str:
+    """How verl 0.6.1 will decode validation, from the composed config: sync rollout reads do_sample, then top_k,
+    top_p and temperature (verl/workers/rollout/sglang_rollout/sglang_rollout.py:703-727); async rollout's agent loop
+    reads temperature and top_p only (verl/experimental/agent_loop/agent_loop.py:341-343)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    v = rollout.val_kwargs
+    if rollout.mode == "async":
+        how = "greedy" if v.temperature == 0 else f"samples at temperature {v.temperature}, top_p {v.top_p}"
+        return (f"{how} (async rollout: verl 0.6.1's agent loop passes validation only temperature and top_p; "
+                f"VAL_TOP_K={v.top_k} and VAL_DO_SAMPLE apply to sync rollout)")  # fmt: skip
+    if not v.do_sample or v.temperature == 0:
+        return "greedy (VAL_DO_SAMPLE=false)"
+    return f"samples at temperature {v.temperature}, top_p {v.top_p}, top_k {v.top_k}"
+
+
 def explain(exc: Exception) -> str:
     text = f"{type(exc).__name__}: {exc}"
     hints = sorted({setting for key, setting in SETTING_OF_KEY.items() if key in str(exc)})
@@ -378,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:
         return 1
+    print(f"preflight: validation: {validation_sampling(cfg)}")
     _, source = prompt_opens_think(settings, extra)
     print(
         f"preflight: thinking: {source}; the reward function gets prompt_opens_think="

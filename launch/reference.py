@@ -174,7 +174,11 @@ _OTHER_VALUES = {"ALGORITHM": ["ppo", "dapo"], "STRATEGY": ["fsdp2"], "ROLLOUT_M
                  "ESI_REDUNDANT_TIME": ["77"]}  # fmt: skip
 # What moves a key besides the block: Slurm's node count (the #SBATCH line or sbatch --nodes).
 _OUTSIDE_THE_BLOCK = {"#SBATCH --nodes": {"SLURM_NNODES": "3"}}
-_NOT_A_SETTING = {"custom_reward_function.path": "always this repository's reward function"}
+_NOT_A_SETTING = {"custom_reward_function.path": "always this repository's reward function"} | {
+    key: "every job: micro-batches by token count (training.md)"
+    for key in ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "critic.use_dynamic_bsz")
+}  # fmt: skip
 DEFAULT_POLICY_OPENS_THINK = "true"  # what REWARD_PROMPT_OPENS_THINK=auto reads from Qwen3-4B-Thinking-2507's template
 
 

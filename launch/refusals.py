@@ -74,13 +74,12 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         if rollout_gpus and rollout_gpus % s.rollout_tp:
             problems.append(f"ROLLOUT_TP={s.rollout_tp} does not divide the {rollout_gpus} rollout GPUs per node")
         dp = world // model_parallel
-        # Megatron: verl's validate_config asks for dp x micro-batch; FSDP2 batches by tokens (use_dynamic_bsz), and
-        # only the per-GPU split of each step remains (the preflight checks the rest on the composed config).
-        micro = s.micro_batch_per_gpu if s.strategy == "megatron" else 1
-        if dp and (s.train_batch_size * s.rollout_n) % (dp * micro):
+        # Both strategies batch by tokens (use_dynamic_bsz), so verl's validate_config asks nothing of the micro-batch:
+        # only the per-rank split of each step remains (the preflight checks the rest on the composed config).
+        if dp and (s.train_batch_size * s.rollout_n) % dp:
             problems.append(
                 f"TRAIN_BATCH_SIZE x ROLLOUT_N = {s.train_batch_size * s.rollout_n} is not a multiple of data-parallel "
-                f"size {dp}" + (f" x MICRO_BATCH_PER_GPU {micro}" if s.strategy == "megatron" else "")
+                f"size {dp}"
             )
     if s.train_batch_size < s.ppo_mini_batch_size:
         problems.append(
@@ -119,6 +118,7 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         problems.append(
             f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
         )
+    problems += validation_sampling_problems(s)
     if not 0 < s.rollout_gpu_memory < 1:
         problems.append(f"ROLLOUT_GPU_MEMORY={s.rollout_gpu_memory}: a share of GPU memory in (0, 1)")
     if check_paths:
@@ -134,6 +134,31 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
             problems.append(
                 f"CONFIG_IMAGE_PATH={s.image}: no such image (sudo singularity build verl_app.sif verl_app.def)"
             )
+    return problems
+
+
+def validation_sampling_problems(s: Settings) -> list[str]:
+    """VAL_* as verl 0.6.1 applies them: sync rollout reads do_sample, then top_k, top_p and temperature
+    (sglang_rollout.py:703-727, the same in vLLM's); async rollout's agent loop reads only temperature and top_p
+    (agent_loop.py:341-343), so do_sample=false there would still sample."""
+    problems = []
+    if s.val_temperature < 0:
+        problems.append(f"VAL_TEMPERATURE={s.val_temperature}: 0 (greedy) or more")
+    if not 0 < s.val_top_p <= 1:
+        problems.append(f"VAL_TOP_P={s.val_top_p}: a share of the probability mass in (0, 1]")
+    if s.val_top_k == 0 or s.val_top_k < -1:
+        problems.append(f"VAL_TOP_K={s.val_top_k}: -1 (off) or 1 or more (SGLang and vLLM refuse 0)")
+    if not s.val_do_sample and s.rollout_mode == "async" and s.val_temperature > 0:
+        problems.append(
+            f"VAL_DO_SAMPLE=false with ROLLOUT_MODE=async: verl 0.6.1's agent loop never reads do_sample "
+            f"(agent_loop.py:341-343) and would sample at VAL_TEMPERATURE={s.val_temperature}; for greedy validation "
+            "set VAL_TEMPERATURE=0 as well (the Qwen3 cards advise against it: greedy decoding repeats endlessly)"
+        )
+    if s.val_do_sample and s.val_temperature == 0:
+        problems.append(
+            "VAL_DO_SAMPLE=true with VAL_TEMPERATURE=0 decodes greedily all the same: set a temperature (the Qwen3 "
+            "thinking cards: 0.6), or VAL_DO_SAMPLE=false to say greedy"
+        )
     return problems
 
 
