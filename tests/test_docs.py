@@ -164,7 +164,9 @@ def test_every_code_fence_of_the_readmes_and_docs_is_closed():
     for page in pages:
         fences = [line for line in page.read_text().splitlines() if line.startswith("```")]
         assert len(fences) % 2 == 0, f"{page.relative_to(REPO)}: a code fence is not closed"
-        assert all(line == "```" for line in fences[1::2]), f"{page.relative_to(REPO)}: a closing fence names a language"
+        assert all(line == "```" for line in fences[1::2]), (
+            f"{page.relative_to(REPO)}: a closing fence names a language"
+        )
 
 
 def test_the_speed_table_lives_in_the_benchmarks_readme_and_the_readmes_quote_its_first_row():
