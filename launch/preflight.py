@@ -151,24 +151,72 @@ def trainer_is_verl() -> bool:
     return re.fullmatch(r"python[0-9.]*", Path(os.environ.get("TRAINER_LAUNCHER", "python3")).name) is not None
 
 
-def check_data(cfg, tokenizer) -> list[str]:
-    """Load train and val through verl's RLHFDataset (its own overlong filter), and read one item of each."""
+def check_data(cfg, tokenizer) -> tuple[list[str], int]:
+    """Load train and val through verl's RLHFDataset as main_ppo builds them (its own overlong filter,
+    data.train_max_samples / val_max_samples), and read one item of each; the lines to print and the training
+    prompts verl will batch."""
     import pyarrow.parquet as pq
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    lines = []
+    lines, train_rows = [], 0
     for split, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
         files = [files] if isinstance(files, str) else list(files)
         total = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-        dataset = RLHFDataset(files, tokenizer, cfg.data)
+        limit = cfg.data.get(f"{split}_max_samples", -1)  # RLHFDataset samples these first, then filters
+        dataset = RLHFDataset(files, tokenizer, cfg.data, max_samples=limit)
         if len(dataset) == 0:
             raise ValueError(f"{split}: every one of {total} prompts is longer than data.max_prompt_length")
         dataset[0]
+        sampled = min(total, limit) if limit > 0 else total
         lines.append(
-            f"{split}: {total} rows, {total - len(dataset)} longer than data.max_prompt_length="
+            f"{split}: {total} rows, {sampled - len(dataset)} longer than data.max_prompt_length="
             f"{cfg.data.max_prompt_length} tokens (verl drops them)"
+            + (f" of the {sampled} data.{split}_max_samples keeps" if sampled < total else "")
         )
-    return lines
+        train_rows = len(dataset) if split == "train" else train_rows
+    return lines, train_rows
+
+
+def step_plan(cfg, rows: int) -> tuple[list[str], list[str], list[str]]:
+    """(lines, warnings, problems) about the steps verl will train, counted as verl 0.6.1 counts them
+    (ray_trainer.py _create_dataloader, :380-414): batches of data.gen_batch_size (recipe.dapo) or data.train_batch_size,
+    the last incomplete one dropped (drop_last=True), times trainer.total_epochs, unless trainer.total_training_steps
+    sets the total; and verl saves every trainer.save_freq steps and after the last (ray_trainer.py:1247-1254)."""
+    batch = cfg.data.get("gen_batch_size", cfg.data.train_batch_size)
+    per_epoch, dropped = divmod(rows, batch)
+    epochs, override = cfg.trainer.total_epochs, cfg.trainer.get("total_training_steps")
+    total = per_epoch * epochs if override is None else override
+    line = (f"{rows} training prompts / {batch} a step = {per_epoch} steps an epoch (verl drops the last {dropped}: "
+            "drop_last)")  # fmt: skip
+    line += f" x TOTAL_EPOCHS={epochs} = {total} steps" if override is None else (
+        f"; trainer.total_training_steps={override} sets the total: {total} steps")  # fmt: skip
+    problems, warnings = [], []
+    if per_epoch == 0:
+        problems.append(
+            f"verl would train 0 steps: {rows} training prompts are fewer than data.train_batch_size={batch} "
+            "(TRAIN_BATCH_SIZE) and verl drops an incomplete batch, so it stops with 'Train dataloader is empty!' "
+            f"(ray_trainer.py:402) after the queue and the model load; set TRAIN_BATCH_SIZE to {rows} or less "
+            "(PPO_MINI_BATCH_SIZE with it), or add prompts (python -m data_prep.build)"
+        )
+    elif total < 1:
+        cause = f"TOTAL_EPOCHS={epochs}" if override is None else f"trainer.total_training_steps={override}"
+        problems.append(
+            f"verl would train 0 steps ({cause}): it would start, load the models, train nothing and the job would "
+            "mark the training done; at least 1"
+        )
+    save_freq = cfg.trainer.save_freq
+    if not problems and save_freq > 0 and save_freq >= total:
+        warnings.append(
+            f"SAVE_FREQ={save_freq} is not below the {total} steps verl will train: its only checkpoint is the last "
+            "step's (and, in a Slurm job, one before the time limit), so a crash or scancel before the end resumes "
+            f"from scratch, and there is nothing to merge until then; set SAVE_FREQ below {total}"
+        )
+    elif not problems and save_freq <= 0:
+        warnings.append(
+            f"SAVE_FREQ={save_freq}: verl saves no checkpoint at all (trainer.save_freq > 0 is its condition): "
+            "nothing to resume from, nothing to merge; set SAVE_FREQ to a number of steps"
+        )
+    return [line], warnings, problems
 
 
 CHECK_RESPONSES = [
@@ -340,6 +388,27 @@ def check_rows(cfg, tokenizer) -> bool:
     return validate_files(files, tokenizer, cfg.data.max_prompt_length, "warn", template_kwargs)
 
 
+def report_steps(cfg, train_rows: int | None) -> bool:
+    """Print the steps verl will train (step_plan, from the prompts verl's own dataset kept); False when verl would
+    train none. With a stand-in TRAINER_LAUNCHER (make demo, the tests) no verl dataloader is built: then zero steps
+    are a warning, said as such, not a refusal."""
+    if train_rows is None:
+        print("preflight: steps: not counted (PREFLIGHT_DATA=0 reads no data)")
+        return True
+    lines, warnings, problems = step_plan(cfg, train_rows)
+    for line in lines:
+        print(f"preflight: steps: {line}")
+    if problems and not trainer_is_verl():
+        warnings += [f"{p} (TRAINER_LAUNCHER={os.environ.get('TRAINER_LAUNCHER')} is a stand-in: not refused)"
+                     for p in problems]  # fmt: skip
+        problems = []
+    for warning in warnings:
+        print(f"preflight: WARNING: steps: {warning}", file=sys.stderr)
+    for problem in problems:
+        print(f"preflight: refused: {problem}", file=sys.stderr)
+    return not problems
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every check, in the order that fails cheapest first; one line per problem, naming what to change."""
     extra = sys.argv[1:] if argv is None else argv
@@ -428,11 +497,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         try:
-            for line in check_data(cfg, tokenizer):
+            lines, train_rows = check_data(cfg, tokenizer)
+            for line in lines:
                 print(f"preflight: data {line}")
         except Exception as exc:  # verl's own dataset code, reported as it is
             print(f"preflight: verl's RLHFDataset cannot read the data: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
+    else:
+        train_rows = None
+    if not report_steps(cfg, train_rows):
+        return 1
     pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
     if pairs and not check_reward_format(settings, pairs):
         return 1
