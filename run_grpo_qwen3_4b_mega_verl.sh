@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 #SBATCH --job-name=grpo-qwen3-4b
 ##SBATCH --partition=your_partition    # remove one '#' to use it (your cluster's partition; sinfo lists them)
-##SBATCH --account=your_account        # remove one '#' where your cluster bills GPU hours to an account
+##SBATCH --account=your_account        # remove one '#' where your cluster bills GPU hours to an account (the merge too)
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
@@ -26,6 +26,8 @@
 # Edit the settings below (or override any of them from the environment; docs/settings.md lists them all). Keep the
 # #SBATCH lines in step with them: --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a
 # separate reward node). Submit from the repository root: Slurm writes logs/<job name>-<job id>.out there.
+# merge_mcore_to_hf.sh reads this block (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER) and takes this script's
+# --partition, --account and --output lines: every start of either script copies them into it (launch/common.sh).
 set -euo pipefail
 
 # sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
@@ -253,6 +255,20 @@ preflight() {
   log "checks passed"
 }
 
+# follow_this_header: `sbatch merge_mcore_to_hf.sh` goes where this job goes: its #SBATCH --partition, --account and
+# --output lines become this script's (sync_merge_header, launch/common.sh).
+follow_this_header() {
+  local lines line
+  if ! lines=$(sync_merge_header "$repo"); then
+    err "could not copy this script's #SBATCH --partition, --account and --output lines into merge_mcore_to_hf.sh" \
+      "(above): set them there by hand, or sbatch it with those options"
+    return 0
+  fi
+  while IFS= read -r line; do
+    [[ -z "$line" ]] || log "merge_mcore_to_hf.sh now has this script's '${line%%  *}' (sbatch merge_mcore_to_hf.sh uses it)"
+  done <<<"$lines"
+}
+
 on_time_limit() {
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" ]]; then
     log "time-limit signal, but training already finished: no requeue"
@@ -335,6 +351,7 @@ main() {
     die "could not create the job's folders (above: CONFIG_LOG_DIR, CONFIG_OUTPUT_DIR, HF_HOME or WANDB_DIR)"
   [[ -w "$WANDB_DIR" ]] || die "WANDB_DIR=$WANDB_DIR is not writable: wandb would log to /tmp of some node instead"
   log_phase "job $job_id: logs in $job_log_dir"
+  follow_this_header
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"
     return 0
