@@ -117,7 +117,12 @@ def test_the_articles_grpo_command_passes_verls_own_checks_and_a_typo_does_not(j
     assert "PREFLIGHT_ONLY=1: nothing started" in ok.stdout
     typo = run(article, "trainer.total_epoch=2")
     assert typo.returncode == 1 and "Could not override 'trainer.total_epoch'" in typo.stderr
-    micro = run(article, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
+    # fixed micro-batches put back by overrides: verl's validate_config asks 1024 sequences to split into them
+    micro = run(
+        article,
+        "actor_rollout_ref.actor.use_dynamic_bsz=False",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+    )
     assert micro.returncode == 1 and "verl 0.6.1 rejects the trainer config" in micro.stderr
 
 
