@@ -252,6 +252,12 @@ preflight() {
   fi
   (cd "$repo" && "${wrap[@]}" python3 -m launch.preflight "$@") ||
     die "the preflight failed (above: the settings, verl's config checks, the data or the reward check); nothing was started"
+  # REWARD_PROMPT_OPENS_THINK=auto as the preflight read it from the policy's chat template: every node builds the
+  # trainer command with that value, not reading the template again.
+  if [[ "$REWARD_PROMPT_OPENS_THINK" == auto && -f "$job_log_dir/prompt_opens_think" ]]; then
+    REWARD_PROMPT_OPENS_THINK=$(<"$job_log_dir/prompt_opens_think")
+    export REWARD_PROMPT_OPENS_THINK
+  fi
   log "checks passed"
 }
 

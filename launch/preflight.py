@@ -463,7 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return 1
     print(f"preflight: validation: {validation_sampling(cfg)}")
-    _, source = prompt_opens_think(settings, extra)
+    opens, source = prompt_opens_think(settings, extra)
+    if settings.prompt_opens_think_setting == "auto" and os.environ.get("JOB_LOG_DIR"):
+        # For the run script to hand on (run_grpo_qwen3_4b_mega_verl.sh, preflight): the head node then builds the
+        # trainer command without reading the template again (transformers' import alone takes seconds).
+        Path(os.environ["JOB_LOG_DIR"], "prompt_opens_think").write_text(str(opens).lower() + "\n")
     print(
         f"preflight: thinking: {source}; the reward function gets prompt_opens_think="
         f"{cfg.custom_reward_function.reward_kwargs.prompt_opens_think} (a response without </think> "
