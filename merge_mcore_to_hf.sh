@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 #SBATCH --job-name=merge-mcore-hf
 ##SBATCH --partition=your_partition    # remove one '#' to use it (your cluster's partition; sinfo lists them)
-##SBATCH --account=your_account        # remove one '#' where your cluster bills GPU hours to an account
+##SBATCH --account=your_account        # remove one '#' where your cluster bills GPU hours to an account (the merge too)
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
 #SBATCH --gpus-per-node=1
@@ -20,6 +20,10 @@
 # untied model (Qwen3-8B and larger) silently drops its lm_head. A critic is converted only from the Hugging Face
 # weights verl saved beside it while training (critic.checkpoint.save_contents with hf_model): verl's merger cannot
 # build a value model (see refuse_critic_merge).
+#
+# One place to edit: the top of run_grpo_qwen3_4b_mega_verl.sh. This script reads its settings block
+# (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER), and its --partition, --account and --output lines above are that
+# script's: every start of either one copies them in (a merge submitted before that stops, saying so).
 set -euo pipefail
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
@@ -36,9 +40,11 @@ if [[ ! -f "$repo/launch/common.sh" && -n "${SLURM_JOB_ID:-}" ]]; then
     exit 1
   fi
 fi
-CONTAINER="${CONTAINER:-singularity}"                           # singularity | apptainer | none
-CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/verl_app.sif}"
-CKPT_ROOT="${CKPT_ROOT:-${CONFIG_OUTPUT_DIR:-$repo/checkpoints/qwen3_4b_grpo_megatron}}"  # the trainer's output dir
+# shellcheck source=launch/common.sh
+source "$repo/launch/common.sh"
+# CONTAINER, CONFIG_IMAGE_PATH, CONFIG_OUTPUT_DIR: as the run script's settings block has them (edit them there).
+load_run_settings "$repo"
+CKPT_ROOT="${CKPT_ROOT:-$CONFIG_OUTPUT_DIR}"                     # the trainer's output dir (CONFIG_OUTPUT_DIR)
 STEP="${STEP:-latest}"                                           # latest (the tracker file) or a step number
 ROLE="${ROLE:-actor}"                                            # actor | critic (needs hf_model saved: docs/merge.md)
 TARGET_DIR="${TARGET_DIR:-}"                                     # empty: $repo/hf_models/<run>-step<N>[-critic]
@@ -47,8 +53,33 @@ VERIFY_LOAD="${VERIFY_LOAD:-0}"                                  # 1: also load 
 MERGER_LAUNCHER="${MERGER_LAUNCHER:-python3}"                    # what runs `-m verl.model_merger ...`
 # ------------------------------------------------------------------------------------------------------------------
 
-# shellcheck source=launch/common.sh
-source "$repo/launch/common.sh"
+# follow_run_header: this script's #SBATCH lines become the run script's (sync_merge_header). A job submitted before
+# they were, which Slurm runs on another partition or account than the run script names, stops before it merges.
+follow_run_header() {
+  local lines line opt value have synced=1
+  local run="$repo/run_grpo_qwen3_4b_mega_verl.sh"
+  if lines=$(sync_merge_header "$repo"); then
+    while IFS= read -r line; do
+      [[ -z "$line" ]] || log "merge_mcore_to_hf.sh now has run_grpo_qwen3_4b_mega_verl.sh's '${line%%  *}'"
+    done <<<"$lines"
+  else
+    synced=0
+    err "could not copy run_grpo_qwen3_4b_mega_verl.sh's #SBATCH --partition, --account and --output lines in here" \
+      "(above): set them here by hand"
+  fi
+  [[ -n "${SLURM_JOB_ID:-}" ]] || return 0
+  for opt in partition account; do
+    value=$(sbatch_line "$run" "$opt" | sed -n 's/^#SBATCH --[a-z]*=\([^ ]*\).*/\1/p')
+    [[ -n "$value" ]] || continue  # commented out there: Slurm's default, whatever it is
+    if [[ "$opt" == partition ]]; then have=${SLURM_JOB_PARTITION:-}; else have=${SLURM_JOB_ACCOUNT:-}; fi
+    [[ ",$value," == *",$have,"* ]] && continue
+    die "this job runs with --$opt=${have:-(none)}, but run_grpo_qwen3_4b_mega_verl.sh says #SBATCH --$opt=$value:" \
+      "it was submitted before this script's #SBATCH lines followed that one's;" \
+      "$( ((synced)) && echo "they do now: submit it again (sbatch merge_mcore_to_hf.sh)" ||
+        echo "set them here as there, then submit it again")." \
+      "Nothing was merged"
+  done
+}
 
 resolve_step() {
   [[ -d "$CKPT_ROOT" ]] || die "CKPT_ROOT=$CKPT_ROOT: no such folder (the trainer's trainer.default_local_dir)"
@@ -195,6 +226,7 @@ container_wrap() {
 }
 
 main() {
+  follow_run_header
   log_phase "merge ${ROLE} of $CKPT_ROOT (STEP=$STEP)"
   resolve_step
   refuse_critic_merge

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 #SBATCH --job-name=grpo-qwen3-4b
 ##SBATCH --partition=your_partition    # remove one '#' to use it (your cluster's partition; sinfo lists them)
-##SBATCH --account=your_account        # remove one '#' where your cluster bills GPU hours to an account
+##SBATCH --account=your_account        # remove one '#' where your cluster bills GPU hours to an account (the merge too)
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
@@ -28,6 +28,8 @@
 # Edit the settings below (or override any of them from the environment; docs/settings.md lists them all). Keep the
 # #SBATCH lines in step with them: --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a
 # separate reward node). Submit from the repository root: Slurm writes logs/<job name>-<job id>.out there.
+# merge_mcore_to_hf.sh reads this block (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER) and takes this script's
+# --partition, --account and --output lines: every start of either script copies them into it (launch/common.sh).
 set -euo pipefail
 
 # sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
@@ -50,6 +52,7 @@ set -a  # every setting below is exported as it is set: the helper and the Pytho
 CONTAINER="${CONTAINER:-singularity}"                          # singularity | apptainer | none (verl installed here)
 CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/verl_app.sif}"    # built from verl_app.def (docs/image.md)
 CONFIG_MODEL_PATH="${CONFIG_MODEL_PATH:-$repo/models/Qwen3-4B-Thinking-2507}"            # the policy to train
+REWARD_PROMPT_OPENS_THINK="${REWARD_PROMPT_OPENS_THINK:-auto}"  # its prompt opens a think block: auto (its template) | true | false
 CONFIG_REWARD_MODEL_PATH="${CONFIG_REWARD_MODEL_PATH:-$repo/models/Unsafe-Reward-Qwen3-1.7B}"  # the reward model
 CONFIG_TRAIN_FILE="${CONFIG_TRAIN_FILE:-$repo/data/train.parquet}"   # training prompts (data_prep.build)
 CONFIG_TEST_FILE="${CONFIG_TEST_FILE:-$repo/data/test.parquet}"      # validation prompts
@@ -89,7 +92,7 @@ MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"                  # tokens; longer
 MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-4096}"              # tokens generated per response at most
 ACTOR_LR="${ACTOR_LR:-1e-6}"                                    # the policy's learning rate
 PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-128}"               # prompts per policy update
-MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-4}"                 # actor, rollout log-prob and ref micro batches
+MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-4}"                 # micro-batches of this x 6144 tokens per GPU (>= 1 sequence)
 ACTOR_PP="${ACTOR_PP:-2}"                                       # Megatron pipeline parallel (actor, ref and critic)
 ACTOR_TP="${ACTOR_TP:-1}"                                       # Megatron tensor parallel (actor, ref and critic)
 ROLLOUT_TP="${ROLLOUT_TP:-1}"                                   # rollout engine tensor parallel
@@ -97,6 +100,11 @@ ROLLOUT_N="${ROLLOUT_N:-4}"                                     # responses per 
 ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-0.4}"                 # the rollout engine's share of GPU memory
 ROLLOUT_ENFORCE_EAGER="${ROLLOUT_ENFORCE_EAGER:-false}"         # true: no SGLang CUDA graphs (slower; debugging)
 KL_LOSS_COEF="${KL_LOSS_COEF:-0.001}"                           # weight of the KL loss to the reference policy
+# Validation sampling, the Qwen3 thinking cards' values (greedy decoding makes them repeat to the length limit):
+VAL_DO_SAMPLE="${VAL_DO_SAMPLE:-true}"                          # false: greedy (async rollout: VAL_TEMPERATURE=0 too)
+VAL_TEMPERATURE="${VAL_TEMPERATURE:-0.6}"                       # Instruct-2507 cards: 0.7
+VAL_TOP_P="${VAL_TOP_P:-0.95}"                                  # Instruct-2507 cards: 0.8
+VAL_TOP_K="${VAL_TOP_K:-20}"                                    # -1: off; sync rollout only (verl's agent loop drops it)
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"                               # passes over the training prompts
 SAVE_FREQ="${SAVE_FREQ:-25}"                                    # save a checkpoint every N steps
 TEST_FREQ="${TEST_FREQ:-5}"                                     # validate every N steps
@@ -261,7 +269,27 @@ preflight() {
   fi
   (cd "$repo" && "${wrap[@]}" python3 -m launch.preflight "$@") ||
     die "the preflight failed (above: the settings, verl's config checks, the data or the reward check); nothing was started"
+  # REWARD_PROMPT_OPENS_THINK=auto as the preflight read it from the policy's chat template: every node builds the
+  # trainer command with that value, not reading the template again.
+  if [[ "$REWARD_PROMPT_OPENS_THINK" == auto && -f "$job_log_dir/prompt_opens_think" ]]; then
+    REWARD_PROMPT_OPENS_THINK=$(<"$job_log_dir/prompt_opens_think")
+    export REWARD_PROMPT_OPENS_THINK
+  fi
   log "checks passed"
+}
+
+# follow_this_header: `sbatch merge_mcore_to_hf.sh` goes where this job goes: its #SBATCH --partition, --account and
+# --output lines become this script's (sync_merge_header, launch/common.sh).
+follow_this_header() {
+  local lines line
+  if ! lines=$(sync_merge_header "$repo"); then
+    err "could not copy this script's #SBATCH --partition, --account and --output lines into merge_mcore_to_hf.sh" \
+      "(above): set them there by hand, or sbatch it with those options"
+    return 0
+  fi
+  while IFS= read -r line; do
+    [[ -z "$line" ]] || log "merge_mcore_to_hf.sh now has this script's '${line%%  *}' (sbatch merge_mcore_to_hf.sh uses it)"
+  done <<<"$lines"
 }
 
 on_time_limit() {
@@ -372,6 +400,7 @@ main() {
       "everything it started; this output is also in $out"
   fi
   log_phase "job $job_id: logs in $job_log_dir"
+  follow_this_header
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"
     return 0

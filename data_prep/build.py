@@ -17,7 +17,8 @@ verl pops `prompt` before the reward function runs; `extra_info.reward_messages`
 
 Rows stream through in chunks (a million rows in well under a minute, little memory). The split is deterministic:
 a row goes to test when a hash of (--seed, its prompt) falls under --test-size, so identical prompts never straddle
-the split. Bad rows (missing or empty prompt, wrong types) are skipped and reported with their row numbers, or stop
+the split. A small input may have no row under it: then the prompt whose hash is nearest (all its copies) goes to
+test, so that verl gets a validation set (it asserts one), and the build says so. Bad rows (missing or empty prompt, wrong types) are skipped and reported with their row numbers, or stop
 the build with --on-bad-row fail. Outputs are written to *.tmp and renamed only when everything succeeded; existing
 outputs are kept unless --overwrite.
 """
@@ -163,9 +164,14 @@ def _as_text(value) -> str | None:
     return json.dumps(value, ensure_ascii=False)
 
 
-def goes_to_test(key: bytes, seed: int, test_size: float) -> bool:
+def split_value(key: bytes, seed: int) -> float:
+    """Where a prompt falls in [0, 1) for the split: test below --test-size."""
     h = hashlib.blake2b(key, digest_size=8, key=str(seed).encode()).digest()
-    return int.from_bytes(h, "big") / 2**64 < test_size
+    return int.from_bytes(h, "big") / 2**64
+
+
+def goes_to_test(key: bytes, seed: int, test_size: float) -> bool:
+    return split_value(key, seed) < test_size
 
 
 # --- readers: (row number as a person would count it, example) ------------------------------------------------
@@ -236,6 +242,7 @@ class Report:
     written: dict = field(default_factory=lambda: {"train": 0, "test": 0})
     duplicates: int = 0
     bad: int = 0
+    moved_to_test: int = 0  # rows of the prompt nearest to --test-size, when no row fell under it
     bad_rows: list = field(default_factory=list)
 
     def add_bad(self, where: str, row: int, why: str) -> None:
@@ -284,6 +291,24 @@ def build(args: argparse.Namespace, spec: RowSpec) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     writers = {split: SplitWriter(path, spec.schema()) for split, path in targets.items()}
     report, seen = Report(), set()
+    # The train rows of the prompt nearest to the test split (the smallest split_value), held back until the end:
+    # they go to test if no row did (a small input), else to train. [value, rows].
+    nearest: list = [None, []]
+
+    def place(split: str, row: dict) -> None:
+        row["extra_info"] |= {"split": split, "index": report.written[split]}
+        writers[split].add(row)
+        report.written[split] += 1
+
+    def hold_or_place(value: float, row: dict) -> None:
+        if nearest[0] is None or value < nearest[0]:
+            for held in nearest[1]:
+                place("train", held)
+            nearest[:] = [value, [row]]
+        elif value == nearest[0]:  # another copy of the held prompt: copies never straddle the split
+            nearest[1].append(row)
+        else:
+            place("train", row)
 
     def feed(path: Path, fixed_split: str | None) -> None:
         for row_number, example in read_examples(path, args.format, args.hf_split):
@@ -300,8 +325,9 @@ def build(args: argparse.Namespace, spec: RowSpec) -> Report:
                         report.duplicates += 1
                         continue
                     seen.add(key)
-                split = fixed_split or ("test" if goes_to_test(key, args.seed, args.test_size) else "train")
-                row = make_row(example, report.written[split], split, spec, row_number, messages)
+                value = split_value(key, args.seed)
+                split = fixed_split or ("test" if value < args.test_size else "train")
+                row = make_row(example, 0, split, spec, row_number, messages)  # its index: where it is placed
             except BadRow as exc:
                 if args.on_bad_row == "fail":
                     raise SystemExit(
@@ -309,13 +335,19 @@ def build(args: argparse.Namespace, spec: RowSpec) -> Report:
                     ) from None
                 report.add_bad(str(path), row_number, str(exc))
                 continue
-            writers[split].add(row)
-            report.written[split] += 1
+            if split == "train" and not fixed_split and args.test_size > 0:
+                hold_or_place(value, row)
+            else:
+                place(split, row)
 
     try:
         feed(args.input, "train" if args.test_file else None)
         if args.test_file:
             feed(args.test_file, "test")
+        to_test = report.written["test"] == 0 and report.written["train"] > 0  # train keeps a row too
+        for held in nearest[1]:
+            place("test" if to_test else "train", held)
+        report.moved_to_test = len(nearest[1]) if to_test else 0
         for split, n in report.written.items():
             if n == 0:
                 hint = "raise --test-size or give --test-file" if split == "test" else "check the column flags"
@@ -390,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     report = build(args, spec)
     print(f"read {report.read} rows: train {report.written['train']}, test {report.written['test']}, "
           f"duplicates dropped {report.duplicates}, bad rows skipped {report.bad}")  # fmt: skip
+    if report.moved_to_test:
+        print(f"  no row fell under --test-size {args.test_size}: the {report.moved_to_test} row(s) of the prompt "
+              "nearest to it went to test (verl needs a validation set); --test-file gives one of your own")  # fmt: skip
     for bad in report.bad_rows[:20]:
         print(f"  skipped {bad['file']} row {bad['row']}: {bad['error']}", file=sys.stderr)
     path = args.out_dir / "bad_rows.jsonl"

@@ -6,9 +6,10 @@ the models are randomly initialised from a `Qwen3Config`. They keep the properti
 - a Qwen3-style chat template with `<|im_start|>` / `<|im_end|>`, `<|im_end|>` as EOS and `<|endoftext|>` as pad;
 - `<think>` / `</think>` as added tokens that are NOT special (as in real Qwen3), so they survive
   `decode(..., skip_special_tokens=True)` exactly as in verl's reward managers;
-- the policy's template opens `<think>\\n` in the generation prompt, as Qwen3-*-Thinking-2507 does, and a few
-  supervised steps (`warm_start`) teach it to close that reasoning and answer, so a GRPO step on it has scores to
-  tell apart (`make demo` and the tests train it with verl's own trainer);
+- the policy's template opens `<think>\\n` in the generation prompt, as Qwen3-*-Thinking-2507 does (an
+  Instruct-style policy, whose prompt opens none, is built with `chat_template=INSTRUCT_POLICY_CHAT_TEMPLATE`),
+  and a few supervised steps (`warm_start`) teach it to close that reasoning and answer, so a GRPO step on it
+  has scores to tell apart (`make demo` and the tests train it with verl's own trainer);
 - the reward model is a `Qwen3ForSequenceClassification` with `num_labels=1` and `pad_token_id` set, so batched
   scoring reads the last non-pad token.
 
@@ -33,6 +34,8 @@ REWARD_CHAT_TEMPLATE = (
 )
 # Qwen3-*-Thinking-2507 opens the reasoning block in the prompt: responses then contain only `</think>`.
 POLICY_CHAT_TEMPLATE = REWARD_CHAT_TEMPLATE.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
+# Qwen3-*-Instruct-2507 and most other models: the generation prompt opens no reasoning block.
+INSTRUCT_POLICY_CHAT_TEMPLATE = REWARD_CHAT_TEMPLATE
 
 _WORDS = (
     "the a reward model policy answer question safe unsafe think step because therefore why how what cluster "
@@ -133,13 +136,14 @@ def warm_start(model, tokenizer, steps: int = 40, seed: int = 0) -> None:
     model.eval()
 
 
-def build_policy_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Qwen3ForCausalLM of the same shape, with a Thinking-2507-style chat template, warm-started (`warm_start`)."""
+def build_policy_model(out_dir: str | Path, seed: int = 0, chat_template: str = POLICY_CHAT_TEMPLATE) -> Path:
+    """Qwen3ForCausalLM of the same shape, with a Thinking-2507-style chat template (or `chat_template`),
+    warm-started (`warm_start`)."""
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     out = Path(out_dir)
-    tokenizer = build_tokenizer(POLICY_CHAT_TEMPLATE, seed=seed)
+    tokenizer = build_tokenizer(chat_template, seed=seed)
     torch.manual_seed(seed + 1)
     model = Qwen3ForCausalLM(_qwen3_config(tokenizer))
     warm_start(model, tokenizer, seed=seed)

@@ -16,6 +16,10 @@ global step to N`) or without one (`Training from scratch`), and the checkpoint 
 (val_before_train logs `step:0 - val-core/...`) by `timing_s/step`, which every entry point times and logs: the main
 trainer (ray_trainer.py:1036, 1282), recipe.dapo (dapo_ray_trainer.py:164, 394; it logs no `training/global_step`)
 and the one-step-off recipe (ray_trainer.py:468, 663).
+
+It generates at the user's own MAX_RESPONSE_LENGTH, so that the share of responses cut at the limit, verl's
+`response_length/clip_ratio` on each step line (verl/trainer/ppo/metric_utils.py:192), is the real run's: the
+summary reports it and warns above CLIP_RATIO_WARN (docs/training.md: what a cut response does to GRPO's signal).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from launch.settings import SettingError, Settings
 
 TRAIN_STEPS = 2  # stage 1: two steps, a checkpoint after each
 RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more
-RESPONSE_LENGTH = 512  # short responses: the rollout, the reward and the update still run on real text
+CLIP_RATIO_WARN = 0.05  # more than 1 response in 20 cut at MAX_RESPONSE_LENGTH: a warning in the summary
 VAL_SAMPLES = 8  # validation prompts (verl pads the validation batch itself)
 AGENT_LOOP_WORKERS = 8  # rollout.agent.num_workers in verl 0.6.1: async rollout splits a step's batch in as many parts
 AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.num_workers"
@@ -48,6 +52,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # RayPPOTrainer.fit runs in verl's TaskRunner actor: Ray prefixes its lines with "(TaskRunner pid=N) " in the driver.
 _STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*)$")
 _TIMED_STEP = re.compile(r"(?:^| - )timing_s/step:")  # only a training step has it
+# verl's console logger prints a numpy number as np.float64(...) (numpy 2), a float as is
+_CLIP_RATIO = re.compile(r"(?:^| - )response_length/clip_ratio:(?:np\.float\d+\()?([0-9.eE+-]+)")
+_TOLD_THINK = re.compile(r"^\+custom_reward_function\.reward_kwargs\.prompt_opens_think=(\w+)$", re.M)
 _RESUMED_AT = re.compile(r"Setting global step to (\d+)")
 _SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
@@ -89,15 +96,12 @@ def canary_settings(s: Settings, extra: list[str] | None = None) -> dict[str, st
     """The settings the canary changes; everything else (models, data, algorithm, mode, strategy, parallel layout,
     engine, the user's extra overrides) stays the user's, so the canary runs the combination the real job will."""
     b = batch_size(s, agent_loop_workers(extra or []))
-    response = min(s.max_response_length, RESPONSE_LENGTH)
-    if s.uses_recipe == "recipe.dapo":
-        # Dynamic sampling drops groups whose responses all score the same, and short responses of a thinking model
-        # are all cut off mid-reasoning (one penalty for all): recipe.dapo would give up after max_num_gen_batches.
-        response = s.max_response_length
+    # MAX_RESPONSE_LENGTH stays the user's: the share of responses cut at it (the clip ratio) is what the real run will
+    # see, and the memory the update needs is the real run's; shorter responses of a thinking policy would all be cut
+    # off mid-reasoning and score one penalty (recipe.dapo would drop every group).
     out = {
         "TRAIN_BATCH_SIZE": str(b),
         "PPO_MINI_BATCH_SIZE": str(b),  # one optimizer step per training step
-        "MAX_RESPONSE_LENGTH": str(response),
         "SAVE_FREQ": "1",
         "TEST_FREQ": str(TRAIN_STEPS),  # validation once, at the last step of stage 1
         # Enough epochs for every step even if data.filter_overlong_prompts leaves a single batch per epoch.
@@ -109,8 +113,6 @@ def canary_settings(s: Settings, extra: list[str] | None = None) -> dict[str, st
         "MAX_CKPT_TO_KEEP": "0",
         "REQUEUE_BEFORE_TIMEOUT": "0",
     }
-    if s.overlong_buffer_len >= response:
-        out["OVERLONG_BUFFER_LEN"] = "0"  # DAPO's buffer must fit in the shorter responses: a quarter of them
     return out
 
 
@@ -138,6 +140,52 @@ def logged_steps(text: str) -> dict[int, str]:
         if match and _TIMED_STEP.search(match.group(2)):
             steps[int(match.group(1))] = match.group(2)
     return steps
+
+
+def clip_ratios(text: str) -> dict[int, float]:
+    """{step: verl's response_length/clip_ratio} for every training step that logged it."""
+    found = {}
+    for step, rest in logged_steps(text).items():
+        match = _CLIP_RATIO.search(rest)
+        if match:
+            found[step] = float(match.group(1))
+    return found
+
+
+def told_opens_think(log: Path) -> bool | None:
+    """What the stage's trainer command told the reward function (trainer_command.txt beside its launch log)."""
+    command = log.parent / "trainer_command.txt"
+    match = _TOLD_THINK.search(command.read_text()) if command.is_file() else None
+    return None if match is None else match.group(1) == "True"
+
+
+def response_length_report(results: dict[str, dict]) -> list[str]:
+    """The clip ratio of every step the training stages logged, and what a high one does to GRPO's signal."""
+    ratios = {
+        int(k): v for stage in ("train", "resume") for k, v in results.get(stage, {}).get("clip_ratio", {}).items()
+    }
+    entry = next((results[s] for s in ("train", "resume") if "max_response_length" in results.get(s, {})), None)
+    if entry is None:
+        return []
+    length, n, opens = entry["max_response_length"], entry["rollout_n"], entry.get("prompt_opens_think")
+    if not ratios:
+        return [f"response length: verl's step lines held no response_length/clip_ratio (MAX_RESPONSE_LENGTH={length})"]
+    mean = sum(ratios.values()) / len(ratios)
+    steps = ", ".join(f"step {k} {v:.2f}" for k, v in sorted(ratios.items()))
+    lines = [f"response length: verl's response_length/clip_ratio at MAX_RESPONSE_LENGTH={length}: {steps} (the share "
+             f"of responses cut at the limit; {mean:.0%} on average)"]  # fmt: skip
+    if mean <= CLIP_RATIO_WARN:
+        return lines
+    if opens is False:
+        why = "a cut answer is scored as it stands: the policy is rewarded for answers it never finished"
+    else:
+        why = (f"a response cut before </think> scores the penalty, and a GRPO group whose {n} responses are all cut "
+               f"has zero advantage: at this ratio about {mean**n:.0%} of groups carry no signal and most others "
+               "learn to think shorter rather than the reward model's preference")  # fmt: skip
+    return lines + [
+        f"WARNING: {mean:.0%} of responses hit MAX_RESPONSE_LENGTH={length} (more than {CLIP_RATIO_WARN:.0%}): {why}; "
+        "raise MAX_RESPONSE_LENGTH (docs/training.md says what it costs), then run the canary again"
+    ]
 
 
 def saved_step(ckpt: Path) -> int | None:
@@ -252,7 +300,7 @@ def summary(results: dict[str, dict]) -> tuple[str, bool]:
             rows += [f"    log: {e['log']}", *(f"    | {line}" for line in e.get("lines", []))]
     ok = all(results.get(stage, {}).get("status") == "passed" for stage in STAGES)
     verdict = "every stage passed" if ok else "FAILED: fix what is shown above before the real run"
-    return "\n".join(["canary summary", *rows, f"canary: {verdict}"]), ok
+    return "\n".join(["canary summary", *rows, *response_length_report(results), f"canary: {verdict}"]), ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         text = args.log.read_text(errors="replace") if args.log.exists() else ""
         problems = evaluate(args.stage, args.rc, text, args.ckpt, args.target)
         entry = {"stage": args.stage, "status": "failed" if problems else "passed", "seconds": args.seconds}
+        if args.stage in ("train", "resume"):
+            try:
+                s = Settings.from_env()
+            except SettingError as exc:
+                print(f"canary: {exc}", file=sys.stderr)
+                return 1
+            entry |= {"clip_ratio": clip_ratios(text), "max_response_length": s.max_response_length,
+                      "rollout_n": s.rollout_n, "prompt_opens_think": told_opens_think(args.log)}  # fmt: skip
         if problems:
             entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
         record(args.results, entry)

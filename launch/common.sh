@@ -167,3 +167,56 @@ exit_reason() {
     grep -m 1 -E 'ERROR|Error|Exception|error:|Killed|out of memory|Traceback' | cut -c 1-200 || true)
   printf '%s%s\n' "$why" "${line:+; its log: $line}"
 }
+
+# --- the one place to edit: the top of run_grpo_qwen3_4b_mega_verl.sh, for merge_mcore_to_hf.sh too -----------------
+
+# load_run_settings REPO: the run script's settings block, evaluated in this shell: each `NAME="${NAME:-default}"` line
+# as the user edited it (the environment still wins), so that the merge reads CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH
+# and CONTAINER where the run script has them.
+load_run_settings() {
+  local repo=$1  # the block's defaults are written with $repo
+  # shellcheck disable=SC1090  # the block of the run script, which shellcheck reads as that script
+  source <(sed -n '/^# ---- settings/,/^# ------------/p' "$repo/run_grpo_qwen3_4b_mega_verl.sh")
+}
+
+MERGE_SBATCH_OPTIONS=(partition account output)  # the #SBATCH lines merge_mcore_to_hf.sh takes from the run script
+
+# sbatch_line FILE OPTION: FILE's `#SBATCH --OPTION=` line, in use or commented out (`##SBATCH`); nothing without one.
+sbatch_line() { grep -m 1 -E "^##?SBATCH --$2=" "$1" || true; }
+
+# sync_merge_header REPO: merge_mcore_to_hf.sh's #SBATCH --partition, --account and --output lines become the run
+# script's, as written there: sbatch reads only the submitted script's own lines, so the merge cannot look them up
+# when it is submitted; each start of either script writes them in where they differ, through a temporary file and
+# a rename (a bash that is running the old file keeps reading it). Prints each line it wrote; 1 if it could not.
+sync_merge_header() {
+  local repo=$1 opt line want tmp
+  local run="$repo/run_grpo_qwen3_4b_mega_verl.sh" merge="$repo/merge_mcore_to_hf.sh"
+  local -A wanted=()
+  local -a wrote=()
+  for opt in "${MERGE_SBATCH_OPTIONS[@]}"; do
+    wanted[$opt]=$(sbatch_line "$run" "$opt")
+  done
+  tmp="$merge.tmp.$$"
+  while IFS= read -r line || [[ -n "$line" ]]; do
+    for opt in "${MERGE_SBATCH_OPTIONS[@]}"; do
+      want=${wanted[$opt]}
+      if [[ -n "$want" && "$line" =~ ^##?SBATCH\ --$opt= && "$line" != "$want" ]]; then
+        line=$want
+        wrote+=("$want")
+      fi
+    done
+    printf '%s\n' "$line"
+  done <"$merge" >"$tmp" || {
+    rm -f "$tmp"
+    return 1
+  }
+  if ((${#wrote[@]} == 0)); then
+    rm -f "$tmp"
+    return 0
+  fi
+  { chmod --reference="$merge" "$tmp" && mv -f "$tmp" "$merge"; } || {
+    rm -f "$tmp"
+    return 1
+  }
+  printf '%s\n' "${wrote[@]}"
+}

@@ -13,6 +13,10 @@ FIRST_GUESS before anything was measured.
 The recipes never make the check: recipe/dapo/dapo_ray_trainer.py:372-376 and
 recipe/one_step_off_policy/ray_trainer.py:648-652 save every trainer.save_freq steps (and at the last) only, so a
 requeue there resumes from the last SAVE_FREQ save.
+
+This module is the bottom of launch/'s imports: it reads logs and the environment and imports nothing of launch/
+(launch.settings builds the trainer command with redundant_time; launch.refusals refuses what cannot work, with
+signal_lead; the preflight prints plan's lines and warnings).
 """
 
 from __future__ import annotations
@@ -22,14 +26,23 @@ import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from launch.refusals import save_deadline_problems, signal_lead
-from launch.settings import Settings
+if TYPE_CHECKING:  # the type only: launch.settings imports this module
+    from launch.settings import Settings
 
 FIRST_GUESS = 600  # s for a validation and a save before this job measured any (a 4B save with optimizer: minutes)
 VERL_SAVE_SECONDS = 60  # should_save_ckpt_esi's own save_ckpt_duration
 # verl's console logger prints each number with pprint.pformat: a float as is, a numpy one as np.float64(...) (numpy 2)
 _TIMING = re.compile(r"(?:^|\s)timing_s/(testing|save_checkpoint):(?:np\.float\d+\()?([0-9.eE+-]+)")
+
+
+def signal_lead(env: Mapping[str, str]) -> int | None:
+    """Seconds before the time limit at which the job requeues itself (its #SBATCH --signal lead, JOB_SIGNAL_LEAD), or
+    None where it will not requeue (outside Slurm, or REQUEUE_BEFORE_TIMEOUT=0)."""
+    if env.get("REQUEUE_BEFORE_TIMEOUT", "1") != "1" or not env.get("SLURM_JOB_ID"):
+        return None
+    return int(env.get("JOB_SIGNAL_LEAD") or 0)
 
 
 def earlier_starts(env: Mapping[str, str]) -> list[Path]:
@@ -76,13 +89,11 @@ def redundant_time(s: Settings, env: Mapping[str, str]) -> tuple[int, str]:
     )
 
 
-def plan(s: Settings, env: Mapping[str, str], now: float | None = None) -> tuple[list[str], list[str], list[str]]:
-    """(what verl will do, warnings, refusals) about saving before the job's time limit."""
+def plan(s: Settings, env: Mapping[str, str], now: float | None = None) -> tuple[list[str], list[str]]:
+    """(what verl will do, warnings) about saving before the job's time limit, for settings that
+    launch.refusals.save_deadline_problems let through."""
     lines: list[str] = []
     warnings: list[str] = []
-    problems = save_deadline_problems(s, env)  # the refusals (launch/refusals.py)
-    if problems:
-        return lines, warnings, problems
     lead = signal_lead(env)
     requeue, lead = lead is not None, lead or 0
     if s.uses_recipe:
@@ -92,10 +103,10 @@ def plan(s: Settings, env: Mapping[str, str], now: float | None = None) -> tuple
             "save-before-expiry check (should_save_ckpt_esi), so CHECKPOINT_BEFORE_END does nothing there; it saves "
             f"{saves}, and a requeue resumes from the last of those (up to SAVE_FREQ steps are trained again)"
         )
-        return lines, warnings, problems
+        return lines, warnings
     if s.save_freq <= 0:
         lines.append("SAVE_FREQ<=0: verl saves nothing, before the time limit neither (it requires save_freq > 0)")
-        return lines, warnings, problems
+        return lines, warnings
     seconds, source = redundant_time(s, env)
     end = env.get("JOB_END_TIME", "")
     if not end.isdigit():
@@ -103,7 +114,7 @@ def plan(s: Settings, env: Mapping[str, str], now: float | None = None) -> tuple
             f"no time limit known here: in a Slurm job verl saves from CHECKPOINT_BEFORE_END={s.checkpoint_before_end} "
             f"s before it (window: 60 s + the longest step + {seconds} s; {source})"
         )
-        return lines, warnings, problems
+        return lines, warnings
     now = time.time() if now is None else now
     left, expiry = int(end) - now, int(end) - s.checkpoint_before_end
     lines.append(
@@ -125,4 +136,4 @@ def plan(s: Settings, env: Mapping[str, str], now: float | None = None) -> tuple
             + (f"the requeue signal ({lead} s before the limit)" if lead else "the time limit")
             + f", less than a save ({save:.0f} s measured or assumed) and a minute: the last save may be cut off"
         )
-    return lines, warnings, problems
+    return lines, warnings

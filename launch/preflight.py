@@ -25,9 +25,18 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from launch.deadline import plan
 from launch.procs import free_port, start_server, stop_process
-from launch.refusals import batch_problems, check, parallel_problems, rollout_problems
-from launch.settings import REPO, SettingError, Settings, trainer_argv
+from launch.refusals import (
+    batch_problems,
+    check,
+    parallel_problems,
+    rollout_problems,
+    save_deadline_problems,
+    thinking_problems,
+)
+from launch.settings import REPO, SettingError, Settings, prompt_opens_think, trainer_argv
+from launch.thinking import TemplateError
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
 SETTING_OF_KEY = {
@@ -158,24 +167,72 @@ def trainer_is_verl() -> bool:
     return re.fullmatch(r"python[0-9.]*", Path(os.environ.get("TRAINER_LAUNCHER", "python3")).name) is not None
 
 
-def check_data(cfg, tokenizer) -> list[str]:
-    """Load train and val through verl's RLHFDataset (its own overlong filter), and read one item of each."""
+def check_data(cfg, tokenizer) -> tuple[list[str], int]:
+    """Load train and val through verl's RLHFDataset as main_ppo builds them (its own overlong filter,
+    data.train_max_samples / val_max_samples), and read one item of each; the lines to print and the training
+    prompts verl will batch."""
     import pyarrow.parquet as pq
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    lines = []
+    lines, train_rows = [], 0
     for split, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
         files = [files] if isinstance(files, str) else list(files)
         total = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-        dataset = RLHFDataset(files, tokenizer, cfg.data)
+        limit = cfg.data.get(f"{split}_max_samples", -1)  # RLHFDataset samples these first, then filters
+        dataset = RLHFDataset(files, tokenizer, cfg.data, max_samples=limit)
         if len(dataset) == 0:
             raise ValueError(f"{split}: every one of {total} prompts is longer than data.max_prompt_length")
         dataset[0]
+        sampled = min(total, limit) if limit > 0 else total
         lines.append(
-            f"{split}: {total} rows, {total - len(dataset)} longer than data.max_prompt_length="
+            f"{split}: {total} rows, {sampled - len(dataset)} longer than data.max_prompt_length="
             f"{cfg.data.max_prompt_length} tokens (verl drops them)"
+            + (f" of the {sampled} data.{split}_max_samples keeps" if sampled < total else "")
         )
-    return lines
+        train_rows = len(dataset) if split == "train" else train_rows
+    return lines, train_rows
+
+
+def step_plan(cfg, rows: int) -> tuple[list[str], list[str], list[str]]:
+    """(lines, warnings, problems) about the steps verl will train, counted as verl 0.6.1 counts them
+    (ray_trainer.py _create_dataloader, :380-414): batches of data.gen_batch_size (recipe.dapo) or data.train_batch_size,
+    the last incomplete one dropped (drop_last=True), times trainer.total_epochs, unless trainer.total_training_steps
+    sets the total; and verl saves every trainer.save_freq steps and after the last (ray_trainer.py:1247-1254)."""
+    batch = cfg.data.get("gen_batch_size", cfg.data.train_batch_size)
+    per_epoch, dropped = divmod(rows, batch)
+    epochs, override = cfg.trainer.total_epochs, cfg.trainer.get("total_training_steps")
+    total = per_epoch * epochs if override is None else override
+    line = (f"{rows} training prompts / {batch} a step = {per_epoch} steps an epoch (verl drops the last {dropped}: "
+            "drop_last)")  # fmt: skip
+    line += f" x TOTAL_EPOCHS={epochs} = {total} steps" if override is None else (
+        f"; trainer.total_training_steps={override} sets the total: {total} steps")  # fmt: skip
+    problems, warnings = [], []
+    if per_epoch == 0:
+        problems.append(
+            f"verl would train 0 steps: {rows} training prompts are fewer than data.train_batch_size={batch} "
+            "(TRAIN_BATCH_SIZE) and verl drops an incomplete batch, so it stops with 'Train dataloader is empty!' "
+            f"(ray_trainer.py:402) after the queue and the model load; set TRAIN_BATCH_SIZE to {rows} or less "
+            "(PPO_MINI_BATCH_SIZE with it), or add prompts (python -m data_prep.build)"
+        )
+    elif total < 1:
+        cause = f"TOTAL_EPOCHS={epochs}" if override is None else f"trainer.total_training_steps={override}"
+        problems.append(
+            f"verl would train 0 steps ({cause}): it would start, load the models, train nothing and the job would "
+            "mark the training done; at least 1"
+        )
+    save_freq = cfg.trainer.save_freq
+    if not problems and save_freq > 0 and save_freq >= total:
+        warnings.append(
+            f"SAVE_FREQ={save_freq} is not below the {total} steps verl will train: its only checkpoint is the last "
+            "step's (and, in a Slurm job, one before the time limit), so a crash or scancel before the end resumes "
+            f"from scratch, and there is nothing to merge until then; set SAVE_FREQ below {total}"
+        )
+    elif not problems and save_freq <= 0:
+        warnings.append(
+            f"SAVE_FREQ={save_freq}: verl saves no checkpoint at all (trainer.save_freq > 0 is its condition): "
+            "nothing to resume from, nothing to merge; set SAVE_FREQ to a number of steps"
+        )
+    return [line], warnings, problems
 
 
 CHECK_RESPONSES = [
@@ -239,9 +296,15 @@ def reward_round_trip(cfg, tokenizer=None, rows: int = 8) -> list[str]:
         scores = [reward_tensor[i, n - 1].item() for i, n in enumerate(lengths)]
         penalized = [int(x) for x in extra["penalized"]]
         what = f"verl's {cfg.reward_model.reward_manager} reward manager"
-    expected = [int("</think>" not in r) for r in responses]
+    # Only a response without </think> after a prompt that opened <think> was cut off mid-reasoning (none of
+    # CHECK_RESPONSES opens a block of its own).
+    opens = bool(cfg.custom_reward_function.reward_kwargs.prompt_opens_think)
+    expected = [int(opens and "</think>" not in r) for r in responses]
     if penalized != expected:
-        raise ValueError(f"penalties {penalized}, expected {expected} (REWARD_PROMPT_OPENS_THINK?)")
+        raise ValueError(
+            f"penalties {penalized}, expected {expected} for prompt_opens_think={opens}: the reward function did not "
+            "get the value the job passes it (custom_reward_function.reward_kwargs, REWARD_PROMPT_OPENS_THINK)"
+        )
     lines = [f"{what} scored {len(sample)} validation rows through {cfg.custom_reward_function.name}:"]
     for row, score, pen in zip(sample, scores, penalized, strict=True):
         note = "  (penalty: cut off mid-reasoning)" if pen else ""
@@ -304,6 +367,21 @@ def check_reward_format(settings: Settings, pairs: str, timeout: float = 3600) -
     return False
 
 
+def validation_sampling(cfg) -> str:
+    """How verl 0.6.1 will decode validation, from the composed config: sync rollout reads do_sample, then top_k,
+    top_p and temperature (verl/workers/rollout/sglang_rollout/sglang_rollout.py:703-727); async rollout's agent loop
+    reads temperature and top_p only (verl/experimental/agent_loop/agent_loop.py:341-343)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    v = rollout.val_kwargs
+    if rollout.mode == "async":
+        how = "greedy" if v.temperature == 0 else f"samples at temperature {v.temperature}, top_p {v.top_p}"
+        return (f"{how} (async rollout: verl 0.6.1's agent loop passes validation only temperature and top_p; "
+                f"VAL_TOP_K={v.top_k} and VAL_DO_SAMPLE apply to sync rollout)")  # fmt: skip
+    if not v.do_sample or v.temperature == 0:
+        return "greedy (VAL_DO_SAMPLE=false)"
+    return f"samples at temperature {v.temperature}, top_p {v.top_p}, top_k {v.top_k}"
+
+
 def explain(exc: Exception) -> str:
     text = f"{type(exc).__name__}: {exc}"
     hints = sorted({setting for key, setting in SETTING_OF_KEY.items() if key in str(exc)})
@@ -332,6 +410,25 @@ def gpu_memory_line(settings: Settings) -> str:
 
     peak = None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
     return memory_line(settings, peak, gpu_total(), settings.reward_replicas)
+def report_steps(cfg, train_rows: int | None) -> bool:
+    """Print the steps verl will train (step_plan, from the prompts verl's own dataset kept); False when verl would
+    train none. With a stand-in TRAINER_LAUNCHER (make demo, the tests) no verl dataloader is built: then zero steps
+    are a warning, said as such, not a refusal."""
+    if train_rows is None:
+        print("preflight: steps: not counted (PREFLIGHT_DATA=0 reads no data)")
+        return True
+    lines, warnings, problems = step_plan(cfg, train_rows)
+    for line in lines:
+        print(f"preflight: steps: {line}")
+    if problems and not trainer_is_verl():
+        warnings += [f"{p} (TRAINER_LAUNCHER={os.environ.get('TRAINER_LAUNCHER')} is a stand-in: not refused)"
+                     for p in problems]  # fmt: skip
+        problems = []
+    for warning in warnings:
+        print(f"preflight: WARNING: steps: {warning}", file=sys.stderr)
+    for problem in problems:
+        print(f"preflight: refused: {problem}", file=sys.stderr)
+    return not problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,17 +448,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    from launch.deadline import plan
-
-    lines, warnings, problems = plan(settings, os.environ)
-    for line in lines:
-        print(f"preflight: save before the time limit: {line}")
-    for warning in warnings:
-        print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
+    problems = save_deadline_problems(settings, os.environ)
     for problem in problems:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:
         return 1
+    lines, warnings = plan(settings, os.environ)
+    for line in lines:
+        print(f"preflight: save before the time limit: {line}")
+    for warning in warnings:
+        print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
     try:
         module, path, name, overrides = split_command(trainer_argv(settings, extra=extra))
     except SettingError as exc:
@@ -380,6 +476,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preflight: verl 0.6.1 would stop at run time: {problem}", file=sys.stderr)
     if problems:
         return 1
+    try:
+        problems = thinking_problems(cfg, settings.prompt_opens_think_setting)
+    except TemplateError as exc:
+        problems = [str(exc)]
+    for problem in problems:
+        print(f"setting error: {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"preflight: validation: {validation_sampling(cfg)}")
+    opens, source = prompt_opens_think(settings, extra)
+    if settings.prompt_opens_think_setting == "auto" and os.environ.get("JOB_LOG_DIR"):
+        # For the run script to hand on (run_grpo_qwen3_4b_mega_verl.sh, preflight): the head node then builds the
+        # trainer command without reading the template again (transformers' import alone takes seconds).
+        Path(os.environ["JOB_LOG_DIR"], "prompt_opens_think").write_text(str(opens).lower() + "\n")
+    print(
+        f"preflight: thinking: {source}; the reward function gets prompt_opens_think="
+        f"{cfg.custom_reward_function.reward_kwargs.prompt_opens_think} (a response without </think> "
+        + ("is cut off mid-reasoning: the penalty)" if cfg.custom_reward_function.reward_kwargs.prompt_opens_think
+           else "is all answer)")
+    )  # fmt: skip
     print(
         f"preflight: {module} --config-name={name} with {len(overrides)} overrides composes and passes verl's checks "
         f"(adv_estimator={cfg.algorithm.adv_estimator}, reward_manager={cfg.reward_model.reward_manager}, "
@@ -414,11 +530,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         try:
-            for line in check_data(cfg, tokenizer):
+            lines, train_rows = check_data(cfg, tokenizer)
+            for line in lines:
                 print(f"preflight: data {line}")
         except Exception as exc:  # verl's own dataset code, reported as it is
             print(f"preflight: verl's RLHFDataset cannot read the data: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
+    else:
+        train_rows = None
+    if not report_steps(cfg, train_rows):
+        return 1
     pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
     if pairs and not check_reward_format(settings, pairs):
         return 1

@@ -174,7 +174,12 @@ _OTHER_VALUES = {"ALGORITHM": ["ppo", "dapo"], "STRATEGY": ["fsdp2"], "ROLLOUT_M
                  "ESI_REDUNDANT_TIME": ["77"]}  # fmt: skip
 # What moves a key besides the block: Slurm's node count (the #SBATCH line or sbatch --nodes).
 _OUTSIDE_THE_BLOCK = {"#SBATCH --nodes": {"SLURM_NNODES": "3"}}
-_NOT_A_SETTING = {"custom_reward_function.path": "always this repository's reward function"}
+_NOT_A_SETTING = {"custom_reward_function.path": "always this repository's reward function"} | {
+    key: "every job: micro-batches by token count (training.md)"
+    for key in ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "critic.use_dynamic_bsz")
+}  # fmt: skip
+DEFAULT_POLICY_OPENS_THINK = "true"  # what REWARD_PROMPT_OPENS_THINK=auto reads from Qwen3-4B-Thinking-2507's template
 
 
 def _other_values(name: str, value: str) -> list[str]:
@@ -214,7 +219,9 @@ def _changed_by(defaults: dict[str, str]) -> dict[str, list[str]]:
 def command_page() -> str:
     """docs/trainer-command.md: the default GRPO command, one override per line, with what feeds each."""
     placeholder = "/path/to/repo"
-    defaults = block_defaults(placeholder)
+    # auto reads the policy's chat template, which is not here: the page shows what it reads from the default
+    # policy's, Qwen3-4B-Thinking-2507's (its generation prompt ends in <think>).
+    defaults = block_defaults(placeholder) | {"REWARD_PROMPT_OPENS_THINK": DEFAULT_POLICY_OPENS_THINK}
     argv = [a.replace(str(REPO), placeholder) for a in trainer_argv(Settings.from_env(defaults))]  # the reward file
     fed = _changed_by(defaults)
     fixed = {a.split("=", 1)[0] for a in FIXED_OVERRIDES}
@@ -241,8 +248,10 @@ def command_page() -> str:
         "Hydra override per line, each with the settings whose change moves it. Every job writes its own command to",
         "`logs/<job id>/trainer_command.txt`, one argument per line; what follows differs from it only in",
         f"`{placeholder}` (your repository), `trainer.esi_redundant_time` (600 s on a first start, then measured:",
-        "[operations.md](operations.md)) and the two keys each start adds: `+ray_kwargs.ray_init.address=` (this job's Ray",
-        "head) and your own extra overrides, last (`sbatch run_grpo_qwen3_4b_mega_verl.sh KEY=VALUE ...`: they win).",
+        "[operations.md](operations.md)), `prompt_opens_think` (`REWARD_PROMPT_OPENS_THINK=auto` reads your policy's",
+        "chat template; Qwen3-4B-Thinking-2507's opens `<think>`: True) and the two keys each start adds:",
+        "`+ray_kwargs.ray_init.address=` (this job's Ray head) and your own extra overrides, last",
+        "(`sbatch run_grpo_qwen3_4b_mega_verl.sh KEY=VALUE ...`: they win).",
         "",
         "Other combinations (`ALGORITHM`, `TRAINER_MODE`, `STRATEGY`, `ROLLOUT_MODE`) change the entry point and keys;",
         "`PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh` composes yours with verl's own config and prints",
@@ -267,7 +276,8 @@ OPERATIONS_PAGE = REPO / "docs" / "operations.md"
 BASH_SOURCES = ("run_grpo_qwen3_4b_mega_verl.sh", "helper_grpo_qwen3_4b.sh", "merge_mcore_to_hf.sh",
                 "launch/common.sh", "launch/canary.sh")  # fmt: skip
 PYTHON_SOURCES = ("launch/refusals.py", "launch/settings.py", "launch/preflight.py", "launch/deadline.py",
-                  "launch/node.py", "launch/ray_cluster.py", "launch/procs.py", "launch/status.py")  # fmt: skip
+                  "launch/node.py", "launch/ray_cluster.py", "launch/procs.py", "launch/status.py",
+                  "launch/thinking.py")  # fmt: skip
 MIN_LITERAL = 12  # a message whose every literal piece is shorter is all variables (err "$*"): nothing to key on
 
 
@@ -395,7 +405,7 @@ def _py_pieces(node) -> list[str]:
     return [""]
 
 
-_RAISED = ("SettingError", "NodeError", "StatusError", "ValueError", "RuntimeError", "TimeoutError")
+_RAISED = ("SettingError", "NodeError", "StatusError", "ValueError", "RuntimeError", "TimeoutError", "TemplateError")
 
 
 def python_messages(path: Path) -> list[Message]:

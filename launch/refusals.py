@@ -11,7 +11,8 @@ line of its own, naming the setting (or the trainer key and the setting behind i
    printed as `setting error: ...` (launch/deadline.py says what verl will save, and warns).
 3. batch_problems(cfg), parallel_problems(cfg), rollout_problems(cfg): the trainer config composed with verl's own
    Hydra config, the user's extra overrides included, for what verl 0.6.1 asserts or silently ignores only at run
-   time, hours in; printed as `preflight: verl 0.6.1 would stop at run time: ...`.
+   time, hours in; printed as `preflight: verl 0.6.1 would stop at run time: ...`; thinking_problems(cfg, setting):
+   what the reward function is told about the policy's prompt against its chat template, printed as `setting error`.
 
 Refused elsewhere, because only there is what they need:
 - run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
@@ -29,6 +30,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from launch import thinking
+from launch.deadline import signal_lead
 from launch.node import SGLANG_MAX_GPUS
 from launch.settings import SettingError, Settings
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
@@ -78,13 +81,12 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         if rollout_gpus and rollout_gpus % s.rollout_tp:
             problems.append(f"ROLLOUT_TP={s.rollout_tp} does not divide the {rollout_gpus} rollout GPUs per node")
         dp = world // model_parallel
-        # Megatron: verl's validate_config asks for dp x micro-batch; FSDP2 batches by tokens (use_dynamic_bsz), and
-        # only the per-GPU split of each step remains (the preflight checks the rest on the composed config).
-        micro = s.micro_batch_per_gpu if s.strategy == "megatron" else 1
-        if dp and (s.train_batch_size * s.rollout_n) % (dp * micro):
+        # Both strategies batch by tokens (use_dynamic_bsz), so verl's validate_config asks nothing of the micro-batch:
+        # only the per-rank split of each step remains (the preflight checks the rest on the composed config).
+        if dp and (s.train_batch_size * s.rollout_n) % dp:
             problems.append(
                 f"TRAIN_BATCH_SIZE x ROLLOUT_N = {s.train_batch_size * s.rollout_n} is not a multiple of data-parallel "
-                f"size {dp}" + (f" x MICRO_BATCH_PER_GPU {micro}" if s.strategy == "megatron" else "")
+                f"size {dp}"
             )
     if s.train_batch_size < s.ppo_mini_batch_size:
         problems.append(
@@ -112,12 +114,18 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
                 f"{name}={value!r}: use {' or '.join(allowed)} (python -m reward_score.check_format MODEL PAIRS says "
                 "which the reward model needs)"
             )
+    if s.prompt_opens_think_setting not in thinking.CHOICES:
+        problems.append(
+            f"REWARD_PROMPT_OPENS_THINK={s.prompt_opens_think_setting!r}: use auto (read from the policy's chat "
+            "template), true or false"
+        )
     if s.reward_restarts < 0:
         problems.append(f"REWARD_RESTARTS={s.reward_restarts}: restarts of a reward server that dies, 0 or more")
     if s.reward_restart_window < 1:
         problems.append(
             f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
         )
+    problems += validation_sampling_problems(s)
     if not 0 < s.rollout_gpu_memory < 1:
         problems.append(f"ROLLOUT_GPU_MEMORY={s.rollout_gpu_memory}: a share of GPU memory in (0, 1)")
     if check_paths:
@@ -133,6 +141,31 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
             problems.append(
                 f"CONFIG_IMAGE_PATH={s.image}: no such image (sudo singularity build verl_app.sif verl_app.def)"
             )
+    return problems
+
+
+def validation_sampling_problems(s: Settings) -> list[str]:
+    """VAL_* as verl 0.6.1 applies them: sync rollout reads do_sample, then top_k, top_p and temperature
+    (sglang_rollout.py:703-727, the same in vLLM's); async rollout's agent loop reads only temperature and top_p
+    (agent_loop.py:341-343), so do_sample=false there would still sample."""
+    problems = []
+    if s.val_temperature < 0:
+        problems.append(f"VAL_TEMPERATURE={s.val_temperature}: 0 (greedy) or more")
+    if not 0 < s.val_top_p <= 1:
+        problems.append(f"VAL_TOP_P={s.val_top_p}: a share of the probability mass in (0, 1]")
+    if s.val_top_k == 0 or s.val_top_k < -1:
+        problems.append(f"VAL_TOP_K={s.val_top_k}: -1 (off) or 1 or more (SGLang and vLLM refuse 0)")
+    if not s.val_do_sample and s.rollout_mode == "async" and s.val_temperature > 0:
+        problems.append(
+            f"VAL_DO_SAMPLE=false with ROLLOUT_MODE=async: verl 0.6.1's agent loop never reads do_sample "
+            f"(agent_loop.py:341-343) and would sample at VAL_TEMPERATURE={s.val_temperature}; for greedy validation "
+            "set VAL_TEMPERATURE=0 as well (the Qwen3 cards advise against it: greedy decoding repeats endlessly)"
+        )
+    if s.val_do_sample and s.val_temperature == 0:
+        problems.append(
+            "VAL_DO_SAMPLE=true with VAL_TEMPERATURE=0 decodes greedily all the same: set a temperature (the Qwen3 "
+            "thinking cards: 0.6), or VAL_DO_SAMPLE=false to say greedy"
+        )
     return problems
 
 
@@ -247,14 +280,6 @@ def save_deadline_setting_problems(s: Settings) -> list[str]:
     if s.checkpoint_before_end < 0:
         problems.append(f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end}: seconds before the time limit, 0 or more")
     return problems
-
-
-def signal_lead(env: Mapping[str, str]) -> int | None:
-    """Seconds before the time limit at which the job requeues itself (its #SBATCH --signal lead, JOB_SIGNAL_LEAD), or
-    None where it will not requeue (outside Slurm, or REQUEUE_BEFORE_TIMEOUT=0)."""
-    if env.get("REQUEUE_BEFORE_TIMEOUT", "1") != "1" or not env.get("SLURM_JOB_ID"):
-        return None
-    return int(env.get("JOB_SIGNAL_LEAD") or 0)
 
 
 def save_deadline_problems(s: Settings, env: Mapping[str, str]) -> list[str]:
@@ -488,3 +513,24 @@ def rollout_problems(cfg) -> list[str]:
             "rollout, whose server passes them all, or drop them"
         )
     return problems
+
+
+def thinking_problems(cfg, setting: str) -> list[str]:
+    """The prompt_opens_think the reward function gets (REWARD_PROMPT_OPENS_THINK, or an extra override of it) against
+    what the policy's chat template does with the job's data.apply_chat_template_kwargs (launch/thinking.py): a
+    thinking policy told false scores cut-off reasoning as answers; a policy told true that opens no block gets the
+    penalty on every answer without `</think>`, from the first step."""
+    told = (cfg.custom_reward_function.get("reward_kwargs") or {}).get("prompt_opens_think")
+    kwargs = dict(cfg.data.get("apply_chat_template_kwargs") or {})
+    opens = thinking.template_opens_think(cfg.actor_rollout_ref.model.path, kwargs)
+    if told is None or bool(told) == opens:
+        return []
+    given = f" with data.apply_chat_template_kwargs={kwargs}" if kwargs else ""
+    return [
+        f"REWARD_PROMPT_OPENS_THINK={setting} tells the reward function prompt_opens_think={bool(told)}, but the "
+        f"policy's chat template{given} {thinking.describe(opens)} (CONFIG_MODEL_PATH="
+        f"{cfg.actor_rollout_ref.model.path}): "
+        + ("responses start mid-reasoning and hold only </think>, so cut-off reasoning would be scored as an answer"
+           if opens else "every answer without </think> would get the penalty")
+        + f"; set REWARD_PROMPT_OPENS_THINK={'true' if opens else 'false'} (or auto)"
+    ]  # fmt: skip

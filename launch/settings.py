@@ -4,14 +4,19 @@ The defaults live in one place, the settings block at the top of run_grpo_qwen3_
 them; this module reads them from the environment and never invents its own. What refuses a setting is
 launch/refusals.py; the whole default GRPO command, one override per line, is docs/trainer-command.md.
 
-    python -m launch.settings check             # launch/refusals.py's check: exit 1 with one line per problem
     python -m launch.settings trainer-argv      # the trainer command, NUL-separated (bash: mapfile -d '')
+
+launch/'s imports go one way: deadline and thinking (bottom) <- settings <- refusals <- preflight, canary, reference.
+This module imports nothing above it (tests/test_settings.py checks the order).
 """
 
 import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from launch import thinking
+from launch.deadline import redundant_time
 
 REPO = Path(__file__).resolve().parent.parent
 REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
@@ -50,6 +55,7 @@ class Settings:
     container: str = setting("CONTAINER")
     image: str = setting("CONFIG_IMAGE_PATH")
     model_path: str = setting("CONFIG_MODEL_PATH")
+    prompt_opens_think_setting: str = setting("REWARD_PROMPT_OPENS_THINK")  # auto | true | false (launch/thinking.py)
     reward_model_path: str = setting("CONFIG_REWARD_MODEL_PATH")
     train_file: str = setting("CONFIG_TRAIN_FILE")
     test_file: str = setting("CONFIG_TEST_FILE")
@@ -72,6 +78,10 @@ class Settings:
     rollout_n: int = setting("ROLLOUT_N")
     rollout_gpu_memory: float = setting("ROLLOUT_GPU_MEMORY")
     kl_loss_coef: float = setting("KL_LOSS_COEF")
+    val_do_sample: bool = setting("VAL_DO_SAMPLE")
+    val_temperature: float = setting("VAL_TEMPERATURE")
+    val_top_p: float = setting("VAL_TOP_P")
+    val_top_k: int = setting("VAL_TOP_K")
     project_name: str = setting("PROJECT_NAME")
     experiment_name: str = setting("EXPERIMENT_NAME")
     save_freq: int = setting("SAVE_FREQ")
@@ -232,21 +242,56 @@ def _entry(s: Settings) -> list[str]:
     return ["-m", "verl.trainer.main_ppo", "--config-path=config", f"--config-name={name}"]
 
 
+# The article's sequence: MAX_PROMPT_LENGTH 2048 + MAX_RESPONSE_LENGTH 4096 tokens. Its fixed micro-batches of
+# MICRO_BATCH_PER_GPU such sequences are the most tokens a micro-batch ever held there.
+ARTICLE_SEQUENCE_TOKENS = 2048 + 4096
+
+
+def token_budget(s: Settings) -> int:
+    """Tokens per micro-batch on each GPU (actor update, rollout and ref log-probs, critic): as many whole sequences
+    of this job's length as fit in MICRO_BATCH_PER_GPU sequences of the article's, and at least one (verl asserts a
+    budget holds one: seqlen_balancing.rearrange_micro_batches). A micro-batch's memory goes with its tokens (both
+    strategies pack the sequences without padding), so a longer MAX_RESPONSE_LENGTH packs fewer sequences into
+    each, not more tokens. verl cuts a rank's share into ceil(tokens / budget) micro-batches balanced by tokens: full-
+    length ones hold the budget exactly, mixed lengths about it (part of a sequence more at most, measured)."""
+    sequence = s.max_prompt_length + s.max_response_length
+    return max(1, s.micro_batch_per_gpu * ARTICLE_SEQUENCE_TOKENS // sequence) * sequence
+
+
+def _token_budgets(s: Settings) -> list[str]:
+    """Micro-batches by token count (use_dynamic_bsz), as verl's own long-response examples run them
+    (examples/grpo_trainer/*seq_balance*.sh, *megatron_96gb.sh). verl 0.6.1 reads them on both strategies: the
+    Megatron actor's update (megatron_actor.py:682-690) and log-probs (megatron_workers.py:727-728, 749-750, read at
+    megatron_actor.py:186-191), the Megatron critic (megatron_workers.py:1075-1076, megatron_critic.py:306-314);
+    the micro-batch sizes then go unused (validate_config skips them)."""
+    a, tokens = "actor_rollout_ref", token_budget(s)
+    return [
+        f"{a}.actor.use_dynamic_bsz=True",
+        f"{a}.actor.ppo_max_token_len_per_gpu={tokens}",
+        f"{a}.ref.log_prob_use_dynamic_bsz=True",
+        f"{a}.ref.log_prob_max_token_len_per_gpu={tokens}",
+        f"{a}.rollout.log_prob_use_dynamic_bsz=True",
+        f"{a}.rollout.log_prob_max_token_len_per_gpu={tokens}",
+        "critic.use_dynamic_bsz=True",
+        f"critic.ppo_max_token_len_per_gpu={tokens}",  # forward_max_token_len_per_gpu follows it (critic.yaml)
+    ]
+
+
 def _actor_overrides(s: Settings) -> list[str]:
     a = "actor_rollout_ref"
     if s.strategy == "megatron":
+        # Megatron packs each micro-batch's sequences without padding (verl/models/mcore/model_forward.py,
+        # preprocess_packed_seqs), whatever use_remove_padding says.
         return [
             f"{a}.actor.megatron.optimizer_offload=True",
             f"{a}.actor.megatron.pipeline_model_parallel_size={s.actor_pp}",
             f"{a}.actor.megatron.tensor_model_parallel_size={s.actor_tp}",
             f"{a}.ref.megatron.pipeline_model_parallel_size={s.actor_pp}",
             f"{a}.ref.megatron.tensor_model_parallel_size={s.actor_tp}",
+            *_token_budgets(s),
         ]
     # verl's own FSDP examples (examples/*_trainer/*seq_balance*.sh, recipe/dapo): padding removed (flash-attention
-    # varlen over the packed tokens) and micro-batches by token count. The token budget per GPU is what
-    # MICRO_BATCH_PER_GPU full-length sequences take, so the worst case uses no more memory than fixed micro-batches,
-    # and verl asserts it holds at least one whole sequence (seqlen_balancing.rearrange_micro_batches).
-    tokens = s.micro_batch_per_gpu * (s.max_prompt_length + s.max_response_length)
+    # varlen over the packed tokens) and micro-batches by token count.
     return [
         f"{a}.actor.strategy=fsdp2",
         f"{a}.ref.strategy=fsdp2",
@@ -255,15 +300,8 @@ def _actor_overrides(s: Settings) -> list[str]:
         f"{a}.actor.fsdp_config.optimizer_offload=True",
         f"{a}.ref.fsdp_config.param_offload=True",
         f"{a}.model.use_remove_padding=True",
-        f"{a}.actor.use_dynamic_bsz=True",
-        f"{a}.actor.ppo_max_token_len_per_gpu={tokens}",
-        f"{a}.ref.log_prob_use_dynamic_bsz=True",
-        f"{a}.ref.log_prob_max_token_len_per_gpu={tokens}",
-        f"{a}.rollout.log_prob_use_dynamic_bsz=True",
-        f"{a}.rollout.log_prob_max_token_len_per_gpu={tokens}",
         "critic.model.use_remove_padding=True",
-        "critic.use_dynamic_bsz=True",
-        f"critic.ppo_max_token_len_per_gpu={tokens}",
+        *_token_budgets(s),
     ]
 
 
@@ -343,6 +381,15 @@ FIXED_OVERRIDES = [
 ]
 
 
+def prompt_opens_think(s: Settings, extra: list[str] | None = None) -> tuple[bool, str]:
+    """What the reward function is told about the policy's prompt (REWARD_PROMPT_OPENS_THINK; auto: its chat template
+    with the data.apply_chat_template_kwargs of `extra`), and where that came from."""
+    try:
+        return thinking.resolve(s.prompt_opens_think_setting, s.model_path, thinking.template_kwargs(extra or []))
+    except thinking.TemplateError as exc:
+        raise SettingError(str(exc)) from None
+
+
 def reward_function(s: Settings) -> str:
     """The entry point of reward_score/safe_hack_reward_request.py that verl calls. Sync rollout: the batch function
     (one request a step) or, under the naive/dapo managers, the plain one. Async rollout: the coroutine, which verl's
@@ -357,6 +404,7 @@ def reward_function(s: Settings) -> str:
 def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = None) -> list[str]:
     """The exact trainer command for this algorithm, mode and strategy; the user's overrides last."""
     reward_fn = reward_function(s)
+    opens_think, _ = prompt_opens_think(s, extra)
     a = "actor_rollout_ref"
     argv = [
         *_entry(s),
@@ -369,6 +417,8 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"data.max_response_length={s.max_response_length}",
         f"custom_reward_function.path={REWARD_FILE}",
         f"custom_reward_function.name={reward_fn}",
+        # The client cannot read a chat template (stdlib + requests): it is told (launch/thinking.py).
+        f"+custom_reward_function.reward_kwargs.prompt_opens_think={opens_think}",
         f"reward_model.reward_manager={s.reward_manager}",
         f"{a}.model.path={Path(s.model_path).resolve()}",
         f"{a}.actor.optim.lr={s.actor_lr}",
@@ -381,6 +431,11 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"{a}.rollout.mode={s.rollout_mode}",
         f"{a}.rollout.gpu_memory_utilization={s.rollout_gpu_memory}",
         f"{a}.rollout.n={s.rollout_n}",
+        # verl's default validates greedily (temperature 0), which the Qwen3 cards warn repeats to the length limit.
+        f"{a}.rollout.val_kwargs.do_sample={s.val_do_sample}",
+        f"{a}.rollout.val_kwargs.temperature={s.val_temperature}",
+        f"{a}.rollout.val_kwargs.top_p={s.val_top_p}",
+        f"{a}.rollout.val_kwargs.top_k={s.val_top_k}",
         f"{a}.rollout.enforce_eager={s.rollout_enforce_eager}",  # False: SGLang keeps its CUDA graphs
         f"{a}.ref.log_prob_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
         f"trainer.logger={s.logger}",
@@ -400,8 +455,6 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
     if not s.uses_recipe:
         # Room in verl's save-before-the-limit window for the validation and the save its longest step leaves out
         # (launch/deadline.py); the recipes never make that check.
-        from launch.deadline import redundant_time
-
         argv.append(f"trainer.esi_redundant_time={redundant_time(s, os.environ)[0]}")
     if s.trainer_mode == "one_step_off":
         # Its own rollout GPU pool (a top-level `rollout:` block), and no hybrid engine.
@@ -418,7 +471,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("check", "trainer-argv"):
+    if not argv or argv[0] != "trainer-argv":
         print(__doc__, file=sys.stderr)
         return 2
     try:
@@ -426,13 +479,6 @@ def main(argv: list[str] | None = None) -> int:
     except SettingError as exc:
         print(f"setting error: {exc}", file=sys.stderr)
         return 1
-    if argv[0] == "check":
-        from launch.refusals import check
-
-        problems = check(settings)
-        for p in problems:
-            print(f"setting error: {p}", file=sys.stderr)
-        return 1 if problems else 0
     ray_address, extra = os.environ.get("RAY_ADDRESS_FOR_TRAINER", ""), argv[1:]
     try:
         command = trainer_argv(settings, ray_address, extra)

@@ -52,7 +52,9 @@ class Config:
     min_score: float = -40.0
     max_score: float = 30.0
     penalty: float = math.nan  # nan: the min score
-    prompt_opens_think: bool = True  # the policy's chat template opens <think> (Qwen3-*-Thinking-2507)
+    # The policy's chat template opens <think> (Qwen3-*-Thinking-2507). A job passes the value it read from the
+    # template (reward_kwargs.prompt_opens_think, launch/thinking.py); "auto" is the job's to resolve: None here.
+    prompt_opens_think: bool | None = True
     on_failure: str = "raise"  # raise | min_score
     batch_size: int = 1024  # items per /score_batch request at most (a batch is split evenly over the servers)
     connect_timeout: float = 5.0
@@ -69,6 +71,16 @@ class Config:
     @property
     def penalty_score(self) -> float:
         return self.min_score if math.isnan(self.penalty) else self.penalty
+
+    @property
+    def opens_think(self) -> bool:
+        if self.prompt_opens_think is None:
+            raise ValueError(
+                "REWARD_PROMPT_OPENS_THINK=auto reached the reward function unresolved: the job reads it from the "
+                "policy's chat template and passes true or false as +custom_reward_function.reward_kwargs."
+                "prompt_opens_think; outside the job set REWARD_PROMPT_OPENS_THINK=true or false"
+            )
+        return self.prompt_opens_think
 
 
 _ENV_NAMES = {
@@ -112,6 +124,8 @@ def load_config(kwargs: dict | None = None, environ: dict | None = None) -> Conf
 
 def _convert(name: str, raw):
     kind = type(getattr(Config, name, None)) if name != "server_urls" else tuple
+    if name == "prompt_opens_think" and str(raw).lower() == "auto":
+        return None  # the settings block's default: the job resolves it (Config.opens_think)
     if name == "server_urls":
         urls = raw.split(",") if isinstance(raw, str) else list(raw)
         urls = tuple(u.strip().rstrip("/") for u in urls if u.strip())
@@ -348,7 +362,7 @@ def _result(config: Config, raw: float, *, penalized=False, truncated=False, fai
 def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: Config) -> list[dict]:
     """Score a list of samples: penalties locally, the rest in /score_batch chunks spread over the servers."""
     n = len(solution_strs)
-    answers = [split_answer(str(r), config.prompt_opens_think) for r in solution_strs]
+    answers = [split_answer(str(r), config.opens_think) for r in solution_strs]
     prompts = [reward_prompt(ground_truths[i], extra_infos[i]) for i in range(n)]
     todo = [i for i, a in enumerate(answers) if not a.penalty_reason]
     # One request per server when it fits (the server batches it best in one piece), else batch_size items each.
@@ -507,7 +521,7 @@ def _score_each(config: Config, samples: list[tuple]) -> list:
             raise
     results = []
     for sample in samples:
-        if outage is not None and not split_answer(str(sample[1]), config.prompt_opens_think).penalty_reason:
+        if outage is not None and not split_answer(str(sample[1]), config.opens_think).penalty_reason:
             results.append(outage)
             continue
         try:

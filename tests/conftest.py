@@ -58,6 +58,15 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     )
 
 
+@pytest.fixture(scope="session")
+def instruct_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny policy with an Instruct-style chat template: its generation prompt opens no `<think>`."""
+    from demo.tiny_models import INSTRUCT_POLICY_CHAT_TEMPLATE, build_policy_model
+
+    return build_policy_model(tmp_path_factory.mktemp("instruct_policy") / "policy",
+                              chat_template=INSTRUCT_POLICY_CHAT_TEMPLATE)  # fmt: skip
+
+
 @pytest.fixture
 def fake_container(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeContainer:
     """Fake singularity/apptainer first on PATH; `fake_container.calls("singularity")` returns their calls."""

@@ -314,8 +314,8 @@ BATCH_CASES = [
     ({"STRATEGY": "fsdp2", "ROLLOUT_N": 1, "PPO_MINI_BATCH_SIZE": 1}, [], "= 1 sequences is less than one per data-parallel rank (4)"),
     # ppo_epochs 0: the update loop runs no step
     ({}, ["actor_rollout_ref.actor.ppo_epochs=0"], "actor_rollout_ref.actor.ppo_epochs=0: at least 1"),
-    # log-prob micro-batches of 0 rows (Megatron, fixed micro-batches)
-    ({}, ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0"], "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0 (MICRO_BATCH_PER_GPU): at least 1"),
+    # log-prob micro-batches of 0 rows (Megatron, fixed micro-batches put back by overrides)
+    ({}, ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0"], "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0 (MICRO_BATCH_PER_GPU): at least 1"),
     # dynamic log-prob batches with a token budget under one sequence (2048 + 4096 tokens)
     ({"STRATEGY": "fsdp2"}, ["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=4000"], "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=4000 is less than one whole sequence"),
     # PPO's critic: its own mini-batch on the actor's data-parallel ranks (Megatron shares the parallel state)
@@ -395,31 +395,35 @@ def test_fsdp2_carries_verls_padding_removal_and_dynamic_batches(env):
     budgets = {arr.actor.ppo_max_token_len_per_gpu, arr.ref.log_prob_max_token_len_per_gpu,
                arr.rollout.log_prob_max_token_len_per_gpu, cfg.critic.ppo_max_token_len_per_gpu,
                cfg.critic.forward_max_token_len_per_gpu}  # fmt: skip
-    assert budgets == {s.micro_batch_per_gpu * seq}
-    # Megatron keeps its own (fixed) micro-batches: nothing of this reaches its command.
-    assert not any("use_dynamic_bsz" in a or "use_remove_padding" in a for a in trainer_argv(settings(env)))
+    assert budgets == {s.micro_batch_per_gpu * seq}, "at the article's lengths: its fixed micro-batches' tokens"
+    # Megatron batches by the same token budget and packs without padding on its own: no use_remove_padding there.
+    megatron = trainer_argv(settings(env))
+    assert "actor_rollout_ref.actor.use_dynamic_bsz=True" in megatron
+    assert not any("use_remove_padding" in a for a in megatron)
 
 
-def test_the_fsdp2_token_budget_packs_full_length_sequences_as_verl_splits_them(env):
-    """verl's dynamic batching (seqlen_balancing.rearrange_micro_batches, what dp_actor uses) on a rank's share of
-    full-length sequences: no micro-batch holds more tokens than the budget, so memory stays at MICRO_BATCH_PER_GPU
-    full sequences at worst, and short sequences are packed more to a micro-batch."""
+@pytest.mark.parametrize("strategy", ["megatron", "fsdp2"])
+def test_the_token_budget_packs_full_length_sequences_as_verl_splits_them(env, strategy):
+    """verl's dynamic batching (seqlen_balancing.rearrange_micro_batches, what the Megatron actor and dp_actor use) on a
+    rank's share of sequences: no micro-batch holds more tokens than the budget, so memory stays at the article's
+    MICRO_BATCH_PER_GPU full sequences at worst; 16k-token responses go one to a micro-batch, short ones pack."""
     import torch
     from tensordict import TensorDict
     from verl.utils.seqlen_balancing import rearrange_micro_batches
 
-    s = settings(env, STRATEGY="fsdp2", MAX_PROMPT_LENGTH=64, MAX_RESPONSE_LENGTH=192, MICRO_BATCH_PER_GPU=2)
-    budget, seq = composed(s).actor_rollout_ref.actor.ppo_max_token_len_per_gpu, 256
+    s = settings(env, STRATEGY=strategy, MAX_RESPONSE_LENGTH=16384)
+    budget, seq = composed(s).actor_rollout_ref.actor.ppo_max_token_len_per_gpu, 2048 + 16384
+    assert budget == seq, "four of the article's 6144-token sequences hold one of 18432 tokens"
     full = TensorDict({"input_ids": torch.zeros(8, seq, dtype=torch.long),
                        "attention_mask": torch.ones(8, seq, dtype=torch.long)}, batch_size=[8])  # fmt: skip
     micro, _ = rearrange_micro_batches(full, max_token_len=budget)
-    assert [len(m) for m in micro] == [2, 2, 2, 2]
+    assert [len(m) for m in micro] == [1] * 8
     short_mask = torch.zeros(8, seq, dtype=torch.long)
-    short_mask[:, :32] = 1
+    short_mask[:, :3000] = 1
     short = TensorDict({"input_ids": torch.zeros(8, seq, dtype=torch.long), "attention_mask": short_mask},
                        batch_size=[8])  # fmt: skip
     micro, _ = rearrange_micro_batches(short, max_token_len=budget)
-    assert len(micro) == 1, "eight 32-token sequences fit one 512-token micro-batch"
+    assert [len(m) for m in micro] == [4, 4], "eight 3000-token sequences: two micro-batches of 12000 tokens"
 
 
 def dapo_batch(tokenizer, response_lengths: list[int], max_response: int):
@@ -584,7 +588,7 @@ def test_the_preflight_stops_a_job_whose_engine_does_not_import_where_the_traine
     assert "the trainer's modules import here: vllm, recipe.one_step_off_policy.main_ppo" in ok.stdout
 
 
-def test_fsdp2_batches_need_not_be_multiples_of_the_micro_batch_since_it_batches_by_tokens(env):
+def test_batches_need_not_be_multiples_of_the_micro_batch_since_both_strategies_batch_by_tokens(env):
     # 6 x 2 = 12 sequences on 4 GPUs: 3 each, in per-rank mini-batches of 2 x 2 / 4 = 1; no micro-batch count involved
     # (sync rollout: async's agent loop could not cut 12 sequences into 8 equal parts)
     s = settings(env, STRATEGY="fsdp2", TRAIN_BATCH_SIZE=6, ROLLOUT_N=2, PPO_MINI_BATCH_SIZE=2, MICRO_BATCH_PER_GPU=1,
@@ -593,5 +597,13 @@ def test_fsdp2_batches_need_not_be_multiples_of_the_micro_batch_since_it_batches
     cfg = composed(s)
     validate(cfg)
     assert batch_problems(cfg) == []
-    megatron = settings(env, TRAIN_BATCH_SIZE=6, ROLLOUT_N=2, PPO_MINI_BATCH_SIZE=2, MICRO_BATCH_PER_GPU=4)
-    assert any("data-parallel size 2 x MICRO_BATCH_PER_GPU 4" in p for p in check(megatron))
+    # Megatron too (2 data-parallel ranks x micro-batch 4 would not divide 12): verl's validate_config skips the
+    # micro-batch with use_dynamic_bsz, and so does the check
+    megatron = settings(env, TRAIN_BATCH_SIZE=6, ROLLOUT_N=2, PPO_MINI_BATCH_SIZE=2, MICRO_BATCH_PER_GPU=4,
+                        ROLLOUT_MODE="sync")  # fmt: skip
+    assert check(megatron) == []
+    cfg = composed(megatron)
+    validate(cfg)
+    assert batch_problems(cfg) == []
+    assert any("is not a multiple of data-parallel size 2" in p for p in check(settings(env, TRAIN_BATCH_SIZE=5,
+               ROLLOUT_N=1, PPO_MINI_BATCH_SIZE=5, ROLLOUT_MODE="sync")))  # fmt: skip

@@ -35,9 +35,10 @@ def settings(**overrides) -> Settings:
     "overrides, expected",
     [
         ({}, 2),  # the reference job: 2 x 4 responses = 8, one per agent-loop worker, 4 per data-parallel rank
-        ({"ROLLOUT_MODE": "sync", "CONFIG_GPUS_PER_NODE": 1, "ACTOR_PP": 1}, 1),  # 4 responses, one micro batch
-        ({"ROLLOUT_MODE": "sync", "CONFIG_GPUS_PER_NODE": 8, "ACTOR_PP": 1}, 8),  # 8 ranks x micro batch 4 = 32
-        ({"SLURM_NNODES": 2, "ROLLOUT_N": 1}, 16),  # 8 GPUs, PP 2: 4 ranks x 4 = 16 responses of one each
+        ({"ROLLOUT_MODE": "sync", "CONFIG_GPUS_PER_NODE": 1, "ACTOR_PP": 1}, 1),  # 4 responses on one GPU
+        # micro-batches go by tokens on Megatron too: no rank needs a whole number of MICRO_BATCH_PER_GPU sequences
+        ({"ROLLOUT_MODE": "sync", "CONFIG_GPUS_PER_NODE": 8, "ACTOR_PP": 1}, 2),  # 8 ranks, one response each
+        ({"SLURM_NNODES": 2, "ROLLOUT_N": 1}, 8),  # 8 GPUs and 8 agent-loop workers: one response each
         (
             {
                 "TRAINER_MODE": "one_step_off",
@@ -61,23 +62,22 @@ def test_the_canary_batch_is_the_fewest_prompts_every_rank_and_worker_gets_an_eq
 def test_the_canary_batch_splits_over_as_many_agent_loop_workers_as_the_users_overrides_ask():
     extra = ["trainer.total_epochs=2", "actor_rollout_ref.rollout.agent.num_workers=6"]
     out = canary.canary_settings(settings(), extra)
-    # 6 x 4 = 24 responses: 4 per agent-loop worker, 6 per training GPU, 12 (3 micro-batches) per data-parallel rank
-    assert out["TRAIN_BATCH_SIZE"] == "6"
+    # 3 x 4 = 12 responses: 2 per agent-loop worker, 3 per training GPU, 6 per data-parallel rank
+    assert out["TRAIN_BATCH_SIZE"] == "3"
     assert canary.canary_settings(settings())["TRAIN_BATCH_SIZE"] == "2", "verl's default: 8 workers"
 
 
 def test_the_canary_keeps_the_users_combination_and_shrinks_only_the_workload():
     s = settings(ALGORITHM="dapo", OVERLONG_BUFFER_LEN=1024)
     out = canary.canary_settings(s)
-    assert out["MAX_RESPONSE_LENGTH"] == "512" and out["SAVE_FREQ"] == "1" and out["TEST_FREQ"] == "2"
+    assert out["SAVE_FREQ"] == "1" and out["TEST_FREQ"] == "2"
     assert out["EXPERIMENT_NAME"] == "qwen3_4b_grpo_megatron_canary", "never the real run's experiment"
     assert out["TRAINER_LOGGER"] == "[console]", "no wandb run is touched"
-    assert out["OVERLONG_BUFFER_LEN"] == "0", "DAPO's 1024-token buffer cannot fit in 512-token responses"
-    assert not {"ALGORITHM", "TRAINER_MODE", "STRATEGY", "ACTOR_PP", "ACTOR_TP", "ROLLOUT_TP", "ROLLOUT_N"} & set(out)
+    # the user's response length and all that depends on it: the clip ratio it reports is the real run's
+    kept = {"ALGORITHM", "TRAINER_MODE", "STRATEGY", "ACTOR_PP", "ACTOR_TP", "ROLLOUT_TP", "ROLLOUT_N",
+            "MAX_RESPONSE_LENGTH", "OVERLONG_BUFFER_LEN", "MICRO_BATCH_PER_GPU"}  # fmt: skip
+    assert not kept & set(out)
     dynamic = settings(ALGORITHM="dapo", DAPO_DYNAMIC_SAMPLING="true", ROLLOUT_MODE="sync")
-    assert canary.canary_settings(dynamic)["MAX_RESPONSE_LENGTH"] == "4096", (
-        "recipe.dapo drops groups that all score the same: responses all cut off mid-reasoning would be dropped"
-    )
     assert "data.train_max_samples=-1" in canary.stage_overrides("train", dynamic)
     resume = canary.stage_overrides("resume", settings(TRAIN_BATCH_SIZE=2))
     assert "trainer.total_training_steps=3" in resume and "data.train_max_samples=6" in resume
@@ -162,6 +162,54 @@ def test_the_summary_shows_each_failure_with_its_log_and_lines_and_the_stages_it
     assert canary.summary(results) == (canary.summary(results)[0], True)
 
 
+def clip_line(step: int, ratio: str) -> str:
+    """A step line with verl's response-length metrics (metric_utils.compute_data_metrics), numpy 2's repr included."""
+    return (f"(TaskRunner pid=4711) step:{step} - response_length/mean:3900.0 - response_length/clip_ratio:{ratio}"
+            f" - response_length_non_aborted/clip_ratio:0.0 - timing_s/step:41.0")  # fmt: skip
+
+
+def stage_entries(tmp_path: Path, opens: str | None, *ratios: str) -> dict[str, dict]:
+    """The results of stages 1 and 2 as `check` records them, from step lines with these clip ratios."""
+    (tmp_path / "train").mkdir()
+    log = tmp_path / "train" / "launch.log"
+    log.write_text("\n".join(clip_line(i + 1, r) for i, r in enumerate(ratios)))
+    if opens is not None:
+        (tmp_path / "train" / "trainer_command.txt").write_text(
+            f"python3\n-m\nverl.trainer.main_ppo\n+custom_reward_function.reward_kwargs.prompt_opens_think={opens}\n"
+        )
+    results = tmp_path / "results.jsonl"
+    env = block_environment() | {"REWARD_PROMPT_OPENS_THINK": "true"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        canary.main(["check", "train", "--rc", "1", "--seconds", "5", "--log", str(log), "--ckpt", str(tmp_path),
+                     "--results", str(results)])  # fmt: skip
+    return canary.read_results(results)
+
+
+def test_the_summary_reports_verls_clip_ratio_and_warns_when_responses_are_cut_naming_the_setting(tmp_path):
+    results = stage_entries(tmp_path, "True", "np.float64(0.625)", "0.75")
+    assert results["train"]["clip_ratio"] == {"1": 0.625, "2": 0.75}
+    table, _ = canary.summary(results)
+    assert ("response length: verl's response_length/clip_ratio at MAX_RESPONSE_LENGTH=4096: step 1 0.62, step 2 "
+            "0.75 (the share of responses cut at the limit; 69% on average)") in table  # fmt: skip
+    (warning,) = [line for line in table.splitlines() if line.startswith("WARNING:")]
+    assert "69% of responses hit MAX_RESPONSE_LENGTH=4096" in warning and "raise MAX_RESPONSE_LENGTH" in warning
+    assert "scores the penalty" in warning and "whose 4 responses are all cut has zero advantage" in warning
+    assert "about 22% of groups carry no signal" in warning  # 0.6875 ** 4 = 0.22
+
+
+def test_a_policy_told_its_prompt_opens_no_think_block_is_warned_about_unfinished_answers_instead(tmp_path):
+    table, _ = canary.summary(stage_entries(tmp_path, "False", "0.5", "0.5"))
+    (warning,) = [line for line in table.splitlines() if line.startswith("WARNING:")]
+    assert "a cut answer is scored as it stands" in warning and "penalty" not in warning
+
+
+def test_a_low_clip_ratio_is_reported_without_a_warning(tmp_path):
+    table, _ = canary.summary(stage_entries(tmp_path, "True", "0.0", "0.03125"))
+    assert "2% on average" in table and "WARNING" not in table
+
+
 def test_the_explaining_lines_end_at_the_last_error_not_at_the_shutdown_noise():
     text = "\n".join(["step ok"] * 30 + ["Traceback (most recent call last):", "  File x", "RuntimeError: boom"]
                      + ["cleanup: stopping ray"] * 20)  # fmt: skip
@@ -227,7 +275,7 @@ def test_the_canary_trains_resumes_and_merges_in_one_job_and_touches_nothing_of_
         (out,) = [a for a in argv if a.startswith("trainer.default_local_dir=")]
         assert out.startswith(f"trainer.default_local_dir={canary_ckpt}") and out.endswith("/checkpoints")
         assert "trainer.experiment_name=qwen3_4b_grpo_megatron_canary" in argv and "trainer.logger=[console]" in argv
-        assert "trainer.save_freq=1" in argv and f"data.max_response_length={canary.RESPONSE_LENGTH}" in argv
+        assert "trainer.save_freq=1" in argv and "data.max_response_length=4096" in argv, "the user's length"
         assert argv.index("trainer.total_training_steps=100") < argv.index(f"trainer.total_training_steps={steps}"), (
             "the canary's step count goes after the user's overrides, so it wins"
         )

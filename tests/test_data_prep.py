@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.build import BadRow, RowSpec, chat_messages, goes_to_test, make_row, prompt_key
+from data_prep.build import BadRow, RowSpec, chat_messages, goes_to_test, make_row, prompt_key, split_value
 from data_prep.build import main as build_main
 from data_prep.validate import main as validate_main
 from tests.support import REPO
@@ -190,6 +190,52 @@ def test_an_empty_test_split_is_refused_and_an_explicit_test_file_is_used(tmp_pa
     assert build_main([str(src), "--test-file", str(held), "--out-dir", str(tmp_path / "out")]) == 0
     assert len(rows_of(tmp_path / "out" / "test.parquet")) == 10
     assert {r["extra_info"]["split"] for r in rows_of(tmp_path / "out" / "test.parquet")} == {"test"}
+
+
+def none_under(test_size: float, n: int) -> list[dict]:
+    """n prompts of which no hash falls under test_size with seed 0: a small file the split leaves no test row."""
+    prompts = (f"How should I store household product {i}?" for i in range(10_000))
+    keep = (p for p in prompts if not goes_to_test(prompt_key([{"role": "user", "content": p}]), 0, test_size))
+    return [{"prompt": next(keep)} for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 20])
+def test_a_small_file_keeps_one_test_row_the_one_nearest_the_split(tmp_path, n, capsys):
+    rows = none_under(0.05, n)
+    src = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    assert build_main([str(src), "--out-dir", str(tmp_path / "out")]) == 0  # the README's step 2, as written
+    train, test = rows_of(tmp_path / "out" / "train.parquet"), rows_of(tmp_path / "out" / "test.parquet")
+    assert (len(train), len(test)) == (n - 1, 1)
+    nearest = min(rows, key=lambda r: split_value(prompt_key([{"role": "user", "content": r["prompt"]}]), 0))
+    assert test[0]["prompt"][0]["content"] == nearest["prompt"]
+    assert test[0]["extra_info"]["split"] == "test" and test[0]["extra_info"]["index"] == 0
+    assert sorted(r["extra_info"]["index"] for r in train) == list(range(n - 1))
+    assert "no row fell under --test-size 0.05: the 1 row(s) of the prompt nearest to it went to test" in (
+        capsys.readouterr().out
+    )
+
+
+def test_copies_of_the_nearest_prompt_go_to_test_together_and_a_split_that_has_test_rows_is_left_alone(tmp_path):
+    rows = none_under(0.05, 5)
+    nearest = min(rows, key=lambda r: split_value(prompt_key([{"role": "user", "content": r["prompt"]}]), 0))
+    src = write_jsonl(tmp_path / "prompts.jsonl", [*rows, dict(nearest)])
+    assert build_main([str(src), "--out-dir", str(tmp_path / "out")]) == 0
+    test = rows_of(tmp_path / "out" / "test.parquet")
+    assert [r["prompt"][0]["content"] for r in test] == [nearest["prompt"]] * 2, "identical prompts never straddle"
+    # a file whose hashes put rows in test keeps exactly those
+    examples = [{"prompt": f"question {i}"} for i in range(60)]
+    under = [e for e in examples if goes_to_test(prompt_key([{"role": "user", "content": e["prompt"]}]), 0, 0.05)]
+    assert under, "some of 60 prompts fall under 5%"
+    big = write_jsonl(tmp_path / "big.jsonl", examples)
+    assert build_main([str(big), "--out-dir", str(tmp_path / "big")]) == 0
+    assert len(rows_of(tmp_path / "big" / "test.parquet")) == len(under)
+
+
+def test_one_row_cannot_be_split_and_the_refusal_names_the_flags(tmp_path):
+    src = write_jsonl(tmp_path / "one.jsonl", none_under(0.05, 1))
+    with pytest.raises(SystemExit, match="test split would be empty .*raise --test-size or give --test-file"):
+        build_main([str(src), "--out-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "train.parquet").exists(), "nothing written"
 
 
 def test_the_command_line_has_help_and_rejects_contradictions(tmp_path):

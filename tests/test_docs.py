@@ -149,3 +149,50 @@ def test_the_japanese_readme_has_the_english_ones_commands_settings_output_and_l
     links = re.compile(r"\]\((docs/[^)#]+)")
     assert set(links.findall(japanese)) == set(links.findall(english))
     assert {"CONFIG_MODEL_PATH", "CONFIG_REWARD_MODEL_PATH", "TRAINING_DONE", "#SBATCH --partition"} <= names(english)
+
+
+def step_3_settings(readme) -> list[str]:
+    """The setting names in the first column of a README's step-3 table (the settings to edit first)."""
+    text = readme.read_text()
+    table = re.split(r"\n\*\*(?:Step 3|手順 3)", text, maxsplit=1)[1].split("\n\n", 2)[1]
+    return [n for row in table.splitlines()[2:] for n in re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split(" | ")[0])]
+
+
+def test_the_step_3_tables_name_settings_of_the_block_and_the_thinking_one_among_them():
+    block = {s.name for s in reference.block_settings()}
+    for readme in (REPO / "README.md", REPO / "README.ja.md"):
+        names = step_3_settings(readme)
+        assert "REWARD_PROMPT_OPENS_THINK" in names, readme.name
+        assert set(names) <= block, (readme.name, set(names) - block)
+
+
+def test_every_code_fence_of_the_readmes_and_docs_is_closed():
+    """A fence left open renders the rest of the page as code (docs/image.md had a stray line and a lone fence)."""
+    pages = [REPO / "README.md", REPO / "README.ja.md", REPO / "benchmarks" / "README.md",
+             *sorted((REPO / "docs").glob("*.md"))]  # fmt: skip
+    for page in pages:
+        fences = [line for line in page.read_text().splitlines() if line.startswith("```")]
+        assert len(fences) % 2 == 0, f"{page.relative_to(REPO)}: a code fence is not closed"
+        assert all(line == "```" for line in fences[1::2]), (
+            f"{page.relative_to(REPO)}: a closing fence names a language"
+        )
+
+
+def test_the_speed_table_lives_in_the_benchmarks_readme_and_the_readmes_quote_its_first_row():
+    english, japanese = (REPO / "README.md").read_text(), (REPO / "README.ja.md").read_text()
+    bench = (REPO / "benchmarks" / "README.md").read_text()
+    row = re.search(r"^\| Qwen3-1\.7B shape \| ([0-9.]+) \| ([0-9.]+) ", bench, flags=re.M)
+    assert row, "the latest round's table in benchmarks/README.md"
+    seconds, share = f"{float(row.group(1)):.1f}", f"{float(row.group(2)):.0f}%"
+    for readme, unit in ((english, " s"), (japanese, " 秒")):
+        assert "% of ceiling" not in readme and "性能比" not in readme, "no speed table in the README"
+        (line,) = [x for x in readme.splitlines() if "benchmarks/README.md" in x and x.startswith("- ")]
+        assert f"{seconds}{unit}" in line and share in line, (line, seconds, share)
+
+
+def test_the_japanese_readme_says_what_the_canary_is_where_it_first_names_it():
+    japanese = (REPO / "README.ja.md").read_text()
+    after = japanese.split("カナリア", 1)[1]
+    assert after.startswith("（"), "カナリア is explained at its first use, in parentheses"
+    explanation = after[1 : after.index("）")]
+    assert "試運転" in explanation and "CANARY=1" in explanation, explanation

@@ -117,7 +117,12 @@ def test_the_articles_grpo_command_passes_verls_own_checks_and_a_typo_does_not(j
     assert "PREFLIGHT_ONLY=1: nothing started" in ok.stdout
     typo = run(article, "trainer.total_epoch=2")
     assert typo.returncode == 1 and "Could not override 'trainer.total_epoch'" in typo.stderr
-    micro = run(article, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
+    # fixed micro-batches put back by overrides: verl's validate_config asks 1024 sequences to split into them
+    micro = run(
+        article,
+        "actor_rollout_ref.actor.use_dynamic_bsz=False",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+    )
     assert micro.returncode == 1 and "verl 0.6.1 rejects the trainer config" in micro.stderr
 
 
@@ -155,10 +160,29 @@ def test_preflight_scores_real_rows_through_verls_reward_manager_and_catches_a_w
         "safe_hack_reward_async" in ok.stdout
     )
     assert "(penalty: cut off mid-reasoning)" in ok.stdout
+    assert "the policy's chat template opens <think> in its generation prompt" in ok.stdout
     wrong = run(job | {"PREFLIGHT_ONLY": "1", "REWARD_PROMPT_OPENS_THINK": "false"})
     assert wrong.returncode == 1
-    assert "the reward check failed" in wrong.stderr and "REWARD_PROMPT_OPENS_THINK" in wrong.stderr
+    assert "set REWARD_PROMPT_OPENS_THINK=true (or auto)" in wrong.stderr, wrong.stderr[-2000:]
     assert "=== launching on" not in ok.stdout + wrong.stdout
+
+
+def test_a_policy_whose_template_opens_no_think_block_is_scored_not_penalized_and_true_is_refused(job, instruct_policy):
+    """An Instruct-style policy (no <think> in its prompt): auto tells the reward function so, the preflight's reward
+    check scores the response without tags instead of penalizing it, and the job's command carries the value."""
+    instruct = job | {"CONFIG_MODEL_PATH": str(instruct_policy)}
+    ok = run(instruct | {"PREFLIGHT_ONLY": "1"})
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "the policy's chat template opens no <think> in its generation prompt" in ok.stdout
+    assert "prompt_opens_think=False" in ok.stdout and "(penalty: cut off mid-reasoning)" not in ok.stdout
+    assert "scored 8 validation rows" in ok.stdout
+    wrong = run(instruct | {"PREFLIGHT_ONLY": "1", "REWARD_PROMPT_OPENS_THINK": "true"})
+    assert wrong.returncode == 1
+    assert "every answer without </think> would get the penalty" in wrong.stderr
+    assert "set REWARD_PROMPT_OPENS_THINK=false (or auto)" in wrong.stderr
+    trained = run(instruct)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "+custom_reward_function.reward_kwargs.prompt_opens_think=False" in seen(instruct)["argv"]
 
 
 def test_an_async_dapo_job_is_checked_through_verls_dapo_reward_loop(job, fake_container):

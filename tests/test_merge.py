@@ -344,3 +344,102 @@ def test_bad_input_names_the_setting_and_changes_nothing(merge_env, tiny_models,
         assert (target / "keep.txt").read_text() == "mine"
     if extra.get("STEP") == "99":
         assert "global_step_10" in result.stderr and "global_step_20" in result.stderr
+
+
+# --- one place to edit: the top of the run script --------------------------------------------------------------------
+
+
+def edit_run_script(repo: Path, **lines: str) -> None:
+    """What a user does in step 3: change lines at the top of the run script (each key: the start of the line)."""
+    script = repo / "run_grpo_qwen3_4b_mega_verl.sh"
+    text = script.read_text().splitlines()
+    for start, line in lines.items():
+        (i,) = [n for n, old in enumerate(text) if old.startswith(start)]
+        text[i] = line
+    script.write_text("\n".join(text) + "\n")
+
+
+USER_EDITS = {  # CONFIG_OUTPUT_DIR and the image elsewhere, an account to bill, the Slurm output in another folder
+    "CONFIG_OUTPUT_DIR=": 'CONFIG_OUTPUT_DIR="${CONFIG_OUTPUT_DIR:-$repo/checkpoints/my_run}"  # checkpoints',
+    "CONFIG_IMAGE_PATH=": 'CONFIG_IMAGE_PATH="${CONFIG_IMAGE_PATH:-$repo/images/verl_app.sif}"  # the image',
+    "##SBATCH --account=": "#SBATCH --account=team_a        # billed to the team",
+    "#SBATCH --output=": "#SBATCH --output=slurm_logs/%x-%j.out",
+}
+
+
+def edited_clone(tmp_path: Path, tiny_models) -> Path:
+    from tests import real_slurm
+
+    repo = real_slurm.copy_tree(REPO, tmp_path / "repo")
+    edit_run_script(repo, **USER_EDITS)
+    make_checkpoint(repo / "checkpoints" / "my_run", tiny_models.policy, tied=True)
+    (repo / "images").mkdir()
+    (repo / "images" / "verl_app.sif").write_text("fake image")
+    (repo / "slurm_logs").mkdir()
+    return repo
+
+
+def merge_only_env(merge_env) -> dict:
+    """The merge's environment with nothing of the run script's settings in it: the block must say them."""
+    return {k: v for k, v in merge_env.items() if k not in ("CKPT_ROOT", "CONFIG_IMAGE_PATH", "CONFIG_OUTPUT_DIR")}
+
+
+def test_the_merge_takes_the_output_folder_image_and_header_lines_from_the_top_of_the_run_script(
+    merge_env, tiny_models, tmp_path, fake_container
+):
+    repo = edited_clone(tmp_path, tiny_models)
+    result = subprocess.run(["bash", "merge_mcore_to_hf.sh"], cwd=repo, env=merge_only_env(merge_env),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"done: {repo / 'hf_models' / 'my_run-step20'}" in result.stdout
+    calls = [c["argv"] for c in fake_container.calls("singularity")]
+    assert calls and all(str(repo / "images" / "verl_app.sif") in c for c in calls), "the run script's image"
+    header = (repo / "merge_mcore_to_hf.sh").read_text().splitlines()[:12]
+    assert USER_EDITS["##SBATCH --account="] in header and USER_EDITS["#SBATCH --output="] in header
+    assert "merge_mcore_to_hf.sh now has run_grpo_qwen3_4b_mega_verl.sh's '#SBATCH --account=team_a'" in result.stdout
+    again = subprocess.run(["bash", "merge_mcore_to_hf.sh"], cwd=repo, env=merge_only_env(merge_env) | {
+        "TARGET_DIR": str(tmp_path / "second")}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert again.returncode == 0 and "now has" not in again.stdout, "nothing to copy once they agree"
+
+
+def test_every_start_of_the_run_script_copies_its_header_lines_into_the_merge(tmp_path, tiny_models):
+    repo = edited_clone(tmp_path, tiny_models)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONFIG_"))}
+    run = subprocess.run(["bash", "run_grpo_qwen3_4b_mega_verl.sh"], cwd=repo, capture_output=True, text=True,
+                         env=env | {"PREFLIGHT_ONLY": "1", "CONTAINER": "none"}, timeout=300)  # fmt: skip
+    assert run.returncode == 1, "no models here: the preflight refuses, after the header was copied"
+    assert "merge_mcore_to_hf.sh now has this script's '#SBATCH --account=team_a'" in run.stdout
+    assert USER_EDITS["##SBATCH --account="] in (repo / "merge_mcore_to_hf.sh").read_text().splitlines()
+    assert os.access(repo / "merge_mcore_to_hf.sh", os.X_OK), "the copy keeps the script's mode"
+
+
+def test_sbatch_merge_in_a_fresh_clone_after_editing_only_the_run_script(
+    merge_env, tiny_models, tmp_path, fake_container, slurm_cluster
+):
+    """A user edits the top of the run script in a fresh clone and submits the merge as the README says. Submitted
+    before any start of the run script copied its #SBATCH lines, the first merge runs without the account: it stops,
+    merging nothing, and copies them; the second runs billed to the run script's account, writes its output where
+    the run script's --output says and merges from its CONFIG_OUTPUT_DIR with its image."""
+    from tests import real_slurm
+
+    repo = edited_clone(tmp_path, tiny_models)
+    env, jobs = merge_only_env(merge_env), []
+    options = ("--mem=2G", "--cpus-per-task=1", "--gpus-per-node=1")
+    try:
+        first = real_slurm.sbatch(env, "merge_mcore_to_hf.sh", cwd=repo, options=options)
+        jobs.append(first)
+        fields = first.wait(300)
+        assert first.out == repo / "logs" / f"merge-mcore-hf-{first.id}.out", "submitted with the old header"
+        assert fields["JobState"] == "FAILED", first.output()[-3000:]
+        assert "it was submitted before this script's #SBATCH lines followed that one's; they do now" in first.output()
+        assert not (repo / "hf_models").exists(), "nothing merged"
+        second = real_slurm.sbatch(env, "merge_mcore_to_hf.sh", cwd=repo, options=options)
+        jobs.append(second)
+        fields = second.wait(300)
+    finally:
+        real_slurm.cancel_all(jobs)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), second.output()[-3000:]
+    assert fields["Account"] == "team_a"
+    assert second.out == repo / "slurm_logs" / f"merge-mcore-hf-{second.id}.out"
+    assert f"done: {repo / 'hf_models' / 'my_run-step20'}" in second.output()
+    assert all(str(repo / "images" / "verl_app.sif") in c["argv"] for c in fake_container.calls("singularity"))

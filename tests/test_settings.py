@@ -43,8 +43,51 @@ def test_a_missing_or_malformed_setting_names_itself():
 
 @pytest.mark.parametrize("algorithm, strategy", [("grpo", "megatron"), ("ppo", "fsdp2"), ("dapo", "megatron")])
 def test_the_fixed_trainer_keys_are_in_every_command_and_no_key_is_set_twice(algorithm, strategy):
-    settings = Settings.from_env(block_environment() | {"ALGORITHM": algorithm, "STRATEGY": strategy})
-    argv = trainer_argv(settings)
+    # REWARD_PROMPT_OPENS_THINK=auto would read the default policy's template, which is not here
+    env = block_environment() | {"ALGORITHM": algorithm, "STRATEGY": strategy, "REWARD_PROMPT_OPENS_THINK": "true"}
+    argv = trainer_argv(Settings.from_env(env))
     assert all(fixed in argv for fixed in FIXED_OVERRIDES)
     keys = [a.split("=", 1)[0].lstrip("+") for a in argv if "=" in a and not a.startswith("--")]
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+
+
+def launch_imports() -> dict[str, set[str]]:
+    """{module: the launch modules it imports}, for every module of launch/, imports inside functions included (a
+    lazy import is still a dependency: it only hides a circle until the function runs); those under `if
+    TYPE_CHECKING:` are for annotations only and never run."""
+    import ast
+
+    graph = {}
+    for path in sorted((REPO / "launch").glob("*.py")):
+        tree, found = ast.parse(path.read_text()), set()
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and ast.unparse(block.test) == "TYPE_CHECKING" for n in ast.walk(block)}  # fmt: skip
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("launch.")}
+            elif isinstance(node, ast.ImportFrom) and node.module == "launch":
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("launch."):
+                found.add(node.module.split(".")[1])
+        graph[path.stem] = found - {path.stem}
+    return graph
+
+
+def test_launch_modules_import_each_other_in_one_direction():
+    graph = launch_imports()
+    done: list[str] = []
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"an import circle: {' -> '.join((*path, module))}"
+        if module not in done:
+            for dependency in sorted(graph.get(module, ())):
+                visit(dependency, (*path, module))
+            done.append(module)
+
+    for module in graph:
+        visit(module, ())
+    # the order launch/settings.py's docstring names: the time-limit maths under the settings, the refusals over them
+    assert "refusals" not in graph["settings"] and graph["deadline"] == set()
+    assert done.index("deadline") < done.index("settings") < done.index("refusals") < done.index("preflight")

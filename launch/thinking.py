@@ -1,0 +1,88 @@
+"""Whether the policy's prompt opens a reasoning block, read from the policy's own chat template as verl renders it.
+
+verl renders every prompt with the policy tokenizer's chat template, add_generation_prompt=True and
+data.apply_chat_template_kwargs (verl/utils/dataset/rl_dataset.py, experimental/agent_loop/single_turn_agent_loop.py:35).
+A generation prompt that ends inside an open `<think>` (Qwen3-*-Thinking-2507: `<|im_start|>assistant\\n<think>\\n`)
+makes every response start mid-reasoning: it holds only the closing `</think>`, and one without it was cut off, which
+the reward function scores as the penalty. Any other template (Instruct models, most non-Qwen ones, hybrid Qwen3 with
+enable_thinking=False, whose prompt closes the block itself) leaves the response to open its own block, or none.
+
+REWARD_PROMPT_OPENS_THINK=auto takes the template's answer; true or false must agree with it (the preflight refuses
+one that does not, naming the right value). The reward function imports only the standard library and requests, so
+it cannot read a template: the job passes it the value as +custom_reward_function.reward_kwargs.prompt_opens_think.
+
+This module imports nothing of launch/ (the bottom of its imports, beside launch/deadline.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CHOICES = ("auto", "true", "false")
+TEMPLATE_KWARGS_KEY = "data.apply_chat_template_kwargs"
+_PROBE = [{"role": "user", "content": "Is it safe to mix these two cleaning products?"}]
+
+
+class TemplateError(ValueError):
+    """The policy's chat template cannot be read or rendered; the message names CONFIG_MODEL_PATH."""
+
+
+def template_kwargs(overrides: Iterable[str]) -> dict:
+    """data.apply_chat_template_kwargs as Hydra overrides set them (`+data.apply_chat_template_kwargs.K=V`, the last
+    one winning), each value read as YAML as Hydra reads it (False is a bool, 'x' a string)."""
+    import yaml
+
+    out = {}
+    for override in overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        if sep and key.startswith(TEMPLATE_KWARGS_KEY + "."):
+            out[key[len(TEMPLATE_KWARGS_KEY) + 1 :]] = yaml.safe_load(value) if value else None
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _generation_prompt(model_path: str, kwargs: tuple) -> str:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except Exception as exc:  # transformers' own reasons: a missing folder, a broken tokenizer_config.json
+        raise TemplateError(
+            f"CONFIG_MODEL_PATH={model_path}: its tokenizer does not load ({type(exc).__name__}: {exc}), so "
+            "REWARD_PROMPT_OPENS_THINK=auto cannot read its chat template; fix the path, or set true or false"
+        ) from None
+    if not tokenizer.chat_template:
+        raise TemplateError(
+            f"CONFIG_MODEL_PATH={model_path} has no chat template (tokenizer_config.json chat_template or "
+            "chat_template.jinja): verl renders every prompt with it; use the policy's chat (Instruct or Thinking) "
+            "checkpoint"
+        )
+    try:
+        return tokenizer.apply_chat_template(_PROBE, add_generation_prompt=True, tokenize=False, **dict(kwargs))
+    except Exception as exc:  # the template's own error (jinja), as verl would meet it on the first row
+        raise TemplateError(
+            f"CONFIG_MODEL_PATH={model_path}: its chat template fails on a user turn ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def template_opens_think(model_path: str, kwargs: dict | None = None) -> bool:
+    """True when the rendered prompt (with the generation prompt) ends inside an open `<think>` block."""
+    prompt = _generation_prompt(str(model_path), tuple(sorted((kwargs or {}).items(), key=lambda kv: kv[0])))
+    return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+
+
+def describe(opens: bool) -> str:
+    return "opens <think> in its generation prompt" if opens else "opens no <think> in its generation prompt"
+
+
+def resolve(setting: str, model_path: str, kwargs: dict | None = None) -> tuple[bool, str]:
+    """(the prompt_opens_think the reward function gets, where it came from). auto reads the template; true and false
+    are taken as set (the preflight checks them against the template: launch/refusals.py thinking_problems)."""
+    if setting == "auto":
+        opens = template_opens_think(model_path, kwargs)
+        return opens, f"REWARD_PROMPT_OPENS_THINK=auto: the policy's chat template {describe(opens)}"
+    if setting in ("true", "false"):
+        return setting == "true", f"REWARD_PROMPT_OPENS_THINK={setting}"
+    raise TemplateError(f"REWARD_PROMPT_OPENS_THINK={setting!r}: use auto, true or false")

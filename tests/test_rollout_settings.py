@@ -1,0 +1,142 @@
+"""What verl 0.6.1 does with the rollout's settings, on its own code: validation sampled as the Qwen3 cards say (not
+verl's greedy default), and micro-batches by token count on the Megatron path as on FSDP2, so that a longer
+MAX_RESPONSE_LENGTH does not grow a micro-batch."""
+
+import asyncio
+import importlib.util
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from launch.preflight import validate, validation_sampling
+from launch.refusals import batch_problems, check
+from tests.test_algorithms import composed, env, settings  # noqa: F401  (env is the tiny-model settings fixture)
+
+# --- validation sampling -----------------------------------------------------------------------------------------
+
+
+def test_validation_samples_with_the_qwen3_cards_values_not_verls_greedy_default(env):  # noqa: F811
+    for mode in ("async", "sync"):
+        cfg = composed(settings(env, ROLLOUT_MODE=mode))
+        validate(cfg)
+        v = cfg.actor_rollout_ref.rollout.val_kwargs
+        assert (v.do_sample, v.temperature, v.top_p, v.top_k, v.n) == (True, 0.6, 0.95, 20, 1)
+    assert validation_sampling(composed(settings(env, ROLLOUT_MODE="sync"))) == (
+        "samples at temperature 0.6, top_p 0.95, top_k 20"
+    )
+    assert "agent loop passes validation only temperature and top_p" in validation_sampling(composed(settings(env)))
+
+
+def agent_loop_worker(cfg):
+    """verl 0.6.1's AgentLoopWorker without its servers: generate_sequences as it is, up to each sample's loop,
+    which records the sampling parameters it is handed."""
+    if "cachetools" not in sys.modules and importlib.util.find_spec("cachetools") is None:
+        # The LLM server manager's sticky-session cache; this environment lacks the package and nothing here uses it.
+        sys.modules.setdefault("cachetools", types.SimpleNamespace(LRUCache=dict))
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorkerBase
+
+    worker, seen = object.__new__(AgentLoopWorkerBase), []
+    worker.config = cfg
+
+    async def run_agent_loop(sampling_params, trajectory, **kwargs):
+        seen.append(dict(sampling_params))
+
+    worker._run_agent_loop, worker._postprocess = run_agent_loop, lambda outputs: outputs
+    return worker, seen
+
+
+@pytest.mark.parametrize("validate_batch", [True, False])
+def test_verls_agent_loop_samples_validation_at_the_cards_temperature_and_top_p(env, validate_batch):  # noqa: F811
+    """Async rollout (the default): the agent loop overrides temperature and top_p for validation
+    (agent_loop.py:341-343); top_k and do_sample never reach the engine there, which the preflight says."""
+    from verl import DataProto
+
+    worker, seen = agent_loop_worker(composed(settings(env)))
+    batch = DataProto.from_dict(
+        tensors={"index_tensor": torch.arange(2)},
+        non_tensors={"raw_prompt": np.array([[{"role": "user", "content": "hi"}]] * 2, dtype=object)},
+        meta_info={"validate": validate_batch, "global_steps": 1},
+    )
+    asyncio.run(worker.generate_sequences(batch))
+    assert len(seen) == 2
+    expected = (0.6, 0.95) if validate_batch else (1.0, 1.0)  # training rollouts keep rollout.temperature/top_p
+    assert {(p["temperature"], p["top_p"]) for p in seen} == {expected}
+    assert all("top_k" not in p for p in seen)
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"VAL_DO_SAMPLE": "false"}, "VAL_DO_SAMPLE=false with ROLLOUT_MODE=async: verl 0.6.1's agent loop never reads"),
+        ({"VAL_TEMPERATURE": "0"}, "VAL_DO_SAMPLE=true with VAL_TEMPERATURE=0 decodes greedily all the same"),
+        ({"VAL_TOP_K": "0"}, "VAL_TOP_K=0: -1 (off) or 1 or more"),
+        ({"VAL_TOP_P": "1.5"}, "VAL_TOP_P=1.5: a share of the probability mass in (0, 1]"),
+    ],
+)  # fmt: skip
+def test_validation_settings_verl_would_not_follow_are_refused_naming_the_fix(env, overrides, needle):  # noqa: F811
+    assert any(needle in p for p in check(settings(env, **overrides))), check(settings(env, **overrides))
+
+
+def test_greedy_validation_is_still_possible_where_verl_follows_it(env):  # noqa: F811
+    assert check(settings(env, VAL_DO_SAMPLE="false", VAL_TEMPERATURE="0")) == []
+    sync = settings(env, VAL_DO_SAMPLE="false", ROLLOUT_MODE="sync")
+    assert check(sync) == [] and validation_sampling(composed(sync)) == "greedy (VAL_DO_SAMPLE=false)"
+    assert batch_problems(composed(sync)) == []
+
+
+# --- micro-batches by token count on the Megatron path ---------------------------------------------------------------
+
+# What verl 0.6.1's Megatron workers read of each budget, as it is written in their source: the actor's update
+# (megatron_actor.py:682-690), the rollout's and the ref's log-probs (megatron_workers.py:727-728, 749-750, then
+# megatron_actor.py:186-191), the critic's values and update (megatron_workers.py:1075-1076, megatron_critic.py:306-314).
+MEGATRON_READS = {
+    "workers/actor/megatron_actor.py": ["self.config.use_dynamic_bsz", "self.config.ppo_max_token_len_per_gpu",
+                                        'data.meta_info.get("use_dynamic_bsz", False)',
+                                        'data.meta_info.get("max_token_len", None)'],
+    "workers/megatron_workers.py": ["self.config.rollout.log_prob_use_dynamic_bsz",
+                                    "self.config.rollout.log_prob_max_token_len_per_gpu",
+                                    "self.config.ref.log_prob_use_dynamic_bsz",
+                                    "self.config.ref.log_prob_max_token_len_per_gpu",
+                                    "self.config.forward_max_token_len_per_gpu"],
+    "workers/critic/megatron_critic.py": ["self.config.use_dynamic_bsz", "self.config.ppo_max_token_len_per_gpu"],
+}  # fmt: skip
+
+
+def test_the_megatron_path_batches_by_tokens_with_the_keys_verls_megatron_workers_read(env):  # noqa: F811
+    import verl
+    from verl.utils.config import omega_conf_to_dataclass
+
+    root = importlib.util.find_spec("verl").submodule_search_locations[0]
+    for path, reads in MEGATRON_READS.items():
+        source = open(f"{root}/{path}").read()
+        assert [r for r in reads if r not in source] == [], f"verl {verl.__version__} {path} no longer reads them"
+    cfg = composed(settings(env, ALGORITHM="ppo"))
+    validate(cfg)
+    arr = cfg.actor_rollout_ref
+    assert arr.actor.strategy == "megatron" and cfg.critic.strategy == "megatron"
+    assert arr.actor.use_dynamic_bsz and arr.rollout.log_prob_use_dynamic_bsz and arr.ref.log_prob_use_dynamic_bsz
+    assert cfg.critic.use_dynamic_bsz
+    budgets = {arr.actor.ppo_max_token_len_per_gpu, arr.rollout.log_prob_max_token_len_per_gpu,
+               arr.ref.log_prob_max_token_len_per_gpu, cfg.critic.ppo_max_token_len_per_gpu,
+               cfg.critic.forward_max_token_len_per_gpu}  # fmt: skip
+    assert budgets == {4 * (2048 + 4096)}
+    actor = omega_conf_to_dataclass(arr.actor)  # verl's typed Megatron actor config takes them as they are
+    assert type(actor).__name__ == "McoreActorConfig" and actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu
+
+
+@pytest.mark.parametrize(
+    "response, budget",
+    [
+        (4096, 4 * 6144),  # the article's: its fixed micro-batches of 4 full sequences, as a budget
+        (8192, 2 * 10240),  # two whole sequences fit 24576 tokens
+        (16384, 18432),  # one
+        (32768, 34816),  # one sequence is more than 24576: the budget holds it (verl asserts one fits)
+    ],
+)
+def test_a_longer_response_packs_fewer_sequences_into_a_micro_batch_not_more_tokens(env, response, budget):  # noqa: F811
+    cfg = composed(settings(env, MAX_RESPONSE_LENGTH=response))
+    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == budget
+    assert batch_problems(cfg) == [], "each budget holds a whole sequence"
