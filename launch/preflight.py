@@ -410,6 +410,8 @@ def gpu_memory_line(settings: Settings) -> str:
 
     peak = None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
     return memory_line(settings, peak, gpu_total(), settings.reward_replicas)
+
+
 def report_steps(cfg, train_rows: int | None) -> bool:
     """Print the steps verl will train (step_plan, from the prompts verl's own dataset kept); False when verl would
     train none. With a stand-in TRAINER_LAUNCHER (make demo, the tests) no verl dataloader is built: then zero steps
