@@ -172,10 +172,29 @@ export_settings() {
   ((!interactive)) || export REQUEUE_BEFORE_TIMEOUT=0  # the preflight's save-deadline checks: no requeue signal
   export_checkpoint_deadline
   export RAY_TMP_DIR="${RAY_TMP_DIR:-/tmp/ray_${job_id}}"
-  # The allocation's CPUs per node: --cpus-per-task, else what Slurm gave the node (salloc's shell may run elsewhere)
-  local cpus=${SLURM_JOB_CPUS_PER_NODE:-}
+  export_ray_cpus
+}
+
+# export_ray_cpus: Ray's CPUs on every node (RAY_NUM_CPUS) and where that number came from (RAY_NUM_CPUS_FROM), which
+# the preflight checks against what verl holds on a node: in a job its --cpus-per-task, else what Slurm gave the node
+# (salloc's shell may run elsewhere); outside Slurm, PREFLIGHT_ONLY=1 checks what sbatch will give (this header's
+# --cpus-per-task: the login node's own CPUs are not the job's), and a run here this machine's.
+export_ray_cpus() {
+  local cpus=${SLURM_JOB_CPUS_PER_NODE:-} header
   cpus=${cpus%%[(,]*}
-  export RAY_NUM_CPUS="${RAY_NUM_CPUS:-${SLURM_CPUS_PER_TASK:-${cpus:-$(nproc)}}}"
+  header=$(sed -n 's/^#SBATCH --cpus-per-task=\([0-9]*\).*/\1/p' "${BASH_SOURCE[0]}" | head -n 1)
+  if [[ -n "${RAY_NUM_CPUS:-}" ]]; then
+    RAY_NUM_CPUS_FROM=RAY_NUM_CPUS
+  elif [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+    RAY_NUM_CPUS=$SLURM_CPUS_PER_TASK RAY_NUM_CPUS_FROM="the job's --cpus-per-task"
+  elif [[ -n "$cpus" ]]; then
+    RAY_NUM_CPUS=$cpus RAY_NUM_CPUS_FROM="the CPUs Slurm gave this job's node, SLURM_JOB_CPUS_PER_NODE"
+  elif [[ "$PREFLIGHT_ONLY" == 1 && -n "$header" ]]; then
+    RAY_NUM_CPUS=$header RAY_NUM_CPUS_FROM="#SBATCH --cpus-per-task=$header, what sbatch gives each node"
+  else
+    RAY_NUM_CPUS=$(nproc) RAY_NUM_CPUS_FROM="this machine's CPUs, nproc"
+  fi
+  export RAY_NUM_CPUS RAY_NUM_CPUS_FROM
 }
 
 # export_wandb_run: which wandb run each start of the job logs to (verl's wandb.init passes no id, group or folder:

@@ -52,6 +52,9 @@ LEAN_OVERRIDES = [
      "lean: compiling the entropy function (dp_actor.py:80-83) takes longer on 2 cores than the steps it speeds up"),
     ("data.dataloader_num_workers=0",
      "lean: verl's default 8 loader processes, each a copy of the dataset, on a 2-core machine"),
+    ("actor_rollout_ref.rollout.agent.num_workers=1",
+     "lean: async rollout's agent loop starts this many Ray actors, each with a reward-loop actor of its own "
+     "(agent_loop.py:295, 734-746), every one a process that imports verl and torch: 16 of them by default"),
 ]  # fmt: skip
 OVERRIDES = [
     *ENGINE_OVERRIDES,

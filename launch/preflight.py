@@ -6,7 +6,8 @@ The job's one check, in one process (one container start; the policy tokenizer l
 0. settings: launch.refusals.check and save_deadline_problems, one line per problem naming the setting;
 1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
    verl's `validate_config` (batch and micro-batch arithmetic, parallel sizes) and its typed config dataclasses;
-   then what verl asserts or ignores only at run time (launch.refusals: batches, parallel sizes, rollout keys);
+   then what verl asserts or ignores only at run time (launch.refusals: batches, parallel sizes, rollout keys, and
+   Ray's CPUs per node, RAY_NUM_CPUS, against what verl holds there);
 2. data (PREFLIGHT_DATA=1): every row's schema and prompt length (data_prep.validate), then the train and val
    parquet through verl's own RLHFDataset with the policy tokenizer and its chat template, reporting how many prompts
    verl will drop as longer than data.max_prompt_length;
@@ -31,6 +32,7 @@ from launch.refusals import (
     batch_problems,
     check,
     parallel_problems,
+    ray_cpu_problems,
     rollout_problems,
     save_deadline_problems,
     thinking_problems,
@@ -105,18 +107,25 @@ ONE_STEP_OFF_VLLM = ("vllm.distributed.device_communicators.pynccl", "vllm.distr
 # its base image can hold it.
 TENSORBOARD_WRITER = "torch.utils.tensorboard"
 
+# What async rollout imports when the trainer builds its workers (ray_trainer.py:770, init_workers): verl's agent loop,
+# whose agent_loop.py:26 imports cachetools, which verl 0.6.1 does not declare (SGLang and vLLM bring it).
+AGENT_LOOP = "verl.experimental.agent_loop"
+
 # The engine a rollout name needs, where that is not a package of its own name: `hf` is verl's own HF generate, which
 # only the CPU runs of make demo and the tests register (demo/verl_cpu.py; refusals.rollout_problems).
 ENGINE_MODULES = {"hf": "verl.workers.rollout.hf_rollout"}
 
 
 def trainer_modules(module: str, cfg) -> list[str]:
-    """What the trainer command imports before it can train: the rollout engine, the entry module, and a recipe's
-    trainer (and for one-step-off its workers for this strategy, which it picks by actor.strategy). verl's own
+    """What the trainer command imports before it can train: the rollout engine, the entry module, with async rollout
+    verl's agent loop, and a recipe's trainer (and for one-step-off its workers for this strategy, which it picks by
+    actor.strategy). verl's own
     worker modules are the image's to check (its %test): Megatron's pull in TransformerEngine, which a login node
     without a GPU driver may not load."""
     engine = cfg.actor_rollout_ref.rollout.name
     modules = [ENGINE_MODULES.get(engine, engine), module]
+    if cfg.actor_rollout_ref.rollout.mode == "async":
+        modules.append(AGENT_LOOP)
     if module.startswith("recipe.one_step_off_policy."):
         package = "recipe.one_step_off_policy"
         workers = "megatron_workers" if cfg.actor_rollout_ref.actor.strategy == "megatron" else "fsdp_workers"
@@ -154,6 +163,9 @@ def import_problems(modules: list[str], engine: str, timeout: float = 600) -> li
                    f"(CONFIG_IMAGE_PATH), or the engine that image has")  # fmt: skip
         elif name.startswith("recipe."):
             fix = "verl's recipes come from its git tag (the image built from verl_app.def has them; PyPI has none)"
+        elif name == AGENT_LOOP:
+            fix = ("ROLLOUT_MODE=async runs verl's agent loop, which imports cachetools (undeclared by verl 0.6.1; the "
+                   "SGLang and vLLM images hold it): install it there, or ROLLOUT_MODE=sync")  # fmt: skip
         elif name == TENSORBOARD_WRITER:
             fix = "TRAINER_LOGGER has tensorboard, which needs the tensorboard package there: drop it from it"
         else:
@@ -511,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     if trainer_is_verl():
+        problems = ray_cpu_problems(cfg, os.environ)  # verl's own actors' CPUs: a stand-in holds none of them
+        for problem in problems:
+            print(f"preflight: verl 0.6.1 would stop at run time: {problem}", file=sys.stderr)
+        if problems:
+            return 1
         modules = trainer_modules(module, cfg)
         problems = import_problems(modules, cfg.actor_rollout_ref.rollout.name)
         for problem in problems:
@@ -519,7 +536,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"preflight: the trainer's modules import here: {', '.join(modules)}")
     else:
-        print(f"preflight: TRAINER_LAUNCHER={os.environ['TRAINER_LAUNCHER']} is a stand-in: verl's imports not checked")
+        print(
+            f"preflight: TRAINER_LAUNCHER={os.environ['TRAINER_LAUNCHER']} is a stand-in: verl's imports not checked, nor "
+            "the Ray CPUs verl holds"
+        )
     from verl.utils import hf_tokenizer
 
     tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)  # the policy's, loaded once for every check below

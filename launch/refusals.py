@@ -13,6 +13,8 @@ line of its own, naming the setting (or the trainer key and the setting behind i
    Hydra config, the user's extra overrides included, for what verl 0.6.1 asserts or silently ignores only at run
    time, hours in; printed as `preflight: verl 0.6.1 would stop at run time: ...`; thinking_problems(cfg, setting):
    what the reward function is told about the policy's prompt against its chat template, printed as `setting error`.
+4. ray_cpu_problems(cfg, env): Ray's CPUs per node (the job's --cpus-per-task) against what verl holds on a node,
+   without which it waits for ever; printed the same way.
 
 Refused elsewhere, because only there is what they need:
 - run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
@@ -534,3 +536,60 @@ def thinking_problems(cfg, setting: str) -> list[str]:
            if opens else "every answer without </think> would get the penalty")
         + f"; set REWARD_PROMPT_OPENS_THINK={'true' if opens else 'false'} (or auto)"
     ]  # fmt: skip
+
+
+# --- 4. Ray's CPUs on each node -----------------------------------------------------------------------------------
+
+# verl 0.6.1's rollout servers for async rollout: one Ray actor of num_cpus=1 per node of each replica, pinned to that
+# node (async_sglang_server.py:50, 300-306; vllm_async_server.py:444, 520-525). The CPU runs' `hf` replica serves
+# from the hybrid worker itself (demo/verl_cpu.py) and starts none.
+SERVER_ENGINES = ("sglang", "vllm")
+
+
+def ray_cpus_needed(cfg) -> tuple[int, list[str]]:
+    """The Ray CPUs verl 0.6.1 holds on a node for the whole run, and what holds them. Every node gets the same
+    (`ray start --num-cpus=RAY_NUM_CPUS`), and Ray may put the TaskRunner on any of them, so each needs room for it.
+    verl's other actors (agent-loop and reward-loop workers) are Ray's default actors, which hold no CPU."""
+    gpus = cfg.trainer.n_gpus_per_node
+    parts = [
+        "1 for verl's TaskRunner (main_ppo.py:77, ray.remote(num_cpus=1))",
+        f"{gpus} for its workers' placement bundles, 1 CPU beside each GPU (ray_trainer.py:88, max_colocate_count=1; "
+        "single_controller/ray/base.py:122)",
+    ]
+    need = 1 + gpus
+    rollout_gpus = (cfg.get("rollout") or {}).get("n_gpus_per_node")  # the one-step-off recipe's own pool
+    if rollout_gpus:
+        parts.append(f"{rollout_gpus} for its rollout pool's bundles (rollout.n_gpus_per_node, one-step-off recipe)")
+        need += rollout_gpus
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.mode == "async" and rollout.name in SERVER_ENGINES:
+        world = rollout.tensor_model_parallel_size * rollout.data_parallel_size * rollout.pipeline_model_parallel_size
+        servers = gpus // min(gpus, world)
+        parts.append(
+            f"{servers} for its {rollout.name} servers, one per rollout replica on the node (async rollout, "
+            f"{world} GPU(s) a replica: replica.py:91-100, async_sglang_server.py:50, vllm_async_server.py:444)"
+        )
+        need += servers
+    return need, parts
+
+
+def ray_cpu_problems(cfg, env: Mapping[str, str]) -> list[str]:
+    """RAY_NUM_CPUS (the run script's: the job's --cpus-per-task) against what verl holds on a node. With fewer, verl
+    waits for its placement group (ray.get(pg.ready()) without a timeout, single_controller/ray/base.py:136) or for
+    a rollout server's actor for ever, printing nothing: the job would sit in its allocation until the time limit."""
+    if not env.get("RAY_NUM_CPUS"):
+        return []  # only the run script knows the node's CPUs; it always exports them
+    try:
+        cpus = int(env["RAY_NUM_CPUS"])
+    except ValueError:
+        return [f"RAY_NUM_CPUS={env['RAY_NUM_CPUS']!r} is not a whole number (Ray's CPUs per node)"]
+    need, parts = ray_cpus_needed(cfg)
+    if cpus >= need:
+        return []
+    source = env.get("RAY_NUM_CPUS_FROM") or "RAY_NUM_CPUS"
+    return [
+        f"RAY_NUM_CPUS={cpus} Ray CPUs per node ({source}), but verl 0.6.1 holds {need} on a node: {'; '.join(parts)}. "
+        "With fewer it waits for ever for its workers' placement, without a message "
+        f"(verl/single_controller/ray/base.py:136): give each node at least {need} (#SBATCH --cpus-per-task={need} "
+        f"or more in run_grpo_qwen3_4b_mega_verl.sh, or sbatch --cpus-per-task={need}; outside Slurm RAY_NUM_CPUS={need})"
+    ]

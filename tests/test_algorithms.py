@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 
 import launch.settings as settings_module
+from demo import verl_cpu
 from launch.preflight import compose, import_problems, split_command, trainer_modules, validate
-from launch.refusals import batch_problems, check, parallel_problems, rollout_problems
+from launch.refusals import (
+    batch_problems,
+    check,
+    parallel_problems,
+    ray_cpu_problems,
+    ray_cpus_needed,
+    rollout_problems,
+)
 from launch.settings import SettingError, Settings, trainer_argv
 from tests.support import REPO
 
@@ -381,6 +389,81 @@ def test_the_preflight_stops_the_issues_batch_before_anything_starts(env, tmp_pa
     assert "is a stand-in: verl's imports not checked" in fixed.stdout
 
 
+RAY_CPU_CASES = [
+    # (settings, extra overrides, Ray CPUs verl holds on a node): its TaskRunner 1, a bundle of 1 CPU per GPU, and
+    # with async rollout one CPU per SGLang or vLLM server on the node (one per replica of ROLLOUT_TP GPUs there)
+    ({}, [], 1 + 4 + 4),  # the defaults: 4 GPUs, async SGLang, ROLLOUT_TP=1
+    ({"ROLLOUT_MODE": "sync"}, [], 1 + 4),
+    ({"ROLLOUT_TP": 2}, [], 1 + 4 + 2),
+    ({"ROLLOUT_TP": 4, "ROLLOUT_ENGINE": "vllm"}, [], 1 + 4 + 1),
+    ({"CONFIG_GPUS_PER_NODE": 8, "ACTOR_PP": 2}, [], 1 + 8 + 8),
+    # the CPU runs' hf replica serves from the hybrid worker itself: no server actor
+    ({"CONFIG_GPUS_PER_NODE": 1, "ACTOR_PP": 1, "STRATEGY": "fsdp2"}, ["actor_rollout_ref.rollout.name=hf"], 1 + 1),
+]
+
+
+@pytest.mark.parametrize("overrides, extra, need", RAY_CPU_CASES)
+def test_the_ray_cpus_verl_holds_on_a_node_follow_its_gpus_and_rollout_servers(env, overrides, extra, need):
+    cfg = composed(settings(env, **overrides), extra)
+    assert ray_cpus_needed(cfg)[0] == need
+    assert ray_cpu_problems(cfg, {"RAY_NUM_CPUS": str(need)}) == []
+    (problem,) = ray_cpu_problems(
+        cfg, {"RAY_NUM_CPUS": str(need - 1), "RAY_NUM_CPUS_FROM": "the job's --cpus-per-task"}
+    )
+    assert problem.startswith(f"RAY_NUM_CPUS={need - 1} Ray CPUs per node (the job's --cpus-per-task), but verl 0.6.1 "
+                              f"holds {need} on a node")  # fmt: skip
+    assert f"#SBATCH --cpus-per-task={need} or more" in problem and "waits for ever" in problem
+
+
+def test_one_step_offs_rollout_pool_takes_a_cpu_beside_each_of_its_gpus_too(env, recipes):
+    s = one_step_off(env)  # 4 GPUs a node: 2 train, 2 generate, sync rollout
+    assert ray_cpus_needed(composed(s))[0] == 1 + 2 + 2
+
+
+PLACEMENT = r"""
+import inspect, sys, threading
+import ray
+from verl.trainer import main_ppo
+from verl.trainer.ppo.ray_trainer import ResourcePoolManager
+
+gpus, cpus = int(sys.argv[1]), int(sys.argv[2])
+assert "ray.remote(num_cpus=1)(TaskRunner)" in inspect.getsource(main_ppo.run_ppo), "verl's TaskRunner takes 1 CPU"
+ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, _temp_dir=sys.argv[3])
+
+class Holder:
+    def ping(self):
+        return True
+
+runner = ray.remote(num_cpus=1)(Holder).remote()  # the TaskRunner's CPU, as main_ppo asks for it
+blocker = ray.remote(num_cpus=1)(Holder).remote()  # one CPU fewer, until it goes
+ray.get([runner.ping.remote(), blocker.ping.remote()])
+manager = ResourcePoolManager(resource_pool_spec={"global_pool": [gpus]}, mapping={})  # as main_ppo builds it
+manager.create_resource_pool()
+placing = threading.Thread(target=manager.resource_pool_dict["global_pool"].get_placement_groups, daemon=True)
+placing.start()
+placing.join(15)
+print(f"{cpus - 1} CPUs:", "waiting" if placing.is_alive() else "placed", flush=True)
+ray.kill(blocker)
+placing.join(120)
+print(f"{cpus} CPUs:", "waiting" if placing.is_alive() else "placed", flush=True)
+"""
+
+
+def test_verls_own_placement_waits_with_one_ray_cpu_fewer_than_the_refusal_asks_and_proceeds_with_them(env, ray_tmp):
+    """verl 0.6.1's ResourcePoolManager for a node of 2 GPUs (sync rollout, as main_ppo builds it) on a real Ray, beside
+    a 1-CPU actor as its TaskRunner: with one CPU fewer than ray_cpus_needed its placement group waits (verl would
+    wait for ever: ray.get(pg.ready()) without a timeout); once that CPU is free, verl places its workers."""
+    cfg = composed(settings(env, CONFIG_GPUS_PER_NODE=2, ACTOR_PP=1, ROLLOUT_MODE="sync"))
+    need, _ = ray_cpus_needed(cfg)
+    run = subprocess.run([sys.executable, "-c", PLACEMENT, "2", str(need), str(ray_tmp)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [line for line in run.stdout.splitlines() if "CPUs:" in line] == [
+        f"{need - 1} CPUs: waiting",
+        f"{need} CPUs: placed",
+    ], run.stdout + run.stderr[-2000:]
+
+
 def test_fsdp2_carries_verls_padding_removal_and_dynamic_batches(env):
     s = settings(env, STRATEGY="fsdp2", ALGORITHM="ppo")
     argv = trainer_argv(s)
@@ -537,7 +620,15 @@ def test_the_import_check_covers_the_one_step_off_recipes_modules_and_its_vllm_i
             f"recipe.one_step_off_policy.{workers}", "recipe.one_step_off_policy.distributed_util",
             "vllm.distributed.device_communicators.pynccl", "vllm.distributed.utils",
         ]  # fmt: skip
-    assert trainer_modules("verl.trainer.main_ppo", composed(settings(env))) == ["sglang", "verl.trainer.main_ppo"]
+    assert trainer_modules("verl.trainer.main_ppo", composed(settings(env))) == [
+        "sglang",
+        "verl.trainer.main_ppo",
+        "verl.experimental.agent_loop",  # the default, async rollout
+    ]
+    assert trainer_modules("verl.trainer.main_ppo", composed(settings(env, ROLLOUT_MODE="sync"))) == [
+        "sglang",
+        "verl.trainer.main_ppo",
+    ]
     dapo = settings(env, ALGORITHM="dapo", DAPO_DYNAMIC_SAMPLING="true", ROLLOUT_MODE="sync", ROLLOUT_ENGINE="vllm")
     assert trainer_modules("recipe.dapo.main_dapo", composed(dapo)) == [
         "vllm",
@@ -569,6 +660,33 @@ def test_a_missing_engine_or_recipe_module_stops_the_import_check_naming_it(env,
         for p in problems
     ), problems
     assert not any(p.startswith("import vllm") for p in problems)
+
+
+def test_async_rollout_is_refused_where_verls_agent_loop_does_not_import_as_without_cachetools(env, tmp_path):
+    """verl 0.6.1's agent loop imports cachetools without declaring it: an environment without it (here hidden by a
+    module of that name that fails, as a missing one does) cannot run async rollout, and the preflight says so before
+    the queue; with it (this environment's), the same command passes the import check."""
+    missing = tmp_path / "no_cachetools"
+    missing.mkdir()
+    (missing / "cachetools.py").write_text("raise ModuleNotFoundError(\"No module named 'cachetools'\")\n")
+    job = env | {"STRATEGY": "fsdp2", "CONFIG_GPUS_PER_NODE": "1", "ACTOR_PP": "1", "PREFLIGHT_DATA": "0",
+                 "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "python3", "RAY_NUM_CPUS": "2"}  # fmt: skip
+
+    def preflight(pythonpath):
+        return subprocess.run([sys.executable, "-m", "launch.preflight", *verl_cpu.overrides()], cwd=REPO,
+                              capture_output=True, text=True, env=job | {"PYTHONPATH": pythonpath})  # fmt: skip
+
+    refused = preflight(f"{missing}:{REPO}")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert (
+        "the trainer cannot start here: import verl.experimental.agent_loop fails (ModuleNotFoundError: No module "
+        "named 'cachetools'): ROLLOUT_MODE=async runs verl's agent loop" in refused.stderr
+    ), refused.stderr[-3000:]
+    ok = preflight(str(REPO))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert (
+        "import here: verl.workers.rollout.hf_rollout, verl.trainer.main_ppo, verl.experimental.agent_loop" in ok.stdout
+    )
 
 
 def test_the_preflight_stops_a_job_whose_engine_does_not_import_where_the_trainer_runs(env, recipes, fake_vllm):

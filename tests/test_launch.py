@@ -126,6 +126,26 @@ def test_the_articles_grpo_command_passes_verls_own_checks_and_a_typo_does_not(j
     assert micro.returncode == 1 and "verl 0.6.1 rejects the trainer config" in micro.stderr
 
 
+def test_a_login_nodes_preflight_checks_the_cpus_sbatch_will_give_against_what_verl_holds_on_a_node(job):
+    """PREFLIGHT_ONLY=1 outside Slurm checks the CPUs the job will get, the header's #SBATCH --cpus-per-task=32, not
+    the login node's: 16 GPUs a node with async SGLang rollout hold 33 of Ray's CPUs there (the TaskRunner, one beside
+    each GPU, one per rollout server), and verl would wait for ever with 32; sync rollout holds 17."""
+    login = {k: v for k, v in job.items() if k != "RAY_NUM_CPUS"} | {
+        "CONFIG_GPUS_PER_NODE": "16", "ACTOR_PP": "2", "PREFLIGHT_ONLY": "1", "TRAINER_LAUNCHER": "python3",
+        "PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0",
+    }  # fmt: skip
+    refused = run(login)
+    assert refused.returncode == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert (
+        "verl 0.6.1 would stop at run time: RAY_NUM_CPUS=32 Ray CPUs per node (#SBATCH --cpus-per-task=32, what "
+        "sbatch gives each node), but verl 0.6.1 holds 33 on a node" in refused.stderr
+    ), refused.stderr[-3000:]
+    assert "16 for its sglang servers" in refused.stderr and "#SBATCH --cpus-per-task=33 or more" in refused.stderr
+    sync = run(login | {"ROLLOUT_MODE": "sync"})  # past the CPUs, to the engine's import (no SGLang here)
+    assert "Ray CPUs per node" not in sync.stderr, sync.stderr[-3000:]
+    assert "the trainer cannot start here: import sglang fails" in sync.stderr, sync.stderr[-3000:]
+
+
 def test_sync_rollout_uses_the_batch_manager_and_our_batch_function(job):
     result = run(job | {"ROLLOUT_MODE": "sync", "PREFLIGHT_ONLY": "1"})
     assert result.returncode == 0, result.stderr[-2000:]

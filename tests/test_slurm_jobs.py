@@ -261,8 +261,11 @@ def test_a_reward_nodes_server_that_dies_stops_the_head_with_the_same_message(jo
 
 def test_a_failed_check_ends_the_job_failed_with_the_message_in_its_output_file(job, submit, tmp_path):
     """The checks run inside the allocation too (the settings may differ from the login node's): a GPU count that
-    disagrees with Slurm's, a setting the Python preflight refuses, and a save deadline that only a job has."""
+    disagrees with Slurm's, a setting the Python preflight refuses, a save deadline that only a job has, and fewer
+    CPUs per task than verl's trainer holds on a node (sbatch's option over the header's; verl's own trainer)."""
     gpus = submit(job, out=tmp_path / "gpus.out", options=("--mem=3G", "--cpus-per-task=2", "--gpus-per-node=2"))
+    verl = {k: v for k, v in job.items() if k != "RAY_NUM_CPUS"} | {"TRAINER_LAUNCHER": "python3"}
+    cpus = submit(verl, out=tmp_path / "cpus.out", options=("--mem=3G", "--cpus-per-task=1", "--gpus-per-node=1"))
     fp8 = submit(job | {"FP8": "true"}, out=tmp_path / "fp8.out")
     # the requeue at the header's signal (900 s before the limit) would come before verl's expiry
     early = submit(job | {"CHECKPOINT_BEFORE_END": "600"}, out=tmp_path / "early.out")
@@ -270,6 +273,8 @@ def test_a_failed_check_ends_the_job_failed_with_the_message_in_its_output_file(
         (gpus, "Slurm gave 2 GPUs per node but CONFIG_GPUS_PER_NODE=1: make #SBATCH --gpus-per-node match"),
         (fp8, "setting error: FP8=true: verl 0.6.1 cannot train in FP8 here"),
         (early, "setting error: CHECKPOINT_BEFORE_END=600 is not above the time-limit signal's lead (900 s"),
+        # async SGLang on 1 GPU: the TaskRunner, a CPU beside the GPU and one for the server
+        (cpus, "RAY_NUM_CPUS=1 Ray CPUs per node (the job's --cpus-per-task), but verl 0.6.1 holds 3 on a node"),
     ):
         fields = j.wait()
         out = j.output()
