@@ -17,7 +17,9 @@ export PATH := $(BIN):$(PATH)
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k reward -x"
 PYTEST_ARGS ?=
 # The suite runs in this many processes (pytest-xdist; 0: in pytest's own): most tests wait on Slurm, Ray and
-# servers rather than the CPU, so two share a 2-core machine. Every test is written to share the machine.
+# servers rather than the CPU, so two share a 2-core machine. Every test is written to share the machine. Each run
+# gets a short --basetemp of its own: a worker's tmp paths grow by popen-gwN/, and HF datasets' and Ray's unix sockets
+# live under them (at most 107 bytes).
 PYTEST_WORKERS ?= 2
 
 # The repository's own shell files (git's list: not what an ignored folder holds), untracked new ones included.
@@ -73,8 +75,8 @@ lint: $(STAMP)
 OLDEST_TESTS := tests/test_reward_server.py tests/test_reward_client.py tests/test_reward_stack.py
 test: lint $(OLDEST)/.installed $(TRL_STACKS)
 	bash tests/slurm/local_slurm.sh start || echo "make test: the local Slurm cluster did not start (above): its tests will fail"
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=30 $(PYTEST_ARGS)
-	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(OLDEST_TESTS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) --durations=30 $(PYTEST_ARGS)
+	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) $(OLDEST_TESTS)
 
 clean-env:
 	rm -rf $(VENV)

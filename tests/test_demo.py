@@ -40,6 +40,7 @@ def test_the_cpu_overrides_compose_with_the_fsdp2_sync_command_and_hf_is_refused
     env = block_environment() | dict(
         CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
         CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", STRATEGY="fsdp2", ROLLOUT_MODE="sync",
+        REWARD_PROMPT_OPENS_THINK="true",  # no model at "m" to read a chat template from
     )  # fmt: skip
     module, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=verl_cpu.overrides()))
     cfg = compose(name, overrides, path)
