@@ -416,7 +416,10 @@ def test_the_docs_memory_table_says_what_the_trainer_command_offloads():
     """docs/training.md's memory table: each role's row names the offload override the command sets for it."""
     table = (REPO / "docs" / "training.md").read_text().split("## GPU memory per role", 1)[1].split("\n## ", 1)[0]
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
-    argv = trainer_argv(Settings.from_env(block_environment() | {"ALGORITHM": "ppo"}))
+    # the block's model path is a cluster's, with no chat template here to read REWARD_PROMPT_OPENS_THINK=auto from
+    argv = trainer_argv(
+        Settings.from_env(block_environment() | {"ALGORITHM": "ppo", "REWARD_PROMPT_OPENS_THINK": "true"})
+    )
     for role, override in (("actor", "actor_rollout_ref.actor.megatron.optimizer_offload=True"),
                            ("critic (PPO)", "critic.megatron.optimizer_offload=True")):  # fmt: skip
         assert override in argv

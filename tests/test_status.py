@@ -313,7 +313,9 @@ def test_with_tensorboard_in_trainer_logger_verls_logger_writes_each_start_under
 def test_the_preflight_checks_that_tensorboard_imports_where_the_trainer_runs(tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "sglang"}}, "trainer": {"logger": ["console"]}})
+    cfg = OmegaConf.create(
+        {"actor_rollout_ref": {"rollout": {"name": "sglang", "mode": "sync"}}, "trainer": {"logger": ["console"]}}
+    )
     assert preflight.TENSORBOARD_WRITER not in preflight.trainer_modules("verl.trainer.main_ppo", cfg)
     cfg.trainer.logger = ["console", "tensorboard"]
     assert preflight.trainer_modules("verl.trainer.main_ppo", cfg)[-1] == preflight.TENSORBOARD_WRITER
