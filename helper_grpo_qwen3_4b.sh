@@ -343,12 +343,26 @@ run_head() {
   log_phase "[rank 0] Ray head on ${ray_address} (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
   local -a args
   mapfile -d '' -t args < <(ray_args)
-  # The dashboard's own process starts even with --include-dashboard=false: it gets this job's port too.
-  start_bg "$job_log_dir/ray_head.log" ray start --head --node-ip-address="$address" --port="${port[ray_port]}" \
-    --ray-client-server-port="${port[ray_client_server_port]}" --dashboard-port="${port[dashboard_port]}" \
-    --temp-dir="$RAY_TMP_DIR" --include-dashboard=false "${args[@]}"
-  ray_pid=$BG_PID
-  pids+=("$ray_pid")
+  # The dashboard's own process starts even with --include-dashboard=false: it gets this job's port too. Ray gives
+  # its raylet 30 s to register (ray/_private/node.py, raylet_start_wait_time_s, not a setting): on a loaded node the
+  # head can exit "timed out during startup", so it gets RAY_START_RETRIES attempts like a worker, one log for all.
+  local attempt
+  for attempt in $(seq 1 "$RAY_START_RETRIES"); do
+    START_BG_APPEND=$((attempt > 1)) start_bg "$job_log_dir/ray_head.log" ray start --head \
+      --node-ip-address="$address" --port="${port[ray_port]}" \
+      --ray-client-server-port="${port[ray_client_server_port]}" --dashboard-port="${port[dashboard_port]}" \
+      --temp-dir="$RAY_TMP_DIR" --include-dashboard=false "${args[@]}"
+    ray_pid=$BG_PID
+    pids+=("$ray_pid")  # a stop signal while it starts stops it too
+    if wait_for_log "$job_log_dir/ray_head.log" "Ray runtime started" "$ray_pid" 120; then
+      break
+    fi
+    err "[rank $rank] ray start failed (attempt $attempt/$RAY_START_RETRIES)"
+    show_tail "$job_log_dir/ray_head.log" 10
+    stop_pids 10 "$ray_pid"
+    ray_pid=""
+  done
+  [[ -n "$ray_pid" ]] || die "[rank 0] could not start the Ray head (log: $job_log_dir/ray_head.log)"
   watch "$ray_pid" "the Ray head" "$job_log_dir/ray_head.log"
   printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\nNODE_ADDRESSES=%s\n' "$ray_address" \
     "$REWARD_SERVER_URLS" "$node_addresses" >"$job_log_dir/cluster.env.tmp"

@@ -128,7 +128,7 @@ REWARD_START_TIMEOUT="${REWARD_START_TIMEOUT:-900}"             # seconds for re
 REWARD_RESTARTS="${REWARD_RESTARTS:-3}"                         # a reward server that dies is restarted this often...
 REWARD_RESTART_WINDOW="${REWARD_RESTART_WINDOW:-3600}"          # ...within this many seconds; one more stops the job
 RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-600}"                     # seconds for every node to join Ray
-RAY_START_RETRIES="${RAY_START_RETRIES:-3}"                     # `ray start` attempts on a worker node
+RAY_START_RETRIES="${RAY_START_RETRIES:-3}"                     # `ray start` attempts on every node, the head too
 STOP_TIMEOUT="${STOP_TIMEOUT:-20}"                              # s to stop servers and Ray (< Slurm's KillWait, 30 s)
 CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
 RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)

@@ -3,6 +3,8 @@ run_grpo_qwen3_4b_mega_verl.sh and helper_grpo_qwen3_4b.sh with the fake contain
 cluster on loopback, and a stand-in trainer that records what it was given and what it saw. Whole jobs through the
 real Slurm are tests/test_slurm_jobs.py."""
 
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +35,33 @@ def test_one_node_runs_reward_server_ray_and_the_trainer_then_stops_everything(j
     (call,) = fake_container.calls("singularity")[-1:]
     assert call["argv"][:2] == ["exec", "--nv"] and job["CONFIG_IMAGE_PATH"] in call["argv"]
     assert call["argv"][-2].endswith("helper_grpo_qwen3_4b.sh")
+    assert_everything_stopped(job)
+
+
+RAY_HEAD_TIMEOUT = (
+    "Exception: The current node timed out during startup. This could happen because some of the raylet failed to "
+    "startup or the GCS has become overloaded."
+)
+
+
+def test_a_head_whose_ray_start_times_out_starts_it_again_and_the_job_runs(job, tmp_path):
+    """Ray gives its raylet 30 s to register with the GCS (ray/_private/node.py, raylet_start_wait_time_s, no setting):
+    on a loaded node `ray start --head` exits with that message. Here the head's first `ray start` does, as Ray would;
+    the head starts it again (RAY_START_RETRIES, as a worker node does) and the job runs, every attempt in one log."""
+    shim, failed = tmp_path / "rayshim", tmp_path / "head_failed_once"
+    shim.mkdir()
+    (shim / "ray").write_text(
+        f'#!/bin/sh\ncase " $* " in *" --head "*) if [ ! -e "{failed}" ]; then touch "{failed}"; '
+        f'echo "{RAY_HEAD_TIMEOUT}"; exit 1; fi;; esac\nexec "{Path(sys.executable).parent / "ray"}" "$@"\n'
+    )
+    (shim / "ray").chmod(0o755)
+    result = run(job | {"PATH": f"{shim}{os.pathsep}{job['PATH']}"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert failed.exists() and "[rank 0] ray start failed (attempt 1/3)" in output, output[-3000:]
+    head_log = (job_dir(job) / "ray_head.log").read_text()
+    assert head_log.index("timed out during startup") < head_log.index("Ray runtime started"), head_log[-2000:]
+    assert seen(job)["ray_nodes"] == 1
     assert_everything_stopped(job)
 
 
