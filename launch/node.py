@@ -98,7 +98,9 @@ def plan_ports(
     plan["min_worker_port"] = base + WORKER_OFFSET
     plan["max_worker_port"] = base + SGLANG_OFFSET - 1
     if ray_port:
-        if taken(ray_port):
+        # the Ray head's GCS port, which only the head (rank 0) binds; a worker joins it, and where nodes share a host
+        # (containers, the tests' Slurm) it finds the head's own listener there
+        if rank == 0 and taken(ray_port):
             raise NodeError(
                 f"RAY_PORT={ray_port} is taken on {socket.gethostname()}: leave RAY_PORT empty (a free port per job)"
             )

@@ -81,6 +81,18 @@ def test_a_port_set_by_hand_that_is_taken_is_refused_naming_its_setting(flag, se
     )
 
 
+def test_a_worker_node_joins_the_hand_set_ray_port_the_head_holds_where_nodes_share_a_host():
+    """RAY_PORT is the head's: a worker node's plan (rank 1) that finds it taken, as on a host of several nodes once
+    the head has started, keeps it; only the head (rank 0) refuses it taken."""
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert node.plan_ports("5", 1, 0, ray_port=port)["ray_port"] == port
+        with pytest.raises(node.NodeError, match=f"RAY_PORT={port} is taken"):
+            node.plan_ports("5", 0, 1, ray_port=port)
+
+
 # --- reward GPUs and the node address ------------------------------------------------------------------------------
 
 
