@@ -239,3 +239,22 @@ def test_nothing_in_the_repository_points_outside_it():
         path = REPO / name
         if path.is_file() and path.suffix in (".py", ".md", ".sh", ".txt", ".toml", ".def", ""):
             assert outside not in path.read_text(errors="replace"), f"{name} cites {outside}"
+
+
+def test_a_port_of_the_jobs_block_held_by_another_jobs_process_is_not_this_jobs_leak(tmp_path):
+    """assert_everything_stopped's ports: a listener that inherited this job's JOB_LOG_DIR is the job's; one that did
+    not (another test's job, planned on the same free block) is not."""
+    from tests.support import listening_elsewhere
+
+    logs = tmp_path / "logs" / "1"
+    serve = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(120)"
+    ours = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, JOB_LOG_DIR=str(logs)))  # fmt: skip
+    other = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, JOB_LOG_DIR=str(tmp_path / "logs" / "2")))  # fmt: skip
+    try:
+        ports = [int(ours.stdout.readline()), int(other.stdout.readline())]
+        assert listening_elsewhere(ports, logs) == [ports[1]]
+    finally:
+        ours.kill()
+        other.kill()
