@@ -290,6 +290,26 @@ export_worker_env() {
   fi
 }
 
+# start_ray LOG TIMEOUT ARGS...: `ray start ARGS` in the background, RAY_START_RETRIES attempts of TIMEOUT seconds
+# each, every attempt's output in LOG; sets ray_pid (empty when every attempt failed). `ray start --block` never
+# returns while it runs: its log says when the node is up. Ray gives its raylet 30 s to register
+# (ray/_private/node.py, raylet_start_wait_time_s, not a setting): on a loaded node a start can exit "timed out
+# during startup", the head's as a worker's.
+start_ray() {
+  local logfile=$1 timeout=$2 attempt
+  shift 2
+  for attempt in $(seq 1 "$RAY_START_RETRIES"); do
+    START_BG_APPEND=$((attempt > 1)) start_bg "$logfile" ray start "$@"
+    ray_pid=$BG_PID
+    pids+=("$ray_pid") # a stop signal while it starts stops it too
+    wait_for_log "$logfile" "Ray runtime started" "$ray_pid" "$timeout" && return 0
+    err "[rank $rank] ray start failed (attempt $attempt/$RAY_START_RETRIES)"
+    show_tail "$logfile" 10
+    stop_pids 10 "$ray_pid"
+    ray_pid=""
+  done
+}
+
 # ray_args: what every node's `ray start` gets; each port is this job's (Ray's defaults collide between jobs).
 ray_args() {
   printf '%s\0' --num-cpus="${RAY_NUM_CPUS}" --num-gpus="${CONFIG_GPUS_PER_NODE}" --disable-usage-stats --block \
@@ -343,25 +363,10 @@ run_head() {
   log_phase "[rank 0] Ray head on ${ray_address} (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
   local -a args
   mapfile -d '' -t args < <(ray_args)
-  # The dashboard's own process starts even with --include-dashboard=false: it gets this job's port too. Ray gives
-  # its raylet 30 s to register (ray/_private/node.py, raylet_start_wait_time_s, not a setting): on a loaded node the
-  # head can exit "timed out during startup", so it gets RAY_START_RETRIES attempts like a worker, one log for all.
-  local attempt
-  for attempt in $(seq 1 "$RAY_START_RETRIES"); do
-    START_BG_APPEND=$((attempt > 1)) start_bg "$job_log_dir/ray_head.log" ray start --head \
-      --node-ip-address="$address" --port="${port[ray_port]}" \
-      --ray-client-server-port="${port[ray_client_server_port]}" --dashboard-port="${port[dashboard_port]}" \
-      --temp-dir="$RAY_TMP_DIR" --include-dashboard=false "${args[@]}"
-    ray_pid=$BG_PID
-    pids+=("$ray_pid")  # a stop signal while it starts stops it too
-    if wait_for_log "$job_log_dir/ray_head.log" "Ray runtime started" "$ray_pid" 120; then
-      break
-    fi
-    err "[rank $rank] ray start failed (attempt $attempt/$RAY_START_RETRIES)"
-    show_tail "$job_log_dir/ray_head.log" 10
-    stop_pids 10 "$ray_pid"
-    ray_pid=""
-  done
+  # The dashboard's own process starts even with --include-dashboard=false: it gets this job's port too.
+  start_ray "$job_log_dir/ray_head.log" 120 --head --node-ip-address="$address" --port="${port[ray_port]}" \
+    --ray-client-server-port="${port[ray_client_server_port]}" --dashboard-port="${port[dashboard_port]}" \
+    --temp-dir="$RAY_TMP_DIR" --include-dashboard=false "${args[@]}"
   [[ -n "$ray_pid" ]] || die "[rank 0] could not start the Ray head (log: $job_log_dir/ray_head.log)"
   watch "$ray_pid" "the Ray head" "$job_log_dir/ray_head.log"
   printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\nNODE_ADDRESSES=%s\n' "$ray_address" \
@@ -432,7 +437,7 @@ run_worker() {
     log "[rank $rank] the head finished before this node joined; nothing to do"
     return
   fi
-  local ray_address reward_urls addresses attempt logfile="$job_log_dir/ray_worker_${host}.log"
+  local ray_address reward_urls addresses logfile="$job_log_dir/ray_worker_${host}.log"
   ray_address=$(sed -n 's/^RAY_ADDRESS_FOR_TRAINER=//p' "$job_log_dir/cluster.env")
   reward_urls=$(sed -n 's/^REWARD_SERVER_URLS=//p' "$job_log_dir/cluster.env")
   addresses=$(sed -n 's/^NODE_ADDRESSES=//p' "$job_log_dir/cluster.env")
@@ -440,20 +445,8 @@ run_worker() {
   export_worker_env "$reward_urls" "$ray_address" "$address" "$addresses"
   local -a args
   mapfile -d '' -t args < <(ray_args)
-  for attempt in $(seq 1 "$RAY_START_RETRIES"); do
-    start_bg "$logfile" ray start --address="$ray_address" --node-ip-address="$address" "${args[@]}"
-    ray_pid=$BG_PID
-    # `ray start --block` never returns while it runs: its log says when the node is up.
-    if wait_for_log "$logfile" "Ray runtime started" "$ray_pid" 60; then
-      break
-    fi
-    err "[rank $rank] ray start failed (attempt $attempt/$RAY_START_RETRIES)"
-    show_tail "$logfile" 10
-    stop_pids 10 "$ray_pid"
-    ray_pid=""
-  done
+  start_ray "$logfile" 60 --address="$ray_address" --node-ip-address="$address" "${args[@]}"
   [[ -n "$ray_pid" ]] || die "[rank $rank] could not join the Ray head at $ray_address"
-  pids+=("$ray_pid")
   watch "$ray_pid" "the Ray worker" "$logfile"
   log "[rank $rank] joined $ray_address"
   wait_until_done
