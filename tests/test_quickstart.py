@@ -80,6 +80,7 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
         # the edits of step 3, for this machine: one GPU per node, no GPU for the reward model, one network
         "CONFIG_GPUS_PER_NODE": "1", "ACTOR_PP": "1", "CONFIG_REWARD_DEVICE": "cpu", "CONFIG_NETWORK_INTERFACE": "lo",
         "TRAINER_LOGGER": "[console,wandb]", "RAY_TMP_DIR": str(ray_tmp),
+        "ROLLOUT_MODE": "async",  # the settings block's default: verl's agent loop and its reward loop
     }  # fmt: skip
     cpu_args = " ".join(real_trainer_args())
     lines, jobs, ran = quickstart_lines(), [], []
@@ -130,6 +131,14 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
     # verl's own trainer trained those steps, calling our reward function on the job's reward server
     assert "Training from scratch" in out[train] and "training/global_step:2" in out[train], out[train][-3000:]
     assert len((logs / "rewards.jsonl").read_text().splitlines()) >= 4, "2 steps x 2 responses scored"
+    # async rollout, as the block defaults to: verl's agent loop generated (its timing is in each step's line) and its
+    # reward loop awaited our coroutine function through the naive manager
+    command = (logs / "trainer_command.txt").read_text().splitlines()
+    for override in ("actor_rollout_ref.rollout.mode=async", "reward_model.reward_manager=naive",
+                     "custom_reward_function.name=safe_hack_reward_async"):  # fmt: skip
+        assert override in command, command
+    steps = [line for line in out[train].splitlines() if "training/global_step:" in line]
+    assert len(steps) == 2 and all("timing_s/agent_loop/generate_sequences/mean:" in s for s in steps), steps
     assert "-m verl.model_merger merge --backend fsdp" in out[merge], "verl's FSDP merger on what verl saved"
     checkpoints = repo / "checkpoints" / "qwen3_4b_grpo_megatron"
     assert (checkpoints / "TRAINING_DONE").exists() and (
