@@ -6,7 +6,8 @@ preflight, then in two launches of the job verl's own `python -m verl.trainer.ma
 saves each, resumes from its step-2 checkpoint and trains step 3, then merge_mcore_to_hf.sh merges what verl saved
 and verifies it; the canary checks verl's own output at every stage. Each launch has a reward server scoring on
 the CPU and a real Ray head. On a CPU the trainer runs with STRATEGY=fsdp2 and verl's HF rollout (demo/verl_cpu.py:
-its overrides and shims) instead of Megatron and SGLang, the two parts that need GPUs. Exits with the job's code.
+its overrides and shims) instead of Megatron and SGLang, the two parts that need GPUs; the rollout is the block's
+default, async (verl's agent loop sends each prompt to that engine). Exits with the job's code.
 
     python -m demo.run [--out demo_out]        # what `make demo` runs
 """
@@ -36,11 +37,12 @@ NEXT_STEPS = [
     "sbatch run_grpo_qwen3_4b_mega_verl.sh",
     "sbatch merge_mcore_to_hf.sh",
 ]
-# The job's settings for a 2-core machine: what the settings block would say for verl's FSDP2 workers and sync
-# rollout (the two the CPU can run), and a tiny workload; the canary shrinks the batch and the steps further.
+# The job's settings for a 2-core machine: verl's FSDP2 workers (Megatron needs GPUs), the settings block's default
+# async rollout (verl's agent loop, through the HF engine demo/verl_cpu.py registers), and a tiny workload; the
+# canary shrinks the batch and the steps further.
 SETTINGS = {
     "STRATEGY": "fsdp2",
-    "ROLLOUT_MODE": "sync",
+    "ROLLOUT_MODE": "async",
     "ROLLOUT_N": "4",
     "MAX_PROMPT_LENGTH": "128",
     "MAX_RESPONSE_LENGTH": "32",

@@ -2,8 +2,8 @@
 
 `make demo` and the CPU job tests run the real `python -m verl.trainer.main_ppo` (RayPPOTrainer.fit: verl's data
 loader, rollout, our reward function through a real reward server, GRPO advantages, the FSDP2 actor update, the
-checkpoint manager, validation, the console logger) with STRATEGY=fsdp2 and ROLLOUT_MODE=sync (async runs too, where
-`cachetools` is installed: verl 0.6.1's agent loop imports it without declaring it; docs/verl-on-cpu.md). They pass
+checkpoint manager, validation, the console logger) with STRATEGY=fsdp2, in either ROLLOUT_MODE: sync (verl's
+HFRollout on a batch) or async (verl's agent loop and reward loop, with HFReplica below). They pass
 `overrides()` after their other arguments to run_grpo_qwen3_4b_mega_verl.sh, as a user passes Hydra overrides, so
 the preflight checks, and trainer_command.txt records, the command that runs. Two kinds of adaptation:
 

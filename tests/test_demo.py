@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from demo import verl_cpu
 from demo.run import NEXT_STEPS
 from launch.preflight import compose, split_command, validate
@@ -36,16 +38,18 @@ def test_the_demos_next_steps_are_the_readmes_quickstart_commands():
     assert NEXT_STEPS == quickstart_lines()
 
 
-def test_the_cpu_overrides_compose_with_the_fsdp2_sync_command_and_hf_is_refused_without_the_hook():
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_cpu_overrides_compose_with_the_fsdp2_command_and_hf_is_refused_without_the_hook(mode):
     env = block_environment() | dict(
         CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
-        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", STRATEGY="fsdp2", ROLLOUT_MODE="sync",
+        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", STRATEGY="fsdp2", ROLLOUT_MODE=mode,
         REWARD_PROMPT_OPENS_THINK="true",  # no model at "m" to read a chat template from
     )  # fmt: skip
     module, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=verl_cpu.overrides()))
     cfg = compose(name, overrides, path)
     validate(cfg)
     assert cfg.actor_rollout_ref.rollout.name == "hf" and not cfg.actor_rollout_ref.model.use_remove_padding
+    assert cfg.actor_rollout_ref.rollout.mode == mode
     assert cfg.trainer.device == "cuda", "verl's placement asks Ray for the GPUs it was told of, not for 'cpu'"
     assert rollout_problems(cfg) == []
     without_hook = [o for o in overrides if "worker_process_setup_hook" not in o]
@@ -70,6 +74,11 @@ def test_make_demo_trains_with_verls_own_trainer_on_the_cpu_saves_resumes_and_me
     assert max(metric(trained[n], "critic/advantages/max") for n in trained) > 0
     assert max(metric(line, "actor/grad_norm") for line in (*trained.values(), *resumed.values())) > 0
     assert "val-core/" in trained[2], "validation ran at the last step of stage 1"
+    # the settings block's default async rollout: verl's agent loop generated every step, through the HF engine
+    command = (canary / "train" / "trainer_command.txt").read_text().splitlines()
+    assert "actor_rollout_ref.rollout.mode=async" in command and "actor_rollout_ref.rollout.name=hf" in command
+    for line in (*trained.values(), *resumed.values()):
+        assert "timing_s/agent_loop/generate_sequences/mean:" in line, line
     resume_log = (canary / "resume" / "trainer.log").read_text()
     assert "Training from scratch" in (canary / "train" / "trainer.log").read_text()
     assert "Setting global step to 2" in resume_log and "Training from scratch" not in resume_log
