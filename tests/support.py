@@ -116,6 +116,10 @@ REAL_TRAINER = {
 }  # fmt: skip
 
 
+# What verl's own console line of a step holds when its agent loop generated (async rollout, agent_loop.py's timing).
+AGENT_LOOP_TIMING = "timing_s/agent_loop/generate_sequences/mean:"
+
+
 def real_trainer_args(*args: str) -> list[str]:
     """`args`, then what every CPU run adds: no validation before training, two validation prompts, verl_cpu's own."""
     return [*args, "trainer.val_before_train=False", "data.val_max_samples=2", *verl_cpu.overrides()]
@@ -155,16 +159,20 @@ def job_dir(env: Mapping[str, str]) -> Path:
     return d
 
 
+def of_job(pid: int | str, log_dir: Path) -> bool:
+    """Whether process `pid` inherited this job's JOB_LOG_DIR; OSError where it has gone."""
+    return f"JOB_LOG_DIR={log_dir}".encode() + b"\0" in Path(f"/proc/{pid}/environ").read_bytes()
+
+
 def job_processes(log_dir: Path) -> list[str]:
     """Live processes that inherited this job's JOB_LOG_DIR (everything the run script and the helpers started,
     Ray's workers included): 'pid cmdline' each."""
-    marker = f"JOB_LOG_DIR={log_dir}".encode() + b"\0"
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if marker not in (proc / "environ").read_bytes():
+            if not of_job(proc.name, log_dir):
                 continue
             if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
                 continue
@@ -192,13 +200,12 @@ def listening_elsewhere(ports: Sequence[int], log_dir: Path) -> list[int]:
     may hold some of the same ports (launch/node.py moves a block on only when a port is taken as it plans)."""
     import psutil
 
-    marker = f"JOB_LOG_DIR={log_dir}".encode() + b"\0"
     others = []
     for conn in psutil.net_connections(kind="tcp"):
         if conn.status != psutil.CONN_LISTEN or not conn.laddr or conn.laddr.port not in ports or not conn.pid:
             continue
         try:
-            if marker not in Path(f"/proc/{conn.pid}/environ").read_bytes():
+            if not of_job(conn.pid, log_dir):
                 others.append(conn.laddr.port)
         except OSError:
             continue  # gone meanwhile: counted as this job's until the next look

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from demo.data import demo_examples
 from tests import real_slurm
-from tests.support import REAL_TRAINER, REPO, real_trainer_args
+from tests.support import AGENT_LOOP_TIMING, REAL_TRAINER, REPO, real_trainer_args
 
 README = REPO / "README.md"
 
@@ -138,7 +138,7 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
                      "custom_reward_function.name=safe_hack_reward_async"):  # fmt: skip
         assert override in command, command
     steps = [line for line in out[train].splitlines() if "training/global_step:" in line]
-    assert len(steps) == 2 and all("timing_s/agent_loop/generate_sequences/mean:" in s for s in steps), steps
+    assert len(steps) == 2 and all(AGENT_LOOP_TIMING in s for s in steps), steps
     assert "-m verl.model_merger merge --backend fsdp" in out[merge], "verl's FSDP merger on what verl saved"
     checkpoints = repo / "checkpoints" / "qwen3_4b_grpo_megatron"
     assert (checkpoints / "TRAINING_DONE").exists() and (
