@@ -51,7 +51,7 @@ def assert_in_order(patterns: list[re.Pattern], text: str) -> None:
     for pattern in patterns:
         found = next((i for i in range(at, len(lines)) if pattern.search(lines[i])), None)
         assert found is not None, f"the README's healthy-job line {pattern.pattern!r} is not in the output (after line " \
-                                  f"{at}):\n" + "\n".join(lines[at:][-60:])  # fmt: skip
+                                  f"{at}); the lines from there:\n" + "\n".join(lines[at:at + 40])  # fmt: skip
         at = found + 1
 
 
