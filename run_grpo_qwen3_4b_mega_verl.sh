@@ -353,7 +353,9 @@ stop_step() {
 
 cleanup() {
   local rc=$?
-  trap - EXIT INT TERM
+  # A second SIGTERM while stopping is ignored, as in the helper's cleanup; a second Ctrl-C still stops at once.
+  trap - EXIT INT
+  trap '' TERM
   if ((interactive)) && [[ -n "$srun_pid" ]]; then
     stop_step
   fi

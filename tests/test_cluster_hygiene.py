@@ -201,6 +201,30 @@ def test_sigterm_mid_training_stops_every_process_and_port_of_the_job_and_exits_
     assert_everything_stopped(env)
 
 
+def test_a_second_sigterm_while_the_job_stops_lets_every_part_finish_its_stop(job, tmp_path):
+    """SIGTERM can come twice: a second scancel, or slurmctld sending a signal again that a loaded slurmd answered
+    late. While the job stops (here a trainer that takes 5 s to exit), a second SIGTERM to the run script and the
+    helper changes nothing: each finishes stopping what it started and prints its last line (the one CI missed)."""
+    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300", "FAKE_TRAINER_TERM_S": "5"}
+    log = tmp_path / "job.out"
+    proc = start_job(env, log)
+    try:
+        wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        wait_for("the helper's stop", lambda: "[rank 0] stop signal: stopping what this node started" in log.read_text(),
+                 60, proc)  # fmt: skip
+        os.killpg(proc.pid, signal.SIGTERM)  # the run script and the helper again (the trainer is still stopping)
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = tail(log, 80)
+    assert rc == 143, out
+    assert "[rank 0] stopped what it started; exit code 143" in out, out
+    assert "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=143" in out, out
+    assert_everything_stopped(env)
+
+
 def reward_servers(env) -> list[tuple[int, str]]:
     """(pid, command line) of the job's live reward servers."""
     found = [p for p in job_processes(job_dir(env)) if "reward_server.py" in p]

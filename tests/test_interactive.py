@@ -81,9 +81,9 @@ def test_ctrl_c_in_salloc_stops_what_the_script_started_on_every_node_and_nothin
     out = log.read_text()
     assert "stop signal: stopping the job on every node (within STOP_TIMEOUT=20 s)" in out, out[-4000:]
     # the node's helper stopped its own processes (on its own SIGTERM, not srun's SIGKILL): its last line is there
-    assert "[rank 0] stop signal: stopping what this node started" in out
-    assert "[rank 0] stopped what it started; exit code 143" in out
-    assert "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=130" in out
+    assert "[rank 0] stop signal: stopping what this node started" in out, out[-4000:]
+    assert "[rank 0] stopped what it started; exit code 143" in out, out[-4000:]
+    assert "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=130" in out, out[-4000:]
     assert not (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
     assert json.loads(Path(env["FAKE_TRAINER_LOG"]).read_text())["argv"], "the trainer had started"
     assert allocation(out).show()["Restarts"] == "0"

@@ -24,6 +24,8 @@ and the checkpoint manager's pruning: with trainer.max_actor_ckpt_to_keep=K, bef
 `global_step_N/actor` of this process's own saves once it holds K (megatron_checkpoint_manager.py:379-388).
 $FAKE_TRAINER_TESTING_S / $FAKE_TRAINER_SAVE_S: the seconds it reports for validation and a save (nothing sleeps).
 Each step sleeps $FAKE_TRAINER_STEP_SECONDS (default 0) first, as a rollout and an update would take time.
+$FAKE_TRAINER_TERM_S: the seconds it takes to exit after a SIGTERM (exit code 143), as verl's driver takes to shut its
+Ray workers down; unset, SIGTERM ends it at once.
 $FAKE_TRAINER_BREAK breaks it on purpose: no_resume (starts from scratch although a checkpoint exists) |
 crash_on_resume (the checkpoint load raises) | no_save (writes no checkpoint).
 """
@@ -33,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 import urllib.request
@@ -213,8 +216,21 @@ def health(url: str, headers: dict) -> int:
         return resp.status
 
 
+def slow_to_stop(seconds: float) -> None:
+    """On SIGTERM, take `seconds` before exiting 143 (a second SIGTERM meanwhile changes nothing)."""
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(seconds)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main() -> int:
     argv = sys.argv[1:]
+    if os.environ.get("FAKE_TRAINER_TERM_S"):
+        slow_to_stop(float(os.environ["FAKE_TRAINER_TERM_S"]))
     seen = {"argv": argv, "cwd": os.getcwd(), "started": time.time()}
     for key in ("REWARD_SERVER_URLS", "REWARD_LOG_PATH", "WANDB_MODE", "WANDB_DIR", "PYTHONPATH", "HF_HOME", *NODE_ENV):
         seen[key] = os.environ.get(key)
