@@ -52,9 +52,9 @@ declare -A port  # this job's ports on this node (launch/node.py ports)
 cleanup() {
   local rc=$?
   ((exit_code != 0)) || exit_code=$rc
-  # SIGTERM again while stopping (a second scancel, or slurmctld resending a signal that a loaded slurmd answered late)
-  # would kill this shell before its servers, Ray and its last line: ignored, Slurm's SIGKILL after KillWait still ends
-  # it. A second Ctrl-C (SIGINT) still stops it at once.
+  # SIGTERM again while stopping (a second scancel, or any other second delivery) would kill this shell before it has
+  # stopped its servers and Ray and printed its last line: ignored; Slurm's SIGKILL after KillWait still ends it. A
+  # second Ctrl-C (SIGINT) still stops it at once.
   trap - EXIT INT
   trap '' TERM
   # The head's exit code tells every other node to stop; a failed node tells the head (and why).

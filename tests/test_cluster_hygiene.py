@@ -202,9 +202,9 @@ def test_sigterm_mid_training_stops_every_process_and_port_of_the_job_and_exits_
 
 
 def test_a_second_sigterm_while_the_job_stops_lets_every_part_finish_its_stop(job, tmp_path):
-    """SIGTERM can come twice: a second scancel, or slurmctld sending a signal again that a loaded slurmd answered
-    late. While the job stops (here a trainer that takes 5 s to exit), a second SIGTERM to the run script and the
-    helper changes nothing: each finishes stopping what it started and prints its last line (the one CI missed)."""
+    """SIGTERM can come twice (a second scancel, say). While the job stops (here a trainer that takes 5 s to exit),
+    a second SIGTERM to the run script and the helper changes nothing: each finishes stopping what it started and
+    prints its last line."""
     env = job | FAST | {"FAKE_TRAINER_SLEEP": "300", "FAKE_TRAINER_TERM_S": "5"}
     log = tmp_path / "job.out"
     proc = start_job(env, log)
