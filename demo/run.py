@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from demo import verl_cpu
+from demo import megatron_cpu, verl_cpu
 from demo.data import write_demo
 from demo.tiny_models import build_policy_model, build_reward_model
 from launch.procs import free_port
@@ -41,7 +41,8 @@ NEXT_STEPS = [
 # async rollout (verl's agent loop, through the HF engine demo/verl_cpu.py registers), and a tiny workload; the
 # canary shrinks the batch and the steps further.
 SETTINGS = {
-    "STRATEGY": "fsdp2",
+    "STRATEGY": os.environ.get("DEMO_STRATEGY", "megatron"),
+    "ACTOR_PP": os.environ.get("DEMO_ACTOR_PP", "1"),
     "ROLLOUT_MODE": "async",
     "ROLLOUT_N": "4",
     "MAX_PROMPT_LENGTH": "128",
@@ -85,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     )
     script = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
-    rc = subprocess.call(["bash", str(script), *verl_cpu.overrides()], env=env, cwd=REPO)
+    if SETTINGS["STRATEGY"] == "megatron":
+        env["MERGER_LAUNCHER"] = str(REPO / "demo" / "megatron_merger")
+        extra = megatron_cpu.overrides()
+    else:
+        extra = verl_cpu.overrides()
+    rc = subprocess.call(["bash", str(script), *extra], env=env, cwd=REPO)
     verdict = "every stage passed" if rc == 0 else f"FAILED (exit {rc})"
     print(
         f"\nmake demo: {verdict} in {time.monotonic() - start:.0f} s: verl 0.6.1's own GRPO steps on the CPU, a save,"

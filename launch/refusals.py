@@ -482,6 +482,10 @@ def parallel_problems(cfg) -> list[str]:
     ]
 
 
+# The Ray hooks that register the HF rollout of the CPU runs (demo/verl_cpu.py; demo/megatron_cpu.py calls it).
+CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install")
+
+
 def rollout_problems(cfg) -> list[str]:
     """Rollout keys the engine would silently ignore. verl 0.6.1's sync SGLang engine builds its arguments without
     enforce_eager and drops every engine_kwargs.sglang key but attention_backend (sglang_rollout.py:426-477); only
@@ -489,11 +493,12 @@ def rollout_problems(cfg) -> list[str]:
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "hf":
         runtime_env = cfg.get("ray_kwargs", {}).get("ray_init", {}).get("runtime_env", {})
-        if runtime_env.get("worker_process_setup_hook") != "demo.verl_cpu.install":
+        if runtime_env.get("worker_process_setup_hook") not in CPU_HOOKS:
             return [
                 "actor_rollout_ref.rollout.name=hf: verl 0.6.1 registers no such engine (verl/workers/rollout/base.py:81-86); "
                 "only the CPU runs of make demo and the tests have one, which demo/verl_cpu.py registers in every Ray "
-                "worker: pass all of its overrides (python -m demo.verl_cpu lists them), or on GPUs ROLLOUT_ENGINE=sglang|vllm"
+                "worker: pass all of its overrides (python -m demo.verl_cpu lists them; python -m demo.megatron_cpu "
+                "for STRATEGY=megatron), or on GPUs ROLLOUT_ENGINE=sglang|vllm"
             ]
         return []
     if rollout.name != "sglang" or rollout.mode != "sync":
