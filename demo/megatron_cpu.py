@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import sys
 import types
 
@@ -96,7 +97,7 @@ def _te_shaped_modules():
             bounds = packed_seq_params.cu_seqlens_q.tolist()
             groups = query.shape[1] // key.shape[1]
             pieces = []
-            for start, end in zip(bounds[:-1], bounds[1:]):
+            for start, end in itertools.pairwise(bounds):
                 q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [heads, tokens, dim]
                 k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
                 pieces.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).transpose(0, 1))
@@ -306,10 +307,10 @@ def _transformer_engine_for_the_resume() -> None:
         names = ["transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.optimizers",
                  "transformer_engine.pytorch.optimizers.fused_adam"]  # fmt: skip
         modules = [types.ModuleType(name) for name in names]
-        for parent, child in zip(modules, modules[1:]):
+        for parent, child in itertools.pairwise(modules):
             setattr(parent, child.__name__.rsplit(".", 1)[1], child)
         modules[-1].FusedAdam = type("FusedAdam", (), {})  # only allow-listed; a CPU checkpoint holds AdamW's
-        sys.modules.update(zip(names, modules))
+        sys.modules.update(zip(names, modules, strict=True))
         try:
             return load(self, *args, **kwargs)
         finally:

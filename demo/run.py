@@ -5,9 +5,11 @@ run_grpo_qwen3_4b_mega_verl.sh on this machine (no container) as the canary (CAN
 preflight, then in two launches of the job verl's own `python -m verl.trainer.main_ppo` trains 2 GRPO steps and
 saves each, resumes from its step-2 checkpoint and trains step 3, then merge_mcore_to_hf.sh merges what verl saved
 and verifies it; the canary checks verl's own output at every stage. Each launch has a reward server scoring on
-the CPU and a real Ray head. On a CPU the trainer runs with STRATEGY=fsdp2 and verl's HF rollout (demo/verl_cpu.py:
-its overrides and shims) instead of Megatron and SGLang, the two parts that need GPUs; the rollout is the block's
-default, async (verl's agent loop sends each prompt to that engine). Exits with the job's code.
+the CPU and a real Ray head. The trainer runs the settings block's default strategy, verl's Megatron actor and
+reference (megatron-core 0.13.0 without Transformer Engine: demo/megatron_cpu.py), and verl's HF rollout
+(demo/verl_cpu.py) instead of SGLang, which needs GPUs; the rollout is the block's default, async (verl's agent loop
+sends each prompt to that engine); verl's Megatron merger runs with the same adaptations (demo/megatron_merger).
+Exits with the job's code.
 
     python -m demo.run [--out demo_out]        # what `make demo` runs
 """
@@ -37,12 +39,14 @@ NEXT_STEPS = [
     "sbatch run_grpo_qwen3_4b_mega_verl.sh",
     "sbatch merge_mcore_to_hf.sh",
 ]
-# The job's settings for a 2-core machine: verl's FSDP2 workers (Megatron needs GPUs), the settings block's default
+# The job's settings for a 2-core machine: the settings block's default strategy, verl's Megatron workers, on one
+# pipeline stage (PP=2 runs too, measured 334 s for the demo on a loaded 2-core machine against 215 s: the Slurm job
+# test with PP=2 across two nodes runs it), the settings block's default
 # async rollout (verl's agent loop, through the HF engine demo/verl_cpu.py registers), and a tiny workload; the
 # canary shrinks the batch and the steps further.
 SETTINGS = {
-    "STRATEGY": os.environ.get("DEMO_STRATEGY", "megatron"),
-    "ACTOR_PP": os.environ.get("DEMO_ACTOR_PP", "1"),
+    "STRATEGY": "megatron",
+    "ACTOR_PP": "1",
     "ROLLOUT_MODE": "async",
     "ROLLOUT_N": "4",
     "MAX_PROMPT_LENGTH": "128",
@@ -86,16 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     )
     script = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
-    if SETTINGS["STRATEGY"] == "megatron":
-        env["MERGER_LAUNCHER"] = str(REPO / "demo" / "megatron_merger")
-        extra = megatron_cpu.overrides()
-    else:
-        extra = verl_cpu.overrides()
-    rc = subprocess.call(["bash", str(script), *extra], env=env, cwd=REPO)
+    env["MERGER_LAUNCHER"] = str(REPO / "demo" / "megatron_merger")  # verl's merger with the shims
+    rc = subprocess.call(["bash", str(script), *megatron_cpu.overrides()], env=env, cwd=REPO)
     verdict = "every stage passed" if rc == 0 else f"FAILED (exit {rc})"
     print(
         f"\nmake demo: {verdict} in {time.monotonic() - start:.0f} s: verl 0.6.1's own GRPO steps on the CPU, a save,"
-        f" a resume and the merge (STRATEGY=fsdp2 and HF generate here; a cluster runs Megatron and SGLang on GPUs)."
+        f" a resume and the merge (verl's Megatron workers without Transformer Engine and HF generate here; a cluster"
+        f" runs them with Transformer Engine and SGLang on GPUs)."
         f"\nlogs: {out / 'logs'}; checkpoints and the merged model: {out}/checkpoints_canary"
         "\nnext, on a cluster (README.md, Quickstart):\n" + "\n".join(f"  {line}" for line in NEXT_STEPS)
     )

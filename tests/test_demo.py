@@ -1,9 +1,9 @@
 """`make demo` (demo/run.py): verl 0.6.1's own trainer on the CPU through the real run script, as the canary runs it,
-and the CPU adaptations it needs (demo/verl_cpu.py).
+and the CPU adaptations it needs (demo/verl_cpu.py, demo/megatron_cpu.py).
 
 Nothing here is a stand-in: the run script, the preflight, reward servers on the CPU, Ray, `python -m
-verl.trainer.main_ppo` (RayPPOTrainer.fit with verl's FSDP2 workers and its HF rollout), verl's checkpoint manager, its
-FSDP merger and launch.verify_hf are the real ones; what verl needs on a CPU is demo/verl_cpu.py's overrides and
+verl.trainer.main_ppo` (RayPPOTrainer.fit with verl's Megatron workers and its HF rollout), verl's checkpoint manager,
+its Megatron merger and launch.verify_hf are the real ones; what verl needs on a CPU is the two modules' overrides and
 shims."""
 
 import re
@@ -57,10 +57,11 @@ def test_the_cpu_overrides_compose_with_the_fsdp2_command_and_hf_is_refused_with
     assert "actor_rollout_ref.rollout.name=hf: verl 0.6.1 registers no such engine" in problem
 
 
-def test_make_demo_trains_with_verls_own_trainer_on_the_cpu_saves_resumes_and_merges(tmp_path):
-    """Two GRPO steps from scratch with a save after each, a second launch resuming at step 2 for step 3, then the
-    merge of what verl saved: verl's own console lines, checkpoints and merger, checked by the canary as on a cluster,
-    and here again from verl's output."""
+def test_make_demo_trains_verls_megatron_workers_on_the_cpu_saves_resumes_and_merges(tmp_path):
+    """The settings block's default strategy, Megatron: two GRPO steps from scratch with a save after each, a second
+    launch resuming verl's Megatron checkpoint at step 2 for step 3, then verl's Megatron merger on what it saved:
+    verl's own console lines, checkpoints and merger, checked by the canary as on a cluster, and here again from
+    verl's output."""
     out = tmp_path / "demo"
     run = subprocess.run([sys.executable, "-m", "demo.run", "--out", str(out)], cwd=REPO, capture_output=True,
                          text=True, timeout=900)  # fmt: skip
@@ -83,12 +84,14 @@ def test_make_demo_trains_with_verls_own_trainer_on_the_cpu_saves_resumes_and_me
     assert "Training from scratch" in (canary / "train" / "trainer.log").read_text()
     assert "Setting global step to 2" in resume_log and "Training from scratch" not in resume_log
     (root,) = (out / "checkpoints_canary").iterdir()
-    for step in (1, 2, 3):  # verl's FSDP checkpoint manager's files
+    assert "ppo_megatron_trainer" in " ".join(command) and "demo.megatron_cpu.install" in " ".join(command)
+    for step in (1, 2, 3):  # verl's Megatron checkpoint manager's files: megatron-core's dist checkpoint
         actor = root / "checkpoints" / f"global_step_{step}" / "actor"
-        assert (actor / "model_world_size_1_rank_0.pt").is_file() and (actor / "fsdp_config.json").is_file()
+        assert (actor / "dist_ckpt" / "metadata.json").is_file() and (actor / "transformer_config.json").is_file()
+        assert not (actor / "fsdp_config.json").exists()
     assert (root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     merge_log = (canary / "merge.log").read_text()
-    assert "-m verl.model_merger merge --backend fsdp" in merge_log and "verified " in merge_log
+    assert "-m verl.model_merger merge --backend megatron" in merge_log and "verified " in merge_log
     assert (root / "hf_model" / "config.json").is_file() and (root / "hf_model" / "model.safetensors").is_file()
     hints = run.stdout.split("next, on a cluster", 1)[1].splitlines()[1:]
     assert [line.strip() for line in hints] == quickstart_lines(), "make demo's last lines are the README's quickstart"

@@ -1,0 +1,100 @@
+"""verl 0.6.1's own Megatron actor worker in this process, on the CPU, for tests that need the worker's own view.
+
+    python -m tests.megatron_worker OUT.json POLICY_DIR [KEY=VALUE ...]
+
+Composes the job's trainer config from the settings block's defaults with KEY=VALUE settings on top
+(launch.settings.trainer_argv, with demo/megatron_cpu.py's overrides, as make demo runs it), builds verl's
+`ActorRolloutRefWorker(role="actor_rollout")` (the hybrid worker of a job, its HF rollout included) from it in a one-process gloo group (demo/megatron_cpu.install first, as Ray's
+hook does in a job), runs `init_model` and `compute_log_prob` on two texts of different lengths, and writes what the
+running worker holds: its TransformerConfig, whether its parameters and optimizer are offloaded, the parameter
+names of its layers, and its log-probs beside the HF model's (float32 and bfloat16) for the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from demo import megatron_cpu
+from launch.preflight import compose, split_command
+from launch.procs import free_port
+from launch.settings import Settings, trainer_argv
+from tests.support import block_environment
+
+TEXTS = ["the reward model explains the answer step by step", "hello world"]
+TF_FIELDS = ["recompute_granularity", "recompute_method", "recompute_num_layers", "num_layers", "hidden_size",
+             "pipeline_model_parallel_size", "tensor_model_parallel_size", "bf16", "params_dtype",
+             "use_cpu_initialization"]  # fmt: skip
+
+
+def worker_config(policy: Path, settings: dict[str, str]):
+    env = block_environment() | dict(
+        CONTAINER="none", CONFIG_MODEL_PATH=str(policy), CONFIG_REWARD_MODEL_PATH=str(policy),
+        CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
+        STRATEGY="megatron", ROLLOUT_MODE="sync", REWARD_PROMPT_OPENS_THINK="true", ACTOR_PP="1", ACTOR_TP="1",
+    ) | settings  # fmt: skip
+    _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_cpu.overrides()))
+    # what RayPPOTrainer sets from the data before it builds the workers (ray_trainer.py, _create_dataloader)
+    return compose(name, [*overrides, "actor_rollout_ref.actor.optim.total_training_steps=1"], path)
+
+
+def hf_log_probs(policy: Path, batch, dtype) -> list[list[float]]:
+    """Each response token's log-prob under the HF model, as verl computes it (logits at t-1 for token t)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=dtype, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    return logp[:, -batch["responses"].shape[1] :].tolist()
+
+
+def main(out: Path, policy: Path, settings: dict[str, str]) -> None:
+    cfg = worker_config(policy, settings)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    megatron_cpu.install()
+    import torch
+    from transformers import AutoTokenizer
+    from verl import DataProto
+    from verl.workers.megatron_workers import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor_rollout")
+    worker.init_model()
+
+    # Two sequences, left-padded prompts and right-padded responses as verl's rollout returns them.
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    ids = [tokenizer(t, add_special_tokens=False).input_ids for t in TEXTS]
+    prompt_len, response_len = 4, max(len(i) for i in ids) - 4
+    input_ids = torch.full((len(ids), prompt_len + response_len), tokenizer.pad_token_id)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(ids):
+        input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        attention_mask[row, : len(tokens)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 responses=input_ids[:, prompt_len:], response_mask=attention_mask[:, prompt_len:])  # fmt: skip
+    data = DataProto.from_dict(tensors=batch, meta_info={})
+    megatron = worker.compute_log_prob(data).batch["old_log_probs"].tolist()
+    mask = attention_mask[:, prompt_len:].tolist()
+
+    tf = worker.actor.tf_config if hasattr(worker, "actor") else worker.tf_config
+    layer = worker.actor_module[0]
+    report = {
+        "transformer_config": {f: str(getattr(tf, f, None)) for f in TF_FIELDS},
+        "param_offload": worker._is_offload_param,
+        "optimizer_offload": worker._is_offload_optimizer,
+        "parameter_names": [name for name, _ in layer.named_parameters()],
+        "state_dict_keys": list(layer.state_dict().keys()),
+        "megatron": megatron,
+        "hf_float32": hf_log_probs(policy, batch, torch.float32),
+        "hf_bfloat16": hf_log_probs(policy, batch, torch.bfloat16),
+        "response_mask": mask,
+    }
+    out.write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]), dict(arg.split("=", 1) for arg in sys.argv[3:]))

@@ -1,0 +1,158 @@
+"""verl 0.6.1's own Megatron workers on the CPU (demo/megatron_cpu.py): the worker's model against the HF model, the
+names a Transformer Engine run writes, each shim against the megatron-core or verl call it works around, and the
+overrides through verl's config checks. `make demo` (tests/test_demo.py) runs all of it inside verl's trainer."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from demo import megatron_cpu
+from launch.preflight import compose, split_command, validate
+from launch.refusals import rollout_problems
+from launch.settings import Settings, trainer_argv
+from tests.support import REPO, block_environment
+
+
+@pytest.fixture(scope="module")
+def worker_report(tmp_path_factory):
+    """tests/megatron_worker.py: verl's ActorRolloutRefWorker built from the job's own command, init_model and
+    compute_log_prob, in a fresh interpreter (the shims are process-wide)."""
+    from demo.tiny_models import build_policy_model
+
+    tmp = tmp_path_factory.mktemp("megatron_worker")
+    policy = build_policy_model(tmp / "policy")
+    out = tmp / "report.json"
+    env = {"HOME": str(tmp), "HF_HOME": str(tmp / "hf"), "TMPDIR": str(tmp), "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-m", "tests.megatron_worker", str(out), str(policy)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+def largest_gap(report: dict, reference: str) -> float:
+    return max(
+        abs(a - b)
+        for got, want, mask in zip(report["megatron"], report[reference], report["response_mask"], strict=True)
+        for a, b, m in zip(got, want, mask, strict=True)
+        if m
+    )
+
+
+def test_the_megatron_actors_log_probs_match_the_hf_models_within_bfloat16_rounding(worker_report):
+    """The packed forward of verl's Megatron actor (bf16, the TE-shaped layers, SDPA over each packed sequence) gives
+    the HF model's log-probs for the same tokens: 0.012 apart on the tiny policy, where HF's own bf16 run is 0.015
+    from its fp32 one. A wrong norm, rope or attention mask puts them whole nats apart."""
+    scale = largest_gap({**worker_report, "megatron": worker_report["hf_bfloat16"]}, "hf_float32")
+    assert largest_gap(worker_report, "hf_float32") < max(0.05, 2 * scale), worker_report
+    assert any(v < -1 for row in worker_report["megatron"] for v in row), "log-probs of real tokens, not zeros"
+
+
+def test_the_megatron_model_has_transformer_engines_names_for_the_loader_sync_checkpoint_and_merger(worker_report):
+    keys = [k for k in worker_report["state_dict_keys"] if ".layers.0." in k]
+    layer = "decoder.layers.0."
+    for key in ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight",
+                "self_attention.core_attention._extra_state", "self_attention.q_layernorm.weight",
+                "self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):  # fmt: skip
+        assert layer + key in keys, (key, keys)
+    assert not [k for k in keys if "input_layernorm" in k or "pre_mlp_layernorm" in k], keys
+
+
+def test_the_running_worker_holds_the_jobs_megatron_settings(worker_report):
+    """Read from verl's running worker: what the settings block's Megatron defaults become there."""
+    tf = worker_report["transformer_config"]
+    assert tf["bf16"] == "True" and tf["params_dtype"] == "torch.bfloat16" and tf["use_cpu_initialization"] == "True"
+    assert (tf["pipeline_model_parallel_size"], tf["tensor_model_parallel_size"]) == ("1", "1")
+    assert worker_report["optimizer_offload"] is True and worker_report["param_offload"] is False
+
+
+ADAM_CHECK = r"""
+import torch
+from demo import megatron_cpu
+megatron_cpu._adam_with_the_step_in_the_group()
+from megatron.core import optimizer
+torch.manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
+twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+ours, torchs = optimizer.Adam(params, lr=0.1), torch.optim.AdamW(twins, lr=0.1)
+for step in range(3):
+    for group in (params, twins):
+        for p in group:
+            p.grad = torch.full_like(p, 0.5 + step)
+    ours.step(); torchs.step()
+    if step == 1:  # a resume in a fresh optimizer, from the saved state
+        saved = ours.state_dict()
+        ours = optimizer.Adam(params, lr=0.1); ours.load_state_dict(saved)
+state = ours.state_dict()
+print(sorted(state["state"][0]), state["param_groups"][0]["step"],
+      max((a - b).abs().max().item() for a, b in zip(params, twins)))
+"""
+
+
+def test_the_cpu_adam_keeps_fused_adams_state_and_steps_as_torchs_adamw_across_a_resume():
+    """megatron-core's FusedAdam paths expect exp_avg and exp_avg_sq per parameter and the step in the group
+    (distrib_optimizer.py:612-614, 753-760, 896): the CPU's optimizer keeps that shape, and its updates are torch
+    AdamW's, also after a state_dict round trip into a new optimizer (torch's __setstate__ reads a per-parameter step)."""
+    run = subprocess.run([sys.executable, "-c", ADAM_CHECK], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    keys, step, gap = run.stdout.split("]")[0] + "]", *run.stdout.split("]")[1].split()
+    assert keys == "['exp_avg', 'exp_avg_sq']" and int(step) == 3
+    assert float(gap) < 1e-6
+
+
+SHIMS_CHECK = r"""
+import sys
+from demo import megatron_cpu
+
+def outcome(what, call):
+    try:
+        call()
+    except Exception as exc:
+        return f"{what}: {type(exc).__name__}"
+    return f"{what}: ok"
+
+def calls():
+    import torch
+    from megatron.core.models.gpt import gpt_layer_specs
+    spec = lambda: gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+    yield outcome("te spec", spec)
+    yield outcome("cuda buffer", lambda: torch.zeros(2, device=torch.cuda.current_device()))
+    yield outcome("cuda tensor", lambda: torch.tensor([1.0], device="cuda"))
+    yield outcome("rng", lambda: torch.cuda.get_rng_state())
+    yield outcome("value head", lambda: __import__("verl.models.llama.megatron.layers.parallel_linear"))
+
+print("before", *calls(), sep="|")
+megatron_cpu.install()
+print("after", *calls(), sep="|")
+print("qkv", __import__("megatron.core.models.gpt.gpt_layer_specs", fromlist=["x"])
+      .get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True).submodules.self_attention.submodules.linear_qkv.__name__)
+"""
+
+
+def test_without_the_megatron_shims_megatron_core_stops_where_they_say_and_with_them_it_goes_on():
+    run = subprocess.run([sys.executable, "-c", SHIMS_CHECK], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, after = (line.split("|")[1:] for line in run.stdout.splitlines() if line.startswith(("before", "after")))
+    # torch's CPU build refuses CUDA with "Torch not compiled with CUDA enabled", an AssertionError
+    assert before == ["te spec: NameError", "cuda buffer: AssertionError", "cuda tensor: AssertionError",
+                      "rng: AssertionError", "value head: ModuleNotFoundError"]  # fmt: skip
+    assert after == ["te spec: ok", "cuda buffer: ok", "cuda tensor: ok", "rng: ok", "value head: ok"]
+    assert "qkv NormColumnParallelLinear" in run.stdout
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_megatron_cpu_overrides_compose_with_the_default_command_and_pass_verls_checks(mode):
+    env = block_environment() | dict(
+        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
+        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", ROLLOUT_MODE=mode, REWARD_PROMPT_OPENS_THINK="true",
+    )  # fmt: skip
+    assert env["STRATEGY"] == "megatron", "the settings block's default"
+    module, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_cpu.overrides()))
+    cfg = compose(name, overrides, path)
+    validate(cfg)
+    assert name == "ppo_megatron_trainer" and cfg.actor_rollout_ref.rollout.name == "hf"
+    assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.use_cpu_initialization is True
+    assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.use_cpu_initialization is True
+    assert cfg.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == megatron_cpu.HOOK
+    assert rollout_problems(cfg) == []
