@@ -465,10 +465,32 @@ wait_until_done() {
   log "[rank $rank] the head finished (exit code $(cat "$job_log_dir/done")); stopping"
 }
 
+# check_gpu_modes: before this node starts anything, refuse GPUs whose compute mode forbids what it puts on them
+# (launch/node.py gpu-modes: Exclusive_Process allows one process a GPU, and a training GPU carries verl's worker
+# and SGLang's scheduler, the head's reward GPUs the reward server too). A node without nvidia-smi (CPU runs) has
+# nothing to check; one where it fails says so once and goes on (the GPUs' own errors follow).
+check_gpu_modes() {
+  local role=train modes problem
+  command -v nvidia-smi >/dev/null 2>&1 || return 0
+  if ((rank == reward_rank)); then
+    [[ "$CONFIG_REWARD_DEVICE" != cpu ]] || return 0
+    role=reward
+  elif ((rank == 0)) && [[ "$separate" == false && "$CONFIG_REWARD_DEVICE" != cpu ]]; then
+    role=train+reward
+  fi
+  if ! modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>&1); then
+    err "[rank $rank] nvidia-smi failed on $host (${modes##*$'\n'}): GPU compute modes not checked"
+    return 0
+  fi
+  problem=$(node_info gpu-modes --role "$role" --engine "$ROLLOUT_ENGINE" --reward-gpus "$CONFIG_REWARD_GPUS" \
+    <<<"$modes" 2>&1) || die "[rank $rank] GPU compute mode forbids this job's processes on $host: $problem"
+}
+
 main() {
   trap cleanup EXIT
   trap 'on_signal 130' INT
   trap 'on_signal 143' TERM
+  check_gpu_modes
   if ((rank == 0)); then
     run_head "$@"
   elif ((rank == reward_rank)); then

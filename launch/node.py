@@ -1,4 +1,4 @@
-"""What one node of the job needs to know about itself: its ports, its GPUs for the reward servers, its address.
+"""What one node of the job needs to know about itself: its ports, its GPUs (reward servers, compute mode), its address.
 
 The helper runs this on every node (inside the container) and reads `NAME=VALUE` lines back:
 
@@ -8,6 +8,8 @@ The helper runs this on every node (inside the container) and reads `NAME=VALUE`
     python -m launch.node sglang-port --block-port 20032 --gpus 4 --address A --addresses A,B   # SGLANG_PORT here
     python -m launch.node master-port --job-id 4243   # one free port of this job's own (the merge's MASTER_PORT)
     python -m launch.node no-proxy HOST...     # NO_PROXY: what the environment had, and the job's own hosts
+    nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader | python -m launch.node gpu-modes --role train
+                                               # refuses GPUs whose compute mode forbids what the node puts on them
 
 Ports: every job takes one block of PORT_BLOCK ports between PORT_FIRST and PORT_LAST (below Linux's ephemeral range,
 so no outgoing connection takes them), chosen from the job id (and the node's rank, so two "nodes" of a test on one
@@ -195,6 +197,85 @@ def reward_gpus(indices: str, visible: str | None) -> list[str]:
     return out
 
 
+# nvidia-smi's compute modes (--query-gpu=compute_mode): Default lets any number of processes hold a GPU;
+# Exclusive_Process one at a time (Exclusive_Thread: its older drivers' form); Prohibited none.
+ONE_PROCESS_MODES = ("Exclusive_Process", "Exclusive_Thread")
+NO_PROCESS_MODE = "Prohibited"
+# What a node puts on its GPUs: `train` verl's workers (every node of the Ray cluster), `train+reward` those and the
+# reward servers beside them (the head, unless CONFIG_USE_SEPARATE_REWARD_NODE=true or the servers run on the CPU),
+# `reward` one reward server a GPU and nothing else (the separate reward node).
+GPU_ROLES = ("train", "train+reward", "reward")
+
+
+def parse_compute_modes(text: str) -> list[tuple[str, str]]:
+    """`nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader` as (index, mode) rows."""
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        index, sep, mode = line.partition(",")
+        if not sep or not index.strip().isdigit():
+            raise NodeError(f"nvidia-smi's compute modes: cannot read {line.strip()!r} (expected 'INDEX, MODE')")
+        rows.append((index.strip(), mode.strip()))
+    return rows
+
+
+def job_rows(rows: list[tuple[str, str]], visible: str | None) -> list[tuple[str, str]]:
+    """This job's GPUs among nvidia-smi's, in CUDA_VISIBLE_DEVICES order (job GPU 0 first). Where Slurm confines
+    the job's devices (cgroups), nvidia-smi lists only them, renumbered from 0: its rows are the job's as they are."""
+    own = [g for g in (visible or "").split(",") if g.strip()]
+    by_index = dict(rows)
+    if own and all(g in by_index for g in own):
+        return [(g, by_index[g]) for g in own]
+    return rows
+
+
+def compute_mode_problem(
+    rows: list[tuple[str, str]], visible: str | None, role: str, engine: str, reward_indices: str = ""
+) -> str | None:
+    """Why this node's GPUs cannot run their part of the job, or None. A mode other than Default refuses the
+    processes this job puts beside each other: on every training GPU verl's Ray worker, and with SGLang its
+    scheduler, a second process (SGLang's Engine starts it: verl's sglang_rollout.py:135, 489 in sync mode,
+    async_sglang_server.py:181 in async); on the head's reward GPUs the reward server too. The reward node runs one
+    server a GPU, which Exclusive_Process allows."""
+    if role not in GPU_ROLES:
+        raise NodeError(f"gpu-modes --role {role!r}: use one of {', '.join(GPU_ROLES)}")
+    gpus = job_rows(rows, visible)
+    refused = {}
+    for index, mode in gpus:
+        if mode == NO_PROCESS_MODE or (mode in ONE_PROCESS_MODES and role != "reward"):
+            refused.setdefault(mode, []).append(index)
+    if not refused:
+        return None
+    found = "; ".join(f"GPU {', '.join(indices)} in {mode} mode" for mode, indices in refused.items())
+    if set(refused) == {NO_PROCESS_MODE}:
+        why = "Prohibited lets no process use a GPU"
+        fix = "ask the cluster's admins for Default mode on them"
+    else:
+        one = next(m for m in refused if m in ONE_PROCESS_MODES)
+        why = f"{one} lets one process at a time hold a GPU, and this job puts several on each: "
+        sharing = ["verl's Ray worker (the update, the log-probs)"]
+        if engine == "sglang":
+            sharing.append("SGLang's scheduler, a process of its own that SGLang's Engine starts for the rollout")
+        why += " and ".join(sharing) + " on every training GPU"
+        if role == "train+reward":
+            reward = [gpus[int(i)][0] for i in reward_indices.split(",") if i.strip().isdigit() and int(i) < len(gpus)]
+            why += f", and the reward server beside them on GPU {', '.join(reward) or '0'} (CONFIG_REWARD_GPUS)"
+        if engine != "sglang":
+            why += " (verl 0.6.1's vLLM rollout is not known here to keep to one process a GPU either)"
+        fix = "ask the cluster's admins for Default mode on them"
+        if engine == "sglang":
+            fix += (
+                " (no placement avoids it: a separate reward node, CONFIG_USE_SEPARATE_REWARD_NODE=true, frees the "
+                "reward GPUs, while verl's worker and SGLang's scheduler still share every training GPU)"
+            )
+    listed = ",".join(i for indices in refused.values() for i in indices)
+    return (
+        f"{found}: {why}. Nothing was started. Fix: {fix}, e.g. `nvidia-smi -i {listed} -c DEFAULT` as root on "
+        "this node (it needs root, and lasts until the driver reloads), or a partition whose GPUs are in Default mode"
+    )
+
+
 def interface_ipv4(name: str) -> str | None:
     """The IPv4 address of a network interface, or None (no such interface, or no IPv4 on it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -266,6 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--addresses", required=True, help="every training node's address, comma-separated")
     m = sub.add_parser("master-port")
     m.add_argument("--job-id", required=True)
+    c = sub.add_parser("gpu-modes", help="nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader on stdin")
+    c.add_argument("--role", required=True, choices=GPU_ROLES)
+    c.add_argument("--engine", default="sglang", help="ROLLOUT_ENGINE")
+    c.add_argument("--reward-gpus", default="", help="CONFIG_REWARD_GPUS (indices into the job's GPUs)")
     n = sub.add_parser("no-proxy")
     n.add_argument("hosts", nargs="*", help="hosts, addresses with a port, or URLs; comma-separated lists too")
     args = parser.parse_args(argv)
@@ -285,6 +370,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(sglang_port(args.block_port, index, args.gpus))
         elif args.command == "master-port":
             print(master_port(args.job_id))
+        elif args.command == "gpu-modes":
+            try:
+                problem = compute_mode_problem(
+                    parse_compute_modes(sys.stdin.read()),
+                    os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    args.role,
+                    args.engine,
+                    args.reward_gpus,
+                )
+            except NodeError as exc:  # nvidia-smi's own output, not a setting
+                problem = str(exc)
+            if problem:
+                print(problem, file=sys.stderr)
+                return 1
         elif args.command == "no-proxy":
             hosts = [host_of(item) for raw in args.hosts for item in raw.split(",") if item.strip()]
             print(no_proxy(hosts, os.environ))

@@ -381,6 +381,23 @@ FIXED_OVERRIDES = [
 ]
 
 
+# verl 0.6.1's rollout.max_num_batched_tokens (trainer/config/rollout/rollout.yaml:62, workers/config/rollout.py:142).
+VERL_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def _rollout_engine_overrides(s: Settings) -> list[str]:
+    """Sync vLLM (ROLLOUT_MODE=sync, and one_step_off's rollout) builds its engine in verl 0.6.1's vLLMRollout, which
+    raises "Enable chunked prefill, max_num_batched_tokens is smaller than max_model_len" when max_num_batched_tokens
+    is under prompt + response with chunked prefill on (vllm_rollout_spmd.py:160, 195-201; chunked prefill is on by
+    default, rollout.yaml:71). So it batches at least one whole sequence; verl's 8192 stays where it already does
+    (more tokens a step is vLLM's prefill throughput). Async vLLM hands both to vLLM's own server without that check
+    (vllm_async_server.py:224-227), and verl's SGLang rollout never reads the key."""
+    sequence = s.max_prompt_length + s.max_response_length
+    if s.rollout_engine != "vllm" or s.rollout_mode != "sync" or sequence <= VERL_MAX_NUM_BATCHED_TOKENS:
+        return []
+    return [f"actor_rollout_ref.rollout.max_num_batched_tokens={sequence}"]
+
+
 def prompt_opens_think(s: Settings, extra: list[str] | None = None) -> tuple[bool, str]:
     """What the reward function is told about the policy's prompt (REWARD_PROMPT_OPENS_THINK; auto: its chat template
     with the data.apply_chat_template_kwargs of `extra`), and where that came from."""
@@ -429,6 +446,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"{a}.rollout.tensor_model_parallel_size={s.rollout_tp}",
         f"{a}.rollout.name={s.rollout_engine}",
         f"{a}.rollout.mode={s.rollout_mode}",
+        *_rollout_engine_overrides(s),
         f"{a}.rollout.gpu_memory_utilization={s.rollout_gpu_memory}",
         f"{a}.rollout.n={s.rollout_n}",
         # verl's default validates greedily (temperature 0), which the Qwen3 cards warn repeats to the length limit.

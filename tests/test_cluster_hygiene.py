@@ -23,6 +23,7 @@ from tests.support import (
     assert_everything_stopped,
     job_dir,
     job_processes,
+    run,
     seen,
     start_http_server,
     start_job,
@@ -142,6 +143,81 @@ def test_the_address_of_a_real_interface_is_read_from_the_kernel():
     assert node.interface_ipv4("no-such-if0") is None
     result = node_cli("address", "--interface", "no-such-if0", "--nodes", "2")
     assert result.returncode == 1 and "lo (127.0.0.1)" in result.stderr, "the error lists the interfaces there are"
+
+
+# --- the GPUs' compute mode --------------------------------------------------------------------------------------
+
+SHARING = "verl's Ray worker (the update, the log-probs) and SGLang's scheduler"
+
+
+@pytest.mark.parametrize(
+    "smi, visible, role, engine, reward_gpus, expected",
+    [
+        # every GPU in Default mode: any number of processes, nothing to refuse
+        ("0, Default\n1, Default\n", None, "train+reward", "sglang", "0", None),
+        # a training node in Exclusive_Process: verl's worker and SGLang's scheduler share each of its GPUs
+        ("0, Exclusive_Process\n1, Exclusive_Process\n", None, "train", "sglang", "", f"GPU 0, 1 in Exclusive_Process mode: Exclusive_Process lets one process at a time hold a GPU, and this job puts several on each: {SHARING}"),
+        # the head with its reward servers: the refusal names the reward GPU too, as nvidia-smi numbers it
+        ("4, Exclusive_Process\n5, Exclusive_Process\n", "4,5", "train+reward", "sglang", "1", "the reward server beside them on GPU 5 (CONFIG_REWARD_GPUS)"),
+        # SGLang: moving the reward server to its own node does not help, and the refusal says so
+        ("0, Exclusive_Process\n", None, "train", "sglang", "", "no placement avoids it: a separate reward node"),
+        # the fix: Default mode, set as root
+        ("0, Exclusive_Process\n", None, "train", "sglang", "", "`nvidia-smi -i 0 -c DEFAULT` as root"),
+        # the older drivers' one-process mode is refused as Exclusive_Process is
+        ("0, Exclusive_Thread\n", None, "train", "vllm", "", "GPU 0 in Exclusive_Thread mode"),
+        # vLLM: no SGLang scheduler to name, and no claim that vLLM keeps to one process a GPU
+        ("0, Exclusive_Process\n", None, "train", "vllm", "", "is not known here to keep to one process a GPU"),
+        # one GPU of the job's in the mode is enough; the others are not listed
+        ("0, Default\n1, Exclusive_Process\n", None, "train", "sglang", "", "GPU 1 in Exclusive_Process mode"),
+        # a GPU of another job (no device cgroup: nvidia-smi lists the node's all) is not this job's concern
+        ("0, Exclusive_Process\n1, Default\n", "1", "train", "sglang", "", None),
+        # with a device cgroup nvidia-smi lists only the job's GPUs, renumbered from 0: they are all the job's
+        ("0, Exclusive_Process\n", "3", "train", "sglang", "", "GPU 0 in Exclusive_Process mode"),
+        # the separate reward node runs one server a GPU, which Exclusive_Process allows
+        ("0, Exclusive_Process\n1, Exclusive_Process\n", None, "reward", "sglang", "", None),
+        # Prohibited lets no process at all on a GPU: refused on the reward node too
+        ("0, Prohibited\n", None, "reward", "sglang", "", "GPU 0 in Prohibited mode: Prohibited lets no process use a GPU"),
+        # a line nvidia-smi's format never had is named, not guessed at
+        ("0 Default\n", None, "train", "sglang", "", "cannot read '0 Default'"),
+    ],
+)  # fmt: skip
+def test_gpus_in_a_mode_that_forbids_sharing_are_refused_naming_them_the_mode_and_the_fix(
+    smi, visible, role, engine, reward_gpus, expected
+):
+    try:
+        got = node.compute_mode_problem(node.parse_compute_modes(smi), visible, role, engine, reward_gpus)
+    except node.NodeError as exc:
+        got = str(exc)
+    if expected is None:
+        assert got is None
+    else:
+        assert got is not None and expected in got, got
+
+
+def test_a_node_whose_gpus_are_in_exclusive_process_mode_stops_before_it_starts_anything(job, tmp_path):
+    """The real run script and helper with a fake `nvidia-smi` first on PATH, as a cluster that sets its GPUs to
+    Exclusive_Process would answer: the head refuses before any reward server, port or Ray, and the job fails."""
+    bin_dir, calls = tmp_path / "smi", tmp_path / "smi_calls"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        f'#!/bin/sh\necho "$*" >>"{calls}"\n'
+        '[ "$*" = "--query-gpu=index,compute_mode --format=csv,noheader" ] || exit 9\n'
+        'echo "0, Exclusive_Process"\n'
+    )
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    result = run(job | FAST | {"PATH": f"{bin_dir}{os.pathsep}{job['PATH']}"})
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out[-3000:]
+    assert "GPU compute mode forbids this job's processes on" in result.stderr, out[-3000:]
+    assert "GPU 0 in Exclusive_Process mode" in result.stderr and "`nvidia-smi -i 0 -c DEFAULT` as root" in out
+    assert calls.read_text().splitlines() == ["--query-gpu=index,compute_mode --format=csv,noheader"]
+    logs = job_dir(job)
+    names = {p.name for p in logs.iterdir()}
+    assert {"ray_head.log", "trainer.log", "reward_urls", "ports.0", "cluster.env"} & names == set(), names
+    assert not any(name.startswith("reward_server_") for name in names), names
+    assert not Path(job["FAKE_TRAINER_LOG"]).exists(), "the trainer must not start"
+    assert (logs / "done").read_text().strip() == "1"
+    assert_everything_stopped(job)
 
 
 # --- the token ------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 from launch.preflight import validate, validation_sampling
 from launch.refusals import batch_problems, check
-from tests.test_algorithms import composed, env, settings  # noqa: F401  (env is the tiny-model settings fixture)
+from tests.test_algorithms import composed, env, recipes, settings  # noqa: F401  (env: the tiny-model settings; recipes: verl's recipe package)
 
 # --- validation sampling -----------------------------------------------------------------------------------------
 
@@ -140,3 +140,58 @@ def test_a_longer_response_packs_fewer_sequences_into_a_micro_batch_not_more_tok
     cfg = composed(settings(env, MAX_RESPONSE_LENGTH=response))
     assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == budget
     assert batch_problems(cfg) == [], "each budget holds a whole sequence"
+
+
+# --- vLLM's batched tokens ---------------------------------------------------------------------------------------
+
+# The check verl 0.6.1's sync vLLM rollout makes before it builds its engine (vllm_rollout_spmd.py:195-201).
+VLLM_SPMD_CHECK = "if max_num_batched_tokens < max_model_len and self.config.enable_chunked_prefill:"
+
+
+def vllm_spmd_accepts(rollout) -> bool:
+    """What vllm_rollout_spmd.py:160, 195-197 computes from the rollout's typed config, without vLLM."""
+    max_model_len = int(rollout.max_model_len or rollout.prompt_length + rollout.response_length)
+    return not (rollout.max_num_batched_tokens < max_model_len and rollout.enable_chunked_prefill)
+
+
+@pytest.mark.parametrize(
+    "overrides, batched_tokens",
+    [
+        # sync vLLM past verl's 8192: one whole sequence (2048 + 16384), else its check raises after the model load
+        ({"ROLLOUT_ENGINE": "vllm", "ROLLOUT_MODE": "sync", "MAX_RESPONSE_LENGTH": 16384}, 18432),
+        # the same on FSDP2
+        ({"ROLLOUT_ENGINE": "vllm", "ROLLOUT_MODE": "sync", "STRATEGY": "fsdp2", "MAX_RESPONSE_LENGTH": 8192}, 10240),
+        # one_step_off's rollout is sync vLLM too (through the recipe's config)
+        ({"TRAINER_MODE": "one_step_off", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2", "ROLLOUT_ENGINE": "vllm",
+          "MAX_RESPONSE_LENGTH": 8192}, 10240),
+        # the article's 2048 + 4096 fit verl's 8192, which stays (more tokens a prefill step)
+        ({"ROLLOUT_ENGINE": "vllm", "ROLLOUT_MODE": "sync"}, 8192),
+        # exactly 8192: verl's default holds it
+        ({"ROLLOUT_ENGINE": "vllm", "ROLLOUT_MODE": "sync", "MAX_RESPONSE_LENGTH": 6144}, 8192),
+        # async vLLM: verl's server passes the value to vLLM with no such check; left at verl's default
+        ({"ROLLOUT_ENGINE": "vllm", "MAX_RESPONSE_LENGTH": 16384}, 8192),
+        # SGLang never reads the key
+        ({"ROLLOUT_MODE": "sync", "MAX_RESPONSE_LENGTH": 16384}, 8192),
+    ],
+)  # fmt: skip
+def test_sync_vllm_batches_a_whole_sequence_so_verls_chunked_prefill_check_passes(
+    env,  # noqa: F811
+    recipes,  # noqa: F811
+    overrides,
+    batched_tokens,
+):
+    from verl.utils.config import omega_conf_to_dataclass
+
+    root = importlib.util.find_spec("verl").submodule_search_locations[0]
+    source = open(f"{root}/workers/rollout/vllm_rollout/vllm_rollout_spmd.py").read()
+    assert VLLM_SPMD_CHECK in source, "verl's sync vLLM rollout no longer makes this check: reread it"
+    s = settings(env, **overrides)
+    assert check(s) == []
+    cfg = composed(s)
+    validate(cfg)
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)  # as verl's workers build it
+    assert rollout.max_num_batched_tokens == batched_tokens
+    if s.rollout_engine == "vllm" and s.rollout_mode == "sync":
+        assert vllm_spmd_accepts(rollout), (
+            f"{rollout.max_num_batched_tokens} tokens, sequence {s.max_prompt_length + s.max_response_length}"
+        )
