@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from demo import verl_cpu
+from demo import megatron_cpu, verl_cpu
 from launch import procs
 from launch.procs import free_port, http_get, tail  # noqa: F401  (the tests import them from here)
 
@@ -120,9 +120,16 @@ REAL_TRAINER = {
 AGENT_LOOP_TIMING = "timing_s/agent_loop/generate_sequences/mean:"
 
 
-def real_trainer_args(*args: str) -> list[str]:
-    """`args`, then what every CPU run adds: no validation before training, two validation prompts, verl_cpu's own."""
-    return [*args, "trainer.val_before_train=False", "data.val_max_samples=2", *verl_cpu.overrides()]
+# The same with the settings block's default strategy, verl's Megatron workers (demo/megatron_cpu.py), and verl's
+# Megatron merger with the same adaptations; pass real_trainer_args(..., strategy="megatron").
+MEGATRON_TRAINER = {**REAL_TRAINER, "STRATEGY": "megatron", "MERGER_LAUNCHER": str(REPO / "demo" / "megatron_merger")}
+
+
+def real_trainer_args(*args: str, strategy: str = "fsdp2") -> list[str]:
+    """`args`, then what every CPU run adds: no validation before training, two validation prompts, and the CPU
+    overrides of the strategy (demo/verl_cpu.py; demo/megatron_cpu.py for Megatron)."""
+    cpu = megatron_cpu.overrides() if strategy == "megatron" else verl_cpu.overrides()
+    return [*args, "trainer.val_before_train=False", "data.val_max_samples=2", *cpu]
 
 
 def run(env: Mapping[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

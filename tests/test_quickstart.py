@@ -6,10 +6,11 @@ look for them (`models/...`, tiny ones), `prompts.jsonl` holds demo prompts, and
 command line (the test nodes are smaller than the script's #SBATCH lines ask for). Two lines cannot run here: the
 image build (no Singularity: a file stands in for the image at the path the line builds, and the fake container runs
 it) and the editor (the edits a user makes for this machine are environment variables, which the block reads the same
-way: one GPU per node, the reward model on the CPU, verl's FSDP2 workers and sync rollout with a tiny workload).
-Everything else is real, verl 0.6.1's own trainer and merger included, on the CPU: each line that runs the job gets
-demo/verl_cpu.py's Hydra overrides after it (as the README says extra overrides may follow), and the training line a
-step count (2, for what verl would compute from the data).
+way: one GPU per node, the reward model on the CPU, the block's default strategy and rollout, Megatron and async, with
+a tiny workload). Everything else is real, verl 0.6.1's own Megatron workers and merger included, on the CPU: each line
+that runs the job gets demo/megatron_cpu.py's Hydra overrides after it (as the README says extra overrides may
+follow), the merge verl's merger with the same adaptations (MERGER_LAUNCHER=demo/megatron_merger), and the training
+line a step count (2, for what verl would compute from the data).
 """
 
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from demo.data import demo_examples
 from tests import real_slurm
-from tests.support import AGENT_LOOP_TIMING, REAL_TRAINER, REPO, real_trainer_args
+from tests.support import AGENT_LOOP_TIMING, MEGATRON_TRAINER, REPO, real_trainer_args
 
 README = REPO / "README.md"
 
@@ -75,14 +76,15 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
     bin_dir = fake_container.bin_dir
     ray_tmp = Path(tempfile.mkdtemp(prefix="rayq", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "WANDB_DIR"}
-    env |= REAL_TRAINER | {
+    env |= MEGATRON_TRAINER | {
         "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         # the edits of step 3, for this machine: one GPU per node, no GPU for the reward model, one network
         "CONFIG_GPUS_PER_NODE": "1", "ACTOR_PP": "1", "CONFIG_REWARD_DEVICE": "cpu", "CONFIG_NETWORK_INTERFACE": "lo",
         "TRAINER_LOGGER": "[console,wandb]", "RAY_TMP_DIR": str(ray_tmp),
         "ROLLOUT_MODE": "async",  # the settings block's default: verl's agent loop and its reward loop
+        "MERGER_LAUNCHER": str(repo / "demo" / "megatron_merger"),  # verl's Megatron merger, with the CPU's shims
     }  # fmt: skip
-    cpu_args = " ".join(real_trainer_args())
+    cpu_args = " ".join(real_trainer_args(strategy="megatron"))
     lines, jobs, ran = quickstart_lines(), [], []
     try:
         for line in lines:
@@ -122,9 +124,7 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
     assert_in_order(healthy_lines("A passing canary"), out[canary])  # the README's table, as the canary printed it
     train_job = jobs[[r for r in ran if "sbatch" in r].index(train)]
     assert train_job.out == repo / "logs" / f"grpo-qwen3-4b-{train_job.id}.out", "the README's output file"
-    # The README shows the default job's preflight line (Megatron's config); this one trains with FSDP2's.
-    healthy = [re.compile(p.pattern.replace("ppo_megatron_trainer", "ppo_trainer")) for p in healthy_lines()]
-    assert_in_order(healthy, out[train])
+    assert_in_order(healthy_lines(), out[train])  # the default strategy's: Megatron's config, as the README shows
     logs = repo / "logs" / train_job.id
     assert {"trainer.log", "trainer_command.txt", "ray_head.log", "wandb"} <= {p.name for p in logs.iterdir()}
     assert any(p.name.startswith("reward_server_n") for p in logs.iterdir()), "one log per reward server"
@@ -139,7 +139,10 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
         assert override in command, command
     steps = [line for line in out[train].splitlines() if "training/global_step:" in line]
     assert len(steps) == 2 and all(AGENT_LOOP_TIMING in s for s in steps), steps
-    assert "-m verl.model_merger merge --backend fsdp" in out[merge], "verl's FSDP merger on what verl saved"
+    assert "ppo_megatron_trainer" in " ".join(command) and "demo.megatron_cpu.install" in " ".join(command)
+    assert (checkpoints := repo / "checkpoints" / "qwen3_4b_grpo_megatron" / "global_step_2" / "actor").is_dir()
+    assert (checkpoints / "dist_ckpt" / "metadata.json").is_file(), "verl's Megatron checkpoint (megatron-core's)"
+    assert "-m verl.model_merger merge --backend megatron" in out[merge], "verl's Megatron merger on what verl saved"
     checkpoints = repo / "checkpoints" / "qwen3_4b_grpo_megatron"
     assert (checkpoints / "TRAINING_DONE").exists() and (
         checkpoints / "latest_checkpointed_iteration.txt"
