@@ -33,8 +33,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+try:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+except ImportError as exc:  # a login node's bare python3: one line with the fix, not a traceback
+    sys.exit(
+        f"python -m data_prep.build needs pyarrow, which {sys.executable} cannot import ({exc}): pip install --user "
+        "pyarrow, or run it in the image: singularity exec verl_app.sif python3 -m data_prep.build ..."
+    )
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 ROLES = {"system", "user", "assistant", "tool"}
@@ -209,7 +215,13 @@ def read_examples(path: Path, fmt: str = "auto", split: str | None = None) -> It
                 n += 1
                 yield n, example
     elif fmt == "hf":
-        import datasets
+        try:
+            import datasets
+        except ImportError as exc:
+            raise SystemExit(
+                f"{path} is a datasets folder, and reading it needs datasets, which {sys.executable} cannot import "
+                f"({exc}): pip install --user datasets, or run it in the image (singularity exec verl_app.sif ...)"
+            ) from None
 
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):

@@ -23,7 +23,7 @@ from data_prep.build import (
 )
 from data_prep.build import main as build_main
 from data_prep.validate import main as validate_main
-from tests.support import REPO
+from tests.support import REPO, run_without
 
 UNICODE = "安全に使う方法は？ 🙂 e\u0301 עברית \u200b tab\tend"
 
@@ -404,3 +404,16 @@ def test_a_file_that_is_not_parquet_is_an_error_naming_the_file_not_a_traceback(
     assert validate_main([str(bad)]) == 1
     out = capsys.readouterr().out
     assert f"{bad}: 0 rows, 1 with errors" in out and "cannot be read as parquet" in out
+
+
+@pytest.mark.parametrize("command", ["data_prep.build", "data_prep.validate"])
+def test_a_python_without_pyarrow_gets_one_line_naming_the_install_not_a_traceback(tmp_path, command):
+    """A login node's bare python3: the line names pyarrow, how to install it and the image to run it in instead."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    args = [str(src), "--out-dir", str(tmp_path / "out")] if command == "data_prep.build" else [str(src)]
+    run = run_without(["pyarrow", "pyarrow.parquet"], command, *args)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    (line,) = run.stderr.strip().splitlines()
+    assert f"python -m {command} needs pyarrow" in line and "pip install --user pyarrow" in line
+    assert f"singularity exec verl_app.sif python3 -m {command}" in line
+    assert not (tmp_path / "out").exists()
