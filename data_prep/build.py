@@ -33,13 +33,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+try:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+except ImportError as exc:  # a login node's bare python3: one line with the fix, not a traceback
+    sys.exit(
+        f"python -m data_prep.build needs pyarrow, which {sys.executable} cannot import ({exc}): pip install --user "
+        "pyarrow, or run it in the image: singularity exec verl_app.sif python3 -m data_prep.build ..."
+    )
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 ROLES = {"system", "user", "assistant", "tool"}
 CHUNK_ROWS = 20_000
 MAX_REPORTED = 1000
+MAX_COLUMNS = 50  # columns remembered for the refusal of a file without the prompt's column
+# Column names that usually hold the prompt, in the order a suggestion prefers them.
+PROMPT_NAMES = ("prompt", "question", "query", "instruction", "input", "problem", "text", "content")
+MESSAGES_NAMES = ("messages", "conversations", "conversation", "chat", "dialog", "turns")
 
 
 class BadRow(ValueError):
@@ -205,7 +215,13 @@ def read_examples(path: Path, fmt: str = "auto", split: str | None = None) -> It
                 n += 1
                 yield n, example
     elif fmt == "hf":
-        import datasets
+        try:
+            import datasets
+        except ImportError as exc:
+            raise SystemExit(
+                f"{path} is a datasets folder, and reading it needs datasets, which {sys.executable} cannot import "
+                f"({exc}): pip install --user datasets, or run it in the image (singularity exec verl_app.sif ...)"
+            ) from None
 
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
@@ -244,11 +260,57 @@ class Report:
     bad: int = 0
     moved_to_test: int = 0  # rows of the prompt nearest to --test-size, when no row fell under it
     bad_rows: list = field(default_factory=list)
+    columns: dict = field(default_factory=dict)  # name -> "text", "list" or another type's name, as first seen
+    objects: int = 0  # rows that were objects (dicts)
+    without_column: int = 0  # of those, rows without the prompt's (or messages') column
+
+    def add_columns(self, example: dict, column: str | None) -> None:
+        self.objects += 1
+        self.without_column += example.get(column) is None
+        for name, value in example.items():
+            if value is not None and name not in self.columns and len(self.columns) < MAX_COLUMNS:
+                self.columns[name] = column_kind(value)
 
     def add_bad(self, where: str, row: int, why: str) -> None:
         self.bad += 1
         if len(self.bad_rows) < MAX_REPORTED:
             self.bad_rows.append({"file": where, "row": row, "error": why})
+
+
+def column_kind(value) -> str:
+    """What a column holds, as far as choosing a flag goes: text (a prompt, or a chat list written as JSON text in a
+    CSV cell) or a list (a chat list)."""
+    if isinstance(value, str):
+        return "list" if value.lstrip().startswith("[{") else "text"
+    if isinstance(value, list | tuple):
+        return "list"
+    return type(value).__name__
+
+
+def suggest_flag(columns: dict) -> str | None:
+    """The flag that names the prompt among `columns` (name -> column_kind): a chat list first, then text, each by the
+    usual names first; None where no column could be one."""
+    lists = [n for n, kind in columns.items() if kind == "list"]
+    texts = [n for n, kind in columns.items() if kind == "text"]
+    for flag, names, usual in (("--messages-column", lists, MESSAGES_NAMES), ("--prompt-column", texts, PROMPT_NAMES)):
+        if names:
+            best = min(names, key=lambda n: usual.index(n.lower()) if n.lower() in usual else len(usual))
+            return f"{flag} {best}"
+    return None
+
+
+def missing_column_hint(spec: RowSpec, report: Report) -> str:
+    """Why the train split is empty where no row holds the column the flags name: that column, the columns found and
+    the flag to pass; otherwise the generic hint."""
+    if not report.objects or report.without_column < report.objects:
+        return "check the column flags"
+    flag, column = (("--messages-column", spec.messages_column) if spec.messages_column
+                    else ("--prompt-column", spec.prompt_column))  # fmt: skip
+    found = ", ".join(f"{n} ({kind})" for n, kind in report.columns.items()) or "none"
+    suggestion = suggest_flag(report.columns)
+    fix = (f"pass {suggestion}" if suggestion
+           else "name the prompt's column with --prompt-column (text) or --messages-column (a chat list)")  # fmt: skip
+    return f"no row has the column '{column}' ({flag} {column}); the columns found: {found}: {fix}"
 
 
 class SplitWriter:
@@ -288,6 +350,8 @@ def build(args: argparse.Namespace, spec: RowSpec) -> Report:
     existing = [str(p) for p in targets.values() if p.exists()]
     if existing and not args.overwrite:
         raise SystemExit(f"{', '.join(existing)} already exist: pass --overwrite to replace them (nothing was changed)")
+    # The folders this build creates, removed again if it fails (only while empty: nothing already there is lost).
+    created = [p for p in (out, *out.parents) if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
     writers = {split: SplitWriter(path, spec.schema()) for split, path in targets.items()}
     report, seen = Report(), set()
@@ -318,6 +382,7 @@ def build(args: argparse.Namespace, spec: RowSpec) -> Report:
                     raise example
                 if not isinstance(example, dict):
                     raise BadRow(f"expected an object, got {type(example).__name__}")
+                report.add_columns(example, spec.messages_column or spec.prompt_column)
                 messages = chat_messages(example, spec)
                 key = prompt_key(messages)
                 if args.dedup:
@@ -350,7 +415,7 @@ def build(args: argparse.Namespace, spec: RowSpec) -> Report:
         report.moved_to_test = len(nearest[1]) if to_test else 0
         for split, n in report.written.items():
             if n == 0:
-                hint = "raise --test-size or give --test-file" if split == "test" else "check the column flags"
+                hint = "raise --test-size or give --test-file" if split == "test" else missing_column_hint(spec, report)
                 raise SystemExit(
                     f"the {split} split would be empty ({report.read} rows read, {report.bad} bad): {hint}"
                 )
@@ -359,6 +424,11 @@ def build(args: argparse.Namespace, spec: RowSpec) -> Report:
     except BaseException:
         for w in writers.values():
             w.abort()
+        for folder in created:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: someone else's files
+                break
         raise
     return report
 

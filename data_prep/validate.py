@@ -17,7 +17,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
+try:
+    import pyarrow.parquet as pq
+except ImportError as exc:  # a login node's bare python3: one line with the fix, not a traceback
+    sys.exit(
+        f"python -m data_prep.validate needs pyarrow, which {sys.executable} cannot import ({exc}): pip install "
+        "--user pyarrow, or run it in the image: singularity exec verl_app.sif python3 -m data_prep.validate ..."
+    )
 
 MAX_SHOWN = 20
 

@@ -233,7 +233,16 @@ def step_plan(cfg, rows: int) -> tuple[list[str], list[str], list[str]]:
             "mark the training done; at least 1"
         )
     save_freq = cfg.trainer.save_freq
-    if not problems and save_freq > 0 and save_freq >= total:
+    more_steps = (f"more prompts, a smaller TRAIN_BATCH_SIZE or TOTAL_EPOCHS above {epochs}" if override is None
+                  else f"a trainer.total_training_steps above {override}")  # fmt: skip
+    if not problems and save_freq > 0 and total == 1:
+        # verl saves between steps only: no SAVE_FREQ gives a checkpoint before the end of a one-step run.
+        warnings.append(
+            "verl will train only 1 step: its only checkpoint is that step's, at the end, whatever SAVE_FREQ is "
+            "(verl saves after a step, never within one), so a crash or scancel before the end starts over; for "
+            f"checkpoints along the way, train more steps: {more_steps}"
+        )
+    elif not problems and save_freq > 0 and save_freq >= total:
         warnings.append(
             f"SAVE_FREQ={save_freq} is not below the {total} steps verl will train: its only checkpoint is the last "
             "step's (and, in a Slurm job, one before the time limit), so a crash or scancel before the end resumes "

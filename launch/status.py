@@ -909,9 +909,9 @@ def figure(job: Job):
 
 def plot(job: Job, path: Path) -> None:
     """figure() into a PNG file, written atomically (a viewer never sees half a picture)."""
+    fig = figure(job)  # StatusError naming the fix where matplotlib does not import
     import matplotlib.pyplot as plt
 
-    fig = figure(job)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:

@@ -17,6 +17,7 @@ This module imports nothing of launch/ (the bottom of its imports, beside launch
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterable
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -44,7 +45,15 @@ def template_kwargs(overrides: Iterable[str]) -> dict:
 
 @functools.lru_cache(maxsize=16)
 def _generation_prompt(model_path: str, kwargs: tuple) -> str:
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:  # a login node's bare python3 (CONTAINER=none outside the image)
+        raise TemplateError(
+            f"REWARD_PROMPT_OPENS_THINK=auto reads the policy's chat template (CONFIG_MODEL_PATH={model_path}) with "
+            f"transformers, which {sys.executable} cannot import ({exc}): run where the job runs (the image, or the "
+            "environment CONTAINER=none uses), pip install transformers, or set REWARD_PROMPT_OPENS_THINK to true or "
+            "false"
+        ) from None
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -137,6 +137,16 @@ def run(env: Mapping[str, str], *args: str, timeout: float = 300) -> subprocess.
     return subprocess.run(["bash", str(RUN), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def run_without(missing: Sequence[str], module: str, *args: str, env: Mapping[str, str] | None = None,
+                cwd: Path = REPO) -> subprocess.CompletedProcess:  # fmt: skip
+    """`python -m module args` where the modules in `missing` do not import (as on a login node's bare python3:
+    None in sys.modules makes `import` raise ModuleNotFoundError); output captured."""
+    code = (f"import runpy, sys\nfor name in {list(missing)!r}:\n    sys.modules[name] = None\n"
+            f"sys.argv = [{module!r}, *sys.argv[1:]]\nrunpy.run_module({module!r}, run_name='__main__', alter_sys=True)")  # fmt: skip
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
 def start_job(env: Mapping[str, str], log: Path) -> subprocess.Popen:
     """The run script in the background, its output in `log`, in the test's process group like a shell's job would
     be not: its own session, so a test can signal the run script alone (os.kill) or everything (os.killpg)."""

@@ -465,6 +465,14 @@ def test_with_no_restarts_a_reward_server_that_dies_stops_the_job_at_once_naming
 # --- checkpoints across requeues -----------------------------------------------------------------------------------
 
 
+def test_what_a_job_writes_into_the_clone_by_default_is_ignored_by_git():
+    """The run script's default HF_HOME (the datasets cache) and CONFIG_LOG_DIR lie in the clone: git status stays
+    clean after a job, and `git add .` cannot commit a cache."""
+    for written in (".cache/huggingface/datasets/x.arrow", "logs/local-1/trainer.log"):
+        check = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "--no-index", written], check=False)
+        assert check.returncode == 0, f"{written} is not ignored by .gitignore"
+
+
 def test_checkpoints_left_by_earlier_starts_are_pruned_but_never_the_one_verl_resumes_from(tmp_path):
     """verl prunes only the saves of its own process: after a requeue, the job prunes what earlier starts left."""
     ckpt = tmp_path / "ckpt"

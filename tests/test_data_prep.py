@@ -11,10 +11,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.build import BadRow, RowSpec, chat_messages, goes_to_test, make_row, prompt_key, split_value
+from data_prep.build import (
+    BadRow,
+    RowSpec,
+    chat_messages,
+    goes_to_test,
+    make_row,
+    prompt_key,
+    split_value,
+    suggest_flag,
+)
 from data_prep.build import main as build_main
 from data_prep.validate import main as validate_main
-from tests.support import REPO
+from tests.support import REPO, run_without
 
 UNICODE = "安全に使う方法は？ 🙂 e\u0301 עברית \u200b tab\tend"
 
@@ -238,6 +247,57 @@ def test_one_row_cannot_be_split_and_the_refusal_names_the_flags(tmp_path):
     assert not (tmp_path / "out" / "train.parquet").exists(), "nothing written"
 
 
+@pytest.mark.parametrize(
+    "columns, flag",
+    [
+        # a chat list wins over text: the prompt with its turns
+        ({"id": "text", "messages": "list"}, "--messages-column messages"),
+        # a chat list as JSON text in a CSV cell
+        ({"id": "text", "chat": "list"}, "--messages-column chat"),
+        # the usual name among text columns, not the first text column
+        ({"id": "text", "answer": "text", "question": "text"}, "--prompt-column question"),
+        # no usual name: the first text column
+        ({"n": "int", "body": "text"}, "--prompt-column body"),
+        # nothing that could hold a prompt
+        ({"n": "int"}, None),
+    ],
+)  # fmt: skip
+def test_the_suggested_flag_names_the_column_most_likely_to_hold_the_prompt(columns, flag):
+    assert suggest_flag(columns) == flag
+
+
+@pytest.mark.parametrize(
+    "name, content, flag",
+    [
+        # a JSONL of chat lists, built with the default --prompt-column prompt
+        ("chats.jsonl", "".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                                for i in range(12)), "--messages-column messages"),
+        # a CSV whose prompts are in a "question" column
+        ("qa.csv", "id,question,answer\n" + "".join(f"{i},q{i}?,a{i}\n" for i in range(12)),
+         "--prompt-column question"),
+    ],
+)  # fmt: skip
+def test_a_file_without_the_prompt_column_names_it_the_columns_found_and_the_flag_and_creates_no_folder(
+    tmp_path, name, content, flag
+):
+    src = tmp_path / name
+    src.write_text(content, encoding="utf-8")
+    with pytest.raises(SystemExit) as refused:
+        build_main([str(src), "--out-dir", str(tmp_path / "data" / "out")])
+    message = str(refused.value)
+    assert "the train split would be empty (12 rows read, 12 bad)" in message
+    assert "no row has the column 'prompt' (--prompt-column prompt)" in message
+    assert "the columns found: id (" in message and f"pass {flag}" in message
+    assert not (tmp_path / "data").exists(), "no empty output folder left behind"
+    # a folder that was already there, with someone's files, is left as it was
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        build_main([str(src), "--out-dir", str(tmp_path / "kept")])
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["notes.txt"]
+    assert build_main([str(src), "--out-dir", str(tmp_path / "data" / "out"), *flag.split()]) == 0
+
+
 def test_the_command_line_has_help_and_rejects_contradictions(tmp_path):
     run = subprocess.run([sys.executable, "-m", "data_prep.build", "--help"], cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0 and "--messages-column" in run.stdout
@@ -344,3 +404,16 @@ def test_a_file_that_is_not_parquet_is_an_error_naming_the_file_not_a_traceback(
     assert validate_main([str(bad)]) == 1
     out = capsys.readouterr().out
     assert f"{bad}: 0 rows, 1 with errors" in out and "cannot be read as parquet" in out
+
+
+@pytest.mark.parametrize("command", ["data_prep.build", "data_prep.validate"])
+def test_a_python_without_pyarrow_gets_one_line_naming_the_install_not_a_traceback(tmp_path, command):
+    """A login node's bare python3: the line names pyarrow, how to install it and the image to run it in instead."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    args = [str(src), "--out-dir", str(tmp_path / "out")] if command == "data_prep.build" else [str(src)]
+    run = run_without(["pyarrow", "pyarrow.parquet"], command, *args)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    (line,) = run.stderr.strip().splitlines()
+    assert f"python -m {command} needs pyarrow" in line and "pip install --user pyarrow" in line
+    assert f"singularity exec verl_app.sif python3 -m {command}" in line
+    assert not (tmp_path / "out").exists()

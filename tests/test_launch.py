@@ -279,6 +279,16 @@ def test_a_reward_server_that_cannot_start_fails_the_preflight_naming_its_log(jo
     assert "preflight_reward_server.log" in result.stderr
 
 
+def test_a_causal_lm_as_the_reward_model_fails_the_preflights_round_trip_before_the_queue(job, tiny_models):
+    """The policy given as CONFIG_REWARD_MODEL_PATH would score with a random head: the check's server refuses it."""
+    result = run(job | {"CONFIG_REWARD_MODEL_PATH": str(tiny_models.policy), "PREFLIGHT_ONLY": "1"})
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert "preflight: the reward check failed" in result.stderr
+    assert f"the reward model path {tiny_models.policy}" in result.stderr
+    assert "without the scoring head ['score.weight']" in result.stderr
+    assert "preflight: reward verl's" not in result.stdout and "=== launching on" not in result.stdout
+
+
 # --- the reward model's input format ------------------------------------------------------------------------------
 
 

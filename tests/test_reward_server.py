@@ -34,7 +34,7 @@ from reward_score.server.planner import (
     model_packs,
     model_token_budget,
 )
-from reward_score.server.runner import ConversationRefused, RewardScorer
+from reward_score.server.runner import ConversationRefused, NotARewardModel, RewardScorer
 from reward_score.server.settings import Settings, load_settings
 from reward_score.server.warmup import warm_up, warm_up_lengths
 from tests.support import REPO, free_port, http_get, start_http_server, start_process
@@ -137,6 +137,17 @@ def test_concurrent_callers_share_forwards_and_get_their_own_scores(tiny_models)
         forwards = metric(c, "reward_batch_rows_count") - forwards_before
     assert [results[i] for i in range(len(items))] == pytest.approx(singles, abs=1e-5)
     assert forwards < len(items), f"{len(items)} concurrent requests took {forwards:.0f} forwards: no batching"
+
+
+def test_reward_server_refuses_a_checkpoint_without_a_scoring_head(tiny_models):
+    """A causal LM (here the policy) loads as a sequence classifier with a randomly initialized `score.weight`:
+    the server refuses it naming the path, what was missing and what a reward model holds."""
+    with pytest.raises(NotARewardModel) as refused:
+        RewardScorer.load(Settings(model_path=str(tiny_models.policy), device="cpu", compile="off"))
+    message = str(refused.value)
+    assert str(tiny_models.policy) in message and "Qwen3ForCausalLM" in message
+    assert "['score.weight']" in message
+    assert "sequence-classification checkpoint with its score head" in message and "RewardTrainer" in message
 
 
 def test_micro_batches_respect_the_token_budget_and_pad_to_a_bounded_set_of_lengths(tiny_models):

@@ -20,7 +20,7 @@ import pytest
 from launch import preflight, status
 from tests.fakes.fake_trainer import RayPrefixed, step_metrics
 from tests.real_slurm import NODE_SIZE, slurm_env
-from tests.support import REPO, run
+from tests.support import REPO, run, run_without
 from tests.test_docs import anchors
 
 ACTOR = "\x1b[36m(TaskRunner pid=4711)\x1b[0m"  # Ray's prefix for a TaskRunner actor's lines, coloured
@@ -264,6 +264,17 @@ def test_the_picture_has_every_curve_and_marks_where_each_requeued_start_resumed
     png.write_bytes(b"an older picture")
     status.plot(job, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and list(png.parent.iterdir()) == [png]
+
+
+def test_png_without_matplotlib_is_one_line_naming_the_install_not_a_traceback(tmp_path, no_slurm):
+    logs = tmp_path / "logs"
+    folder = start_folder(logs, LOCAL_ID, training(1, 3))
+    run = run_without(["matplotlib", "matplotlib.pyplot"], "launch.status", str(folder), "--png",
+                      str(tmp_path / "status.png"))  # fmt: skip
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith("status: --png needs matplotlib") and "pip install matplotlib" in line
+    assert not (tmp_path / "status.png").exists()
 
 
 # --- bad input, docs --------------------------------------------------------------------------------------------------

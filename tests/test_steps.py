@@ -73,6 +73,24 @@ def test_a_job_that_would_save_nothing_before_its_end_is_warned_about(env, save_
     assert step_plan(composed(settings(env, TRAIN_BATCH_SIZE=8, PPO_MINI_BATCH_SIZE=8, SAVE_FREQ=2)), 24)[1] == []
 
 
+@pytest.mark.parametrize(
+    "overrides, extra, needle",
+    [
+        # one batch of prompts: more data, a smaller batch or more epochs
+        ({}, [], "train more steps: more prompts, a smaller TRAIN_BATCH_SIZE or TOTAL_EPOCHS above 1"),
+        # an override of the total: a larger one
+        ({}, ["trainer.total_training_steps=1"], "train more steps: a trainer.total_training_steps above 1"),
+    ],
+)  # fmt: skip
+def test_the_save_advice_for_a_one_step_run_is_one_a_user_can_follow(env, overrides, extra, needle):  # noqa: F811
+    """No SAVE_FREQ saves before the end of a single step (verl saves between steps): 'set SAVE_FREQ below 1' was
+    impossible; the advice is more steps, and nothing asks for a SAVE_FREQ below 1."""
+    cfg = composed(settings(env, TRAIN_BATCH_SIZE=8, PPO_MINI_BATCH_SIZE=8, SAVE_FREQ=1, **overrides), extra)
+    _, (warning,), problems = step_plan(cfg, 8 if not extra else 40)
+    assert problems == [] and "verl will train only 1 step" in warning and needle in warning, warning
+    assert "below 1" not in warning
+
+
 def test_the_preflight_refuses_too_little_data_and_only_warns_for_a_stand_in(env, tmp_path, demo_data):  # noqa: F811
     rows = pq.read_table(demo_data / "train.parquet").slice(0, 18)
     train = tmp_path / "train18.parquet"

@@ -14,7 +14,7 @@ from launch.preflight import compose, split_command
 from launch.refusals import check, thinking_problems
 from launch.settings import SettingError, Settings, trainer_argv
 from reward_score import safe_hack_reward_request as client
-from tests.support import REPO, block_environment
+from tests.support import REPO, block_environment, run_without
 
 # Hybrid Qwen3's template, reduced to its generation prompt: enable_thinking=False closes the block in the prompt.
 HYBRID_TEMPLATE = (
@@ -120,3 +120,14 @@ def test_the_command_the_helper_builds_on_the_head_node_carries_the_value(instru
                          env=env, capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert told(run.stdout.split("\0")) == "False"
+
+
+def test_a_python_without_transformers_gets_one_line_naming_the_fix_not_a_traceback(instruct_policy):
+    """A login node's bare python3 (CONTAINER=none outside the image): auto cannot read the template there."""
+    env = block_environment() | {"CONTAINER": "none", "CONFIG_MODEL_PATH": str(instruct_policy),
+                                 "PATH": "/usr/bin:/bin"}  # fmt: skip
+    run = run_without(["transformers"], "launch.settings", "trainer-argv", env=env)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    (line,) = run.stderr.strip().splitlines()
+    assert "REWARD_PROMPT_OPENS_THINK=auto reads the policy's chat template" in line and "transformers" in line
+    assert "pip install transformers" in line and "set REWARD_PROMPT_OPENS_THINK to true or false" in line

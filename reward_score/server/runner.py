@@ -19,7 +19,16 @@ from reward_score.server.planner import (
 )
 from reward_score.server.settings import Settings
 
-__all__ = ["ConversationRefused", "Encoded", "InputFormat", "InputTooLong", "Launched", "RewardScorer"]
+__all__ = [
+    "ConversationRefused",
+    "Encoded",
+    "InputFormat",
+    "InputTooLong",
+    "Launched",
+    "NotARewardModel",
+    "RewardScorer",
+    "missing_head",
+]
 
 log = logging.getLogger("reward_server")
 
@@ -28,6 +37,30 @@ def _transformers_at_least(major: int, minor: int) -> bool:
     import transformers
 
     return tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (major, minor)
+
+
+class NotARewardModel(RuntimeError):
+    """The checkpoint holds no scoring head: transformers would score with a randomly initialized one."""
+
+
+def missing_head(model, missing_keys: Sequence[str]) -> list[str]:
+    """The head's weights (those outside the base model: `score.weight`, `classifier.*`) that the checkpoint lacked,
+    so that transformers initialized them at random; empty for a sequence-classification checkpoint."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    return sorted(k for k in missing_keys if not k.startswith(prefix))
+
+
+def refuse_without_head(path: str, model, missing_keys: Sequence[str]) -> None:
+    """NotARewardModel naming the path, what it lacked and what a reward model holds, where its head was not in it."""
+    head = missing_head(model, missing_keys)
+    if head:
+        saved_as = ", ".join(getattr(model.config, "architectures", None) or []) or "a model without a scoring head"
+        raise NotARewardModel(
+            f"the reward model path {path} (CONFIG_REWARD_MODEL_PATH, --model-path) is not a reward model: it holds "
+            f"{saved_as}, without the scoring head {head} (transformers would initialize it at random, and every "
+            "score would be noise). A reward model is a sequence-classification checkpoint with its score head and "
+            "num_labels=1 (e.g. *ForSequenceClassification as TRL's RewardTrainer saves it), not a causal LM or policy"
+        )
 
 
 class RewardScorer(PairEncoder):
@@ -108,9 +141,14 @@ class RewardScorer(PairEncoder):
         tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
         # transformers < 4.56 (the vLLM base image holds 4.55.4) names the argument torch_dtype
         dtype_arg = "dtype" if _transformers_at_least(4, 56) else "torch_dtype"
-        model = AutoModelForSequenceClassification.from_pretrained(
-            settings.model_path, **{dtype_arg: dtype}, num_labels=1, attn_implementation="sdpa"
+        model, loading = AutoModelForSequenceClassification.from_pretrained(
+            settings.model_path,
+            **{dtype_arg: dtype},
+            num_labels=1,
+            attn_implementation="sdpa",
+            output_loading_info=True,
         )
+        refuse_without_head(settings.model_path, model, loading["missing_keys"])
         if model.config.pad_token_id is None:
             model.config.pad_token_id = (
                 tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
