@@ -19,6 +19,7 @@ import pytest
 from launch import node
 from tests.real_slurm import NODE_SIZE
 from tests.support import (
+    MEGATRON_TRAINER,
     REAL_TRAINER,
     REPO,
     RUN,
@@ -304,3 +305,49 @@ def test_the_local_cluster_script_is_idempotent_and_reports_both_nodes(slurm_clu
     assert status.returncode == 0, status.stdout
     assert "n1 idle" in status.stdout or "n1 mix" in status.stdout or "n1 alloc" in status.stdout, status.stdout
     assert "gpu:4" in status.stdout
+
+
+def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_and_critic_and_both_merge(
+    job, submit, tmp_path
+):
+    """The article's backend across the local Slurm's two nodes: PPO (GAE with verl's Megatron critic) with ACTOR_PP=2,
+    so each node's Ray worker holds one pipeline stage of the actor, the reference and the critic (demo/megatron_cpu.py;
+    gloo where NCCL would be). Two steps with a save each; then `sbatch merge_mcore_to_hf.sh` twice: the actor's PP=2
+    dist checkpoint through verl's Megatron merger, and the critic's own Hugging Face save (critic.checkpoint
+    .save_contents with hf_model, docs/merge.md) into a value model by launch/critic_to_hf.py."""
+    env = job | FAST | MEGATRON_TRAINER | {"ALGORITHM": "ppo", "ACTOR_PP": "2", "TRAINER_LOGGER": "[console]"}
+    args = real_trainer_args("trainer.total_training_steps=2", "trainer.test_freq=-1",
+                             "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]", strategy="megatron")  # fmt: skip
+    j = submit(env, *args, out=tmp_path / "job.out", options=(*TWO_NODES, "--time=30"))
+    fields = j.wait(1200)
+    out = j.output()
+    assert (fields["JobState"], fields["ExitCode"], fields["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), out[-5000:]
+    logs = logs_of(env, j)
+    command = (logs / "trainer_command.txt").read_text().splitlines()
+    for override in ("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                     "critic.megatron.pipeline_model_parallel_size=2", "trainer.nnodes=2"):  # fmt: skip
+        assert override in command, command
+    trainer_log = (logs / "trainer.log").read_text()
+    steps = {int(n): line for n, line in re.findall(r" step:(\d+) - (.*)", trainer_log) if "timing_s/step:" in line}
+    assert sorted(steps) == [1, 2], trainer_log[-3000:]
+    for line in steps.values():
+        assert float(re.search(r"critic/grad_norm:([-\d.e]+)", line).group(1)) > 0, "the critic learned"
+        assert float(re.search(r"actor/grad_norm:([-\d.e]+)", line).group(1)) > 0
+    step = Path(env["CONFIG_OUTPUT_DIR"]) / "global_step_2"
+    for role in ("actor", "critic"):
+        assert (step / role / "dist_ckpt" / "metadata.json").is_file(), f"megatron-core's dist checkpoint of the {role}"
+    assert (step / "critic" / "huggingface" / "config.json").is_file()
+    assert_everything_stopped(env)
+
+    merges = {}
+    for role in ("actor", "critic"):
+        target = tmp_path / f"hf_{role}"
+        m = submit(env | {"ROLE": role, "TARGET_DIR": str(target)}, script="merge_mcore_to_hf.sh",
+                   out=tmp_path / f"merge_{role}.out", options=("--mem=3G", "--cpus-per-task=1", "--gpus-per-node=1"))  # fmt: skip
+        fields = m.wait(600)
+        merges[role] = m.output()
+        assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), merges[role][-4000:]
+        assert (target / "config.json").is_file() and f"done: {target}" in merges[role]
+    assert "-m verl.model_merger merge --backend megatron" in merges["actor"], "verl's merger, both stages in one"
+    assert "verified " in merges["actor"] and "tied embeddings, no lm_head" in merges["actor"]
+    assert "-> score.weight" in merges["critic"] and "value model, value head score.weight [1, 64]" in merges["critic"]
