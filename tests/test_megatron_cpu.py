@@ -10,8 +10,8 @@ import pytest
 
 from demo import megatron_cpu
 from launch.preflight import compose, split_command, validate
-from launch.refusals import rollout_problems
-from launch.settings import Settings, trainer_argv
+from launch.refusals import check, rollout_problems
+from launch.settings import SettingError, Settings, trainer_argv
 from tests.support import REPO, block_environment
 
 
@@ -156,3 +156,44 @@ def test_the_megatron_cpu_overrides_compose_with_the_default_command_and_pass_ve
     assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.use_cpu_initialization is True
     assert cfg.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == megatron_cpu.HOOK
     assert rollout_problems(cfg) == []
+
+
+@pytest.mark.parametrize(
+    "recompute, want",
+    [
+        # the block's default: every layer's forward again in the backward, one layer a checkpoint
+        (None, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+        # only recompute_modules (verl's yaml: core_attn); megatron-core wants no method or layer count there
+        ("selective", {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None}),
+        # verl's own default: every activation kept
+        ("off", {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}),
+    ],
+)
+def test_megatron_recompute_reaches_the_actor_the_reference_and_the_critic_through_verls_config(recompute, want):
+    """Composed with verl's own Hydra config, PPO (the only algorithm with a critic): the actor's keys are set, the
+    reference inherits them (its override_transformer_config is an oc.select of the actor's), and the critic, whose
+    block has nulls of its own, gets them set too."""
+    env = block_environment() | dict(
+        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
+        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", REWARD_PROMPT_OPENS_THINK="true", ALGORITHM="ppo",
+    ) | ({"MEGATRON_RECOMPUTE": recompute} if recompute else {})  # fmt: skip
+    _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_cpu.overrides()))
+    cfg = compose(name, overrides, path)
+    validate(cfg)
+    for engine in (cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.ref.megatron, cfg.critic.megatron):
+        tf = engine.override_transformer_config
+        assert {key: tf[key] for key in want} == want, engine
+        assert list(tf.recompute_modules) == ["core_attn"], "verl's yaml, what selective recomputes"
+
+
+def test_an_unknown_megatron_recompute_is_refused_naming_the_setting_and_its_values():
+    env = block_environment() | dict(
+        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
+        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", REWARD_PROMPT_OPENS_THINK="true",
+        MEGATRON_RECOMPUTE="partial",
+    )  # fmt: skip
+    s = Settings.from_env(env)
+    needle = "MEGATRON_RECOMPUTE='partial': use one of full, selective, off"
+    assert needle in check(s, check_paths=False)
+    with pytest.raises(SettingError, match=needle):
+        trainer_argv(s)
