@@ -95,6 +95,7 @@ PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-128}"               # prompts per po
 MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-4}"                 # micro-batches of this x 6144 tokens per GPU (>= 1 sequence)
 ACTOR_PP="${ACTOR_PP:-2}"                                       # Megatron pipeline parallel (actor, ref and critic)
 ACTOR_TP="${ACTOR_TP:-1}"                                       # Megatron tensor parallel (actor, ref and critic)
+MEGATRON_RECOMPUTE="${MEGATRON_RECOMPUTE:-full}"                # full | selective | off: Megatron activation recompute (training.md)
 ROLLOUT_TP="${ROLLOUT_TP:-1}"                                   # rollout engine tensor parallel
 ROLLOUT_N="${ROLLOUT_N:-4}"                                     # responses per prompt (the GRPO group)
 ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-0.4}"                 # the rollout engine's share of GPU memory

@@ -35,7 +35,7 @@ from pathlib import Path
 from launch import thinking
 from launch.deadline import signal_lead
 from launch.node import SGLANG_MAX_GPUS
-from launch.settings import SettingError, Settings
+from launch.settings import RECOMPUTE, SettingError, Settings
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
 
 # --- 1. the settings block ----------------------------------------------------------------------------------------
@@ -180,6 +180,7 @@ def combination_problems(s: Settings) -> list[str]:
         ("STRATEGY", s.strategy, ("megatron", "fsdp2")),
         ("REWARD_MANAGER", s.reward_manager_setting, ("auto", "batch", "naive", "dapo")),
         ("ROLLOUT_ENGINE", s.rollout_engine, ("sglang", "vllm")),
+        ("MEGATRON_RECOMPUTE", s.megatron_recompute, tuple(RECOMPUTE)),
     ):
         if value not in allowed:
             problems.append(f"{name}={value!r}: use one of {', '.join(allowed)}")

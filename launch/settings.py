@@ -74,6 +74,7 @@ class Settings:
     micro_batch_per_gpu: int = setting("MICRO_BATCH_PER_GPU")
     actor_pp: int = setting("ACTOR_PP")
     actor_tp: int = setting("ACTOR_TP")
+    megatron_recompute: str = setting("MEGATRON_RECOMPUTE")  # full | selective | off (recompute_overrides)
     rollout_tp: int = setting("ROLLOUT_TP")
     rollout_n: int = setting("ROLLOUT_N")
     rollout_gpu_memory: float = setting("ROLLOUT_GPU_MEMORY")
@@ -277,6 +278,31 @@ def _token_budgets(s: Settings) -> list[str]:
     ]
 
 
+# MEGATRON_RECOMPUTE's values and the keys of megatron-core 0.13's TransformerConfig each sets
+# (transformer/transformer_config.py:261-298, checked at :774-814).
+RECOMPUTE = {
+    # Every layer's forward again in the backward, from its saved input (transformer_block.py:562, _checkpointed_forward)
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": "1"},
+    # Only recompute_modules (verl's yaml and megatron-core's default: core_attn, the attention's softmax part)
+    "selective": {"recompute_granularity": "selective"},
+    "off": {},  # verl's default (recompute_granularity: null): every activation kept for the backward
+}
+
+
+def recompute_overrides(s: Settings, section: str) -> list[str]:
+    """MEGATRON_RECOMPUTE for one Megatron engine config (`actor_rollout_ref.actor.megatron` or `critic.megatron`).
+    Without recompute the update of one PP=2 stage of Qwen3-4B keeps 3.17 GiB of activations per layer per 24,576-
+    token micro-batch, over 80 GB and over an H200 (docs/training.md); full keeps 0.117. The keys exist in verl's
+    yaml with null values (_generated_ppo_megatron_trainer.yaml:46-51, 361-366), so plain `key=value` sets them. The
+    reference inherits the actor's (ref.megatron.override_transformer_config is an oc.select of it, :170); its
+    log-prob pass runs under no_grad, where the checkpointed forward saves nothing for a backward. The critic's block
+    has its own nulls, not the actor's: it is set on its own."""
+    if s.megatron_recompute not in RECOMPUTE:
+        raise SettingError(f"MEGATRON_RECOMPUTE={s.megatron_recompute!r}: use one of {', '.join(RECOMPUTE)}")
+    keys = RECOMPUTE[s.megatron_recompute]
+    return [f"{section}.override_transformer_config.{key}={value}" for key, value in keys.items()]
+
+
 def _actor_overrides(s: Settings) -> list[str]:
     a = "actor_rollout_ref"
     if s.strategy == "megatron":
@@ -286,6 +312,7 @@ def _actor_overrides(s: Settings) -> list[str]:
             f"{a}.actor.megatron.optimizer_offload=True",
             f"{a}.actor.megatron.pipeline_model_parallel_size={s.actor_pp}",
             f"{a}.actor.megatron.tensor_model_parallel_size={s.actor_tp}",
+            *recompute_overrides(s, f"{a}.actor.megatron"),
             f"{a}.ref.megatron.pipeline_model_parallel_size={s.actor_pp}",
             f"{a}.ref.megatron.tensor_model_parallel_size={s.actor_tp}",
             *_token_budgets(s),
@@ -320,6 +347,7 @@ def _algorithm_overrides(s: Settings) -> list[str]:
             critic += [
                 f"critic.megatron.pipeline_model_parallel_size={s.actor_pp}",
                 f"critic.megatron.tensor_model_parallel_size={s.actor_tp}",
+                *recompute_overrides(s, "critic.megatron"),
             ]
         # The critic's optimizer state (fp32 weights and Adam's two moments, 12 bytes a parameter) waits in host
         # memory between its updates, as the actor's does: verl's default keeps it on the GPUs that also hold the

@@ -7,7 +7,8 @@ Composes the job's trainer config from the settings block's defaults with KEY=VA
 `ActorRolloutRefWorker(role="actor_rollout")` (the hybrid worker of a job, its HF rollout included) from it in a one-process gloo group (demo/megatron_cpu.install first, as Ray's
 hook does in a job), runs `init_model` and `compute_log_prob` on two texts of different lengths, and writes what the
 running worker holds: its TransformerConfig, whether its parameters and optimizer are offloaded, the parameter
-names of its layers, and its log-probs beside the HF model's (float32 and bfloat16) for the same tokens.
+names of its layers, and its log-probs beside the HF model's (float32 and bfloat16) for the same tokens; then one
+`update_actor` on them (with the job's recompute setting), and its actor/ metrics (grad_norm, pg_loss, ...).
 """
 
 from __future__ import annotations
@@ -52,6 +53,33 @@ def hf_log_probs(policy: Path, batch, dtype) -> list[list[float]]:
     return logp[:, -batch["responses"].shape[1] :].tolist()
 
 
+def update_metrics(worker, batch: dict, old_log_probs) -> dict:
+    """One update_actor, as the trainer calls it (ray_trainer.py: old and reference log-probs, advantages, the
+    temperature and token counts in meta_info), on one mini-batch: the two texts repeated to the worker's own
+    ppo_mini_batch_size (after it scales it by rollout.n over data-parallel ranks), opposite advantages for each."""
+    import torch
+    from verl import DataProto
+
+    rows = worker.config.actor.ppo_mini_batch_size
+    pick = torch.arange(rows) % len(TEXTS)
+    tensors = {key: value[pick] for key, value in batch.items()}
+    sign = torch.where(pick % 2 == 0, 1.0, -1.0)[:, None]
+    tensors |= dict(old_log_probs=old_log_probs[pick], ref_log_prob=old_log_probs[pick],
+                    advantages=sign * tensors["response_mask"].float())  # fmt: skip
+    meta = {"temperature": 1.0, "global_token_num": tensors["attention_mask"].sum(-1).tolist()}
+    # megatron-core recomputes a checkpointed chunk of layers in CheckpointFunction.backward (tensor_parallel/
+    # random.py:440): counted, since a module in eval mode skips recompute silently (transformer_block.py:562)
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    recomputed, backward = [], mcore_random.CheckpointFunction.backward
+    mcore_random.CheckpointFunction.backward = staticmethod(lambda ctx, *a: recomputed.append(1) or backward(ctx, *a))
+    metrics = worker.update_actor(DataProto.from_dict(tensors=tensors, meta_info=meta)).meta_info["metrics"]
+    mcore_random.CheckpointFunction.backward = staticmethod(backward)
+    flat = lambda v: [x for item in v for x in flat(item)] if isinstance(v, list | tuple) else [float(v)]  # noqa: E731
+    out = {key: flat(value) for key, value in metrics.items() if key.startswith("actor/")}
+    return out | {"recomputed_chunks": len(recomputed)}
+
+
 def main(out: Path, policy: Path, settings: dict[str, str]) -> None:
     cfg = worker_config(policy, settings)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -77,7 +105,8 @@ def main(out: Path, policy: Path, settings: dict[str, str]) -> None:
     batch = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                  responses=input_ids[:, prompt_len:], response_mask=attention_mask[:, prompt_len:])  # fmt: skip
     data = DataProto.from_dict(tensors=batch, meta_info={})
-    megatron = worker.compute_log_prob(data).batch["old_log_probs"].tolist()
+    old_log_probs = worker.compute_log_prob(data).batch["old_log_probs"]
+    megatron = old_log_probs.tolist()
     mask = attention_mask[:, prompt_len:].tolist()
 
     tf = worker.actor.tf_config if hasattr(worker, "actor") else worker.tf_config
@@ -92,6 +121,7 @@ def main(out: Path, policy: Path, settings: dict[str, str]) -> None:
         "hf_float32": hf_log_probs(policy, batch, torch.float32),
         "hf_bfloat16": hf_log_probs(policy, batch, torch.bfloat16),
         "response_mask": mask,
+        "update": update_metrics(worker, batch, old_log_probs),
     }
     out.write_text(json.dumps(report))
 

@@ -10,25 +10,33 @@ import pytest
 
 from demo import megatron_cpu
 from launch.preflight import compose, split_command, validate
-from launch.refusals import rollout_problems
-from launch.settings import Settings, trainer_argv
+from launch.refusals import check, rollout_problems
+from launch.settings import SettingError, Settings, trainer_argv
 from tests.support import REPO, block_environment
 
 
 @pytest.fixture(scope="module")
-def worker_report(tmp_path_factory):
-    """tests/megatron_worker.py: verl's ActorRolloutRefWorker built from the job's own command, init_model and
-    compute_log_prob, in a fresh interpreter (the shims are process-wide)."""
+def tiny_policy(tmp_path_factory):
     from demo.tiny_models import build_policy_model
 
-    tmp = tmp_path_factory.mktemp("megatron_worker")
-    policy = build_policy_model(tmp / "policy")
+    return build_policy_model(tmp_path_factory.mktemp("megatron_policy") / "policy")
+
+
+def run_worker(tmp, policy, *settings: str) -> dict:
+    """tests/megatron_worker.py: verl's ActorRolloutRefWorker built from the job's own command (KEY=VALUE settings
+    on the block's defaults), init_model, compute_log_prob and one update_actor, in a fresh interpreter (the shims
+    are process-wide)."""
     out = tmp / "report.json"
     env = {"HOME": str(tmp), "HF_HOME": str(tmp / "hf"), "TMPDIR": str(tmp), "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-m", "tests.megatron_worker", str(out), str(policy)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "tests.megatron_worker", str(out), str(policy), *settings], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def worker_report(tmp_path_factory, tiny_policy):
+    return run_worker(tmp_path_factory.mktemp("megatron_worker"), tiny_policy)
 
 
 def largest_gap(report: dict, reference: str) -> float:
@@ -65,6 +73,26 @@ def test_the_running_worker_holds_the_jobs_megatron_settings(worker_report):
     assert tf["bf16"] == "True" and tf["params_dtype"] == "torch.bfloat16" and tf["use_cpu_initialization"] == "True"
     assert (tf["pipeline_model_parallel_size"], tf["tensor_model_parallel_size"]) == ("1", "1")
     assert worker_report["optimizer_offload"] is True and worker_report["param_offload"] is False
+    # MEGATRON_RECOMPUTE=full: each layer's forward again in the backward, one layer a checkpoint
+    recompute = (tf["recompute_granularity"], tf["recompute_method"], tf["recompute_num_layers"])
+    assert recompute == ("full", "uniform", "1")
+
+
+def test_the_update_recomputes_each_layer_and_gets_the_gradient_it_gets_keeping_every_activation(
+    worker_report, tiny_policy, tmp_path
+):
+    """verl's update_actor on the running worker, with the default full recompute and with MEGATRON_RECOMPUTE=off:
+    megatron-core re-runs each of the 2 layers' forward in the backward (CheckpointFunction.backward, counted), through
+    demo/megatron_cpu.py's RNG tracker on the CPU, and the step's losses and grad norm are the same as without it.
+    Recompute trades compute for memory; it never changes the update."""
+    off = run_worker(tmp_path, tiny_policy, "MEGATRON_RECOMPUTE=off")
+    assert off["transformer_config"]["recompute_granularity"] == "None"
+    full, kept = dict(worker_report["update"]), dict(off["update"])
+    assert (full.pop("recomputed_chunks"), kept.pop("recomputed_chunks")) == (2, 0)
+    assert full["actor/grad_norm"][0] > 0 and full["actor/pg_loss"] != [0.0], full
+    assert full.keys() == kept.keys()
+    for key in full:
+        assert full[key] == pytest.approx(kept[key], rel=1e-5, abs=1e-7), key
 
 
 ADAM_CHECK = r"""
@@ -156,3 +184,44 @@ def test_the_megatron_cpu_overrides_compose_with_the_default_command_and_pass_ve
     assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.use_cpu_initialization is True
     assert cfg.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == megatron_cpu.HOOK
     assert rollout_problems(cfg) == []
+
+
+@pytest.mark.parametrize(
+    "recompute, want",
+    [
+        # the block's default: every layer's forward again in the backward, one layer a checkpoint
+        (None, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+        # only recompute_modules (verl's yaml: core_attn); megatron-core wants no method or layer count there
+        ("selective", {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None}),
+        # verl's own default: every activation kept
+        ("off", {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}),
+    ],
+)
+def test_megatron_recompute_reaches_the_actor_the_reference_and_the_critic_through_verls_config(recompute, want):
+    """Composed with verl's own Hydra config, PPO (the only algorithm with a critic): the actor's keys are set, the
+    reference inherits them (its override_transformer_config is an oc.select of the actor's), and the critic, whose
+    block has nulls of its own, gets them set too."""
+    env = block_environment() | dict(
+        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
+        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", REWARD_PROMPT_OPENS_THINK="true", ALGORITHM="ppo",
+    ) | ({"MEGATRON_RECOMPUTE": recompute} if recompute else {})  # fmt: skip
+    _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_cpu.overrides()))
+    cfg = compose(name, overrides, path)
+    validate(cfg)
+    for engine in (cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.ref.megatron, cfg.critic.megatron):
+        tf = engine.override_transformer_config
+        assert {key: tf[key] for key in want} == want, engine
+        assert list(tf.recompute_modules) == ["core_attn"], "verl's yaml, what selective recomputes"
+
+
+def test_an_unknown_megatron_recompute_is_refused_naming_the_setting_and_its_values():
+    env = block_environment() | dict(
+        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
+        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", REWARD_PROMPT_OPENS_THINK="true",
+        MEGATRON_RECOMPUTE="partial",
+    )  # fmt: skip
+    s = Settings.from_env(env)
+    needle = "MEGATRON_RECOMPUTE='partial': use one of full, selective, off"
+    assert needle in check(s, check_paths=False)
+    with pytest.raises(SettingError, match=needle):
+        trainer_argv(s)
