@@ -3,7 +3,8 @@
     python -m launch.preflight [EXTRA_OVERRIDES...]     # reads the settings run_grpo_qwen3_4b_mega_verl.sh exports
 
 The job's one check, in one process (one container start; the policy tokenizer loaded once):
-0. settings: launch.refusals.check and save_deadline_problems, one line per problem naming the setting;
+0. settings: launch.refusals.check, context_problems (prompt + response against the models' positions) and
+   save_deadline_problems, one line per problem naming the setting;
 1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
    verl's `validate_config` (batch and micro-batch arithmetic, parallel sizes) and its typed config dataclasses;
    then what verl asserts or ignores only at run time (launch.refusals: batches, parallel sizes, rollout keys, and
@@ -31,6 +32,7 @@ from launch.procs import free_port, start_server, stop_process
 from launch.refusals import (
     batch_problems,
     check,
+    context_problems,
     parallel_problems,
     ray_cpu_problems,
     rollout_problems,
@@ -462,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingError as exc:
         print(f"setting error: {exc}", file=sys.stderr)
         return 1
-    problems = check(settings)
+    problems = check(settings) + context_problems(settings, os.environ)
     for problem in problems:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:

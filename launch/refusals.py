@@ -5,8 +5,9 @@ and again inside the allocation, by launch/preflight.py, which runs these in thi
 line of its own, naming the setting (or the trainer key and the setting behind it) to change:
 
 1. check(settings): the settings block alone (launch.settings.Settings): values, combinations verl 0.6.1 or the
-   image cannot run (combination_problems), GPU and batch arithmetic, the files the settings point at;
-   printed as `setting error: ...`.
+   image cannot run (combination_problems), GPU and batch arithmetic, the files the settings point at; then
+   context_problems(settings, env): prompt + response against the positions in the models' config.json (and the
+   reward server's REWARD_MAX_LENGTH); printed as `setting error: ...`.
 2. save_deadline_problems(settings, env): CHECKPOINT_BEFORE_END against the job's own time-limit signal;
    printed as `setting error: ...` (launch/deadline.py says what verl will save, and warns).
 3. batch_problems(cfg), parallel_problems(cfg), rollout_problems(cfg): the trainer config composed with verl's own
@@ -28,6 +29,7 @@ docs/operations.md lists every message the scripts print, with what it means and
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +39,7 @@ from launch.deadline import signal_lead
 from launch.node import SGLANG_MAX_GPUS
 from launch.settings import RECOMPUTE, SettingError, Settings
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
+from reward_score.server.settings import Settings as RewardServerSettings
 
 # --- 1. the settings block ----------------------------------------------------------------------------------------
 
@@ -143,6 +146,70 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
             problems.append(
                 f"CONFIG_IMAGE_PATH={s.image}: no such image (sudo singularity build verl_app.sif verl_app.def)"
             )
+    return problems
+
+
+def model_positions(path: str) -> int | None:
+    """The most tokens a sequence may hold for the model at `path`, read from its config.json as verl 0.6.1's rollout
+    reads it before the engine starts (sglang_rollout.py and vllm_rollout_spmd.py `_verify_config`):
+    max_position_embeddings (top level, else under llm_config or text_config), times rope_scaling's factor when the
+    config has rope_scaling. Without rope_scaling, the usual case, verl, SGLang and vLLM all stop at
+    max_position_embeddings. With it, the engines' own limits can be lower than verl's figure (SGLang drops the factor
+    when rope_scaling names original_max_position_embeddings; vLLM counts YaRN from original_max_position_embeddings),
+    so this is the least the job needs, not all of it. None where the file or the figure is missing: the model check
+    of `check` names a missing config.json, and a config without the figure is the engine's to read."""
+    try:
+        config = json.loads(Path(path, "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    positions = next(
+        (c.get("max_position_embeddings") for c in (config, config.get("llm_config"), config.get("text_config"))
+         if isinstance(c, dict) and isinstance(c.get("max_position_embeddings"), int)),
+        None,
+    )  # fmt: skip
+    if positions is None:
+        return None
+    rope = config.get("rope_scaling")
+    factor = rope.get("factor", 1.0) if isinstance(rope, dict) else 1.0
+    return int(positions * factor) if isinstance(factor, (int, float)) and factor > 0 else positions
+
+
+def context_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
+    """MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH against the positions the models have. The policy: verl 0.6.1's rollout
+    asserts the sum fits (model_positions) when the engine starts on the GPUs, after the queue and the model load.
+    The reward model scores prompt + response in its own chat template (a few tokens more), and the reward server
+    keeps the last REWARD_MAX_LENGTH tokens of a longer pair on purpose (reward_score/server/inputs.py fit); so only a
+    REWARD_MAX_LENGTH past the reward model's positions, with pairs that reach past them, is refused: such input gets
+    positions the model never learned (RoPE scores it without an error, a learned table raises), and a score must mean
+    "this answer is this good". The template's few tokens are not counted here (that needs the reward tokenizer)."""
+    problems, sequence = [], s.max_prompt_length + s.max_response_length
+    policy = model_positions(s.model_path)
+    if policy is not None and sequence > policy:
+        problems.append(
+            f"MAX_PROMPT_LENGTH={s.max_prompt_length} + MAX_RESPONSE_LENGTH={s.max_response_length} = {sequence} "
+            f"tokens, but the policy has {policy} positions (max_position_embeddings in "
+            f"CONFIG_MODEL_PATH={s.model_path}/config.json): verl 0.6.1's rollout refuses it when the engine starts "
+            "on the GPUs, after the queue ('model context length should be greater than total sequence length'); "
+            f"lower MAX_PROMPT_LENGTH and/or MAX_RESPONSE_LENGTH until their sum is at most {policy}, or use a "
+            "policy with a longer context"
+        )
+    raw = environ.get("REWARD_MAX_LENGTH", "")
+    try:
+        reward_max = int(raw) if raw else RewardServerSettings.max_length
+    except ValueError:
+        return problems  # the reward server names a malformed REWARD_MAX_LENGTH itself
+    reward = model_positions(s.reward_model_path)
+    if reward is not None and reward_max > reward and sequence > reward:
+        problems.append(
+            f"REWARD_MAX_LENGTH={reward_max} (the reward server keeps that many last tokens of a pair) is above the "
+            f"reward model's {reward} positions (max_position_embeddings in CONFIG_REWARD_MODEL_PATH="
+            f"{s.reward_model_path}/config.json), and MAX_PROMPT_LENGTH={s.max_prompt_length} + MAX_RESPONSE_LENGTH="
+            f"{s.max_response_length} = {sequence} tokens, before the chat template's, reach past them: those pairs "
+            f"would be scored at positions the model never learned; set REWARD_MAX_LENGTH={reward} (longer pairs "
+            "keep their last tokens), or shorten MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH to fit"
+        )
     return problems
 
 
