@@ -748,3 +748,12 @@ def test_batches_need_not_be_multiples_of_the_micro_batch_since_both_strategies_
     assert batch_problems(cfg) == []
     assert any("is not a multiple of data-parallel size 2" in p for p in check(settings(env, TRAIN_BATCH_SIZE=5,
                ROLLOUT_N=1, PPO_MINI_BATCH_SIZE=5, ROLLOUT_MODE="sync")))  # fmt: skip
+
+
+def test_the_ppo_canarys_second_critic_epoch_passes_verls_own_checks(env):
+    from launch.canary import stage_overrides
+
+    s = settings(env, ALGORITHM="ppo")
+    cfg = composed(s, stage_overrides("train", s))
+    validate(cfg)
+    assert (cfg.critic.ppo_epochs, cfg.actor_rollout_ref.actor.ppo_epochs) == (2, 1)
