@@ -82,6 +82,7 @@ ROLLOUT_ENGINE="${ROLLOUT_ENGINE:-sglang}"                      # sglang (the ar
 REWARD_MANAGER="${REWARD_MANAGER:-auto}"                        # auto: batch (sync), naive (async), dapo (DAPO)
 CRITIC_MODEL_PATH="${CRITIC_MODEL_PATH:-}"                      # PPO's critic; empty = the policy
 CRITIC_LR="${CRITIC_LR:-1e-5}"                                  # PPO's critic learning rate
+CRITIC_CLIPRANGE_VALUE="${CRITIC_CLIPRANGE_VALUE:-auto}"        # PPO's value clip; auto = reward range/2 (training.md)
 DAPO_DYNAMIC_SAMPLING="${DAPO_DYNAMIC_SAMPLING:-false}"         # true: recipe.dapo's group filtering (sync rollout)
 OVERLONG_BUFFER_LEN="${OVERLONG_BUFFER_LEN:-0}"                 # DAPO's soft length penalty zone; 0 = a quarter
 OVERLONG_PENALTY_FACTOR="${OVERLONG_PENALTY_FACTOR:-auto}"      # DAPO's penalty at full length; auto = reward range/2

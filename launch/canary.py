@@ -20,6 +20,8 @@ and the one-step-off recipe (ray_trainer.py:468, 663).
 It generates at the user's own MAX_RESPONSE_LENGTH, so that the share of responses cut at the limit, verl's
 `response_length/clip_ratio` on each step line (verl/trainer/ppo/metric_utils.py:192), is the real run's: the
 summary reports it and warns above CLIP_RATIO_WARN (docs/training.md: what a cut response does to GRPO's signal).
+With ALGORITHM=ppo it reads `critic/vf_clipfrac` the same way, and warns as launch.status does when PPO's value clip
+(CRITIC_CLIPRANGE_VALUE) held nearly every prediction it could: the critic cannot follow the rewards.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ from pathlib import Path
 
 from launch.refusals import check
 from launch.settings import SettingError, Settings
+from launch.status import critic_updates_per_step, value_clip_warnings
 
 TRAIN_STEPS = 2  # stage 1: two steps, a checkpoint after each
 RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more
 CLIP_RATIO_WARN = 0.05  # more than 1 response in 20 cut at MAX_RESPONSE_LENGTH: a warning in the summary
 VAL_SAMPLES = 8  # validation prompts (verl pads the validation batch itself)
 AGENT_LOOP_WORKERS = 8  # rollout.agent.num_workers in verl 0.6.1: async rollout splits a step's batch in as many parts
+CRITIC_EPOCHS = 2  # PPO: critic updates a canary step, so that its value clip can show (stage_overrides)
 AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.num_workers"
 
 STAGES = {
@@ -54,6 +58,7 @@ _STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*)$")
 _TIMED_STEP = re.compile(r"(?:^| - )timing_s/step:")  # only a training step has it
 # verl's console logger prints a numpy number as np.float64(...) (numpy 2), a float as is
 _CLIP_RATIO = re.compile(r"(?:^| - )response_length/clip_ratio:(?:np\.float\d+\()?([0-9.eE+-]+)")
+_VF_CLIPFRAC = re.compile(r"(?:^| - )critic/vf_clipfrac:(?:np\.float\d+\()?([0-9.eE+-]+|nan)")
 _TOLD_THINK = re.compile(r"^\+custom_reward_function\.reward_kwargs\.prompt_opens_think=(\w+)$", re.M)
 _RESUMED_AT = re.compile(r"Setting global step to (\d+)")
 _SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
@@ -127,6 +132,12 @@ def stage_overrides(stage: str, s: Settings) -> list[str]:
         f"data.train_max_samples={-1 if s.uses_recipe == 'recipe.dapo' else RESUME_STEPS * s.train_batch_size}",
         f"data.val_max_samples={VAL_SAMPLES}",
     ]
+    if s.algorithm == "ppo":
+        # One mini-batch a step (PPO_MINI_BATCH_SIZE above) is one critic update, which predicts with the weights
+        # that gave the old values: nothing can be clipped, and critic/vf_clipfrac reads 0 whatever the clip. A
+        # second critic epoch (the actor's stays 1) shows what the real run's second mini-batch will: whether
+        # CRITIC_CLIPRANGE_VALUE holds the value head back from the rewards.
+        out.append(f"critic.ppo_epochs={CRITIC_EPOCHS}")
     if stage == "resume":
         out.append("trainer.test_freq=-1")  # validated once already, in stage 1
     return out
@@ -152,11 +163,39 @@ def clip_ratios(text: str) -> dict[int, float]:
     return found
 
 
-def told_opens_think(log: Path) -> bool | None:
-    """What the stage's trainer command told the reward function (trainer_command.txt beside its launch log)."""
+def vf_clipfracs(text: str) -> dict[int, float]:
+    """{step: verl's critic/vf_clipfrac} for every training step that logged it (PPO only: the critic's metric)."""
+    found = {}
+    for step, rest in logged_steps(text).items():
+        match = _VF_CLIPFRAC.search(rest)
+        if match:
+            found[step] = float(match.group(1))
+    return found
+
+
+def trainer_command(log: Path) -> str:
+    """The stage's trainer command, one override a line (trainer_command.txt beside its launch log); empty without."""
     command = log.parent / "trainer_command.txt"
-    match = _TOLD_THINK.search(command.read_text()) if command.is_file() else None
+    return command.read_text() if command.is_file() else ""
+
+
+def told_opens_think(log: Path) -> bool | None:
+    """What the stage's trainer command told the reward function."""
+    match = _TOLD_THINK.search(trainer_command(log))
     return None if match is None else match.group(1) == "True"
+
+
+def value_clip_report(results: dict[str, dict]) -> list[str]:
+    """PPO's critic/vf_clipfrac of every step the training stages logged, and launch.status's warning on it."""
+    entries = [results[s] for s in ("train", "resume") if results.get(s, {}).get("vf_clipfrac")]
+    if not entries:
+        return []
+    fracs = {int(k): v for e in entries for k, v in e["vf_clipfrac"].items()}
+    steps = ", ".join(f"step {k} {v:.2f}" for k, v in sorted(fracs.items()))
+    lines = [f"value clip: verl's critic/vf_clipfrac (the share of the critic's predictions PPO's value clip held, "
+             f"CRITIC_CLIPRANGE_VALUE): {steps}"]  # fmt: skip
+    updates = entries[0].get("critic_updates")
+    return lines + [f"WARNING: {w}" for w in value_clip_warnings(list(fracs.values()), updates)]
 
 
 def response_length_report(results: dict[str, dict]) -> list[str]:
@@ -300,7 +339,8 @@ def summary(results: dict[str, dict]) -> tuple[str, bool]:
             rows += [f"    log: {e['log']}", *(f"    | {line}" for line in e.get("lines", []))]
     ok = all(results.get(stage, {}).get("status") == "passed" for stage in STAGES)
     verdict = "every stage passed" if ok else "FAILED: fix what is shown above before the real run"
-    return "\n".join(["canary summary", *rows, *response_length_report(results), f"canary: {verdict}"]), ok
+    reports = [*response_length_report(results), *value_clip_report(results)]
+    return "\n".join(["canary summary", *rows, *reports, f"canary: {verdict}"]), ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             entry |= {"clip_ratio": clip_ratios(text), "max_response_length": s.max_response_length,
                       "rollout_n": s.rollout_n, "prompt_opens_think": told_opens_think(args.log)}  # fmt: skip
+            if s.algorithm == "ppo":
+                entry |= {"vf_clipfrac": vf_clipfracs(text),
+                          "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines())}  # fmt: skip
         if problems:
             entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
         record(args.results, entry)

@@ -108,6 +108,11 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
                 problems.append(f"OVERLONG_PENALTY_FACTOR={s.overlong_penalty_factor}: a penalty size, 0 or more")
         except SettingError as exc:
             problems.append(str(exc))
+    if s.algorithm == "ppo":
+        try:
+            _ = s.critic_cliprange_value  # the property refuses a non-number, or a value of 0 or less
+        except SettingError as exc:
+            problems.append(str(exc))
     for name, value, allowed in (
         ("CONFIG_REWARD_INPUT", s.reward_input, REWARD_FORMAT_CHOICES["input"]),
         ("CONFIG_REWARD_ADD_SPECIAL_TOKENS", s.reward_add_special_tokens, REWARD_FORMAT_CHOICES["add_special_tokens"]),

@@ -10,6 +10,7 @@ launch/'s imports go one way: deadline and thinking (bottom) <- settings <- refu
 This module imports nothing above it (tests/test_settings.py checks the order).
 """
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -96,6 +97,7 @@ class Settings:
     reward_manager_setting: str = setting("REWARD_MANAGER")
     critic_model_path: str = setting("CRITIC_MODEL_PATH")  # empty: the policy (filled in by from_env)
     critic_lr: float = setting("CRITIC_LR")
+    critic_cliprange_value_setting: str = setting("CRITIC_CLIPRANGE_VALUE")  # auto | a number (critic_cliprange_value)
     dapo_dynamic_sampling: bool = setting("DAPO_DYNAMIC_SAMPLING")
     overlong_buffer_len: int = setting("OVERLONG_BUFFER_LEN")
     overlong_penalty_factor_setting: str = setting("OVERLONG_PENALTY_FACTOR")
@@ -184,6 +186,30 @@ class Settings:
             raise SettingError(
                 f"OVERLONG_PENALTY_FACTOR={self.overlong_penalty_factor_setting!r}: use auto or a number"
             ) from None
+
+    @property
+    def critic_cliprange_value(self) -> float:
+        """PPO's value clip: each update may move the critic's prediction at most this far from the value it gave
+        at rollout time (verl 0.6.1 core_algos.py:1403-1406, compute_value_loss; past it the gradient is zero). With
+        gamma = lam = 1 the value target is the final score (core_algos.py:258), anywhere in the reward range.
+        verl's 0.5 (_generated_ppo_trainer.yaml:386) is half the 0..1 range of its own examples' rule rewards
+        (gsm8k: 0 or 1); at -40..30 it is 0.7% of the range and the value head needs ~60 steps to reach the scale,
+        PPO running as REINFORCE meanwhile. auto keeps verl's proportion: half the range, so a prediction crosses
+        the range in two updates and the clip still stops a single update from overshooting it."""
+        raw = self.critic_cliprange_value_setting
+        if raw == "auto":
+            low, high = self.reward_score_range
+            return (high - low) / 2
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise SettingError(
+                f"CRITIC_CLIPRANGE_VALUE={raw!r}: use auto (half the reward range) or a number above 0, the most an "
+                "update may move the critic's prediction"
+            )
+        return value
 
     @property
     def training_gpus_per_node(self) -> int:
@@ -340,6 +366,7 @@ def _algorithm_overrides(s: Settings) -> list[str]:
             f"critic.model.path={Path(s.critic_model_path).resolve()}",
             f"critic.optim.lr={s.critic_lr}",
             f"critic.ppo_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
+            f"critic.cliprange_value={s.critic_cliprange_value}",  # CRITIC_CLIPRANGE_VALUE (sized to the rewards)
         ]
         if s.strategy == "megatron":
             # The actor's sizes: Megatron's parallel state is set once per process, from the actor, and the critic

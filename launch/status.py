@@ -57,6 +57,11 @@ KL_HIGH = 1.0
 KL_RISE = 3.0  # the last 10 steps' mean KL over the 10 before's...
 KL_NOTABLE = 0.02  # ...once it is this large at all
 ENTROPY_FLOOR = 0.05
+# PPO's critic/vf_clipfrac: the share of value predictions the clip held (verl 0.6.1 core_algos.py:1403-1410), the
+# mean of a step's micro-batches. The first critic update of a step predicts with the weights that gave the old
+# values, so nothing there can be clipped: with U updates a step (mini-batches x critic epochs) the most it can read
+# is 1 - 1/U (0.5 for the defaults' two mini-batches). Near that ceiling the critic cannot follow the rewards.
+VF_CLIPFRAC_HIGH = 0.9  # of that ceiling, averaged over the last 5 steps
 
 # The trainer's own failures, as its log shows them (torch, NCCL, SGLang 0.5.2, vLLM, Ray); the first matching line
 # of trainer.log is the likely cause (later ranks fail on what the first one did), and the section of
@@ -179,6 +184,7 @@ class Start:
     reward_restarts: list[dict] = field(default_factory=list)
     trainer_finished: bool = False
     ckpt_root: str | None = None
+    critic_updates: int | None = None  # PPO's critic updates a step (critic_updates_per_step), when the command says
 
     @property
     def name(self) -> str:
@@ -225,6 +231,7 @@ def read_folder(folder: Path, restart: int) -> Start:
     command = read_text(folder / "trainer_command.txt").splitlines()
     s.ckpt_root = next((a.split("=", 1)[1] for a in reversed(command) if a.startswith("trainer.default_local_dir=")),
                        None)  # fmt: skip
+    s.critic_updates = critic_updates_per_step(command)
     done = read_text(folder / "done").strip()
     if done.lstrip("-").isdigit():
         s.exit_code, s.ended = int(done), mtime(folder / "done")
@@ -234,6 +241,41 @@ def read_folder(folder: Path, restart: int) -> Start:
             if m := _RESTART.match(line):
                 s.reward_restarts.append({"log": str(server_log), "when": stamp(m.group(1)), "reason": m.group(3)})
     return s
+
+
+def critic_updates_per_step(command: list[str]) -> int | None:
+    """The critic's optimizer updates a step in a trainer command (one override a line): its mini-batches (verl's
+    critic.ppo_mini_batch_size follows the actor's) times its epochs (critic.ppo_epochs, the actor's, 1). None
+    without a critic, or when the command does not say."""
+    keys = dict(a.split("=", 1) for a in command if "=" in a)  # the last override of a key wins, as in Hydra
+    if "critic.model.path" not in keys:
+        return None
+    actor = "actor_rollout_ref.actor"
+    try:
+        batch = int(keys["data.train_batch_size"])
+        mini = int(keys.get("critic.ppo_mini_batch_size", keys[f"{actor}.ppo_mini_batch_size"]))
+        epochs = int(keys.get("critic.ppo_epochs", keys.get(f"{actor}.ppo_epochs", "1")))
+    except (KeyError, ValueError):
+        return None
+    return max(batch // max(mini, 1), 1) * epochs
+
+
+def value_clip_warnings(clipfracs: list[float], updates: int | None) -> list[str]:
+    """A warning when PPO's value clip held nearly every prediction it could (critic/vf_clipfrac of recent steps
+    against its ceiling 1 - 1/updates; 1 when the updates a step are not known); the canary's summary says it too."""
+    warnings: list[str] = []
+    finite = [v for v in clipfracs if math.isfinite(v)]
+    ceiling = 1.0 if updates is None else 1 - 1 / updates
+    if not finite or ceiling <= 0 or statistics.mean(finite) < VF_CLIPFRAC_HIGH * ceiling:
+        return warnings
+    warnings.append(
+        f"critic/vf_clipfrac averaged {statistics.mean(finite):.2f} over the last {len(finite)} steps (the most it can "
+        f"read is {ceiling:.2f}): the critic cannot follow the rewards. PPO's value clip holds each prediction within "
+        "CRITIC_CLIPRANGE_VALUE of its value at rollout time for the whole update, so the value head cannot reach the "
+        "rewards' scale and its advantages are the raw returns: PPO runs as REINFORCE. Raise CRITIC_CLIPRANGE_VALUE "
+        "(auto: half the reward range)"
+    )
+    return warnings
 
 
 def read_output(text: str, starts: dict[str, Start]) -> dict:
@@ -565,8 +607,9 @@ def metric_summary(steps: dict[int, dict[str, float]]) -> dict[str, dict]:
     return out
 
 
-def metric_warnings(steps: dict[int, dict[str, float]]) -> list[str]:
-    """What a run that does not learn, or learns the wrong thing, shows in verl's metrics."""
+def metric_warnings(steps: dict[int, dict[str, float]], critic_updates: int | None = None) -> list[str]:
+    """What a run that does not learn, or learns the wrong thing, shows in verl's metrics (critic_updates: PPO's
+    critic updates a step, from the trainer command)."""
     warnings = []
     train = {n: m for n, m in steps.items() if is_training_step(m)}
     if not train:
@@ -608,6 +651,7 @@ def metric_warnings(steps: dict[int, dict[str, float]]) -> list[str]:
     if clipfrac and statistics.mean(clipfrac) > PG_CLIPFRAC_HIGH:
         warnings.append(f"actor/pg_clipfrac averaged {statistics.mean(clipfrac):.2f} over the last {len(clipfrac)} "
                         f"steps (above {PG_CLIPFRAC_HIGH}): the updates are too large; lower ACTOR_LR")  # fmt: skip
+    warnings += value_clip_warnings([v for _, v in series(train, "critic/vf_clipfrac")[-5:]], critic_updates)
     entropy = [v for _, v in series(train, "actor/entropy") if math.isfinite(v)]
     if entropy and entropy[-1] < ENTROPY_FLOOR:
         warnings.append(f"actor/entropy fell to {entropy[-1]:.3g} (from {entropy[0]:.3g}): the policy has collapsed "
@@ -688,8 +732,8 @@ def progress(job: Job) -> dict:
 
 
 def warnings_for(job: Job, st: str, prog: dict) -> list[str]:
-    warnings = metric_warnings(merged_steps(job))
     s = job.newest
+    warnings = metric_warnings(merged_steps(job), s.critic_updates if s else None)
     if st == "running" and s and (s.last_write or s.trainer_started):
         quiet = job.now - (s.last_write or s.trainer_started)
         longest = max((wall_seconds(m) for m in s.steps.values() if is_training_step(m)), default=0.0)

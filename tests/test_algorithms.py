@@ -208,6 +208,11 @@ def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes)
         ({"ALGORITHM": "ppo", "CRITIC_TP": "2"}, "CRITIC_TP=2 differs from ACTOR_TP=1"),
         ({"ALGORITHM": "dapo", "OVERLONG_PENALTY_FACTOR": "big"}, "OVERLONG_PENALTY_FACTOR='big': use auto or a number"),
         ({"ALGORITHM": "dapo", "OVERLONG_PENALTY_FACTOR": "-1"}, "OVERLONG_PENALTY_FACTOR=-1.0: a penalty size"),
+        # PPO's value clip: a number above 0, or auto
+        ({"ALGORITHM": "ppo", "CRITIC_CLIPRANGE_VALUE": "wide"}, "CRITIC_CLIPRANGE_VALUE='wide': use auto (half the reward range) or a number above 0"),
+        ({"ALGORITHM": "ppo", "CRITIC_CLIPRANGE_VALUE": "0"}, "CRITIC_CLIPRANGE_VALUE='0': use auto"),
+        ({"ALGORITHM": "ppo", "CRITIC_CLIPRANGE_VALUE": "-2", "STRATEGY": "fsdp2"}, "CRITIC_CLIPRANGE_VALUE='-2': use auto"),
+        ({"ALGORITHM": "ppo", "CRITIC_CLIPRANGE_VALUE": "nan"}, "CRITIC_CLIPRANGE_VALUE='nan': use auto"),
         ({"ALGORITHM": "dapo", "OVERLONG_BUFFER_LEN": "5000"}, "OVERLONG_BUFFER_LEN=5000: between 0 (a quarter of the response) and MAX_RESPONSE_LENGTH=4096"),
         ({"ALGORITHM": "dapo", "OVERLONG_BUFFER_LEN": "-1"}, "OVERLONG_BUFFER_LEN=-1: between 0"),
         ({"FP8": "true"}, "FP8 training arrived in verl 0.7.0"),
@@ -587,6 +592,24 @@ def test_the_overlong_penalty_follows_the_reward_range_and_an_explicit_factor_wi
         settings(env, REWARD_MIN_SCORE="low")
 
 
+@pytest.mark.parametrize("strategy", ["megatron", "fsdp2"])
+def test_ppo_sizes_the_critics_value_clip_from_the_reward_range_and_a_number_wins(env, strategy):
+    # verl's 0.5 would let the value head move 0.7% of a -40..30 range an update (core_algos.py:1403-1406)
+    assert "critic.cliprange_value=35.0" in trainer_argv(settings(env, ALGORITHM="ppo", STRATEGY=strategy))
+    narrow = settings(env, ALGORITHM="ppo", STRATEGY=strategy, REWARD_MIN_SCORE=-1, REWARD_MAX_SCORE=1)
+    assert "critic.cliprange_value=1.0" in trainer_argv(narrow)
+    explicit = settings(env, ALGORITHM="ppo", STRATEGY=strategy, CRITIC_CLIPRANGE_VALUE="0.5")
+    assert "critic.cliprange_value=0.5" in trainer_argv(explicit)
+    assert check(explicit) == []
+
+
+def test_the_value_clip_reaches_verls_composed_critic_config_and_only_ppo_has_a_critic(env):
+    assert composed(settings(env, ALGORITHM="ppo")).critic.cliprange_value == 35.0
+    grpo = settings(env, CRITIC_CLIPRANGE_VALUE="junk")  # no critic: the setting is not read
+    assert not any(a.startswith("critic.cliprange_value") for a in trainer_argv(grpo))
+    assert not any("CRITIC_CLIPRANGE_VALUE" in p for p in check(grpo))
+
+
 @pytest.fixture
 def fake_vllm(tmp_path):
     """A folder with a stand-in `vllm` package holding just what the one-step-off recipe's weight sync imports
@@ -725,3 +748,12 @@ def test_batches_need_not_be_multiples_of_the_micro_batch_since_both_strategies_
     assert batch_problems(cfg) == []
     assert any("is not a multiple of data-parallel size 2" in p for p in check(settings(env, TRAIN_BATCH_SIZE=5,
                ROLLOUT_N=1, PPO_MINI_BATCH_SIZE=5, ROLLOUT_MODE="sync")))  # fmt: skip
+
+
+def test_the_ppo_canarys_second_critic_epoch_passes_verls_own_checks(env):
+    from launch.canary import stage_overrides
+
+    s = settings(env, ALGORITHM="ppo")
+    cfg = composed(s, stage_overrides("train", s))
+    validate(cfg)
+    assert (cfg.critic.ppo_epochs, cfg.actor_rollout_ref.actor.ppo_epochs) == (2, 1)

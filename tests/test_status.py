@@ -54,14 +54,16 @@ def training(first: int, last: int, **changes) -> dict[int, dict]:
 
 
 def start_folder(logs: Path, name: str, steps: dict[int, dict], total: int | None = 100, resumed: int | None = 0,
-                 ckpt: Path | None = None, done: int | None = None, extra: str = "") -> Path:  # fmt: skip
+                 ckpt: Path | None = None, done: int | None = None, extra: str = "",
+                 overrides: tuple[str, ...] = ()) -> Path:  # fmt: skip
     """One start's folder as the job leaves it: trainer.log (verl's lines), trainer_command.txt, `done`."""
     folder = logs / name
     folder.mkdir(parents=True)
     head = [f"{ACTOR} Total training steps: {total}"] if total else []
     head += [f"{ACTOR} Training from scratch"] if resumed == 0 else [f"{ACTOR} Setting global step to {resumed}"]
     (folder / "trainer.log").write_text("\n".join(head) + "\n" + verl_console(steps) + extra)
-    command = ["python3", "-m", "verl.trainer.main_ppo", f"trainer.default_local_dir={ckpt or logs.parent / 'ckpt'}"]
+    command = ["python3", "-m", "verl.trainer.main_ppo", *overrides,
+               f"trainer.default_local_dir={ckpt or logs.parent / 'ckpt'}"]  # fmt: skip
     (folder / "trainer_command.txt").write_text("\n".join(command) + "\n")
     if done is not None:
         (folder / "done").write_text(f"{done}\n")
@@ -138,8 +140,10 @@ def test_a_folder_alone_gives_the_step_the_total_the_checkpoint_and_the_metrics(
         ({"actor/kl_loss": 2.5}, "KL climbing: actor/kl_loss is 2.5 (above 1.0)"),
         ({"actor/pg_clipfrac": 0.4}, "the updates are too large; lower ACTOR_LR"),
         ({"actor/entropy": lambda n: 0.6 if n < 25 else 0.01}, "actor/entropy fell to 0.01 (from 0.6)"),
+        # PPO's critic held by its value clip; a command that does not say its updates a step: the ceiling is 1
+        ({"critic/vf_clipfrac": 0.95}, "critic/vf_clipfrac averaged 0.95 over the last 5 steps"),
     ],
-    ids=["cut-off", "one-score", "flat-mean", "nan", "kl-rising", "kl-high", "clipfrac", "entropy"],
+    ids=["cut-off", "one-score", "flat-mean", "nan", "kl-rising", "kl-high", "clipfrac", "entropy", "vf-clipfrac"],
 )
 def test_a_run_that_does_not_learn_is_named_with_the_metric_and_what_to_change(tmp_path, no_slurm, capsys, changes,
                                                                                 needle):  # fmt: skip
@@ -147,6 +151,48 @@ def test_a_run_that_does_not_learn_is_named_with_the_metric_and_what_to_change(t
     warnings = status_of(str(folder), capsys=capsys)["warnings"]
     assert any(needle in w for w in warnings), warnings
     assert len(warnings) == 1 or "nan" in needle, warnings
+
+
+# The PPO job's own command: 256 prompts a step in mini-batches of 128, so two critic updates a step.
+PPO_COMMAND = ("algorithm.adv_estimator=gae", "critic.model.path=/models/policy", "data.train_batch_size=256",
+               "actor_rollout_ref.actor.ppo_mini_batch_size=128", "critic.cliprange_value=0.5")  # fmt: skip
+
+
+@pytest.mark.parametrize("clipfrac, warned", [(0.5, True), (0.46, True), (0.1, False), (0.0, False)])
+def test_a_ppo_critic_held_by_its_value_clip_is_named_with_the_setting_against_what_the_clip_can_reach(
+    tmp_path, no_slurm, capsys, clipfrac, warned
+):
+    # the first of a step's two critic updates predicts with the old weights: 0.5 is every prediction it could clip
+    folder = start_folder(tmp_path / "logs", LOCAL_ID, training(1, 30, **{"critic/vf_clipfrac": clipfrac}),
+                          overrides=PPO_COMMAND)  # fmt: skip
+    warnings = status_of(str(folder), capsys=capsys)["warnings"]
+    if not warned:
+        assert warnings == []
+        return
+    (warning,) = warnings
+    assert f"critic/vf_clipfrac averaged {clipfrac:.2f} over the last 5 steps (the most it can read is 0.50)" in warning
+    assert "the critic cannot follow the rewards" in warning and "PPO runs as REINFORCE" in warning
+    assert "Raise CRITIC_CLIPRANGE_VALUE" in warning
+
+
+@pytest.mark.parametrize(
+    "overrides, updates",
+    [
+        (PPO_COMMAND, 2),  # the defaults: two mini-batches, one epoch
+        ((*PPO_COMMAND, "critic.ppo_epochs=2"), 4),  # the critic's own epochs
+        ((*PPO_COMMAND, "actor_rollout_ref.actor.ppo_epochs=3"), 6),  # the actor's, which the critic follows
+        ((*PPO_COMMAND, "critic.ppo_mini_batch_size=256"), 1),  # the critic's own mini-batch: nothing can clip
+        ((*PPO_COMMAND, "data.train_batch_size=512"), 4),  # the last override of a key wins, as in Hydra
+        (PPO_COMMAND[2:], None),  # GRPO and DAPO: no critic
+        (PPO_COMMAND[:2], None),  # a command that does not say its batch sizes
+    ],
+)
+def test_the_critics_updates_a_step_are_read_from_the_trainer_command(overrides, updates):
+    assert status.critic_updates_per_step(list(overrides)) == updates
+
+
+def test_one_critic_update_a_step_cannot_be_clipped_and_is_never_warned_about():
+    assert status.value_clip_warnings([1.0] * 5, updates=1) == []
 
 
 @pytest.mark.parametrize(
