@@ -164,3 +164,21 @@ def submit(clone):
 
     yield submit
     real_slurm.cancel_all(jobs)
+
+
+# The suite's longest tests (each a launch of verl's trainer or more: 3-9 min on 2 cores), started first: pytest-xdist
+# hands tests out in collection order, and one of these collected last kept a worker busy minutes after the other had
+# run out of tests (CI's run of 2026-12-03: the quickstart test, collected near the end, took 517 s).
+LONGEST_FIRST = (
+    "tests/test_quickstart.py::",
+    "tests/test_demo.py::test_make_demo_",
+    "tests/test_slurm_jobs.py::test_verl_saves_before_the_time_limit",
+    "tests/test_slurm_jobs.py::test_ppo_with_two_pipeline_stages",
+    "tests/test_status.py::test_a_requeued_job_shows_where_it_resumes",
+    "tests/test_verl_step.py::test_the_benchmark_takes_real_grpo_steps",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """The longest tests first (LONGEST_FIRST), the rest in their order: the same order in every xdist worker."""
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
