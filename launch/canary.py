@@ -153,24 +153,24 @@ def logged_steps(text: str) -> dict[int, str]:
     return steps
 
 
-def clip_ratios(text: str) -> dict[int, float]:
-    """{step: verl's response_length/clip_ratio} for every training step that logged it."""
+def _per_step(text: str, metric: re.Pattern) -> dict[int, float]:
+    """{step: the metric's value} for every training step whose line logged it."""
     found = {}
     for step, rest in logged_steps(text).items():
-        match = _CLIP_RATIO.search(rest)
+        match = metric.search(rest)
         if match:
             found[step] = float(match.group(1))
     return found
+
+
+def clip_ratios(text: str) -> dict[int, float]:
+    """{step: verl's response_length/clip_ratio} for every training step that logged it."""
+    return _per_step(text, _CLIP_RATIO)
 
 
 def vf_clipfracs(text: str) -> dict[int, float]:
     """{step: verl's critic/vf_clipfrac} for every training step that logged it (PPO only: the critic's metric)."""
-    found = {}
-    for step, rest in logged_steps(text).items():
-        match = _VF_CLIPFRAC.search(rest)
-        if match:
-            found[step] = float(match.group(1))
-    return found
+    return _per_step(text, _VF_CLIPFRAC)
 
 
 def trainer_command(log: Path) -> str:
