@@ -119,12 +119,27 @@ def machine_info(device: str) -> dict:
     return info
 
 
+def build_tokenizer(vocab_size: int):
+    """The word-level tokenizer the benchmarks' models share: the specials, then w0, w1, ... up to `vocab_size`
+    entries (one word, one token), with the reward chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = vocab_size - len(SPECIALS) - 2
+    vocab = {t: i for i, t in enumerate(SPECIALS + ["[UNK]"] + [f"w{i}" for i in range(words)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=REWARD_CHAT_TEMPLATE,
+    )  # fmt: skip
+
+
 def build_model(shape: str, out: Path, device: str) -> tuple[Path, float, int]:
     """A randomly initialised reward model of `shape` and a word-level tokenizer in `out` (kept where `out` already
     holds one of that shape: a big checkpoint is written once); returns (dir, non-embedding params, words)."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast, Qwen3Config
+    from transformers import AutoModelForSequenceClassification, Qwen3Config
 
     dims = SHAPES[shape]
     words = dims["vocab_size"] - len(SPECIALS) - 2
@@ -135,13 +150,7 @@ def build_model(shape: str, out: Path, device: str) -> tuple[Path, float, int]:
                 model = AutoModelForSequenceClassification.from_config(config)
             params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
             return out, float(params), words
-    vocab = {t: i for i, t in enumerate(SPECIALS + ["[UNK]"] + [f"w{i}" for i in range(words)])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=REWARD_CHAT_TEMPLATE,
-    )  # fmt: skip
+    tokenizer = build_tokenizer(dims["vocab_size"])
     config = Qwen3Config(
         **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True, num_labels=1,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,

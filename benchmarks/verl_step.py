@@ -52,6 +52,7 @@ from demo import verl_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 HOOK = "benchmarks.verl_step.install"
+MEGATRON_HOOK = "benchmarks.verl_step.install_megatron"
 PHASE_PREFIX = "verl_step phase: "  # what the hook prints, one JSON object a call
 PHASES = ("generate_sequences", "compute_log_prob", "compute_ref_log_prob", "update_actor")
 
@@ -93,12 +94,31 @@ def install() -> None:
     _installed = True
 
 
-def _measure_phases() -> None:
+def install_megatron() -> None:
+    """The same for STRATEGY=megatron: on CUDA without Transformer Engine demo/megatron_cpu.py's TE-shaped layer spec
+    and optimizer state (install_without_te) beside the HF rollout; without CUDA all its CPU shims."""
+    global _installed
+    if _installed:
+        return
+    import torch
+
+    from demo import megatron_cpu
+
+    if torch.cuda.is_available():
+        verl_cpu.register_rollout()
+        megatron_cpu.install_without_te()
+    else:
+        megatron_cpu.install()
+    _measure_phases("megatron_workers")
+    _installed = True
+
+
+def _measure_phases(module: str = "fsdp_workers") -> None:
     """Wrap the hybrid worker's phase methods; verl calls them on the instance by name (single_controller/ray/
     base.py:697-699) and reads their dispatch attributes, which functools.wraps copies, from the class."""
-    from verl.workers import fsdp_workers
+    import importlib
 
-    cls = fsdp_workers.ActorRolloutRefWorker
+    cls = importlib.import_module(f"verl.workers.{module}").ActorRolloutRefWorker
     for name in PHASES:
         setattr(cls, name, _measured(name, getattr(cls, name)))
 
@@ -259,7 +279,7 @@ def settings_env(args, paths: dict[str, Path]) -> dict[str, str]:
         "CONFIG_MODEL_PATH": str(paths["policy"]), "CONFIG_REWARD_MODEL_PATH": str(paths["reward_model"]),
         "CONFIG_TRAIN_FILE": str(paths["data"] / "train.parquet"), "CONFIG_TEST_FILE": str(paths["data"] / "test.parquet"),
         "CONFIG_OUTPUT_DIR": str(paths["checkpoints"]), "CONFIG_GPUS_PER_NODE": "1", "ACTOR_PP": "1",
-        "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": str(args.prompts),
+        "STRATEGY": args.strategy, "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": str(args.prompts),
         "PPO_MINI_BATCH_SIZE": str(args.prompts), "ROLLOUT_N": str(args.n),
         "MAX_PROMPT_LENGTH": str(args.max_prompt_length), "MAX_RESPONSE_LENGTH": str(args.response_length),
         "MICRO_BATCH_PER_GPU": str(args.micro_batch), "TRAINER_LOGGER": "[console]",
@@ -268,11 +288,22 @@ def settings_env(args, paths: dict[str, Path]) -> dict[str, str]:
     }  # fmt: skip
 
 
-def benchmark_overrides(steps: int, on_cpu: bool) -> list[str]:
+def benchmark_overrides(steps: int, on_cpu: bool, strategy: str = "fsdp2") -> list[str]:
     """What this run adds after the job's own overrides (so they win): the engine-less overrides, on a CPU also the
-    lean ones, this module's hook instead of the CPU one, N steps and no validation before them."""
-    engine = [o for o, _ in verl_cpu.ENGINE_OVERRIDES] + ([o for o, _ in verl_cpu.LEAN_OVERRIDES] if on_cpu else [])
-    return [*engine, f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}",
+    lean ones, this module's hook instead of the CPU one, N steps and no validation before them. Megatron: the HF
+    rollout alone of the engine overrides (the others are the FSDP workers' attention), one rollout rank, and on a
+    CPU demo/megatron_cpu.py's overrides."""
+    if strategy == "megatron":
+        from demo import megatron_cpu
+
+        engine = [verl_cpu.ENGINE_OVERRIDES[0][0], "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
+        if on_cpu:
+            engine = [o for o in megatron_cpu.overrides() if "worker_process_setup_hook" not in o]
+        hook = MEGATRON_HOOK
+    else:
+        engine = [o for o, _ in verl_cpu.ENGINE_OVERRIDES] + ([o for o, _ in verl_cpu.LEAN_OVERRIDES] if on_cpu else [])
+        hook = HOOK
+    return [*engine, f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={hook}",
             f"trainer.total_training_steps={steps}", "trainer.val_before_train=False"]  # fmt: skip
 
 
@@ -452,6 +483,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(POLICY_SHAPES), default="qwen3-0.6b",
                         help="the policy's shape; the reward model's follows (qwen3-0.6b: Qwen3-1.7B's)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="folder for result.json and logs/")
+    parser.add_argument(
+        "--strategy",
+        choices=("fsdp2", "megatron"),
+        default="fsdp2",
+        help="STRATEGY: verl's FSDP2 or Megatron workers (megatron: PP=1, TP=1 on the one GPU)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps (trainer.total_training_steps)")
     parser.add_argument(
         "--prompts", type=int, default=16, help="prompts per step (TRAIN_BATCH_SIZE = PPO_MINI_BATCH_SIZE)"
@@ -616,7 +653,7 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
     run.mark("ray", since)
 
     # 4. the trainer: the job's command, this run's overrides last
-    argv = trainer_argv(settings, ray_address, benchmark_overrides(args.steps, device == "cpu"))
+    argv = trainer_argv(settings, ray_address, benchmark_overrides(args.steps, device == "cpu", args.strategy))
     command = [sys.executable, *argv]
     (logs / "trainer_command.txt").write_text("\n".join(command) + "\n")
     run.result["trainer_command"] = command[1:]

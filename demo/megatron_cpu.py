@@ -76,8 +76,10 @@ def _te_shaped_modules():
             self.eps = config.layernorm_epsilon
 
         def forward(self, input_, *args, **kwargs):
-            normed = F.rms_norm(input_.float(), (input_.shape[-1],), self.layer_norm_weight.float(), self.eps)
-            return super().forward(normed.to(input_.dtype), *args, **kwargs)
+            # In the input's dtype: torch computes in float32 inside and, on CUDA, runs one fused kernel that keeps
+            # the input and the inverse RMS for the backward, as TE's does (a float32 copy would keep twice that)
+            normed = F.rms_norm(input_, (input_.shape[-1],), self.layer_norm_weight.to(input_.dtype), self.eps)
+            return super().forward(normed, *args, **kwargs)
 
     class PackedSDPAttention(MegatronModule):
         """TE's DotProductAttention for the packed input verl always sends (THD with cu_seqlens,
@@ -95,12 +97,14 @@ def _te_shaped_modules():
             if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
                 raise NotImplementedError("PackedSDPAttention takes verl's packed (thd) sequences only")
             bounds = packed_seq_params.cu_seqlens_q.tolist()
-            groups = query.shape[1] // key.shape[1]
             pieces = []
             for start, end in itertools.pairwise(bounds):
-                q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [heads, tokens, dim]
-                k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-                pieces.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).transpose(0, 1))
+                # [1, heads, tokens, dim]: SDPA's flash kernel takes 4-D input only (3-D falls back to the math
+                # kernel, which keeps every [tokens x tokens] score); grouped key/value heads as they are
+                # (enable_gqa): the kernel keeps them unrepeated, as TE's does
+                q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+                pieces.append(out[0].transpose(0, 1))
             padding = query.shape[0] - bounds[-1]
             if padding:
                 pieces.append(query.new_zeros(padding, *query.shape[1:]))
@@ -344,7 +348,28 @@ SHIMS = (
     _transformer_engine_for_the_resume,
     _value_head_without_flash_attn,
 )
+# What a GPU machine without Transformer Engine (benchmarks/ on the H200) needs of these: the layer spec, the
+# optimizer's state as FusedAdam keeps it, the resume's import, the value head's module. No device shim.
+WITHOUT_TE = (
+    _te_shaped_layer_spec,
+    _adam_with_the_step_in_the_group,
+    _transformer_engine_for_the_resume,
+    _value_head_without_flash_attn,
+)
 _installed = False
+
+
+def install_without_te() -> None:
+    """verl's Megatron workers on a GPU without TE: WITHOUT_TE alone, once a process. Refuses where TE imports (the
+    image): there verl's own TE spec runs and nothing here must replace it."""
+    global _installed
+    if _installed:
+        return
+    if importlib.util.find_spec("transformer_engine") is not None:
+        raise RuntimeError(f"{__name__}.install_without_te: Transformer Engine is installed here; verl uses it as is")
+    for shim in WITHOUT_TE:
+        shim()
+    _installed = True
 
 
 def install() -> None:

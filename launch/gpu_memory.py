@@ -106,3 +106,125 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, replica
             + (f", {_gib(left, 0, total)} on the {others} other(s)" if others > 0 else ""),
         ]
     return f"GPU memory per GPU ({where}): " + "; ".join(parts)
+
+
+# --- the Megatron actor's update, per pipeline stage ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the memory of a dense Qwen/Llama-style decoder depends on, from its config.json."""
+
+    hidden: int
+    ffn: int
+    q: int  # query width: heads x head_dim
+    kv: int  # key (and value) width: key/value heads x head_dim
+    head_dim: int
+    layers: int
+    vocab: int
+    tied: bool  # tie_word_embeddings
+
+    @classmethod
+    def from_config(cls, config) -> ModelDims:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.hidden_size, config.intermediate_size, heads * head_dim, kv_heads * head_dim, head_dim,
+                   config.num_hidden_layers, config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)))  # fmt: skip
+
+    @property
+    def layer_params(self) -> int:
+        """One layer: the fused qkv, the output projection, the gated MLP's two matrices, the two norms and the query
+        and key norms (bias-free)."""
+        h = self.hidden
+        return h * (self.q + 2 * self.kv) + self.q * h + 3 * h * self.ffn + 2 * h + 2 * self.head_dim
+
+    def activation_bytes(self, recompute: str) -> float:
+        """Bytes per token one layer keeps for the backward of one micro-batch, in bf16, TP=1 (TP and sequence
+        parallelism divide it). Without recompute, what a Transformer Engine layer of megatron-core 0.13 saves,
+        tensor by tensor: each fused norm-linear its input and the normed output (2 x 2h, twice), the fused qkv output
+        (q + 2kv: the query and key norms keep views of it), the rotated q and k (q + kv), the flash attention's output
+        (q: the output projection's input is the same tensor), the MLP's up-projection (2 ffn), the SiLU output and
+        the product the down-projection reads (ffn each): 2 x (4h + 3q + 3kv + 4ffn) bytes. Full recompute keeps each layer's input alone (2h). Selective
+        (core_attn) gives back the attention's own (the rotated q, k and the output)."""
+        h, q, kv, f = self.hidden, self.q, self.kv, self.ffn
+        off = 2 * (4 * h + 3 * q + 3 * kv + 4 * f)
+        return {"off": off, "selective": off - 2 * (2 * q + kv), "full": 2 * h}[recompute]
+
+
+# The logits path of one micro-batch on the last stage, bytes per logit (tokens x vocab / TP), verl 0.6.1 without its
+# fused kernels: the output layer's bf16 logits, Float16Module's float32 copy (megatron-core transformer/module.py,
+# float16_to_fp32), and the log-softmax's float32 result the backward keeps and then writes its gradient beside
+# (verl/utils/megatron/tensor_parallel.py, vocab_parallel_log_probs_from_logits). Measured on one H200 through verl's
+# worker at Qwen3-4B's shape (benchmarks/results/megatron_memory_h200_qwen3_4b.json): see docs/training.md.
+LOGITS_UPDATE_BYTES = 8.0
+# The log-prob pass (no_grad) with the entropy verl's worker always asks for (megatron_workers.py:752).
+LOGITS_LOG_PROB_BYTES = 12.0
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One pipeline stage's GPU memory at the peak of the actor's update, in bytes per GPU."""
+
+    stage: int
+    stages: int
+    layers: int
+    in_flight: int  # micro-batches whose activations are held at once (1F1B: stages - stage)
+    tokens: int  # a micro-batch's token budget
+    weights: int  # bf16
+    grads: int  # megatron-core's grad buffer, float32 (grad_reduce_in_fp32, verl/utils/megatron_utils.py:141)
+    optimizer: int  # float32 main weights and Adam's two moments, over DP (distributed optimizer); loaded back for it
+    reference: int  # the reference's bf16 weights where they stay on the GPU
+    activations: int
+    logits: int  # the last stage's logits path
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.reference + self.activations + self.logits
+
+    def describe(self) -> str:
+        parts = [f"weights {self.weights / GIB:.1f}", f"grads {self.grads / GIB:.1f}",
+                 f"optimizer {self.optimizer / GIB:.1f}"]  # fmt: skip
+        if self.reference:
+            parts.append(f"reference {self.reference / GIB:.1f}")
+        parts.append(f"activations {self.activations / GIB:.1f} ({self.layers} layers x {self.in_flight} "
+                     f"micro-batch(es) of {self.tokens} tokens)")  # fmt: skip
+        if self.logits:
+            parts.append(f"logits {self.logits / GIB:.1f}")
+        return f"stage {self.stage}: ~{self.total / GIB:.1f} GiB (" + ", ".join(parts) + ")"
+
+
+def stage_memory(dims: ModelDims, *, stage: int, stages: int, tp: int, dp: int, tokens: int, recompute: str,
+                 micro_batches: int, reference_on_gpu: bool, fused_logits: bool = False,
+                 in_flight: int | None = None, last: bool | None = None) -> StageMemory:  # fmt: skip
+    """The update's peak on pipeline stage `stage` of `stages` (layers split evenly, megatron-core's default), as the
+    StageMemory fields say. With recompute the layer being recomputed holds its full activations once, for one
+    micro-batch, on top. `in_flight` and `last` override what the stage's place gives (the benchmark's one-GPU stages)."""
+    layers = dims.layers // stages + (1 if stage < dims.layers % stages else 0)
+    params = layers * dims.layer_params
+    first, last = stage == 0, (stage == stages - 1) if last is None else last
+    embedding = dims.vocab * dims.hidden
+    params += embedding if first else 0
+    params += embedding if last and (not dims.tied or stages > 1) else 0  # the output layer (a tied copy if PP > 1)
+    params += dims.hidden if last else 0  # the final norm
+    in_flight = in_flight or max(1, min(stages - stage, micro_batches))
+    per_token = dims.activation_bytes(recompute) * layers * in_flight
+    if recompute != "off":
+        per_token += dims.activation_bytes("off")
+    logits = 0 if (not last or fused_logits) else int(LOGITS_UPDATE_BYTES * tokens * dims.vocab / tp)
+    return StageMemory(
+        stage=stage, stages=stages, layers=layers, in_flight=in_flight, tokens=tokens,
+        weights=2 * params // tp, grads=4 * params // tp, optimizer=12 * params // tp // max(1, dp),
+        reference=2 * params // tp if reference_on_gpu else 0,
+        activations=int(per_token * tokens / tp), logits=logits,
+    )  # fmt: skip
+
+
+def log_prob_peak(dims: ModelDims, *, stage: int, stages: int, tp: int, tokens: int, fused_logits: bool = False) -> int:
+    """The actor's log-prob pass on a stage (no_grad): its bf16 weights and float32 grad buffer stay on the GPU (the
+    optimizer is offloaded), and on the last stage the logits path of one micro-batch with the entropy."""
+    s = stage_memory(dims, stage=stage, stages=stages, tp=tp, dp=1, tokens=tokens, recompute="full", micro_batches=1,
+                     reference_on_gpu=False, fused_logits=True)  # fmt: skip
+    last = stage == stages - 1
+    logits = 0 if (not last or fused_logits) else int(LOGITS_LOG_PROB_BYTES * tokens * dims.vocab / tp)
+    return s.weights + s.grads + logits

@@ -1,0 +1,478 @@
+"""verl 0.6.1's Megatron actor at Qwen3-4B's shape on one GPU: what the update and the log-prob pass hold, per
+pipeline stage, measured through verl's own worker, beside what the preflight predicts (launch/gpu_memory.py).
+
+Each case runs in its own process: verl's `ActorRolloutRefWorker(role="actor")` built from the job's own trainer
+config (launch.settings.trainer_argv for the settings block's defaults: bf16, optimizer offload, micro-batches of
+token_budget() tokens, MEGATRON_RECOMPUTE as the case says), `init_model` on a random-weight Qwen3 checkpoint of the
+public config's dimensions, then:
+- `stage1` (the last stage of the default PP=2: half the layers, the output layer and the logits, one micro-batch in
+  flight under 1F1B): `compute_log_prob` (entropy on, as the worker asks) and `update_actor` twice, on full-length
+  sequences that fill whole micro-batches.
+- `stage0` (the first stage: half the layers and the embedding, two micro-batches in flight under 1F1B,
+  pipeline_parallel/schedules.py:1818-1823): the same model with `post_process` off (megatron-core's first-stage
+  GPTModel: it returns the last layer's hidden states), two micro-batches forward through verl's own packing
+  (preprocess_packed_seqs), then both backward with random gradients in place of the next stage's, then the optimizer
+  step, after loading the optimizer back as update_actor does. One GPU holds one pipeline rank, so the stage is built
+  alone, and what PP adds on the wire (p2p buffers of [tokens, hidden]) is not in it.
+For each phase: torch's peak allocated and reserved (reset at the phase's start) and seconds; and, for one
+micro-batch's forward, the bytes each transformer layer keeps for the backward (autograd's saved tensors, counted once
+per storage, parameters left out), per token: the term the preflight's formula has for it.
+
+On a GPU without Transformer Engine (the H200 here) the layer spec is demo/megatron_cpu.py's TE-shaped one
+(install_without_te): TE's structure and names, torch's fused RMSNorm and SDPA (flash) in place of TE's kernels.
+On a CPU (`--shape tiny`) all of demo/megatron_cpu.py's shims: the tests run it that way.
+
+    python -m benchmarks.megatron_memory --out DIR                         # one H200: Qwen3-4B's shape, every case
+    python -m benchmarks.megatron_memory --shape tiny --out DIR            # a CPU, tiny model (what the test runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GIB = 2**30
+
+# The public Qwen3-4B config's dimensions; a tiny one for the CPU.
+SHAPES = {
+    "qwen3-4b": dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=4096,
+    ),
+}  # fmt: skip
+# stage, MEGATRON_RECOMPUTE, and "-fused": verl's fused log-prob kernels (actor_rollout_ref.model.use_fused_kernels,
+# verl/models/mcore/model_forward_fused.py: log-probs and entropy from the hidden states, no [tokens, vocab] logits;
+# Triton, so a GPU only)
+CASES = ("stage1-off", "stage1-full", "stage1-full-fused", "stage0-full", "stage0-off")
+
+
+# --- the model ----------------------------------------------------------------------------------------------------
+
+
+def build_policy(shape: str, layers: int, out: Path, device: str) -> dict:
+    """A Qwen3 checkpoint of SHAPES[shape] with `layers` layers, random weights (bf16 on a GPU), tied embeddings as
+    Qwen3-4B's, and a word-level tokenizer (benchmarks/reward_bench.py's) padded to the vocabulary."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from benchmarks.reward_bench import build_tokenizer
+
+    tokenizer = build_tokenizer(SHAPES[shape]["vocab_size"])
+    dims = SHAPES[shape] | {"num_hidden_layers": layers}
+    config = Qwen3Config(
+        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return {"params": sum(p.numel() for p in model.parameters()), **dims}
+
+
+# --- one case, in its own process -----------------------------------------------------------------------------------
+
+
+def case_settings(policy: Path, recompute: str, lengths: tuple[int, int] | None) -> dict[str, str]:
+    """The settings block's defaults, with this machine's one GPU, the case's recompute and, where given, lengths."""
+    from launch.reference import block_defaults
+
+    return block_defaults(str(REPO)) | {
+        "CONTAINER": "none", "CONFIG_MODEL_PATH": str(policy), "CONFIG_REWARD_MODEL_PATH": str(policy),
+        "CONFIG_TRAIN_FILE": "train.parquet", "CONFIG_TEST_FILE": "test.parquet", "CONFIG_OUTPUT_DIR": "ckpt",
+        "CONFIG_GPUS_PER_NODE": "1", "STRATEGY": "megatron", "ACTOR_PP": "1", "ACTOR_TP": "1",
+        "MEGATRON_RECOMPUTE": recompute,
+    } | ({"MAX_PROMPT_LENGTH": str(lengths[0]), "MAX_RESPONSE_LENGTH": str(lengths[1])} if lengths else {})  # fmt: skip
+
+
+def worker_config(policy: Path, recompute: str, fused: bool, lengths, on_gpu: bool):
+    from launch.preflight import compose, split_command
+    from launch.settings import Settings, trainer_argv
+
+    extra = [] if on_gpu else __import__("demo.megatron_cpu", fromlist=["overrides"]).overrides()
+    s = Settings.from_env(case_settings(policy, recompute, lengths))
+    extra += ["actor_rollout_ref.model.use_fused_kernels=True"] if fused else []
+    _, path, name, overrides = split_command(trainer_argv(s, extra=extra))
+    cfg = compose(name, [*overrides, "actor_rollout_ref.actor.optim.total_training_steps=1"], path)
+    return cfg, s
+
+
+def full_length_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> dict:
+    """Rows of prompt + response tokens with no padding: each micro-batch holds exactly the token budget."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(10, vocab, (rows, prompt + response), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    position_ids = torch.arange(prompt + response).expand(rows, -1).clone()
+    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                responses=input_ids[:, prompt:], response_mask=attention_mask[:, prompt:])  # fmt: skip
+
+
+class Meter:
+    """Peak allocated and reserved over a phase (torch's counters reset at its start), and its seconds."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.cuda = device == "cuda"
+        self.torch = torch
+
+    def __enter__(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+            self.before = self.torch.cuda.memory_allocated()
+        self.began = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+        self.record = {"seconds": round(time.monotonic() - self.began, 3)}
+        if self.cuda:
+            c = self.torch.cuda
+            self.record |= {"allocated_before_gib": c.memory_allocated() and self.before / GIB,
+                            "peak_allocated_gib": c.max_memory_allocated() / GIB,
+                            "peak_reserved_gib": c.max_memory_reserved() / GIB,
+                            "allocated_after_gib": c.memory_allocated() / GIB}  # fmt: skip
+        return False
+
+
+def saved_bytes_per_layer(model, forward) -> dict:
+    """Bytes autograd keeps for the backward during `forward()`, per transformer layer and outside them (embedding,
+    output layer, logits), each storage counted once, the parameters' storages left out."""
+    import torch
+    from verl.utils.megatron_utils import unwrap_model
+
+    gpt = unwrap_model(model)
+    where = ["outside"]
+    handles = []
+    for index, layer in enumerate(gpt.decoder.layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=index: where.__setitem__(0, i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, "outside")))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, tuple[int, object]] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in params and key not in seen:
+            seen[key] = (storage.nbytes(), where[0])
+        # detached: a saved output packed as itself refers to its own grad_fn, a cycle autograd never frees (it kept
+        # one micro-batch's activations, 60 GiB at Qwen3-4B's shape, alive through the rest of a case on the H200)
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    for h in handles:
+        h.remove()
+    per_layer = [sum(n for n, w in seen.values() if w == i) for i in range(len(gpt.decoder.layers))]
+    return {"layers": per_layer, "outside": sum(n for n, w in seen.values() if w == "outside"), "output": out}
+
+
+def resident(worker) -> dict:
+    """GiB on the GPU by owner: the model's parameters (megatron-core's bf16 buffer), its float32 grad buffers, the
+    optimizer's float32 main weights and Adam moments, and all of torch's allocated memory."""
+    import torch
+
+    def on_gpu(tensors) -> float:
+        seen = {}
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values()) / GIB
+
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        return _resident(worker, on_gpu)
+    except Exception as exc:  # a figure missing, not the run lost
+        return {"error": f"{type(exc).__name__}: {exc}", "allocated": torch.cuda.memory_allocated() / GIB}
+
+
+def _resident(worker, on_gpu) -> dict:
+    import torch
+
+    model = worker.actor_module[0]
+    opts = getattr(worker.actor_optimizer, "chained_optimizers", [worker.actor_optimizer])
+    main = [t for o in opts for g in getattr(o, "shard_fp32_from_float16_groups", []) for t in g]
+    moments = [t for o in opts if o.optimizer is not None for st in o.optimizer.state.values() for t in st.values()]
+    buffers = getattr(model, "buffers", [])  # megatron-core's DDP keeps its _ParamAndGradBuffer list there
+    grads = [b.grad_data for b in ([] if callable(buffers) else buffers)] + [p.main_grad for p in model.parameters()
+                                                                     if getattr(p, "main_grad", None) is not None]  # fmt: skip
+    return {"params": on_gpu(model.parameters()), "grad_buffers": on_gpu(grads), "main_weights": on_gpu(main),
+            "adam_moments": on_gpu(moments), "allocated": torch.cuda.memory_allocated() / GIB}  # fmt: skip
+
+
+def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths) -> None:
+    stage, recompute, *fused = case.split("-")
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    cfg, s = worker_config(policy, recompute, bool(fused), lengths, on_gpu)
+    from launch.procs import free_port
+    from launch.settings import token_budget
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    from demo import megatron_cpu
+
+    megatron_cpu.install_without_te() if on_gpu else megatron_cpu.install()
+    if on_gpu:  # the flash kernel or an error: a silent fall back to SDPA's math kernel would keep every score
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa_kernel([SDPBackend.FLASH_ATTENTION]).__enter__()
+    from verl import DataProto
+    from verl.models.mcore.util import preprocess_packed_seqs
+    from verl.utils.megatron_utils import load_megatron_optimizer as load_optimizer
+    from verl.utils.megatron_utils import unwrap_model
+    from verl.workers.megatron_workers import ActorRolloutRefWorker
+
+    tokens = token_budget(s)
+    sequence = s.max_prompt_length + s.max_response_length
+    per_micro = tokens // sequence
+    rows = per_micro * micro_batches
+    result: dict = {"case": case, "stage": stage, "recompute": recompute, "fused": bool(fused), "token_budget": tokens,
+                    "sequence": sequence, "rows": rows, "micro_batches": micro_batches}  # fmt: skip
+
+    def write():
+        out.write_text(json.dumps(result, indent=1))
+
+    worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+    # A job's worker is the hybrid actor_rollout, which alone reads the offload settings (megatron_workers.py:272-283:
+    # role "actor" keeps everything on the GPU); this one holds no rollout engine, so they are set as that branch does
+    megatron = worker.config.actor.megatron
+    worker._is_offload_param = megatron.get("param_offload", False)
+    worker._is_offload_grad = megatron.get("grad_offload", False)
+    worker._is_offload_optimizer = megatron.get("optimizer_offload", False)
+    with Meter(device) as m:
+        worker.init_model()
+    result["init"] = m.record
+    tf = worker.tf_config
+    result["transformer_config"] = {k: str(getattr(tf, k, None)) for k in
+                                    ("recompute_granularity", "recompute_method", "recompute_num_layers",
+                                     "num_layers", "bf16", "params_dtype")}  # fmt: skip
+    write()
+    model = worker.actor_module[0]
+    gpt = unwrap_model(model)
+    vocab = gpt.vocab_size
+    batch = full_length_batch(rows, s.max_prompt_length, s.max_response_length, vocab)
+
+    def micro(i: int):
+        rows_i = slice(i * per_micro, (i + 1) * per_micro)
+        ids, mask, pos = (batch[k][rows_i].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
+        packed, params = preprocess_packed_seqs(ids, mask, pre_process=True)
+        return lambda: model(input_ids=packed.contiguous(), attention_mask=None, position_ids=pos,
+                             packed_seq_params=params)  # fmt: skip
+
+    if stage == "stage0":
+        gpt.post_process = False  # megatron-core's first-stage GPTModel: the decoder's hidden states out
+    model.train()
+    result["resident_gib"] = {"after_init": resident(worker)}
+    if not fused:  # verl's fused forward wants the labels it is given inside its own forward step
+        saved = saved_bytes_per_layer(model, micro(0))
+        output = saved.pop("output")
+        result["saved_bytes_per_token"] = {"layers": [b / tokens for b in saved["layers"]],
+                                           "outside": saved["outside"] / tokens}  # fmt: skip
+        del output
+        model.zero_grad_buffer()
+    write()
+
+    if stage == "stage1":
+        data = DataProto.from_dict(tensors=batch, meta_info={})
+        with Meter(device) as m:
+            old = worker.compute_log_prob(data).batch["old_log_probs"]
+        result["log_prob"] = m.record
+        result["resident_gib"]["after_log_prob"] = resident(worker)
+        write()
+        sign = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None]
+        tensors = batch | dict(old_log_probs=old, ref_log_prob=old, advantages=sign * batch["response_mask"].float())
+        # one mini-batch: every micro-batch, then one step (the actor keeps its own copy of the config)
+        worker.config.actor.ppo_mini_batch_size = worker.actor.config.ppo_mini_batch_size = rows
+        result["update"] = []
+        for _ in range(2):
+            meta = {"temperature": 1.0, "global_token_num": tensors["attention_mask"].sum(-1).tolist()}
+            with Meter(device) as m:
+                metrics = worker.update_actor(DataProto.from_dict(tensors=dict(tensors), meta_info=meta))
+            metrics = metrics.meta_info["metrics"]
+            result["update"].append(m.record | {
+                "verl_max_memory_allocated_gb": metrics.get("perf/max_memory_allocated_gb"),
+                "grad_norm": metrics.get("actor/grad_norm")})  # fmt: skip
+            result["resident_gib"][f"after_update_{len(result['update'])}"] = resident(worker)
+            write()
+    else:
+        if worker._is_offload_optimizer:
+            load_optimizer(worker.actor_optimizer)
+        result["stage0"] = []
+        for _ in range(2):
+            forwards = [micro(i) for i in range(micro_batches)]
+            with Meter(device) as m:
+                outs = [f() for f in forwards[:2]]  # two in flight
+                torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
+                del outs[0]
+                for f in forwards[2:]:  # steady 1F1B: one forward, one backward
+                    outs.append(f())
+                    torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
+                    del outs[0]
+                torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
+                del outs
+            record = m.record
+            with Meter(device) as m:
+                worker.actor_optimizer.step()
+                worker.actor_optimizer.zero_grad()
+                model.zero_grad_buffer()
+            result["stage0"].append(record | {"optimizer_step": m.record})
+            result["resident_gib"][f"after_step_{len(result['stage0'])}"] = resident(worker)
+            write()
+    result["status"] = "ok"
+    write()
+
+
+# --- measured against predicted --------------------------------------------------------------------------------------
+
+
+def predictions(result: dict) -> dict:
+    """What launch/gpu_memory.py predicts for each case that ran, beside its measured peaks (GiB): the update's peak
+    (stage1: the larger of the two updates; stage0: the forward-backward of the two micro-batches in flight), the
+    log-prob pass's, and the activation bytes per token of one layer (the saved tensors, beside the formula's)."""
+    from launch.gpu_memory import ModelDims, log_prob_peak, stage_memory
+
+    policy = result["policy"]
+    dims = ModelDims(policy["hidden_size"], policy["intermediate_size"],
+                     policy["num_attention_heads"] * policy["head_dim"], policy["num_key_value_heads"] * policy["head_dim"],
+                     policy["head_dim"], policy["num_hidden_layers"], policy["vocab_size"], True)  # fmt: skip
+    rows = {}
+    for name, case in result["cases"].items():
+        if case.get("status") != "ok" and "token_budget" not in case:
+            continue
+        stage1 = case.get("stage", name.split("-")[0]) == "stage1"
+        recompute = case.get("recompute", name.split("-")[1])
+        fused = case.get("fused", "fused" in name)
+        tokens = case["token_budget"]
+        # the one-GPU model: every layer and the embedding (tied: one copy), DP=1, the stage's micro-batches in flight
+        plan = stage_memory(dims, stage=0, stages=1, tp=1, dp=1, tokens=tokens, recompute=recompute, micro_batches=2,
+                            reference_on_gpu=False, fused_logits=fused, in_flight=1 if stage1 else 2, last=stage1)  # fmt: skip
+        row = {"predicted_update_gib": plan.total / GIB, "predicted": plan.describe(),
+               "predicted_layer_bytes_per_token": dims.activation_bytes(recompute)}  # fmt: skip
+        updates = case.get("update") or case.get("stage0") or []
+        peaks = [u["peak_allocated_gib"] for u in updates if "peak_allocated_gib" in u]
+        if peaks:
+            row["measured_update_gib"] = max(peaks)
+            row["update_error"] = row["predicted_update_gib"] / row["measured_update_gib"] - 1
+        if stage1:
+            row["predicted_log_prob_gib"] = log_prob_peak(dims, stage=0, stages=1, tp=1, tokens=tokens,
+                                                          fused_logits=fused) / GIB  # fmt: skip
+            if "peak_allocated_gib" in case.get("log_prob", {}):
+                row["measured_log_prob_gib"] = case["log_prob"]["peak_allocated_gib"]
+                row["log_prob_error"] = row["predicted_log_prob_gib"] / row["measured_log_prob_gib"] - 1
+        layers = case.get("saved_bytes_per_token", {}).get("layers")
+        if layers and recompute == "off":
+            row["measured_layer_bytes_per_token"] = sum(layers) / len(layers)
+        rows[name] = row
+    return rows
+
+
+# --- the driver ---------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
+    parser.add_argument("--out", type=Path, required=True, help="folder for result.json and each case's log")
+    parser.add_argument("--work", type=Path, help="folder for the checkpoint and each case's own json (default: a "
+                        "temporary one; the 4B-shaped half model is 4.4 GB)")  # fmt: skip
+    parser.add_argument(
+        "--layers", type=int, default=0, help="layers of the model (0: half the shape's, one PP=2 stage)"
+    )
+    parser.add_argument("--cases", default="", help=f"comma-separated, of {', '.join(CASES)} (default: all; "
+                        "on a CPU all but the fused)")  # fmt: skip
+    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per update (at least 2)")
+    parser.add_argument("--case-timeout", type=float, default=300, help="seconds for each case's process")
+    parser.add_argument("--lengths", default="", help="PROMPT,RESPONSE tokens (default: the settings block's)")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None
+    if args.case:
+        run_case(args.case, args.policy, args.out, args.micro_batches, lengths)
+        return 0
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cases = [
+        c for c in (args.cases or ",".join(c for c in CASES if device == "cuda" or "fused" not in c)).split(",") if c
+    ]
+    if unknown := [c for c in cases if c not in CASES]:
+        parser.error(f"--cases: {', '.join(unknown)} unknown; use {', '.join(CASES)}")
+    if device == "cpu" and any("fused" in c for c in cases):
+        parser.error("--cases: the fused cases need a GPU (verl's fused log-prob kernels are Triton)")
+    if args.micro_batches < 2:
+        parser.error("--micro-batches: at least 2 (stage 0 keeps two in flight)")
+    layers = args.layers or max(1, SHAPES[args.shape]["num_hidden_layers"] // 2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"command": "python -m benchmarks.megatron_memory " + shlex.join(sys.argv[1:] if argv is None else argv),
+                    "shape": args.shape, "layers": layers, "device": device, "python": platform.python_version(),
+                    "cases": {}}  # fmt: skip
+    if device == "cuda":
+        result.update(gpu=torch.cuda.get_device_name(), gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / GIB,
+                      torch=torch.__version__)  # fmt: skip
+    work = args.work or Path(tempfile.mkdtemp(prefix="megatron_memory_"))
+    work.mkdir(parents=True, exist_ok=True)
+    policy = work / "policy"
+    began = time.monotonic()
+    build = [sys.executable, "-c", f"import json, sys; from pathlib import Path; from benchmarks.megatron_memory import build_policy; "
+             f"print(json.dumps(build_policy({args.shape!r}, {layers}, Path({str(policy)!r}), {device!r})))"]  # fmt: skip
+    built = subprocess.run(build, cwd=REPO, capture_output=True, text=True, check=False)
+    if built.returncode:
+        raise SystemExit(f"building the policy failed:\n{built.stderr[-3000:]}")
+    result["policy"] = json.loads(built.stdout.strip().splitlines()[-1]) | {
+        "build_s": round(time.monotonic() - began, 1)
+    }
+    results_file = args.out / "result.json"
+    for case in cases:
+        case_file, log = work / f"{case}.json", args.out / f"{case}.log"
+        cmd = [sys.executable, "-m", "benchmarks.megatron_memory", "--case", case, "--policy", str(policy),
+               "--out", str(case_file), "--micro-batches", str(args.micro_batches)]  # fmt: skip
+        cmd += ["--lengths", args.lengths] if args.lengths else []
+        began = time.monotonic()
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(
+                    cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.case_timeout
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        case_result = json.loads(case_file.read_text()) if case_file.exists() else {}
+        if rc != 0:
+            tail = log.read_text().splitlines()[-15:]
+            oom = any("OutOfMemoryError" in line or "out of memory" in line for line in tail)
+            case_result["status"] = ("out of memory: " if oom else f"failed ({rc}): ") + (tail[-1] if tail else "")
+        case_result["wall_s"] = round(time.monotonic() - began, 1)
+        result["cases"][case] = case_result
+        results_file.write_text(json.dumps(result, indent=1))
+        print(f"[megatron_memory] {case}: {case_result.get('status')} in {case_result['wall_s']} s", flush=True)
+    result["predicted_vs_measured"] = predictions(result)
+    results_file.write_text(json.dumps(result, indent=1))
+    for name, row in result["predicted_vs_measured"].items():
+        print(f"[megatron_memory] {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if isinstance(v, float)))
+    print(f"[megatron_memory] wrote {results_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
