@@ -17,9 +17,9 @@
 #
 # verl 0.6.1's Megatron merger needs one GPU and NCCL (no Ray); its FSDP merger also runs on a CPU. Tied embeddings
 # are read from the checkpoint's config as transformers reads it, not assumed: passing --tie-word-embedding for an
-# untied model (Qwen3-8B and larger) silently drops its lm_head. A critic is converted only from the Hugging Face
-# weights verl saved beside it while training (critic.checkpoint.save_contents with hf_model): verl's merger cannot
-# build a value model (see refuse_critic_merge).
+# untied model (Qwen3-8B and larger) silently drops its lm_head. A Megatron critic is converted only from the Hugging
+# Face weights verl saved beside it while training (critic.checkpoint.save_contents with hf_model): verl's Megatron
+# merger cannot build a value model (see refuse_critic_merge). An FSDP critic goes through verl's FSDP merger.
 #
 # One place to edit: the top of run_grpo_qwen3_4b_mega_verl.sh. This script reads its settings block
 # (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER), and its --partition, --account and --output lines above are that
@@ -138,16 +138,25 @@ has_hf_weights() {
   compgen -G "$step_dir/huggingface/*.safetensors" >/dev/null
 }
 
-# refuse_critic_merge: a critic with only Megatron weights cannot be merged into a value model by verl 0.6.1.
+# checkpoint_backend: fsdp for STRATEGY=fsdp2's shards (verl's FSDP checkpoint manager writes fsdp_config.json beside
+# them, fsdp_checkpoint_manager.py:294-301), megatron otherwise (dist_ckpt/).
+checkpoint_backend() {
+  if [[ -f "$step_dir/fsdp_config.json" ]]; then echo fsdp; else echo megatron; fi
+}
+
+# refuse_critic_merge: a Megatron critic with only its dist checkpoint cannot be merged into a value model by verl
+# 0.6.1. An FSDP critic can: verl's FSDP merger keeps every tensor it saved, the value head too (critic_to_hf.py).
 refuse_critic_merge() {
-  [[ "$ROLE" == critic ]] && ! has_hf_weights || return 0
-  die "ROLE=critic: $step_dir holds only Megatron weights, and verl 0.6.1's merger cannot make a value model of them:" \
+  [[ "$ROLE" == critic && "$(checkpoint_backend)" == megatron ]] && ! has_hf_weights || return 0
+  die "ROLE=critic: $step_dir is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json) with no Hugging Face" \
+    "weights, and verl 0.6.1's Megatron merger cannot make a value model of it:" \
     "verl/model_merger/megatron_model_merger.py (_load_state_dicts) always builds a causal LM (init_mcore_model(...," \
     "value=False)), so the critic's [1, hidden] value head is dropped (tied config) or fails to load on its shape" \
     "(untied); --is-value-model does not change that. To resume training, no merge is needed (the trainer resumes" \
     "from CKPT_ROOT). For a Hugging Face value model, have verl save one while training: add the Hydra override" \
     "'critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]' to the training job, then run this on a step" \
-    "saved with it. Nothing was written."
+    "saved with it (an FSDP2 critic, STRATEGY=fsdp2, needs neither: verl's FSDP merger keeps its head). Nothing" \
+    "was written."
 }
 
 # move_into_place SRC DEST: rename SRC to DEST only when nothing is at DEST. mkdir claims the name (it fails if
@@ -170,10 +179,10 @@ merge() {
     log_phase "the checkpoint already holds Hugging Face weights: copying $step_dir/huggingface"
     cp -r "$step_dir/huggingface/." "$tmp"
   else
-    # STRATEGY=fsdp2 saves FSDP shards (verl's FSDP checkpoint manager writes fsdp_config.json beside them), which
-    # verl's FSDP merger reads, on the CPU too; --tie-word-embedding is its Megatron merger's only.
-    local backend=megatron
-    [[ ! -f "$step_dir/fsdp_config.json" ]] || backend=fsdp
+    # STRATEGY=fsdp2 saves FSDP shards, which verl's FSDP merger reads, on the CPU too; --tie-word-embedding is its
+    # Megatron merger's only.
+    local backend
+    backend=$(checkpoint_backend)
     # verl's Megatron merger starts a one-process torch.distributed group; with no WORLD_SIZE set it takes
     # MASTER_PORT=12355 (verl/model_merger/megatron_model_merger.py:146-151), which a second merge on the node, or
     # anything else there, may hold. This merge's own free port instead (from its job's port block, launch/node.py),

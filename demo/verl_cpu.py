@@ -148,6 +148,24 @@ def _unpinned_offload() -> None:
     fsdp_utils.CPUOffloadPolicy = CPUOffloadPolicy
 
 
+def _critic_attention() -> None:
+    """verl's FSDP critic is loaded with attn_implementation="flash_attention_2" whatever its override_config says
+    (verl/utils/model.py:623-629, load_valuehead_model), and without flash-attn it falls back to trl's value-head
+    model (:639), not installed here. The same first call, with the attention the critic's config was built with
+    (critic.model.override_config.attn_implementation, fsdp_workers.py:1254-1259)."""
+    import verl.utils.model as model_utils  # fsdp_workers imports the name from it inside the critic's builder
+
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+            attn_implementation=model_config._attn_implementation, trust_remote_code=trust_remote_code,
+        )  # fmt: skip
+
+    model_utils.load_valuehead_model = load_valuehead_model
+
+
 def register_rollout() -> None:
     """verl 0.6.1 registers only vLLM and SGLang (verl/workers/rollout/base.py:81-86) and asserts on anything else
     (:99); its HF rollout ships unregistered. Async rollout (the agent loop) also asks a replica class for the
@@ -161,7 +179,7 @@ def register_rollout() -> None:
     RolloutReplicaRegistry.register(ROLLOUT, _replica_class)
 
 
-SHIMS = (_gloo_for_nccl, _gather_like_nccl, _cpu_device_calls, _unpinned_offload, register_rollout)
+SHIMS = (_gloo_for_nccl, _gather_like_nccl, _cpu_device_calls, _unpinned_offload, _critic_attention, register_rollout)
 _installed = False
 
 

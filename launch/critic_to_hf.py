@@ -2,6 +2,13 @@
 
     python -m launch.critic_to_hf FOLDER      # rewrites FOLDER in place (the merge's temporary copy)
 
+Two saves, one result. The FSDP critic (STRATEGY=fsdp2) is verl's AutoModelForTokenClassification with num_labels=1
+(verl/workers/fsdp_workers.py:1256-1287), but its checkpoint manager saves the config as it was read from the
+policy, still naming <Model>ForCausalLM (verl/utils/checkpoint/fsdp_checkpoint_manager.py:267-279). verl's FSDP
+merger picks its class from that name (verl/model_merger/base_model_merger.py:209-212), as the manager's own
+`hf_model` save does (:315-354): either writes the critic's tensors, `score.weight` [1, hidden] and `score.bias` as
+trained, under a causal-LM config with no lm_head. Only config.json is relabelled then.
+
 With `hf_model` in `critic.checkpoint.save_contents`, verl's Megatron checkpoint manager saves the critic through the
 policy's causal-LM class, its value head stored as `lm_head.weight` of shape [1, hidden]
 (verl/utils/checkpoint/megatron_checkpoint_manager.py, verl/models/mcore/saver.py with is_value_model=True).
@@ -10,8 +17,9 @@ AutoModelForCausalLM cannot load that (the shape), and AutoModelForTokenClassifi
 `score.weight` and config.json a <Model>ForTokenClassification with num_labels=1; verl's Megatron critic loader also
 takes `score.weight` of shape [1, hidden] (verl/models/mcore/loader.py).
 
-The head's bias: verl's critic output layer has one (LinearForLastLayer, bias=True) but verl's saver keeps only the
-weight, so `score.bias` is written as 0 and the values differ from the trained critic's by that constant.
+The head's bias of a Megatron critic: verl's critic output layer has one (LinearForLastLayer, bias=True) but verl's
+saver keeps only the weight, so `score.bias` is written as 0 and the values differ from the trained critic's by that
+constant. The FSDP critic's bias is saved, and kept.
 """
 
 import argparse
@@ -20,6 +28,7 @@ import sys
 from pathlib import Path
 
 HEAD = "lm_head.weight"
+SCORE = "score.weight"
 
 
 class NotACritic(ValueError):
@@ -49,16 +58,18 @@ def to_value_model(folder: Path) -> str:
     config = AutoConfig.from_pretrained(folder)
     hidden = config.hidden_size
     weight_map, index = _shards(folder)
-    if HEAD not in weight_map:
+    name = HEAD if HEAD in weight_map else SCORE if SCORE in weight_map else None
+    if name is None:
         raise NotACritic(
-            f"{folder} has no {HEAD} [1, {hidden}]: the critic's value head was not saved (a headless critic)"
+            f"{folder} has no {HEAD} or {SCORE} [1, {hidden}]: the critic's value head was not saved (a headless "
+            "critic)"
         )
-    shard = folder / weight_map[HEAD]
+    shard = folder / weight_map[name]
     tensors = load_file(str(shard))
-    head = tensors.pop(HEAD)
+    head = tensors[name]
     if tuple(head.shape) != (1, hidden):
         raise NotACritic(
-            f"{HEAD} in {folder} has shape {list(head.shape)}, a value head is [1, {hidden}]: is this an actor's "
+            f"{name} in {folder} has shape {list(head.shape)}, a value head is [1, {hidden}]: is this an actor's "
             "checkpoint (ROLE=actor)?"
         )
     classes = AutoModelForTokenClassification._model_mapping
@@ -68,20 +79,25 @@ def to_value_model(folder: Path) -> str:
         names = set(classes[type(config)](config).state_dict())
     if not {"score.weight", "score.bias"} <= names:
         raise NotACritic(f"{classes[type(config)].__name__} has no score layer to hold the value head")
-    tensors["score.weight"] = head
-    tensors["score.bias"] = torch.zeros(1, dtype=head.dtype)
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    if index is not None:
-        data = json.loads(index.read_text())
-        data["weight_map"].pop(HEAD)
-        data["weight_map"].update({"score.weight": shard.name, "score.bias": shard.name})
-        data.get("metadata", {}).pop("total_size", None)  # no longer exact; transformers does not need it
-        index.write_text(json.dumps(data, indent=2))
+    if name == HEAD:  # verl's Megatron save: the head under the causal LM's name, its bias not saved
+        del tensors[HEAD]
+        tensors["score.weight"] = head
+        tensors["score.bias"] = torch.zeros(1, dtype=head.dtype)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        if index is not None:
+            data = json.loads(index.read_text())
+            data["weight_map"].pop(HEAD)
+            data["weight_map"].update({"score.weight": shard.name, "score.bias": shard.name})
+            data.get("metadata", {}).pop("total_size", None)  # no longer exact; transformers does not need it
+            index.write_text(json.dumps(data, indent=2))
+        done = f"{HEAD} {list(head.shape)} -> score.weight (score.bias = 0)"
+    else:  # verl's FSDP critic: the token-classification model's own tensors, bias included
+        done = f"{SCORE} {list(head.shape)} kept as verl's FSDP critic trained it"
     config.architectures = [classes[type(config)].__name__]
     config.num_labels = 1
     config.tie_word_embeddings = False  # verl builds the critic untied (megatron_workers.py, critic init)
     config.save_pretrained(folder)
-    return f"{HEAD} {list(head.shape)} -> score.weight (score.bias = 0), config.json -> {config.architectures[0]}"
+    return f"{done}, config.json -> {config.architectures[0]}"
 
 
 def main(argv=None) -> int:

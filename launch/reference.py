@@ -171,7 +171,7 @@ def _close_tables(lines: list[str]) -> list[str]:
 # another of its values. Settings with no entry (and those that need what this machine lacks) are not traced.
 _OTHER_VALUES = {"ALGORITHM": ["ppo", "dapo"], "STRATEGY": ["fsdp2"], "ROLLOUT_MODE": ["sync"],
                  "ROLLOUT_ENGINE": ["vllm"], "REWARD_MANAGER": ["naive"], "TRAINER_LOGGER": ["[console]"],
-                 "ESI_REDUNDANT_TIME": ["77"], "MEGATRON_RECOMPUTE": ["selective"]}  # fmt: skip
+                 "ESI_REDUNDANT_TIME": ["77"], "MEGATRON_RECOMPUTE": ["selective"], "ROLLOUT_GPU_MEMORY": ["0.5"]}  # fmt: skip
 # What moves a key besides the block: Slurm's node count (the #SBATCH line or sbatch --nodes).
 _OUTSIDE_THE_BLOCK = {"#SBATCH --nodes": {"SLURM_NNODES": "3"}}
 _NOT_A_SETTING = {"custom_reward_function.path": "always this repository's reward function"} | {

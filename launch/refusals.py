@@ -136,8 +136,10 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
             f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
         )
     problems += validation_sampling_problems(s)
-    if not 0 < s.rollout_gpu_memory < 1:
-        problems.append(f"ROLLOUT_GPU_MEMORY={s.rollout_gpu_memory}: a share of GPU memory in (0, 1)")
+    try:
+        _ = s.rollout_gpu_memory  # the property refuses anything but auto or a share in (0, 1)
+    except SettingError as exc:
+        problems.append(str(exc))
     if check_paths:
         for name, path in (("CONFIG_MODEL_PATH", s.model_path), ("CONFIG_REWARD_MODEL_PATH", s.reward_model_path)):
             if not Path(path, "config.json").is_file():

@@ -27,6 +27,15 @@ class SettingError(ValueError):
     pass
 
 
+# ROLLOUT_GPU_MEMORY=auto (Settings.rollout_gpu_memory). Sharing the GPU with the update: the share the reference job
+# was measured with. Alone on it: vLLM's own default (EngineArgs/CacheConfig gpu_memory_utilization=0.9), less room
+# for a reward server: the 8B reward shape peaks at 17.8 GiB on an H200 (launch/gpu_memory.py), under a quarter of an
+# 80 GB card.
+ROLLOUT_GPU_MEMORY_HYBRID = 0.4
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
+ROLLOUT_ROOM_FOR_REWARD = 0.25
+
+
 def _parse(kind: type, name: str, raw: str):
     """One setting's text as its field's type; a bad value names the setting."""
     if kind is bool:
@@ -78,7 +87,7 @@ class Settings:
     megatron_recompute: str = setting("MEGATRON_RECOMPUTE")  # full | selective | off (recompute_overrides)
     rollout_tp: int = setting("ROLLOUT_TP")
     rollout_n: int = setting("ROLLOUT_N")
-    rollout_gpu_memory: float = setting("ROLLOUT_GPU_MEMORY")
+    rollout_gpu_memory_setting: str = setting("ROLLOUT_GPU_MEMORY")  # auto | a share (rollout_gpu_memory)
     kl_loss_coef: float = setting("KL_LOSS_COEF")
     val_do_sample: bool = setting("VAL_DO_SAMPLE")
     val_temperature: float = setting("VAL_TEMPERATURE")
@@ -208,6 +217,30 @@ class Settings:
             raise SettingError(
                 f"CRITIC_CLIPRANGE_VALUE={raw!r}: use auto (half the reward range) or a number above 0, the most an "
                 "update may move the critic's prediction"
+            )
+        return value
+
+    @property
+    def rollout_gpu_memory(self) -> float:
+        """The rollout engine's share of each of its GPUs (rollout.gpu_memory_utilization: vLLM's
+        gpu_memory_utilization, SGLang's mem_fraction_static). auto: ROLLOUT_GPU_MEMORY_HYBRID where the rollout
+        shares its GPUs with the update (TRAINER_MODE=sync, verl's hybrid engine, which frees the cache for the
+        update); with one_step_off its GPUs hold the rollout alone (hybrid_engine=False, the recipe's own pool), so
+        vLLM's own default, less ROLLOUT_ROOM_FOR_REWARD where a reward server may sit on one of them (shared
+        placement on the GPU: Ray, not this job, picks which of the head's GPUs the rollout pool gets)."""
+        raw = self.rollout_gpu_memory_setting
+        if raw == "auto":
+            if self.trainer_mode != "one_step_off":
+                return ROLLOUT_GPU_MEMORY_HYBRID
+            shared = not self.separate_reward_node and self.reward_device != "cpu"
+            return round(VLLM_GPU_MEMORY_UTILIZATION - (ROLLOUT_ROOM_FOR_REWARD if shared else 0), 2)
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < 1:
+            raise SettingError(
+                f"ROLLOUT_GPU_MEMORY={raw!r}: use auto or a share of GPU memory in (0, 1) (docs/training.md: GPU memory)"
             )
         return value
 

@@ -188,6 +188,42 @@ def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes)
     assert "trainer.n_gpus_per_node=3" in argv
 
 
+ONE_STEP_OFF = {"TRAINER_MODE": "one_step_off", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
+                "ROLLOUT_ENGINE": "vllm"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides, share",
+    [
+        ({}, 0.4),  # the hybrid engine: the rollout shares each GPU with the update
+        (ONE_STEP_OFF, 0.65),  # its own GPUs, one of which may hold the head's reward server (CONFIG_REWARD_GPUS)
+        (ONE_STEP_OFF | {"CONFIG_USE_SEPARATE_REWARD_NODE": "true", "SLURM_NNODES": "2"}, 0.9),  # alone: vLLM's default
+        (ONE_STEP_OFF | {"CONFIG_REWARD_DEVICE": "cpu"}, 0.9),
+        (ONE_STEP_OFF | {"ROLLOUT_GPU_MEMORY": "0.5"}, 0.5),  # a number is taken as it is
+    ],
+)
+@pytest.mark.parametrize("strategy", ["megatron", "fsdp2"])
+def test_rollout_gpu_memory_auto_gives_one_step_offs_own_rollout_gpus_what_vllm_takes_alone(env, recipes, overrides,
+                                                                                           share, strategy):  # fmt: skip
+    """The composed command, through verl's (or the recipe's) config: one_step_off's RolloutWorker builds vLLM from
+    actor_rollout_ref.rollout (recipe ray_trainer.py:182-189, fsdp_workers.py:247, megatron_workers.py:181), so its
+    gpu_memory_utilization is the share each dedicated rollout GPU gives vLLM (vllm_rollout_spmd.py:238)."""
+    s = settings(env, **({"STRATEGY": strategy, "ROLLOUT_GPU_MEMORY": "auto"} | overrides))
+    assert check(s) == []
+    _, path, name, args = split_command(trainer_argv(s))
+    cfg = compose(name, args, path)
+    assert cfg.actor_rollout_ref.rollout.gpu_memory_utilization == share
+    assert cfg.actor_rollout_ref.hybrid_engine is (s.trainer_mode == "sync")
+
+
+@pytest.mark.parametrize("raw", ["0", "1", "0.95x", "nan", "-0.3"])
+def test_a_rollout_gpu_memory_that_is_no_share_is_refused_naming_auto(env, raw):
+    s = settings(env, ROLLOUT_GPU_MEMORY=raw)
+    assert f"ROLLOUT_GPU_MEMORY={raw!r}: use auto or a share of GPU memory in (0, 1)" in "\n".join(check(s))
+    with pytest.raises(SettingError, match="ROLLOUT_GPU_MEMORY="):
+        trainer_argv(s)
+
+
 @pytest.mark.parametrize(
     "overrides, needle",
     [

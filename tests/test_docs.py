@@ -54,7 +54,7 @@ def test_the_message_list_holds_each_kind_of_message_the_scripts_print():
         "run_grpo_qwen3_4b_mega_verl.sh": ["which is not the repository", "no config.json there (no such folder",
                                            "could not create the job's folders"],
         "helper_grpo_qwen3_4b.sh": ["death(s) within s, its REWARD_RESTARTS= restarts spent", "trainer exited with"],
-        "merge_mcore_to_hf.sh": ["holds only Megatron weights"],
+        "merge_mcore_to_hf.sh": ["is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json)"],
         "launch/refusals.py": ["FP8=true: verl 0.6.1 cannot train", "sets Megatron's parallel state once per process",
                                "is less than one per data-parallel rank"],
         "launch/deadline.py": ["does not save before the time limit"],

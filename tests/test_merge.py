@@ -187,10 +187,49 @@ def test_a_critic_with_only_megatron_weights_is_refused_naming_verl_s_merger(mer
     make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True, roles=("actor", "critic"))
     result = run(merge_env, ROLE="critic", TARGET_DIR=str(tmp_path / "critic_hf"))
     assert result.returncode == 1
+    assert "is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json)" in result.stderr, "the backend it found"
     assert "verl/model_merger/megatron_model_merger.py" in result.stderr and "value=False" in result.stderr
     assert "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]" in result.stderr
     assert merger_calls(merge_env) == [], "verl's merger would drop the value head: it is never started"
     assert not (tmp_path / "critic_hf").exists() and not list(tmp_path.glob("critic_hf*"))
+
+
+def test_an_fsdp2_critic_merges_through_verls_fsdp_merger_into_the_value_model_verl_trained(merge_env, tiny_models,
+                                                                                          tmp_path):  # fmt: skip
+    """STRATEGY=fsdp2's critic: verl's own CriticWorker saves it through its FSDP checkpoint manager
+    (tests/fsdp_critic.py: a causal-LM config holding score.weight), verl's real FSDP merger merges it, critic_to_hf
+    relabels it, and the result is verl's critic: its head as trained (bias too) and its values."""
+    import torch
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from tests.fsdp_critic import TEXTS
+
+    root, worker = tmp_path / "ckpt", tmp_path / "worker.json"
+    saved = subprocess.run([sys.executable, "-m", "tests.fsdp_critic", str(root), str(tiny_models.policy), str(worker)],
+                           cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    critic = root / "global_step_1" / "critic"
+    assert (critic / "fsdp_config.json").is_file() and (critic / "model_world_size_1_rank_0.pt").is_file()
+    assert json.loads((critic / "huggingface" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    target = tmp_path / "critic_hf"
+    env = merge_env | dict(CONTAINER="none", MERGER_LAUNCHER=sys.executable)  # verl's real merger, on this CPU
+    result = run(env, ROLE="critic", TARGET_DIR=str(target), VERIFY_LOAD="1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "-m verl.model_merger merge --backend fsdp" in result.stdout
+    assert "score.weight [1, 64] kept as verl's FSDP critic trained it" in result.stdout
+    assert "value model, value head score.weight [1, 64]" in result.stdout
+    trained = json.loads(worker.read_text())
+    assert trained["class"] == "FSDPQwen3ForTokenClassification", "FSDP2 (fully_shard) over verl's value model"
+    model = AutoModelForTokenClassification.from_pretrained(target, dtype=torch.float32).eval()
+    for name in ("score.weight", "score.bias"):  # verl's merger stores bfloat16 (fsdp_model_merger.py:169-181)
+        expected = torch.tensor(trained["score"][name]).bfloat16().float()
+        assert torch.equal(model.state_dict()[name], expected), name
+    batch = AutoTokenizer.from_pretrained(target)(TEXTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        values = model(**batch).logits[..., 0]
+    mask = batch["attention_mask"].bool()
+    assert mask.tolist() == [[bool(x) for x in row] for row in trained["attention_mask"]]
+    torch.testing.assert_close(values[mask], torch.tensor(trained["values"])[mask], atol=0.05, rtol=0.05)
 
 
 def test_verl_s_merger_still_builds_a_causal_lm_so_a_critic_merge_stays_refused():

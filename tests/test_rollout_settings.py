@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from launch.preflight import validate, validation_sampling
 from launch.refusals import batch_problems, check
+from tests.support import REPO
 from tests.test_algorithms import composed, env, recipes, settings  # noqa: F401  (env: the tiny-model settings; recipes: verl's recipe package)
 
 # --- validation sampling -----------------------------------------------------------------------------------------
@@ -195,3 +197,46 @@ def test_sync_vllm_batches_a_whole_sequence_so_verls_chunked_prefill_check_passe
         assert vllm_spmd_accepts(rollout), (
             f"{rollout.max_num_batched_tokens} tokens, sequence {s.max_prompt_length + s.max_response_length}"
         )
+
+
+# --- what async vLLM decodes past the response length (docs/training.md) ---------------------------------------------
+
+# (file under verl/, line, what it holds, how docs/training.md cites it)
+ASYNC_DECODE_LIMITS = [
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", 155,
+     "self.config.max_model_len = self.config.prompt_length + self.config.response_length",
+     "vllm_rollout/vllm_async_server.py:155"),
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", 382, "max_tokens = self.config.max_model_len - len(prompt_ids)",
+     "`max_tokens = max_model_len - len(prompt_ids)` (`:382`)"),
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", 385,
+     "sampling_params = SamplingParams(max_tokens=max_tokens, **sampling_params)", "vllm_async_server.py:385"),
+    ("workers/rollout/sglang_rollout/async_sglang_server.py", 233,
+     "max_new_tokens = min(self.config.response_length, self.config.max_model_len - len(prompt_ids) - 1)",
+     "sglang_rollout/async_sglang_server.py:233"),
+    ("experimental/agent_loop/single_turn_agent_loop.py", 73, "response_ids=output.token_ids[: self.response_length],",
+     "agent_loop/single_turn_agent_loop.py:73-75"),
+    ("workers/rollout/vllm_rollout/vllm_rollout_spmd.py", 258, "max_tokens=config.response_length,",
+     "vllm_rollout_spmd.py:258"),
+    ("workers/rollout/sglang_rollout/sglang_rollout.py", 499, "max_new_tokens=self.config.response_length,",
+     "sglang_rollout.py:499"),
+]  # fmt: skip
+
+
+def test_async_vllm_asks_for_the_prompts_unused_room_too_and_sglang_only_for_the_response_length_as_the_docs_say():
+    """docs/training.md's account of async vLLM's extra decode, line by line against the installed verl: vLLM's async
+    server asks for max_model_len - len(prompt) new tokens, the agent loop keeps the response length, SGLang's async
+    server and both sync rollouts ask for the response length; and the agent loop's sampling parameters (the only
+    thing a setting reaches) hold no token limit, so no verl setting narrows it."""
+    import verl
+
+    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+    docs = (REPO / "docs" / "training.md").read_text()
+    for path, line, text, cited in ASYNC_DECODE_LIMITS:
+        assert (root / path).read_text().splitlines()[line - 1].strip() == text, (
+            f"verl {verl.__version__} {path}:{line}"
+        )
+        assert cited in docs, f"docs/training.md no longer cites {path}:{line} as {cited!r}"
+    loop = (root / "experimental/agent_loop/agent_loop.py").read_text().splitlines()
+    params = "\n".join(loop[332:343])  # agent_loop.py:333-343, the rollout's sampling parameters
+    assert params.lstrip().startswith("sampling_params = dict(") and "max_tokens" not in params
+    assert "agent_loop/agent_loop.py:333-343" in docs
