@@ -136,6 +136,7 @@ CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward se
 RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
 TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}"                 # what runs `-m verl.trainer.main_ppo ...`
+TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"                         # 0: the launcher runs no verl trainer (a test's fake)
 set +a
 # ------------------------------------------------------------------------------------------------------------------
 
@@ -423,7 +424,12 @@ main() {
       "everything it started; this output is also in $out"
   fi
   log_phase "job $job_id: logs in $job_log_dir"
-  follow_this_header
+  if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
+    log "PREFLIGHT_ONLY=1: merge_mcore_to_hf.sh left as it is (a job's start, and the merge itself, copy this script's" \
+      "#SBATCH lines into it)"
+  else
+    follow_this_header
+  fi
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"
     return 0
@@ -431,6 +437,12 @@ main() {
   preflight "$@" "${canary_train_overrides[@]}"
   if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
     log "PREFLIGHT_ONLY=1: nothing started"
+    if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+      # The checks passed and their output is above: the folder held only their reward server's log. A failed
+      # preflight keeps it (that log is what its message points at).
+      rm -rf -- "$job_log_dir"
+      job_log_dir="none kept (the checks passed; their output is above)"
+    fi
     return 0
   fi
   if [[ "$CANARY" == 1 ]]; then

@@ -39,6 +39,12 @@ NEXT_STEPS = [
     "sbatch run_grpo_qwen3_4b_mega_verl.sh",
     "sbatch merge_mcore_to_hf.sh",
 ]
+# README.md's step 4: the preflight of one's own files on a login node without the image (verl from make env's .venv,
+# the reward server on the CPU); tests/test_launch.py runs it where SGLang does not import.
+LOGIN_NODE_CHECK = (
+    'PATH="$PWD/.venv/bin:$PATH" CONTAINER=none PREFLIGHT_ONLY=1 PREFLIGHT_REWARD_DEVICE=cpu '
+    "bash run_grpo_qwen3_4b_mega_verl.sh"
+)
 # The job's settings for a 2-core machine: the settings block's default strategy, verl's Megatron workers, on one
 # pipeline stage (PP=2 runs too, measured 334 s for the demo on a loaded 2-core machine against 215 s: the Slurm job
 # test with PP=2 across two nodes runs it), the settings block's default
@@ -98,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         f" a resume and the merge (verl's Megatron workers without Transformer Engine and HF generate here; a cluster"
         f" runs them with Transformer Engine and SGLang on GPUs)."
         f"\nlogs: {out / 'logs'}; checkpoints and the merged model: {out}/checkpoints_canary"
-        "\nnext, on a cluster (README.md, Quickstart):\n" + "\n".join(f"  {line}" for line in NEXT_STEPS)
+        "\nnext, on a cluster (README.md, Quickstart):\n"
+        + "\n".join(f"  {line}" for line in NEXT_STEPS)
+        + "\nyour own files on a login node without the image yet (README.md, step 4), from this clone:"
+        f"\n  make env\n  {LOGIN_NODE_CHECK}"
     )
     return rc
 
