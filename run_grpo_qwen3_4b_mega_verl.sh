@@ -364,6 +364,8 @@ cleanup() {
   fi
   # The helpers stop their own processes within STOP_TIMEOUT: give them that and a margin before killing them.
   [[ -n "$srun_pid" ]] && stop_pids $((STOP_TIMEOUT + 15)) "$srun_pid"
+  # Every start's end, for launch.status: a run outside Slurm has no output file that says it.
+  [[ ! -d "$job_log_dir" ]] || printf '%s\n' "$rc" >"$job_log_dir/exit" || true
   log "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=$rc; logs: $job_log_dir)"
   exit "$rc"
 }
@@ -424,6 +426,11 @@ main() {
       "everything it started; this output is also in $out"
   fi
   log_phase "job $job_id: logs in $job_log_dir"
+  # What this start is, for launch.status (a preflight only, the canary, or training)
+  local kind=training
+  [[ "$CANARY" != 1 ]] || kind=canary
+  [[ "$PREFLIGHT_ONLY" != 1 ]] || kind="preflight only"
+  printf '%s\n' "$kind" >"$job_log_dir/kind"
   if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
     log "PREFLIGHT_ONLY=1: merge_mcore_to_hf.sh left as it is (a job's start, and the merge itself, copy this script's" \
       "#SBATCH lines into it)"
