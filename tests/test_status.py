@@ -324,6 +324,15 @@ def test_each_kind_of_start_is_shown_as_what_it_was_with_the_end_the_run_script_
         (folder / "kind").write_text(f"{kind}\n")
         (folder / "exit").write_text("0\n")
     (logs / "42" / "canary" / "train").mkdir(parents=True)
+    (logs / "43" / "canary" / "resume").mkdir(parents=True)  # a canary in its second stage: no table yet
+    (logs / "43" / "kind").write_text("canary\n")
+    (logs / "43" / "canary" / "results.jsonl").write_text('{"stage": "train", "status": "passed", "seconds": 95}\n')
+    assert status.main([str(logs / "43")]) == 0
+    assert (
+        "  a canary job (CANARY=1): its stages so far (the table comes at its end, "
+        f"{logs / '43' / 'canary' / 'summary.txt'}):\n    train: passed in 95 s\n"
+        f"    resume: running (log: {logs / '43' / 'canary' / 'resume'})\n    merge: not started\n"
+    ) in capsys.readouterr().out
     assert status_of(str(logs / "41"), capsys=capsys)["why"] == (
         "preflight only (PREFLIGHT_ONLY=1): every check passed; nothing was started"
     )
