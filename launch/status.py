@@ -558,6 +558,8 @@ def state(job: Job) -> tuple[str, str]:
     if s is None:
         return "unknown", ""
     if s.exit_code is not None:
+        if s.exit_code == 0 and (failed := canary_failure(job)):
+            return "failed", failed
         if s.exit_code == 0:
             return "finished", finished_reason(job)
         if s.exit_code in (130, 143) and not s.errors:
@@ -575,14 +577,35 @@ def state(job: Job) -> tuple[str, str]:
     )
 
 
+def canary_failure(job: Job) -> str:
+    """The canary's first failed stage and why, from its results.jsonl ("" when none failed, or no canary)."""
+    if not job.canary:
+        return ""
+    for line in read_text(job.canary / "results.jsonl").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("status") == "failed":
+            return f"the canary's stage {e.get('stage')} failed: {e.get('reason', '?')}"
+    return ""
+
+
 def finished_reason(job: Job) -> str:
     ckpt, s = job.checkpoint or {}, job.newest
     if s and s.how.startswith("nothing to do"):
         return s.how
     if s and s.kind == PREFLIGHT_ONLY:
         return "preflight only (PREFLIGHT_ONLY=1): every check passed; nothing was started"
-    if s and s.kind == "canary":
+    if (
+        s
+        and s.kind == "canary"
+        and job.canary
+        and "canary: every stage passed" in read_text(job.canary / "summary.txt")
+    ):
         return "the canary passed (CANARY=1): its table below"
+    if s and s.kind == "canary":
+        return "exited 0, but no canary table says every stage passed: its stages below"
     if ckpt.get("training_done") or (s and s.trainer_finished):
         return "training finished (TRAINING_DONE)"
     return "exited 0"

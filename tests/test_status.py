@@ -324,8 +324,19 @@ def test_each_kind_of_start_is_shown_as_what_it_was_with_the_end_the_run_script_
         (folder / "kind").write_text(f"{kind}\n")
         (folder / "exit").write_text("0\n")
     (logs / "42" / "canary" / "train").mkdir(parents=True)
+    (logs / "42" / "canary" / "summary.txt").write_text("canary summary\n...\ncanary: every stage passed\n")
     (logs / "43" / "canary" / "resume").mkdir(parents=True)  # a canary in its second stage: no table yet
     (logs / "43" / "kind").write_text("canary\n")
+    (logs / "43" / "canary" / "results.jsonl").write_text('{"stage": "train", "status": "passed", "seconds": 95}\n')
+    (logs / "43" / "exit").write_text("0\n")  # a stage failed but the start ended 0 (its parent was killed): failed
+    with open(logs / "43" / "canary" / "results.jsonl", "a") as f:
+        f.write(
+            '{"stage": "resume", "status": "failed", "seconds": 98, "reason": "the training launch exited with 141"}\n'
+        )
+    assert status_of(str(logs / "43"), capsys=capsys)["why"] == (
+        "the canary's stage resume failed: the training launch exited with 141"
+    )
+    (logs / "43" / "exit").unlink()
     (logs / "43" / "canary" / "results.jsonl").write_text('{"stage": "train", "status": "passed", "seconds": 95}\n')
     assert status.main([str(logs / "43")]) == 0
     assert (
