@@ -135,8 +135,8 @@ STOP_TIMEOUT="${STOP_TIMEOUT:-20}"                              # s to stop serv
 CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
 RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
+TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"                         # 0: TRAINER_LAUNCHER runs no verl trainer (a test's fake)
 TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}"                 # what runs `-m verl.trainer.main_ppo ...`
-TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"                         # 0: the launcher runs no verl trainer (a test's fake)
 set +a
 # ------------------------------------------------------------------------------------------------------------------
 

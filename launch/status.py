@@ -177,6 +177,8 @@ class Start:
     ended: float | None = None
     exit_code: int | None = None
     how: str = ""  # how it ended, from the job's own lines
+    kind: str = ""  # what the run script started: preflight only, canary or training ("" from an older script)
+    preflight_problem: str = ""  # the preflight's first refusal (its stderr, preflight.err), where it failed
     errors: list[str] = field(default_factory=list)
     ends_at: float | None = None  # this start's time limit, as the run script logged it
     trainer_started: float | None = None
@@ -190,8 +192,6 @@ class Start:
     trainer_finished: bool = False
     ckpt_root: str | None = None
     critic_updates: int | None = None  # PPO's critic updates a step (critic_updates_per_step), when the command says
-    kind: str = ""  # what the run script started: preflight only, canary or training ("" from an older script)
-    preflight_problem: str = ""  # the preflight's first refusal (its stderr, preflight.err), where it failed
 
     @property
     def name(self) -> str:
