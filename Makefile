@@ -33,10 +33,14 @@ help:
 env: $(STAMP)
 
 # torch first, from the local CPU build: anything that pulls torch before it would download a multi-GB CUDA build.
+# pip's own lines (Collecting, Downloading, Installing) are the progress: a first install takes minutes.
 $(STAMP): requirements/reward.txt requirements/reward-newest.txt requirements/test.txt requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements/test.txt -c requirements/constraints.txt
+	@echo "make: 1/2 installing torch 2.13.0, the CPU build, into $(VENV) (a first install downloads ~200 MB)"
+	$(BIN)/pip install --disable-pip-version-check torch==2.13.0
+	@echo "make: 2/2 installing verl, megatron-core, transformers, ray and the test tools (requirements/test.txt): minutes"
+	$(BIN)/pip install --disable-pip-version-check -r requirements/test.txt -c requirements/constraints.txt
+	@echo "make: $(VENV) is ready"
 	touch $@
 
 # The oldest reward stack we support (our base images', requirements/reward-oldest.txt): a few packages in a

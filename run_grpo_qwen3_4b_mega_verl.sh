@@ -135,6 +135,7 @@ STOP_TIMEOUT="${STOP_TIMEOUT:-20}"                              # s to stop serv
 CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
 RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
+TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"                         # 0: TRAINER_LAUNCHER runs no verl trainer (a test's fake)
 TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}"                 # what runs `-m verl.trainer.main_ppo ...`
 set +a
 # ------------------------------------------------------------------------------------------------------------------
@@ -363,6 +364,8 @@ cleanup() {
   fi
   # The helpers stop their own processes within STOP_TIMEOUT: give them that and a margin before killing them.
   [[ -n "$srun_pid" ]] && stop_pids $((STOP_TIMEOUT + 15)) "$srun_pid"
+  # Every start's end, for launch.status: a run outside Slurm has no output file that says it.
+  [[ ! -d "$job_log_dir" ]] || printf '%s\n' "$rc" >"$job_log_dir/exit" || true
   log "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=$rc; logs: $job_log_dir)"
   exit "$rc"
 }
@@ -423,7 +426,17 @@ main() {
       "everything it started; this output is also in $out"
   fi
   log_phase "job $job_id: logs in $job_log_dir"
-  follow_this_header
+  # What this start is, for launch.status (a preflight only, the canary, or training)
+  local kind=training
+  [[ "$CANARY" != 1 ]] || kind=canary
+  [[ "$PREFLIGHT_ONLY" != 1 ]] || kind="preflight only"
+  printf '%s\n' "$kind" >"$job_log_dir/kind"
+  if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
+    log "PREFLIGHT_ONLY=1: merge_mcore_to_hf.sh left as it is (a job's start, and the merge itself, copy this script's" \
+      "#SBATCH lines into it)"
+  else
+    follow_this_header
+  fi
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"
     return 0
@@ -431,6 +444,12 @@ main() {
   preflight "$@" "${canary_train_overrides[@]}"
   if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
     log "PREFLIGHT_ONLY=1: nothing started"
+    if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+      # The checks passed and their output is above: the folder held only their reward server's log. A failed
+      # preflight keeps it (that log is what its message points at).
+      rm -rf -- "$job_log_dir"
+      job_log_dir="none kept (the checks passed; their output is above)"
+    fi
     return 0
   fi
   if [[ "$CANARY" == 1 ]]; then

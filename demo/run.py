@@ -39,6 +39,12 @@ NEXT_STEPS = [
     "sbatch run_grpo_qwen3_4b_mega_verl.sh",
     "sbatch merge_mcore_to_hf.sh",
 ]
+# README.md's step 4: the preflight of one's own files on a login node without the image (verl from make env's .venv,
+# the reward server on the CPU); tests/test_launch.py runs it where SGLang does not import.
+LOGIN_NODE_CHECK = (
+    'PATH="$PWD/.venv/bin:$PATH" CONTAINER=none PREFLIGHT_ONLY=1 PREFLIGHT_REWARD_DEVICE=cpu '
+    "bash run_grpo_qwen3_4b_mega_verl.sh"
+)
 # The job's settings for a 2-core machine: the settings block's default strategy, verl's Megatron workers, on one
 # pipeline stage (PP=2 runs too, measured 334 s for the demo on a loaded 2-core machine against 215 s: the Slurm job
 # test with PP=2 across two nodes runs it), the settings block's default
@@ -53,7 +59,15 @@ SETTINGS = {
     "MAX_RESPONSE_LENGTH": "32",
     "CONFIG_GPUS_PER_NODE": "1",  # Ray's placeholder GPU: verl places its one worker there, torch computes on the CPU
     "CONFIG_REWARD_DEVICE": "cpu",
+    "EXPERIMENT_NAME": "tiny_demo_grpo_megatron",  # not the block's qwen3_4b_...: these are tiny random models
 }
+# What the canary's clip-ratio WARNING means here: a random tiny policy almost never samples EOS, so its responses
+# run to MAX_RESPONSE_LENGTH; on real models the same warning is a real finding.
+CLIP_NOTE = (
+    "make demo: the canary's 'hit MAX_RESPONSE_LENGTH' WARNING above is expected here: a random tiny policy almost "
+    "never ends a response, so nearly all of them run to MAX_RESPONSE_LENGTH={length}; on your models it is a real "
+    "finding"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,12 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     env["MERGER_LAUNCHER"] = str(REPO / "demo" / "megatron_merger")  # verl's merger with the shims
     rc = subprocess.call(["bash", str(script), *megatron_cpu.overrides()], env=env, cwd=REPO)
     verdict = "every stage passed" if rc == 0 else f"FAILED (exit {rc})"
+    summaries = sorted((out / "logs").glob("*/canary/summary.txt"), key=lambda p: p.stat().st_mtime)
+    if summaries and "hit MAX_RESPONSE_LENGTH" in summaries[-1].read_text():
+        print(CLIP_NOTE.format(length=SETTINGS["MAX_RESPONSE_LENGTH"]), flush=True)
     print(
         f"\nmake demo: {verdict} in {time.monotonic() - start:.0f} s: verl 0.6.1's own GRPO steps on the CPU, a save,"
         f" a resume and the merge (verl's Megatron workers without Transformer Engine and HF generate here; a cluster"
         f" runs them with Transformer Engine and SGLang on GPUs)."
         f"\nlogs: {out / 'logs'}; checkpoints and the merged model: {out}/checkpoints_canary"
-        "\nnext, on a cluster (README.md, Quickstart):\n" + "\n".join(f"  {line}" for line in NEXT_STEPS)
+        "\nnext, on a cluster (README.md, Quickstart):\n"
+        + "\n".join(f"  {line}" for line in NEXT_STEPS)
+        + "\nyour own files on a login node without the image yet (README.md, step 4), from this clone:"
+        f"\n  make env\n  {LOGIN_NODE_CHECK}"
     )
     return rc
 

@@ -20,7 +20,6 @@ On failure it prints verl's message and the settings that feed that key.
 """
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -176,9 +175,11 @@ def import_problems(modules: list[str], engine: str, timeout: float = 600) -> li
     return problems
 
 
-def trainer_is_verl() -> bool:
-    """The import check is about verl's trainer; a stand-in TRAINER_LAUNCHER (make demo, the tests) imports none of it."""
-    return re.fullmatch(r"python[0-9.]*", Path(os.environ.get("TRAINER_LAUNCHER", "python3")).name) is not None
+def trainer_runs_verl() -> bool:
+    """False only where TRAINER_IS_VERL=0 declares that TRAINER_LAUNCHER runs something other than verl's trainer (the
+    tests' fake trainer). What the launcher is called says nothing: a site wrapper, `nsys profile ...` or
+    `py-spy record -- python3` runs verl's trainer and gets every refusal python3 gets."""
+    return os.environ.get("TRAINER_IS_VERL", "1") != "0"
 
 
 def check_data(cfg, tokenizer) -> tuple[list[str], int]:
@@ -437,16 +438,16 @@ def gpu_memory_line(settings: Settings) -> str:
 
 def report_steps(cfg, train_rows: int | None) -> bool:
     """Print the steps verl will train (step_plan, from the prompts verl's own dataset kept); False when verl would
-    train none. With a stand-in TRAINER_LAUNCHER (make demo, the tests) no verl dataloader is built: then zero steps
-    are a warning, said as such, not a refusal."""
+    train none. With TRAINER_IS_VERL=0 (a trainer that is not verl's builds no verl dataloader) zero steps are a
+    warning, said as such, not a refusal."""
     if train_rows is None:
         print("preflight: steps: not counted (PREFLIGHT_DATA=0 reads no data)")
         return True
     lines, warnings, problems = step_plan(cfg, train_rows)
     for line in lines:
         print(f"preflight: steps: {line}")
-    if problems and not trainer_is_verl():
-        warnings += [f"{p} (TRAINER_LAUNCHER={os.environ.get('TRAINER_LAUNCHER')} is a stand-in: not refused)"
+    if problems and not trainer_runs_verl():
+        warnings += [f"{p} (TRAINER_IS_VERL=0: TRAINER_LAUNCHER runs no verl trainer, so not refused)"
                      for p in problems]  # fmt: skip
         problems = []
     for warning in warnings:
@@ -463,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env()
     except SettingError as exc:
         print(f"setting error: {exc}", file=sys.stderr)
+        return 1
+    if os.environ.get("TRAINER_IS_VERL", "1") not in ("0", "1"):
+        print(f"setting error: TRAINER_IS_VERL={os.environ['TRAINER_IS_VERL']!r}: 1 (TRAINER_LAUNCHER runs verl's "
+              "trainer, a wrapper of it included) or 0 (it runs something else)", file=sys.stderr)  # fmt: skip
         return 1
     problems = check(settings) + context_problems(settings, os.environ)
     for problem in problems:
@@ -533,23 +538,27 @@ def main(argv: list[str] | None = None) -> int:
             f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
         )
         return 1
-    if trainer_is_verl():
-        problems = ray_cpu_problems(cfg, os.environ)  # verl's own actors' CPUs: a stand-in holds none of them
+    findings = []  # what stops the trainer here but not the checks of the user's own files below: said again at the end
+    if trainer_runs_verl():
+        problems = ray_cpu_problems(cfg, os.environ)
         for problem in problems:
             print(f"preflight: verl 0.6.1 would stop at run time: {problem}", file=sys.stderr)
         if problems:
             return 1
         modules = trainer_modules(module, cfg)
-        problems = import_problems(modules, cfg.actor_rollout_ref.rollout.name)
-        for problem in problems:
-            print(f"preflight: the trainer cannot start here: {problem}", file=sys.stderr)
-        if problems:
-            return 1
-        print(f"preflight: the trainer's modules import here: {', '.join(modules)}")
+        findings = import_problems(modules, cfg.actor_rollout_ref.rollout.name)
+        for finding in findings:
+            print(f"preflight: the trainer cannot start here: {finding}", file=sys.stderr)
+        if findings:
+            print("preflight: checking the data and the reward anyway (the trainer's imports are the image's)",
+                  file=sys.stderr)  # fmt: skip
+        else:
+            print(f"preflight: the trainer's modules import here: {', '.join(modules)}")
     else:
         print(
-            f"preflight: TRAINER_LAUNCHER={os.environ['TRAINER_LAUNCHER']} is a stand-in: verl's imports not checked, nor "
-            "the Ray CPUs verl holds"
+            f"preflight: WARNING: TRAINER_IS_VERL=0: TRAINER_LAUNCHER={os.environ.get('TRAINER_LAUNCHER')} runs no verl "
+            "trainer, so verl's imports and the Ray CPUs verl holds are not checked",
+            file=sys.stderr,
         )
     from verl.utils import hf_tokenizer
 
@@ -597,8 +606,35 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if server is not None:
                 stop_process(server, 30)
+    if findings:
+        print(
+            f"preflight: the trainer cannot start where this ran ({len(findings)} import(s) above); every other check "
+            "that ran passed: run the preflight in the image (PREFLIGHT_ONLY=1 with CONTAINER set) for the trainer's imports",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
+class _Tee:
+    """stderr that also goes to a file: the job's record of why its preflight failed (launch.status reads it)."""
+
+    def __init__(self, stream, path: Path):
+        self.stream, self.file = stream, path.open("a", encoding="utf-8")
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        self.file.flush()
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 if __name__ == "__main__":
+    if os.environ.get("JOB_LOG_DIR") and Path(os.environ["JOB_LOG_DIR"]).is_dir():
+        sys.stderr = _Tee(sys.stderr, Path(os.environ["JOB_LOG_DIR"], "preflight.err"))
     sys.exit(main())

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import threading
@@ -133,7 +134,12 @@ def wait(args) -> int:
                     continue
                 connected, last = True, (record["nodes"], record["gpus"])
                 if ready(*last, args):
-                    print(f"ray cluster ready: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs")
+                    # Without a GPU (make demo, the CPU tests) Ray's GPUs are CONFIG_GPUS_PER_NODE's placeholders
+                    placeholders = " (placeholders: no GPU here, torch computes on the CPU)" if shutil.which(
+                        "nvidia-smi") is None else ""  # fmt: skip
+                    print(
+                        f"ray cluster ready: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs{placeholders}"
+                    )
                     try:  # the probe disconnects from Ray on its own (ray.shutdown); killed only if that hangs
                         proc.wait(5)
                     except subprocess.TimeoutExpired:

@@ -81,6 +81,10 @@ FAILURES = (
     ("a node was lost", "a-node-lost",
      r"has been marked dead because the detector has missed too many heartbeats|ActorDiedError|The actor died "
      r"unexpectedly|RaySystemError|raylet.*died|node_failure"),
+    # the reward function's client (reward_score/safe_hack_reward_request.py): every server failed for
+    # REWARD_RETRY_SECONDS, or one refused a request (4xx)
+    ("the reward servers did not score", "a-reward-server-died",
+     r"RewardServerError|did not score within \d+ s|RewardRequestRejected|refused the request with 4\d\d"),
 )  # fmt: skip
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -98,6 +102,7 @@ _BEFORE_END = re.compile(r"CHECKPOINT_BEFORE_END=(\d+) s before the time limit")
 _RESTART = re.compile(r"^=== (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) restart (\d+) after: (.*) ===$")
 _FOLDER = re.compile(r"^(?P<id>.+?)(?:-r(?P<n>\d+))?$")
 FINAL = {"finished", "failed", "cancelled", "ended"}
+PREFLIGHT_ONLY = "preflight only"  # a start's `kind` (the run script writes it): preflight only, canary or training
 
 
 class StatusError(RuntimeError):
@@ -172,6 +177,8 @@ class Start:
     ended: float | None = None
     exit_code: int | None = None
     how: str = ""  # how it ended, from the job's own lines
+    kind: str = ""  # what the run script started: preflight only, canary or training ("" from an older script)
+    preflight_problem: str = ""  # the preflight's first refusal (its stderr, preflight.err), where it failed
     errors: list[str] = field(default_factory=list)
     ends_at: float | None = None  # this start's time limit, as the run script logged it
     trainer_started: float | None = None
@@ -232,15 +239,28 @@ def read_folder(folder: Path, restart: int) -> Start:
     s.ckpt_root = next((a.split("=", 1)[1] for a in reversed(command) if a.startswith("trainer.default_local_dir=")),
                        None)  # fmt: skip
     s.critic_updates = critic_updates_per_step(command)
-    done = read_text(folder / "done").strip()
-    if done.lstrip("-").isdigit():
-        s.exit_code, s.ended = int(done), mtime(folder / "done")
+    s.kind = read_text(folder / "kind").strip()
+    # The run script's own end (`exit`, every kind of start) over the trainer's (`done`, written by the helper)
+    for name in ("done", "exit"):
+        code = read_text(folder / name).strip()
+        if code.lstrip("-").isdigit():
+            s.exit_code, s.ended = int(code), mtime(folder / name)
+    s.preflight_problem = next(
+        (line for line in read_text(folder / "preflight.err").splitlines() if line.startswith(PREFLIGHT_PROBLEMS)), ""
+    )
     s.node_failures = [read_text(p).strip() for p in sorted(folder.glob("node_failed.*"))]
     for server_log in sorted(folder.glob("reward_server_*.log")):
         for line in read_text(server_log).splitlines():
             if m := _RESTART.match(line):
                 s.reward_restarts.append({"log": str(server_log), "when": stamp(m.group(1)), "reason": m.group(3)})
     return s
+
+
+# The preflight's refusals on its stderr (launch/preflight.py), its warnings and notes not among them.
+PREFLIGHT_PROBLEMS = ("setting error: ", "preflight: refused: ", "preflight: verl 0.6.1 ", "preflight: verl's ",
+                      "preflight: the trainer cannot start here: ", "preflight: the reward check failed: ",
+                      "preflight: the train/test parquet", "preflight: cannot size ", "preflight: PREFLIGHT_REWARD_PAIRS",
+                      "preflight: the reward model ranks ")  # fmt: skip
 
 
 def critic_updates_per_step(command: list[str]) -> int | None:
@@ -538,12 +558,17 @@ def state(job: Job) -> tuple[str, str]:
     if s is None:
         return "unknown", ""
     if s.exit_code is not None:
+        if s.exit_code == 0 and (failed := canary_failure(job)):
+            return "failed", failed
         if s.exit_code == 0:
             return "finished", finished_reason(job)
         if s.exit_code in (130, 143) and not s.errors:
             return "ended", s.how or f"stopped by a signal (exit code {s.exit_code}: scancel, a requeue, Ctrl-C)"
         return "failed", why or f"exit code {s.exit_code}"
     quiet = job.now - (s.last_write or s.began or job.now)
+    if s.trainer_started is None and quiet < STALL_MINUTES * 60:
+        what = "the preflight (PREFLIGHT_ONLY=1)" if s.kind == PREFLIGHT_ONLY else "the checks or the start-up"
+        return "running", f"{what}, begun {duration(job.now - (s.began or job.now))} ago; no trainer yet"
     if quiet < STALL_MINUTES * 60:
         return "running", f"no end recorded yet, and no Slurm to ask; the trainer last wrote {duration(quiet)} ago"
     return "unknown", (
@@ -552,10 +577,35 @@ def state(job: Job) -> tuple[str, str]:
     )
 
 
+def canary_failure(job: Job) -> str:
+    """The canary's first failed stage and why, from its results.jsonl ("" when none failed, or no canary)."""
+    if not job.canary:
+        return ""
+    for line in read_text(job.canary / "results.jsonl").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("status") == "failed":
+            return f"the canary's stage {e.get('stage')} failed: {e.get('reason', '?')}"
+    return ""
+
+
 def finished_reason(job: Job) -> str:
     ckpt, s = job.checkpoint or {}, job.newest
     if s and s.how.startswith("nothing to do"):
         return s.how
+    if s and s.kind == PREFLIGHT_ONLY:
+        return "preflight only (PREFLIGHT_ONLY=1): every check passed; nothing was started"
+    if (
+        s
+        and s.kind == "canary"
+        and job.canary
+        and "canary: every stage passed" in read_text(job.canary / "summary.txt")
+    ):
+        return "the canary passed (CANARY=1): its table below"
+    if s and s.kind == "canary":
+        return "exited 0, but no canary table says every stage passed: its stages below"
     if ckpt.get("training_done") or (s and s.trainer_finished):
         return "training finished (TRAINING_DONE)"
     return "exited 0"
@@ -568,6 +618,8 @@ def failure_reason(job: Job) -> str:
     if s is None:
         return ""
     parts = []
+    if s.preflight_problem and s.trainer_started is None:
+        parts.append(f"before training, in the preflight: {s.preflight_problem}")
     if s.failure:
         parts.append(f"{s.failure['what']} ({s.failure['docs']}): {s.failure['line']}")
     stopping = [e for e in s.errors if e.endswith(": stopping the job") or "trainer exited with" in e]
@@ -828,26 +880,61 @@ def steps_text(steps: list[int]) -> str:
     return "no step" if not steps else f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
+CANARY_STAGES = {"train": "train", "resume": "resume", "merge": "merge.log"}  # launch/canary.sh: stage -> its log
+
+
+def canary_stages(canary: Path) -> list[str]:
+    """The canary's stages so far, from the results.jsonl its checks append (launch/canary.py), and the one running."""
+    results = {}
+    for line in read_text(canary / "results.jsonl").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        results[entry.get("stage")] = entry
+    lines = []
+    for stage, log in CANARY_STAGES.items():
+        e = results.get(stage)
+        if e is None:  # the first stage without a result whose log is there runs now; the rest wait
+            running = (canary / log).exists() and not any(" running " in line for line in lines)
+            lines.append(f"{stage}: running (log: {canary / log})" if running else f"{stage}: not started")
+            continue
+        result = "FAILED" if e.get("status") == "failed" else e.get("status", "?")
+        lines.append(f"{stage}: {result}" + (f" in {e['seconds']} s" if "seconds" in e else "")
+                     + (f": {e['reason']}" if e.get("reason") and result != "passed" else ""))  # fmt: skip
+    return lines
+
+
 def render(r: dict) -> str:
     lines = [f"job {r['job']}: {r['state'].upper()}" + (f": {r['why']}" if r["why"] else "")]
     slurm = r["slurm"]
+    local = r["job"].startswith("local-")  # the run script's id outside Slurm (CONTAINER=none, make demo)
     lines.append(f"  Slurm ({slurm['source']}): {slurm['state']}" + (f", Restarts={slurm['restarts']}"
-                 if slurm.get("restarts") else "") if slurm else f"  Slurm: {'; '.join(r['slurm_notes'])}")  # fmt: skip
+                 if slurm.get("restarts") else "") if slurm else "  a local run, outside Slurm" if local
+                 else f"  Slurm: {'; '.join(r['slurm_notes'])}")  # fmt: skip
     if r["canary"]:
         summary = Path(r["canary"]) / "summary.txt"
-        lines.append(f"  a canary job (CANARY=1): its table, {summary}:")
-        lines += [f"    {line}" for line in read_text(summary).splitlines()] or ["    (not written yet)"]
+        if summary.is_file():
+            lines.append(f"  a canary job (CANARY=1): its table, {summary}:")
+            lines += [f"    {line}" for line in read_text(summary).splitlines()]
+        else:
+            lines.append(f"  a canary job (CANARY=1): its stages so far (the table comes at its end, {summary}):")
+            lines += [f"    {line}" for line in canary_stages(Path(r["canary"]))]
     lines.append(f"starts ({len(r['starts'])}):")
     for s in r["starts"]:
         resumed = {None: "", 0: " from scratch"}.get(s["resumed_from"], f" resumed at step {s['resumed_from']}")
         end = clock(s["ended"]) if s["ended"] else "now" if s is r["starts"][-1] and r["state"] == "running" else "?"
         how = s["how"] or (f"exit code {s['exit_code']}" if s["exit_code"] is not None else "")
-        lines.append(f"  {s['name']:<12} {clock(s['began'])} - {end:<16}  {steps_text(s['steps'])}{resumed}"
+        lines.append(f"  {s['name']:<12} {clock(s['began'])} - {end:<16}  "
+                     + (f"[{s['kind']}] " if s["kind"] else "") + f"{steps_text(s['steps'])}{resumed}"
                      + (f"; {how}" if how else ""))  # fmt: skip
     p = r["progress"]
     if p.get("total"):
         lines.append(f"progress: step {p['step']} of {p['total']} ({p['step'] / p['total']:.0%})"
                      + (f", {p['remaining_steps']} to go" if p.get("remaining_steps") else ""))  # fmt: skip
+    elif not any(s["steps"] for s in r["starts"]):
+        lines.append("progress: no steps yet" + (" (a preflight only: it trains none)" if r["starts"] and
+                                                  r["starts"][-1]["kind"] == PREFLIGHT_ONLY else ""))  # fmt: skip
     else:
         lines.append(f"progress: step {p['step']} (the total is unknown until verl prints 'Total training steps')")
     if p.get("step_s") is not None:
@@ -951,6 +1038,15 @@ def figure(job: Job):
     return fig
 
 
+def no_picture(job: Job) -> str:
+    """Why there is nothing to draw yet ("" when there is): no training step in any start."""
+    if any(s.training_steps() for s in job.starts):
+        return ""
+    hint = f"; the canary's training is its own job folder: python -m launch.status {job.canary / 'train'} --png" if (
+        job.canary and (job.canary / "train").is_dir()) else ""  # fmt: skip
+    return f"not drawn: no steps yet in job {job.id}{hint}"
+
+
 def plot(job: Job, path: Path) -> None:
     """figure() into a PNG file, written atomically (a viewer never sees half a picture)."""
     fig = figure(job)  # StatusError naming the fix where matplotlib does not import
@@ -984,10 +1080,11 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             job = load(args.job, args.log_dir)
             r = report(job)
-            if args.png:
+            empty = no_picture(job) if args.png else ""
+            if args.png and not empty:
                 plot(job, args.png)
-            print(json.dumps(plain(r)) if args.json else render(r) + (f"\npicture: {args.png}" if args.png else ""),
-                  flush=True)  # fmt: skip
+            picture = f"\npicture: {empty or args.png}" if args.png else ""
+            print(json.dumps(plain(r)) if args.json else render(r) + picture, flush=True)
             if args.follow is None or r["state"] in FINAL:
                 return 0
             args.job = job.id  # the same job on every refresh, even when a newer one starts

@@ -124,6 +124,7 @@ def job(tmp_path, tiny_models, demo_data, fake_container):
         RAY_NUM_CPUS="1",
         STOP_TIMEOUT="20",
         TRAINER_LAUNCHER=str(trainer),
+        TRAINER_IS_VERL="0",  # the fake trainer is no verl: the preflight skips verl's imports, says so
         FAKE_TRAINER_LOG=str(tmp_path / "trainer_seen.jsonl"),
     )
     for key in [k for k in env if k.startswith("SLURM_")]:  # a test run inside an allocation is not a job's step

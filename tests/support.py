@@ -110,7 +110,7 @@ class FakeContainer:
 # two responses a step, short texts, no wandb; add real_trainer_args() after the job's own Hydra overrides. Ray gets
 # both cores: verl's TaskRunner takes one and its worker's placement bundle another (with one, verl waits for ever).
 REAL_TRAINER = {
-    "TRAINER_LAUNCHER": "python3", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": "1",
+    "TRAINER_LAUNCHER": "python3", "TRAINER_IS_VERL": "1", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": "1",
     "PPO_MINI_BATCH_SIZE": "1", "ROLLOUT_N": "2", "MICRO_BATCH_PER_GPU": "2", "MAX_PROMPT_LENGTH": "128",
     "MAX_RESPONSE_LENGTH": "16", "TRAINER_LOGGER": "[console]", "RAY_NUM_CPUS": "2", **verl_cpu.ENVIRONMENT,
 }  # fmt: skip

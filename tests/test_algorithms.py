@@ -406,7 +406,7 @@ def test_a_batch_the_agent_loop_cannot_split_is_refused_naming_the_nearest_sizes
 
 def test_the_preflight_stops_a_batch_the_agent_loop_cannot_split_before_anything_starts(env):
     job = env | {k: str(v) for k, v in ISSUE_SPLIT.items()} | {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0",
-                                                             "TRAINER_LAUNCHER": "stand-in"}  # fmt: skip
+                                                             "TRAINER_LAUNCHER": "stand-in", "TRAINER_IS_VERL": "0"}  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job, capture_output=True, text=True)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "verl 0.6.1 would stop at run time" in run.stderr and "agent loop's 8 workers" in run.stderr
@@ -420,14 +420,14 @@ def test_a_mini_batch_that_divides_the_batch_passes(env):
 def test_the_preflight_stops_the_issues_batch_before_anything_starts(env, tmp_path):
     """PREFLIGHT_ONLY=1 TRAIN_BATCH_SIZE=4 ROLLOUT_N=2 PPO_MINI_BATCH_SIZE=3 used to pass every check."""
     job = env | {"TRAIN_BATCH_SIZE": "4", "ROLLOUT_N": "2", "PPO_MINI_BATCH_SIZE": "3", "PREFLIGHT_DATA": "0",
-                 "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "stand-in"}  # fmt: skip
+                 "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "stand-in", "TRAINER_IS_VERL": "0"}  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job, capture_output=True, text=True)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "verl 0.6.1 would stop at run time" in run.stderr and "PPO_MINI_BATCH_SIZE" in run.stderr
     fixed = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job | {"PPO_MINI_BATCH_SIZE": "2"},
                            capture_output=True, text=True)  # fmt: skip
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
-    assert "is a stand-in: verl's imports not checked" in fixed.stdout
+    assert "TRAINER_IS_VERL=0: TRAINER_LAUNCHER=stand-in runs no verl trainer, so verl's imports" in fixed.stderr
 
 
 RAY_CPU_CASES = [

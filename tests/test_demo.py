@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from demo import verl_cpu
-from demo.run import NEXT_STEPS
+from demo.run import CLIP_NOTE, LOGIN_NODE_CHECK, NEXT_STEPS
 from launch.preflight import compose, split_command, validate
 from launch.refusals import rollout_problems
 from launch.settings import Settings, trainer_argv
@@ -36,6 +36,20 @@ def steps(log: Path) -> dict[int, str]:
 
 def test_the_demos_next_steps_are_the_readmes_quickstart_commands():
     assert NEXT_STEPS == quickstart_lines()
+    for readme in ("README.md", "README.ja.md"):  # and its last line, the login node's check, is the README's step 4
+        assert "`make env`" in (REPO / readme).read_text() and LOGIN_NODE_CHECK in (REPO / readme).read_text(), readme
+
+
+def test_make_env_says_what_it_installs_and_shows_pips_own_progress():
+    """A first `make demo` installs for minutes (3.5 min of silent `pip --quiet` on a loaded machine): each install is
+    announced, and pip's Collecting/Downloading/Installing lines show."""
+    dry = subprocess.run(["make", "-n", "-B", "env", "VENV=.venv-dry-run"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.splitlines()  # fmt: skip
+    pips = [i for i, line in enumerate(dry) if "/pip install" in line]
+    assert len(pips) == 2, dry
+    for i in pips:
+        assert "--quiet" not in dry[i] and " -q " not in dry[i], dry[i]
+        assert dry[i - 1].startswith('echo "make: ') and "installing" in dry[i - 1], dry[i - 1]
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -93,8 +107,13 @@ def test_make_demo_trains_verls_megatron_workers_on_the_cpu_saves_resumes_and_me
     merge_log = (canary / "merge.log").read_text()
     assert "-m verl.model_merger merge --backend megatron" in merge_log and "verified " in merge_log
     assert (root / "hf_model" / "config.json").is_file() and (root / "hf_model" / "model.safetensors").is_file()
-    hints = run.stdout.split("next, on a cluster", 1)[1].splitlines()[1:]
-    assert [line.strip() for line in hints] == quickstart_lines(), "make demo's last lines are the README's quickstart"
+    # issue 44: the run's name, Ray's GPUs on a machine without one, the clip-ratio warning a random policy trips
+    assert "tiny_demo_grpo_megatron_canary" in run.stdout and "qwen3_4b_grpo_megatron" not in run.stdout
+    assert "GPUs (placeholders: no GPU here, torch computes on the CPU)" in run.stdout
+    assert ("hit MAX_RESPONSE_LENGTH" in run.stdout) == (CLIP_NOTE.format(length=32) in run.stdout), "said iff warned"
+    hints, login = run.stdout.split("next, on a cluster", 1)[1].split("your own files on a login node", 1)
+    assert [line.strip() for line in hints.splitlines()[1:]] == quickstart_lines(), "the README's quickstart"
+    assert [line.strip() for line in login.splitlines()[1:]] == ["make env", LOGIN_NODE_CHECK], "and then its check"
 
 
 SHIMS_CHECK = r"""

@@ -166,6 +166,22 @@ def test_the_step_3_tables_name_settings_of_the_block_and_the_thinking_one_among
         assert set(names) <= block, (readme.name, set(names) - block)
 
 
+def test_the_quickstarts_steps_are_numbered_in_order_in_both_readmes():
+    for readme in ("README.md", "README.ja.md"):
+        section = (REPO / readme).read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+        numbers = [re.search(r"  # (\S+)\. ", line).group(1) for line in section.splitlines() if "  # " in line]
+        assert numbers == [str(n) for n in range(1, len(numbers) + 1)], (readme, numbers)
+
+
+def test_the_nccl_section_has_the_infiniband_settings_and_what_the_job_sets_itself():
+    ops = (REPO / "docs" / "operations.md").read_text()
+    section = ops.split("### NCCL timeouts and hangs", 1)[1].split("\n### ", 1)[0]
+    for name in ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_DEBUG=INFO"):
+        assert name in section, name
+    # the section says the job sets NCCL_SOCKET_IFNAME from CONFIG_NETWORK_INTERFACE: the helper does
+    assert "export NCCL_SOCKET_IFNAME=$CONFIG_NETWORK_INTERFACE" in (REPO / "helper_grpo_qwen3_4b.sh").read_text()
+
+
 def test_every_code_fence_of_the_readmes_and_docs_is_closed():
     """A fence left open renders the rest of the page as code (docs/image.md had a stray line and a lone fence)."""
     pages = [REPO / "README.md", REPO / "README.ja.md", REPO / "benchmarks" / "README.md",

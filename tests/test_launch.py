@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from demo.run import LOGIN_NODE_CHECK
 from tests.support import REPO, assert_everything_stopped, block_environment, job_dir, run, seen
 
 # --- the whole flow ----------------------------------------------------------------------------------------------
@@ -162,6 +163,7 @@ def test_a_login_nodes_preflight_checks_the_cpus_sbatch_will_give_against_what_v
     each GPU, one per rollout server), and verl would wait for ever with 32; sync rollout holds 17."""
     login = {k: v for k, v in job.items() if k != "RAY_NUM_CPUS"} | {
         "CONFIG_GPUS_PER_NODE": "16", "ACTOR_PP": "2", "PREFLIGHT_ONLY": "1", "TRAINER_LAUNCHER": "python3",
+        "TRAINER_IS_VERL": "1",
         "PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0",
     }  # fmt: skip
     refused = run(login)
@@ -176,10 +178,38 @@ def test_a_login_nodes_preflight_checks_the_cpus_sbatch_will_give_against_what_v
     assert "the trainer cannot start here: import sglang fails" in sync.stderr, sync.stderr[-3000:]
 
 
+def test_a_login_node_without_the_engine_still_checks_the_users_data_and_reward(job):
+    """The README's login-node command, where SGLang does not import (this machine, like a login node without the
+    image): the engine is one finding, and the data through verl's RLHFDataset and the reward round trip on the CPU
+    still run; the job is still refused (exit 1), naming where to check the imports. It used to stop at the import."""
+    env = {k: v for k, v in job.items() if k != "RAY_NUM_CPUS"} | {
+        "CONTAINER": "none", "PREFLIGHT_ONLY": "1", "PREFLIGHT_REWARD_DEVICE": "cpu", "TRAINER_LAUNCHER": "python3",
+        "TRAINER_IS_VERL": "1", "TRAIN_BATCH_SIZE": "8", "PPO_MINI_BATCH_SIZE": "8",
+    }  # fmt: skip
+    result = run(env)
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 1, out[-3000:] + err[-3000:]
+    assert "preflight: the trainer cannot start here: import sglang fails" in err, err[-3000:]
+    assert "preflight: checking the data and the reward anyway" in err
+    assert "preflight: data train: " in out and "preflight: steps: " in out, out[-3000:]
+    assert "preflight: reward verl's naive reward loop (async rollout) scored 8 validation rows" in out, out[-3000:]
+    assert (
+        "preflight: the trainer cannot start where this ran (1 import(s) above); every other check that ran passed"
+        in err
+    ), err[-2000:]
+    for readme in ("README.md", "README.ja.md"):
+        assert LOGIN_NODE_CHECK in (REPO / readme).read_text(), readme
+    (kept,) = Path(env["CONFIG_LOG_DIR"]).glob("local-*")  # a failed preflight keeps its folder: the server's log
+    assert (kept / "preflight_reward_server.log").is_file() and f"logs: {kept})" in out
+
+
 def test_sync_rollout_uses_the_batch_manager_and_our_batch_function(job):
     result = run(job | {"ROLLOUT_MODE": "sync", "PREFLIGHT_ONLY": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "reward_manager=batch, rollout=sglang/sync" in result.stdout
+    # A passing preflight leaves no logs/local-* folder behind (its output is on the screen), and says so.
+    assert not list(Path(job["CONFIG_LOG_DIR"]).glob("local-*")), list(Path(job["CONFIG_LOG_DIR"]).iterdir())
+    assert "exiting (exit_code=0; logs: none kept (the checks passed; their output is above))" in result.stdout
 
 
 def test_broken_data_stops_the_job_before_the_queue_with_the_row(job, fake_container, tmp_path):

@@ -440,10 +440,18 @@ def test_the_merge_takes_the_output_folder_image_and_header_lines_from_the_top_o
 
 
 def test_every_start_of_the_run_script_copies_its_header_lines_into_the_merge(tmp_path, tiny_models):
+    """A job's start copies them; PREFLIGHT_ONLY=1 leaves the tracked merge_mcore_to_hf.sh as it is (a check that
+    edits a tracked file shows up in git status)."""
     repo = edited_clone(tmp_path, tiny_models)
+    before = (repo / "merge_mcore_to_hf.sh").read_text()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONFIG_"))}
+    check = subprocess.run(["bash", "run_grpo_qwen3_4b_mega_verl.sh"], cwd=repo, capture_output=True, text=True,
+                           env=env | {"PREFLIGHT_ONLY": "1", "CONTAINER": "none"}, timeout=300)  # fmt: skip
+    assert check.returncode == 1, "no models here: the preflight refuses"
+    assert (repo / "merge_mcore_to_hf.sh").read_text() == before and "now has" not in check.stdout
+    assert "PREFLIGHT_ONLY=1: merge_mcore_to_hf.sh left as it is" in check.stdout
     run = subprocess.run(["bash", "run_grpo_qwen3_4b_mega_verl.sh"], cwd=repo, capture_output=True, text=True,
-                         env=env | {"PREFLIGHT_ONLY": "1", "CONTAINER": "none"}, timeout=300)  # fmt: skip
+                         env=env | {"CONTAINER": "none"}, timeout=300)  # fmt: skip
     assert run.returncode == 1, "no models here: the preflight refuses, after the header was copied"
     assert "merge_mcore_to_hf.sh now has this script's '#SBATCH --account=team_a'" in run.stdout
     assert USER_EDITS["##SBATCH --account="] in (repo / "merge_mcore_to_hf.sh").read_text().splitlines()

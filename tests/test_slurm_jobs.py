@@ -265,7 +265,10 @@ def test_a_failed_check_ends_the_job_failed_with_the_message_in_its_output_file(
     disagrees with Slurm's, a setting the Python preflight refuses, a save deadline that only a job has, and fewer
     CPUs per task than verl's trainer holds on a node (sbatch's option over the header's; verl's own trainer)."""
     gpus = submit(job, out=tmp_path / "gpus.out", options=("--mem=3G", "--cpus-per-task=2", "--gpus-per-node=2"))
-    verl = {k: v for k, v in job.items() if k != "RAY_NUM_CPUS"} | {"TRAINER_LAUNCHER": "python3"}
+    verl = {k: v for k, v in job.items() if k != "RAY_NUM_CPUS"} | {
+        "TRAINER_LAUNCHER": "python3",
+        "TRAINER_IS_VERL": "1",
+    }
     cpus = submit(verl, out=tmp_path / "cpus.out", options=("--mem=3G", "--cpus-per-task=1", "--gpus-per-node=1"))
     fp8 = submit(job | {"FP8": "true"}, out=tmp_path / "fp8.out")
     # the requeue at the header's signal (900 s before the limit) would come before verl's expiry

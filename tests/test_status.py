@@ -208,8 +208,10 @@ def test_one_critic_update_a_step_cannot_be_clipped_and_is_never_warned_about():
          "vLLM failed to start"),
         ("The node with node id: 1f2e and address: 10.0.0.2 and node name: 10.0.0.2 has been marked dead because the "
          "detector has missed too many heartbeats from it.", "a node was lost"),
+        ("safe_hack_reward_request.RewardServerError: reward server(s) http://10.0.0.1:8000 did not score within "
+         "180 s (12 attempts); last error: http://10.0.0.1:8000/score: ConnectionError", "the reward servers did not"),
     ],
-    ids=["oom", "nccl", "sglang", "vllm", "node"],
+    ids=["oom", "nccl", "sglang", "vllm", "node", "reward-client"],
 )  # fmt: skip
 def test_a_failed_start_says_why_from_the_first_failure_the_trainer_logged(tmp_path, no_slurm, capsys, line, what):
     later = "Traceback (most recent call last):\nRuntimeError: NCCL communicator was aborted on rank 1\n"
@@ -310,6 +312,68 @@ def test_the_picture_has_every_curve_and_marks_where_each_requeued_start_resumed
     png.write_bytes(b"an older picture")
     status.plot(job, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and list(png.parent.iterdir()) == [png]
+
+
+def test_each_kind_of_start_is_shown_as_what_it_was_with_the_end_the_run_script_recorded(tmp_path, no_slurm, capsys):
+    """A finished preflight only (sbatch keeps its folder), the canary, and a start that ended without a step: the run
+    script's `kind` and `exit` (every start's end, where no Slurm output says it), and --png draws nothing then."""
+    logs = tmp_path / "logs"
+    for name, kind in (("41", "preflight only"), ("42", "canary")):
+        folder = logs / name
+        folder.mkdir(parents=True)
+        (folder / "kind").write_text(f"{kind}\n")
+        (folder / "exit").write_text("0\n")
+    (logs / "42" / "canary" / "train").mkdir(parents=True)
+    (logs / "42" / "canary" / "summary.txt").write_text("canary summary\n...\ncanary: every stage passed\n")
+    (logs / "43" / "canary" / "resume").mkdir(parents=True)  # a canary in its second stage: no table yet
+    (logs / "43" / "kind").write_text("canary\n")
+    (logs / "43" / "canary" / "results.jsonl").write_text('{"stage": "train", "status": "passed", "seconds": 95}\n')
+    (logs / "43" / "exit").write_text("0\n")  # a stage failed but the start ended 0 (its parent was killed): failed
+    with open(logs / "43" / "canary" / "results.jsonl", "a") as f:
+        f.write(
+            '{"stage": "resume", "status": "failed", "seconds": 98, "reason": "the training launch exited with 141"}\n'
+        )
+    assert status_of(str(logs / "43"), capsys=capsys)["why"] == (
+        "the canary's stage resume failed: the training launch exited with 141"
+    )
+    (logs / "43" / "exit").unlink()
+    (logs / "43" / "canary" / "results.jsonl").write_text('{"stage": "train", "status": "passed", "seconds": 95}\n')
+    assert status.main([str(logs / "43")]) == 0
+    assert (
+        "  a canary job (CANARY=1): its stages so far (the table comes at its end, "
+        f"{logs / '43' / 'canary' / 'summary.txt'}):\n    train: passed in 95 s\n"
+        f"    resume: running (log: {logs / '43' / 'canary' / 'resume'})\n    merge: not started\n"
+    ) in capsys.readouterr().out
+    assert status_of(str(logs / "41"), capsys=capsys)["why"] == (
+        "preflight only (PREFLIGHT_ONLY=1): every check passed; nothing was started"
+    )
+    assert status_of(str(logs / "42"), capsys=capsys)["why"] == "the canary passed (CANARY=1): its table below"
+    assert status.main([str(logs / "42"), "--png", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "progress: no steps yet\n" in out and "[canary]" in out, out
+    assert f"picture: not drawn: no steps yet in job 42; the canary's training is its own job folder: python -m " \
+           f"launch.status {logs / '42' / 'canary' / 'train'} --png" in out  # fmt: skip
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_a_failed_preflight_only_is_shown_failed_before_training_with_its_refusal(job, capsys, tmp_path):
+    """PREFLIGHT_ONLY=1 outside Slurm refused by the Python preflight: its folder stays, with the refusal and the end
+    recorded; a bare `launch.status` (the newest job) used to call it RUNNING with step 0 and a trainer.log."""
+    result = run(job | {"PREFLIGHT_ONLY": "1", "FP8": "true"})
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    logs = Path(job["CONFIG_LOG_DIR"])
+    assert status.main(["--log-dir", str(logs), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["state"] == "failed", r
+    assert r["why"].startswith("before training, in the preflight: setting error: FP8=true: verl 0.6.1 cannot"), r
+    (start,) = r["starts"]
+    assert (start["kind"], start["exit_code"], start["steps"]) == ("preflight only", 1, [])
+    assert status.main(["--log-dir", str(logs), "--png", str(tmp_path / "p.png")]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"job {r['job']}: FAILED: before training, in the preflight: setting error: FP8=true")
+    assert "  a local run, outside Slurm\n" in text and "[preflight only]" in text
+    assert "progress: no steps yet (a preflight only: it trains none)" in text
+    assert f"picture: not drawn: no steps yet in job {r['job']}" in text and not (tmp_path / "p.png").exists()
 
 
 def test_png_without_matplotlib_is_one_line_naming_the_install_not_a_traceback(tmp_path, no_slurm):

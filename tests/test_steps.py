@@ -91,7 +91,10 @@ def test_the_save_advice_for_a_one_step_run_is_one_a_user_can_follow(env, overri
     assert "below 1" not in warning
 
 
-def test_the_preflight_refuses_too_little_data_and_only_warns_for_a_stand_in(env, tmp_path, demo_data):  # noqa: F811
+def test_the_preflight_refuses_too_little_data_whatever_the_launcher_is_called(env, tmp_path, demo_data):  # noqa: F811
+    """A site wrapper, `nsys profile ...` or `py-spy record -- python3` runs verl's trainer as python3 does: the same
+    refusal (it used to be a warning for any launcher not named python*). Only TRAINER_IS_VERL=0, which says the
+    launcher runs no verl trainer, makes it a warning."""
     rows = pq.read_table(demo_data / "train.parquet").slice(0, 18)
     train = tmp_path / "train18.parquet"
     pq.write_table(rows, train)
@@ -114,8 +117,17 @@ def test_the_preflight_refuses_too_little_data_and_only_warns_for_a_stand_in(env
     assert fits.returncode == 0, fits.stdout[-2000:] + fits.stderr[-3000:]
     assert "= 2 steps an epoch (verl drops the last 2: drop_last) x TOTAL_EPOCHS=1 = 2 steps" in fits.stdout
     assert "SAVE_FREQ=25 is not below the 2 steps" in fits.stderr
-    stand_in = preflight({"TRAINER_LAUNCHER": "fake-trainer"})
-    assert stand_in.returncode == 0 and "is a stand-in: not refused" in stand_in.stderr
+    wrapped = preflight({"TRAINER_LAUNCHER": "/opt/site/bin/py-spy-record-verl"})
+    assert wrapped.returncode == 1, wrapped.stdout + wrapped.stderr
+    assert "preflight: refused: verl would train 0 steps: 18 training prompts are fewer" in wrapped.stderr
+    not_verl = preflight({"TRAINER_LAUNCHER": "fake-trainer", "TRAINER_IS_VERL": "0"})
+    assert not_verl.returncode == 0, not_verl.stdout[-2000:] + not_verl.stderr[-3000:]
+    assert "WARNING: steps: verl would train 0 steps" in not_verl.stderr
+    assert "(TRAINER_IS_VERL=0: TRAINER_LAUNCHER runs no verl trainer, so not refused)" in not_verl.stderr
+    typo = preflight({"TRAINER_IS_VERL": "no"})
+    assert (
+        typo.returncode == 1 and "setting error: TRAINER_IS_VERL='no': 1 (TRAINER_LAUNCHER runs verl's" in typo.stderr
+    )
 
 
 def test_the_count_uses_the_rows_verl_keeps_after_its_own_filter(env, tmp_path, demo_data):  # noqa: F811
@@ -127,7 +139,7 @@ def test_the_count_uses_the_rows_verl_keeps_after_its_own_filter(env, tmp_path, 
     train = tmp_path / "with_long.parquet"
     pq.write_table(pa.concat_tables([table, pa.Table.from_pylist(long, schema=table.schema)]), train)
     job = env | {"CONFIG_TRAIN_FILE": str(train), "CONFIG_TEST_FILE": str(demo_data / "test.parquet"),
-                 "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "stand-in", "TRAIN_BATCH_SIZE": "4",
+                 "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "stand-in", "TRAINER_IS_VERL": "0", "TRAIN_BATCH_SIZE": "4",
                  "PPO_MINI_BATCH_SIZE": "4", "MAX_PROMPT_LENGTH": "256"}  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
