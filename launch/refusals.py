@@ -34,7 +34,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from launch import thinking
+from launch import thinking, watchdog
 from launch.deadline import signal_lead
 from launch.node import SGLANG_MAX_GPUS
 from launch.settings import RECOMPUTE, SettingError, Settings
@@ -135,6 +135,13 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         problems.append(
             f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
         )
+    try:
+        watchdog.timeout_setting(s.stall_timeout_setting)
+    except watchdog.StallError as exc:
+        problems.append(str(exc))
+    for name, value in (("STALL_FLOOR", s.stall_floor), ("STALL_FIRST_STEP", s.stall_first_step)):
+        if value < 1:
+            problems.append(f"{name}={value}: the seconds the stall watchdog allows, 1 or more")
     problems += validation_sampling_problems(s)
     if not 0 < s.rollout_gpu_memory < 1:
         problems.append(f"ROLLOUT_GPU_MEMORY={s.rollout_gpu_memory}: a share of GPU memory in (0, 1)")
