@@ -3,7 +3,8 @@
 On the head, beside the trainer (helper_grpo_qwen3_4b.sh starts `watch`): it reads verl's console lines in
 trainer.log as they come (`step:N - ... timing_s/step:...`) and gives the step in flight a budget (`Clock`):
 
-- STALL_TIMEOUT=auto: STALL_FACTOR times the longest training part of a step so far (timing_s/step), never less than
+- STALL_TIMEOUT=auto: STALL_FACTOR times the longest training part of a step so far (timing_s/step, this start's or
+  an earlier start's of the job), never less than
   STALL_FLOOR; plus, for a step that validates (TEST_FREQ, the last step) or saves (SAVE_FREQ, the last step, verl's
   save before the time limit), STALL_FACTOR times the longest validation or save measured (by this start, or by an
   earlier start of the job: launch/deadline.py's `measured`), or STALL_FIRST_STEP before any was. The first step
@@ -93,6 +94,19 @@ def _command_int(command: list[str], key: str, default: int) -> int:
     return default
 
 
+def longest_step(folders: list[Path]) -> float:
+    """The longest training part of a step (timing_s/step) that these folders' trainer.log hold."""
+    longest = 0.0
+    for folder in folders:
+        try:
+            text = (folder / "trainer.log").read_text(errors="replace")
+        except OSError:
+            continue
+        for metrics in parse_step_lines(text).values():
+            longest = max(longest, metrics.get("timing_s/step", 0.0))
+    return longest
+
+
 @dataclass
 class Clock:
     """The budget of the step in flight, from the steps this start has finished."""
@@ -121,7 +135,9 @@ class Clock:
         )
         expiry = env.get("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP", "")
         clock.expiry = float(expiry) if expiry.isdigit() else None
-        clock.longest = deadline.measured(deadline.earlier_starts(env))
+        earlier = deadline.earlier_starts(env)
+        clock.longest = deadline.measured(earlier)
+        clock.longest_step = longest_step(earlier)
         return clock
 
     @property

@@ -82,18 +82,20 @@ def test_slow_but_progressing_steps_are_never_past_their_budget_and_a_hang_is():
     assert c.budget(0)[0] == 30, "step 5 neither validates nor saves: 3 x 10 s"
 
 
-def test_the_budget_of_a_first_validation_comes_from_an_earlier_start_of_the_job(tmp_path):
+def test_after_a_requeue_the_budget_counts_the_steps_and_validations_of_the_earlier_starts(tmp_path):
     logs = tmp_path / "logs"
     (logs / "77").mkdir(parents=True)
-    (logs / "77" / "trainer.log").write_text("step:2 - timing_s/testing:70.5 - timing_s/save_checkpoint:20\n")
+    (logs / "77" / "trainer.log").write_text("step:1 - timing_s/step:45 - training/global_step:1\n"
+                                             "step:2 - timing_s/step:9 - timing_s/testing:70.5 - "
+                                             "timing_s/save_checkpoint:20 - training/global_step:2\n")  # fmt: skip
     env = {"STALL_TIMEOUT": "auto", "STALL_FLOOR": "100", "STALL_FIRST_STEP": "1000", "JOB_ID": "77",
            "JOB_LOG_DIR": str(logs / "77-r1")}  # fmt: skip
     c = watchdog.Clock.from_env(env, ["trainer.test_freq=5", "trainer.save_freq=5", "trainer.test_freq=2"])
     assert (c.test_freq, c.save_freq) == (2, 5), "the trainer command's last value wins"
     c.finished(3, STEP)
-    assert c.budget(0)[0] == 100 + 3 * 70.5 + 3 * 20, "verl has not said its total yet: step 4 may be the last"
+    assert c.budget(0)[0] == 3 * 45 + 3 * 70.5 + 3 * 20, "verl has not said its total yet: step 4 may be the last"
     c.total = 20
-    assert c.budget(0)[0] == 100 + 3 * 70.5
+    assert c.budget(0)[0] == 3 * 45 + 3 * 70.5, "the longest step and validation of the job, not of this start"
 
 
 @pytest.mark.parametrize("raw", ["soon", "0", "-5", ""])
@@ -108,7 +110,7 @@ def test_a_bad_stall_timeout_is_refused_naming_the_setting_and_what_it_takes(raw
 
 # --- stacks of real processes -------------------------------------------------------------------------------------
 
-TRAINER = '''
+TRAINER = """
 import contextlib, sys, threading
 
 @contextlib.contextmanager
@@ -129,7 +131,7 @@ class RayPPOTrainer:
                 update_actor_collective()
 
 RayPPOTrainer().fit()
-'''
+"""
 
 
 @pytest.fixture
@@ -173,7 +175,7 @@ def test_without_py_spy_the_node_dump_has_faulthandlers_stack_of_every_thread_an
     assert path == logs / "stall" / "stacks_n9.txt"
     assert f"=== process {proc.pid}: {sys.executable} {script} verl.trainer.main_ppo" in text, text
     assert "stacks by faulthandler (SIGABRT; no py-spy on PATH)" in text
-    assert 'in update_actor_collective' in text and "Fatal Python error: Aborted" in text, text
+    assert "in update_actor_collective" in text and "Fatal Python error: Aborted" in text, text
     assert watchdog.phase_of(text) == ("update_actor", f"{script}:19")
     assert f"--- last 30 lines of {logs / 'trainer.log'} ---" in text
     assert "=== GPUs (nvidia-smi) ===\n(no nvidia-smi on this node)" in text
