@@ -123,6 +123,34 @@ check_watched() {
     [[ -e "$f" ]] || continue
     die "[rank $rank] $(cat "$f"): stopping the job"
   done
+  ((rank == 0)) || dump_stacks_if_asked
+}
+
+# dump_stacks_if_asked: once the head's stall watchdog asks (stall/request), this node's Python stacks, worker log
+# tails and GPU use go beside the head's (launch/watchdog.py dump), before the head stops the job.
+stacks_dumped=0
+dump_stacks_if_asked() {
+  [[ -e "$job_log_dir/stall/request" ]] && ((!stacks_dumped)) || return 0
+  stacks_dumped=1
+  log "[rank $rank] the head found the trainer stalled: keeping this node's stacks"
+  (cd "$here" && python3 -m launch.watchdog dump --log-dir "$job_log_dir" --host "$host") ||
+    err "[rank $rank] could not keep the stacks of $host (above)"
+}
+
+# check_stall: the head's stall watchdog (launch/watchdog.py watch) exited: it found the trainer hung (stall.json
+# says where; the job stops), or it failed itself (the job goes on unwatched).
+stall_pid=""
+check_stall() {
+  [[ -n "$stall_pid" ]] && ! alive "$stall_pid" || return 0
+  local rc=0
+  wait "$stall_pid" || rc=$?
+  stall_pid=""
+  if [[ -s "$job_log_dir/stall.json" ]]; then
+    failure=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["message"])' "$job_log_dir/stall.json")
+    die "[rank 0] the trainer stalled: $failure: stopping the job"
+  fi
+  ((rc == 0)) || err "[rank 0] the stall watchdog exited with $rc (log: $job_log_dir/stall_watchdog.log):" \
+    "a hang is not caught in this start"
 }
 
 # plan_ports REWARD_COUNT: this job's free ports on this node into `port` (a port set by hand is checked, not moved).
@@ -288,6 +316,9 @@ export_worker_env() {
   [[ -z "${CUDA_VISIBLE_DEVICES:-}" ]] || unset ROCR_VISIBLE_DEVICES
   # Nothing to drain at the end of a job: without this, recent Ray waits 30 s on SIGTERM before it stops.
   export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
+  # Every Python stack of a Ray worker on a fatal signal, all threads (Ray's own turns on the current thread's only):
+  # the stall watchdog's way to a worker's stack where there is no py-spy (launch/watchdog.py).
+  export PYTHONFAULTHANDLER=1
   if [[ -n "${CONFIG_NETWORK_INTERFACE}" ]]; then
     export NCCL_SOCKET_IFNAME=$CONFIG_NETWORK_INTERFACE GLOO_SOCKET_IFNAME=$CONFIG_NETWORK_INTERFACE
     export TP_SOCKET_IFNAME=$CONFIG_NETWORK_INTERFACE
@@ -399,8 +430,16 @@ run_head() {
   tail --pid="$trainer_pid" -n +1 -F "$job_log_dir/trainer.log" 2>/dev/null &  # the log in the job's output too
   local tail_pid=$!
   pids+=("$tail_pid")
+  if [[ "$STALL_TIMEOUT" != off ]]; then
+    # shellcheck disable=SC2016  # as the trainer's
+    start_bg "$job_log_dir/stall_watchdog.log" bash -c 'cd "$1" && shift && exec "$@"' watchdog "$here" \
+      python3 -m launch.watchdog watch --log-dir "$job_log_dir" --trainer-pid "$trainer_pid" --host "$host"
+    stall_pid=$BG_PID
+    pids+=("$stall_pid")
+  fi
   while alive "$trainer_pid"; do
     check_watched
+    check_stall
     sleep 1
   done
   # The trainer's exit code is the job's: taken, not exited on.

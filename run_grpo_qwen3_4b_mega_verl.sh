@@ -137,6 +137,16 @@ RAY_PORT="${RAY_PORT:-}"                                        # Ray head port;
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
 TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"                         # 0: TRAINER_LAUNCHER runs no verl trainer (a test's fake)
 TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}"                 # what runs `-m verl.trainer.main_ppo ...`
+# -- A hung trainer: the stall watchdog (docs/operations.md#a-hung-job) -------------------------------------------
+# A trainer that finishes no step for too long is hung (a collective that never returns): the head's watchdog keeps
+# every worker's Python stack in the start's log folder (stall/), says which phase of which step, and stops the start.
+# auto gives a step 3 x the longest so far, never less than STALL_FLOOR, which covers a step of the article's job
+# (Qwen3-4B, 256 x 4 responses of up to 4096 tokens on 4 GPUs) with room; a validation or save 3 x its longest, the
+# first one STALL_FIRST_STEP, as the first step after a start (loading, compiling, the validation before training).
+STALL_TIMEOUT="${STALL_TIMEOUT:-auto}"                          # auto | off | s a step may take (after the first)
+STALL_FLOOR="${STALL_FLOOR:-1800}"                              # s: auto never gives a step less
+STALL_FIRST_STEP="${STALL_FIRST_STEP:-3600}"                    # s for a start's first step, first validation, save
+STALL_REQUEUE="${STALL_REQUEUE:-1}"                             # 1: requeue once on a stall (a second in a row: failed)
 set +a
 # ------------------------------------------------------------------------------------------------------------------
 
@@ -329,6 +339,27 @@ on_time_limit() {
   fi
 }
 
+# on_stall: the head's watchdog stopped this start, hung (stall.json in its folder): the job requeues once
+# (STALL_REQUEUE=1, a batch job), unless the start before this one stalled too: a hang that comes back is not retried.
+on_stall() {
+  local restarts=${SLURM_RESTART_COUNT:-0} previous=""
+  ((restarts == 0)) || previous="$CONFIG_LOG_DIR/${job_id}$( ((restarts == 1)) || printf -- '-r%s' $((restarts - 1)))"
+  if [[ -n "$previous" && -s "$previous/stall.json" ]]; then
+    err "the trainer stalled in two starts in a row ($previous, then this one): not requeueing; the job ends failed" \
+      "(the stacks: $job_log_dir/stall)"
+  elif [[ "$STALL_REQUEUE" == 1 && -n "${SLURM_JOB_ID:-}" ]] && ((!interactive)); then
+    log "the trainer stalled: requeueing job $SLURM_JOB_ID once (STALL_REQUEUE=1); it resumes from $CONFIG_OUTPUT_DIR," \
+      "and a second stall in a row ends it failed"
+    if scontrol requeue "$SLURM_JOB_ID"; then
+      requeued=1
+    else
+      err "scontrol requeue failed; resubmit by hand to resume"
+    fi
+  else
+    log "the trainer stalled: not requeueing (STALL_REQUEUE=$STALL_REQUEUE; an interactive allocation never does)"
+  fi
+}
+
 # on_stop_signal CODE: SIGTERM/SIGINT (scancel, Ctrl-C, a workstation's kill): stop every node, exit non-zero.
 # After a requeue Slurm ends this start the same way: then the log says so.
 on_stop_signal() {
@@ -461,7 +492,10 @@ main() {
   mapfile -d '' -t wrap < <(container_cmd)
   (cd "$repo" && "${wrap[@]}" python3 -m launch.checkpoints "$CONFIG_OUTPUT_DIR" "$MAX_CKPT_TO_KEEP") ||
     die "could not prune old checkpoints in $CONFIG_OUTPUT_DIR (MAX_CKPT_TO_KEEP=$MAX_CKPT_TO_KEEP)"
-  launch "$@"
+  local rc=0
+  launch "$@" || rc=$?
+  [[ ! -s "$job_log_dir/stall.json" ]] || on_stall
+  return "$rc"
 }
 
 main "$@"

@@ -99,14 +99,15 @@ def block_text() -> str:
 
 def block_settings() -> list[BlockSetting]:
     """Every setting of the run script's block, in its order, with its section and comment."""
-    out, section, note = [], "", ""
+    out, section, note, continued = [], "", "", False
     for line in block_text().splitlines():
         if m := _SECTION.match(line):
             section, note = m.group(1).split(" (", 1)[0], ""
         elif m := _SETTING.match(line):
             out.append(BlockSetting(m.group(1), m.group(2), (m.group(3) or "").strip(), section, note))
-        elif line.startswith("# "):
-            note = line[2:].strip()
+        elif line.startswith("# "):  # a note of several lines is one paragraph
+            note = f"{note} {line[2:].strip()}" if continued else line[2:].strip()
+        continued = line.startswith("# ") and not _SECTION.match(line)
     return out
 
 
@@ -139,10 +140,10 @@ def settings_page() -> str:
     for s in block_settings():
         if s.section != section:
             section, note = s.section, ""
-            lines += [f"## {section}", "", *header]
-        if s.note != note:  # a comment line inside the section: the settings below it
+            lines += [f"## {section}", ""] + (header if not s.note else [])
+        if s.note != note:  # a comment inside the section: the settings below it
             note = s.note
-            lines += ["", note, "", *header]
+            lines += ([""] if lines[-1] else []) + [note, "", *header]
         default = f"`{s.default}`" if s.default else "(empty)"
         article = ARTICLE_NAMES.get(s.name, "")
         lines.append(f"| `{s.name}` | {_cell(default)} | {_cell(s.comment)} | {_cell(article)} |")
@@ -277,7 +278,7 @@ BASH_SOURCES = ("run_grpo_qwen3_4b_mega_verl.sh", "helper_grpo_qwen3_4b.sh", "me
                 "launch/common.sh", "launch/canary.sh")  # fmt: skip
 PYTHON_SOURCES = ("launch/refusals.py", "launch/settings.py", "launch/preflight.py", "launch/deadline.py",
                   "launch/node.py", "launch/ray_cluster.py", "launch/procs.py", "launch/status.py",
-                  "launch/thinking.py")  # fmt: skip
+                  "launch/thinking.py", "launch/watchdog.py")  # fmt: skip
 MIN_LITERAL = 12  # a message whose every literal piece is shorter is all variables (err "$*"): nothing to key on
 
 
@@ -405,7 +406,16 @@ def _py_pieces(node) -> list[str]:
     return [""]
 
 
-_RAISED = ("SettingError", "NodeError", "StatusError", "ValueError", "RuntimeError", "TimeoutError", "TemplateError")
+_RAISED = (
+    "SettingError",
+    "NodeError",
+    "StatusError",
+    "ValueError",
+    "RuntimeError",
+    "TimeoutError",
+    "TemplateError",
+    "StallError",
+)
 
 
 def python_messages(path: Path) -> list[Message]:

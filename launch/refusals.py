@@ -34,7 +34,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from launch import thinking
+from launch import thinking, watchdog
 from launch.deadline import signal_lead
 from launch.node import SGLANG_MAX_GPUS
 from launch.settings import RECOMPUTE, SettingError, Settings
@@ -135,6 +135,13 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         problems.append(
             f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
         )
+    try:
+        watchdog.timeout_setting(s.stall_timeout_setting)
+    except watchdog.StallError as exc:
+        problems.append(str(exc))
+    for name, value in (("STALL_FLOOR", s.stall_floor), ("STALL_FIRST_STEP", s.stall_first_step)):
+        if value < 1:
+            problems.append(f"{name}={value}: the seconds the stall watchdog allows, 1 or more")
     problems += validation_sampling_problems(s)
     try:
         _ = s.rollout_gpu_memory  # the property refuses anything but auto or a share in (0, 1)
@@ -557,8 +564,9 @@ def parallel_problems(cfg) -> list[str]:
     ]
 
 
-# The Ray hooks that register the HF rollout of the CPU runs (demo/verl_cpu.py; demo/megatron_cpu.py calls it).
-CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install")
+# The Ray hooks that register the HF rollout of the CPU runs (demo/verl_cpu.py; demo/megatron_cpu.py calls it, and
+# so does tests/stall_hook.py, which then slows or blocks a worker's phase for the stall watchdog's test).
+CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install", "tests.stall_hook.install")
 
 
 def rollout_problems(cfg) -> list[str]:

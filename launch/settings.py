@@ -121,6 +121,10 @@ class Settings:
     reward_append_eos: str = setting("CONFIG_REWARD_APPEND_EOS")
     checkpoint_before_end: int = setting("CHECKPOINT_BEFORE_END")
     esi_redundant_time_setting: str = setting("ESI_REDUNDANT_TIME")
+    stall_timeout_setting: str = setting("STALL_TIMEOUT")  # auto | off | seconds (launch/watchdog.py)
+    stall_floor: int = setting("STALL_FLOOR")
+    stall_first_step: int = setting("STALL_FIRST_STEP")
+    stall_requeue: bool = setting("STALL_REQUEUE")
     reward_restarts: int = setting("REWARD_RESTARTS")
     reward_restart_window: int = setting("REWARD_RESTART_WINDOW")
     # Not settings: Slurm's node count, the reward client's score range, two removed settings still read so that

@@ -192,6 +192,7 @@ class Start:
     trainer_finished: bool = False
     ckpt_root: str | None = None
     critic_updates: int | None = None  # PPO's critic updates a step (critic_updates_per_step), when the command says
+    stall: dict | None = None  # what the stall watchdog found (stall.json: launch/watchdog.py), if this start hung
 
     @property
     def name(self) -> str:
@@ -249,6 +250,10 @@ def read_folder(folder: Path, restart: int) -> Start:
         (line for line in read_text(folder / "preflight.err").splitlines() if line.startswith(PREFLIGHT_PROBLEMS)), ""
     )
     s.node_failures = [read_text(p).strip() for p in sorted(folder.glob("node_failed.*"))]
+    try:
+        s.stall = json.loads(read_text(folder / "stall.json")) or None
+    except ValueError:
+        s.stall = None
     for server_log in sorted(folder.glob("reward_server_*.log")):
         for line in read_text(server_log).splitlines():
             if m := _RESTART.match(line):
@@ -511,6 +516,8 @@ def load(target: str | None, log_dir: Path | None = None, now: float | None = No
     for s in starts:
         if s.exit_code == 0 and s.trainer_finished:
             s.how = s.how or "the trainer finished"
+        if s.stall:
+            s.how = f"stalled ({stall_text(s.stall)})" + ("; requeued" if s in requeued else "")
     root = next((s.ckpt_root for s in reversed(starts) if s.ckpt_root), None)
     canary = next((f / "canary" for _, f in folders if (f / "canary").is_dir()), None)
     before_end = job_lines.get("checkpoint_before_end") or int(os.environ.get("CHECKPOINT_BEFORE_END") or
@@ -530,9 +537,27 @@ def merged_steps(job: Job) -> dict[int, dict[str, float]]:
     return merged
 
 
+def stall_text(stall: dict) -> str:
+    """Where and since when a start hung, as the stall watchdog recorded it."""
+    phase = f", phase {stall['phase']}" if stall.get("phase") else ""
+    return (
+        f"no step finished since {clock(stall.get('since'))} (budget {duration(stall.get('budget') or 0)}, "
+        f"STALL_TIMEOUT={stall.get('setting')}): hung in step {stall.get('step')}{phase}; stacks in {stall.get('stacks')}"
+    )
+
+
 def state(job: Job) -> tuple[str, str]:
-    """(state, why): pending, requeued, running, finished, failed, cancelled, ended or unknown, and the reason from
-    Slurm and the job's own messages."""
+    """(state, why): pending, requeued, running, stalled, finished, failed, cancelled, ended or unknown, and the
+    reason from Slurm and the job's own messages."""
+    st, why = _state(job)
+    s = job.newest
+    if s is not None and s.stall and st in ("running", "failed", "ended", "unknown"):
+        # running: the watchdog is stopping it
+        return "stalled", stall_text(s.stall) + ("; stopping" if st == "running" else "")
+    return st, why
+
+
+def _state(job: Job) -> tuple[str, str]:
     s, slurm = job.newest, job.slurm
     why = failure_reason(job)
     if slurm:

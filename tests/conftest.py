@@ -175,6 +175,7 @@ LONGEST_FIRST = (
     "tests/test_demo.py::test_make_demo_",
     "tests/test_slurm_jobs.py::test_verl_saves_before_the_time_limit",
     "tests/test_slurm_jobs.py::test_ppo_with_two_pipeline_stages",
+    "tests/test_slurm_jobs.py::test_a_worker_hung_in_a_phase",
     "tests/test_status.py::test_a_requeued_job_shows_where_it_resumes",
     "tests/test_verl_step.py::test_the_benchmark_takes_real_grpo_steps",
 )

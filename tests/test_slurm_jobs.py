@@ -5,6 +5,7 @@ container (no Singularity here), and the stand-in trainer or, for the requeue, v
 (demo/verl_cpu.py). Every job state is read from `scontrol show job` and waited for with a deadline; the test's node
 sizes go on the sbatch command line, as a user's would."""
 
+import json
 import math
 import os
 import re
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from launch import node
-from tests.real_slurm import NODE_SIZE
+from demo import verl_cpu
+from launch import node, status
+from tests import stall_hook
+from tests.real_slurm import FINISHED, NODE_SIZE
 from tests.support import (
     MEGATRON_TRAINER,
     REAL_TRAINER,
@@ -354,3 +357,76 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     assert "-m verl.model_merger merge --backend megatron" in merges["actor"], "verl's merger, both stages in one"
     assert "verified " in merges["actor"] and "tied embeddings, no lm_head" in merges["actor"]
     assert "-> score.weight" in merges["critic"] and "value model, value head score.weight [1, 64]" in merges["critic"]
+
+
+def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_failed_when_the_hang_comes_back(
+    job, submit, tmp_path
+):
+    """verl's own trainer on the CPU, with tests/stall_hook.py in its Ray workers: slow but progressing first (the
+    first step's loading, step 2's validation and step 3's save each take 45 s more, longer than STALL_FLOOR=30 s:
+    never stopped), then update_actor blocks for ever at its 5th call (step 5), alive and silent as a collective that
+    never returns. The head's watchdog keeps every worker's stack, says the step and phase, stops the start, and the
+    job requeues once; the requeued start resumes from step 3's save (its hook counts again: its loading and step 5's
+    generation are 45 s slower, step 6's save too, none stopped) and hangs again at its 5th update_actor (step 8): the
+    job ends failed. Nothing of either start is left."""
+    marker = tmp_path / "hangs"
+    plan = "init_model:sleep=45:1,generate_sequences:sleep=45:3,save_checkpoint:sleep=45:1,update_actor:block:5"
+    env = job | FAST | REAL_TRAINER | {
+        "STALL_TIMEOUT": "auto", "STALL_FLOOR": "30", "STALL_FIRST_STEP": "400", "STALL_REQUEUE": "1",
+        "TEST_FREQ": "2", "SAVE_FREQ": "3", "TOTAL_EPOCHS": "10", "STALL_TEST_PLAN": plan,
+        "STALL_TEST_MARKER": str(marker),
+    }  # fmt: skip
+    args = [a.replace(verl_cpu.HOOK, stall_hook.HOOK) for a in real_trainer_args("trainer.total_training_steps=20")]
+    j = submit(env, *args, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=60"))
+    fields = j.wait_until("requeued or ended", lambda f: f.get("Restarts") == "1" or f["JobState"] in FINISHED, 1200)
+    first = j.output()
+    assert fields["Restarts"] == "1", first[-5000:]
+    logs = logs_of(env, j)
+    stall = json.loads((logs / "stall.json").read_text())
+    assert (stall["step"], stall["phase"]) == (5, "update_actor"), stall
+    assert "WorkerDict.actor_rollout_update_actor" in stall["tasks"], stall
+    stacks = (logs / "stall" / "stacks_n1.txt").read_text()
+    assert "stall_test_blocked_forever" in stacks and "update_actor" in stacks, stacks[-3000:]
+    assert "--- last 30 lines of" in stacks and "=== GPUs (nvidia-smi) ===" in stacks
+    said = re.search(r"\[rank 0\] the trainer stalled: no training step finished for \d+ s, past the budget of (\d+) s"
+                     r" \(STALL_TIMEOUT=auto: .*\): hung in step 5, phase update_actor .*: " + re.escape(str(logs / "stall")),
+                     first)  # fmt: skip
+    assert said, first[-5000:]
+    assert f"the trainer stalled: requeueing job {j.id} once (STALL_REQUEUE=1)" in first, first[-3000:]
+    # no false positive: steps 1-4 ran on, the slow ones included
+    steps = status.parse_step_lines((logs / "trainer.log").read_text())
+    assert sorted(n for n, m in steps.items() if status.is_training_step(m)) == [1, 2, 3, 4], first[-3000:]
+    assert steps[2]["timing_s/testing"] >= 45 and steps[3]["timing_s/save_checkpoint"] >= 45, steps
+    assert_everything_stopped(env, logs=logs)
+
+    # The test does not wait out Slurm's hold (Reason=BeginTime), only the second of the requeue: slurmd refuses a
+    # job's credential issued within the second its old one was revoked ("Job credential revoked": FAILED at once).
+    ended = time.mktime(time.strptime(re.findall(r"^\[([\d-]+ [\d:]+)\] run_grpo\S+ exiting", first, re.M)[-1],
+                                      "%Y-%m-%d %H:%M:%S"))  # fmt: skip
+    j.wait_until("held for the requeue", lambda f: f["JobState"] == "PENDING" and f["Reason"] == "BeginTime"
+                 and time.time() > ended + 2, 120)  # fmt: skip
+    j.scontrol("update", f"JobId={j.id}", "StartTime=now")
+    fields = j.wait(1200)
+    out = j.output()
+    second = out[len(first) :]
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("FAILED", "1:0", "1"), second[-5000:]
+    assert "Setting global step to 3" in (Path(f"{logs}-r1") / "trainer.log").read_text()
+    again = json.loads((Path(f"{logs}-r1") / "stall.json").read_text())
+    assert (again["step"], again["phase"]) == (8, "update_actor"), again
+    assert f"the trainer stalled in two starts in a row ({logs}, then this one): not requeueing" in second, second[
+        -3000:
+    ]
+    assert_everything_stopped(env, logs=Path(f"{logs}-r1"))
+    shown = subprocess.run([sys.executable, "-m", "launch.status", j.id, "--log-dir", env["CONFIG_LOG_DIR"]],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert "stalled" in shown.stdout and "hung in step 8, phase update_actor" in shown.stdout, shown.stdout
+
+    # from each hang (the hook's own time) to its start's end (the run script's last line)
+    hangs = [float(line.split()[1]) for line in marker.read_text().splitlines()]
+    ends = [time.mktime(time.strptime(m, "%Y-%m-%d %H:%M:%S"))
+            for m in re.findall(r"^\[([\d-]+ [\d:]+)\] run_grpo_qwen3_4b_mega_verl\.sh exiting", out, flags=re.M)]  # fmt: skip
+    assert len(hangs) == 2 and len(ends) == 2, (hangs, ends)
+    for hang, end, record in zip(hangs, ends, (stall, again), strict=True):
+        took = end - hang
+        print(f"hang to the start's end: {took:.0f} s (budget {record['budget']} s: {record['why']})")
+        assert took < record["budget"] + 120, "the budget, the stacks and the stop"
