@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from launch.settings import Settings
+from launch.settings import Settings, token_budget
 
 GIB = 2**30
 
@@ -141,14 +141,19 @@ class ModelDims:
 
     def activation_bytes(self, recompute: str) -> float:
         """Bytes per token one layer keeps for the backward of one micro-batch, in bf16, TP=1 (TP and sequence
-        parallelism divide it). Without recompute, what a Transformer Engine layer of megatron-core 0.13 saves,
-        tensor by tensor: each fused norm-linear its input and the normed output (2 x 2h, twice), the fused qkv output
-        (q + 2kv: the query and key norms keep views of it), the rotated q and k (q + kv), the flash attention's output
-        (q: the output projection's input is the same tensor), the MLP's up-projection (2 ffn), the SiLU output and
-        the product the down-projection reads (ffn each): 2 x (4h + 3q + 3kv + 4ffn) bytes. Full recompute keeps each layer's input alone (2h). Selective
-        (core_attn) gives back the attention's own (the rotated q, k and the output)."""
+        parallelism divide it). Without recompute, tensor by tensor (megatron-core 0.13's TE layer): each fused
+        norm-linear its input and the normed output (2 x 2h, twice), the fused qkv output (q + 2kv: the query and key
+        norms keep views of it), the rotated q and k (q + kv), the attention's output twice (2q: the kernel's own and
+        the output projection's input), the MLP's up-projection (2 ffn), the SiLU output and the product the
+        down-projection reads (ffn each): 2 x (4h + 4q + 3kv + 4ffn) bytes, 137,216 at Qwen3-4B's shape. Measured on
+        one H200 through verl's worker (benchmarks/results/megatron_memory_h200_qwen3_4b.json, autograd's saved tensors
+        per layer): 146,728 with the TE-free spec, which keeps a third copy of the attention's output (the per-sequence
+        outputs and their concatenation, 2q = 8,192); an earlier probe's spec without it kept 138,500. TE's fused
+        attention may share the kernel's output with the projection's input: then the formula is 2q (6%) above it.
+        Full recompute keeps each layer's input alone (2h). Selective (core_attn) gives back the attention's own (the
+        rotated q and k and the kernel's output)."""
         h, q, kv, f = self.hidden, self.q, self.kv, self.ffn
-        off = 2 * (4 * h + 3 * q + 3 * kv + 4 * f)
+        off = 2 * (4 * h + 4 * q + 3 * kv + 4 * f)
         return {"off": off, "selective": off - 2 * (2 * q + kv), "full": 2 * h}[recompute]
 
 
@@ -228,3 +233,52 @@ def log_prob_peak(dims: ModelDims, *, stage: int, stages: int, tp: int, tokens: 
     last = stage == stages - 1
     logits = 0 if (not last or fused_logits) else int(LOGITS_LOG_PROB_BYTES * tokens * dims.vocab / tp)
     return s.weights + s.grads + logits
+
+
+def update_plan(s: Settings, dims: ModelDims) -> list[StageMemory]:
+    """Every pipeline stage of the actor's update with this job's settings (the reference stays on the GPU: verl's
+    Megatron reference is not offloaded unless ref.megatron.param_offload, which the job does not set)."""
+    dp = max(1, s.train_nodes * s.training_gpus_per_node // max(1, s.actor_pp * s.actor_tp))
+    return [
+        stage_memory(
+            dims,
+            stage=k,
+            stages=s.actor_pp,
+            tp=s.actor_tp,
+            dp=dp,
+            tokens=token_budget(s),
+            recompute=s.megatron_recompute,
+            micro_batches=s.actor_pp,
+            reference_on_gpu=True,
+        )  # fmt: skip
+        for k in range(s.actor_pp)
+    ]
+
+
+def update_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardPeak | None) -> str:
+    """The preflight's line for the Megatron update, each stage's peak; refused (UpdateMemoryError) where the GPU's
+    size is known and a stage's peak, with the reward server on the head's first GPU (stage 0's) where it sits there,
+    is over it. The rollout gives its memory back for the update (free_cache_engine)."""
+    plan = update_plan(s, dims)
+    line = f"Megatron update per GPU (MEGATRON_RECOMPUTE={s.megatron_recompute}, ACTOR_PP={s.actor_pp}): " + "; ".join(
+        p.describe() for p in plan
+    )
+    if total is None:
+        return line
+    shared = reward is not None and not s.separate_reward_node
+    for p in plan:
+        need = p.total + (reward.total if shared and p.stage == 0 else 0)
+        if need > total:
+            with_reward = f" with the reward server's {reward.total / GIB:.1f}" if shared and p.stage == 0 else ""
+            raise UpdateMemoryError(
+                f"the actor's update needs ~{need / GIB:.1f} GiB on pipeline stage {p.stage}{with_reward}, over this "
+                f"GPU's {total / GIB:.1f} GiB ({p.describe()}): set MEGATRON_RECOMPUTE=full (now "
+                f"{s.megatron_recompute}), lower MICRO_BATCH_PER_GPU (the micro-batch is {p.tokens} tokens; the "
+                f"logits alone take {LOGITS_UPDATE_BYTES:g} bytes x tokens x {dims.vocab} vocabulary), or raise "
+                f"ACTOR_PP / ACTOR_TP (docs/training.md, the Megatron update's memory)"
+            )
+    return line
+
+
+class UpdateMemoryError(Exception):
+    pass

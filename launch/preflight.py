@@ -436,6 +436,18 @@ def gpu_memory_line(settings: Settings) -> str:
     return memory_line(settings, peak, gpu_total(), settings.reward_replicas)
 
 
+def megatron_update_line(settings: Settings) -> str:
+    """Each pipeline stage's peak during the actor's update (launch/gpu_memory.py's formula, measured on an H200 in
+    benchmarks/results/megatron_memory_h200_qwen3_4b.json); refused where this GPU is known to be too small."""
+    from transformers import AutoConfig
+
+    from launch.gpu_memory import ModelDims, gpu_total, reward_server_peak, update_line
+
+    dims = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path))
+    peak = None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
+    return update_line(settings, dims, gpu_total(), peak)
+
+
 def report_steps(cfg, train_rows: int | None) -> bool:
     """Print the steps verl will train (step_plan, from the prompts verl's own dataset kept); False when verl would
     train none. With TRAINER_IS_VERL=0 (a trainer that is not verl's builds no verl dataloader) zero steps are a
@@ -538,6 +550,14 @@ def main(argv: list[str] | None = None) -> int:
             f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
         )
         return 1
+    if settings.strategy == "megatron":
+        from launch.gpu_memory import UpdateMemoryError
+
+        try:
+            print(f"preflight: {megatron_update_line(settings)}")
+        except UpdateMemoryError as exc:
+            print(f"preflight: {exc}", file=sys.stderr)
+            return 1
     findings = []  # what stops the trainer here but not the checks of the user's own files below: said again at the end
     if trainer_runs_verl():
         problems = ray_cpu_problems(cfg, os.environ)

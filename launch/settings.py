@@ -354,8 +354,8 @@ RECOMPUTE = {
 
 def recompute_overrides(s: Settings, section: str) -> list[str]:
     """MEGATRON_RECOMPUTE for one Megatron engine config (`actor_rollout_ref.actor.megatron` or `critic.megatron`).
-    Without recompute the update of one PP=2 stage of Qwen3-4B keeps 3.17 GiB of activations per layer per 24,576-
-    token micro-batch, over 80 GB and over an H200 (docs/training.md); full keeps 0.117. The keys exist in verl's
+    Without recompute the update of one PP=2 stage of Qwen3-4B keeps ~3.1 GiB of activations per layer per 24,576-
+    token micro-batch, over 80 GB and over an H200 (launch/gpu_memory.py, measured: docs/training.md); full keeps 0.117. The keys exist in verl's
     yaml with null values (_generated_ppo_megatron_trainer.yaml:46-51, 361-366), so plain `key=value` sets them. The
     reference inherits the actor's (ref.megatron.override_transformer_config is an oc.select of it, :170); its
     log-prob pass runs under no_grad, where the checkpointed forward saves nothing for a backward. The critic's block

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from benchmarks import verl_step
-from demo import verl_cpu
+from demo import megatron_cpu, verl_cpu
 from tests.support import REPO
 
 
@@ -138,19 +138,33 @@ def test_the_benchmark_takes_real_grpo_steps_through_verl_and_reports_timing_and
     assert not left.strip(), f"Ray processes of the run still there: {left}"
 
 
-def test_the_committed_h200_result_is_what_the_parsers_read_from_its_trainer_log(tmp_path):
+def test_a_megatron_run_takes_the_hf_rollout_and_the_megatron_hook_and_on_a_cpu_megatrons_cpu_overrides():
+    gpu = verl_step.benchmark_overrides(3, on_cpu=False, strategy="megatron")
+    cpu = verl_step.benchmark_overrides(3, on_cpu=True, strategy="megatron")
+    hook = f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={verl_step.MEGATRON_HOOK}"
+    assert verl_cpu.ENGINE_OVERRIDES[0][0] in gpu and "actor_rollout_ref.rollout.tensor_model_parallel_size=1" in gpu
+    assert hook in gpu and hook in cpu
+    assert not any("use_cpu_initialization" in o for o in gpu), "a GPU builds its weights on the GPU"
+    assert any("use_cpu_initialization" in o for o in cpu)
+    assert not any(megatron_cpu.HOOK in o or verl_cpu.HOOK in o for o in gpu + cpu), "the CPU hooks refuse a GPU"
+
+
+@pytest.mark.parametrize("name", ["verl_step_h200_qwen3_0p6b_1p7b", "verl_step_h200_megatron_qwen3_0p6b_1p7b"])
+def test_the_committed_h200_result_is_what_the_parsers_read_from_its_trainer_log(tmp_path, name):
     """benchmarks/README.md quotes results/verl_step_h200_*.json: its steps, timing, memory and NVML roles are what
     --reread makes of the trainer log committed beside it."""
     results = REPO / "benchmarks" / "results"
     (tmp_path / "logs").mkdir()
-    shutil.copy(results / "verl_step_h200_qwen3_0p6b_1p7b.json", tmp_path / "result.json")
-    shutil.copy(results / "verl_step_h200_qwen3_0p6b_1p7b_trainer.log", tmp_path / "logs" / "trainer.log")
+    shutil.copy(results / f"{name}.json", tmp_path / "result.json")
+    shutil.copy(results / f"{name}_trainer.log", tmp_path / "logs" / "trainer.log")
     committed = json.loads((tmp_path / "result.json").read_text())
     again = verl_step.reread(tmp_path)
     for key in ("steps", "phases", "timing", "perf", "phase_memory", "nvml"):
         assert again[key] == committed[key], key
     assert committed["status"] == "done" and committed["machine"]["gpu"] == "NVIDIA H200"
     assert [s["step"] for s in committed["steps"]] == [1, 2, 3]
+    config = "ppo_megatron_trainer" if "megatron" in name else "ppo_trainer"
+    assert committed["trainer_command"][3] == f"--config-name={config}"
     # verl's own peak, read inside update_actor, is the update phase's as the hook measured it
     assert committed["perf"]["perf/max_memory_allocated_gb"] == [
         c["peak_allocated_gib"] for c in committed["phase_memory"]["update_actor"]["calls"]
