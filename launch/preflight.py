@@ -558,6 +558,11 @@ def main(argv: list[str] | None = None) -> int:
         except UpdateMemoryError as exc:
             print(f"preflight: {exc}", file=sys.stderr)
             return 1
+        except (
+            Exception
+        ) as exc:  # a config the dense formula cannot read (an MoE, no intermediate_size): said, not fatal
+            print(f"preflight: WARNING: the Megatron update's memory is not estimated from CONFIG_MODEL_PATH's "
+                  f"config.json ({type(exc).__name__}: {exc}); docs/training.md has the formula", file=sys.stderr)  # fmt: skip
     findings = []  # what stops the trainer here but not the checks of the user's own files below: said again at the end
     if trainer_runs_verl():
         problems = ray_cpu_problems(cfg, os.environ)

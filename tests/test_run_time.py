@@ -320,6 +320,9 @@ def test_the_preflight_accounts_each_gpus_memory_in_one_line(job, tiny_models):
     (printed,) = [x for x in result.stdout.splitlines() if x.startswith("preflight: GPU memory per GPU")]
     assert printed.startswith("preflight: GPU memory per GPU (no GPU here: shares of one): rollout 40% (ROLLOUT_GPU")
     assert f"left for training 60% - {peak.total / GIB:.1f} GiB there" in printed
+    # and each pipeline stage's peak in the update, from the policy's config (launch/gpu_memory.update_line)
+    (update,) = [x for x in result.stdout.splitlines() if x.startswith("preflight: Megatron update per GPU")]
+    assert "(MEGATRON_RECOMPUTE=full, ACTOR_PP=" in update and "stage 0: ~" in update and "logits" in update
 
 
 # --- 4. the merger's process group ----------------------------------------------------------------------------------

@@ -182,6 +182,70 @@ def test_without_py_spy_the_node_dump_has_faulthandlers_stack_of_every_thread_an
     assert proc.wait(30) == -6, "SIGABRT ends it: the start is stopped right after"
 
 
+RAY_WORKER = """
+import os, sys, threading, time
+import ray
+
+def update_actor_collective():
+    threading.Event().wait()
+
+@ray.remote
+class Worker:
+    def pid(self):
+        return os.getpid()
+
+    def update_actor(self):
+        update_actor_collective()
+
+ray.init(num_cpus=1, include_dashboard=False, _temp_dir=sys.argv[1])
+worker = Worker.remote()
+print("pid", ray.get(worker.pid.remote()), flush=True)
+worker.update_actor.remote()
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_without_py_spy_a_ray_workers_stack_comes_from_faulthandler_in_its_own_log(tmp_path, monkeypatch):
+    """The image's Python 3.12 ray[default] brings no py-spy: a real Ray worker (the job's environment inherited
+    through Ray's raylet, PYTHONFAULTHANDLER=1 as the helper exports it) blocked in a method is found by the node
+    dump, and its stack, printed by faulthandler into Ray's worker-*.err, names the blocked frame."""
+    logs, ray_tmp = tmp_path / "job", Path(f"/tmp/rwd{os.getpid()}")  # Ray's socket paths have a length limit
+    logs.mkdir()
+    pkill = shutil.which("pkill") or "pkill"
+    script = tmp_path / "ray_worker.py"
+    script.write_text(textwrap.dedent(RAY_WORKER))
+    env = dict(os.environ, JOB_LOG_DIR=str(logs), PYTHONFAULTHANDLER="1", RAY_USAGE_STATS_ENABLED="0",
+               HOME=str(tmp_path))  # fmt: skip
+    driver = subprocess.Popen([sys.executable, str(script), str(ray_tmp)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)  # fmt: skip
+    try:
+        pid = None
+        deadline = time.monotonic() + 180
+        while pid is None and time.monotonic() < deadline:
+            line = driver.stdout.readline()
+            assert line or driver.poll() is None, "the Ray driver exited"
+            if line.startswith("pid "):
+                pid = int(line.split()[1])
+        assert pid, "no Ray worker within 180 s"
+        deadline = time.monotonic() + 60  # the method is running once the worker's stack has it; wait for its log
+        while not watchdog.worker_logs(str(ray_tmp), pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(2)
+        monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no py-spy
+        path = watchdog.dump(logs, "n1", env={"RAY_TMP_DIR": str(ray_tmp)})
+        text = path.read_text()
+        assert f"=== process {pid}: ray::Worker" in text, text[:3000]
+        assert "stacks by faulthandler (SIGABRT; no py-spy on PATH)" in text
+        section = text[text.index(f"=== process {pid}") :]
+        assert "in update_actor_collective" in section, section[:3000]
+    finally:
+        os.killpg(driver.pid, 9)
+        driver.wait()
+        subprocess.run([pkill, "-9", "-f", str(ray_tmp)], check=False)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 # --- the status of a stalled start --------------------------------------------------------------------------------
 
 
