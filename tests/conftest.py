@@ -171,16 +171,23 @@ def submit(clone):
 # hands tests out in collection order, and one of these collected last kept a worker busy minutes after the other had
 # run out of tests (CI's run of 2026-12-03: the quickstart test, collected near the end, took 517 s).
 LONGEST_FIRST = (
+    "tests/test_slurm_jobs.py::test_a_worker_hung_in_a_phase",
     "tests/test_quickstart.py::",
     "tests/test_demo.py::test_make_demo_",
     "tests/test_slurm_jobs.py::test_verl_saves_before_the_time_limit",
     "tests/test_slurm_jobs.py::test_ppo_with_two_pipeline_stages",
-    "tests/test_slurm_jobs.py::test_a_worker_hung_in_a_phase",
     "tests/test_status.py::test_a_requeued_job_shows_where_it_resumes",
     "tests/test_verl_step.py::test_the_benchmark_takes_real_grpo_steps",
+    "tests/test_megatron_memory.py::test_the_benchmark_runs",
+    "tests/test_merge.py::test_an_fsdp2_critic_merges",
 )
 
 
+def _longest_first(item) -> int:
+    return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(items):
-    """The longest tests first (LONGEST_FIRST), the rest in their order: the same order in every xdist worker."""
-    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
+    """The longest tests first, in LONGEST_FIRST's order (the longest first), the rest in their order: the same order
+    in every xdist worker."""
+    items.sort(key=_longest_first)
