@@ -83,7 +83,7 @@ FAILURES = (
      r"unexpectedly|RaySystemError|raylet.*died|node_failure"),
     # the reward function's client (reward_score/safe_hack_reward_request.py): every server failed for
     # REWARD_RETRY_SECONDS, or one refused a request (4xx)
-    ("the reward servers did not score", "a-reward-server-died",
+    ("the reward servers did not score", "the-reward-servers-did-not-score",
      r"RewardServerError|did not score within \d+ s|RewardRequestRejected|refused the request with 4\d\d"),
 )  # fmt: skip
 
