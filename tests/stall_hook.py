@@ -1,8 +1,9 @@
 """A test-only Ray worker_process_setup_hook: demo.verl_cpu's shims, then STALL_TEST_PLAN's delays inside verl's own
 worker methods, to stand for a slow phase or a hung one (a collective that never returns: alive and silent).
 
-STALL_TEST_PLAN="METHOD:ACTION:N,...": at the N-th call of ActorRolloutRefWorker.METHOD in a process (counted per
-process, so a requeued start counts again), ACTION `sleep=S` sleeps S seconds first, `block` never returns.
+STALL_TEST_PLAN="METHOD:ACTION:N[@H],...": at the N-th call of ActorRolloutRefWorker.METHOD in a process (counted per
+process, so a requeued start counts again), ACTION `sleep=S` sleeps S seconds first, `block` never returns; with @H only
+while STALL_TEST_MARKER holds H hangs (@0: the first start alone).
 STALL_TEST_MARKER: a file each block appends `<method> <epoch s>` to as it begins (the test's time of the hang).
 The job passes it instead of demo.verl_cpu.install (tests/test_slurm_jobs.py).
 """
@@ -29,23 +30,32 @@ def stall_test_blocked_forever(method: str) -> None:
     threading.Event().wait()
 
 
-def plan(text: str) -> dict[str, tuple[str, int]]:
-    """{method: (action, call number)} of STALL_TEST_PLAN."""
+def plan(text: str) -> dict[str, tuple[str, int, int | None]]:
+    """{method: (action, call number, hangs or None)} of STALL_TEST_PLAN."""
     out = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         method, action, nth = item.split(":")
-        out[method] = (action, int(nth))
+        nth, _, hangs = nth.partition("@")
+        out[method] = (action, int(nth), int(hangs) if hangs else None)
     return out
 
 
-def _wrap(cls, method: str, action: str, nth: int) -> None:
+def hangs_so_far() -> int:
+    marker = os.environ.get("STALL_TEST_MARKER")
+    try:
+        return len(open(marker).read().splitlines()) if marker else 0
+    except FileNotFoundError:
+        return 0
+
+
+def _wrap(cls, method: str, action: str, nth: int, hangs: int | None) -> None:
     original = getattr(cls, method)
     calls = [0]
 
     @functools.wraps(original)  # keeps verl's @register attributes, which its dispatch reads
     def wrapper(*args, **kwargs):
         calls[0] += 1
-        if calls[0] == nth:
+        if calls[0] == nth and (hangs is None or hangs_so_far() == hangs):
             if action == "block":
                 stall_test_blocked_forever(method)
             else:
@@ -62,6 +72,6 @@ def install() -> None:
     verl_cpu.install()
     from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
-    for method, (action, nth) in plan(os.environ.get("STALL_TEST_PLAN", "")).items():
-        _wrap(ActorRolloutRefWorker, method, action, nth)
+    for method, (action, nth, hangs) in plan(os.environ.get("STALL_TEST_PLAN", "")).items():
+        _wrap(ActorRolloutRefWorker, method, action, nth, hangs)
     _installed = True

@@ -366,11 +366,13 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     first step's loading, step 2's validation and step 3's save each take 45 s more, longer than STALL_FLOOR=30 s:
     never stopped), then update_actor blocks for ever at its 5th call (step 5), alive and silent as a collective that
     never returns. The head's watchdog keeps every worker's stack, says the step and phase, stops the start, and the
-    job requeues once; the requeued start resumes from step 3's save (its hook counts again: its loading and step 5's
-    generation are 45 s slower, step 6's save too, none stopped) and hangs again at its 5th update_actor (step 8): the
-    job ends failed. Nothing of either start is left."""
+    job requeues once; the requeued start resumes from step 3's save (its hook counts again: its loading and step 6's
+    save are 45 s slower, neither stopped) and hangs again at its 5th update_actor (step 8): the
+    job ends failed. Nothing of either start is left. The generation's delay is the first start's alone: its 3rd call
+    there is step 2's validation, in the requeued start step 5's rollout, a plain step whose budget is 3 x the longest
+    step, the 30 s floor where steps take seconds: a stall by the rule (CI's unloaded run stopped it there)."""
     marker = tmp_path / "hangs"
-    plan = "init_model:sleep=45:1,generate_sequences:sleep=45:3,save_checkpoint:sleep=45:1,update_actor:block:5"
+    plan = "init_model:sleep=45:1,generate_sequences:sleep=45:3@0,save_checkpoint:sleep=45:1,update_actor:block:5"
     env = job | FAST | REAL_TRAINER | {
         "STALL_TIMEOUT": "auto", "STALL_FLOOR": "30", "STALL_FIRST_STEP": "400", "STALL_REQUEUE": "1",
         "TEST_FREQ": "2", "SAVE_FREQ": "3", "TOTAL_EPOCHS": "10", "STALL_TEST_PLAN": plan,
