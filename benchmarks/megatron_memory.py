@@ -39,19 +39,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.verl_step import POLICY_SHAPES
+
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
 
-# The public Qwen3-4B config's dimensions; a tiny one for the CPU.
+# The public Qwen3-4B config's dimensions; verl_step's tiny policy for the CPU.
 SHAPES = {
     "qwen3-4b": dict(
         hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=151936,
     ),
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=4096,
-    ),
+    "tiny": POLICY_SHAPES["tiny"],
 }  # fmt: skip
 # stage, MEGATRON_RECOMPUTE, and "-fused": verl's fused log-prob kernels (actor_rollout_ref.model.use_fused_kernels,
 # verl/models/mcore/model_forward_fused.py: log-probs and entropy from the hidden states, no [tokens, vocab] logits;

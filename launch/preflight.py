@@ -428,23 +428,28 @@ def check_rows(cfg, tokenizer) -> bool:
     return validate_files(files, tokenizer, cfg.data.max_prompt_length, "warn", template_kwargs)
 
 
-def gpu_memory_line(settings: Settings) -> str:
-    """What each GPU holds (launch/gpu_memory.py): the rollout's share, the reward servers' peak, what is left."""
-    from launch.gpu_memory import gpu_total, memory_line, reward_server_peak
+def reward_peak(settings: Settings):
+    """One reward server's peak on a GPU (launch/gpu_memory.py), None where the servers run on the CPU."""
+    from launch.gpu_memory import reward_server_peak
 
-    peak = None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
+    return None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
+
+
+def gpu_memory_line(settings: Settings, peak) -> str:
+    """What each GPU holds (launch/gpu_memory.py): the rollout's share, the reward servers' peak, what is left."""
+    from launch.gpu_memory import gpu_total, memory_line
+
     return memory_line(settings, peak, gpu_total(), settings.reward_replicas)
 
 
-def megatron_update_line(settings: Settings) -> str:
+def megatron_update_line(settings: Settings, peak) -> str:
     """Each pipeline stage's peak during the actor's update (launch/gpu_memory.py's formula, measured on an H200 in
     benchmarks/results/megatron_memory_h200_qwen3_4b.json); refused where this GPU is known to be too small."""
     from transformers import AutoConfig
 
-    from launch.gpu_memory import ModelDims, gpu_total, reward_server_peak, update_line
+    from launch.gpu_memory import ModelDims, gpu_total, update_line
 
     dims = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path))
-    peak = None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
     return update_line(settings, dims, gpu_total(), peak)
 
 
@@ -544,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         f"rollout={cfg.actor_rollout_ref.rollout.name}/{cfg.actor_rollout_ref.rollout.mode})"
     )
     try:
-        print(f"preflight: {gpu_memory_line(settings)}")
+        peak = reward_peak(settings)
+        print(f"preflight: {gpu_memory_line(settings, peak)}")
     except (Exception, SystemExit) as exc:  # the reward server's settings (argparse exits) or its model's config
         print(
             f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
@@ -554,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         from launch.gpu_memory import UpdateMemoryError
 
         try:
-            print(f"preflight: {megatron_update_line(settings)}")
+            print(f"preflight: {megatron_update_line(settings, peak)}")
         except UpdateMemoryError as exc:
             print(f"preflight: {exc}", file=sys.stderr)
             return 1

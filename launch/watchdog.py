@@ -62,22 +62,23 @@ def timeout_setting(raw: str) -> float | None:
         return None
     if raw == "off":
         return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
+    if (value := _positive(raw)) is None:
         raise StallError(f"STALL_TIMEOUT={raw!r}: use auto, off, or the seconds a step may take (more than 0)")
     return value
 
 
-def _seconds(env: Mapping[str, str], name: str) -> float:
-    raw = env.get(name, "")
+def _positive(raw: str) -> float | None:
+    """`raw` as a number of seconds above 0, else None."""
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if value <= 0:
+        return None
+    return value if value > 0 else None
+
+
+def _seconds(env: Mapping[str, str], name: str) -> float:
+    raw = env.get(name, "")
+    if (value := _positive(raw)) is None:
         raise StallError(f"{name}={raw!r}: seconds, more than 0")
     return value
 
