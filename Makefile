@@ -25,7 +25,7 @@ PYTEST_WORKERS ?= 2
 # The repository's own shell files (git's list: not what an ignored folder holds), untracked new ones included.
 shell_files = $(shell git ls-files --cached --others --exclude-standard -- '*.sh' '.ci/*' | sort)
 
-.PHONY: help env trl demo test lint slurm clean-env
+.PHONY: help env lock trl demo test lint slurm clean-env
 
 help:
 	@sed -n '1,6p' Makefile
@@ -34,14 +34,26 @@ env: $(STAMP)
 
 # torch first, from the local CPU build: anything that pulls torch before it would download a multi-GB CUDA build.
 # pip's own lines (Collecting, Downloading, Installing) are the progress: a first install takes minutes.
-$(STAMP): requirements/reward.txt requirements/reward-newest.txt requirements/test.txt requirements/constraints.txt
+# requirements/lock.txt pins every package pip resolved (make lock), so the install never backtracks. A failed install
+# is tried once more: a truncated download fails pip's hash check and is not retried by pip itself.
+$(STAMP): requirements/reward.txt requirements/reward-newest.txt requirements/test.txt requirements/constraints.txt requirements/lock.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "make: 1/2 installing torch 2.13.0, the CPU build, into $(VENV) (a first install downloads ~200 MB)"
 	$(BIN)/pip install --disable-pip-version-check torch==2.13.0
 	@echo "make: 2/2 installing verl, megatron-core, transformers, ray and the test tools (requirements/test.txt): minutes"
-	$(BIN)/pip install --disable-pip-version-check -r requirements/test.txt -c requirements/constraints.txt
+	$(BIN)/pip install --disable-pip-version-check -r requirements/test.txt -c requirements/constraints.txt -c requirements/lock.txt \
+	  || { echo "make: the install failed (above); trying once more"; \
+	       $(BIN)/pip install --disable-pip-version-check -r requirements/test.txt -c requirements/constraints.txt -c requirements/lock.txt; }
 	@echo "make: $(VENV) is ready"
 	touch $@
+
+# Re-resolve requirements/test.txt from scratch (a throwaway venv, pip's dry run) and write requirements/lock.txt.
+lock:
+	rm -rf $(VENV)-lock && $(PYTHON) -m venv $(VENV)-lock
+	$(VENV)-lock/bin/pip install --disable-pip-version-check --quiet --dry-run --ignore-installed --report $(VENV)-lock/report.json \
+	  torch==2.13.0 -r requirements/test.txt -c requirements/constraints.txt
+	$(VENV)-lock/bin/python requirements/lock.py $(VENV)-lock/report.json > requirements/lock.txt
+	rm -rf $(VENV)-lock
 
 # The oldest reward stack we support (our base images', requirements/reward-oldest.txt): a few packages in a
 # folder that goes first on PYTHONPATH, over the environment above.
