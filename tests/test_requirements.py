@@ -42,7 +42,9 @@ def test_every_pin_of_the_requirements_is_the_locks_version():
     for source in ("test.txt", "constraints.txt"):
         for name, version in pins(REQUIREMENTS / source).items():
             if name != "torch":  # the local CPU build, installed first; the lock leaves it out
-                assert LOCKED.get(name) == version, f"{source} pins {name}=={version}, lock.txt has {LOCKED.get(name)}: make lock"
+                assert LOCKED.get(name) == version, (
+                    f"{source} pins {name}=={version}, lock.txt has {LOCKED.get(name)}: make lock"
+                )
 
 
 def test_every_package_the_tests_require_is_locked():
@@ -58,5 +60,10 @@ def test_the_environment_the_tests_run_in_is_the_locked_one():
 
 
 def test_the_lock_is_written_from_pips_report_without_torch():
-    report = {"install": [{"metadata": {"name": n, "version": v}} for n, v in [("Torch", "2.13.0+cpu"), ("PyYAML", "6"), ("pydantic_core", "2")]]}
+    report = {
+        "install": [
+            {"metadata": {"name": n, "version": v}}
+            for n, v in [("Torch", "2.13.0+cpu"), ("PyYAML", "6"), ("pydantic_core", "2")]
+        ]
+    }
     assert lock.lock_lines(report) == ["pydantic-core==2", "pyyaml==6"]
