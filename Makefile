@@ -19,8 +19,10 @@ PYTEST_ARGS ?=
 # The suite runs in this many processes (pytest-xdist; 0: in pytest's own): most tests wait on Slurm, Ray and
 # servers rather than the CPU, so two share a 2-core machine. Every test is written to share the machine. Each run
 # gets a short --basetemp of its own: a worker's tmp paths grow by popen-gwN/, and HF datasets' and Ray's unix sockets
-# live under them (at most 107 bytes).
+# live under them (at most 107 bytes). --maxschedchunk 1: a worker is handed one test at a time as it finishes one
+# (tests/conftest.py's LONGEST_FIRST, longest first), never a quarter of the suite at once.
 PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --maxschedchunk 1
 
 # The repository's own shell files (git's list: not what an ignored folder holds), untracked new ones included.
 shell_files = $(shell git ls-files --cached --others --exclude-standard -- '*.sh' '.ci/*' | sort)
@@ -91,8 +93,8 @@ lint: $(STAMP)
 OLDEST_TESTS := tests/test_reward_server.py tests/test_reward_client.py tests/test_reward_stack.py
 test: lint $(OLDEST)/.installed $(TRL_STACKS)
 	bash tests/slurm/local_slurm.sh start || echo "make test: the local Slurm cluster did not start (above): its tests will fail"
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) --durations=30 $(PYTEST_ARGS)
-	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) $(OLDEST_TESTS)
+	$(BIN)/python -m pytest $(XDIST) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) --durations=30 $(PYTEST_ARGS)
+	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest $(XDIST) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) $(OLDEST_TESTS)
 
 clean-env:
 	rm -rf $(VENV)

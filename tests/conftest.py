@@ -167,18 +167,28 @@ def submit(clone):
     real_slurm.cancel_all(jobs)
 
 
-# The suite's longest tests (each a launch of verl's trainer or more: 3-9 min on 2 cores), started first: pytest-xdist
-# hands tests out in collection order, and one of these collected last kept a worker busy minutes after the other had
-# run out of tests (CI's run of 2026-12-03: the quickstart test, collected near the end, took 517 s).
+# The suite's longest tests (each a launch of verl's trainer or more: 2-15 min on 2 cores), started first, in the order of
+# their durations in CI's run of 2026-12-03. The Makefile runs xdist with --maxschedchunk 1, so each worker holds at
+# most two tests it has not started and takes the next in this order when one ends (the longest first, greedy). xdist's
+# default hands each worker a quarter of its share at once, in one piece: every test below went to the first worker
+# (41 of its minutes), and one collected last kept a worker busy minutes after the other had run out.
 LONGEST_FIRST = (
     "tests/test_slurm_jobs.py::test_a_worker_hung_in_a_phase",
     "tests/test_quickstart.py::",
     "tests/test_demo.py::test_make_demo_",
     "tests/test_slurm_jobs.py::test_verl_saves_before_the_time_limit",
     "tests/test_slurm_jobs.py::test_ppo_with_two_pipeline_stages",
-    "tests/test_status.py::test_a_requeued_job_shows_where_it_resumes",
-    "tests/test_verl_step.py::test_the_benchmark_takes_real_grpo_steps",
     "tests/test_megatron_memory.py::test_the_benchmark_runs",
+    "tests/test_canary.py::test_canary_1_sbatch_on_two_nodes",
+    "tests/test_canary.py::test_a_merged_model_that_fails_verification",
+    "tests/test_status.py::test_a_requeued_job_shows_where_it_resumes",
+    "tests/test_run_time.py::test_the_canary_with_a_proxy",
+    "tests/test_canary.py::test_the_canary_trains_resumes_and_merges",
+    "tests/test_canary.py::test_a_trainer_that_does_not_resume",
+    "tests/test_verl_step.py::test_the_benchmark_takes_real_grpo_steps",
+    "tests/test_canary.py::test_the_canary_passes_whatever_the_entry_point_logs",
+    "tests/test_launch.py::test_a_policy_whose_template_opens_no_think_block",
+    "tests/test_run_time.py::test_two_sync_rollout_jobs_on_one_node",
     "tests/test_merge.py::test_an_fsdp2_critic_merges",
 )
 
