@@ -87,16 +87,17 @@ def test_scancel_mid_training_ends_the_job_cancelled_with_nothing_of_it_left(job
 
 def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_checkpoint_at_that_step(job, submit,
                                                                                                  tmp_path):  # fmt: skip
-    """verl's own trainer on the CPU (demo/verl_cpu.py). No regular saves (trainer.save_freq=1000): every checkpoint
+    """verl's own Megatron workers on the CPU (demo/megatron_cpu.py), the settings block's default. No regular saves (trainer.save_freq=1000): every checkpoint
     is verl's save before the expiry (should_save_ckpt_esi: within 60 s + its longest step + trainer.esi_redundant_time
     of MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP, the job's end minus CHECKPOINT_BEFORE_END). Once it has
     saved, the test shortens the time limit (as an admin could), so that Slurm's time-limit signal comes (--signal
     B:USR1@60): the script requeues the job, Slurm holds it (Reason=BeginTime) and starts it again with Restarts=1;
     that start logs to <id>-r1, verl resumes at the step it saved last and trains on, far from its new expiry, unsaved."""
     # 10 epochs of the 32 prompts: more steps than the first start can take before the signal
-    env = job | FAST | REAL_TRAINER | {"JOB_SIGNAL_LEAD": "60", "CHECKPOINT_BEFORE_END": "240", "TOTAL_EPOCHS": "10",
-                                       "TRAINER_LOGGER": "[console,wandb]"}  # fmt: skip
-    args = real_trainer_args("trainer.total_training_steps=200", "trainer.save_freq=1000", "trainer.test_freq=-1")
+    env = job | FAST | MEGATRON_TRAINER | {"JOB_SIGNAL_LEAD": "60", "CHECKPOINT_BEFORE_END": "240",
+                                           "TOTAL_EPOCHS": "10", "TRAINER_LOGGER": "[console,wandb]"}  # fmt: skip
+    args = real_trainer_args("trainer.total_training_steps=200", "trainer.save_freq=1000", "trainer.test_freq=-1",
+                             strategy="megatron")  # fmt: skip
     j = submit(env, *args, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=12", "--signal=B:USR1@60"))
     tracker = Path(env["CONFIG_OUTPUT_DIR"]) / "latest_checkpointed_iteration.txt"
     j.wait_for("verl's first save (step 2: the first step of a start has no longest step yet)", tracker.exists, 600)
@@ -109,6 +110,7 @@ def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_check
     assert "stopping this start for the requeue (within STOP_TIMEOUT=20 s); Slurm starts the job again" in first
     assert "run_grpo_qwen3_4b_mega_verl.sh exiting" in first, "this start stopped before Slurm's SIGKILL"
     saved = int(tracker.read_text())
+    assert (Path(env["CONFIG_OUTPUT_DIR"]) / f"global_step_{saved}" / "actor" / "dist_ckpt").is_dir(), "not Megatron's"
     assert saved >= 2 and "Force saving checkpoint: ESI instance expiration approaching." in first, first[-4000:]
     assert not (Path(env["CONFIG_OUTPUT_DIR"]) / "global_step_1").exists(), "no save after a start's first step"
     # The test does not wait out Slurm's hold; the second start runs one step past the checkpoint, then it is cancelled.
