@@ -44,9 +44,9 @@ failure=""       # what went wrong on this node, for the head's message
 # The watchdog: every process this node started and must keep running, with what it is and its log, and for a
 # reward server its index in srv_* (-1: anything else, which stops the job when it dies).
 watch_pids=() watch_names=() watch_logs=() watch_server=()
-# This node's reward servers: port, GPU (or cpu), log, the times it died (within REWARD_RESTART_WINDOW) and, while a
-# restart is not yet healthy, when it began.
-srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_restarting=()
+# This node's reward servers: port, GPU (or cpu), log, the times it died (within REWARD_RESTART_WINDOW), while a
+# restart is not yet healthy, when it began; the first start's pid and time.
+srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_restarting=() srv_pid=() srv_started=()
 declare -A port  # this job's ports on this node (launch/node.py ports)
 
 cleanup() {
@@ -244,6 +244,15 @@ node_info() { (cd "$here" && python3 -m launch.node "$@"); }
 # start_reward_servers ADDRESS INDICES: one server per GPU (indices into this job's GPUs; or on the CPU), each polled
 # on /health with this job's token; writes reward_urls.
 start_reward_servers() {
+  launch_reward_servers "$@"
+  wait_reward_servers
+}
+
+# launch_reward_servers ADDRESS INDICES: start the servers and set srv_urls (comma-separated), without waiting for
+# them: the head starts Ray while they load their models (wait_reward_servers). They are watched (restarted when they
+# die) once healthy: until then a death is a failed start.
+srv_urls=""
+launch_reward_servers() {
   local address=$1 gpu p i=0 urls=() mapped
   local -a gpus
   IFS=',' read -r -a gpus <<<"$2"
@@ -256,27 +265,37 @@ start_reward_servers() {
     log "[rank $rank] reward GPUs on $host: job GPU index ${2} -> GPU ${mapped} (this job's GPUs: CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset})"
     IFS=',' read -r -a gpus <<<"$mapped"
   fi
-  local started slowest=0
   for gpu in "${gpus[@]}"; do
     p=$((port[reward_port] + i))
     srv_port[i]=$p srv_gpu[i]=$gpu srv_log[i]="$job_log_dir/reward_server_${host}_${p}.log" srv_deaths[i]="" srv_restarting[i]=""
     log "[rank $rank] reward server on ${gpu} port $p (log: ${srv_log[i]})"
-    started=$SECONDS
+    srv_started[i]=$SECONDS
     launch_reward_server "$i"
+    srv_pid[i]=$BG_PID
     pids+=("$BG_PID")
-    watch "$BG_PID" "reward server (port $p)" "${srv_log[i]}" "$i"
     urls+=("http://${address}:${p}")
-    # With the token: a server of another job on this port answers 401 and is never taken for ours.
-    wait_for_http "http://127.0.0.1:${p}/health" "$BG_PID" "${srv_log[i]}" "$REWARD_START_TIMEOUT" "$REWARD_SERVER_TOKEN" ||
-      die "reward server on $host port $p did not become healthy (log: ${srv_log[i]})"
-    ((SECONDS - started <= slowest)) || slowest=$((SECONDS - started))
     i=$((i + 1))
   done
-  warn_restart_gap "${#urls[@]}" "$slowest"
   local IFS=,
-  printf '%s\n' "${urls[*]}" >"$job_log_dir/reward_urls.tmp"
+  srv_urls="${urls[*]}"
+}
+
+# wait_reward_servers: each server launched healthy (with the token: a server of another job on its port answers 401
+# and is never taken for ours), then watched; writes reward_urls.
+wait_reward_servers() {
+  local i p left slowest=0
+  for i in "${!srv_pid[@]}"; do
+    p=${srv_port[i]} left=$((REWARD_START_TIMEOUT - (SECONDS - srv_started[i])))
+    wait_for_http "http://127.0.0.1:${p}/health" "${srv_pid[i]}" "${srv_log[i]}" $((left > 1 ? left : 1)) \
+      "$REWARD_SERVER_TOKEN" ||
+      die "reward server on $host port $p did not become healthy within REWARD_START_TIMEOUT=${REWARD_START_TIMEOUT} s of its start (log: ${srv_log[i]})"
+    ((SECONDS - srv_started[i] <= slowest)) || slowest=$((SECONDS - srv_started[i]))
+    watch "${srv_pid[i]}" "reward server (port $p)" "${srv_log[i]}" "$i"
+  done
+  warn_restart_gap "${#srv_pid[@]}" "$slowest"
+  printf '%s\n' "$srv_urls" >"$job_log_dir/reward_urls.tmp"
   mv "$job_log_dir/reward_urls.tmp" "$job_log_dir/reward_urls"
-  log "[rank $rank] reward servers healthy: ${urls[*]}"
+  log "[rank $rank] reward servers healthy: ${srv_urls//,/ }"
 }
 
 # warn_restart_gap COUNT SECONDS: a lone server that took longer to start than the reward function retries leaves a
@@ -389,11 +408,13 @@ run_head() {
     fi
     plan_ports 0
   else
-    start_reward_servers "$address" "$CONFIG_REWARD_GPUS"
+    # Started, not waited for: Ray starts while they load their models (wait_reward_servers below).
+    launch_reward_servers "$address" "$CONFIG_REWARD_GPUS"
   fi
   collect_addresses "$address"
   local ray_address="${address}:${port[ray_port]}"
-  export_worker_env "$(cat "$job_log_dir/reward_urls")" "$ray_address" "$address" "$node_addresses"
+  if [[ "$separate" == true ]]; then srv_urls=$(cat "$job_log_dir/reward_urls"); fi
+  export_worker_env "$srv_urls" "$ray_address" "$address" "$node_addresses"
 
   log_phase "[rank 0] Ray head on ${ray_address} (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
   local -a args
@@ -404,6 +425,7 @@ run_head() {
     --temp-dir="$RAY_TMP_DIR" --include-dashboard=false "${args[@]}"
   [[ -n "$ray_pid" ]] || die "[rank 0] could not start the Ray head (log: $job_log_dir/ray_head.log)"
   watch "$ray_pid" "the Ray head" "$job_log_dir/ray_head.log"
+  [[ "$separate" == true ]] || wait_reward_servers
   printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\nNODE_ADDRESSES=%s\n' "$ray_address" \
     "$REWARD_SERVER_URLS" "$node_addresses" >"$job_log_dir/cluster.env.tmp"
   mv "$job_log_dir/cluster.env.tmp" "$job_log_dir/cluster.env"

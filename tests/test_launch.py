@@ -78,13 +78,24 @@ def test_a_wandb_dir_that_cannot_be_created_stops_the_job_before_anything_starts
 # --- failures ----------------------------------------------------------------------------------------------------
 
 
-def test_a_reward_server_that_never_becomes_healthy_fails_the_job_within_the_deadline(job):
+def test_a_reward_server_that_never_becomes_healthy_fails_the_job_within_the_deadline(job, tmp_path):
     start = time.monotonic()
-    # The preflight's own reward check would stop this first: here it is the job's servers that never get ready.
-    result = run(job | {"REWARD_START_TIMEOUT": "2", "PREFLIGHT_REWARD": "0"})
+    # The preflight's own reward check would stop this first: here it is the job's servers that never get ready. The
+    # server hangs before it listens (python3 on PATH runs a sleep in place of reward_server.py, and everything else
+    # as it is); the head starts Ray while it waits, and the deadline counts from the server's start.
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "python3").write_text(
+        f'#!/bin/bash\n[[ "$1" == */reward_server.py ]] && exec sleep 3600\nexec {sys.executable} "$@"\n'
+    )
+    (hang / "python3").chmod(0o755)
+    path = f"{hang}{os.pathsep}{job['PATH']}"
+    result = run(job | {"REWARD_START_TIMEOUT": "20", "PREFLIGHT_REWARD": "0", "PATH": path})
     assert result.returncode != 0
-    assert time.monotonic() - start < 90
-    assert "not ready after 2 s" in result.stderr and "reward_server_" in result.stderr
+    assert time.monotonic() - start < 120
+    assert "did not become healthy within REWARD_START_TIMEOUT=20 s of its start" in result.stderr
+    assert "not ready after" in result.stderr and "reward_server_" in result.stderr
+    assert "=== [rank 0] Ray head on" in result.stdout, "Ray starts while the reward servers load"
     assert not Path(job["FAKE_TRAINER_LOG"]).exists(), "the trainer must not start"
     assert_everything_stopped(job)
 
