@@ -251,6 +251,28 @@ def _cuda_tensor_types() -> None:
     torch.Tensor.type = tensor_type
 
 
+def _host_copy_for_the_param_offload() -> None:
+    """verl offloads a DDP-wrapped Megatron module's parameters (the critic's with param_offload, the job's default for
+    PPO; the actor's where asked) by copying each buffer to pinned host memory and freeing its device storage
+    (verl/utils/megatron_utils.py:341-343, `buffer.param_data.data.cpu().pin_memory()` then `storage().resize_(0)`).
+    Pinning needs an accelerator: `Cannot access accelerator device when none is available`. And on a CPU `.cpu()`
+    returns the buffer itself, so a copy that only skipped the pinning would be freed by the resize, the weights with
+    it. For that module's callers alone, pin_memory returns a copy in ordinary host memory: what the pinned copy
+    holds on a GPU (the page-locking only speeds the copy back, :376). The reference is not DDP-wrapped and moves with
+    `.to()` (:353-354, 380-381), which needs nothing here. Like every shim, it is installed only without CUDA: a GPU
+    run pins as verl does."""
+    import torch
+
+    pin_memory = torch.Tensor.pin_memory
+
+    def host_copy(self, *args, **kwargs):
+        if self.is_cuda or sys._getframe(1).f_globals.get("__name__") != "verl.utils.megatron_utils":
+            return pin_memory(self, *args, **kwargs)
+        return self.clone()
+
+    torch.Tensor.pin_memory = host_copy
+
+
 # --- the optimizer and the checkpoint -----------------------------------------------------------------------------
 
 
@@ -344,6 +366,7 @@ SHIMS = (
     _cuda_means_cpu,
     _device_index,
     _cuda_tensor_types,
+    _host_copy_for_the_param_offload,
     _adam_with_the_step_in_the_group,
     _transformer_engine_for_the_resume,
     _value_head_without_flash_attn,

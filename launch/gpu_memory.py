@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from launch.settings import Settings, token_budget
+from launch.settings import Settings, megatron_reference_offloaded, token_budget
 
 GIB = 2**30
 
@@ -236,8 +236,12 @@ def log_prob_peak(dims: ModelDims, *, stage: int, stages: int, tp: int, tokens: 
 
 
 def update_plan(s: Settings, dims: ModelDims) -> list[StageMemory]:
-    """Every pipeline stage of the actor's update with this job's settings (the reference stays on the GPU: verl's
-    Megatron reference is not offloaded unless ref.megatron.param_offload, which the job does not set)."""
+    """Every pipeline stage of the actor's update with this job's settings. The reference's bf16 weights (2P) are not
+    there: the job sets ref.megatron.param_offload (launch/settings.py, REF_PARAM_OFFLOAD), and verl moves them to the
+    GPU only for compute_ref_log_prob, back to host memory after it (verl/workers/megatron_workers.py:722-723,
+    733-734), before the update starts. Neither is PPO's critic's weights and gradients (critic.megatron.param_offload:
+    loaded for compute_values and update_critic alone, :1078-1084, :1092-1093, :1111-1112). Without the offload
+    verl keeps the reference's weights resident, and they count."""
     dp = max(1, s.train_nodes * s.training_gpus_per_node // max(1, s.actor_pp * s.actor_tp))
     return [
         stage_memory(
@@ -249,7 +253,7 @@ def update_plan(s: Settings, dims: ModelDims) -> list[StageMemory]:
             tokens=token_budget(s),
             recompute=s.megatron_recompute,
             micro_batches=s.actor_pp,
-            reference_on_gpu=True,
+            reference_on_gpu=not megatron_reference_offloaded(s),
         )  # fmt: skip
         for k in range(s.actor_pp)
     ]

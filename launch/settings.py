@@ -366,6 +366,16 @@ def recompute_overrides(s: Settings, section: str) -> list[str]:
     return [f"{section}.override_transformer_config.{key}={value}" for key, value in keys.items()]
 
 
+# The Megatron reference's parameters in host memory between its log-prob passes (_actor_overrides); the update's
+# memory formula reads it (launch/gpu_memory.py, update_plan).
+REF_PARAM_OFFLOAD = "actor_rollout_ref.ref.megatron.param_offload=True"
+
+
+def megatron_reference_offloaded(s: Settings) -> bool:
+    """Whether the command keeps the Megatron reference's weights off the GPU outside its log-prob pass."""
+    return s.strategy == "megatron" and REF_PARAM_OFFLOAD in _actor_overrides(s)
+
+
 def _actor_overrides(s: Settings) -> list[str]:
     a = "actor_rollout_ref"
     if s.strategy == "megatron":
@@ -378,6 +388,12 @@ def _actor_overrides(s: Settings) -> list[str]:
             *recompute_overrides(s, f"{a}.actor.megatron"),
             f"{a}.ref.megatron.pipeline_model_parallel_size={s.actor_pp}",
             f"{a}.ref.megatron.tensor_model_parallel_size={s.actor_tp}",
+            # The reference's bf16 weights (2P / (PP x TP)) wait in host memory outside its log-prob pass, as FSDP's
+            # do (ref.fsdp_config.param_offload below): verl's default keeps them on the GPU through the actor's
+            # update. verl moves them back only for compute_ref_log_prob and out again after it
+            # (megatron_workers.py:531-532 at init, :722-723 and :733-734 around the pass; megatron_utils.py:351-356,
+            # :377-383: the reference is not DDP-wrapped, each parameter's data moves).
+            REF_PARAM_OFFLOAD,
             *_token_budgets(s),
         ]
     # verl's own FSDP examples (examples/*_trainer/*seq_balance*.sh, recipe/dapo): padding removed (flash-attention
@@ -421,6 +437,12 @@ def _algorithm_overrides(s: Settings) -> list[str]:
             if s.strategy == "megatron"
             else "critic.model.fsdp_config.optimizer_offload=True"
         )
+        if s.strategy == "megatron":
+            # Its bf16 weights and fp32 gradient buffers too: verl loads them (gradients zeroed) for compute_values
+            # and update_critic only and frees them after (megatron_workers.py:1035-1036 at init, :1078-1084,
+            # :1092-1093 and :1111-1112; megatron_utils.py:335-350, 364-376: the DDP buffers' storage is copied
+            # to pinned host memory and resized to 0), so the actor's update does not hold the critic's 6P.
+            critic.append("critic.megatron.param_offload=True")
         return critic + [f"{a}.use_kl_loss=True", f"{a}.kl_loss_coef={s.kl_loss_coef}", f"{a}.kl_loss_type=low_var_kl"]
     if s.algorithm == "dapo":
         out = [

@@ -9,6 +9,13 @@ hook does in a job), runs `init_model` and `compute_log_prob` on two texts of di
 running worker holds: its TransformerConfig, whether its parameters and optimizer are offloaded, the parameter
 names of its layers, and its log-probs beside the HF model's (float32 and bfloat16) for the same tokens; then one
 `update_actor` on them (with the job's recompute setting), and its actor/ metrics (grad_norm, pg_loss, ...).
+
+In the same process, as a job colocates them: the reference, `ActorRolloutRefWorker(role="ref")` from the same
+config, with its `compute_ref_log_prob` twice on the same tokens; and PPO's critic, verl's `CriticWorker` from the
+job's command with ALGORITHM=ppo, with its `compute_values` twice, beside a second critic built with
+`critic.megatron.param_offload=False`. Each reports verl's own offload flag, every move verl's worker makes of a
+module between host and device (its calls of megatron_utils' offload/load, in order), and for the critic the size of
+its DDP buffers' storage between passes (0: freed).
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ def worker_config(policy: Path, settings: dict[str, str]):
     ) | settings  # fmt: skip
     _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_cpu.overrides()))
     # what RayPPOTrainer sets from the data before it builds the workers (ray_trainer.py, _create_dataloader)
-    return compose(name, [*overrides, "actor_rollout_ref.actor.optim.total_training_steps=1"], path)
+    steps = ["actor_rollout_ref.actor.optim.total_training_steps=1", "critic.optim.total_training_steps=1"]
+    return compose(name, [*overrides, *steps], path)
 
 
 def hf_log_probs(policy: Path, batch, dtype) -> list[list[float]]:
@@ -80,6 +88,64 @@ def update_metrics(worker, batch: dict, old_log_probs) -> dict:
     return out | {"recomputed_chunks": len(recomputed)}
 
 
+def record_moves(workers_module) -> list[list]:
+    """Every offload/load verl's worker module makes (megatron_workers.py imports both names from megatron_utils), in
+    order, as [the module's chunk list, "offload" | "load"]; `named` labels them once the workers hold them."""
+    moves = []
+    for verb, attr in (("offload", "offload_megatron_model_to_cpu"), ("load", "load_megatron_model_to_gpu")):
+        call = getattr(workers_module, attr)
+
+        def move(models, *args, _call=call, _verb=verb, **kwargs):
+            moves.append([models, _verb])
+            return _call(models, *args, **kwargs)
+
+        setattr(workers_module, attr, move)
+    return moves
+
+
+def buffer_sizes(module) -> dict[str, list[int]]:
+    """The storage size of each DDP buffer's parameters and gradients (megatron_utils.py:343,350 resize them to 0)."""
+    buffers = [b for chunk in module for b in chunk.buffers]
+    return {"param": [b.param_data.storage().size() for b in buffers],
+            "grad": [b.grad_data.storage().size() for b in buffers]}  # fmt: skip
+
+
+def reference_and_critic(policy: Path, settings: dict[str, str], cfg, data, moves, names) -> dict:
+    """The reference and PPO's critic, as the job's settings make them, in this process (see the module's doc)."""
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.megatron_workers import ActorRolloutRefWorker, CriticWorker
+
+    ref = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="ref")
+    ref.init_model()
+    names[id(ref.ref_module)] = "ref"
+    moves.append(["ref", "init_model done"])
+    ref_passes = [ref.compute_ref_log_prob(data).batch["ref_log_prob"].tolist() for _ in range(2)]
+
+    ppo = worker_config(policy, settings | {"ALGORITHM": "ppo"}).critic
+    critics = {}
+    for offload in (True, False):
+        critic_cfg = ppo.copy()
+        if not offload:
+            with open_dict(critic_cfg):
+                critic_cfg.megatron.param_offload = False
+        critic = CriticWorker(config=omega_conf_to_dataclass(critic_cfg))
+        critic.init_model()
+        name = "critic" if offload else "critic_resident"
+        names[id(critic.critic_module)] = name
+        moves.append([name, "init_model done"])
+        sizes = [buffer_sizes(critic.critic_module)]
+        passes = []
+        for _ in range(2):
+            passes.append(critic.compute_values(data).batch["values"].tolist())
+            sizes.append(buffer_sizes(critic.critic_module))
+        critics[name] = {"param_offload": critic._is_offload_param, "values": passes, "buffer_sizes": sizes}
+    return {
+        "ref": {"param_offload": ref._ref_is_offload_param, "log_probs": ref_passes},
+        **critics,
+    }
+
+
 def main(out: Path, policy: Path, settings: dict[str, str]) -> None:
     cfg = worker_config(policy, settings)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -87,10 +153,14 @@ def main(out: Path, policy: Path, settings: dict[str, str]) -> None:
     import torch
     from transformers import AutoTokenizer
     from verl import DataProto
+    from verl.workers import megatron_workers
     from verl.workers.megatron_workers import ActorRolloutRefWorker
 
+    names: dict[int, str] = {}
+    moves = record_moves(megatron_workers)
     worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor_rollout")
     worker.init_model()
+    names[id(worker.actor_module)] = "actor"
 
     # Two sequences, left-padded prompts and right-padded responses as verl's rollout returns them.
     tokenizer = AutoTokenizer.from_pretrained(policy)
@@ -122,6 +192,8 @@ def main(out: Path, policy: Path, settings: dict[str, str]) -> None:
         "hf_bfloat16": hf_log_probs(policy, batch, torch.bfloat16),
         "response_mask": mask,
         "update": update_metrics(worker, batch, old_log_probs),
+        **reference_and_critic(policy, settings, cfg, data, moves, names),
+        "moves": [[m if isinstance(m, str) else names.get(id(m), "other"), verb] for m, verb in moves],
     }
     out.write_text(json.dumps(report))
 

@@ -72,10 +72,53 @@ def test_the_running_worker_holds_the_jobs_megatron_settings(worker_report):
     tf = worker_report["transformer_config"]
     assert tf["bf16"] == "True" and tf["params_dtype"] == "torch.bfloat16" and tf["use_cpu_initialization"] == "True"
     assert (tf["pipeline_model_parallel_size"], tf["tensor_model_parallel_size"]) == ("1", "1")
+    # the actor's weights stay (its update and the rollout's weight sync use them); its optimizer waits in host memory
     assert worker_report["optimizer_offload"] is True and worker_report["param_offload"] is False
+    assert [verb for name, verb in worker_report["moves"] if name == "actor"] == []
     # MEGATRON_RECOMPUTE=full: each layer's forward again in the backward, one layer a checkpoint
     recompute = (tf["recompute_granularity"], tf["recompute_method"], tf["recompute_num_layers"])
     assert recompute == ("full", "uniform", "1")
+
+
+def test_the_reference_waits_offloaded_between_its_passes_and_gives_the_resident_actors_log_probs(worker_report):
+    """With the job's defaults the reference is built with ref.megatron.param_offload (verl's own flag on the running
+    worker), moved out at the end of init_model (megatron_workers.py:531-532) and in and out around each
+    compute_ref_log_prob (:722-723, :733-734), nothing else: between its passes its weights are in host memory. Both
+    passes give exactly the log-probs of the actor, built from the same weights and never offloaded."""
+    ref = worker_report["ref"]
+    assert ref["param_offload"] is True
+    moves = [verb for name, verb in worker_report["moves"] if name == "ref"]
+    assert moves == ["offload", "init_model done", "load", "offload", "load", "offload"], worker_report["moves"]
+    for log_probs in ref["log_probs"]:
+        assert log_probs == worker_report["megatron"]
+    assert any(v < -1 for row in worker_report["megatron"] for v in row), "log-probs of real tokens, not zeros"
+
+
+def test_ppos_critic_frees_its_weights_and_gradients_between_passes_and_gives_the_resident_critics_values(
+    worker_report,
+):
+    """PPO's critic, built by verl's CriticWorker from the job's ALGORITHM=ppo command: critic.megatron.param_offload
+    is on, verl frees its DDP buffers' storage (weights and gradients) after init_model and after each compute_values
+    (megatron_workers.py:1035-1036, :1078-1084; megatron_utils.py:341-350), through demo/megatron_cpu.py's host copy on
+    the CPU. Its values, both passes, are those of the same critic built with param_offload=False, whose buffers stay.
+    A host copy that shared the freed storage would give whatever the resized memory holds."""
+    critic, resident = worker_report["critic"], worker_report["critic_resident"]
+    assert (critic["param_offload"], resident["param_offload"]) == (True, False)
+    moves = {name: [verb for n, verb in worker_report["moves"] if n == name] for name in ("critic", "critic_resident")}
+    assert moves == {"critic": ["offload", "init_model done", "load", "offload", "load", "offload"],
+                     "critic_resident": ["init_model done"]}  # fmt: skip
+    for sizes in critic["buffer_sizes"]:
+        assert sizes["param"] and set(sizes["param"]) == {0} and set(sizes["grad"]) == {0}, critic["buffer_sizes"]
+    assert all(min(sizes["param"]) > 0 for sizes in resident["buffer_sizes"]), resident["buffer_sizes"]
+    mask = worker_report["response_mask"]
+
+    def masked(values):
+        return [[v for v, m in zip(row, keep, strict=True) if m] for row, keep in zip(values, mask, strict=True)]
+
+    want = masked(resident["values"][0])
+    assert len({v for row in want for v in row}) > 1, "values of the tokens, not a constant"
+    for values in critic["values"] + resident["values"][1:]:
+        assert masked(values) == want
 
 
 def test_the_update_recomputes_each_layer_and_gets_the_gradient_it_gets_keeping_every_activation(
@@ -149,6 +192,15 @@ def calls():
     yield outcome("cuda tensor", lambda: torch.tensor([1.0], device="cuda"))
     yield outcome("rng", lambda: torch.cuda.get_rng_state())
     yield outcome("value head", lambda: __import__("verl.models.llama.megatron.layers.parallel_linear"))
+    # verl's offload of a DDP buffer, from its module: a host copy that survives the buffer's resize to 0
+    buffer = torch.ones(3)
+    def offload():
+        scope = {"__name__": "verl.utils.megatron_utils", "buffer": buffer}
+        exec("copy = buffer.data.cpu().pin_memory(); buffer.storage().resize_(0)", scope)
+        assert scope["copy"].tolist() == [1.0, 1.0, 1.0]
+        buffer.storage().resize_(3)
+        buffer.fill_(1.0)
+    yield outcome("param offload", offload)
 
 print("before", *calls(), sep="|")
 megatron_cpu.install()
@@ -163,9 +215,11 @@ def test_without_the_megatron_shims_megatron_core_stops_where_they_say_and_with_
     assert run.returncode == 0, run.stderr[-3000:]
     before, after = (line.split("|")[1:] for line in run.stdout.splitlines() if line.startswith(("before", "after")))
     # torch's CPU build refuses CUDA with "Torch not compiled with CUDA enabled", an AssertionError
+    # pinning without an accelerator: "Cannot access accelerator device when none is available", a RuntimeError
     assert before == ["te spec: NameError", "cuda buffer: AssertionError", "cuda tensor: AssertionError",
-                      "rng: AssertionError", "value head: ModuleNotFoundError"]  # fmt: skip
-    assert after == ["te spec: ok", "cuda buffer: ok", "cuda tensor: ok", "rng: ok", "value head: ok"]
+                      "rng: AssertionError", "value head: ModuleNotFoundError", "param offload: RuntimeError"]  # fmt: skip
+    assert after == ["te spec: ok", "cuda buffer: ok", "cuda tensor: ok", "rng: ok", "value head: ok",
+                     "param offload: ok"]  # fmt: skip
     assert "qkv NormColumnParallelLinear" in run.stdout
 
 

@@ -78,6 +78,23 @@ def test_the_preflight_refuses_a_plan_over_the_gpu_naming_the_settings_and_print
     assert [p.in_flight for p in plan] == [4, 3, 2, 1] and sum(p.layers for p in plan) == 36
 
 
+def test_the_default_plan_leaves_the_offloaded_reference_out_and_the_docs_table_says_each_stages_peak():
+    """The job offloads the Megatron reference's weights (ref.megatron.param_offload: verl loads them for its log-prob
+    pass alone, megatron_workers.py:722-734), so no stage of the update holds them; docs/training.md's per-stage table
+    is the formula's, for each recompute setting, and the formula still counts the reference where it stays."""
+    table = (REPO / "docs" / "training.md").read_text().split("| stage | off | full (the default) |", 1)[1]
+    rows = [line for line in table.split("\n\n", 1)[0].splitlines() if line.startswith("| ") and "---" not in line]
+    documented = [[float(cell.strip(" ~GiB")) for cell in row.split("|")[2:4]] for row in rows]
+    plans = {rc: update_plan(settings(MEGATRON_RECOMPUTE=rc), QWEN3_4B) for rc in ("off", "full")}
+    assert all(p.reference == 0 for plan in plans.values() for p in plan)
+    assert "reference" not in update_line(settings(), QWEN3_4B, None, None)
+    want = [[round(plans[rc][k].total / GIB) for rc in ("off", "full")] for k in (0, 1)]
+    assert documented == want, (documented, want)
+    resident = stage_memory(QWEN3_4B, stage=1, stages=2, tp=1, dp=2, tokens=24576, recompute="full", micro_batches=2,
+                            reference_on_gpu=True)  # fmt: skip
+    assert resident.total - plans["full"][1].total == resident.reference == plans["full"][1].weights  # 2P, 4.1 GiB
+
+
 @pytest.mark.slow
 def test_the_benchmark_runs_verls_megatron_worker_on_a_cpu_and_reports_each_layers_saved_bytes(tmp_path):
     out = tmp_path / "out"

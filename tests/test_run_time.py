@@ -424,6 +424,8 @@ def test_the_docs_memory_table_says_what_the_trainer_command_offloads():
         Settings.from_env(block_environment() | {"ALGORITHM": "ppo", "REWARD_PROMPT_OPENS_THINK": "true"})
     )
     for role, override in (("actor", "actor_rollout_ref.actor.megatron.optimizer_offload=True"),
+                           ("ref", "actor_rollout_ref.ref.megatron.param_offload=True"),
+                           ("critic (PPO)", "critic.megatron.param_offload=True"),
                            ("critic (PPO)", "critic.megatron.optimizer_offload=True")):  # fmt: skip
         assert override in argv
         assert f"`{override}`" in rows[role], rows.get(role)
