@@ -429,6 +429,30 @@ def test_the_trainer_keeps_what_verls_offload_settings_leave_on_the_gpu(tiny_mod
     assert "reference" not in fsdp, "FSDP keeps the reference in host memory (fsdp_workers.py:490-492, 518)"
 
 
+def test_the_docs_memory_table_gives_the_rollouts_share_the_line_computes():
+    """docs/training.md's rollout row: the reference job's figures (Qwen3-4B, an 80 GB card's 79.2 GiB, the 1.7B
+    reward server's 5.5 GiB estimate from the row below), from what the job's own composed config leaves resident."""
+    from tests.test_megatron_memory import QWEN3_4B
+
+    table = (REPO / "docs" / "training.md").read_text().split("## GPU memory per role", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in table.splitlines() if line.startswith("| rollout |"))
+    s = _line_settings()
+    _, path, name, overrides = split_command(trainer_argv(s))
+    held = max(r.total for r in trainer_resident(compose(name, overrides, path), QWEN3_4B)) / GIB
+    share, total, server = s.rollout_gpu_memory, 79.2, 5.5
+    figure = (
+        f"SGLang on an 80 GB card ({total} GiB): {share:g} x ({total} - {held:.1f} GiB the trainer keeps) = "
+        f"{share * (total - held):.1f} GiB, {share:g} x {server} = {share * server:.1f} less on GPU 0 beside the reward "
+        f"server; vLLM: {share:g} x {total} = {share * total:.1f} GiB"
+    )
+    assert figure in row, f"docs/training.md's rollout row should say: {figure}"
+    line = memory_line(
+        s, RewardPeak(int(server * GIB), 0, 0, 0), int(total * GIB), [Resident((("all", int(held * GIB)),))]
+    )
+    assert f"= {share * (total - held - server):.1f} GiB on GPU 0" in line, "the line computes as the docs say"
+    assert f"= {share * (total - held):.1f} GiB on the 3 other(s)" in line
+
+
 def test_the_preflight_prints_the_rollouts_memory_in_one_line(job, tiny_models):
     # What the login-node preflight prints, without a GPU to measure
     server = {"REWARD_TOKEN_BUDGET": "1000000"}  # a peak of GiB, to tell apart from the rounding
