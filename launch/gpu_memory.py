@@ -16,6 +16,7 @@ by REWARD_GPU_MEMORY_GIB. Measured on one H200, the servers' peaks were 5.0, 17.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -164,6 +165,10 @@ def trainer_resident(cfg, policy: ModelDims, critic: ModelDims | None = None) ->
     return [Resident((*parts, ("process", WORKER_OVERHEAD)))]
 
 
+class RolloutMemoryError(Exception):
+    pass
+
+
 def _gib(values: list[float]) -> str:
     """`a` or, where the values differ (pipeline stages), `a-b`, in GiB with one decimal."""
     lo, hi = f"{min(values) / GIB:.1f}", f"{max(values) / GIB:.1f}"
@@ -184,7 +189,8 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
     start where less than that is free (vllm/v1/worker/gpu_worker.py:163-176, 246). Either gives it back for the
     update (free_cache_engine) and takes the same again for the next rollout. With one_step_off the rollout GPUs hold
     the engine alone (hybrid_engine=False, the recipe's own pool) and the trainer's GPUs no engine; the head's reward
-    server sits on whichever of the two Ray gives its GPU to."""
+    server sits on whichever of the two Ray gives its GPU to. Where the GPU's size is known and vLLM would refuse to
+    start, RolloutMemoryError names the share that fits."""
     where = f"{total / GIB:.1f} GiB, measured here" if total is not None else "no GPU here: shares of one"
     share = s.rollout_gpu_memory
     name = f"ROLLOUT_GPU_MEMORY={share:g}" + (" (auto)" if s.rollout_gpu_memory_setting == "auto" else "")
@@ -201,11 +207,22 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
     def whole() -> str:  # a share of the whole GPU (vLLM)
         return f"{share * total / GIB:.1f} GiB" if total is not None else f"{share:.0%}"
 
-    def refused(held: int) -> str:  # vLLM's check at its start, where `held` bytes of the GPU are taken
+    def refuse_short(held: int, what: str) -> None:  # vLLM's own check at its start, where `held` bytes are taken
         if total is None or total - held >= share * total:
-            return ""
-        return (f" (short by {(share * total - (total - held)) / GIB:.1f} GiB: vLLM refuses to start, 'Free memory on "
-                "device'; lower ROLLOUT_GPU_MEMORY)")  # fmt: skip
+            return
+        fits = math.floor((total - held) / total * 100) / 100
+        raise RolloutMemoryError(
+            f"vLLM takes {name} of the whole GPU, {share * total / GIB:.1f} GiB, but {what} leaves "
+            f"{(total - held) / GIB:.1f} GiB of this GPU's {total / GIB:.1f} free at its start: vLLM 0.10.0 refuses to "
+            "start ('Free memory on device ... is less than desired GPU memory utilization', "
+            f"vllm/v1/worker/gpu_worker.py:166-176); set ROLLOUT_GPU_MEMORY={fits:g} or less"
+            + (
+                ", or cap the reward server (REWARD_GPU_MEMORY_GIB) or give it a node of its own "
+                "(CONFIG_USE_SEPARATE_REWARD_NODE=true)"
+                if shared
+                else ""
+            )  # fmt: skip
+        )
 
     if s.trainer_mode == "one_step_off":
         parts = [
@@ -215,8 +232,10 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
             reward,
         ]
         if shared:
+            refuse_short(server, f"the reward server on the head's GPU {','.join(reward_gpus)} (a rollout GPU where Ray "
+                         "gives it to the rollout's pool)")  # fmt: skip
             free = f"{(total - server) / GIB:.1f} GiB" if total is not None else f"GPU - {server / GIB:.1f} GiB"
-            parts.append(f"a rollout GPU with it has {free} free at vLLM's start{refused(server)}")
+            parts.append(f"a rollout GPU with it has {free} free at vLLM's start")
         return f"GPU memory per GPU ({where}): " + "; ".join(parts)
 
     held = [r.total for r in resident]
@@ -240,8 +259,9 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
         else:
             engine += f"{takes(0)} on every GPU"
     else:
+        refuse_short(max(held) + server, f"what the trainer keeps ({_gib(held)} GiB)" + (
+            f" and the reward server ({server / GIB:.1f} GiB) on GPU {','.join(reward_gpus)}" if shared else ""))  # fmt: skip
         engine = f"vLLM takes {name} of the whole GPU (gpu_memory_utilization): {whole()} on every GPU"
-        engine += refused(max(held) + server)
     parts.append(engine + "; given back for the update (free_cache_engine)")
     return f"GPU memory per GPU ({where}): " + "; ".join(parts)
 

@@ -565,8 +565,13 @@ def main(argv: list[str] | None = None) -> int:
             f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
         )
         return 1
+    from launch.gpu_memory import RolloutMemoryError
+
     try:
         print(f"preflight: {gpu_memory_line(settings, peak, cfg)}")
+    except RolloutMemoryError as exc:
+        print(f"preflight: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # a config the dense formula cannot read (an MoE, no intermediate_size): said, not fatal
         print(f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
               f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how", file=sys.stderr)  # fmt: skip

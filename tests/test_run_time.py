@@ -29,6 +29,7 @@ from launch.gpu_memory import (
     ModelDims,
     Resident,
     RewardPeak,
+    RolloutMemoryError,
     memory_line,
     reward_server_peak,
     stage_parameters,
@@ -357,11 +358,17 @@ def test_vllms_share_is_of_the_whole_gpu_and_it_refuses_a_gpu_with_less_free():
     line = memory_line(_line_settings(ROLLOUT_ENGINE="vllm"), PEAK, 80 * GIB, RESIDENT)
     assert "vLLM takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the whole GPU (gpu_memory_utilization): 32.0 GiB on every " \
            "GPU; given back" in line  # fmt: skip
-    assert "refuses" not in line
     full = [Resident((("actor weights", 50 * GIB),))]  # 80 - 50 - 6 = 24 GiB free on GPU 0, under 0.4 x 80
-    assert "32.0 GiB on every GPU (short by 8.0 GiB: vLLM refuses to start" in memory_line(
-        _line_settings(ROLLOUT_ENGINE="vllm"), PEAK, 80 * GIB, full
+    with pytest.raises(RolloutMemoryError) as refused:
+        memory_line(_line_settings(ROLLOUT_ENGINE="vllm"), PEAK, 80 * GIB, full)
+    assert str(refused.value).startswith(
+        "vLLM takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the whole GPU, 32.0 GiB, but what the trainer keeps (50.0 GiB) "
+        "and the reward server (6.0 GiB) on GPU 0 leaves 24.0 GiB of this GPU's 80.0 free at its start: vLLM 0.10.0 "
+        "refuses to start"
     )
+    assert "set ROLLOUT_GPU_MEMORY=0.3 or less, or cap the reward server (REWARD_GPU_MEMORY_GIB)" in str(refused.value)
+    # without a GPU to measure nothing is refused: the line gives shares
+    assert "40% on every GPU" in memory_line(_line_settings(ROLLOUT_ENGINE="vllm"), PEAK, None, full)
 
 
 @pytest.mark.parametrize(
@@ -384,10 +391,9 @@ def test_one_step_off_has_rollout_gpus_with_vllm_alone_and_trainer_gpus_without_
     if s.reward_device != "cpu":
         assert line.endswith("a rollout GPU with it has 74.0 GiB free at vLLM's start"), line
         # a share over what the server leaves there: vLLM refuses to start on that GPU
-        tight = replace(s, rollout_gpu_memory_setting="0.95")
-        assert "74.0 GiB free at vLLM's start (short by 2.0 GiB: vLLM refuses to start" in memory_line(
-            tight, PEAK, 80 * GIB, []
-        )
+        with pytest.raises(RolloutMemoryError, match=r"but the reward server on the head's GPU 0 \(a rollout GPU "
+                           r"where Ray gives it to the rollout's pool\) leaves 74.0 GiB .* ROLLOUT_GPU_MEMORY=0.92 "):  # fmt: skip
+            memory_line(replace(s, rollout_gpu_memory_setting="0.95"), PEAK, 80 * GIB, [])
 
 
 def test_the_trainer_keeps_what_verls_offload_settings_leave_on_the_gpu(tiny_models):
