@@ -97,7 +97,7 @@ class Resident:
         return sum(b for _, b in self.parts)
 
     def describe(self) -> str:
-        return ", ".join(f"{what} {b / GIB:.1f}" for what, b in self.parts if b)
+        return ", ".join(f"{what} {b / GIB:.1f}" if b >= GIB / 20 else f"{what} <0.1" for what, b in self.parts if b)
 
 
 def stage_parameters(dims: ModelDims, *, stage: int, stages: int, value_head: bool = False) -> int:
