@@ -99,7 +99,7 @@ ACTOR_TP="${ACTOR_TP:-1}"                                       # Megatron tenso
 MEGATRON_RECOMPUTE="${MEGATRON_RECOMPUTE:-full}"                # full | selective | off: Megatron activation recompute (training.md)
 ROLLOUT_TP="${ROLLOUT_TP:-1}"                                   # rollout engine tensor parallel
 ROLLOUT_N="${ROLLOUT_N:-4}"                                     # responses per prompt (the GRPO group)
-ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-auto}"                # rollout engine's GPU share; auto: 0.4, one_step_off 0.65-0.9
+ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-auto}"                # rollout engine's share (SGLang: of the GPU's free memory); auto: 0.4, one_step_off 0.65-0.9
 ROLLOUT_ENFORCE_EAGER="${ROLLOUT_ENFORCE_EAGER:-false}"         # true: no SGLang CUDA graphs (slower; debugging)
 KL_LOSS_COEF="${KL_LOSS_COEF:-0.001}"                           # weight of the KL loss to the reference policy
 # Validation sampling, the Qwen3 thinking cards' values (greedy decoding makes them repeat to the length limit):

@@ -435,11 +435,21 @@ def reward_peak(settings: Settings):
     return None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
 
 
-def gpu_memory_line(settings: Settings, peak) -> str:
-    """What each GPU holds (launch/gpu_memory.py): the rollout's share, the reward servers' peak, what is left."""
-    from launch.gpu_memory import gpu_total, memory_line
+def gpu_memory_line(settings: Settings, peak, cfg) -> str:
+    """What each GPU holds when the rollout engine starts (launch/gpu_memory.py): the trainer's resident parts by the
+    composed config's offload settings, the reward servers' peak, and what the engine takes."""
+    from transformers import AutoConfig
 
-    return memory_line(settings, peak, gpu_total(), settings.reward_replicas)
+    from launch.gpu_memory import ModelDims, gpu_total, memory_line, trainer_resident
+
+    resident = []
+    if settings.trainer_mode != "one_step_off":  # its rollout GPUs hold nothing of the trainer's
+        policy = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path))
+        critic = None
+        if cfg.algorithm.adv_estimator == "gae" or cfg.critic.get("enable"):
+            critic = ModelDims.from_config(AutoConfig.from_pretrained(cfg.critic.model.path))
+        resident = trainer_resident(cfg, policy, critic)
+    return memory_line(settings, peak, gpu_total(), resident, settings.reward_replicas)
 
 
 def megatron_update_line(settings: Settings, peak) -> str:
@@ -550,12 +560,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         peak = reward_peak(settings)
-        print(f"preflight: {gpu_memory_line(settings, peak)}")
     except (Exception, SystemExit) as exc:  # the reward server's settings (argparse exits) or its model's config
         print(
             f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
         )
         return 1
+    from launch.gpu_memory import RolloutMemoryError
+
+    try:
+        print(f"preflight: {gpu_memory_line(settings, peak, cfg)}")
+    except RolloutMemoryError as exc:
+        print(f"preflight: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a config the dense formula cannot read (an MoE, no intermediate_size): said, not fatal
+        print(f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
+              f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how", file=sys.stderr)  # fmt: skip
     if settings.strategy == "megatron":
         from launch.gpu_memory import UpdateMemoryError
 

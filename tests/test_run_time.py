@@ -10,18 +10,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import socketserver
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from launch import node
-from launch.gpu_memory import GIB, memory_line, reward_server_peak
+from launch.gpu_memory import (
+    GIB,
+    WORKER_OVERHEAD,
+    ModelDims,
+    Resident,
+    RewardPeak,
+    RolloutMemoryError,
+    memory_line,
+    reward_server_peak,
+    stage_parameters,
+    trainer_resident,
+)
 from launch.preflight import compose, split_command
 from launch.refusals import check
 from launch.settings import Settings, trainer_argv
@@ -302,24 +315,163 @@ def test_the_reward_servers_peak_follows_its_models_size_and_its_memory_cap(tiny
     assert capped.tokens < 32768 and capped.total <= int(0.01 * GIB), "the planner fits its budget under the cap"
 
 
-def test_the_preflight_accounts_each_gpus_memory_in_one_line(job, tiny_models):
-    s = Settings.from_env(block_environment() | {"CONFIG_REWARD_MODEL_PATH": str(tiny_models.reward_model)})
-    peak = reward_server_peak(str(tiny_models.reward_model), {})
-    total = 80 * GIB
-    line = memory_line(s, peak, total)
-    left = 0.6 * total - peak.total
-    assert line.startswith("GPU memory per GPU (80.0 GiB, measured here): rollout 40% = 32.0 GiB (ROLLOUT_GPU_MEMORY)")
+def _line_settings(**overrides) -> Settings:
+    return Settings.from_env(block_environment() | {"REWARD_PROMPT_OPENS_THINK": "true"} | overrides)
+
+
+# What the trainer keeps on a GPU at the rollout's start and a reward server's peak, as inputs to the line
+RESIDENT = [Resident((("actor weights", 4 * GIB), ("actor gradients", 8 * GIB), ("process", 2 * GIB)))]
+PEAK = RewardPeak(weights=3 * GIB, activations=3 * GIB, tokens=32768, cap=0)
+
+
+def test_sglangs_share_is_of_the_memory_free_at_its_start_beside_the_trainer_and_the_reward_server():
+    """SGLang 0.5.2 sizes weights + KV cache as mem_fraction_static x the memory free when it starts
+    (model_runner.py:665-669, 1123-1125): on GPU 0 the trainer's 14 GiB and the reward server's 6 are not free."""
+    line = memory_line(_line_settings(), PEAK, 80 * GIB, RESIDENT)
+    assert line.startswith("GPU memory per GPU (80.0 GiB, measured here): the trainer keeps 14.0 GiB at the rollout's "
+                           "start (actor weights 4.0, actor gradients 8.0, process 2.0: verl's offload settings)")  # fmt: skip
+    assert "a reward server ~6.0 GiB peak" in line and "on the head's GPU 0 (CONFIG_REWARD_GPUS)" in line
     assert (
-        f"a reward server ~{peak.total / GIB:.1f} GiB peak" in line
-        and "on the head's GPU 0 (CONFIG_REWARD_GPUS)" in line
+        "SGLang takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the memory free at its start (mem_fraction_static): "
+        "0.4 x 60.0 = 24.0 GiB on GPU 0, 0.4 x 66.0 = 26.4 GiB on the 3 other(s)"
+    ) in line
+    assert "32.0 GiB" not in line, "not a share of the whole GPU"
+    # a tensor-parallel group sizes every GPU from its least free one (model_runner.py:665-669, all_reduce MIN)
+    assert "on GPU 0 and the rest of its tensor-parallel group" in memory_line(
+        _line_settings(ROLLOUT_TP="2", SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK="true"), PEAK, 80 * GIB, RESIDENT
     )
-    assert f"left for training {left / GIB:.1f} GiB there, 48.0 GiB on the 3 other(s)" in line
+    # without a GPU to measure: the share of what the trainer and the server leave
+    login = memory_line(_line_settings(), PEAK, None, RESIDENT)
+    assert "40% x (GPU - 20.0 GiB) on GPU 0, 40% x (GPU - 14.0 GiB) on the 3 other(s)" in login
+    # pipeline stages that keep different amounts: a range
+    stages = [RESIDENT[0], Resident((("actor weights", 5 * GIB), ("process", 2 * GIB)))]
+    assert "the trainer keeps 7.0-14.0 GiB" in memory_line(_line_settings(CONFIG_REWARD_DEVICE="cpu"), None, 80 * GIB,
+                                                           stages)  # fmt: skip
+    assert "0.4 x 66.0-73.0 = 26.4-29.2 GiB on every GPU" in memory_line(
+        _line_settings(CONFIG_REWARD_DEVICE="cpu"), None, 80 * GIB, stages
+    )
+
+
+def test_vllms_share_is_of_the_whole_gpu_and_it_refuses_a_gpu_with_less_free():
+    """vLLM 0.10.0 takes gpu_memory_utilization x the GPU's total and refuses to start where less is free
+    (vllm/v1/worker/gpu_worker.py:163-176)."""
+    line = memory_line(_line_settings(ROLLOUT_ENGINE="vllm"), PEAK, 80 * GIB, RESIDENT)
+    assert "vLLM takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the whole GPU (gpu_memory_utilization): 32.0 GiB on every " \
+           "GPU; given back" in line  # fmt: skip
+    full = [Resident((("actor weights", 50 * GIB),))]  # 80 - 50 - 6 = 24 GiB free on GPU 0, under 0.4 x 80
+    with pytest.raises(RolloutMemoryError) as refused:
+        memory_line(_line_settings(ROLLOUT_ENGINE="vllm"), PEAK, 80 * GIB, full)
+    assert str(refused.value).startswith(
+        "vLLM takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the whole GPU, 32.0 GiB, but what the trainer keeps (50.0 GiB) "
+        "and the reward server (6.0 GiB) on GPU 0 leaves 24.0 GiB of this GPU's 80.0 free at its start: vLLM 0.10.0 "
+        "refuses to start"
+    )
+    assert "set ROLLOUT_GPU_MEMORY=0.3 or less, or cap the reward server (REWARD_GPU_MEMORY_GIB)" in str(refused.value)
+    # without a GPU to measure nothing is refused: the line gives shares
+    assert "40% on every GPU" in memory_line(_line_settings(ROLLOUT_ENGINE="vllm"), PEAK, None, full)
+
+
+@pytest.mark.parametrize(
+    "overrides, share, take",
+    [
+        ({}, "0.65 (auto)", "52.0 GiB"),  # a reward server may sit on a rollout GPU
+        ({"CONFIG_REWARD_DEVICE": "cpu"}, "0.9 (auto)", "72.0 GiB"),  # the GPUs hold vLLM alone
+        ({"ROLLOUT_GPU_MEMORY": "0.8"}, "0.8", "64.0 GiB"),
+    ],
+)
+def test_one_step_off_has_rollout_gpus_with_vllm_alone_and_trainer_gpus_without_an_engine(overrides, share, take):
+    s = _line_settings(TRAINER_MODE="one_step_off", ROLLOUT_MODE="sync", ROLLOUT_GPUS_PER_NODE="1",
+                       ROLLOUT_ENGINE="vllm", **overrides)  # fmt: skip
+    line = memory_line(s, None if s.reward_device == "cpu" else PEAK, 80 * GIB, [])
+    assert (
+        f"one_step_off: the 1 rollout GPU(s) a node hold vLLM alone, ROLLOUT_GPU_MEMORY={share} of the whole GPU "
+        f"(gpu_memory_utilization): {take}; the 3 trainer GPU(s) a node hold no rollout engine"
+    ) in line
+    assert "the trainer keeps" not in line and "SGLang" not in line
+    if s.reward_device != "cpu":
+        assert line.endswith("a rollout GPU with it has 74.0 GiB free at vLLM's start"), line
+        # a share over what the server leaves there: vLLM refuses to start on that GPU
+        with pytest.raises(RolloutMemoryError, match=r"but the reward server on the head's GPU 0 \(a rollout GPU "
+                           r"where Ray gives it to the rollout's pool\) leaves 74.0 GiB .* ROLLOUT_GPU_MEMORY=0.92 "):  # fmt: skip
+            memory_line(replace(s, rollout_gpu_memory_setting="0.95"), PEAK, 80 * GIB, [])
+
+
+def test_the_trainer_keeps_what_verls_offload_settings_leave_on_the_gpu(tiny_models):
+    """trainer_resident, on verl's own composed config: Megatron's actor keeps its bf16 weights and fp32 gradient
+    buffer (param_offload off), not its optimizer (optimizer_offload on); an override moves them as verl would."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_models.policy)
+    dims = ModelDims.from_config(config)
+    import torch
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert stage_parameters(dims, stage=0, stages=1) == sum(p.numel() for p in model.parameters())
+
+    def resident(env: dict, *extra: str):
+        s = _line_settings(**env)
+        _, path, name, overrides = split_command(trainer_argv(s, extra=list(extra)))
+        cfg = compose(name, overrides, path)
+        return cfg, trainer_resident(cfg, dims)
+
+    cfg, stages = resident({"ACTOR_PP": "2"})
+    assert len(stages) == 2 and dims.layers >= 2
+    for k, r in enumerate(stages):
+        p = stage_parameters(dims, stage=k, stages=2)
+        parts = dict(r.parts)
+        assert parts["actor weights"] == 2 * p and parts["actor gradients"] == 4 * p
+        assert parts["actor optimizer"] == 0 and parts["process"] == WORKER_OVERHEAD
+        # the job's own setting for the reference, whichever it is, read as verl reads it (megatron_workers.py:531)
+        assert parts["reference"] == (0 if cfg.actor_rollout_ref.ref.megatron.param_offload else 2 * p)
+    _, (kept,) = resident({"ACTOR_PP": "1"}, "actor_rollout_ref.ref.megatron.param_offload=False")
+    assert dict(kept.parts)["reference"] == 2 * stage_parameters(dims, stage=0, stages=1)
+    _, (offloaded,) = resident({"ACTOR_PP": "1"}, "actor_rollout_ref.actor.megatron.param_offload=True",
+                               "actor_rollout_ref.ref.megatron.param_offload=True")  # fmt: skip
+    assert {k: v for k, v in offloaded.parts if v} == {"process": WORKER_OVERHEAD}
+    _, (fsdp,) = resident({"STRATEGY": "fsdp2"})
+    fsdp = dict(fsdp.parts)
+    assert fsdp["actor weights"] == 4 * stage_parameters(dims, stage=0, stages=1) // 4, "fp32, over the 4 GPUs"
+    assert "reference" not in fsdp, "FSDP keeps the reference in host memory (fsdp_workers.py:490-492, 518)"
+
+
+def test_the_docs_memory_table_gives_the_rollouts_share_the_line_computes():
+    """docs/training.md's rollout row: the reference job's figures (Qwen3-4B, an 80 GB card's 79.2 GiB, the 1.7B
+    reward server's 5.5 GiB estimate from the row below), from what the job's own composed config leaves resident."""
+    from tests.test_megatron_memory import QWEN3_4B
+
+    table = (REPO / "docs" / "training.md").read_text().split("## GPU memory per role", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in table.splitlines() if line.startswith("| rollout |"))
+    s = _line_settings()
+    _, path, name, overrides = split_command(trainer_argv(s))
+    held = max(r.total for r in trainer_resident(compose(name, overrides, path), QWEN3_4B)) / GIB
+    share, total, server = s.rollout_gpu_memory, 79.2, 5.5
+    figure = (
+        f"SGLang on an 80 GB card ({total} GiB): {share:g} x ({total} - {held:.1f} GiB the trainer keeps) = "
+        f"{share * (total - held):.1f} GiB, {share:g} x {server} = {share * server:.1f} less on GPU 0 beside the reward "
+        f"server; vLLM: {share:g} x {total} = {share * total:.1f} GiB"
+    )
+    assert figure in row, f"docs/training.md's rollout row should say: {figure}"
+    line = memory_line(
+        s, RewardPeak(int(server * GIB), 0, 0, 0), int(total * GIB), [Resident((("all", int(held * GIB)),))]
+    )
+    assert f"= {share * (total - held - server):.1f} GiB on GPU 0" in line, "the line computes as the docs say"
+    assert f"= {share * (total - held):.1f} GiB on the 3 other(s)" in line
+
+
+def test_the_preflight_prints_the_rollouts_memory_in_one_line(job, tiny_models):
     # What the login-node preflight prints, without a GPU to measure
-    result = run(job | FAST | {"PREFLIGHT_ONLY": "1", "CONFIG_REWARD_DEVICE": "cuda"})
+    server = {"REWARD_TOKEN_BUDGET": "1000000"}  # a peak of GiB, to tell apart from the rounding
+    result = run(job | FAST | server | {"PREFLIGHT_ONLY": "1", "CONFIG_REWARD_DEVICE": "cuda"})
     assert result.returncode == 0, result.stderr[-3000:]
+    peak = reward_server_peak(str(tiny_models.reward_model), server)
+    assert peak.total > GIB
     (printed,) = [x for x in result.stdout.splitlines() if x.startswith("preflight: GPU memory per GPU")]
-    assert printed.startswith("preflight: GPU memory per GPU (no GPU here: shares of one): rollout 40% (ROLLOUT_GPU")
-    assert f"left for training 60% - {peak.total / GIB:.1f} GiB there" in printed
+    assert printed.startswith("preflight: GPU memory per GPU (no GPU here: shares of one): the trainer keeps ")
+    assert "SGLang takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the memory free at its start" in printed
+    held = re.search(r"the trainer keeps ([\d.]+) GiB at the rollout's start \(actor weights", printed).group(1)
+    gpu0 = re.search(r"40% x \(GPU - ([\d.]+) GiB\) on GPU 0", printed).group(1)
+    assert abs(float(gpu0) - float(held) - peak.total / GIB) <= 0.1, "the reward server's peak is not free on GPU 0"
     # and each pipeline stage's peak in the update, from the policy's config (launch/gpu_memory.update_line)
     (update,) = [x for x in result.stdout.splitlines() if x.startswith("preflight: Megatron update per GPU")]
     assert "(MEGATRON_RECOMPUTE=full, ACTOR_PP=" in update and "stage 0: ~" in update and "logits" in update
