@@ -100,13 +100,16 @@ class Resident:
         return ", ".join(f"{what} {b / GIB:.1f}" if b >= GIB / 20 else f"{what} <0.1" for what, b in self.parts if b)
 
 
-def stage_parameters(dims: ModelDims, *, stage: int, stages: int, value_head: bool = False) -> int:
-    """The parameters of pipeline stage `stage` of `stages`, split as stage_memory splits them (megatron-core's even
-    layers, the embedding first, the output layer and the final norm last); a critic's last stage has verl's value
-    head (hidden x 1) in place of the output layer (verl/models/mcore/model_initializer.py:89-94, value=True)."""
+def stage_parameters(
+    dims: ModelDims, *, stage: int, stages: int, value_head: bool = False, last: bool | None = None
+) -> int:
+    """The parameters of pipeline stage `stage` of `stages` (megatron-core's even layers, the embedding first, the
+    output layer and the final norm last; `last` overrides what the stage's place gives, as stage_memory's does); a
+    critic's last stage has verl's value head (hidden x 1) in place of the output layer
+    (verl/models/mcore/model_initializer.py:89-94, value=True)."""
     layers = dims.layers // stages + (1 if stage < dims.layers % stages else 0)
     params = layers * dims.layer_params + (dims.vocab * dims.hidden if stage == 0 else 0)
-    if stage == stages - 1:
+    if stage == stages - 1 if last is None else last:
         output = dims.vocab * dims.hidden if not dims.tied or stages > 1 else 0  # a tied copy if PP > 1
         params += dims.hidden + (dims.hidden if value_head else output)  # the final norm and the head
     return params
@@ -364,12 +367,8 @@ def stage_memory(dims: ModelDims, *, stage: int, stages: int, tp: int, dp: int, 
     StageMemory fields say. With recompute the layer being recomputed holds its full activations once, for one
     micro-batch, on top. `in_flight` and `last` override what the stage's place gives (the benchmark's one-GPU stages)."""
     layers = dims.layers // stages + (1 if stage < dims.layers % stages else 0)
-    params = layers * dims.layer_params
-    first, last = stage == 0, (stage == stages - 1) if last is None else last
-    embedding = dims.vocab * dims.hidden
-    params += embedding if first else 0
-    params += embedding if last and (not dims.tied or stages > 1) else 0  # the output layer (a tied copy if PP > 1)
-    params += dims.hidden if last else 0  # the final norm
+    last = (stage == stages - 1) if last is None else last
+    params = stage_parameters(dims, stage=stage, stages=stages, last=last)
     in_flight = in_flight or max(1, min(stages - stage, micro_batches))
     per_token = dims.activation_bytes(recompute) * layers * in_flight
     if recompute != "off":
