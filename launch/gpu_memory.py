@@ -11,7 +11,7 @@ share of the whole GPU. Either holds its weights and KV cache while it generates
 (free_cache_engine). A reward server holds its weights in bf16 and, at its peak, the activations of one full
 micro-batch: the estimate the server's own planner sizes its token budget by (reward_score/server/planner.py), capped
 by REWARD_GPU_MEMORY_GIB. Measured on one H200, the servers' peaks were 5.0, 17.8 and 30.8 GiB for the 1.7B, 8B and
-14B shapes; this estimate says 5.5, 18.6 and 32.2 (benchmarks/README.md).
+14B shapes; this estimate says 5.5, 18.6 and 32.2 (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations

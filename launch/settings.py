@@ -525,7 +525,7 @@ def reward_function(s: Settings) -> str:
     """The entry point of reward_score/safe_hack_reward_request.py that verl calls. Sync rollout: the batch function
     (one request a step) or, under the naive/dapo managers, the plain one. Async rollout: the coroutine, which verl's
     reward loop awaits directly, so each agent-loop worker's finished samples share one /score_batch; measured
-    through verl's own loop on an H200 (benchmarks/README.md), it keeps the GPU as busy as the batch path (71% of
+    through verl's own loop on an H200 (benchmarks/HISTORY.md), it keeps the GPU as busy as the batch path (71% of
     the matmul ceiling against 55% for the plain function, run in verl's thread pool one request a sample)."""
     if s.reward_manager == "batch":
         return "safe_hack_reward_batch"

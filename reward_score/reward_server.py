@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # Every waiting request is tokenized in one pass on all cores. TOKENIZERS_PARALLELISM=false, which training
     # scripts export to quiet the tokenizers fork warning, would leave the server one core: on an H200 0.8 s a
-    # 1024-pair step instead of 0.15 s, 8 to 10 points of the matmul ceiling (benchmarks/README.md). No fork follows.
+    # 1024-pair step instead of 0.15 s, 8 to 10 points of the matmul ceiling (benchmarks/HISTORY.md). No fork follows.
     if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "no", "off"):
         log.warning("TOKENIZERS_PARALLELISM=%s inherited: this server tokenizes on all cores regardless (set true)",
                     os.environ["TOKENIZERS_PARALLELISM"])  # fmt: skip

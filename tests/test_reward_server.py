@@ -997,7 +997,7 @@ def test_fused_projections_that_score_otherwise_are_dropped_at_warm_up(tiny_mode
 
 class LigerStandIn:
     """liger_kernel.transformers.functional's API (liger-kernel 0.6.2) computed by torch, so the wiring runs on a CPU:
-    Liger's own kernels are Triton's and need a GPU (benchmarks/README.md has them measured on an H200). Counts the
+    Liger's own kernels are Triton's and need a GPU (benchmarks/HISTORY.md has them measured on an H200). Counts the
     calls; `wrong` makes the SiLU-and-multiply swap its inputs, as a kernel that computes something else would."""
 
     def __init__(self, wrong: bool = False):

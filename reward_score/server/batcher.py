@@ -41,7 +41,7 @@ class Batcher:
     per token measured on the micro-batches before. Until then the rows that the last answers set off keep joining (a
     launch queued early holds this thread in the CUDA launch queue for most of a big model's running micro-batch).
     On an H200 that cut big models' queue waits from 0.35-0.7 s to 15-20 ms but left 64 per-sample callers' share of
-    the ceiling where it was (benchmarks/README.md), so it is not the default. Each launch takes the micro-batch
+    the ceiling where it was (benchmarks/HISTORY.md), so it is not the default. Each launch takes the micro-batch
     (of the length-sorted plan) holding the oldest waiting row, so no request waits behind later ones. When idle,
     the first request waits up to `max_wait` for others to join (stopping once `quiet` passes with nothing new)."""
 
