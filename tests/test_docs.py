@@ -185,13 +185,32 @@ def test_the_nccl_section_has_the_infiniband_settings_and_what_the_job_sets_itse
 def test_every_code_fence_of_the_readmes_and_docs_is_closed():
     """A fence left open renders the rest of the page as code (docs/image.md had a stray line and a lone fence)."""
     pages = [REPO / "README.md", REPO / "README.ja.md", REPO / "benchmarks" / "README.md",
-             *sorted((REPO / "docs").glob("*.md"))]  # fmt: skip
+             REPO / "benchmarks" / "HISTORY.md", *sorted((REPO / "docs").glob("*.md"))]  # fmt: skip
     for page in pages:
         fences = [line for line in page.read_text().splitlines() if line.startswith("```")]
         assert len(fences) % 2 == 0, f"{page.relative_to(REPO)}: a code fence is not closed"
         assert all(line == "```" for line in fences[1::2]), (
             f"{page.relative_to(REPO)}: a closing fence names a language"
         )
+
+
+def test_the_benchmarks_page_leads_with_todays_figures_and_every_link_into_it_or_its_history_resolves():
+    """benchmarks/README.md is today's figures and commands (a page, not a journal); the rounds behind them are in
+    benchmarks/HISTORY.md. The READMEs, docs and both pages link into their sections: every anchor names a heading."""
+    bench = REPO / "benchmarks"
+    assert len((bench / "README.md").read_text().splitlines()) <= 150, "benchmarks/README.md: move rounds to HISTORY.md"
+    targets = {(bench / "README.md").resolve(), (bench / "HISTORY.md").resolve()}
+    pages = [REPO / "README.md", REPO / "README.ja.md", *sorted((REPO / "docs").glob("*.md")), *sorted(targets)]
+    checked, broken = 0, []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if file in targets and anchor:
+                checked += 1
+                if anchor not in anchors(file):
+                    broken.append(f"{page.relative_to(REPO)}: ({target})")
+    assert broken == [] and checked >= 6, (broken, checked)
 
 
 def test_the_speed_table_lives_in_the_benchmarks_readme_and_the_readmes_quote_its_first_row():
