@@ -10,9 +10,9 @@
 set -euo pipefail
 unset RAY_ADDRESS  # never attach to another job's cluster by accident
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-# shellcheck source=launch/common.sh
-source "$here/launch/common.sh"
-# die MESSAGE: as launch/common.sh's, and the message is what this node reports to the others when it exits
+# shellcheck source=launch/job/common.sh
+source "$here/launch/job/common.sh"
+# die MESSAGE: as launch/job/common.sh's, and the message is what this node reports to the others when it exits
 # (failure, written to node_failed.RANK by cleanup).
 die() {
   failure=${*#"[rank $rank] "}
@@ -47,7 +47,7 @@ watch_pids=() watch_names=() watch_logs=() watch_server=()
 # This node's reward servers: port, GPU (or cpu), log, the times it died (within REWARD_RESTART_WINDOW), while a
 # restart is not yet healthy, when it began; the first start's pid and time.
 srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_restarting=() srv_pid=() srv_started=()
-declare -A port  # this job's ports on this node (launch/node.py ports)
+declare -A port  # this job's ports on this node (launch/job/node.py ports)
 
 cleanup() {
   local rc=$?
@@ -127,17 +127,17 @@ check_watched() {
 }
 
 # dump_stacks_if_asked: once the head's stall watchdog asks (stall/request), this node's Python stacks, worker log
-# tails and GPU use go beside the head's (launch/watchdog.py dump), before the head stops the job.
+# tails and GPU use go beside the head's (launch/job/watchdog.py dump), before the head stops the job.
 stacks_dumped=0
 dump_stacks_if_asked() {
   [[ -e "$job_log_dir/stall/request" ]] && ((!stacks_dumped)) || return 0
   stacks_dumped=1
   log "[rank $rank] the head found the trainer stalled: keeping this node's stacks"
-  (cd "$here" && python3 -m launch.watchdog dump --log-dir "$job_log_dir" --host "$host") ||
+  (cd "$here" && python3 -m launch.job.watchdog dump --log-dir "$job_log_dir" --host "$host") ||
     err "[rank $rank] could not keep the stacks of $host (above)"
 }
 
-# check_stall: the head's stall watchdog (launch/watchdog.py watch) exited: it found the trainer hung (stall.json
+# check_stall: the head's stall watchdog (launch/job/watchdog.py watch) exited: it found the trainer hung (stall.json
 # says where; the job stops), or it failed itself (the job goes on unwatched).
 stall_pid=""
 check_stall() {
@@ -238,8 +238,8 @@ follow_restart() {
   esac
 }
 
-# node_info ARGS...: launch/node.py (ports, reward GPUs, the node address) from the repository.
-node_info() { (cd "$here" && python3 -m launch.node "$@"); }
+# node_info ARGS...: launch/job/node.py (ports, reward GPUs, the node address) from the repository.
+node_info() { (cd "$here" && python3 -m launch.job.node "$@"); }
 
 # start_reward_servers ADDRESS INDICES: one server per GPU (indices into this job's GPUs; or on the CPU), each polled
 # on /health with this job's token; writes reward_urls.
@@ -316,10 +316,10 @@ export_worker_env() {
   export REWARD_SERVER_URLS=$1
   # The job's own servers are reached directly. A cluster's proxy (http_proxy, https_proxy, all_proxy: Singularity
   # and Ray pass them on) stays for what must reach the outside (wandb online); our reward client and probes bypass
-  # it in their own code, this covers everything else verl and Ray start (launch/node.py no_proxy).
+  # it in their own code, this covers everything else verl and Ray start (launch/job/node.py no_proxy).
   NO_PROXY=$(node_info no-proxy "$1" "$2" "$4" "$host" "$(hostname)") || die "[rank $rank] could not build NO_PROXY (above)"
   export NO_PROXY no_proxy=$NO_PROXY
-  # verl's sync SGLang engines take their ports from SGLANG_PORT, 30000 for every job when unset (launch/node.py).
+  # verl's sync SGLang engines take their ports from SGLANG_PORT, 30000 for every job when unset (launch/job/node.py).
   if [[ "$ROLLOUT_ENGINE" == sglang ]]; then
     SGLANG_PORT=$(node_info sglang-port --block-port "${port[sglang_port]}" --gpus "$CONFIG_GPUS_PER_NODE" \
       --address "$3" --addresses "$4") || die "[rank $rank] no SGLang ports for this node (above)"
@@ -336,7 +336,7 @@ export_worker_env() {
   # Nothing to drain at the end of a job: without this, recent Ray waits 30 s on SIGTERM before it stops.
   export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
   # Every Python stack of a Ray worker on a fatal signal, all threads (Ray's own turns on the current thread's only):
-  # the stall watchdog's way to a worker's stack where there is no py-spy (launch/watchdog.py).
+  # the stall watchdog's way to a worker's stack where there is no py-spy (launch/job/watchdog.py).
   export PYTHONFAULTHANDLER=1
   if [[ -n "${CONFIG_NETWORK_INTERFACE}" ]]; then
     export NCCL_SOCKET_IFNAME=$CONFIG_NETWORK_INTERFACE GLOO_SOCKET_IFNAME=$CONFIG_NETWORK_INTERFACE
@@ -375,7 +375,7 @@ ray_args() {
 }
 
 # collect_addresses ADDRESS: every training node's address into node_addresses, the head's (ADDRESS) first: each
-# worker writes address.<rank> as it starts, and verl numbers its ranks by these (launch/node.py sglang_port).
+# worker writes address.<rank> as it starts, and verl numbers its ranks by these (launch/job/node.py sglang_port).
 node_addresses=""
 collect_addresses() {
   local r f deadline=$((SECONDS + RAY_JOIN_TIMEOUT))
@@ -429,7 +429,7 @@ run_head() {
   printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\nNODE_ADDRESSES=%s\n' "$ray_address" \
     "$REWARD_SERVER_URLS" "$node_addresses" >"$job_log_dir/cluster.env.tmp"
   mv "$job_log_dir/cluster.env.tmp" "$job_log_dir/cluster.env"
-  python3 -m launch.ray_cluster wait --address "$ray_address" --nodes "$train_nodes" \
+  python3 -m launch.job.ray_cluster wait --address "$ray_address" --nodes "$train_nodes" \
     --gpus $((CONFIG_GPUS_PER_NODE * train_nodes)) --timeout "$RAY_JOIN_TIMEOUT" --watch-pid "$ray_pid" || {
     local -a workers=("$job_log_dir"/ray_worker_*.log)
     err "Ray logs: head $job_log_dir/ray_head.log, workers ${workers[*]}"
@@ -439,7 +439,7 @@ run_head() {
 
   log_phase "[rank 0] trainer"
   local -a cmd
-  mapfile -d '' -t cmd < <(RAY_ADDRESS_FOR_TRAINER="$ray_address" python3 -m launch.settings trainer-argv "$@")
+  mapfile -d '' -t cmd < <(RAY_ADDRESS_FOR_TRAINER="$ray_address" python3 -m launch.plan.settings trainer-argv "$@")
   ((${#cmd[@]})) || die "could not build the trainer command"
   cmd=("$TRAINER_LAUNCHER" "${cmd[@]}")
   printf '%s\n' "${cmd[@]}" >"$job_log_dir/trainer_command.txt"
@@ -455,7 +455,7 @@ run_head() {
   if [[ "$STALL_TIMEOUT" != off ]]; then
     # shellcheck disable=SC2016  # as the trainer's
     start_bg "$job_log_dir/stall_watchdog.log" bash -c 'cd "$1" && shift && exec "$@"' watchdog "$here" \
-      python3 -m launch.watchdog watch --log-dir "$job_log_dir" --trainer-pid "$trainer_pid" --host "$host"
+      python3 -m launch.job.watchdog watch --log-dir "$job_log_dir" --trainer-pid "$trainer_pid" --host "$host"
     stall_pid=$BG_PID
     pids+=("$stall_pid")
   fi
@@ -527,7 +527,7 @@ wait_until_done() {
 }
 
 # check_gpu_modes: before this node starts anything, refuse GPUs whose compute mode forbids what it puts on them
-# (launch/node.py gpu-modes: Exclusive_Process allows one process a GPU, and a training GPU carries verl's worker
+# (launch/job/node.py gpu-modes: Exclusive_Process allows one process a GPU, and a training GPU carries verl's worker
 # and SGLang's scheduler, the head's reward GPUs the reward server too). A node without nvidia-smi (CPU runs) has
 # nothing to check; one where it fails says so once and goes on (the GPUs' own errors follow).
 check_gpu_modes() {

@@ -30,8 +30,8 @@ set -euo pipefail
 # sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
 # from (Slurm's own record of the script names it when that is not the repository).
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-if [[ ! -f "$repo/launch/common.sh" && -n "${SLURM_JOB_ID:-}" ]]; then
-  if [[ -f "${SLURM_SUBMIT_DIR:-}/launch/common.sh" ]]; then
+if [[ ! -f "$repo/launch/job/common.sh" && -n "${SLURM_JOB_ID:-}" ]]; then
+  if [[ -f "${SLURM_SUBMIT_DIR:-}/launch/job/common.sh" ]]; then
     repo=$SLURM_SUBMIT_DIR
   else
     script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' || true)
@@ -40,8 +40,8 @@ if [[ ! -f "$repo/launch/common.sh" && -n "${SLURM_JOB_ID:-}" ]]; then
     exit 1
   fi
 fi
-# shellcheck source=launch/common.sh
-source "$repo/launch/common.sh"
+# shellcheck source=launch/job/common.sh
+source "$repo/launch/job/common.sh"
 # CONTAINER, CONFIG_IMAGE_PATH, CONFIG_OUTPUT_DIR: as the run script's settings block has them (edit them there).
 load_run_settings "$repo"
 CKPT_ROOT="${CKPT_ROOT:-$CONFIG_OUTPUT_DIR}"                     # the trainer's output dir (CONFIG_OUTPUT_DIR)
@@ -118,7 +118,7 @@ decide_tie() {
     return
   fi
   local from_config
-  from_config=$(cd "$repo" && "${wrap[@]}" python3 -m launch.verify_hf "$step_dir/huggingface" --show-tie) ||
+  from_config=$(cd "$repo" && "${wrap[@]}" python3 -m launch.merge.verify_hf "$step_dir/huggingface" --show-tie) ||
     from_config=unreadable
   if [[ "$from_config" != true && "$from_config" != false ]]; then
     [[ "$TIE_WORD_EMBEDDINGS" != auto ]] ||
@@ -185,10 +185,10 @@ merge() {
     backend=$(checkpoint_backend)
     # verl's Megatron merger starts a one-process torch.distributed group; with no WORLD_SIZE set it takes
     # MASTER_PORT=12355 (verl/model_merger/megatron_model_merger.py:146-151), which a second merge on the node, or
-    # anything else there, may hold. This merge's own free port instead (from its job's port block, launch/node.py),
+    # anything else there, may hold. This merge's own free port instead (from its job's port block, launch/job/node.py),
     # on loopback; the FSDP merger starts none and ignores them.
     local master_port
-    master_port=$(cd "$repo" && "${wrap[@]}" python3 -m launch.node master-port --job-id "${SLURM_JOB_ID:-merge-$$}") ||
+    master_port=$(cd "$repo" && "${wrap[@]}" python3 -m launch.job.node master-port --job-id "${SLURM_JOB_ID:-merge-$$}") ||
       { rm -rf "$tmp"; die "no free port for the merger's process group on this node (above); nothing was written"; }
     local -a cmd=(env WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 "MASTER_PORT=$master_port")
     cmd+=("$MERGER_LAUNCHER" -m verl.model_merger merge --backend "$backend" --local_dir "$step_dir" --target_dir "$tmp")
@@ -196,7 +196,7 @@ merge() {
     log_phase "merging: ${cmd[*]}"
     "${wrap[@]}" "${cmd[@]}" || { rm -rf "$tmp"; die "the merger failed (output above); nothing was written to $TARGET_DIR"; }
   fi
-  local -a verify=(python3 -m launch.verify_hf "$tmp")
+  local -a verify=(python3 -m launch.merge.verify_hf "$tmp")
   if [[ "$ROLE" == critic ]]; then
     verify+=(--value-model)
   else
@@ -205,8 +205,8 @@ merge() {
   [[ "$VERIFY_LOAD" == 1 ]] && verify+=(--load)
   local ok=1
   if [[ "$ROLE" == critic ]]; then
-    log_phase "converting verl's critic save into a value model (launch/critic_to_hf.py)"
-    (cd "$repo" && "${wrap[@]}" python3 -m launch.critic_to_hf "$tmp") || ok=0
+    log_phase "converting verl's critic save into a value model (launch/merge/critic_to_hf.py)"
+    (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.critic_to_hf "$tmp") || ok=0
   fi
   if ((ok)); then
     log_phase "verifying"

@@ -21,22 +21,22 @@
 #   CONTAINER=none bash run_grpo_qwen3_4b_mega_verl.sh                     # one workstation, verl installed locally
 #   CANARY=1 sbatch --time=01:00:00 run_grpo_qwen3_4b_mega_verl.sh         # first time on a cluster: every stage, tiny
 #   salloc --nodes=1 --gpus-per-node=4 ...  then  bash run_grpo_qwen3_4b_mega_verl.sh   # in that allocation; Ctrl-C stops
-#   python -m launch.status [JOB_ID] [--png FILE] [--follow]               # where a job is, when it ends, how it learns
+#   python -m launch.watch.status [JOB_ID] [--png FILE] [--follow]               # where a job is, when it ends, how it learns
 #
-# The trainer keys that are not settings (the same for every job) are FIXED_OVERRIDES in launch/settings.py; the whole
+# The trainer keys that are not settings (the same for every job) are FIXED_OVERRIDES in launch/plan/settings.py; the whole
 # default command is docs/trainer-command.md, and each job writes its own to its log folder (trainer_command.txt).
 # Edit the settings below (or override any of them from the environment; docs/settings.md lists them all). Keep the
 # #SBATCH lines in step with them: --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a
 # separate reward node). Submit from the repository root: Slurm writes logs/<job name>-<job id>.out there.
 # merge_mcore_to_hf.sh reads this block (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER) and takes this script's
-# --partition, --account and --output lines: every start of either script copies them into it (launch/common.sh).
+# --partition, --account and --output lines: every start of either script copies them into it (launch/job/common.sh).
 set -euo pipefail
 
 # sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
 # from (Slurm's own record of the script names it when that is not the repository).
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-if [[ ! -f "$repo/launch/common.sh" && -n "${SLURM_JOB_ID:-}" ]]; then
-  if [[ -f "${SLURM_SUBMIT_DIR:-}/launch/common.sh" ]]; then
+if [[ ! -f "$repo/launch/job/common.sh" && -n "${SLURM_JOB_ID:-}" ]]; then
+  if [[ -f "${SLURM_SUBMIT_DIR:-}/launch/job/common.sh" ]]; then
     repo=$SLURM_SUBMIT_DIR
   else
     script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' || true)
@@ -150,10 +150,10 @@ STALL_REQUEUE="${STALL_REQUEUE:-1}"                             # 1: requeue onc
 set +a
 # ------------------------------------------------------------------------------------------------------------------
 
-# shellcheck source=launch/common.sh
-source "$repo/launch/common.sh"
-# shellcheck source=launch/canary.sh
-source "$repo/launch/canary.sh"
+# shellcheck source=launch/job/common.sh
+source "$repo/launch/job/common.sh"
+# shellcheck source=launch/watch/canary.sh
+source "$repo/launch/watch/canary.sh"
 
 job_id=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)-$$}
 job_log_dir="$CONFIG_LOG_DIR/${job_id}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}"
@@ -231,7 +231,7 @@ export_wandb_run() {
 
 # export_checkpoint_deadline: the job's end (JOB_END_TIME, epoch s) and verl 0.6.1's expiry, CHECKPOINT_BEFORE_END
 # before it: the main trainer saves after any step that ends within 60 s + its longest step + trainer.esi_redundant_time
-# of it (checkpoint_manager.should_save_ckpt_esi); the preflight says what that means for this job (launch/deadline.py).
+# of it (checkpoint_manager.should_save_ckpt_esi); the preflight says what that means for this job (launch/plan/deadline.py).
 # JOB_SIGNAL_LEAD: the time-limit signal's lead in this script's own header (#SBATCH --signal=B:USR1@N).
 export_checkpoint_deadline() {
   local end=${SLURM_JOB_END_TIME:-}
@@ -268,7 +268,7 @@ container_cmd() {
 }
 
 # preflight: what must run before Python exists here (the image, the container program, Slurm's GPU count), then
-# launch.preflight in one container start: settings, verl's config checks, the data, the reward round trip.
+# launch.plan.preflight in one container start: settings, verl's config checks, the data, the reward round trip.
 preflight() {
   log_phase "checks: settings, files, and the trainer config through verl's own code"
   local -a wrap
@@ -299,7 +299,7 @@ preflight() {
   if [[ -n "$gpus" && "$gpus" != "$CONFIG_GPUS_PER_NODE" ]]; then
     die "Slurm gave $gpus GPUs per node but CONFIG_GPUS_PER_NODE=$CONFIG_GPUS_PER_NODE: make #SBATCH --gpus-per-node match"
   fi
-  (cd "$repo" && "${wrap[@]}" python3 -m launch.preflight "$@") ||
+  (cd "$repo" && "${wrap[@]}" python3 -m launch.plan.preflight "$@") ||
     die "the preflight failed (above: the settings, verl's config checks, the data or the reward check); nothing was started"
   # REWARD_PROMPT_OPENS_THINK=auto as the preflight read it from the policy's chat template: every node builds the
   # trainer command with that value, not reading the template again.
@@ -311,7 +311,7 @@ preflight() {
 }
 
 # follow_this_header: `sbatch merge_mcore_to_hf.sh` goes where this job goes: its #SBATCH --partition, --account and
-# --output lines become this script's (sync_merge_header, launch/common.sh).
+# --output lines become this script's (sync_merge_header, launch/job/common.sh).
 follow_this_header() {
   local lines line
   if ! lines=$(sync_merge_header "$repo"); then
@@ -395,7 +395,7 @@ cleanup() {
   fi
   # The helpers stop their own processes within STOP_TIMEOUT: give them that and a margin before killing them.
   [[ -n "$srun_pid" ]] && stop_pids $((STOP_TIMEOUT + 15)) "$srun_pid"
-  # Every start's end, for launch.status: a run outside Slurm has no output file that says it.
+  # Every start's end, for launch.watch.status: a run outside Slurm has no output file that says it.
   [[ ! -d "$job_log_dir" ]] || printf '%s\n' "$rc" >"$job_log_dir/exit" || true
   log "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=$rc; logs: $job_log_dir)"
   exit "$rc"
@@ -441,7 +441,7 @@ main() {
   trap 'on_stop_signal 130' INT
   trap 'on_stop_signal 143' TERM
   export_settings
-  [[ "$CANARY" != 1 ]] || canary_settings "$@"  # its own folder and a tiny workload (launch/canary.sh)
+  [[ "$CANARY" != 1 ]] || canary_settings "$@"  # its own folder and a tiny workload (launch/watch/canary.sh)
   # WANDB_DIR before anything starts: where wandb cannot write it, it logs to the system temp folder of whichever node
   # holds verl's TaskRunner (wandb_init.py try_create_root_dir), not where `wandb sync` is pointed.
   mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME" "$WANDB_DIR" ||
@@ -457,7 +457,7 @@ main() {
       "everything it started; this output is also in $out"
   fi
   log_phase "job $job_id: logs in $job_log_dir"
-  # What this start is, for launch.status (a preflight only, the canary, or training)
+  # What this start is, for launch.watch.status (a preflight only, the canary, or training)
   local kind=training
   [[ "$CANARY" != 1 ]] || kind=canary
   [[ "$PREFLIGHT_ONLY" != 1 ]] || kind="preflight only"
@@ -490,7 +490,7 @@ main() {
   # verl prunes only its own saves: what earlier starts of this job left goes here (never the one it resumes from).
   local -a wrap
   mapfile -d '' -t wrap < <(container_cmd)
-  (cd "$repo" && "${wrap[@]}" python3 -m launch.checkpoints "$CONFIG_OUTPUT_DIR" "$MAX_CKPT_TO_KEEP") ||
+  (cd "$repo" && "${wrap[@]}" python3 -m launch.job.checkpoints "$CONFIG_OUTPUT_DIR" "$MAX_CKPT_TO_KEEP") ||
     die "could not prune old checkpoints in $CONFIG_OUTPUT_DIR (MAX_CKPT_TO_KEEP=$MAX_CKPT_TO_KEEP)"
   local rc=0
   launch "$@" || rc=$?

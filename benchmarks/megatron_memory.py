@@ -1,8 +1,8 @@
 """verl 0.6.1's Megatron actor at Qwen3-4B's shape on one GPU: what the update and the log-prob pass hold, per
-pipeline stage, measured through verl's own worker, beside what the preflight predicts (launch/gpu_memory.py).
+pipeline stage, measured through verl's own worker, beside what the preflight predicts (launch/plan/gpu_memory.py).
 
 Each case runs in its own process: verl's `ActorRolloutRefWorker(role="actor")` built from the job's own trainer
-config (launch.settings.trainer_argv for the settings block's defaults: bf16, optimizer offload, micro-batches of
+config (launch.plan.settings.trainer_argv for the settings block's defaults: bf16, optimizer offload, micro-batches of
 token_budget() tokens, MEGATRON_RECOMPUTE as the case says), `init_model` on a random-weight Qwen3 checkpoint of the
 public config's dimensions, then:
 - `stage1` (the last stage of the default PP=2: half the layers, the output layer and the logits, one micro-batch in
@@ -88,7 +88,7 @@ def build_policy(shape: str, layers: int, out: Path, device: str) -> dict:
 
 def case_settings(policy: Path, recompute: str, lengths: tuple[int, int] | None) -> dict[str, str]:
     """The settings block's defaults, with this machine's one GPU, the case's recompute and, where given, lengths."""
-    from launch.reference import block_defaults
+    from launch.plan.reference import block_defaults
 
     return block_defaults(str(REPO)) | {
         "CONTAINER": "none", "CONFIG_MODEL_PATH": str(policy), "CONFIG_REWARD_MODEL_PATH": str(policy),
@@ -99,8 +99,8 @@ def case_settings(policy: Path, recompute: str, lengths: tuple[int, int] | None)
 
 
 def worker_config(policy: Path, recompute: str, fused: bool, lengths, on_gpu: bool):
-    from launch.preflight import compose, split_command
-    from launch.settings import Settings, trainer_argv
+    from launch.plan.preflight import compose, split_command
+    from launch.plan.settings import Settings, trainer_argv
 
     extra = [] if on_gpu else __import__("demo.megatron_cpu", fromlist=["overrides"]).overrides()
     s = Settings.from_env(case_settings(policy, recompute, lengths))
@@ -225,8 +225,8 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths) ->
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     cfg, s = worker_config(policy, recompute, bool(fused), lengths, on_gpu)
-    from launch.procs import free_port
-    from launch.settings import token_budget
+    from launch.plan.procs import free_port
+    from launch.plan.settings import token_budget
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     from demo import megatron_cpu
@@ -346,10 +346,10 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths) ->
 
 
 def predictions(result: dict) -> dict:
-    """What launch/gpu_memory.py predicts for each case that ran, beside its measured peaks (GiB): the update's peak
+    """What launch/plan/gpu_memory.py predicts for each case that ran, beside its measured peaks (GiB): the update's peak
     (stage1: the larger of the two updates; stage0: the forward-backward of the two micro-batches in flight), the
     log-prob pass's, and the activation bytes per token of one layer (the saved tensors, beside the formula's)."""
-    from launch.gpu_memory import ModelDims, log_prob_peak, stage_memory
+    from launch.plan.gpu_memory import ModelDims, log_prob_peak, stage_memory
 
     policy = result["policy"]
     dims = ModelDims(policy["hidden_size"], policy["intermediate_size"],

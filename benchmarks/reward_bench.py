@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from demo.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
-from launch.procs import free_port, start_process, stop_process, wait_for_http  # noqa: E402
+from launch.plan.procs import free_port, start_process, stop_process, wait_for_http  # noqa: E402
 from reward_score import safe_hack_reward_request as client  # noqa: E402
 
 SHAPES = {

@@ -1,7 +1,7 @@
 """verl 0.6.1's own GRPO training step on one GPU, with verl's own timing_s breakdown and peak memory per role.
 
 What runs is what a job runs with STRATEGY=fsdp2 ROLLOUT_MODE=sync: `python -m verl.trainer.main_ppo` with the
-command launch.settings.trainer_argv makes from the run script's settings block, the overrides below last; our reward
+command launch.plan.settings.trainer_argv makes from the run script's settings block, the overrides below last; our reward
 server on the same GPU (the job's shared placement), our reward function through verl's batch reward manager, a Ray
 head started by hand on its own ports (no dashboard), NCCL. Two things differ from a job, because the benchmark
 machine has neither SGLang nor vLLM nor flash-attn: the rollout is verl's HF rollout (HF generate) behind the engine
@@ -273,7 +273,7 @@ def write_prompts(path: Path, rows: int, lo: int, hi: int, words: int, seed: int
 
 def settings_env(args, paths: dict[str, Path]) -> dict[str, str]:
     """The run script's settings block as it exports its defaults, then this run's values: what Settings reads."""
-    from launch.reference import block_defaults
+    from launch.plan.reference import block_defaults
 
     return block_defaults(str(REPO)) | {
         "CONFIG_MODEL_PATH": str(paths["policy"]), "CONFIG_REWARD_MODEL_PATH": str(paths["reward_model"]),
@@ -312,11 +312,11 @@ class Terminated(Exception):
 
 
 class Group:
-    """A process started in a session of its own (launch.procs.start_process); stop() ends every process of that
+    """A process started in a session of its own (launch.plan.procs.start_process); stop() ends every process of that
     group, waiting until none is left: Ray's GCS and raylet outlive the `ray start` that leads the group."""
 
     def __init__(self, cmd: list[str], log: Path, env: dict, cwd: Path | None = None) -> None:
-        from launch.procs import start_process
+        from launch.plan.procs import start_process
 
         self.proc = start_process(cmd, log, env, cwd)
         self.pid, self.log = self.proc.pid, log
@@ -562,9 +562,9 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
 
     import requests
 
-    from launch.node import plan_ports
-    from launch.procs import wait_for_http
-    from launch.settings import Settings, trainer_argv
+    from launch.job.node import plan_ports
+    from launch.plan.procs import wait_for_http
+    from launch.plan.settings import Settings, trainer_argv
 
     # 1. models, in a child process (no CUDA context left in this one)
     since = time.monotonic()
@@ -645,7 +645,7 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
     wait_for_http(server.proc, url + "/health", server.log, run.left(900), name="the reward server")
     run.mark("reward_server", since)
     run.result["reward_server_health"] = requests.get(url + "/health", timeout=10).json()
-    waited = subprocess.run([sys.executable, "-m", "launch.ray_cluster", "wait", "--address", ray_address,
+    waited = subprocess.run([sys.executable, "-m", "launch.job.ray_cluster", "wait", "--address", ray_address,
                              "--nodes", "1", "--gpus", "1", "--timeout", f"{run.left(300):.0f}",
                              "--watch-pid", str(ray_head.pid)], env=env, cwd=REPO)  # fmt: skip
     if waited.returncode != 0:

@@ -25,7 +25,7 @@ from pathlib import Path
 from demo import megatron_cpu, verl_cpu
 from demo.data import write_demo
 from demo.tiny_models import build_policy_model, build_reward_model
-from launch.procs import free_port
+from launch.plan.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # README.md's quickstart, command for command (tests/test_demo.py compares them).

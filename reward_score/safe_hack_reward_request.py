@@ -53,7 +53,7 @@ class Config:
     max_score: float = 30.0
     penalty: float = math.nan  # nan: the min score
     # The policy's chat template opens <think> (Qwen3-*-Thinking-2507). A job passes the value it read from the
-    # template (reward_kwargs.prompt_opens_think, launch/thinking.py); "auto" is the job's to resolve: None here.
+    # template (reward_kwargs.prompt_opens_think, launch/plan/thinking.py); "auto" is the job's to resolve: None here.
     prompt_opens_think: bool | None = True
     on_failure: str = "raise"  # raise | min_score
     batch_size: int = 1024  # items per /score_batch request at most (a batch is split evenly over the servers)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from demo import megatron_cpu, verl_cpu
-from launch import procs
-from launch.procs import free_port, http_get, tail  # noqa: F401  (the tests import them from here)
+from launch.plan import procs
+from launch.plan.procs import free_port, http_get, tail  # noqa: F401  (the tests import them from here)
 
 REPO = Path(__file__).resolve().parent.parent
 FAKES = Path(__file__).resolve().parent / "fakes"
@@ -214,7 +214,7 @@ def listening(ports: Sequence[int]) -> list[int]:
 def listening_elsewhere(ports: Sequence[int], log_dir: Path) -> list[int]:
     """The ports among `ports` whose listener is a process of another job: one that did not inherit this job's
     JOB_LOG_DIR. Tests run beside each other, and a job that planned its port block while this one's was still free
-    may hold some of the same ports (launch/node.py moves a block on only when a port is taken as it plans)."""
+    may hold some of the same ports (launch/job/node.py moves a block on only when a port is taken as it plans)."""
     import psutil
 
     others = []
@@ -232,7 +232,7 @@ def listening_elsewhere(ports: Sequence[int], log_dir: Path) -> list[int]:
 def job_ports(log_dir: Path) -> list[int]:
     """Every port the job held on any node: what each node's helper wrote to ports.<rank> (Ray's ports, the worker
     range, the reward servers, verl's SGLang engines), and the reward URLs the head published."""
-    from launch.node import RAY_PORT_OFFSETS
+    from launch.job.node import RAY_PORT_OFFSETS
 
     ports = set()
     urls = (log_dir / "reward_urls").read_text().strip() if (log_dir / "reward_urls").exists() else ""
@@ -242,7 +242,7 @@ def job_ports(log_dir: Path) -> list[int]:
         ports |= {int(plan[name]) for name in RAY_PORT_OFFSETS}
         ports |= set(range(int(plan["min_worker_port"]), int(plan["max_worker_port"]) + 1))
         ports |= set(range(int(plan["reward_port"]), int(plan["reward_port"]) + int(plan["reward_count"])))
-        if "sglang_port" in plan:  # verl's sync SGLang engines: two ports per GPU (launch/node.py sglang_port)
+        if "sglang_port" in plan:  # verl's sync SGLang engines: two ports per GPU (launch/job/node.py sglang_port)
             ports |= set(range(int(plan["sglang_port"]), int(plan["sglang_port"]) + 2 * int(plan["gpus"])))
     return sorted(ports)
 

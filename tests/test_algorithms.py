@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import launch.settings as settings_module
+import launch.plan.settings as settings_module
 from demo import verl_cpu
-from launch.preflight import compose, import_problems, split_command, trainer_modules, validate
-from launch.refusals import (
+from launch.plan.preflight import compose, import_problems, split_command, trainer_modules, validate
+from launch.plan.refusals import (
     batch_problems,
     check,
     parallel_problems,
@@ -19,7 +19,7 @@ from launch.refusals import (
     ray_cpus_needed,
     rollout_problems,
 )
-from launch.settings import SettingError, Settings, trainer_argv
+from launch.plan.settings import SettingError, Settings, trainer_argv
 from tests.support import REPO
 
 
@@ -407,7 +407,9 @@ def test_a_batch_the_agent_loop_cannot_split_is_refused_naming_the_nearest_sizes
 def test_the_preflight_stops_a_batch_the_agent_loop_cannot_split_before_anything_starts(env):
     job = env | {k: str(v) for k, v in ISSUE_SPLIT.items()} | {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0",
                                                              "TRAINER_LAUNCHER": "stand-in", "TRAINER_IS_VERL": "0"}  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.plan.preflight"], cwd=REPO, env=job, capture_output=True, text=True
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert "verl 0.6.1 would stop at run time" in run.stderr and "agent loop's 8 workers" in run.stderr
 
@@ -421,10 +423,12 @@ def test_the_preflight_stops_the_issues_batch_before_anything_starts(env, tmp_pa
     """PREFLIGHT_ONLY=1 TRAIN_BATCH_SIZE=4 ROLLOUT_N=2 PPO_MINI_BATCH_SIZE=3 used to pass every check."""
     job = env | {"TRAIN_BATCH_SIZE": "4", "ROLLOUT_N": "2", "PPO_MINI_BATCH_SIZE": "3", "PREFLIGHT_DATA": "0",
                  "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "stand-in", "TRAINER_IS_VERL": "0"}  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.plan.preflight"], cwd=REPO, env=job, capture_output=True, text=True
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert "verl 0.6.1 would stop at run time" in run.stderr and "PPO_MINI_BATCH_SIZE" in run.stderr
-    fixed = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job | {"PPO_MINI_BATCH_SIZE": "2"},
+    fixed = subprocess.run([sys.executable, "-m", "launch.plan.preflight"], cwd=REPO, env=job | {"PPO_MINI_BATCH_SIZE": "2"},
                            capture_output=True, text=True)  # fmt: skip
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     assert "TRAINER_IS_VERL=0: TRAINER_LAUNCHER=stand-in runs no verl trainer, so verl's imports" in fixed.stderr
@@ -732,7 +736,7 @@ def test_async_rollout_is_refused_where_verls_agent_loop_does_not_import_as_with
                  "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "python3", "RAY_NUM_CPUS": "2"}  # fmt: skip
 
     def preflight(pythonpath):
-        return subprocess.run([sys.executable, "-m", "launch.preflight", *verl_cpu.overrides()], cwd=REPO,
+        return subprocess.run([sys.executable, "-m", "launch.plan.preflight", *verl_cpu.overrides()], cwd=REPO,
                               capture_output=True, text=True, env=job | {"PYTHONPATH": pythonpath})  # fmt: skip
 
     refused = preflight(f"{missing}:{REPO}")
@@ -754,7 +758,7 @@ def test_the_preflight_stops_a_job_whose_engine_does_not_import_where_the_traine
                  "TRAINER_LAUNCHER": "python3"}  # fmt: skip
 
     def preflight(pythonpath):
-        return subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "launch.plan.preflight"], cwd=REPO, capture_output=True, text=True,
                               env=job | {"PYTHONPATH": pythonpath})  # fmt: skip
 
     missing = preflight(f"{recipes}:{REPO}")
@@ -787,7 +791,7 @@ def test_batches_need_not_be_multiples_of_the_micro_batch_since_both_strategies_
 
 
 def test_the_ppo_canarys_second_critic_epoch_passes_verls_own_checks(env):
-    from launch.canary import stage_overrides
+    from launch.watch.canary import stage_overrides
 
     s = settings(env, ALGORITHM="ppo")
     cfg = composed(s, stage_overrides("train", s))

@@ -3,7 +3,7 @@
 The container, the trainer and the merger are stand-ins (tests/fakes): the trainer imitates what verl 0.6.1's fit
 loop prints and writes (resume messages, step lines, checkpoint layout), so the canary's checks read the same text
 they will read on a cluster. Slurm (for the job through sbatch), reward servers, Ray, the preflight,
-merge_mcore_to_hf.sh and launch.verify_hf are real."""
+merge_mcore_to_hf.sh and launch.merge.verify_hf are real."""
 
 import json
 import os
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from launch import canary
-from launch.refusals import check
-from launch.settings import Settings
+from launch.plan.refusals import check
+from launch.plan.settings import Settings
+from launch.watch import canary
 from tests.support import REPO, block_environment, run
 
 # The settings block's own defaults (as run_grpo_qwen3_4b_mega_verl.sh exports them), with placeholder paths.

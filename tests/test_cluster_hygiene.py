@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import node
+from launch.job import node
 from tests.support import (
     REPO,
     assert_everything_stopped,
@@ -35,7 +35,7 @@ FAST = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight is test
 
 
 def node_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.node", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "launch.job.node", *args], capture_output=True, text=True, cwd=REPO,
                           env=env)  # fmt: skip
 
 
@@ -234,7 +234,7 @@ def test_the_health_poll_with_our_token_refuses_another_jobs_server(tiny_models,
          "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
         tmp_path / "other.log", port, env=env,
     )  # fmt: skip
-    probe = 'source launch/common.sh; sleep 60 & pid=$!; wait_for_http "$1" "$pid" "$2" 20 "$3"; rc=$?; kill "$pid"; exit "$rc"'
+    probe = 'source launch/job/common.sh; sleep 60 & pid=$!; wait_for_http "$1" "$pid" "$2" 20 "$3"; rc=$?; kill "$pid"; exit "$rc"'
     url = f"http://127.0.0.1:{port}/health"
     try:
         ours = subprocess.run(["bash", "-c", probe, "_", url, str(server.log), "this-jobs-token"], cwd=REPO,
@@ -480,11 +480,11 @@ def test_checkpoints_left_by_earlier_starts_are_pruned_but_never_the_one_verl_re
         (ckpt / f"global_step_{step}" / "actor").mkdir(parents=True)
     (ckpt / "global_step_notes").mkdir()  # not a checkpoint: left alone
     (ckpt / "latest_checkpointed_iteration.txt").write_text("50")  # resume from 50 (a later save was cut short)
-    result = subprocess.run([sys.executable, "-m", "launch.checkpoints", str(ckpt), "2"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "launch.job.checkpoints", str(ckpt), "2"], cwd=REPO,
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stderr
     left = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
     assert left == ["global_step_100", "global_step_125", "global_step_50", "global_step_notes"]
     assert "removing" in result.stdout and "MAX_CKPT_TO_KEEP=2" in result.stdout
-    keep_all = subprocess.run([sys.executable, "-m", "launch.checkpoints", str(ckpt), "0"], cwd=REPO)
+    keep_all = subprocess.run([sys.executable, "-m", "launch.job.checkpoints", str(ckpt), "0"], cwd=REPO)
     assert keep_all.returncode == 0 and len(list(ckpt.glob("global_step_*"))) == 4

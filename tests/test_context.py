@@ -1,4 +1,4 @@
-"""Prompt + response against the positions the models have (launch/refusals.py context_problems): a policy too short
+"""Prompt + response against the positions the models have (launch/plan/refusals.py context_problems): a policy too short
 for MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH is refused by the preflight, on the login node, instead of by verl's
 rollout when the engine starts on the GPUs after the queue. The models are config.json files alone: only that is read."""
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from launch import preflight
-from launch.refusals import check, context_problems, model_positions
-from launch.settings import Settings
+from launch.plan import preflight
+from launch.plan.refusals import check, context_problems, model_positions
+from launch.plan.settings import Settings
 from tests.support import block_environment
 
 POLICY_REFUSED = "but the policy has"

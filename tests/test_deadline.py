@@ -1,13 +1,13 @@
-"""The save before the time limit (launch/deadline.py): the room verl 0.6.1's window gets for validation and the save,
+"""The save before the time limit (launch/plan/deadline.py): the room verl 0.6.1's window gets for validation and the save,
 refusals and warnings when CHECKPOINT_BEFORE_END does not fit the job, and the recipes that never save before it."""
 
 from pathlib import Path
 
 import pytest
 
-from launch import deadline
-from launch.refusals import check, save_deadline_problems
-from launch.settings import Settings, trainer_argv
+from launch.plan import deadline
+from launch.plan.refusals import check, save_deadline_problems
+from launch.plan.settings import Settings, trainer_argv
 from tests.support import block_environment
 
 DEFAULTS = block_environment() | dict(
@@ -56,7 +56,9 @@ def test_a_first_start_assumes_the_first_guess_and_a_number_set_by_hand_wins(tmp
 def test_the_main_trainer_gets_the_window_key_and_the_recipes_which_never_check_the_limit_do_not():
     assert "trainer.esi_redundant_time=600" in trainer_argv(settings())
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("launch.settings.find_recipe", lambda name: type("Spec", (), {"submodule_search_locations": ["/r"]}))
+        mp.setattr(
+            "launch.plan.settings.find_recipe", lambda name: type("Spec", (), {"submodule_search_locations": ["/r"]})
+        )
         argv = trainer_argv(settings(**DAPO))
     assert not any(a.startswith("trainer.esi_redundant_time=") for a in argv)
 

@@ -3,7 +3,7 @@ and the CPU adaptations it needs (demo/verl_cpu.py, demo/megatron_cpu.py).
 
 Nothing here is a stand-in: the run script, the preflight, reward servers on the CPU, Ray, `python -m
 verl.trainer.main_ppo` (RayPPOTrainer.fit with verl's Megatron workers and its HF rollout), verl's checkpoint manager,
-its Megatron merger and launch.verify_hf are the real ones; what verl needs on a CPU is the two modules' overrides and
+its Megatron merger and launch.merge.verify_hf are the real ones; what verl needs on a CPU is the two modules' overrides and
 shims."""
 
 import re
@@ -15,9 +15,9 @@ import pytest
 
 from demo import verl_cpu
 from demo.run import CLIP_NOTE, LOGIN_NODE_CHECK, NEXT_STEPS
-from launch.preflight import compose, split_command, validate
-from launch.refusals import rollout_problems
-from launch.settings import Settings, trainer_argv
+from launch.plan.preflight import compose, split_command, validate
+from launch.plan.refusals import rollout_problems
+from launch.plan.settings import Settings, trainer_argv
 from tests.support import AGENT_LOOP_TIMING, REPO, block_environment
 from tests.test_quickstart import quickstart_lines
 

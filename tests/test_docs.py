@@ -4,13 +4,13 @@ link in the docs points at a file that exists."""
 
 import re
 
-from launch import reference
+from launch.plan import reference
 from tests.support import REPO
 
 
 def test_the_settings_and_trainer_command_pages_are_what_the_code_makes_now():
     for page, make in reference.PAGES.items():
-        assert page.read_text() == make(), f"{page.name} is stale: run python -m launch.reference write"
+        assert page.read_text() == make(), f"{page.name} is stale: run python -m launch.plan.reference write"
 
 
 def test_the_settings_page_lists_every_setting_of_the_block_once_and_the_articles_names_only_for_settings():
@@ -55,12 +55,12 @@ def test_the_message_list_holds_each_kind_of_message_the_scripts_print():
                                            "could not create the job's folders"],
         "helper_grpo_qwen3_4b.sh": ["death(s) within s, its REWARD_RESTARTS= restarts spent", "trainer exited with"],
         "merge_mcore_to_hf.sh": ["is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json)"],
-        "launch/refusals.py": ["FP8=true: verl 0.6.1 cannot train", "sets Megatron's parallel state once per process",
+        "launch/plan/refusals.py": ["FP8=true: verl 0.6.1 cannot train", "sets Megatron's parallel state once per process",
                                "is less than one per data-parallel rank"],
-        "launch/deadline.py": ["does not save before the time limit"],
-        "launch/preflight.py": ["preflight: verl 0.6.1 would stop at run time:"],
-        "launch/settings.py": ["is not installed here (verl's PyPI wheel holds no recipes)"],
-        "launch/node.py": ["is not a GPU index"],
+        "launch/plan/deadline.py": ["does not save before the time limit"],
+        "launch/plan/preflight.py": ["preflight: verl 0.6.1 would stop at run time:"],
+        "launch/plan/settings.py": ["is not installed here (verl's PyPI wheel holds no recipes)"],
+        "launch/job/node.py": ["is not a GPU index"],
     }  # fmt: skip
     for source, needles in expected.items():
         for needle in needles:
@@ -107,7 +107,7 @@ def test_every_link_of_the_readmes_and_docs_points_at_a_file_and_heading_that_ex
 
 
 def test_the_readmes_canary_table_is_what_a_passing_canary_prints():
-    from launch import canary
+    from launch.watch import canary
 
     english = (REPO / "README.md").read_text()
     block = english.split("A passing canary", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import procs
+from launch.plan import procs
 from tests.support import REPO, free_port, http_get, start_http_server, start_process, stop_ray, wait_for_http
 
 # --- tiny models ---------------------------------------------------------------------------------------------

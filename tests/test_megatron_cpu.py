@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from demo import megatron_cpu
-from launch.preflight import compose, split_command, validate
-from launch.refusals import check, rollout_problems
-from launch.settings import SettingError, Settings, trainer_argv
+from launch.plan.preflight import compose, split_command, validate
+from launch.plan.refusals import check, rollout_problems
+from launch.plan.settings import SettingError, Settings, trainer_argv
 from tests.support import REPO, block_environment
 
 

@@ -1,4 +1,4 @@
-"""The Megatron update's memory: launch/gpu_memory.py's per-stage formula against what verl's own Megatron worker held
+"""The Megatron update's memory: launch/plan/gpu_memory.py's per-stage formula against what verl's own Megatron worker held
 on an H200 at Qwen3-4B's shape (benchmarks/results/megatron_memory_h200_qwen3_4b.json, benchmarks/megatron_memory.py),
 the preflight's refusal of a plan over the GPU, and the benchmark itself on a CPU."""
 
@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from benchmarks import megatron_memory
-from launch.gpu_memory import GIB, ModelDims, UpdateMemoryError, stage_memory, update_line, update_plan
-from launch.reference import block_defaults
-from launch.settings import Settings
+from launch.plan.gpu_memory import GIB, ModelDims, UpdateMemoryError, stage_memory, update_line, update_plan
+from launch.plan.reference import block_defaults
+from launch.plan.settings import Settings
 from tests.support import REPO
 
 RESULTS = REPO / "benchmarks" / "results"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import verify_hf
+from launch.merge import verify_hf
 from tests.fakes.fake_merger import save_critic_like_verl
 from tests.support import REPO
 
@@ -244,7 +244,7 @@ def test_verl_s_merger_still_builds_a_causal_lm_so_a_critic_merge_stays_refused(
 def test_an_actor_s_lm_head_is_not_taken_for_a_value_head(tiny_models, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from launch.critic_to_hf import NotACritic, to_value_model
+    from launch.merge.critic_to_hf import NotACritic, to_value_model
 
     config = AutoConfig.from_pretrained(tiny_models.policy, tie_word_embeddings=False)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "actor")

@@ -1,4 +1,4 @@
-"""launch/ray_cluster.py keeps its deadline whatever Ray does: ray.init is bounded, watched processes are checked."""
+"""launch/job/ray_cluster.py keeps its deadline whatever Ray does: ray.init is bounded, watched processes are checked."""
 
 import socket
 import subprocess
@@ -21,7 +21,7 @@ def silent_address():
 
 
 def wait_command(address: str, timeout: float, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "launch.ray_cluster", "wait", "--address", address, "--nodes", "1",
+    return [sys.executable, "-m", "launch.job.ray_cluster", "wait", "--address", address, "--nodes", "1",
             "--timeout", str(timeout), *extra]  # fmt: skip
 
 

@@ -13,7 +13,7 @@ import sys
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from launch.image_check import UVICORN_FIRST_BREAKING, read_pins, verl_style_server_listens
+from launch.plan.image_check import UVICORN_FIRST_BREAKING, read_pins, verl_style_server_listens
 from tests.support import REPO
 
 REQ = REPO / "requirements"
@@ -69,9 +69,9 @@ def test_verl_run_unvicorn_keeps_listening_exactly_below_uvicorn_0_41():
 
 
 def test_the_image_check_passes_on_the_oldest_stack_and_names_the_uvicorn_problem_on_the_newest():
-    """launch/image_check.py, as the image's %test runs it (here: PyPI verl, no engine, no Megatron, no recipes)."""
+    """launch/plan/image_check.py, as the image's %test runs it (here: PyPI verl, no engine, no Megatron, no recipes)."""
     run = subprocess.run(
-        [sys.executable, str(REPO / "launch" / "image_check.py"), "--engine", "none", "--skip-recipes",
+        [sys.executable, str(REPO / "launch" / "plan" / "image_check.py"), "--engine", "none", "--skip-recipes",
          "--skip-megatron"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

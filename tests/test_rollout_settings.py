@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from launch.preflight import validate, validation_sampling
-from launch.refusals import batch_problems, check
+from launch.plan.preflight import validate, validation_sampling
+from launch.plan.refusals import batch_problems, check
 from tests.support import REPO
 from tests.test_algorithms import composed, env, recipes, settings  # noqa: F401  (env: the tiny-model settings; recipes: verl's recipe package)
 

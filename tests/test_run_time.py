@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import node
-from launch.gpu_memory import (
+from launch.job import node
+from launch.plan.gpu_memory import (
     GIB,
     WORKER_OVERHEAD,
     ModelDims,
@@ -35,9 +35,9 @@ from launch.gpu_memory import (
     stage_parameters,
     trainer_resident,
 )
-from launch.preflight import compose, split_command
-from launch.refusals import check
-from launch.settings import Settings, trainer_argv
+from launch.plan.preflight import compose, split_command
+from launch.plan.refusals import check
+from launch.plan.settings import Settings, trainer_argv
 from tests import run_time_probes
 from tests.real_slurm import NODE_SIZE
 from tests.support import (

@@ -1,12 +1,12 @@
 """Each setting is written once: a line in the run script's settings block, which exports it, and a field in
-launch.settings that reads that same name with no default of its own."""
+launch.plan.settings that reads that same name with no default of its own."""
 
 import re
 from dataclasses import MISSING, fields
 
 import pytest
 
-from launch.settings import FIXED_OVERRIDES, SettingError, Settings, trainer_argv
+from launch.plan.settings import FIXED_OVERRIDES, SettingError, Settings, trainer_argv
 from tests.support import REPO, block_environment
 
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
@@ -51,14 +51,17 @@ def test_the_fixed_trainer_keys_are_in_every_command_and_no_key_is_set_twice(alg
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
 
 
+PHASES = ("plan", "job", "watch")  # launch/__init__.py: each imports only the ones before it; merge imports none
+
+
 def launch_imports() -> dict[str, set[str]]:
-    """{module: the launch modules it imports}, for every module of launch/, imports inside functions included (a
-    lazy import is still a dependency: it only hides a circle until the function runs); those under `if
-    TYPE_CHECKING:` are for annotations only and never run."""
+    """{module: the launch modules it imports}, as `phase.module`, for every module of launch/, imports inside
+    functions included (a lazy import is still a dependency: it only hides a circle until the function runs); those
+    under `if TYPE_CHECKING:` are for annotations only and never run."""
     import ast
 
     graph = {}
-    for path in sorted((REPO / "launch").glob("*.py")):
+    for path in sorted((REPO / "launch").glob("*/*.py")):
         tree, found = ast.parse(path.read_text()), set()
         typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
                        and ast.unparse(block.test) == "TYPE_CHECKING" for n in ast.walk(block)}  # fmt: skip
@@ -66,17 +69,23 @@ def launch_imports() -> dict[str, set[str]]:
             if id(node) in typing_only:
                 continue
             if isinstance(node, ast.Import):
-                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("launch.")}
-            elif isinstance(node, ast.ImportFrom) and node.module == "launch":
-                found |= {a.name for a in node.names}
+                found |= {".".join(a.name.split(".")[1:3]) for a in node.names if a.name.startswith("launch.")}
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and (node.module or "").count(".") == 1
+                and node.module.startswith("launch.")
+            ):
+                found |= {f"{node.module.split('.')[1]}.{a.name}" for a in node.names}
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("launch."):
-                found.add(node.module.split(".")[1])
-        graph[path.stem] = found - {path.stem}
+                found.add(".".join(node.module.split(".")[1:3]))
+        module = f"{path.parent.name}.{path.stem}"
+        graph[module] = found - {module} - {f"{path.parent.name}.__init__"}
     return graph
 
 
 def test_launch_modules_import_each_other_in_one_direction():
     graph = launch_imports()
+    assert graph and all(m.split(".")[0] in (*PHASES, "merge") for m in graph), sorted(graph)
     done: list[str] = []
 
     def visit(module: str, path: tuple[str, ...]) -> None:
@@ -88,6 +97,21 @@ def test_launch_modules_import_each_other_in_one_direction():
 
     for module in graph:
         visit(module, ())
-    # the order launch/settings.py's docstring names: the time-limit maths under the settings, the refusals over them
-    assert "refusals" not in graph["settings"] and graph["deadline"] == set()
-    assert done.index("deadline") < done.index("settings") < done.index("refusals") < done.index("preflight")
+    # the order launch/plan/settings.py's docstring names: the time-limit maths under the settings, the refusals over them
+    assert "plan.refusals" not in graph["plan.settings"] and graph["plan.deadline"] == set()
+    assert (
+        done.index("plan.deadline")
+        < done.index("plan.settings")
+        < done.index("plan.refusals")
+        < done.index("plan.preflight")
+    )
+
+
+def test_launchs_phases_import_only_the_phases_before_them():
+    """The plan made before the queue imports no code of the job's run time, which imports none of the watching; the
+    merge's checks import nothing of launch/ (launch/__init__.py)."""
+    for module, dependencies in launch_imports().items():
+        phase = module.split(".")[0]
+        allowed = set() if phase == "merge" else set(PHASES[: PHASES.index(phase) + 1])
+        wrong = sorted(d for d in dependencies if d.split(".")[0] not in allowed)
+        assert not wrong, f"launch/{module.replace('.', '/')}.py imports {wrong}: move the shared code down a phase"

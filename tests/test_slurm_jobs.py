@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from demo import verl_cpu
-from launch import node, status
+from launch.job import node
+from launch.job.steps import is_training_step, parse_step_lines
 from tests import stall_hook
 from tests.real_slurm import FINISHED, NODE_SIZE
 from tests.support import (
@@ -322,7 +323,7 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     so each node's Ray worker holds one pipeline stage of the actor, the reference and the critic (demo/megatron_cpu.py;
     gloo where NCCL would be). Two steps with a save each; then `sbatch merge_mcore_to_hf.sh` twice: the actor's PP=2
     dist checkpoint through verl's Megatron merger, and the critic's own Hugging Face save (critic.checkpoint
-    .save_contents with hf_model, docs/merge.md) into a value model by launch/critic_to_hf.py."""
+    .save_contents with hf_model, docs/merge.md) into a value model by launch/merge/critic_to_hf.py."""
     env = job | FAST | MEGATRON_TRAINER | {"ALGORITHM": "ppo", "ACTOR_PP": "2", "TRAINER_LOGGER": "[console]"}
     args = real_trainer_args("trainer.total_training_steps=2", "trainer.test_freq=-1",
                              "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]", strategy="megatron")  # fmt: skip
@@ -398,8 +399,8 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     assert said, first[-5000:]
     assert f"the trainer stalled: requeueing job {j.id} once (STALL_REQUEUE=1)" in first, first[-3000:]
     # no false positive: steps 1-4 ran on, the slow ones included
-    steps = status.parse_step_lines((logs / "trainer.log").read_text())
-    assert sorted(n for n, m in steps.items() if status.is_training_step(m)) == [1, 2, 3, 4], first[-3000:]
+    steps = parse_step_lines((logs / "trainer.log").read_text())
+    assert sorted(n for n, m in steps.items() if is_training_step(m)) == [1, 2, 3, 4], first[-3000:]
     assert steps[2]["timing_s/testing"] >= 45 and steps[3]["timing_s/save_checkpoint"] >= 45, steps
     assert_everything_stopped(env, logs=logs)
 
@@ -421,7 +422,7 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
         -3000:
     ]
     assert_everything_stopped(env, logs=Path(f"{logs}-r1"))
-    shown = subprocess.run([sys.executable, "-m", "launch.status", j.id, "--log-dir", env["CONFIG_LOG_DIR"]],
+    shown = subprocess.run([sys.executable, "-m", "launch.watch.status", j.id, "--log-dir", env["CONFIG_LOG_DIR"]],
                            capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
     assert "stalled" in shown.stdout and "hung in step 8, phase update_actor" in shown.stdout, shown.stdout
 

@@ -1,4 +1,4 @@
-"""Watching a job (launch/status.py): where it is, when it ends, whether it learns, read from its log folders and Slurm.
+"""Watching a job (launch/watch/status.py): where it is, when it ends, whether it learns, read from its log folders and Slurm.
 
 The trainer output here is printed by verl 0.6.1's own console logger (verl.utils.tracking.Tracking with the console
 backend), behind the prefix Ray gives a TaskRunner actor's lines, never written by hand; the jobs on the local Slurm run
@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch import preflight, status
+from launch.job.steps import is_training_step, number, parse_step_lines
+from launch.plan import preflight
+from launch.watch import status
 from tests.fakes.fake_trainer import RayPrefixed, step_metrics
 from tests.real_slurm import NODE_SIZE, slurm_env
 from tests.support import REPO, run, run_without
@@ -100,11 +102,11 @@ def test_every_kind_of_value_verls_console_logger_prints_is_read_back():
                "training/global_step": 7, "actor/kl_loss": float("nan"), "actor/lr": 1e-6, "big": 1e20,
                "flag": True, "timing_s/step": 41.2}  # fmt: skip
     text = "Training Progress:  7%|7    | 7/100 [01:02<12:00, 8.1s/it]\r" + verl_console({7: metrics})
-    (back,) = status.parse_step_lines(text).values()
+    (back,) = parse_step_lines(text).values()
     assert set(back) == set(metrics)
     assert math.isnan(back.pop("actor/kl_loss"))
     assert back == {k: float(v) for k, v in metrics.items() if k != "actor/kl_loss"}
-    assert status.number("np.float64(0.25)") == 0.25, "numpy 2's repr, as pprint prints it there"
+    assert number("np.float64(0.25)") == 0.25, "numpy 2's repr, as pprint prints it there"
 
 
 def test_a_folder_alone_gives_the_step_the_total_the_checkpoint_and_the_metrics(tmp_path, no_slurm, capsys):
@@ -352,13 +354,13 @@ def test_each_kind_of_start_is_shown_as_what_it_was_with_the_end_the_run_script_
     out = capsys.readouterr().out
     assert "progress: no steps yet\n" in out and "[canary]" in out, out
     assert f"picture: not drawn: no steps yet in job 42; the canary's training is its own job folder: python -m " \
-           f"launch.status {logs / '42' / 'canary' / 'train'} --png" in out  # fmt: skip
+           f"launch.watch.status {logs / '42' / 'canary' / 'train'} --png" in out  # fmt: skip
     assert not (tmp_path / "c.png").exists()
 
 
 def test_a_failed_preflight_only_is_shown_failed_before_training_with_its_refusal(job, capsys, tmp_path):
     """PREFLIGHT_ONLY=1 outside Slurm refused by the Python preflight: its folder stays, with the refusal and the end
-    recorded; a bare `launch.status` (the newest job) used to call it RUNNING with step 0 and a trainer.log."""
+    recorded; a bare `launch.watch.status` (the newest job) used to call it RUNNING with step 0 and a trainer.log."""
     result = run(job | {"PREFLIGHT_ONLY": "1", "FP8": "true"})
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     logs = Path(job["CONFIG_LOG_DIR"])
@@ -379,7 +381,7 @@ def test_a_failed_preflight_only_is_shown_failed_before_training_with_its_refusa
 def test_png_without_matplotlib_is_one_line_naming_the_install_not_a_traceback(tmp_path, no_slurm):
     logs = tmp_path / "logs"
     folder = start_folder(logs, LOCAL_ID, training(1, 3))
-    run = run_without(["matplotlib", "matplotlib.pyplot"], "launch.status", str(folder), "--png",
+    run = run_without(["matplotlib", "matplotlib.pyplot"], "launch.watch.status", str(folder), "--png",
                       str(tmp_path / "status.png"))  # fmt: skip
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     (line,) = run.stderr.strip().splitlines()
@@ -426,7 +428,7 @@ def test_with_tensorboard_in_trainer_logger_verls_logger_writes_each_start_under
     assert f"Saving tensorboard log to {folder / 'tensorboard'}." in (folder / "trainer.log").read_text()
     events = EventAccumulator(str(folder / "tensorboard"))
     events.Reload()
-    console = status.parse_step_lines((folder / "trainer.log").read_text())
+    console = parse_step_lines((folder / "trainer.log").read_text())
     scores = [(e.step, e.value) for e in events.Scalars("critic/score/mean")]
     assert scores == [(n, pytest.approx(console[n]["critic/score/mean"])) for n in (1, 2, 3)]
 
@@ -457,8 +459,8 @@ FAST = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight's data 
 
 
 def status_cmd(env, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m launch.status ARGS` as a user runs it on the login node: Slurm's programs on PATH."""
-    return subprocess.run([sys.executable, "-m", "launch.status", *args], cwd=REPO, env=slurm_env(env),
+    """`python -m launch.watch.status ARGS` as a user runs it on the login node: Slurm's programs on PATH."""
+    return subprocess.run([sys.executable, "-m", "launch.watch.status", *args], cwd=REPO, env=slurm_env(env),
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
@@ -472,8 +474,8 @@ def wait_for_steps(j, log: Path, count: int, timeout: float) -> dict[int, dict]:
     """Until verl's logger has printed `count` training steps into the start's trainer.log (the job still running)."""
     deadline = time.monotonic() + timeout
     while True:
-        steps = [n for n, m in status.parse_step_lines(log.read_text() if log.exists() else "").items()
-                 if status.is_training_step(m)]  # fmt: skip
+        steps = [n for n, m in parse_step_lines(log.read_text() if log.exists() else "").items()
+                 if is_training_step(m)]  # fmt: skip
         if len(steps) >= count:
             return steps
         state = j.show().get("JobState")
@@ -500,7 +502,7 @@ def test_a_running_job_shows_its_step_eta_checkpoint_and_metrics_and_follow_ends
     assert r["checkpoint"]["step"] in (4, 8, 12) and r["checkpoint"]["path"].endswith(
         f"global_step_{r['checkpoint']['step']}"
     )
-    logged = status.parse_step_lines(log.read_text())
+    logged = parse_step_lines(log.read_text())
     score = r["metrics"]["critic/score/mean"]
     assert score["value"] == pytest.approx(logged[score["step"]]["critic/score/mean"]), (
         "the value verl's logger printed"
@@ -509,7 +511,7 @@ def test_a_running_job_shows_its_step_eta_checkpoint_and_metrics_and_follow_ends
 
     follow_log = tmp_path / "follow.txt"
     with open(follow_log, "w") as out:
-        follow = subprocess.Popen([sys.executable, "-m", "launch.status", j.id, "--follow", "1", "--log-dir",
+        follow = subprocess.Popen([sys.executable, "-m", "launch.watch.status", j.id, "--follow", "1", "--log-dir",
                                    env["CONFIG_LOG_DIR"]], cwd=REPO, env=slurm_env(env), stdout=out, stderr=out)  # fmt: skip
     try:
         deadline = time.monotonic() + 60

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from launch.preflight import step_plan
+from launch.plan.preflight import step_plan
 from tests.support import REPO
 from tests.test_algorithms import composed, env, settings  # noqa: F401  (env: the tiny-model settings fixture)
 
@@ -106,7 +106,7 @@ def test_the_preflight_refuses_too_little_data_whatever_the_launcher_is_called(e
                  "PYTHONPATH": f"{fake_sglang.parent}:{REPO}"}  # fmt: skip
 
     def preflight(extra_env):
-        return subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job | extra_env,
+        return subprocess.run([sys.executable, "-m", "launch.plan.preflight"], cwd=REPO, env=job | extra_env,
                               capture_output=True, text=True, timeout=600)  # fmt: skip
 
     refused = preflight({})
@@ -141,7 +141,7 @@ def test_the_count_uses_the_rows_verl_keeps_after_its_own_filter(env, tmp_path, 
     job = env | {"CONFIG_TRAIN_FILE": str(train), "CONFIG_TEST_FILE": str(demo_data / "test.parquet"),
                  "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "stand-in", "TRAINER_IS_VERL": "0", "TRAIN_BATCH_SIZE": "4",
                  "PPO_MINI_BATCH_SIZE": "4", "MAX_PROMPT_LENGTH": "256"}  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "launch.preflight"], cwd=REPO, env=job, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "launch.plan.preflight"], cwd=REPO, env=job, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     kept = table.num_rows

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import image_check
+from launch.plan import image_check
 from tests.support import REPO
 
 DEF = (REPO / "verl_app.def").read_text()
@@ -83,12 +83,12 @@ def test_post_passes_shellcheck(tmp_path, base):
 
 def test_post_records_the_base_first_installs_under_its_constraints_and_checks_last():
     post = [line.strip() for line in section("post").splitlines() if line.strip() and not line.strip().startswith("#")]
-    record = post.index("python3 /opt/verl-slurm/launch/image_check.py --record-base /opt/verl_app")
+    record = post.index("python3 /opt/verl-slurm/launch/plan/image_check.py --record-base /opt/verl_app")
     installs = [i for i, line in enumerate(post) if "pip install" in line]
     freeze = post.index("python3 -m pip freeze > /opt/verl_app/pip-freeze.txt")
-    check = post.index("python3 /opt/verl-slurm/launch/image_check.py --base /opt/verl_app")
+    check = post.index("python3 /opt/verl-slurm/launch/plan/image_check.py --base /opt/verl_app")
     assert record < min(installs) and max(installs) < freeze < check == len(post) - 1
-    assert section("test").strip() == "python3 /opt/verl-slurm/launch/image_check.py --base /opt/verl_app"
+    assert section("test").strip() == "python3 /opt/verl-slurm/launch/plan/image_check.py --base /opt/verl_app"
 
 
 def test_post_never_upgrades_or_downgrades_a_base_package():
@@ -121,11 +121,11 @@ def test_the_files_the_image_copies_exist_and_cover_what_its_check_loads():
         assert (REPO / src).is_file(), line
         assert dest == f"/opt/verl-slurm/{src}", line  # the same layout, so image_check finds them from its own path
         copied[src] = dest
-    loaded = re.findall(r'HERE / "([\w.]+)" / "([\w.]+)"', (REPO / "launch" / "image_check.py").read_text())
+    loaded = re.findall(r'HERE / "([\w.]+)" / "([\w.]+)"', (REPO / "launch" / "plan" / "image_check.py").read_text())
     assert loaded, "image_check.py loads nothing by path?"
     for parts in loaded:
         assert "/".join(parts) in copied, f"image_check.py needs {'/'.join(parts)}: add it to %files"
-    assert "launch/image_check.py" in copied and "requirements/reward.txt" in copied
+    assert "launch/plan/image_check.py" in copied and "requirements/reward.txt" in copied
 
 
 def resolve_post_install(tmp_path: Path, base: str, requirements: str) -> subprocess.CompletedProcess:
@@ -236,13 +236,13 @@ def test_post_on_a_base_holding_the_oldest_stack_adds_nothing_and_a_pinned_upgra
     reward_txt = str(REPO / "requirements" / "reward.txt")
     sh(python, "-m", "pip", "install", "-q", "packaging", "-r", reward_txt,
        "-c", str(REPO / "requirements" / "base-images" / "vllm.txt"))  # fmt: skip
-    sh(python, str(REPO / "launch" / "image_check.py"), "--record-base", str(record))
+    sh(python, str(REPO / "launch" / "plan" / "image_check.py"), "--record-base", str(record))
     reward_line = next(args for args in pip_installs(section("post")) if "-r" in args)
     args = [a.replace("/opt/verl_app", str(record)).replace("/opt/verl-slurm/requirements/reward.txt", reward_txt)
             for a in reward_line]  # fmt: skip
     sh(python, "-m", "pip", "install", *args)
     compare = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
-               f"from launch import image_check; print(image_check.check_base_untouched(Path({str(record)!r})))")  # fmt: skip
+               f"from launch.plan import image_check; print(image_check.check_base_untouched(Path({str(record)!r})))")  # fmt: skip
     out = sh(python, "-c", compare).stdout
     assert "base packages unchanged; added: -" in out and out.strip().endswith("[]"), out
     assert "fastapi==0.116.1" in (record / "base-constraints.txt").read_text().splitlines()

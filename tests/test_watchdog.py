@@ -1,4 +1,4 @@
-"""The stall watchdog (launch/watchdog.py) piece by piece: the budget of each step from fed step timings, the stacks
+"""The stall watchdog (launch/job/watchdog.py) piece by piece: the budget of each step from fed step timings, the stacks
 of real blocked processes (py-spy, and faulthandler where there is none), the phase read from them, the setting's
 refusal, and the status of a stalled start. The whole of it in a job: tests/test_slurm_jobs.py -k hung_in_a_phase."""
 
@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from launch import status, watchdog
-from launch.refusals import check
-from launch.settings import Settings
+from launch.job import watchdog
+from launch.plan import deadline
+from launch.plan.refusals import check
+from launch.plan.settings import Settings
+from launch.watch import status
 from tests.support import block_environment
 
 # verl's console line of a step (the training part, and a validation or save when it had one)
@@ -100,8 +102,8 @@ def test_after_a_requeue_the_budget_counts_the_steps_and_validations_of_the_earl
 
 @pytest.mark.parametrize("raw", ["soon", "0", "-5", ""])
 def test_a_bad_stall_timeout_is_refused_naming_the_setting_and_what_it_takes(raw):
-    with pytest.raises(watchdog.StallError, match=f"STALL_TIMEOUT={raw!r}: use auto, off, or the seconds"):
-        watchdog.timeout_setting(raw)
+    with pytest.raises(deadline.StallError, match=f"STALL_TIMEOUT={raw!r}: use auto, off, or the seconds"):
+        deadline.timeout_setting(raw)
     problems = check(Settings.from_env(block_environment() | {"STALL_TIMEOUT": raw}), check_paths=False)
     assert any(p.startswith(f"STALL_TIMEOUT={raw!r}") for p in problems), problems
     problems = check(Settings.from_env(block_environment() | {"STALL_FLOOR": "0"}), check_paths=False)

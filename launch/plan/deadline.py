@@ -15,7 +15,7 @@ recipe/one_step_off_policy/ray_trainer.py:648-652 save every trainer.save_freq s
 requeue there resumes from the last SAVE_FREQ save.
 
 This module is the bottom of launch/'s imports: it reads logs and the environment and imports nothing of launch/
-(launch.settings builds the trainer command with redundant_time; launch.refusals refuses what cannot work, with
+(launch.plan.settings builds the trainer command with redundant_time; launch.plan.refusals refuses what cannot work, with
 signal_lead; the preflight prints plan's lines and warnings).
 """
 
@@ -28,13 +28,37 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the type only: launch.settings imports this module
-    from launch.settings import Settings
+if TYPE_CHECKING:  # the type only: launch.plan.settings imports this module
+    from launch.plan.settings import Settings
 
 FIRST_GUESS = 600  # s for a validation and a save before this job measured any (a 4B save with optimizer: minutes)
 VERL_SAVE_SECONDS = 60  # should_save_ckpt_esi's own save_ckpt_duration
 # verl's console logger prints each number with pprint.pformat: a float as is, a numpy one as np.float64(...) (numpy 2)
 _TIMING = re.compile(r"(?:^|\s)timing_s/(testing|save_checkpoint):(?:np\.float\d+\()?([0-9.eE+-]+)")
+
+
+class StallError(ValueError):
+    pass
+
+
+def timeout_setting(raw: str) -> float | None:
+    """STALL_TIMEOUT's value: None for auto, 0 for off, else the seconds; a bad value names the setting."""
+    if raw == "auto":
+        return None
+    if raw == "off":
+        return 0.0
+    if (value := positive_seconds(raw)) is None:
+        raise StallError(f"STALL_TIMEOUT={raw!r}: use auto, off, or the seconds a step may take (more than 0)")
+    return value
+
+
+def positive_seconds(raw: str) -> float | None:
+    """`raw` as a number of seconds above 0, else None."""
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def signal_lead(env: Mapping[str, str]) -> int | None:
@@ -91,7 +115,7 @@ def redundant_time(s: Settings, env: Mapping[str, str]) -> tuple[int, str]:
 
 def plan(s: Settings, env: Mapping[str, str], now: float | None = None) -> tuple[list[str], list[str]]:
     """(what verl will do, warnings) about saving before the job's time limit, for settings that
-    launch.refusals.save_deadline_problems let through."""
+    launch.plan.refusals.save_deadline_problems let through."""
     lines: list[str] = []
     warnings: list[str] = []
     lead = signal_lead(env)

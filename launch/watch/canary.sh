@@ -1,9 +1,9 @@
 # shellcheck shell=bash
 # shellcheck disable=SC2154  # repo, job_id, job_log_dir and the settings come from the run script that sources it
-# launch/canary.sh: the canary's stages (CANARY=1), sourced by run_grpo_qwen3_4b_mega_verl.sh, not run.
+# launch/watch/canary.sh: the canary's stages (CANARY=1), sourced by run_grpo_qwen3_4b_mega_verl.sh, not run.
 #
 # Every stage runs what the real job runs (launch, then merge_mcore_to_hf.sh), with the user's models, data and layout,
-# on a tiny workload in its own folder; launch/canary.py holds the workload, the checks of verl's output and the table.
+# on a tiny workload in its own folder; launch/watch/canary.py holds the workload, the checks of verl's output and the table.
 # Uses from the run script: repo, job_id, job_log_dir, container_cmd, launch.
 
 canary_dir=""                 # the canary's checkpoints and merged model: ${CONFIG_OUTPUT_DIR}_canary/<job id>
@@ -12,7 +12,7 @@ canary_train_overrides=()     # stage 1's extra Hydra overrides (the preflight c
 canary_py() {
   local -a wrap
   mapfile -d '' -t wrap < <(container_cmd)
-  (cd "$repo" && "${wrap[@]}" python3 -m launch.canary "$@")
+  (cd "$repo" && "${wrap[@]}" python3 -m launch.watch.canary "$@")
 }
 
 # canary_settings ARGS...: the canary's own folder, experiment name and tiny workload (for the user's extra overrides

@@ -1,13 +1,13 @@
 """Preflight: check the exact trainer command with verl 0.6.1's own code before anything waits in a queue.
 
-    python -m launch.preflight [EXTRA_OVERRIDES...]     # reads the settings run_grpo_qwen3_4b_mega_verl.sh exports
+    python -m launch.plan.preflight [EXTRA_OVERRIDES...]     # reads the settings run_grpo_qwen3_4b_mega_verl.sh exports
 
 The job's one check, in one process (one container start; the policy tokenizer loaded once):
-0. settings: launch.refusals.check, context_problems (prompt + response against the models' positions) and
+0. settings: launch.plan.refusals.check, context_problems (prompt + response against the models' positions) and
    save_deadline_problems, one line per problem naming the setting;
 1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
    verl's `validate_config` (batch and micro-batch arithmetic, parallel sizes) and its typed config dataclasses;
-   then what verl asserts or ignores only at run time (launch.refusals: batches, parallel sizes, rollout keys, and
+   then what verl asserts or ignores only at run time (launch.plan.refusals: batches, parallel sizes, rollout keys, and
    Ray's CPUs per node, RAY_NUM_CPUS, against what verl holds there);
 2. data (PREFLIGHT_DATA=1): every row's schema and prompt length (data_prep.validate), then the train and val
    parquet through verl's own RLHFDataset with the policy tokenizer and its chat template, reporting how many prompts
@@ -26,9 +26,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch.deadline import plan
-from launch.procs import free_port, start_server, stop_process
-from launch.refusals import (
+from launch.plan.deadline import plan
+from launch.plan.procs import free_port, start_server, stop_process
+from launch.plan.refusals import (
     batch_problems,
     check,
     context_problems,
@@ -38,8 +38,8 @@ from launch.refusals import (
     save_deadline_problems,
     thinking_problems,
 )
-from launch.settings import REPO, SettingError, Settings, prompt_opens_think, trainer_argv
-from launch.thinking import TemplateError
+from launch.plan.settings import REPO, SettingError, Settings, prompt_opens_think, trainer_argv
+from launch.plan.thinking import TemplateError
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
 SETTING_OF_KEY = {
@@ -429,18 +429,18 @@ def check_rows(cfg, tokenizer) -> bool:
 
 
 def reward_peak(settings: Settings):
-    """One reward server's peak on a GPU (launch/gpu_memory.py), None where the servers run on the CPU."""
-    from launch.gpu_memory import reward_server_peak
+    """One reward server's peak on a GPU (launch/plan/gpu_memory.py), None where the servers run on the CPU."""
+    from launch.plan.gpu_memory import reward_server_peak
 
     return None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
 
 
 def gpu_memory_line(settings: Settings, peak, cfg) -> str:
-    """What each GPU holds when the rollout engine starts (launch/gpu_memory.py): the trainer's resident parts by the
+    """What each GPU holds when the rollout engine starts (launch/plan/gpu_memory.py): the trainer's resident parts by the
     composed config's offload settings, the reward servers' peak, and what the engine takes."""
     from transformers import AutoConfig
 
-    from launch.gpu_memory import ModelDims, gpu_total, memory_line, trainer_resident
+    from launch.plan.gpu_memory import ModelDims, gpu_total, memory_line, trainer_resident
 
     resident = []
     if settings.trainer_mode != "one_step_off":  # its rollout GPUs hold nothing of the trainer's
@@ -453,11 +453,11 @@ def gpu_memory_line(settings: Settings, peak, cfg) -> str:
 
 
 def megatron_update_line(settings: Settings, peak) -> str:
-    """Each pipeline stage's peak during the actor's update (launch/gpu_memory.py's formula, measured on an H200 in
+    """Each pipeline stage's peak during the actor's update (launch/plan/gpu_memory.py's formula, measured on an H200 in
     benchmarks/results/megatron_memory_h200_qwen3_4b.json); refused where this GPU is known to be too small."""
     from transformers import AutoConfig
 
-    from launch.gpu_memory import ModelDims, gpu_total, update_line
+    from launch.plan.gpu_memory import ModelDims, gpu_total, update_line
 
     dims = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path))
     return update_line(settings, dims, gpu_total(), peak)
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
         )
         return 1
-    from launch.gpu_memory import RolloutMemoryError
+    from launch.plan.gpu_memory import RolloutMemoryError
 
     try:
         print(f"preflight: {gpu_memory_line(settings, peak, cfg)}")
@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
               f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how", file=sys.stderr)  # fmt: skip
     if settings.strategy == "megatron":
-        from launch.gpu_memory import UpdateMemoryError
+        from launch.plan.gpu_memory import UpdateMemoryError
 
         try:
             print(f"preflight: {megatron_update_line(settings, peak)}")
@@ -667,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Tee:
-    """stderr that also goes to a file: the job's record of why its preflight failed (launch.status reads it)."""
+    """stderr that also goes to a file: the job's record of why its preflight failed (launch.watch.status reads it)."""
 
     def __init__(self, stream, path: Path):
         self.stream, self.file = stream, path.open("a", encoding="utf-8")

@@ -1,15 +1,15 @@
 """Every refusal of a setting, in one file: why a job was refused, and the rule of verl 0.6.1 behind each message.
 
 A job is refused before anything starts, on the login node (PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh)
-and again inside the allocation, by launch/preflight.py, which runs these in this order and prints each problem on a
+and again inside the allocation, by launch/plan/preflight.py, which runs these in this order and prints each problem on a
 line of its own, naming the setting (or the trainer key and the setting behind it) to change:
 
-1. check(settings): the settings block alone (launch.settings.Settings): values, combinations verl 0.6.1 or the
+1. check(settings): the settings block alone (launch.plan.settings.Settings): values, combinations verl 0.6.1 or the
    image cannot run (combination_problems), GPU and batch arithmetic, the files the settings point at; then
    context_problems(settings, env): prompt + response against the positions in the models' config.json (and the
    reward server's REWARD_MAX_LENGTH); printed as `setting error: ...`.
 2. save_deadline_problems(settings, env): CHECKPOINT_BEFORE_END against the job's own time-limit signal;
-   printed as `setting error: ...` (launch/deadline.py says what verl will save, and warns).
+   printed as `setting error: ...` (launch/plan/deadline.py says what verl will save, and warns).
 3. batch_problems(cfg), parallel_problems(cfg), rollout_problems(cfg): the trainer config composed with verl's own
    Hydra config, the user's extra overrides included, for what verl 0.6.1 asserts or silently ignores only at run
    time, hours in; printed as `preflight: verl 0.6.1 would stop at run time: ...`; thinking_problems(cfg, setting):
@@ -20,9 +20,9 @@ line of its own, naming the setting (or the trainer key and the setting behind i
 Refused elsewhere, because only there is what they need:
 - run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
   the container program (CONTAINER), the folders the container binds, Slurm's GPUs per node vs CONFIG_GPUS_PER_NODE.
-- launch/preflight.py: verl's own validate_config and Hydra errors, the trainer's imports in the image, the data,
+- launch/plan/preflight.py: verl's own validate_config and Hydra errors, the trainer's imports in the image, the data,
   the reward check (PREFLIGHT_REWARD, PREFLIGHT_REWARD_PAIRS).
-- launch/node.py, on each node once the job runs: a hand-set port that is taken there, CONFIG_REWARD_GPUS beyond the
+- launch/job/node.py, on each node once the job runs: a hand-set port that is taken there, CONFIG_REWARD_GPUS beyond the
   job's GPUs on that node, CONFIG_NETWORK_INTERFACE.
 docs/operations.md lists every message the scripts print, with what it means and what to do.
 """
@@ -34,10 +34,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from launch import thinking, watchdog
-from launch.deadline import signal_lead
-from launch.node import SGLANG_MAX_GPUS
-from launch.settings import RECOMPUTE, SettingError, Settings
+from launch.plan import thinking
+from launch.plan.deadline import StallError, signal_lead, timeout_setting
+from launch.plan.settings import RECOMPUTE, SGLANG_MAX_GPUS, SettingError, Settings
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
 from reward_score.server.settings import Settings as RewardServerSettings
 
@@ -52,7 +51,7 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
     if s.rollout_engine == "sglang" and s.gpus_per_node > SGLANG_MAX_GPUS:
         problems.append(
             f"CONFIG_GPUS_PER_NODE={s.gpus_per_node} with ROLLOUT_ENGINE=sglang: a job's port block holds the ports "
-            f"verl's SGLang engines take (two per GPU) for at most {SGLANG_MAX_GPUS} GPUs per node (launch/node.py)"
+            f"verl's SGLang engines take (two per GPU) for at most {SGLANG_MAX_GPUS} GPUs per node (launch/job/node.py: each node's port block)"
         )
     problems += save_deadline_setting_problems(s)
     if s.container not in ("singularity", "apptainer", "none"):
@@ -136,8 +135,8 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
             f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
         )
     try:
-        watchdog.timeout_setting(s.stall_timeout_setting)
-    except watchdog.StallError as exc:
+        timeout_setting(s.stall_timeout_setting)
+    except StallError as exc:
         problems.append(str(exc))
     for name, value in (("STALL_FLOOR", s.stall_floor), ("STALL_FIRST_STEP", s.stall_first_step)):
         if value < 1:
@@ -339,7 +338,7 @@ def reward_gpu_problems(s: Settings) -> list[str]:
     indices = {g.strip() for g in s.reward_gpus.split(",") if g.strip()}
     every = {str(g) for g in range(s.gpus_per_node)}
     if not indices or indices == every:
-        return []  # no server on a GPU, or one on each (an index beyond the job's GPUs is launch/node.py's to refuse)
+        return []  # no server on a GPU, or one on each (an index beyond the job's GPUs is launch/job/node.py's to refuse)
     return [
         f"ROLLOUT_TP={s.rollout_tp} with reward servers on GPU {s.reward_gpus} of {s.gpus_per_node} "
         "(CONFIG_REWARD_GPUS): SGLang refuses to start a tensor-parallel group whose GPUs' free memory differs by "
@@ -607,7 +606,7 @@ def rollout_problems(cfg) -> list[str]:
 
 def thinking_problems(cfg, setting: str) -> list[str]:
     """The prompt_opens_think the reward function gets (REWARD_PROMPT_OPENS_THINK, or an extra override of it) against
-    what the policy's chat template does with the job's data.apply_chat_template_kwargs (launch/thinking.py): a
+    what the policy's chat template does with the job's data.apply_chat_template_kwargs (launch/plan/thinking.py): a
     thinking policy told false scores cut-off reasoning as answers; a policy told true that opens no block gets the
     penalty on every answer without `</think>`, from the first step."""
     told = (cfg.custom_reward_function.get("reward_kwargs") or {}).get("prompt_opens_think")

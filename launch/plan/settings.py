@@ -2,9 +2,9 @@
 
 The defaults live in one place, the settings block at the top of run_grpo_qwen3_4b_mega_verl.sh, which exports
 them; this module reads them from the environment and never invents its own. What refuses a setting is
-launch/refusals.py; the whole default GRPO command, one override per line, is docs/trainer-command.md.
+launch/plan/refusals.py; the whole default GRPO command, one override per line, is docs/trainer-command.md.
 
-    python -m launch.settings trainer-argv      # the trainer command, NUL-separated (bash: mapfile -d '')
+    python -m launch.plan.settings trainer-argv      # the trainer command, NUL-separated (bash: mapfile -d '')
 
 launch/'s imports go one way: deadline and thinking (bottom) <- settings <- refusals <- preflight, canary, reference.
 This module imports nothing above it (tests/test_settings.py checks the order).
@@ -16,10 +16,10 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from launch import thinking
-from launch.deadline import redundant_time
+from launch.plan import thinking
+from launch.plan.deadline import redundant_time
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
 
 
@@ -29,11 +29,13 @@ class SettingError(ValueError):
 
 # ROLLOUT_GPU_MEMORY=auto (Settings.rollout_gpu_memory). Sharing the GPU with the update: the share the reference job
 # was measured with. Alone on it: vLLM's own default (EngineArgs/CacheConfig gpu_memory_utilization=0.9), less room
-# for a reward server: the 8B reward shape peaks at 17.8 GiB on an H200 (launch/gpu_memory.py), under a quarter of an
+# for a reward server: the 8B reward shape peaks at 17.8 GiB on an H200 (launch/plan/gpu_memory.py), under a quarter of an
 # 80 GB card.
 ROLLOUT_GPU_MEMORY_HYBRID = 0.4
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 ROLLOUT_ROOM_FOR_REWARD = 0.25
+# SGLang engines per node the port block has room for (two ports each: launch/job/node.py), the refusal above it
+SGLANG_MAX_GPUS = 16
 
 
 def _parse(kind: type, name: str, raw: str):
@@ -65,7 +67,9 @@ class Settings:
     container: str = setting("CONTAINER")
     image: str = setting("CONFIG_IMAGE_PATH")
     model_path: str = setting("CONFIG_MODEL_PATH")
-    prompt_opens_think_setting: str = setting("REWARD_PROMPT_OPENS_THINK")  # auto | true | false (launch/thinking.py)
+    prompt_opens_think_setting: str = setting(
+        "REWARD_PROMPT_OPENS_THINK"
+    )  # auto | true | false (launch/plan/thinking.py)
     reward_model_path: str = setting("CONFIG_REWARD_MODEL_PATH")
     train_file: str = setting("CONFIG_TRAIN_FILE")
     test_file: str = setting("CONFIG_TEST_FILE")
@@ -121,7 +125,7 @@ class Settings:
     reward_append_eos: str = setting("CONFIG_REWARD_APPEND_EOS")
     checkpoint_before_end: int = setting("CHECKPOINT_BEFORE_END")
     esi_redundant_time_setting: str = setting("ESI_REDUNDANT_TIME")
-    stall_timeout_setting: str = setting("STALL_TIMEOUT")  # auto | off | seconds (launch/watchdog.py)
+    stall_timeout_setting: str = setting("STALL_TIMEOUT")  # auto | off | seconds (launch/job/watchdog.py)
     stall_floor: int = setting("STALL_FLOOR")
     stall_first_step: int = setting("STALL_FIRST_STEP")
     stall_requeue: bool = setting("STALL_REQUEUE")
@@ -355,7 +359,7 @@ RECOMPUTE = {
 def recompute_overrides(s: Settings, section: str) -> list[str]:
     """MEGATRON_RECOMPUTE for one Megatron engine config (`actor_rollout_ref.actor.megatron` or `critic.megatron`).
     Without recompute the update of one PP=2 stage of Qwen3-4B keeps ~3.1 GiB of activations per layer per 24,576-
-    token micro-batch, over 80 GB and over an H200 (launch/gpu_memory.py, measured: docs/training.md); full keeps 0.117. The keys exist in verl's
+    token micro-batch, over 80 GB and over an H200 (launch/plan/gpu_memory.py, measured: docs/training.md); full keeps 0.117. The keys exist in verl's
     yaml with null values (_generated_ppo_megatron_trainer.yaml:46-51, 361-366), so plain `key=value` sets them. The
     reference inherits the actor's (ref.megatron.override_transformer_config is an oc.select of it, :170); its
     log-prob pass runs under no_grad, where the checkpointed forward saves nothing for a backward. The critic's block
@@ -367,7 +371,7 @@ def recompute_overrides(s: Settings, section: str) -> list[str]:
 
 
 # The Megatron reference's parameters in host memory between its log-prob passes (_actor_overrides); the update's
-# memory formula reads it (launch/gpu_memory.py, update_plan).
+# memory formula reads it (launch/plan/gpu_memory.py, update_plan).
 REF_PARAM_OFFLOAD = "actor_rollout_ref.ref.megatron.param_offload=True"
 
 
@@ -548,7 +552,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"data.max_response_length={s.max_response_length}",
         f"custom_reward_function.path={REWARD_FILE}",
         f"custom_reward_function.name={reward_fn}",
-        # The client cannot read a chat template (stdlib + requests): it is told (launch/thinking.py).
+        # The client cannot read a chat template (stdlib + requests): it is told (launch/plan/thinking.py).
         f"+custom_reward_function.reward_kwargs.prompt_opens_think={opens_think}",
         f"reward_model.reward_manager={s.reward_manager}",
         f"{a}.model.path={Path(s.model_path).resolve()}",
@@ -586,7 +590,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
     ]  # fmt: skip
     if not s.uses_recipe:
         # Room in verl's save-before-the-limit window for the validation and the save its longest step leaves out
-        # (launch/deadline.py); the recipes never make that check.
+        # (launch/plan/deadline.py); the recipes never make that check.
         argv.append(f"trainer.esi_redundant_time={redundant_time(s, os.environ)[0]}")
     if s.trainer_mode == "one_step_off":
         # Its own rollout GPU pool (a top-level `rollout:` block), and no hybrid engine.

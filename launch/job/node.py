@@ -2,13 +2,13 @@
 
 The helper runs this on every node (inside the container) and reads `NAME=VALUE` lines back:
 
-    python -m launch.node ports --job-id 4242 --rank 0 --reward-count 1   # this job's free ports on this node
-    python -m launch.node reward-gpus 0,1      # CONFIG_REWARD_GPUS (indices into this job's GPUs) -> physical GPUs
-    python -m launch.node address [--interface ib0] [--nodes 2]   # the address other nodes reach this one on
-    python -m launch.node sglang-port --block-port 20032 --gpus 4 --address A --addresses A,B   # SGLANG_PORT here
-    python -m launch.node master-port --job-id 4243   # one free port of this job's own (the merge's MASTER_PORT)
-    python -m launch.node no-proxy HOST...     # NO_PROXY: what the environment had, and the job's own hosts
-    nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader | python -m launch.node gpu-modes --role train
+    python -m launch.job.node ports --job-id 4242 --rank 0 --reward-count 1   # this job's free ports on this node
+    python -m launch.job.node reward-gpus 0,1      # CONFIG_REWARD_GPUS (indices into this job's GPUs) -> physical GPUs
+    python -m launch.job.node address [--interface ib0] [--nodes 2]   # the address other nodes reach this one on
+    python -m launch.job.node sglang-port --block-port 20032 --gpus 4 --address A --addresses A,B   # SGLANG_PORT here
+    python -m launch.job.node master-port --job-id 4243   # one free port of this job's own (the merge's MASTER_PORT)
+    python -m launch.job.node no-proxy HOST...     # NO_PROXY: what the environment had, and the job's own hosts
+    nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader | python -m launch.job.node gpu-modes --role train
                                                # refuses GPUs whose compute mode forbids what the node puts on them
 
 Ports: every job takes one block of PORT_BLOCK ports between PORT_FIRST and PORT_LAST (below Linux's ephemeral range,
@@ -32,6 +32,8 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
+from launch.plan.settings import SGLANG_MAX_GPUS
+
 PORT_FIRST, PORT_LAST = 20000, 32767  # 24 blocks
 PORT_BLOCK = 512
 # Offsets inside a block. Ray starts every one of these even with --include-dashboard=false (the dashboard head
@@ -50,7 +52,6 @@ RAY_PORT_OFFSETS = {
 REWARD_OFFSET, REWARD_MAX = 16, 16  # reward servers: offsets 16..31
 WORKER_OFFSET = 32  # --min-worker-port..--max-worker-port: up to the SGLang ports (one port per Ray worker process)
 # verl's sync SGLang engines: two ports per GPU of the node (`sglang_port`), the block's last 32, up to 16 GPUs a node.
-SGLANG_MAX_GPUS = 16
 SGLANG_OFFSET = PORT_BLOCK - 2 * SGLANG_MAX_GPUS
 
 
@@ -327,7 +328,7 @@ def pick_address(interface: str, nodes: int, resolved: Sequence[str], iface_addr
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.node", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m launch.job.node", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ports")
     p.add_argument("--job-id", required=True)

@@ -1,10 +1,10 @@
 """Check that an environment can run this project's jobs: what the job imports, the reward server round trip, the
 web stack verl's async rollout servers need, and (in the image build) that nothing of the base image moved.
 
-python3 launch/image_check.py                        # the image's %test: the engine is whichever one is installed
-python3 launch/image_check.py --record-base /opt/verl_app   # %post, first: the base's packages, before anything
-python3 launch/image_check.py --base /opt/verl_app          # %post, last, and %test: also nothing of the base moved
-python3 launch/image_check.py --engine none --skip-recipes --skip-megatron   # the CPU test environment (PyPI verl)
+python3 launch/plan/image_check.py                        # the image's %test: the engine is whichever one is installed
+python3 launch/plan/image_check.py --record-base /opt/verl_app   # %post, first: the base's packages, before anything
+python3 launch/plan/image_check.py --base /opt/verl_app          # %post, last, and %test: also nothing of the base moved
+python3 launch/plan/image_check.py --engine none --skip-recipes --skip-megatron   # the CPU test environment (PyPI verl)
 
 Modules that load CUDA libraries when imported are marked `gpu`: without a visible GPU (the build's %post, or
 `singularity test` without --nv) a failure to import them is printed as "skip", not counted; with a GPU it fails the
@@ -30,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parents[2]
 
 # verl 0.6.1's run_unvicorn (verl/workers/rollout/utils.py) starts its async rollout servers with
 # `server.should_exit = True; await server.serve(); create_task(server.main_loop())`. From uvicorn 0.41.0 on, serve()

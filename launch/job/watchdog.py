@@ -7,7 +7,7 @@ trainer.log as they come (`step:N - ... timing_s/step:...`) and gives the step i
   an earlier start's of the job), never less than
   STALL_FLOOR; plus, for a step that validates (TEST_FREQ, the last step) or saves (SAVE_FREQ, the last step, verl's
   save before the time limit), STALL_FACTOR times the longest validation or save measured (by this start, or by an
-  earlier start of the job: launch/deadline.py's `measured`), or STALL_FIRST_STEP before any was. The first step
+  earlier start of the job: launch/plan/deadline.py's `measured`), or STALL_FIRST_STEP before any was. The first step
   of a start (loading, compiling, the validation before training) gets STALL_FIRST_STEP.
 - STALL_TIMEOUT=N: N seconds a step, once a step of this start has finished; STALL_FIRST_STEP before that.
 - STALL_TIMEOUT=off: no watchdog.
@@ -23,8 +23,8 @@ The phase is verl's own: the `marked_timer("...")` block of the trainer's fit th
 reward, old_log_prob, ref, adv, update_actor, testing, save_checkpoint, ...), and the Ray task each worker runs (Ray
 names its process after it: ray::WorkerDict.actor_rollout_update_actor).
 
-    python -m launch.watchdog watch --log-dir DIR --trainer-pid PID --host NAME
-    python -m launch.watchdog dump --log-dir DIR --host NAME
+    python -m launch.job.watchdog watch --log-dir DIR --trainer-pid PID --host NAME
+    python -m launch.job.watchdog dump --log-dir DIR --host NAME
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch import deadline
-from launch.status import _RESUMED, _TOTAL, is_training_step, parse_step_lines
+from launch.job.steps import _RESUMED, _TOTAL, is_training_step, parse_step_lines
+from launch.plan import deadline
+from launch.plan.deadline import StallError, positive_seconds, timeout_setting
 
 STALLED = 3  # watch's exit code when it found a stall
 STALL_FACTOR = 3  # auto: this many times the longest step (and validation, and save) so far
@@ -52,33 +53,9 @@ OTHER_NODES_WAIT = 60  # s the head waits for the other nodes' stacks before it 
 LOG_LINES = 30  # last lines of each worker's logs kept
 
 
-class StallError(ValueError):
-    pass
-
-
-def timeout_setting(raw: str) -> float | None:
-    """STALL_TIMEOUT's value: None for auto, 0 for off, else the seconds; a bad value names the setting."""
-    if raw == "auto":
-        return None
-    if raw == "off":
-        return 0.0
-    if (value := _positive(raw)) is None:
-        raise StallError(f"STALL_TIMEOUT={raw!r}: use auto, off, or the seconds a step may take (more than 0)")
-    return value
-
-
-def _positive(raw: str) -> float | None:
-    """`raw` as a number of seconds above 0, else None."""
-    try:
-        value = float(raw)
-    except ValueError:
-        return None
-    return value if value > 0 else None
-
-
 def _seconds(env: Mapping[str, str], name: str) -> float:
     raw = env.get(name, "")
-    if (value := _positive(raw)) is None:
+    if (value := positive_seconds(raw)) is None:
         raise StallError(f"{name}={raw!r}: seconds, more than 0")
     return value
 
@@ -460,7 +437,7 @@ def watch(log_dir: Path, trainer_pid: int, host: str, env: Mapping[str, str] | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.watchdog", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.job.watchdog", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("watch", help="the head: watch the trainer's steps until it exits or stalls")
     w.add_argument("--log-dir", type=Path, required=True)

@@ -11,7 +11,7 @@ REWARD_PROMPT_OPENS_THINK=auto takes the template's answer; true or false must a
 one that does not, naming the right value). The reward function imports only the standard library and requests, so
 it cannot read a template: the job passes it the value as +custom_reward_function.reward_kwargs.prompt_opens_think.
 
-This module imports nothing of launch/ (the bottom of its imports, beside launch/deadline.py).
+This module imports nothing of launch/ (the bottom of its imports, beside launch/plan/deadline.py).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def describe(opens: bool) -> str:
 
 def resolve(setting: str, model_path: str, kwargs: dict | None = None) -> tuple[bool, str]:
     """(the prompt_opens_think the reward function gets, where it came from). auto reads the template; true and false
-    are taken as set (the preflight checks them against the template: launch/refusals.py thinking_problems)."""
+    are taken as set (the preflight checks them against the template: launch/plan/refusals.py thinking_problems)."""
     if setting == "auto":
         opens = template_opens_think(model_path, kwargs)
         return opens, f"REWARD_PROMPT_OPENS_THINK=auto: the policy's chat template {describe(opens)}"

@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from launch.settings import Settings, megatron_reference_offloaded, token_budget
+from launch.plan.settings import Settings, megatron_reference_offloaded, token_budget
 
 GIB = 2**30
 
@@ -394,7 +394,7 @@ def log_prob_peak(dims: ModelDims, *, stage: int, stages: int, tp: int, tokens: 
 
 def update_plan(s: Settings, dims: ModelDims) -> list[StageMemory]:
     """Every pipeline stage of the actor's update with this job's settings. The reference's bf16 weights (2P) are not
-    there: the job sets ref.megatron.param_offload (launch/settings.py, REF_PARAM_OFFLOAD), and verl moves them to the
+    there: the job sets ref.megatron.param_offload (launch/plan/settings.py, REF_PARAM_OFFLOAD), and verl moves them to the
     GPU only for compute_ref_log_prob, back to host memory after it (verl/workers/megatron_workers.py:722-723,
     733-734), before the update starts. Neither is PPO's critic's weights and gradients (critic.megatron.param_offload:
     loaded for compute_values and update_critic alone, :1078-1084, :1092-1093, :1111-1112). Without the offload

@@ -1,6 +1,6 @@
 """Wait until this job's Ray cluster has every expected node and GPU, or say what is missing.
 
-    python -m launch.ray_cluster wait --address 10.0.0.1:6379 --nodes 2 --gpus 8 --timeout 600 --watch-pid 1234
+    python -m launch.job.ray_cluster wait --address 10.0.0.1:6379 --nodes 2 --gpus 8 --timeout 600 --watch-pid 1234
 
 Exit 0 when ready; 1 on timeout ("1/2 nodes, 4/8 GPUs after 600 s") or when a watched process died.
 

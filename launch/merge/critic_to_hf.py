@@ -1,6 +1,6 @@
 """verl 0.6.1's Hugging Face save of a critic -> a value model that transformers and verl's critics load.
 
-    python -m launch.critic_to_hf FOLDER      # rewrites FOLDER in place (the merge's temporary copy)
+    python -m launch.merge.critic_to_hf FOLDER      # rewrites FOLDER in place (the merge's temporary copy)
 
 Two saves, one result. The FSDP critic (STRATEGY=fsdp2) is verl's AutoModelForTokenClassification with num_labels=1
 (verl/workers/fsdp_workers.py:1256-1287), but its checkpoint manager saves the config as it was read from the

@@ -1,11 +1,11 @@
 """Where a job is, when it ends and whether it learns, in one command; read-only, for a running job or an ended one.
 
-    python -m launch.status                      # the newest job in CONFIG_LOG_DIR (default: the repository's logs/)
-    python -m launch.status 24                   # job 24: its folders logs/24, logs/24-r1, ... and what Slurm says
-    python -m launch.status logs/24-r1           # the job that folder belongs to
-    python -m launch.status 24 --png 24.png      # and its curves (reward, length, KL, entropy, step time)
-    python -m launch.status 24 --follow          # again every 60 s (--follow 10: every 10 s) until the job ends
-    python -m launch.status 24 --json            # all of it as one JSON object, for scripts
+    python -m launch.watch.status                      # the newest job in CONFIG_LOG_DIR (default: the repository's logs/)
+    python -m launch.watch.status 24                   # job 24: its folders logs/24, logs/24-r1, ... and what Slurm says
+    python -m launch.watch.status logs/24-r1           # the job that folder belongs to
+    python -m launch.watch.status 24 --png 24.png      # and its curves (reward, length, KL, entropy, step time)
+    python -m launch.watch.status 24 --follow          # again every 60 s (--follow 10: every 10 s) until the job ends
+    python -m launch.watch.status 24 --json            # all of it as one JSON object, for scripts
 
 What it reads: every start's folder (`<id>`, `<id>-r1`, ...: trainer.log with verl's own step lines, `step:N -
 key:value - ...` from its console logger, verl/utils/logger/aggregate_logger.py; trainer_command.txt; `done`; the
@@ -30,7 +30,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from launch.job.steps import (
+    _ANSI,
+    _PROGRESS,
+    _RESUMED,
+    _TOTAL,
+    is_training_step,
+    parse_step_lines,
+    wall_seconds,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
 OPERATIONS = "docs/operations.md"
 
@@ -87,13 +97,6 @@ FAILURES = (
      r"RewardServerError|did not score within \d+ s|RewardRequestRejected|refused the request with 4\d\d"),
 )  # fmt: skip
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# verl's console logger line, behind the prefix Ray gives a TaskRunner actor's lines in the driver's output
-_STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*)$")
-_NUMBER = re.compile(r"^(?:np\.\w+\()?([-+0-9.eE]+|nan|inf|-inf|True|False)\)?$")
-_TOTAL = re.compile(r"Total training steps: (\d+)")
-_PROGRESS = re.compile(r"Training Progress:.*?\|\s*(\d+)/(\d+) \[")
-_RESUMED = re.compile(r"Setting global step to (\d+)")
 _STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] "
 _START = re.compile(_STAMP + r"=== job (\S+): logs in (.+) \(\+\d+s\)$")
 _EXIT = re.compile(_STAMP + r"run_grpo_qwen3_4b_mega_verl\.sh exiting \(exit_code=(\d+); logs: (.+)\)$")
@@ -110,47 +113,6 @@ class StatusError(RuntimeError):
 
 
 # --- reading verl's output ------------------------------------------------------------------------------------------
-
-
-def number(text: str) -> float | None:
-    """A value as verl's console logger prints it (pprint.pformat of a number: 0.5, 3, nan, np.float64(0.5))."""
-    m = _NUMBER.match(text.strip())
-    if not m:
-        return None
-    value = m.group(1)
-    return {"True": 1.0, "False": 0.0}.get(value) if value in ("True", "False") else float(value)
-
-
-def parse_step_lines(text: str) -> dict[int, dict[str, float]]:
-    """{step: {key: value}} of every console-logger line, the last one of a step winning (validation-only lines,
-    `step:0 - val-core/...` before training, included)."""
-    steps: dict[int, dict[str, float]] = {}
-    for raw in re.split(r"[\r\n]", _ANSI.sub("", text)):
-        if "step:" not in raw:
-            continue
-        m = _STEP_LINE.search(raw)
-        if not m:
-            continue
-        values = {}
-        for item in m.group(2).split(" - "):
-            key, sep, value = item.rpartition(":")
-            parsed = number(value) if sep else None
-            if key and parsed is not None:
-                values[key.strip()] = parsed
-        if values:
-            steps[int(m.group(1))] = values
-    return steps
-
-
-def is_training_step(metrics: dict[str, float]) -> bool:
-    """Every entry point times a training step (timing_s/step); a validation-only line has no such key."""
-    return "timing_s/step" in metrics
-
-
-def wall_seconds(metrics: dict[str, float]) -> float:
-    """A step's wall time as verl timed its parts: the step, and the validation and save that followed it (timed
-    apart: ray_trainer.py:1224-1271)."""
-    return sum(metrics.get(f"timing_s/{k}", 0.0) for k in ("step", "testing", "save_checkpoint"))
 
 
 def first_failure(text: str) -> dict | None:
@@ -192,7 +154,7 @@ class Start:
     trainer_finished: bool = False
     ckpt_root: str | None = None
     critic_updates: int | None = None  # PPO's critic updates a step (critic_updates_per_step), when the command says
-    stall: dict | None = None  # what the stall watchdog found (stall.json: launch/watchdog.py), if this start hung
+    stall: dict | None = None  # what the stall watchdog found (stall.json: launch/job/watchdog.py), if this start hung
 
     @property
     def name(self) -> str:
@@ -261,7 +223,7 @@ def read_folder(folder: Path, restart: int) -> Start:
     return s
 
 
-# The preflight's refusals on its stderr (launch/preflight.py), its warnings and notes not among them.
+# The preflight's refusals on its stderr (launch/plan/preflight.py), its warnings and notes not among them.
 PREFLIGHT_PROBLEMS = ("setting error: ", "preflight: refused: ", "preflight: verl 0.6.1 ", "preflight: verl's ",
                       "preflight: the trainer cannot start here: ", "preflight: the reward check failed: ",
                       "preflight: the train/test parquet", "preflight: cannot size ", "preflight: PREFLIGHT_REWARD_PAIRS",
@@ -905,11 +867,11 @@ def steps_text(steps: list[int]) -> str:
     return "no step" if not steps else f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
-CANARY_STAGES = {"train": "train", "resume": "resume", "merge": "merge.log"}  # launch/canary.sh: stage -> its log
+CANARY_STAGES = {"train": "train", "resume": "resume", "merge": "merge.log"}  # launch/watch/canary.sh: stage -> its log
 
 
 def canary_stages(canary: Path) -> list[str]:
-    """The canary's stages so far, from the results.jsonl its checks append (launch/canary.py), and the one running."""
+    """The canary's stages so far, from the results.jsonl its checks append (launch/watch/canary.py), and the one running."""
     results = {}
     for line in read_text(canary / "results.jsonl").splitlines():
         try:
@@ -1067,7 +1029,7 @@ def no_picture(job: Job) -> str:
     """Why there is nothing to draw yet ("" when there is): no training step in any start."""
     if any(s.training_steps() for s in job.starts):
         return ""
-    hint = f"; the canary's training is its own job folder: python -m launch.status {job.canary / 'train'} --png" if (
+    hint = f"; the canary's training is its own job folder: python -m launch.watch.status {job.canary / 'train'} --png" if (
         job.canary and (job.canary / "train").is_dir()) else ""  # fmt: skip
     return f"not drawn: no steps yet in job {job.id}{hint}"
 
@@ -1090,7 +1052,7 @@ def plot(job: Job, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.status", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m launch.watch.status", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("job", nargs="?", help="a job id, or a start's log folder (default: the newest job)")
     p.add_argument("--log-dir", type=Path, help="where the job folders are (default: CONFIG_LOG_DIR, else logs/)")

@@ -1,8 +1,8 @@
 """Prove a merged Hugging Face checkpoint is complete: files, shards, tensor names and shapes, head, parameter count.
 
-    python -m launch.verify_hf TARGET_DIR --tied true|false [--load]     # an actor (a causal LM)
-    python -m launch.verify_hf TARGET_DIR --value-model [--load]         # a critic (a value model)
-    python -m launch.verify_hf CONFIG_DIR --show-tie                     # print true|false: what transformers reads
+    python -m launch.merge.verify_hf TARGET_DIR --tied true|false [--load]     # an actor (a causal LM)
+    python -m launch.merge.verify_hf TARGET_DIR --value-model [--load]         # a critic (a value model)
+    python -m launch.merge.verify_hf CONFIG_DIR --show-tie                     # print true|false: what transformers reads
 
 The expected tensors come from the checkpoint's own config.json: the model is built on the meta device (no memory),
 and every tensor it has must be in the safetensors files with the same shape, nothing missing, nothing extra.

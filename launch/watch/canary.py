@@ -1,13 +1,13 @@
 """The canary: every GPU stage of the real job on a tiny workload, in one allocation, before the day-long run.
 
-`CANARY=1 sbatch run_grpo_qwen3_4b_mega_verl.sh` runs the stages (launch/canary.sh); this module holds what they
+`CANARY=1 sbatch run_grpo_qwen3_4b_mega_verl.sh` runs the stages (launch/watch/canary.sh); this module holds what they
 compute and check:
 
-    python -m launch.canary settings [EXTRA_OVERRIDES...]   # the tiny workload as NAME=VALUE, NUL-separated
-    python -m launch.canary overrides STAGE   # that training stage's extra Hydra overrides, NUL-separated
-    python -m launch.canary check STAGE --rc RC --seconds S --log LOG --ckpt DIR [--target DIR] --results FILE
-    python -m launch.canary skip STAGE --because WHY --results FILE
-    python -m launch.canary summary --results FILE    # the table; exit 1 unless every stage passed
+    python -m launch.watch.canary settings [EXTRA_OVERRIDES...]   # the tiny workload as NAME=VALUE, NUL-separated
+    python -m launch.watch.canary overrides STAGE   # that training stage's extra Hydra overrides, NUL-separated
+    python -m launch.watch.canary check STAGE --rc RC --seconds S --log LOG --ckpt DIR [--target DIR] --results FILE
+    python -m launch.watch.canary skip STAGE --because WHY --results FILE
+    python -m launch.watch.canary summary --results FILE    # the table; exit 1 unless every stage passed
 
 Each check reads verl 0.6.1's own output: the line each training step prints through the console logger
 (`step:N - ...`, verl/utils/logger/aggregate_logger.py:26-51), what `_load_checkpoint` prints on a resume (`Setting
@@ -20,7 +20,7 @@ and the one-step-off recipe (ray_trainer.py:468, 663).
 It generates at the user's own MAX_RESPONSE_LENGTH, so that the share of responses cut at the limit, verl's
 `response_length/clip_ratio` on each step line (verl/trainer/ppo/metric_utils.py:192), is the real run's: the
 summary reports it and warns above CLIP_RATIO_WARN (docs/training.md: what a cut response does to GRPO's signal).
-With ALGORITHM=ppo it reads `critic/vf_clipfrac` the same way, and warns as launch.status does when PPO's value clip
+With ALGORITHM=ppo it reads `critic/vf_clipfrac` the same way, and warns as launch.watch.status does when PPO's value clip
 (CRITIC_CLIPRANGE_VALUE) held nearly every prediction it could: the critic cannot follow the rewards.
 """
 
@@ -34,9 +34,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from launch.refusals import check
-from launch.settings import SettingError, Settings
-from launch.status import critic_updates_per_step, value_clip_warnings
+from launch.plan.refusals import check
+from launch.plan.settings import SettingError, Settings
+from launch.watch.status import critic_updates_per_step, value_clip_warnings
 
 TRAIN_STEPS = 2  # stage 1: two steps, a checkpoint after each
 RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more
@@ -186,7 +186,7 @@ def told_opens_think(log: Path) -> bool | None:
 
 
 def value_clip_report(results: dict[str, dict]) -> list[str]:
-    """PPO's critic/vf_clipfrac of every step the training stages logged, and launch.status's warning on it."""
+    """PPO's critic/vf_clipfrac of every step the training stages logged, and launch.watch.status's warning on it."""
     entries = [results[s] for s in ("train", "resume") if results.get(s, {}).get("vf_clipfrac")]
     if not entries:
         return []
@@ -278,12 +278,12 @@ def check_resume(text: str, ckpt: Path) -> list[str]:
 
 
 def check_merge(text: str, target: Path) -> list[str]:
-    """Stage 3: merge_mcore_to_hf.sh wrote the model and launch.verify_hf passed on it."""
+    """Stage 3: merge_mcore_to_hf.sh wrote the model and launch.merge.verify_hf passed on it."""
     problems = []
     if not (target / "config.json").is_file():
         problems.append(f"no merged model at {target}")
     if "verified " not in text:
-        problems.append("launch.verify_hf did not report the merged model verified")
+        problems.append("launch.merge.verify_hf did not report the merged model verified")
     return problems
 
 

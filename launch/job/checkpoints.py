@@ -5,7 +5,7 @@ verl 0.6.1's checkpoint managers (fsdp_checkpoint_manager.py, megatron_checkpoin
 checkpoints of every earlier start stay for ever (~56 GB each for a 4B model with optimizer state). The run script
 calls this before each start:
 
-    python -m launch.checkpoints CONFIG_OUTPUT_DIR MAX_CKPT_TO_KEEP
+    python -m launch.job.checkpoints CONFIG_OUTPUT_DIR MAX_CKPT_TO_KEEP
 
 It keeps the newest MAX_CKPT_TO_KEEP `global_step_N` folders and always the one `latest_checkpointed_iteration.txt`
 names (what `trainer.resume_mode=auto` resumes from); 0 keeps everything.

@@ -1,0 +1,2 @@
+"""Watching a job, running or ended, read-only: `python -m launch.watch.status` (where it is, when it ends, whether it
+learns) and the canary's stage checks and table (CANARY=1, canary.sh). Imports launch.plan and launch.job."""
