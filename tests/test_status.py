@@ -1,4 +1,5 @@
-"""Watching a job (launch/watch/status.py): where it is, when it ends, whether it learns, read from its log folders and Slurm.
+"""Watching a job (launch/watch/: reading.py, health.py, status.py): where it is, when it ends, whether it learns,
+read from its log folders and Slurm.
 
 The trainer output here is printed by verl 0.6.1's own console logger (verl.utils.tracking.Tracking with the console
 backend), behind the prefix Ray gives a TaskRunner actor's lines, never written by hand; the jobs on the local Slurm run
@@ -19,7 +20,7 @@ import pytest
 
 from launch.job.steps import is_training_step, number, parse_step_lines
 from launch.plan import preflight
-from launch.watch import status
+from launch.watch import health, reading, status
 from tests.fakes.fake_trainer import RayPrefixed, step_metrics
 from tests.real_slurm import NODE_SIZE, slurm_env
 from tests.support import REPO, run, run_without
@@ -190,11 +191,11 @@ def test_a_ppo_critic_held_by_its_value_clip_is_named_with_the_setting_against_w
     ],
 )
 def test_the_critics_updates_a_step_are_read_from_the_trainer_command(overrides, updates):
-    assert status.critic_updates_per_step(list(overrides)) == updates
+    assert reading.critic_updates_per_step(list(overrides)) == updates
 
 
 def test_one_critic_update_a_step_cannot_be_clipped_and_is_never_warned_about():
-    assert status.value_clip_warnings([1.0] * 5, updates=1) == []
+    assert health.value_clip_warnings([1.0] * 5, updates=1) == []
 
 
 @pytest.mark.parametrize(
@@ -229,8 +230,8 @@ def test_a_failed_start_says_why_from_the_first_failure_the_trainer_logged(tmp_p
 
 
 def test_every_failure_the_status_names_points_at_a_section_that_says_what_to_do():
-    sections = anchors(REPO / status.OPERATIONS)
-    assert [a for _, a, _ in status.FAILURES if a not in sections] == []
+    sections = anchors(REPO / reading.OPERATIONS)
+    assert [a for _, a, _ in reading.FAILURES if a not in sections] == []
 
 
 @pytest.mark.parametrize("silent_minutes, warned", [(40, True), (10, False)])
@@ -240,9 +241,9 @@ def test_a_running_job_whose_trainer_has_written_nothing_for_long_is_flagged_as_
     folder = start_folder(tmp_path / "logs", LOCAL_ID, training(1, 5))  # steps of 100 s, one validation of 40 s
     written = time.time() - silent_minutes * 60
     os.utime(folder / "trainer.log", (written, written))
-    job = status.load(str(folder))
+    job = reading.load(str(folder))
     job.slurm = {"state": "RUNNING", "nodes": "n1"}  # as scontrol says while it runs
-    warnings = status.report(job)["warnings"]
+    warnings = health.report(job)["warnings"]
     hang = [w for w in warnings if w.startswith("no progress for")]
     assert hang == ([f"no progress for {silent_minutes} min: the trainer has written nothing since then (the longest "
                      "step took 2 min): a hang? docs/operations.md#nccl-timeouts-and-hangs says what to look at"]
@@ -256,7 +257,7 @@ def test_reward_server_restarts_are_counted_from_the_marker_each_restart_leaves_
         "=== 2026-01-01 10:00:00 restart 1 after: killed by SIGKILL (kill -9, or the kernel's out-of-memory killer) ==="
     )
     (folder / "reward_server_n1_20016.log").write_text(f"INFO: serving\n{marker}\nINFO: serving\n")
-    r = status.report(status.load(str(folder)))
+    r = health.report(reading.load(str(folder)))
     (restart,) = r["starts"][0]["reward_restarts"]
     assert restart["reason"].startswith("killed by SIGKILL") and restart["log"].endswith("reward_server_n1_20016.log")
     assert any(w.startswith("reward servers restarted 1 time(s) in this job, the last at 2026-01-01 10:00 after: "
@@ -281,10 +282,10 @@ def test_the_eta_in_starts_counts_each_starts_startup_and_the_save_before_its_li
         "preflight: verl saves after any step that ends within 60 s + its longest step + trainer.esi_redundant_time=600"
         " s of x (CHECKPOINT_BEFORE_END=1800 s before the time limit); ...\n"
     )
-    job = status.load(str(folder), now=began + 1000)
+    job = reading.load(str(folder), now=began + 1000)
     assert job.output == output and job.checkpoint_before_end == 1800
     job.slurm = {"state": "RUNNING", "time_limit": 3600, "end": began + 3600, "batch": True}  # as scontrol says
-    p = status.progress(job)
+    p = health.progress(job)
     assert p["startup_s"] == pytest.approx(600, abs=2) and p["time_limit_s"] == 3600
     assert p["steps_per_start"] == 12
     # this start: until began + 3600 - 1800, from began + 1000: 8 more steps; then 96 - 8 = 88 steps: 8 more starts
@@ -300,7 +301,7 @@ def test_the_picture_has_every_curve_and_marks_where_each_requeued_start_resumed
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     start_folder(logs, LOCAL_ID, training(1, 14), ckpt=ckpt, done=143)
     start_folder(logs, f"{LOCAL_ID}-r1", training(13, 30), resumed=12, ckpt=ckpt)
-    job = status.load(LOCAL_ID, log_dir=logs)
+    job = reading.load(LOCAL_ID, log_dir=logs)
     fig = status.figure(job)
     titles = [ax.get_title() for ax in fig.axes]
     assert titles[:6] == [t for t, _, _ in status.PANELS]
@@ -408,8 +409,8 @@ def test_follow_ends_by_itself_once_the_job_has_ended(tmp_path, no_slurm, capsys
 
 
 def test_the_docs_list_every_metric_the_status_watches_with_its_healthy_range():
-    page = (REPO / status.OPERATIONS).read_text()
-    for key, healthy in status.METRICS.items():
+    page = (REPO / reading.OPERATIONS).read_text()
+    for key, healthy in health.METRICS.items():
         assert f"| `{key}{'*' if key.endswith('/') else ''}` | {healthy} |" in page, key
 
 
@@ -556,7 +557,7 @@ def test_a_requeued_job_shows_where_it_resumes_then_both_starts_once_it_has_fini
     assert r["starts"][1]["steps"] == list(range(saved + 1, 41))
     assert (r["progress"]["step"], r["checkpoint"]["step"], r["checkpoint"]["training_done"]) == (40, 40, True)
     monkeypatch.setenv("SLURM_CONF", slurm_env(env)["SLURM_CONF"])
-    fig = status.figure(status.load(j.id, log_dir=Path(env["CONFIG_LOG_DIR"])))
+    fig = status.figure(reading.load(j.id, log_dir=Path(env["CONFIG_LOG_DIR"])))
     assert [line.get_xdata()[0] for line in fig.axes[0].get_lines() if line.get_linestyle() == ":"] == [saved + 0.5]
     png = Path(os.environ.get("STATUS_PNG") or tmp_path / "status.png")
     result = status_cmd(env, j.id, "--log-dir", env["CONFIG_LOG_DIR"], "--png", str(png))

@@ -17,7 +17,7 @@ from launch.job import watchdog
 from launch.plan import deadline
 from launch.plan.refusals import check
 from launch.plan.settings import Settings
-from launch.watch import status
+from launch.watch import health, reading
 from tests.support import block_environment
 
 # verl's console line of a step (the training part, and a validation or save when it had one)
@@ -261,8 +261,8 @@ def test_a_stalled_start_shows_as_stalled_with_since_when_the_step_the_phase_and
     since = time.mktime(time.strptime("2026-12-03 10:00:00", "%Y-%m-%d %H:%M:%S"))
     (folder / "stall.json").write_text(json.dumps({"since": since, "step": 2, "phase": "update_actor", "budget": 1800,
                                                    "setting": "auto", "stacks": str(folder / "stall")}))  # fmt: skip
-    job = status.load(str(folder))
-    st, why = status.state(job)
+    job = reading.load(str(folder))
+    st, why = health.state(job)
     assert st == "stalled", why
     assert why == (f"no step finished since 2026-12-03 10:00 (budget 30 min, STALL_TIMEOUT=auto): hung in step 2, "
                    f"phase update_actor; stacks in {folder / 'stall'}")  # fmt: skip

@@ -277,8 +277,9 @@ OPERATIONS_PAGE = REPO / "docs" / "operations.md"
 BASH_SOURCES = ("run_grpo_qwen3_4b_mega_verl.sh", "helper_grpo_qwen3_4b.sh", "merge_mcore_to_hf.sh",
                 "launch/job/common.sh", "launch/watch/canary.sh")  # fmt: skip
 PYTHON_SOURCES = ("launch/plan/refusals.py", "launch/plan/settings.py", "launch/plan/preflight.py", "launch/plan/deadline.py",
-                  "launch/job/node.py", "launch/job/ray_cluster.py", "launch/plan/procs.py", "launch/watch/status.py",
-                  "launch/plan/thinking.py", "launch/job/watchdog.py")  # fmt: skip
+                  "launch/job/node.py", "launch/job/ray_cluster.py", "launch/plan/procs.py", "launch/watch/reading.py",
+                  "launch/watch/health.py", "launch/watch/status.py", "launch/plan/thinking.py",
+                  "launch/job/watchdog.py")  # fmt: skip
 MIN_LITERAL = 12  # a message whose every literal piece is shorter is all variables (err "$*"): nothing to key on
 
 

@@ -36,7 +36,8 @@ from pathlib import Path
 
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
-from launch.watch.status import critic_updates_per_step, value_clip_warnings
+from launch.watch.health import value_clip_warnings
+from launch.watch.reading import critic_updates_per_step
 
 TRAIN_STEPS = 2  # stage 1: two steps, a checkpoint after each
 RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more

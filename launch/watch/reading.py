@@ -1,0 +1,445 @@
+"""Reading a job, for launch/watch/status.py: every start's folder (trainer.log, trainer_command.txt, `done` and
+`exit`, the preflight's and the stall watchdog's records, the reward servers' logs), the job's Slurm output file, Slurm
+itself (scontrol, else squeue, else sacct) and the checkpoint folder, into one Job (`load`); nothing is written. verl's
+step lines are parsed in launch/job/steps.py. Also the times as text (duration, clock) a start's description uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launch.job.steps import _ANSI, _PROGRESS, _RESUMED, _TOTAL, is_training_step, parse_step_lines
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
+OPERATIONS = "docs/operations.md"
+
+CHECKPOINT_BEFORE_END = 1800  # the settings block's default, when the job's output does not say
+
+# The trainer's own failures, as its log shows them (torch, NCCL, SGLang 0.5.2, vLLM, Ray); the first matching line
+# of trainer.log is the likely cause (later ranks fail on what the first one did), and the section of
+# docs/operations.md that says what to do.
+FAILURES = (
+    ("the trainer ran out of GPU memory", "cuda-out-of-memory",
+     r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory"),
+    ("SGLang failed to start", "sglang-or-vllm-failed-to-start",
+     r"scheduler is dead|Not enough memory\. Please try to increase --mem-fraction-static|Initialization failed\. "
+     r"warmup error|Server process terminated unexpectedly during startup|Server failed to become healthy"),
+    ("vLLM failed to start", "sglang-or-vllm-failed-to-start",
+     r"No available memory for the cache blocks|Engine core initialization failed|is less than desired GPU memory "
+     r"utilization"),
+    ("NCCL timed out or failed", "nccl-timeouts-and-hangs",
+     r"Watchdog caught collective operation timeout|ncclSystemError|ncclInternalError|ncclUnhandledCudaError|"
+     r"ncclRemoteError|NCCL error|DistBackendError|NCCL communicator was aborted"),
+    ("a node was lost", "a-node-lost",
+     r"has been marked dead because the detector has missed too many heartbeats|ActorDiedError|The actor died "
+     r"unexpectedly|RaySystemError|raylet.*died|node_failure"),
+    # the reward function's client (reward_score/safe_hack_reward_request.py): every server failed for
+    # REWARD_RETRY_SECONDS, or one refused a request (4xx)
+    ("the reward servers did not score", "the-reward-servers-did-not-score",
+     r"RewardServerError|did not score within \d+ s|RewardRequestRejected|refused the request with 4\d\d"),
+)  # fmt: skip
+
+_STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] "
+_START = re.compile(_STAMP + r"=== job (\S+): logs in (.+) \(\+\d+s\)$")
+_EXIT = re.compile(_STAMP + r"run_grpo_qwen3_4b_mega_verl\.sh exiting \(exit_code=(\d+); logs: (.+)\)$")
+_ENDS_AT = re.compile(_STAMP + r"the job ends at (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
+_BEFORE_END = re.compile(r"CHECKPOINT_BEFORE_END=(\d+) s before the time limit")
+_RESTART = re.compile(r"^=== (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) restart (\d+) after: (.*) ===$")
+_FOLDER = re.compile(r"^(?P<id>.+?)(?:-r(?P<n>\d+))?$")
+PREFLIGHT_ONLY = "preflight only"  # a start's `kind` (the run script writes it): preflight only, canary or training
+
+
+class StatusError(RuntimeError):
+    """Bad input: the message names what was looked for and where."""
+
+
+# --- reading verl's output ------------------------------------------------------------------------------------------
+
+
+def first_failure(text: str) -> dict | None:
+    """The earliest line of the trainer's log that FAILURES knows, with what it means and where the docs say more."""
+    best = None
+    for what, anchor, pattern in FAILURES:
+        m = re.search(pattern, text)
+        if m and (best is None or m.start() < best[0]):
+            line_start = text.rfind("\n", 0, m.start()) + 1
+            line_end = text.find("\n", m.end())
+            line = _ANSI.sub("", text[line_start : line_end if line_end >= 0 else len(text)]).strip()
+            best = (m.start(), {"what": what, "line": line[:240], "docs": f"{OPERATIONS}#{anchor}"})
+    return best[1] if best else None
+
+
+# --- one start of the job: its folder, and its part of the job's output ---------------------------------------------
+
+
+@dataclass
+class Start:
+    folder: Path
+    restart: int
+    began: float | None = None
+    ended: float | None = None
+    exit_code: int | None = None
+    how: str = ""  # how it ended, from the job's own lines
+    kind: str = ""  # what the run script started: preflight only, canary or training ("" from an older script)
+    preflight_problem: str = ""  # the preflight's first refusal (its stderr, preflight.err), where it failed
+    errors: list[str] = field(default_factory=list)
+    ends_at: float | None = None  # this start's time limit, as the run script logged it
+    trainer_started: float | None = None
+    last_write: float | None = None  # trainer.log's last change
+    resumed_from: int | None = None
+    total: int | None = None
+    steps: dict[int, dict[str, float]] = field(default_factory=dict)
+    failure: dict | None = None
+    node_failures: list[str] = field(default_factory=list)
+    reward_restarts: list[dict] = field(default_factory=list)
+    trainer_finished: bool = False
+    ckpt_root: str | None = None
+    critic_updates: int | None = None  # PPO's critic updates a step (critic_updates_per_step), when the command says
+    stall: dict | None = None  # what the stall watchdog found (stall.json: launch/job/watchdog.py), if this start hung
+
+    @property
+    def name(self) -> str:
+        return self.folder.name
+
+    def training_steps(self) -> list[int]:
+        return sorted(n for n, m in self.steps.items() if is_training_step(m))
+
+
+def stamp(text: str) -> float:
+    return time.mktime(time.strptime(text, "%Y-%m-%d %H:%M:%S"))
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def read_folder(folder: Path, restart: int) -> Start:
+    """What a start left in its folder."""
+    s = Start(folder=folder, restart=restart)
+    files = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+    times = [t for t in map(mtime, files) if t is not None]
+    s.began = min(times) if times else mtime(folder)
+    log = folder / "trainer.log"
+    text = read_text(log)
+    s.last_write = mtime(log)
+    s.steps = parse_step_lines(text)
+    totals = _TOTAL.findall(text) or [t for _, t in _PROGRESS.findall(text)]
+    s.total = int(totals[-1]) if totals else None
+    resumed = _RESUMED.findall(text)
+    s.resumed_from = int(resumed[-1]) if resumed else (0 if "Training from scratch" in text else None)
+    s.failure = first_failure(text)
+    s.trainer_started = mtime(folder / "trainer_command.txt")
+    command = read_text(folder / "trainer_command.txt").splitlines()
+    s.ckpt_root = next((a.split("=", 1)[1] for a in reversed(command) if a.startswith("trainer.default_local_dir=")),
+                       None)  # fmt: skip
+    s.critic_updates = critic_updates_per_step(command)
+    s.kind = read_text(folder / "kind").strip()
+    # The run script's own end (`exit`, every kind of start) over the trainer's (`done`, written by the helper)
+    for name in ("done", "exit"):
+        code = read_text(folder / name).strip()
+        if code.lstrip("-").isdigit():
+            s.exit_code, s.ended = int(code), mtime(folder / name)
+    s.preflight_problem = next(
+        (line for line in read_text(folder / "preflight.err").splitlines() if line.startswith(PREFLIGHT_PROBLEMS)), ""
+    )
+    s.node_failures = [read_text(p).strip() for p in sorted(folder.glob("node_failed.*"))]
+    try:
+        s.stall = json.loads(read_text(folder / "stall.json")) or None
+    except ValueError:
+        s.stall = None
+    for server_log in sorted(folder.glob("reward_server_*.log")):
+        for line in read_text(server_log).splitlines():
+            if m := _RESTART.match(line):
+                s.reward_restarts.append({"log": str(server_log), "when": stamp(m.group(1)), "reason": m.group(3)})
+    return s
+
+
+# The preflight's refusals on its stderr (launch/plan/preflight.py), its warnings and notes not among them.
+PREFLIGHT_PROBLEMS = ("setting error: ", "preflight: refused: ", "preflight: verl 0.6.1 ", "preflight: verl's ",
+                      "preflight: the trainer cannot start here: ", "preflight: the reward check failed: ",
+                      "preflight: the train/test parquet", "preflight: cannot size ", "preflight: PREFLIGHT_REWARD_PAIRS",
+                      "preflight: the reward model ranks ")  # fmt: skip
+
+
+def critic_updates_per_step(command: list[str]) -> int | None:
+    """The critic's optimizer updates a step in a trainer command (one override a line): its mini-batches (verl's
+    critic.ppo_mini_batch_size follows the actor's) times its epochs (critic.ppo_epochs, the actor's, 1). None
+    without a critic, or when the command does not say."""
+    keys = dict(a.split("=", 1) for a in command if "=" in a)  # the last override of a key wins, as in Hydra
+    if "critic.model.path" not in keys:
+        return None
+    actor = "actor_rollout_ref.actor"
+    try:
+        batch = int(keys["data.train_batch_size"])
+        mini = int(keys.get("critic.ppo_mini_batch_size", keys[f"{actor}.ppo_mini_batch_size"]))
+        epochs = int(keys.get("critic.ppo_epochs", keys.get(f"{actor}.ppo_epochs", "1")))
+    except (KeyError, ValueError):
+        return None
+    return max(batch // max(mini, 1), 1) * epochs
+
+
+def read_output(text: str, starts: dict[str, Start]) -> dict:
+    """The job's Slurm output (every start appended): each start's times, how it ended and its errors, into
+    `starts` (by folder name); and what holds for the whole job."""
+    job: dict = {}
+    current: Start | None = None
+    for line in text.splitlines():
+        if m := _START.match(line):
+            current = starts.get(Path(m.group(3)).name)
+            if current is not None:
+                current.began, current.errors, current.how = stamp(m.group(1)), [], ""
+            continue
+        if m := _BEFORE_END.search(line):
+            job["checkpoint_before_end"] = int(m.group(1))
+        if current is None:
+            continue
+        if m := _ENDS_AT.match(line):
+            current.ends_at = stamp(m.group(2))
+        elif m := _EXIT.match(line):
+            current.ended, current.exit_code = stamp(m.group(1)), int(m.group(2))
+        elif "time-limit signal: requeueing job" in line:
+            current.how = "requeued at the time-limit signal"
+        elif "stop signal: stopping the job on every node" in line:
+            current.how = current.how or "stopped by a signal (scancel, a requeue, Ctrl-C)"
+        elif "TRAINING_DONE exists: this training already finished" in line:
+            current.how = "nothing to do: TRAINING_DONE was there"
+        elif "=== [rank 0] trainer finished" in line:
+            current.trainer_finished = True
+        elif "] ERROR: " in line:
+            current.errors.append(line.split("] ERROR: ", 1)[1])
+    return job
+
+
+# --- Slurm ------------------------------------------------------------------------------------------------------------
+
+
+def _run(argv: list[str]) -> str | None:
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return run.stdout if run.returncode == 0 else None
+
+
+def slurm_time(value: str | None) -> float | None:
+    try:
+        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S")) if value else None
+    except ValueError:
+        return None  # Unknown, None, N/A
+
+
+def slurm_duration(value: str | None) -> float | None:
+    """Slurm's [D-]HH:MM:SS (or MM:SS) in seconds; None for UNLIMITED and the like."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", value or "")
+    if not m:
+        return None
+    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def ask_slurm(job_id: str) -> tuple[dict | None, list[str]]:
+    """What Slurm knows of the job (state, reason, restarts, times, time limit, output file, nodes), from the first of
+    scontrol, squeue, sacct that is on PATH and knows it; and a note per program that was not there or did not."""
+    notes = []
+    if not re.fullmatch(r"\d+", job_id):
+        return None, [f"job {job_id} ran without Slurm"]
+    if shutil.which("scontrol"):
+        out = _run(["scontrol", "show", "job", "-o", job_id])
+        if out and "JobState=" in out:
+            f = dict(re.findall(r"(\S+?)=(\S*)", out))
+            return {
+                "source": "scontrol", "state": f.get("JobState"), "reason": f.get("Reason"),
+                "restarts": int(f.get("Restarts") or 0), "start": slurm_time(f.get("StartTime")),
+                "end": slurm_time(f.get("EndTime")), "time_limit": slurm_duration(f.get("TimeLimit")),
+                "output": f.get("StdOut"), "nodes": f.get("NodeList"), "exit_code": f.get("ExitCode"),
+                "batch": f.get("BatchFlag") != "0",
+            }, notes  # fmt: skip
+        notes.append("scontrol does not know the job (it forgets ended jobs after MinJobAge)")
+    else:
+        notes.append("scontrol is not on PATH")
+    if shutil.which("squeue"):
+        out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%S|%e|%l|%N"])
+        if out and out.strip():
+            state, reason, start, end, limit, nodes = (out.strip().splitlines()[0].split("|") + [""] * 6)[:6]
+            return {"source": "squeue", "state": state, "reason": reason, "restarts": None,
+                    "start": slurm_time(start), "end": slurm_time(end), "time_limit": slurm_duration(limit),
+                    "output": None, "nodes": nodes, "exit_code": None, "batch": None}, notes  # fmt: skip
+    else:
+        notes.append("squeue is not on PATH")
+    if shutil.which("sacct"):
+        out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,Start,End,Timelimit,NodeList"])
+        if out and out.strip():
+            state, code, start, end, limit, nodes = (out.strip().splitlines()[-1].split("|") + [""] * 6)[:6]
+            return {"source": "sacct", "state": state.split()[0], "reason": None, "restarts": None,
+                    "start": slurm_time(start), "end": slurm_time(end), "time_limit": slurm_duration(limit),
+                    "output": None, "nodes": nodes, "exit_code": code, "batch": None}, notes  # fmt: skip
+        notes.append("sacct does not know the job (no accounting database, or not kept)")
+    else:
+        notes.append("sacct is not on PATH")
+    return None, notes
+
+
+# --- the job ------------------------------------------------------------------------------------------------------
+
+
+def default_log_dir() -> Path:
+    return Path(os.environ.get("CONFIG_LOG_DIR") or REPO / "logs")
+
+
+def job_folders(log_dir: Path, job_id: str) -> list[tuple[int, Path]]:
+    """(restart count, folder) of every start of the job, oldest first."""
+    found = []
+    if log_dir.is_dir():
+        for p in log_dir.iterdir():
+            m = _FOLDER.match(p.name)
+            if p.is_dir() and m and m.group("id") == job_id:
+                found.append((int(m.group("n") or 0), p))
+    return sorted(found)
+
+
+def newest_job(log_dir: Path) -> str:
+    """The job whose newest start folder changed last."""
+    best: tuple[float, str] | None = None
+    for p in log_dir.iterdir() if log_dir.is_dir() else []:
+        m = _FOLDER.match(p.name)
+        if p.is_dir() and m:
+            t = max([mtime(p) or 0.0] + [mtime(f) or 0.0 for f in p.iterdir()])
+            if best is None or t > best[0]:
+                best = (t, m.group("id"))
+    if best is None:
+        raise StatusError(f"no job folders in {log_dir} (CONFIG_LOG_DIR): give a job id or a job's log folder")
+    return best[1]
+
+
+def find_output(job_id: str, log_dir: Path, slurm: dict | None) -> Path | None:
+    """The job's Slurm output file: where Slurm says, else the run script's --output=logs/%x-%j.out."""
+    candidates = [Path(slurm["output"])] if slurm and slurm.get("output") else []
+    for folder in dict.fromkeys([log_dir, REPO / "logs"]):
+        candidates += sorted(folder.glob(f"*-{job_id}.out")) + [folder / f"slurm-{job_id}.out"]
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def checkpoint(root: str | None) -> dict | None:
+    """The newest checkpoint verl's tracker file names: its step, folder, age and size; and TRAINING_DONE."""
+    if not root:
+        return None
+    base = Path(root)
+    out = {"root": root, "training_done": (base / "TRAINING_DONE").exists(), "step": None}
+    tracker = base / "latest_checkpointed_iteration.txt"
+    step = read_text(tracker).strip()
+    if not step.isdigit():
+        return out
+    folder = base / f"global_step_{step}"
+    size = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            try:
+                size += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                continue
+    return out | {"step": int(step), "path": str(folder), "saved": mtime(tracker), "bytes": size}
+
+
+def signal_lead() -> int:
+    """The run script's time-limit signal lead (#SBATCH --signal=B:USR1@N): when a job requeues itself."""
+    m = re.search(r"^#SBATCH --signal=\S*@(\d+)", read_text(RUN_SCRIPT), flags=re.M)
+    return int(m.group(1)) if m else 0
+
+
+@dataclass
+class Job:
+    id: str
+    log_dir: Path
+    starts: list[Start]
+    slurm: dict | None
+    slurm_notes: list[str]
+    output: Path | None
+    checkpoint: dict | None
+    checkpoint_before_end: int
+    canary: Path | None
+    now: float
+
+    @property
+    def newest(self) -> Start | None:
+        return self.starts[-1] if self.starts else None
+
+
+def load(target: str | None, log_dir: Path | None = None, now: float | None = None) -> Job:
+    """Everything known of the job `target` (an id, a start's folder, or None for the newest job)."""
+    if target and Path(target).is_dir() and _FOLDER.match(Path(target).resolve().name):
+        folder = Path(target).resolve()
+        log_dir, job_id = folder.parent, _FOLDER.match(folder.name).group("id")
+    else:
+        log_dir = log_dir or default_log_dir()
+        job_id = target or newest_job(log_dir)
+    folders = job_folders(log_dir, job_id)
+    slurm, notes = ask_slurm(job_id)
+    if not folders and slurm is None:
+        raise StatusError(
+            f"no job {job_id}: no folder {log_dir / job_id} (CONFIG_LOG_DIR={log_dir}) and Slurm does not know it "
+            f"({'; '.join(notes)}): give the job's id or its log folder"
+        )
+    starts = [read_folder(folder, n) for n, folder in folders]
+    output = find_output(job_id, log_dir, slurm)
+    job_lines = read_output(read_text(output), {s.name: s for s in starts}) if output else {}
+    requeued = starts[:-1]  # a start of the same job id after it: Slurm requeued this one
+    if slurm and slurm["state"] == "PENDING" and starts and (slurm.get("restarts") or 0) >= len(starts):
+        requeued = starts  # the newest too: its next start is waiting
+    for s in requeued:
+        if not s.how.startswith("requeued"):
+            s.how = "requeued (scontrol requeue, or by Slurm after a node failure)"
+    for s in starts:
+        if s.exit_code == 0 and s.trainer_finished:
+            s.how = s.how or "the trainer finished"
+        if s.stall:
+            s.how = f"stalled ({stall_text(s.stall)})" + ("; requeued" if s in requeued else "")
+    root = next((s.ckpt_root for s in reversed(starts) if s.ckpt_root), None)
+    canary = next((f / "canary" for _, f in folders if (f / "canary").is_dir()), None)
+    before_end = job_lines.get("checkpoint_before_end") or int(os.environ.get("CHECKPOINT_BEFORE_END") or
+                                                                 CHECKPOINT_BEFORE_END)  # fmt: skip
+    return Job(job_id, log_dir, starts, slurm, notes, output, checkpoint(root), before_end, canary,
+               time.time() if now is None else now)  # fmt: skip
+
+
+# --- times as text -------------------------------------------------------------------------------------------------
+
+
+def stall_text(stall: dict) -> str:
+    """Where and since when a start hung, as the stall watchdog recorded it."""
+    phase = f", phase {stall['phase']}" if stall.get("phase") else ""
+    return (
+        f"no step finished since {clock(stall.get('since'))} (budget {duration(stall.get('budget') or 0)}, "
+        f"STALL_TIMEOUT={stall.get('setting')}): hung in step {stall.get('step')}{phase}; stacks in {stall.get('stacks')}"
+    )
+
+
+def duration(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    if seconds < 120:
+        return f"{seconds} s"
+    minutes = seconds // 60
+    if minutes < 120:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min" if hours < 48 else f"{hours // 24} d {hours % 24} h"
+
+
+def clock(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "?"
