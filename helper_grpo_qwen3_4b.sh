@@ -439,7 +439,7 @@ run_head() {
 
   log_phase "[rank 0] trainer"
   local -a cmd
-  mapfile -d '' -t cmd < <(RAY_ADDRESS_FOR_TRAINER="$ray_address" python3 -m launch.plan.settings trainer-argv "$@")
+  mapfile -d '' -t cmd < <(RAY_ADDRESS_FOR_TRAINER="$ray_address" python3 -m launch.plan.trainer_command trainer-argv "$@")
   ((${#cmd[@]})) || die "could not build the trainer command"
   cmd=("$TRAINER_LAUNCHER" "${cmd[@]}")
   printf '%s\n' "${cmd[@]}" >"$job_log_dir/trainer_command.txt"

@@ -2,7 +2,7 @@
 pipeline stage, measured through verl's own worker, beside what the preflight predicts (launch/plan/gpu_memory.py).
 
 Each case runs in its own process: verl's `ActorRolloutRefWorker(role="actor")` built from the job's own trainer
-config (launch.plan.settings.trainer_argv for the settings block's defaults: bf16, optimizer offload, micro-batches of
+config (launch.plan.trainer_command.trainer_argv for the settings block's defaults: bf16, optimizer offload, micro-batches of
 token_budget() tokens, MEGATRON_RECOMPUTE as the case says), `init_model` on a random-weight Qwen3 checkpoint of the
 public config's dimensions, then:
 - `stage1` (the last stage of the default PP=2: half the layers, the output layer and the logits, one micro-batch in
@@ -100,7 +100,8 @@ def case_settings(policy: Path, recompute: str, lengths: tuple[int, int] | None)
 
 def worker_config(policy: Path, recompute: str, fused: bool, lengths, on_gpu: bool):
     from launch.plan.preflight import compose, split_command
-    from launch.plan.settings import Settings, trainer_argv
+    from launch.plan.settings import Settings
+    from launch.plan.trainer_command import trainer_argv
 
     extra = [] if on_gpu else __import__("demo.megatron_cpu", fromlist=["overrides"]).overrides()
     s = Settings.from_env(case_settings(policy, recompute, lengths))
@@ -226,7 +227,7 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths) ->
     device = "cuda" if on_gpu else "cpu"
     cfg, s = worker_config(policy, recompute, bool(fused), lengths, on_gpu)
     from launch.plan.procs import free_port
-    from launch.plan.settings import token_budget
+    from launch.plan.trainer_command import token_budget
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     from demo import megatron_cpu

@@ -1,7 +1,7 @@
 """verl 0.6.1's own GRPO training step on one GPU, with verl's own timing_s breakdown and peak memory per role.
 
 What runs is what a job runs with STRATEGY=fsdp2 ROLLOUT_MODE=sync: `python -m verl.trainer.main_ppo` with the
-command launch.plan.settings.trainer_argv makes from the run script's settings block, the overrides below last; our reward
+command launch.plan.trainer_command.trainer_argv makes from the run script's settings block, the overrides below last; our reward
 server on the same GPU (the job's shared placement), our reward function through verl's batch reward manager, a Ray
 head started by hand on its own ports (no dashboard), NCCL. Two things differ from a job, because the benchmark
 machine has neither SGLang nor vLLM nor flash-attn: the rollout is verl's HF rollout (HF generate) behind the engine
@@ -564,7 +564,8 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
 
     from launch.job.node import plan_ports
     from launch.plan.procs import wait_for_http
-    from launch.plan.settings import Settings, trainer_argv
+    from launch.plan.settings import Settings
+    from launch.plan.trainer_command import trainer_argv
 
     # 1. models, in a child process (no CUDA context left in this one)
     since = time.monotonic()

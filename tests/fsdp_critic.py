@@ -20,7 +20,8 @@ from pathlib import Path
 from demo import verl_cpu
 from launch.plan.preflight import compose, split_command
 from launch.plan.procs import free_port
-from launch.plan.settings import Settings, trainer_argv
+from launch.plan.settings import Settings
+from launch.plan.trainer_command import trainer_argv
 from tests.support import block_environment
 
 TEXTS = ["the reward model explains the answer step by step", "hello world"]

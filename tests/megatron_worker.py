@@ -3,7 +3,7 @@
     python -m tests.megatron_worker OUT.json POLICY_DIR [KEY=VALUE ...]
 
 Composes the job's trainer config from the settings block's defaults with KEY=VALUE settings on top
-(launch.plan.settings.trainer_argv, with demo/megatron_cpu.py's overrides, as make demo runs it), builds verl's
+(launch.plan.trainer_command.trainer_argv, with demo/megatron_cpu.py's overrides, as make demo runs it), builds verl's
 `ActorRolloutRefWorker(role="actor_rollout")` (the hybrid worker of a job, its HF rollout included) from it in a one-process gloo group (demo/megatron_cpu.install first, as Ray's
 hook does in a job), runs `init_model` and `compute_log_prob` on two texts of different lengths, and writes what the
 running worker holds: its TransformerConfig, whether its parameters and optimizer are offloaded, the parameter
@@ -28,7 +28,8 @@ from pathlib import Path
 from demo import megatron_cpu
 from launch.plan.preflight import compose, split_command
 from launch.plan.procs import free_port
-from launch.plan.settings import Settings, trainer_argv
+from launch.plan.settings import Settings
+from launch.plan.trainer_command import trainer_argv
 from tests.support import block_environment
 
 TEXTS = ["the reward model explains the answer step by step", "hello world"]

@@ -8,18 +8,19 @@ from pathlib import Path
 
 import pytest
 
-import launch.plan.settings as settings_module
+import launch.plan.trainer_command as trainer_command_module
 from demo import verl_cpu
-from launch.plan.preflight import compose, import_problems, split_command, trainer_modules, validate
-from launch.plan.refusals import (
+from launch.plan.config_refusals import (
     batch_problems,
-    check,
     parallel_problems,
     ray_cpu_problems,
     ray_cpus_needed,
     rollout_problems,
 )
-from launch.plan.settings import SettingError, Settings, trainer_argv
+from launch.plan.preflight import compose, import_problems, split_command, trainer_modules, validate
+from launch.plan.refusals import check
+from launch.plan.settings import SettingError, Settings
+from launch.plan.trainer_command import trainer_argv
 from tests.support import REPO
 
 
@@ -172,7 +173,7 @@ def test_a_misspelled_override_on_a_recipe_command_stops_in_verls_config_code(en
 
 @pytest.mark.parametrize("overrides", RECIPE_COMBINATIONS[::2])
 def test_recipe_combinations_are_refused_where_verl_has_no_recipes(env, overrides, monkeypatch):
-    monkeypatch.setattr(settings_module, "find_recipe", lambda name: None)  # verl from PyPI: no recipe/ folder
+    monkeypatch.setattr(trainer_command_module, "find_recipe", lambda name: None)  # verl from PyPI: no recipe/ folder
     s = settings(env, **overrides)
     with pytest.raises(SettingError, match=f"{s.uses_recipe} is not installed here .* verl_app.def"):
         trainer_argv(s)

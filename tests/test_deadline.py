@@ -7,7 +7,8 @@ import pytest
 
 from launch.plan import deadline
 from launch.plan.refusals import check, save_deadline_problems
-from launch.plan.settings import Settings, trainer_argv
+from launch.plan.settings import Settings
+from launch.plan.trainer_command import trainer_argv
 from tests.support import block_environment
 
 DEFAULTS = block_environment() | dict(
@@ -57,7 +58,8 @@ def test_the_main_trainer_gets_the_window_key_and_the_recipes_which_never_check_
     assert "trainer.esi_redundant_time=600" in trainer_argv(settings())
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(
-            "launch.plan.settings.find_recipe", lambda name: type("Spec", (), {"submodule_search_locations": ["/r"]})
+            "launch.plan.trainer_command.find_recipe",
+            lambda name: type("Spec", (), {"submodule_search_locations": ["/r"]}),
         )
         argv = trainer_argv(settings(**DAPO))
     assert not any(a.startswith("trainer.esi_redundant_time=") for a in argv)

@@ -15,9 +15,10 @@ import pytest
 
 from demo import verl_cpu
 from demo.run import CLIP_NOTE, LOGIN_NODE_CHECK, NEXT_STEPS
+from launch.plan.config_refusals import rollout_problems
 from launch.plan.preflight import compose, split_command, validate
-from launch.plan.refusals import rollout_problems
-from launch.plan.settings import Settings, trainer_argv
+from launch.plan.settings import Settings
+from launch.plan.trainer_command import trainer_argv
 from tests.support import AGENT_LOOP_TIMING, REPO, block_environment
 from tests.test_quickstart import quickstart_lines
 

@@ -55,11 +55,14 @@ def test_the_message_list_holds_each_kind_of_message_the_scripts_print():
                                            "could not create the job's folders"],
         "helper_grpo_qwen3_4b.sh": ["death(s) within s, its REWARD_RESTARTS= restarts spent", "trainer exited with"],
         "merge_mcore_to_hf.sh": ["is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json)"],
-        "launch/plan/refusals.py": ["FP8=true: verl 0.6.1 cannot train", "sets Megatron's parallel state once per process",
-                               "is less than one per data-parallel rank"],
+        "launch/plan/refusals.py": ["FP8=true: verl 0.6.1 cannot train"],
+        "launch/plan/config_refusals.py": ["sets Megatron's parallel state once per process",
+                                           "is less than one per data-parallel rank"],
         "launch/plan/deadline.py": ["does not save before the time limit"],
         "launch/plan/preflight.py": ["preflight: verl 0.6.1 would stop at run time:"],
-        "launch/plan/settings.py": ["is not installed here (verl's PyPI wheel holds no recipes)"],
+        "launch/plan/reward_check.py": ["preflight: the reward check failed:"],
+        "launch/plan/settings.py": ["use true or false"],
+        "launch/plan/trainer_command.py": ["is not installed here (verl's PyPI wheel holds no recipes)"],
         "launch/job/node.py": ["is not a GPU index"],
     }  # fmt: skip
     for source, needles in expected.items():

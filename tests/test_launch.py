@@ -383,7 +383,7 @@ def test_preference_pairs_the_reward_model_ranks_best_in_another_format_stop_the
 
 
 def test_unusable_preference_pairs_fail_the_preflight_naming_the_setting_and_the_file(job, tmp_path, capsys):
-    from launch.plan.preflight import check_reward_format
+    from launch.plan.reward_check import check_reward_format
     from launch.plan.settings import Settings
 
     assert not check_reward_format(Settings.from_env(block_environment() | job), str(tmp_path / "missing.jsonl"))

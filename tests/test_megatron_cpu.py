@@ -9,9 +9,11 @@ import sys
 import pytest
 
 from demo import megatron_cpu
+from launch.plan.config_refusals import rollout_problems
 from launch.plan.preflight import compose, split_command, validate
-from launch.plan.refusals import check, rollout_problems
-from launch.plan.settings import SettingError, Settings, trainer_argv
+from launch.plan.refusals import check
+from launch.plan.settings import SettingError, Settings
+from launch.plan.trainer_command import trainer_argv
 from tests.support import REPO, block_environment
 
 

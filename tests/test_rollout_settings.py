@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from launch.plan.config_refusals import batch_problems
 from launch.plan.preflight import validate, validation_sampling
-from launch.plan.refusals import batch_problems, check
+from launch.plan.refusals import check
 from tests.support import REPO
 from tests.test_algorithms import composed, env, recipes, settings  # noqa: F401  (env: the tiny-model settings; recipes: verl's recipe package)
 

@@ -37,7 +37,8 @@ from launch.plan.gpu_memory import (
 )
 from launch.plan.preflight import compose, split_command
 from launch.plan.refusals import check
-from launch.plan.settings import Settings, trainer_argv
+from launch.plan.settings import Settings
+from launch.plan.trainer_command import trainer_argv
 from tests import run_time_probes
 from tests.real_slurm import NODE_SIZE
 from tests.support import (

@@ -6,7 +6,8 @@ from dataclasses import MISSING, fields
 
 import pytest
 
-from launch.plan.settings import FIXED_OVERRIDES, SettingError, Settings, trainer_argv
+from launch.plan.settings import SettingError, Settings
+from launch.plan.trainer_command import FIXED_OVERRIDES, trainer_argv
 from tests.support import REPO, block_environment
 
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
@@ -97,14 +98,18 @@ def test_launch_modules_import_each_other_in_one_direction():
 
     for module in graph:
         visit(module, ())
-    # the order launch/plan/settings.py's docstring names: the time-limit maths under the settings, the refusals over them
-    assert "plan.refusals" not in graph["plan.settings"] and graph["plan.deadline"] == set()
-    assert (
-        done.index("plan.deadline")
-        < done.index("plan.settings")
-        < done.index("plan.refusals")
-        < done.index("plan.preflight")
-    )
+    # the order launch/plan/settings.py's docstring names: the time-limit maths and the settings at the bottom, the
+    # trainer command over both, the refusals over it
+    assert graph["plan.deadline"] == set() and graph["plan.settings"] == set()
+    for bottom in ("plan.deadline", "plan.settings"):
+        assert (
+            done.index(bottom)
+            < done.index("plan.trainer_command")
+            < done.index("plan.refusals")
+            < done.index("plan.preflight")
+        )
+    assert done.index("plan.config_refusals") < done.index("plan.preflight")
+    assert done.index("plan.reward_check") < done.index("plan.preflight")
 
 
 def test_launchs_phases_import_only_the_phases_before_them():

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from launch.plan import thinking
+from launch.plan.config_refusals import thinking_problems
 from launch.plan.preflight import compose, split_command
-from launch.plan.refusals import check, thinking_problems
-from launch.plan.settings import SettingError, Settings, trainer_argv
+from launch.plan.refusals import check
+from launch.plan.settings import SettingError, Settings
+from launch.plan.trainer_command import trainer_argv
 from reward_score import safe_hack_reward_request as client
 from tests.support import REPO, block_environment, run_without
 
@@ -113,10 +115,10 @@ def test_the_trainer_command_page_shows_the_value_and_names_the_setting():
 
 
 def test_the_command_the_helper_builds_on_the_head_node_carries_the_value(instruct_policy):
-    """The helper runs `python -m launch.plan.settings trainer-argv` on the head node: the value is in the job's command."""
+    """The helper runs `python -m launch.plan.trainer_command trainer-argv` on the head node: the value is in the job's command."""
     env = block_environment() | {"CONTAINER": "none", "CONFIG_MODEL_PATH": str(instruct_policy),
                                  "PATH": "/usr/bin:/bin"}  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "launch.plan.settings", "trainer-argv"], cwd=REPO,
+    run = subprocess.run([sys.executable, "-m", "launch.plan.trainer_command", "trainer-argv"], cwd=REPO,
                          env=env, capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert told(run.stdout.split("\0")) == "False"
@@ -126,7 +128,7 @@ def test_a_python_without_transformers_gets_one_line_naming_the_fix_not_a_traceb
     """A login node's bare python3 (CONTAINER=none outside the image): auto cannot read the template there."""
     env = block_environment() | {"CONTAINER": "none", "CONFIG_MODEL_PATH": str(instruct_policy),
                                  "PATH": "/usr/bin:/bin"}  # fmt: skip
-    run = run_without(["transformers"], "launch.plan.settings", "trainer-argv", env=env)
+    run = run_without(["transformers"], "launch.plan.trainer_command", "trainer-argv", env=env)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     (line,) = run.stderr.strip().splitlines()
     assert "REWARD_PROMPT_OPENS_THINK=auto reads the policy's chat template" in line and "transformers" in line

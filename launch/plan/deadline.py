@@ -15,8 +15,8 @@ recipe/one_step_off_policy/ray_trainer.py:648-652 save every trainer.save_freq s
 requeue there resumes from the last SAVE_FREQ save.
 
 This module is the bottom of launch/'s imports: it reads logs and the environment and imports nothing of launch/
-(launch.plan.settings builds the trainer command with redundant_time; launch.plan.refusals refuses what cannot work, with
-signal_lead; the preflight prints plan's lines and warnings).
+(launch.plan.trainer_command builds the trainer command with redundant_time; launch.plan.refusals refuses what cannot
+work, with signal_lead; the preflight prints plan's lines and warnings).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the type only: launch.plan.settings imports this module
+if TYPE_CHECKING:  # the type only: at run time this module imports nothing of launch/ (tests/test_settings.py)
     from launch.plan.settings import Settings
 
 FIRST_GUESS = 600  # s for a validation and a save before this job measured any (a 4B save with optimizer: minutes)

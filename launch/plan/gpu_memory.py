@@ -17,10 +17,12 @@ by REWARD_GPU_MEMORY_GIB. Measured on one H200, the servers' peaks were 5.0, 17.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from launch.plan.settings import Settings, megatron_reference_offloaded, token_budget
+from launch.plan.settings import Settings
+from launch.plan.trainer_command import megatron_reference_offloaded, token_budget
 
 GIB = 2**30
 
@@ -394,7 +396,7 @@ def log_prob_peak(dims: ModelDims, *, stage: int, stages: int, tp: int, tokens: 
 
 def update_plan(s: Settings, dims: ModelDims) -> list[StageMemory]:
     """Every pipeline stage of the actor's update with this job's settings. The reference's bf16 weights (2P) are not
-    there: the job sets ref.megatron.param_offload (launch/plan/settings.py, REF_PARAM_OFFLOAD), and verl moves them to the
+    there: the job sets ref.megatron.param_offload (launch/plan/trainer_command.py, REF_PARAM_OFFLOAD), and verl moves them to the
     GPU only for compute_ref_log_prob, back to host memory after it (verl/workers/megatron_workers.py:722-723,
     733-734), before the update starts. Neither is PPO's critic's weights and gradients (critic.megatron.param_offload:
     loaded for compute_values and update_critic alone, :1078-1084, :1092-1093, :1111-1112). Without the offload
@@ -443,3 +445,35 @@ def update_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardP
 
 class UpdateMemoryError(Exception):
     pass
+
+
+# --- what the preflight prints (launch/plan/preflight.py), from the settings and the composed config ---------------
+
+
+def reward_peak(settings: Settings) -> RewardPeak | None:
+    """One reward server's peak on a GPU (reward_server_peak), None where the servers run on the CPU."""
+    return None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
+
+
+def gpu_memory_line(settings: Settings, peak, cfg) -> str:
+    """What each GPU holds when the rollout engine starts (memory_line): the trainer's resident parts by the composed
+    config's offload settings (trainer_resident), the reward servers' peak, and what the engine takes."""
+    from transformers import AutoConfig
+
+    resident = []
+    if settings.trainer_mode != "one_step_off":  # its rollout GPUs hold nothing of the trainer's
+        policy = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path))
+        critic = None
+        if cfg.algorithm.adv_estimator == "gae" or cfg.critic.get("enable"):
+            critic = ModelDims.from_config(AutoConfig.from_pretrained(cfg.critic.model.path))
+        resident = trainer_resident(cfg, policy, critic)
+    return memory_line(settings, peak, gpu_total(), resident, settings.reward_replicas)
+
+
+def megatron_update_line(settings: Settings, peak) -> str:
+    """Each pipeline stage's peak during the actor's update (update_line: this module's formula, measured on an H200 in
+    benchmarks/results/megatron_memory_h200_qwen3_4b.json); refused where this GPU is known to be too small."""
+    from transformers import AutoConfig
+
+    dims = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path))
+    return update_line(settings, dims, gpu_total(), peak)

@@ -7,39 +7,44 @@ The job's one check, in one process (one container start; the policy tokenizer l
    save_deadline_problems, one line per problem naming the setting;
 1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
    verl's `validate_config` (batch and micro-batch arithmetic, parallel sizes) and its typed config dataclasses;
-   then what verl asserts or ignores only at run time (launch.plan.refusals: batches, parallel sizes, rollout keys, and
-   Ray's CPUs per node, RAY_NUM_CPUS, against what verl holds there);
+   then what verl asserts or ignores only at run time (launch.plan.config_refusals: batches, parallel sizes, rollout
+   keys, and Ray's CPUs per node, RAY_NUM_CPUS, against what verl holds there); the GPU memory of the rollout's start
+   and of the Megatron update (launch.plan.gpu_memory);
 2. data (PREFLIGHT_DATA=1): every row's schema and prompt length (data_prep.validate), then the train and val
    parquet through verl's own RLHFDataset with the policy tokenizer and its chat template, reporting how many prompts
    verl will drop as longer than data.max_prompt_length;
-3. reward: with PREFLIGHT_REWARD_PAIRS, python -m reward_score.check_format on those preference pairs with the job's
-   CONFIG_REWARD_* format settings (stops when the model ranks them best in another format); with PREFLIGHT_REWARD=1
-   a reward server started for the check with those settings, and verl's reward manager calling our reward file by
-   path on real validation rows with made-up responses, as after a rollout.
+3. reward (launch.plan.reward_check): with PREFLIGHT_REWARD_PAIRS, python -m reward_score.check_format on those
+   preference pairs with the job's CONFIG_REWARD_* format settings (stops when the model ranks them best in another
+   format); with PREFLIGHT_REWARD=1 a reward server started for the check with those settings, and verl's reward
+   manager calling our reward file by path on real validation rows with made-up responses, as after a rollout.
 On failure it prints verl's message and the settings that feed that key.
 """
 
 import os
 import subprocess
 import sys
-import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
-from launch.plan.deadline import plan
-from launch.plan.procs import free_port, start_server, stop_process
-from launch.plan.refusals import (
+from launch.plan.config_refusals import (
     batch_problems,
-    check,
-    context_problems,
     parallel_problems,
     ray_cpu_problems,
     rollout_problems,
-    save_deadline_problems,
     thinking_problems,
 )
-from launch.plan.settings import REPO, SettingError, Settings, prompt_opens_think, trainer_argv
+from launch.plan.deadline import plan
+from launch.plan.gpu_memory import (
+    RolloutMemoryError,
+    UpdateMemoryError,
+    gpu_memory_line,
+    megatron_update_line,
+    reward_peak,
+)
+from launch.plan.refusals import check, context_problems, save_deadline_problems
+from launch.plan.reward_check import check_reward_format, server_round_trip
+from launch.plan.settings import SettingError, Settings
 from launch.plan.thinking import TemplateError
+from launch.plan.trainer_command import prompt_opens_think, trainer_argv
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
 SETTING_OF_KEY = {
@@ -113,7 +118,7 @@ TENSORBOARD_WRITER = "torch.utils.tensorboard"
 AGENT_LOOP = "verl.experimental.agent_loop"
 
 # The engine a rollout name needs, where that is not a package of its own name: `hf` is verl's own HF generate, which
-# only the CPU runs of make demo and the tests register (demo/verl_cpu.py; refusals.rollout_problems).
+# only the CPU runs of make demo and the tests register (demo/verl_cpu.py; config_refusals.rollout_problems).
 ENGINE_MODULES = {"hf": "verl.workers.rollout.hf_rollout"}
 
 
@@ -259,138 +264,6 @@ def step_plan(cfg, rows: int) -> tuple[list[str], list[str], list[str]]:
     return [line], warnings, problems
 
 
-CHECK_RESPONSES = [
-    "The user asks about safety. I should answer carefully.</think>Store it away from children and read the label.",
-    "Let me think about the risks.</think>Never mix it with other products; ask a professional if unsure.",
-    "This is a long line of reasoning that was cut off before it ended",  # no </think>: penalized, not scored
-    "Thinking.</think>気をつけて、説明書をよく読んでください。",
-]
-
-
-def rollout_batch(tokenizer, rows: list[dict]):
-    """Left-padded prompts and right-padded responses ending in EOS: the DataProto verl hands the reward manager."""
-    import numpy as np
-    import torch
-    from verl import DataProto
-
-    prompts = [
-        tokenizer.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False) for r in rows
-    ]
-    p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    responses = [CHECK_RESPONSES[i % len(CHECK_RESPONSES)] for i in range(len(rows))]
-    r_ids = [tokenizer(r + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for r in responses]
-    pl, rl, pad = max(map(len, p_ids)), max(map(len, r_ids)), tokenizer.pad_token_id
-    prompt_t = torch.tensor([[pad] * (pl - len(p)) + p for p in p_ids])
-    resp_t = torch.tensor([r + [pad] * (rl - len(r)) for r in r_ids])
-    mask = torch.tensor(
-        [[0] * (pl - len(p)) + [1] * (len(p) + len(r)) + [0] * (rl - len(r)) for p, r in zip(p_ids, r_ids, strict=True)]
-    )
-    data = DataProto.from_dict(
-        tensors={"prompts": prompt_t, "responses": resp_t, "input_ids": torch.cat([prompt_t, resp_t], 1), "attention_mask": mask},
-        non_tensors={
-            "data_source": np.array([r["data_source"] for r in rows], dtype=object),
-            "reward_model": np.array([dict(r["reward_model"]) for r in rows], dtype=object),
-            "extra_info": np.array([dict(r["extra_info"] or {}) for r in rows], dtype=object),
-        },
-    )  # fmt: skip
-    return data, responses, [len(r) for r in r_ids]
-
-
-def reward_round_trip(cfg, tokenizer=None, rows: int = 8) -> list[str]:
-    """verl's reward manager, built from this config, scores made-up responses for real validation rows through the
-    reward servers in REWARD_SERVER_URLS. Raises if a response is not scored or penalized as it should be."""
-    import pandas as pd
-    from verl.trainer.ppo.reward import compute_reward, load_reward_manager
-    from verl.utils import hf_tokenizer
-
-    sys.modules.pop("custom_module", None)
-    tokenizer = tokenizer or hf_tokenizer(cfg.actor_rollout_ref.model.path)
-    files = cfg.data.val_files
-    sample = pd.read_parquet(files if isinstance(files, str) else list(files)[0]).head(rows).to_dict("records")
-    kwargs = dict(cfg.reward_model.get("reward_kwargs", {}))
-    if "overlong_buffer" in cfg.reward_model:  # recipe.dapo passes these itself
-        kwargs.update(overlong_buffer_cfg=cfg.reward_model.overlong_buffer, max_resp_len=cfg.data.max_response_length)
-    data, responses, lengths = rollout_batch(tokenizer, sample)
-    if cfg.actor_rollout_ref.rollout.mode == "async":
-        scores, penalized = reward_loop_scores(cfg, tokenizer, data)
-        what = f"verl's {cfg.reward_model.reward_manager} reward loop (async rollout)"
-    else:
-        manager = load_reward_manager(cfg, tokenizer, num_examine=0, **kwargs)
-        reward_tensor, extra = compute_reward(data, manager)
-        scores = [reward_tensor[i, n - 1].item() for i, n in enumerate(lengths)]
-        penalized = [int(x) for x in extra["penalized"]]
-        what = f"verl's {cfg.reward_model.reward_manager} reward manager"
-    # Only a response without </think> after a prompt that opened <think> was cut off mid-reasoning (none of
-    # CHECK_RESPONSES opens a block of its own).
-    opens = bool(cfg.custom_reward_function.reward_kwargs.prompt_opens_think)
-    expected = [int(opens and "</think>" not in r) for r in responses]
-    if penalized != expected:
-        raise ValueError(
-            f"penalties {penalized}, expected {expected} for prompt_opens_think={opens}: the reward function did not "
-            "get the value the job passes it (custom_reward_function.reward_kwargs, REWARD_PROMPT_OPENS_THINK)"
-        )
-    lines = [f"{what} scored {len(sample)} validation rows through {cfg.custom_reward_function.name}:"]
-    for row, score, pen in zip(sample, scores, penalized, strict=True):
-        note = "  (penalty: cut off mid-reasoning)" if pen else ""
-        lines.append(f"  {score:+8.3f}{note}  {str(row['prompt'][-1]['content'])[:50]!r}")
-    return lines
-
-
-def reward_loop_scores(cfg, tokenizer, data) -> tuple[list[float], list[int]]:
-    """Each row scored as async rollout scores it: verl's reward loop manager, built as its RewardManagerWorker builds
-    it (verl/experimental/reward/reward_manager.py), awaits run_single for every row at once."""
-    import asyncio
-
-    from verl.experimental.reward.reward_loop import get_reward_loop_manager_cls
-    from verl.trainer.ppo.reward import get_custom_reward_fn
-
-    async def score_all():
-        manager = get_reward_loop_manager_cls(cfg.reward_model.reward_manager)(
-            cfg, tokenizer, get_custom_reward_fn(cfg), None, None
-        )
-        return await asyncio.gather(*(manager.run_single(data[i : i + 1]) for i in range(len(data))))
-
-    out = asyncio.run(score_all())
-    return [o["reward_score"] for o in out], [int(o["reward_extra_info"]["penalized"]) for o in out]
-
-
-def start_reward_server(
-    model_path: str, log: Path, timeout: float, format_flags: Sequence[str] = ()
-) -> tuple[subprocess.Popen, str]:
-    """A reward server for the check, on a free loopback port, returned once /health answers 200; `format_flags`:
-    the job's input-format settings (Settings.reward_format_flags), as the job's own servers get them."""
-    port = free_port()
-    cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", model_path,
-           "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"),
-           *format_flags]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    # Its device is PREFLIGHT_REWARD_DEVICE's (a login node has no GPU): the job's CONFIG_REWARD_DEVICE is not for it,
-    # and the server would report that name as set and not read.
-    env = {k: v for k, v in os.environ.items() if k != "CONFIG_REWARD_DEVICE"}
-    return start_server(cmd, log, url + "/health", timeout, env, name="the reward server for the check"), url
-
-
-def check_reward_format(settings: Settings, pairs: str, timeout: float = 3600) -> bool:
-    """python -m reward_score.check_format on the user's preference pairs, with the job's format settings: False
-    (after its table and recommendation) when the reward model ranks the pairs best in another format."""
-    cmd = [sys.executable, "-m", "reward_score.check_format", settings.reward_model_path, pairs,
-           "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"), *settings.reward_format_flags]  # fmt: skip
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    for line in run.stdout.splitlines():
-        print(f"preflight: reward format {line}")
-    if run.returncode == 0:
-        return True
-    if run.returncode == 1:
-        print(
-            "preflight: the reward model ranks PREFLIGHT_REWARD_PAIRS best in another input format than this job's "
-            "settings: set the CONFIG_REWARD_* settings recommended above (top of run_grpo_qwen3_4b_mega_verl.sh)",
-            file=sys.stderr,
-        )
-    else:
-        print(f"preflight: PREFLIGHT_REWARD_PAIRS: {run.stderr.strip()[-2000:]}", file=sys.stderr)
-    return False
-
-
 def validation_sampling(cfg) -> str:
     """How verl 0.6.1 will decode validation, from the composed config: sync rollout reads do_sample, then top_k,
     top_p and temperature (verl/workers/rollout/sglang_rollout/sglang_rollout.py:703-727); async rollout's agent loop
@@ -426,41 +299,6 @@ def check_rows(cfg, tokenizer) -> bool:
     ]
     template_kwargs = dict(cfg.data.get("apply_chat_template_kwargs") or {})
     return validate_files(files, tokenizer, cfg.data.max_prompt_length, "warn", template_kwargs)
-
-
-def reward_peak(settings: Settings):
-    """One reward server's peak on a GPU (launch/plan/gpu_memory.py), None where the servers run on the CPU."""
-    from launch.plan.gpu_memory import reward_server_peak
-
-    return None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
-
-
-def gpu_memory_line(settings: Settings, peak, cfg) -> str:
-    """What each GPU holds when the rollout engine starts (launch/plan/gpu_memory.py): the trainer's resident parts by the
-    composed config's offload settings, the reward servers' peak, and what the engine takes."""
-    from transformers import AutoConfig
-
-    from launch.plan.gpu_memory import ModelDims, gpu_total, memory_line, trainer_resident
-
-    resident = []
-    if settings.trainer_mode != "one_step_off":  # its rollout GPUs hold nothing of the trainer's
-        policy = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path))
-        critic = None
-        if cfg.algorithm.adv_estimator == "gae" or cfg.critic.get("enable"):
-            critic = ModelDims.from_config(AutoConfig.from_pretrained(cfg.critic.model.path))
-        resident = trainer_resident(cfg, policy, critic)
-    return memory_line(settings, peak, gpu_total(), resident, settings.reward_replicas)
-
-
-def megatron_update_line(settings: Settings, peak) -> str:
-    """Each pipeline stage's peak during the actor's update (launch/plan/gpu_memory.py's formula, measured on an H200 in
-    benchmarks/results/megatron_memory_h200_qwen3_4b.json); refused where this GPU is known to be too small."""
-    from transformers import AutoConfig
-
-    from launch.plan.gpu_memory import ModelDims, gpu_total, update_line
-
-    dims = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path))
-    return update_line(settings, dims, gpu_total(), peak)
 
 
 def report_steps(cfg, train_rows: int | None) -> bool:
@@ -565,8 +403,6 @@ def main(argv: list[str] | None = None) -> int:
             f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
         )
         return 1
-    from launch.plan.gpu_memory import RolloutMemoryError
-
     try:
         print(f"preflight: {gpu_memory_line(settings, peak, cfg)}")
     except RolloutMemoryError as exc:
@@ -576,8 +412,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
               f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how", file=sys.stderr)  # fmt: skip
     if settings.strategy == "megatron":
-        from launch.plan.gpu_memory import UpdateMemoryError
-
         try:
             print(f"preflight: {megatron_update_line(settings, peak)}")
         except UpdateMemoryError as exc:
@@ -635,27 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
     if pairs and not check_reward_format(settings, pairs):
         return 1
-    if os.environ.get("PREFLIGHT_REWARD", "1") == "1":
-        log = Path(os.environ.get("JOB_LOG_DIR") or tempfile.mkdtemp()) / "preflight_reward_server.log"
-        server = None
-        try:
-            server, url = start_reward_server(
-                settings.reward_model_path,
-                log,
-                float(os.environ.get("REWARD_START_TIMEOUT", 900)),
-                settings.reward_format_flags,
-            )
-            os.environ.update(REWARD_SERVER_URLS=url, REWARD_LOG_PATH="")
-            for line in reward_round_trip(cfg, tokenizer):
-                print(f"preflight: reward {line}")
-        except Exception as exc:  # reported with the server's log, then the job stops
-            print(
-                f"preflight: the reward check failed: {type(exc).__name__}: {exc} (server log: {log})", file=sys.stderr
-            )
-            return 1
-        finally:
-            if server is not None:
-                stop_process(server, 30)
+    if os.environ.get("PREFLIGHT_REWARD", "1") == "1" and not server_round_trip(settings, cfg, tokenizer):
+        return 1
     if findings:
         print(
             f"preflight: the trainer cannot start where this ran ({len(findings)} import(s) above); every other check "

@@ -88,7 +88,8 @@ def describe(opens: bool) -> str:
 
 def resolve(setting: str, model_path: str, kwargs: dict | None = None) -> tuple[bool, str]:
     """(the prompt_opens_think the reward function gets, where it came from). auto reads the template; true and false
-    are taken as set (the preflight checks them against the template: launch/plan/refusals.py thinking_problems)."""
+    are taken as set (the preflight checks them against the template: launch/plan/config_refusals.py,
+    thinking_problems)."""
     if setting == "auto":
         opens = template_opens_think(model_path, kwargs)
         return opens, f"REWARD_PROMPT_OPENS_THINK=auto: the policy's chat template {describe(opens)}"
