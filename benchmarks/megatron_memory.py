@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.verl_step import POLICY_SHAPES
+from benchmarks.verl_step_parts import POLICY_SHAPES
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30

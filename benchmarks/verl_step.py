@@ -5,7 +5,8 @@ command launch.plan.trainer_command.trainer_argv makes from the run script's set
 server on the same GPU (the job's shared placement), our reward function through verl's batch reward manager, a Ray
 head started by hand on its own ports (no dashboard), NCCL. Two things differ from a job, because the benchmark
 machine has neither SGLang nor vLLM nor flash-attn: the rollout is verl's HF rollout (HF generate) behind the engine
-interface (demo/verl_cpu.py's HFEngineRollout, registered by this module's hook), and the actor keeps its padding
+interface (demo/verl_cpu.py's HFEngineRollout, registered by the hook in
+benchmarks/verl_step_hook.py), and the actor keeps its padding
 (sdpa attention): demo/verl_cpu.ENGINE_OVERRIDES. On a CPU (`--shape tiny`) its CPU shims and lean overrides come too.
 
 The models have random weights: a policy in Qwen3-0.6B's shape and a reward model in Qwen3-1.7B's
@@ -33,156 +34,49 @@ rewards.jsonl (the reward client's log).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import platform
-import random
 import re
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from demo import verl_cpu
+from benchmarks.verl_step_hook import PHASE_PREFIX
+from benchmarks.verl_step_parts import (
+    POLICY_SHAPES,
+    Group,
+    NvmlSampler,
+    benchmark_overrides,
+    build_models_logged,
+    nvml_role,
+    reward_peak_gib,
+    settings_env,
+    write_prompts,
+)
+from launch.job.steps import parse_step_lines
 
 REPO = Path(__file__).resolve().parent.parent
-HOOK = "benchmarks.verl_step.install"
-MEGATRON_HOOK = "benchmarks.verl_step.install_megatron"
-PHASE_PREFIX = "verl_step phase: "  # what the hook prints, one JSON object a call
-PHASES = ("generate_sequences", "compute_log_prob", "compute_ref_log_prob", "update_actor")
-
-# The policy's dimensions, and the reward model's shape (a key of reward_bench.SHAPES).
-POLICY_SHAPES = {
-    # the public Qwen3-0.6B config's dimensions
-    "qwen3-0.6b": dict(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    ),
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=4096,
-    ),
-}  # fmt: skip
-REWARD_SHAPE = {"qwen3-0.6b": "qwen3-1.7b", "tiny": "tiny"}
-
-
-# --- the hook: runs in every Ray worker process of the trainer -------------------------------------------------
-
-
-_installed = False
-
-
-def install() -> None:
-    """Ray's worker_process_setup_hook. With CUDA: only the HF rollout's registration (verl_cpu.register_rollout),
-    none of the CPU shims (NCCL, torch.cuda and pinned offload stay verl's own); without: all of demo/verl_cpu.py's.
-    Then the per-phase memory measurement (after the shims: they must precede verl's worker module)."""
-    global _installed
-    if _installed:
-        return
-    import torch
-
-    if torch.cuda.is_available():
-        verl_cpu.register_rollout()
-    else:
-        verl_cpu.install()
-    _measure_phases()
-    _installed = True
-
-
-def install_megatron() -> None:
-    """The same for STRATEGY=megatron: on CUDA without Transformer Engine demo/megatron_cpu.py's TE-shaped layer spec
-    and optimizer state (install_without_te) beside the HF rollout; without CUDA all its CPU shims."""
-    global _installed
-    if _installed:
-        return
-    import torch
-
-    from demo import megatron_cpu
-
-    if torch.cuda.is_available():
-        verl_cpu.register_rollout()
-        megatron_cpu.install_without_te()
-    else:
-        megatron_cpu.install()
-    _measure_phases("megatron_workers")
-    _installed = True
-
-
-def _measure_phases(module: str = "fsdp_workers") -> None:
-    """Wrap the hybrid worker's phase methods; verl calls them on the instance by name (single_controller/ray/
-    base.py:697-699) and reads their dispatch attributes, which functools.wraps copies, from the class."""
-    import importlib
-
-    cls = importlib.import_module(f"verl.workers.{module}").ActorRolloutRefWorker
-    for name in PHASES:
-        setattr(cls, name, _measured(name, getattr(cls, name)))
-
-
-def _measured(name: str, method):
-    calls = [0]
-
-    @functools.wraps(method)
-    def measured(self, *args, **kwargs):
-        from verl.utils.device import get_torch_device
-
-        device = get_torch_device()
-        reset = getattr(device, "reset_peak_memory_stats", None)  # torch.cpu has none: a CPU reports 0
-        if reset is not None:
-            device.synchronize()
-            reset()
-        before = device.memory_allocated()
-        began = time.monotonic()
-        out = method(self, *args, **kwargs)
-        if reset is not None:
-            device.synchronize()
-        calls[0] += 1
-        record = {
-            "phase": name, "call": calls[0], "role": getattr(self, "role", None), "pid": os.getpid(),
-            "seconds": time.monotonic() - began, "allocated_before_gib": before / 2**30,
-            "peak_allocated_gib": device.max_memory_allocated() / 2**30,
-            "peak_reserved_gib": device.max_memory_reserved() / 2**30,
-        }  # fmt: skip
-        print(PHASE_PREFIX + json.dumps(record), flush=True)
-        return out
-
-    return measured
 
 
 # --- reading verl's console ------------------------------------------------------------------------------------
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_STEP = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 
 
-_NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")  # numpy 2's repr of a scalar, which verl prints as it is
-
-
-def _number(text: str):
-    """A metric's value: `0.5`, or numpy 2's `np.float64(0.5)` (verl logs numpy scalars with f"{v}"); else the text."""
-    m = _NUMPY_SCALAR.match(text)
-    try:
-        return float(m.group(1) if m else text)
-    except ValueError:
-        return text
-
-
-def parse_step_line(line: str) -> dict | None:
-    """verl's console logger line (`step:N - key:value - ...`, tracking.py), as Ray forwards it with a
-    `(TaskRunner pid=...)` prefix and colour codes; None for any other line."""
-    m = _STEP.search(_ANSI.sub("", line).rstrip())
-    if not m:
-        return None
-    metrics = {}
-    for item in m.group(2).split(" - "):
-        key, sep, value = item.partition(":")
-        if sep:
-            metrics[key.strip()] = _number(value.strip())
-    return {"step": int(m.group(1)), "metrics": metrics}
+def read_console(text: str) -> tuple[list[dict], list[dict]]:
+    """The step lines of verl's console logger (launch.job.steps.parse_step_lines reads each, Ray's prefix and
+    colour codes and numpy's scalar reprs included) as {"step", "metrics"}, and the hook's phase lines, in order."""
+    steps, phases = [], []
+    for raw in text.splitlines():
+        if parsed := parse_step_lines(raw):
+            steps += [{"step": n, "metrics": metrics} for n, metrics in parsed.items()]
+        elif (phase := parse_phase_line(raw)) is not None:
+            phases.append(phase)
+    return steps, phases
 
 
 def parse_phase_line(line: str) -> dict | None:
@@ -201,8 +95,6 @@ def summarize(steps: list[dict], phases: list[dict]) -> dict:
     timing, perf = {}, {}
     for s in steps:
         for key, value in s["metrics"].items():
-            if not isinstance(value, float):
-                continue
             if key.startswith(("timing_s/", "timing_per_token_ms/")):
                 timing.setdefault(key, []).append(value)
             elif key.startswith("perf/") or key in ("critic/score/mean", "response_length/mean", "prompt_length/mean"):
@@ -216,197 +108,8 @@ def summarize(steps: list[dict], phases: list[dict]) -> dict:
     return {"timing": timing, "perf": perf, "phase_memory": memory}
 
 
-# --- the parts of a run ----------------------------------------------------------------------------------------
-
-
-def build_models(shape: str, out: Path, device: str, result_file: Path) -> None:
-    """The reward model (reward_bench.build_model) and a policy of POLICY_SHAPES[shape] with the same tokenizer,
-    random weights, in bf16 on a GPU (float32 on a CPU); machine facts. Run in a child process, so that the
-    benchmark's own process holds no CUDA context beside the ones it measures."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config
-
-    from benchmarks.reward_bench import build_model
-
-    began = time.monotonic()
-    reward_dir, reward_params, words = build_model(REWARD_SHAPE[shape], out / "reward_model", device)
-    tokenizer = AutoTokenizer.from_pretrained(reward_dir)
-    dims = POLICY_SHAPES[shape]
-    if dims["vocab_size"] < len(tokenizer):
-        raise SystemExit(f"policy shape {shape}: vocab {dims['vocab_size']} below the tokenizer's {len(tokenizer)}")
-    config = Qwen3Config(
-        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    torch.manual_seed(1)
-    with torch.device(device):
-        policy = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    policy_params = sum(p.numel() for n, p in policy.named_parameters() if "embed_tokens" not in n)
-    policy.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-    policy.save_pretrained(out / "policy")
-    tokenizer.save_pretrained(out / "policy")  # the reward model's: its template opens no <think>
-    info = {
-        "models_s": time.monotonic() - began, "words": words, "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": transformers.__version__, "cpus": os.cpu_count(),
-        "policy": {"shape": shape, **dims, "non_embedding_params": policy_params, "dtype_saved": str(dtype)},
-        "reward_model": {"shape": REWARD_SHAPE[shape], "non_embedding_params": reward_params},
-    }  # fmt: skip
-    if device == "cuda":
-        info.update(gpu=torch.cuda.get_device_name(), gpus_visible=torch.cuda.device_count(),
-                    gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
-                    cuda=torch.version.cuda, nccl=str(torch.cuda.nccl.version()))  # fmt: skip
-    result_file.write_text(json.dumps(info))
-
-
-def write_prompts(path: Path, rows: int, lo: int, hi: int, words: int, seed: int = 0) -> None:
-    """`rows` prompts of lo..hi random words of the shared tokenizer (one word, one token)."""
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(rows):
-            text = " ".join(f"w{rng.randrange(words)}" for _ in range(rng.randint(lo, hi)))
-            f.write(json.dumps({"prompt": text}) + "\n")
-
-
-def settings_env(args, paths: dict[str, Path]) -> dict[str, str]:
-    """The run script's settings block as it exports its defaults, then this run's values: what Settings reads."""
-    from launch.plan.reference import block_defaults
-
-    return block_defaults(str(REPO)) | {
-        "CONFIG_MODEL_PATH": str(paths["policy"]), "CONFIG_REWARD_MODEL_PATH": str(paths["reward_model"]),
-        "CONFIG_TRAIN_FILE": str(paths["data"] / "train.parquet"), "CONFIG_TEST_FILE": str(paths["data"] / "test.parquet"),
-        "CONFIG_OUTPUT_DIR": str(paths["checkpoints"]), "CONFIG_GPUS_PER_NODE": "1", "ACTOR_PP": "1",
-        "STRATEGY": args.strategy, "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": str(args.prompts),
-        "PPO_MINI_BATCH_SIZE": str(args.prompts), "ROLLOUT_N": str(args.n),
-        "MAX_PROMPT_LENGTH": str(args.max_prompt_length), "MAX_RESPONSE_LENGTH": str(args.response_length),
-        "MICRO_BATCH_PER_GPU": str(args.micro_batch), "TRAINER_LOGGER": "[console]",
-        "SAVE_FREQ": "-1", "TEST_FREQ": "-1",  # no save, no validation: the steps alone are measured
-        "ESI_REDUNDANT_TIME": "0", "EXPERIMENT_NAME": "verl_step",
-    }  # fmt: skip
-
-
-def benchmark_overrides(steps: int, on_cpu: bool, strategy: str = "fsdp2") -> list[str]:
-    """What this run adds after the job's own overrides (so they win): the engine-less overrides, on a CPU also the
-    lean ones, this module's hook instead of the CPU one, N steps and no validation before them. Megatron: the HF
-    rollout alone of the engine overrides (the others are the FSDP workers' attention), one rollout rank, and on a
-    CPU demo/megatron_cpu.py's overrides."""
-    if strategy == "megatron":
-        from demo import megatron_cpu
-
-        engine = [verl_cpu.ENGINE_OVERRIDES[0][0], "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
-        if on_cpu:
-            engine = [o for o in megatron_cpu.overrides() if "worker_process_setup_hook" not in o]
-        hook = MEGATRON_HOOK
-    else:
-        engine = [o for o, _ in verl_cpu.ENGINE_OVERRIDES] + ([o for o, _ in verl_cpu.LEAN_OVERRIDES] if on_cpu else [])
-        hook = HOOK
-    return [*engine, f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={hook}",
-            f"trainer.total_training_steps={steps}", "trainer.val_before_train=False"]  # fmt: skip
-
-
 class Terminated(Exception):
     pass
-
-
-class Group:
-    """A process started in a session of its own (launch.plan.procs.start_process); stop() ends every process of that
-    group, waiting until none is left: Ray's GCS and raylet outlive the `ray start` that leads the group."""
-
-    def __init__(self, cmd: list[str], log: Path, env: dict, cwd: Path | None = None) -> None:
-        from launch.plan.procs import start_process
-
-        self.proc = start_process(cmd, log, env, cwd)
-        self.pid, self.log = self.proc.pid, log
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def _members(self) -> bool:
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def stop(self, timeout: float = 20.0) -> int | None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                self.proc.poll()
-                if not self._members():
-                    break
-                time.sleep(0.2)
-            else:
-                continue
-            break
-        try:
-            return self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            return None
-
-
-class NvmlSampler(threading.Thread):
-    """GPU memory per process as NVML reports it (nvidia-smi's figure), the maximum of samples every `interval` s."""
-
-    def __init__(self, interval: float = 0.5) -> None:
-        super().__init__(daemon=True)
-        self.interval, self.peaks, self.names, self.error = interval, {}, {}, None
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            while not self.done.is_set():
-                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    used = (p.usedGpuMemory or 0) / 2**30
-                    self.peaks[p.pid] = max(self.peaks.get(p.pid, 0.0), used)
-                    if p.pid not in self.names:
-                        self.names[p.pid] = _cmdline(p.pid)
-                self.done.wait(self.interval)
-        except Exception as exc:  # the result says why there are no NVML figures; the run goes on
-            self.error = f"{type(exc).__name__}: {exc}"
-
-    def report(self, reward_pid: int) -> dict:
-        rows = [{"pid": pid, "peak_gib": peak, "cmdline": self.names.get(pid, "?"),
-                 "role": nvml_role(pid, self.names.get(pid, "?"), reward_pid)}
-                for pid, peak in sorted(self.peaks.items())]  # fmt: skip
-        return {"processes": rows, "error": self.error, "interval_s": self.interval}
-
-
-def nvml_role(pid: int, cmdline: str, reward_pid: int) -> str:
-    """Which part of the run a GPU process is: Ray names an actor's process after the method it runs."""
-    if pid == reward_pid:
-        return "reward server"
-    if "WorkerDict" in cmdline:
-        return "verl's hybrid worker: actor, rollout and reference policy"
-    return "other (a Ray worker or the driver)"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace").strip()
-    except OSError:
-        return "?"
-
-
-def reward_peak_gib(url: str) -> float | None:
-    import requests
-
-    text = requests.get(url + "/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith("reward_gpu_memory_peak_bytes "):
-            return float(line.split()[-1]) / 2**30
-    return None
 
 
 # --- main ------------------------------------------------------------------------------------------------------
@@ -448,14 +151,14 @@ class Run:
             chunk = f.read()
         end = chunk.rfind(b"\n") + 1
         for raw in chunk[:end].decode(errors="replace").splitlines():
-            if (step := parse_step_line(raw)) is not None:
+            steps, phases = read_console(raw)
+            self.phases += phases
+            for step in steps:
                 self.steps.append(step)
                 timing = {k.split("/", 1)[1]: round(v, 2) for k, v in step["metrics"].items()
-                          if k.startswith("timing_s/") and isinstance(v, float) and "/" not in k.split("/", 1)[1]}  # fmt: skip
+                          if k.startswith("timing_s/") and "/" not in k.split("/", 1)[1]}  # fmt: skip
                 print(f"[verl_step +{time.monotonic() - self.began:.0f}s] step {step['step']}: {timing}", flush=True)
                 self.write()
-            elif (phase := parse_phase_line(raw)) is not None:
-                self.phases.append(phase)
         return offset + end
 
 
@@ -463,12 +166,7 @@ def reread(out: Path) -> dict:
     """A run's result.json with its steps, phases and summary parsed again from its logs/trainer.log by this module's
     parsers, and its GPU processes labelled again: a parser's fix applies to a run already made."""
     result = json.loads((out / "result.json").read_text())
-    steps, phases = [], []
-    for raw in (out / "logs" / "trainer.log").read_text(errors="replace").splitlines():
-        if (step := parse_step_line(raw)) is not None:
-            steps.append(step)
-        elif (phase := parse_phase_line(raw)) is not None:
-            phases.append(phase)
+    steps, phases = read_console((out / "logs" / "trainer.log").read_text(errors="replace"))
     result.update(steps=steps, phases=phases, **summarize(steps, phases))
     for row in (result.get("nvml") or {}).get("processes", []):
         row["role"] = nvml_role(row["pid"], row["cmdline"], result.get("reward_server_pid", -1))
@@ -571,7 +269,7 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
     since = time.monotonic()
     info_file = work / "build.json"
     child = multiprocessing.get_context("spawn").Process(
-        target=_build_logged, args=(args.shape, work, device, info_file, str(logs / "build.log"))
+        target=build_models_logged, args=(args.shape, work, device, info_file, str(logs / "build.log"))
     )
     child.start()
     child.join(run.left(900))
@@ -689,13 +387,6 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
     except Exception as exc:  # the server died: the result says so instead of a figure
         run.result["reward_server_peak_gib"] = f"unread: {type(exc).__name__}: {exc}"
     return 0 if run.result["status"] == "done" else 1
-
-
-def _build_logged(shape: str, work: Path, device: str, info_file: Path, log: str) -> None:
-    with open(log, "w") as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        build_models(shape, work, device, info_file)
 
 
 if __name__ == "__main__":

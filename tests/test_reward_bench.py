@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.reward_bench import SHAPES, check_rows, parse_variant, summarize
+from benchmarks.reward_bench import SHAPES, summarize
+from benchmarks.reward_bench_rows import check_rows, parse_variant
 from tests.support import REPO
 
 

@@ -517,7 +517,7 @@ def test_the_planner_cuts_where_fewest_padded_tokens_are_computed():
 def test_on_the_benchmark_step_the_planner_computes_under_4_percent_padding():
     """The benchmark's step (docs/reward-benchmark.md, seed 1234) under the server's defaults: filling each
     micro-batch to the budget with rows padded to 64 computed 8% more tokens than the step holds."""
-    from benchmarks.reward_bench import workload
+    from benchmarks.reward_bench_workload import workload
 
     lengths = [p + r + 12 for p, r in workload(1234, 1024)]  # + the chat template's tokens
     planner = Planner.for_settings(Settings(), "cuda", pack=True)
@@ -535,7 +535,7 @@ def test_on_the_benchmark_step_the_planner_computes_under_4_percent_padding():
 def test_a_bigger_models_planner_splits_rows_into_narrower_micro_batches_with_less_padding():
     """What 64 per-sample callers leave waiting: a few dozen rows of mixed lengths. The cost of one more forward is
     time, and a Qwen3-8B token takes ~5x a 1.7B's: at its cost the plan computes fewer padded tokens."""
-    from benchmarks.reward_bench import workload
+    from benchmarks.reward_bench_workload import workload
 
     assert model_micro_batch_cost(1.41e9) == MICRO_BATCH_COST  # Qwen3-1.7B: as measured
     assert model_micro_batch_cost(0.44e9) == MICRO_BATCH_COST  # smaller: never more

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from benchmarks import verl_step
+from benchmarks import verl_step, verl_step_hook, verl_step_parts
 from demo import megatron_cpu, verl_cpu
 from tests.support import REPO
 
@@ -33,17 +33,19 @@ from tests.support import REPO
     ],
 )  # fmt: skip
 def test_verls_console_line_is_read_into_its_step_and_numbers(line, step, some):
-    parsed = verl_step.parse_step_line(line)
+    steps, phases = verl_step.read_console(line)
+    assert phases == []
     if step is None:
-        assert parsed is None
+        assert steps == []
         return
+    (parsed,) = steps
     assert parsed["step"] == step
     assert {k: parsed["metrics"][k] for k in some} == some
 
 
 def test_phase_lines_give_each_phases_peak_over_the_steps():
     lines = [
-        f"(WorkerDict pid=7) {verl_step.PHASE_PREFIX}"
+        f"(WorkerDict pid=7) {verl_step_hook.PHASE_PREFIX}"
         + json.dumps({"phase": phase, "call": call, "peak_allocated_gib": peak, "peak_reserved_gib": peak + 1,
                       "seconds": 0.5, "role": "actor_rollout", "pid": 7, "allocated_before_gib": 0.1})
         for phase, call, peak in (("generate_sequences", 1, 3.0), ("update_actor", 1, 9.0),
@@ -58,14 +60,16 @@ def test_phase_lines_give_each_phases_peak_over_the_steps():
 
 
 def test_a_gpu_run_passes_the_engine_overrides_and_its_own_hook_but_not_the_cpu_ones():
-    gpu, cpu = verl_step.benchmark_overrides(3, on_cpu=False), verl_step.benchmark_overrides(3, on_cpu=True)
+    gpu, cpu = verl_step_parts.benchmark_overrides(3, on_cpu=False), verl_step_parts.benchmark_overrides(3, on_cpu=True)
     engine = [o for o, _ in verl_cpu.ENGINE_OVERRIDES]
     lean = [o for o, _ in verl_cpu.LEAN_OVERRIDES]
-    hook = f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={verl_step.HOOK}"
+    hook = f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={verl_step_hook.HOOK}"
     assert gpu[: len(engine)] == engine and hook in gpu and not set(lean) & set(gpu)
     assert set(lean) <= set(cpu) and hook in cpu
     assert not any(verl_cpu.HOOK in o for o in gpu + cpu), "the CPU hook would refuse a GPU"
     assert "trainer.total_training_steps=3" in gpu
+    # Ray imports the hook by this path in each worker
+    assert verl_step_hook.HOOK == f"{verl_step_hook.__name__}.{verl_step_hook.install.__name__}"
 
 
 HOOK_PROBE = textwrap.dedent("""
@@ -73,8 +77,8 @@ HOOK_PROBE = textwrap.dedent("""
     if sys.argv[1] == "cuda":
         torch.cuda.is_available = lambda: True  # what the hook sees on a GPU machine
     original_init = torch.distributed.init_process_group
-    from benchmarks import verl_step
-    verl_step.install()
+    from benchmarks import verl_step_hook
+    verl_step_hook.install()
     import verl.utils.fsdp_utils as fsdp_utils
     from torch.distributed.fsdp import CPUOffloadPolicy
     from verl.single_controller.base.decorator import MAGIC_ATTR
@@ -86,8 +90,8 @@ HOOK_PROBE = textwrap.dedent("""
         "nccl_kept": torch.distributed.init_process_group is original_init,
         "cpu_calls_added": hasattr(torch.cpu, "max_memory_allocated"),
         "pinned_offload_kept": fsdp_utils.CPUOffloadPolicy is CPUOffloadPolicy,
-        "phases_wrapped": {p: getattr(worker, p).__code__.co_name for p in verl_step.PHASES},
-        "dispatch_kept": all(hasattr(getattr(worker, p), MAGIC_ATTR) for p in verl_step.PHASES),
+        "phases_wrapped": {p: getattr(worker, p).__code__.co_name for p in verl_step_hook.PHASES},
+        "dispatch_kept": all(hasattr(getattr(worker, p), MAGIC_ATTR) for p in verl_step_hook.PHASES),
     }))
 """)
 
@@ -99,7 +103,7 @@ def test_the_hook_registers_the_hf_rollout_and_installs_the_cpu_shims_only_witho
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["rollout"] == verl_cpu.ROLLOUT_CLASS
-    assert seen["phases_wrapped"] == {p: "measured" for p in verl_step.PHASES} and seen["dispatch_kept"]
+    assert seen["phases_wrapped"] == {p: "measured" for p in verl_step_hook.PHASES} and seen["dispatch_kept"]
     on_cpu = device == "cpu"
     assert seen["nccl_kept"] is not on_cpu
     assert seen["cpu_calls_added"] is on_cpu
@@ -125,10 +129,10 @@ def test_the_benchmark_takes_real_grpo_steps_through_verl_and_reports_timing_and
         m = s["metrics"]
         # every response scored by the reward model, not the cut-off penalty: a GRPO group's scores differ
         assert m["critic/score/max"] > m["critic/score/min"] and m["actor/grad_norm"] > 0
-    assert set(result["phase_memory"]) == set(verl_step.PHASES)
+    assert set(result["phase_memory"]) == set(verl_step_hook.PHASES)
     assert all(len(p["calls"]) == 2 for p in result["phase_memory"].values())
     assert isinstance(result["reward_server_peak_gib"], float)
-    tail = verl_step.benchmark_overrides(2, on_cpu=True)
+    tail = verl_step_parts.benchmark_overrides(2, on_cpu=True)
     assert result["trainer_command"][:2] == ["-m", "verl.trainer.main_ppo"]
     assert result["trainer_command"][-len(tail) :] == tail
     assert "actor_rollout_ref.actor.strategy=fsdp2" in result["trainer_command"]
@@ -139,9 +143,9 @@ def test_the_benchmark_takes_real_grpo_steps_through_verl_and_reports_timing_and
 
 
 def test_a_megatron_run_takes_the_hf_rollout_and_the_megatron_hook_and_on_a_cpu_megatrons_cpu_overrides():
-    gpu = verl_step.benchmark_overrides(3, on_cpu=False, strategy="megatron")
-    cpu = verl_step.benchmark_overrides(3, on_cpu=True, strategy="megatron")
-    hook = f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={verl_step.MEGATRON_HOOK}"
+    gpu = verl_step_parts.benchmark_overrides(3, on_cpu=False, strategy="megatron")
+    cpu = verl_step_parts.benchmark_overrides(3, on_cpu=True, strategy="megatron")
+    hook = f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={verl_step_hook.MEGATRON_HOOK}"
     assert verl_cpu.ENGINE_OVERRIDES[0][0] in gpu and "actor_rollout_ref.rollout.tensor_model_parallel_size=1" in gpu
     assert hook in gpu and hook in cpu
     assert not any("use_cpu_initialization" in o for o in gpu), "a GPU builds its weights on the GPU"

@@ -1,0 +1,97 @@
+"""The hook benchmarks/verl_step.py gives Ray's workers (runtime_env.worker_process_setup_hook=HOOK): it runs in
+every Ray worker process of verl's trainer, registers the HF rollout (on a CPU demo/verl_cpu.py's shims too) and
+wraps the hybrid worker's phases so that each call prints its peak memory, one line a call (PHASE_PREFIX and JSON),
+which benchmarks/verl_step.py reads back from verl's console. Ray imports it by the module path in HOOK."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+from demo import verl_cpu
+
+HOOK = "benchmarks.verl_step_hook.install"
+MEGATRON_HOOK = "benchmarks.verl_step_hook.install_megatron"
+PHASE_PREFIX = "verl_step phase: "  # what the hook prints, one JSON object a call
+PHASES = ("generate_sequences", "compute_log_prob", "compute_ref_log_prob", "update_actor")
+
+
+_installed = False
+
+
+def install() -> None:
+    """Ray's worker_process_setup_hook. With CUDA: only the HF rollout's registration (verl_cpu.register_rollout),
+    none of the CPU shims (NCCL, torch.cuda and pinned offload stay verl's own); without: all of demo/verl_cpu.py's.
+    Then the per-phase memory measurement (after the shims: they must precede verl's worker module)."""
+    global _installed
+    if _installed:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        verl_cpu.register_rollout()
+    else:
+        verl_cpu.install()
+    _measure_phases()
+    _installed = True
+
+
+def install_megatron() -> None:
+    """The same for STRATEGY=megatron: on CUDA without Transformer Engine demo/megatron_cpu.py's TE-shaped layer spec
+    and optimizer state (install_without_te) beside the HF rollout; without CUDA all its CPU shims."""
+    global _installed
+    if _installed:
+        return
+    import torch
+
+    from demo import megatron_cpu
+
+    if torch.cuda.is_available():
+        verl_cpu.register_rollout()
+        megatron_cpu.install_without_te()
+    else:
+        megatron_cpu.install()
+    _measure_phases("megatron_workers")
+    _installed = True
+
+
+def _measure_phases(module: str = "fsdp_workers") -> None:
+    """Wrap the hybrid worker's phase methods; verl calls them on the instance by name (single_controller/ray/
+    base.py:697-699) and reads their dispatch attributes, which functools.wraps copies, from the class."""
+    import importlib
+
+    cls = importlib.import_module(f"verl.workers.{module}").ActorRolloutRefWorker
+    for name in PHASES:
+        setattr(cls, name, _measured(name, getattr(cls, name)))
+
+
+def _measured(name: str, method):
+    calls = [0]
+
+    @functools.wraps(method)
+    def measured(self, *args, **kwargs):
+        from verl.utils.device import get_torch_device
+
+        device = get_torch_device()
+        reset = getattr(device, "reset_peak_memory_stats", None)  # torch.cpu has none: a CPU reports 0
+        if reset is not None:
+            device.synchronize()
+            reset()
+        before = device.memory_allocated()
+        began = time.monotonic()
+        out = method(self, *args, **kwargs)
+        if reset is not None:
+            device.synchronize()
+        calls[0] += 1
+        record = {
+            "phase": name, "call": calls[0], "role": getattr(self, "role", None), "pid": os.getpid(),
+            "seconds": time.monotonic() - began, "allocated_before_gib": before / 2**30,
+            "peak_allocated_gib": device.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": device.max_memory_reserved() / 2**30,
+        }  # fmt: skip
+        print(PHASE_PREFIX + json.dumps(record), flush=True)
+        return out
+
+    return measured

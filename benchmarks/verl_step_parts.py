@@ -1,0 +1,228 @@
+"""The parts of a benchmarks/verl_step.py run: its models (a random policy beside reward_bench's reward model), its
+prompts, the settings block's environment and the overrides the run adds to the job's trainer command, the process
+groups it starts and stops, and the GPU memory it reads (NVML per process, the reward server's /metrics)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.verl_step_hook import HOOK, MEGATRON_HOOK
+from demo import verl_cpu
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The policy's dimensions, and the reward model's shape (a key of reward_bench.SHAPES).
+POLICY_SHAPES = {
+    # the public Qwen3-0.6B config's dimensions
+    "qwen3-0.6b": dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=4096,
+    ),
+}  # fmt: skip
+REWARD_SHAPE = {"qwen3-0.6b": "qwen3-1.7b", "tiny": "tiny"}
+
+
+def build_models(shape: str, out: Path, device: str, result_file: Path) -> None:
+    """The reward model (reward_bench.build_model) and a policy of POLICY_SHAPES[shape] with the same tokenizer,
+    random weights, in bf16 on a GPU (float32 on a CPU); machine facts. Run in a child process, so that the
+    benchmark's own process holds no CUDA context beside the ones it measures."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config
+
+    from benchmarks.reward_bench import build_model
+
+    began = time.monotonic()
+    reward_dir, reward_params, words = build_model(REWARD_SHAPE[shape], out / "reward_model", device)
+    tokenizer = AutoTokenizer.from_pretrained(reward_dir)
+    dims = POLICY_SHAPES[shape]
+    if dims["vocab_size"] < len(tokenizer):
+        raise SystemExit(f"policy shape {shape}: vocab {dims['vocab_size']} below the tokenizer's {len(tokenizer)}")
+    config = Qwen3Config(
+        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(1)
+    with torch.device(device):
+        policy = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    policy_params = sum(p.numel() for n, p in policy.named_parameters() if "embed_tokens" not in n)
+    policy.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    policy.save_pretrained(out / "policy")
+    tokenizer.save_pretrained(out / "policy")  # the reward model's: its template opens no <think>
+    info = {
+        "models_s": time.monotonic() - began, "words": words, "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "cpus": os.cpu_count(),
+        "policy": {"shape": shape, **dims, "non_embedding_params": policy_params, "dtype_saved": str(dtype)},
+        "reward_model": {"shape": REWARD_SHAPE[shape], "non_embedding_params": reward_params},
+    }  # fmt: skip
+    if device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(), gpus_visible=torch.cuda.device_count(),
+                    gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
+                    cuda=torch.version.cuda, nccl=str(torch.cuda.nccl.version()))  # fmt: skip
+    result_file.write_text(json.dumps(info))
+
+
+def write_prompts(path: Path, rows: int, lo: int, hi: int, words: int, seed: int = 0) -> None:
+    """`rows` prompts of lo..hi random words of the shared tokenizer (one word, one token)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            text = " ".join(f"w{rng.randrange(words)}" for _ in range(rng.randint(lo, hi)))
+            f.write(json.dumps({"prompt": text}) + "\n")
+
+
+def settings_env(args, paths: dict[str, Path]) -> dict[str, str]:
+    """The run script's settings block as it exports its defaults, then this run's values: what Settings reads."""
+    from launch.plan.reference import block_defaults
+
+    return block_defaults(str(REPO)) | {
+        "CONFIG_MODEL_PATH": str(paths["policy"]), "CONFIG_REWARD_MODEL_PATH": str(paths["reward_model"]),
+        "CONFIG_TRAIN_FILE": str(paths["data"] / "train.parquet"), "CONFIG_TEST_FILE": str(paths["data"] / "test.parquet"),
+        "CONFIG_OUTPUT_DIR": str(paths["checkpoints"]), "CONFIG_GPUS_PER_NODE": "1", "ACTOR_PP": "1",
+        "STRATEGY": args.strategy, "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": str(args.prompts),
+        "PPO_MINI_BATCH_SIZE": str(args.prompts), "ROLLOUT_N": str(args.n),
+        "MAX_PROMPT_LENGTH": str(args.max_prompt_length), "MAX_RESPONSE_LENGTH": str(args.response_length),
+        "MICRO_BATCH_PER_GPU": str(args.micro_batch), "TRAINER_LOGGER": "[console]",
+        "SAVE_FREQ": "-1", "TEST_FREQ": "-1",  # no save, no validation: the steps alone are measured
+        "ESI_REDUNDANT_TIME": "0", "EXPERIMENT_NAME": "verl_step",
+    }  # fmt: skip
+
+
+def benchmark_overrides(steps: int, on_cpu: bool, strategy: str = "fsdp2") -> list[str]:
+    """What this run adds after the job's own overrides (so they win): the engine-less overrides, on a CPU also the
+    lean ones, this module's hook instead of the CPU one, N steps and no validation before them. Megatron: the HF
+    rollout alone of the engine overrides (the others are the FSDP workers' attention), one rollout rank, and on a
+    CPU demo/megatron_cpu.py's overrides."""
+    if strategy == "megatron":
+        from demo import megatron_cpu
+
+        engine = [verl_cpu.ENGINE_OVERRIDES[0][0], "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
+        if on_cpu:
+            engine = [o for o in megatron_cpu.overrides() if "worker_process_setup_hook" not in o]
+        hook = MEGATRON_HOOK
+    else:
+        engine = [o for o, _ in verl_cpu.ENGINE_OVERRIDES] + ([o for o, _ in verl_cpu.LEAN_OVERRIDES] if on_cpu else [])
+        hook = HOOK
+    return [*engine, f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={hook}",
+            f"trainer.total_training_steps={steps}", "trainer.val_before_train=False"]  # fmt: skip
+
+
+class Group:
+    """A process started in a session of its own (launch.plan.procs.start_process); stop() ends every process of that
+    group, waiting until none is left: Ray's GCS and raylet outlive the `ray start` that leads the group."""
+
+    def __init__(self, cmd: list[str], log: Path, env: dict, cwd: Path | None = None) -> None:
+        from launch.plan.procs import start_process
+
+        self.proc = start_process(cmd, log, env, cwd)
+        self.pid, self.log = self.proc.pid, log
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _members(self) -> bool:
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                self.proc.poll()
+                if not self._members():
+                    break
+                time.sleep(0.2)
+            else:
+                continue
+            break
+        try:
+            return self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class NvmlSampler(threading.Thread):
+    """GPU memory per process as NVML reports it (nvidia-smi's figure), the maximum of samples every `interval` s."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.interval, self.peaks, self.names, self.error = interval, {}, {}, None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            while not self.done.is_set():
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    used = (p.usedGpuMemory or 0) / 2**30
+                    self.peaks[p.pid] = max(self.peaks.get(p.pid, 0.0), used)
+                    if p.pid not in self.names:
+                        self.names[p.pid] = _cmdline(p.pid)
+                self.done.wait(self.interval)
+        except Exception as exc:  # the result says why there are no NVML figures; the run goes on
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def report(self, reward_pid: int) -> dict:
+        rows = [{"pid": pid, "peak_gib": peak, "cmdline": self.names.get(pid, "?"),
+                 "role": nvml_role(pid, self.names.get(pid, "?"), reward_pid)}
+                for pid, peak in sorted(self.peaks.items())]  # fmt: skip
+        return {"processes": rows, "error": self.error, "interval_s": self.interval}
+
+
+def nvml_role(pid: int, cmdline: str, reward_pid: int) -> str:
+    """Which part of the run a GPU process is: Ray names an actor's process after the method it runs."""
+    if pid == reward_pid:
+        return "reward server"
+    if "WorkerDict" in cmdline:
+        return "verl's hybrid worker: actor, rollout and reference policy"
+    return "other (a Ray worker or the driver)"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def reward_peak_gib(url: str) -> float | None:
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("reward_gpu_memory_peak_bytes "):
+            return float(line.split()[-1]) / 2**30
+    return None
+
+
+def build_models_logged(shape: str, work: Path, device: str, info_file: Path, log: str) -> None:
+    """build_models with this process's stdout and stderr in `log`: the child process verl_step starts."""
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        build_models(shape, work, device, info_file)
