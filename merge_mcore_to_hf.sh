@@ -27,19 +27,12 @@
 set -euo pipefail
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
-# sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
-# from (Slurm's own record of the script names it when that is not the repository).
+# The repository, found as the run script finds it: sbatch runs a copy of this script from slurmd's spool folder.
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-if [[ ! -f "$repo/launch/job/common.sh" && -n "${SLURM_JOB_ID:-}" ]]; then
-  if [[ -f "${SLURM_SUBMIT_DIR:-}/launch/job/common.sh" ]]; then
-    repo=$SLURM_SUBMIT_DIR
-  else
-    script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' || true)
-    printf 'ERROR: submitted from %s, which is not the repository (the script: %s): cd to the repository, then sbatch %s\n' \
-      "${SLURM_SUBMIT_DIR:-?}" "${script:-unknown}" "$(basename "${script:-$0}")" >&2
-    exit 1
-  fi
-fi
+[[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || repo=${SLURM_SUBMIT_DIR:-}
+# shellcheck source=launch/job/common.sh
+[[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || { lib=$(scontrol show job "$SLURM_JOB_ID" |
+  sed -n 's|^ *Command=\([^ ]*\)/.*|\1/launch/job/common.sh|p'); source "$lib"; not_the_repository; }
 # shellcheck source=launch/job/common.sh
 source "$repo/launch/job/common.sh"
 # CONTAINER, CONFIG_IMAGE_PATH, CONFIG_OUTPUT_DIR: as the run script's settings block has them (edit them there).

@@ -33,18 +33,13 @@
 set -euo pipefail
 
 # sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
-# from (Slurm's own record of the script names it when that is not the repository).
+# from. When that is not it either, the job stops, saying so: not_the_repository, from the common.sh beside the script
+# that Slurm's record names (the first word of its Command), the one repository the job can still find.
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-if [[ ! -f "$repo/launch/job/common.sh" && -n "${SLURM_JOB_ID:-}" ]]; then
-  if [[ -f "${SLURM_SUBMIT_DIR:-}/launch/job/common.sh" ]]; then
-    repo=$SLURM_SUBMIT_DIR
-  else
-    script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' || true)
-    printf 'ERROR: submitted from %s, which is not the repository (the script: %s): cd to the repository, then sbatch %s\n' \
-      "${SLURM_SUBMIT_DIR:-?}" "${script:-unknown}" "$(basename "${script:-$0}")" >&2
-    exit 1
-  fi
-fi
+[[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || repo=${SLURM_SUBMIT_DIR:-}
+# shellcheck source=launch/job/common.sh
+[[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || { lib=$(scontrol show job "$SLURM_JOB_ID" |
+  sed -n 's|^ *Command=\([^ ]*\)/.*|\1/launch/job/common.sh|p'); source "$lib"; not_the_repository; }
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
 set -a  # every setting below is exported as it is set: the helper and the Python checks read these same names

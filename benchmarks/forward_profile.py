@@ -14,8 +14,6 @@ model are the benchmark's (docs/reward-benchmark.md).
     python -m benchmarks.forward_profile --shape tiny --device cpu --samples 32 --out x.json   # smoke run
 """
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.reward_bench import SHAPES, build_model, machine_info, matmul_tflops, scorer_step  # noqa: E402
+from benchmarks.reward_bench import build_model, matmul_tflops, save_result, scorer_parser, scorer_step  # noqa: E402
 from reward_score.server.runner import RewardScorer  # noqa: E402
 from reward_score.server.settings import Settings  # noqa: E402
 from reward_score.server.warmup import warm_up  # noqa: E402
@@ -107,11 +105,7 @@ def copy_bandwidth(device: str, gib: float = 2.0, repeats: int = 20) -> float | 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--samples", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=4321, help="workload seed (fresh lengths: not the warm-up's)")
+    parser = scorer_parser(__doc__)
     parser.add_argument("--group", type=int, default=10, help="sequences per micro-batch in the small-groups layout")
     parser.add_argument("--compile", default="auto", help="REWARD_COMPILE for the scorer")
     parser.add_argument("--liger", choices=("on", "off"), default="off", help="REWARD_LIGER for the scorer")
@@ -203,9 +197,7 @@ def main(argv=None) -> int:
            "compiled": scorer.compiled, "liger": scorer.liger, "fused_modules": len(scorer.fused),
            "checks": scorer.checks, "command": "python -m benchmarks.forward_profile " + " ".join(
                sys.argv[1:] if argv is None else argv), "layouts": results}  # fmt: skip
-    out.update(machine_info(args.device))
-    args.out.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    save_result(out, args.out, args.device)
     return 0
 
 

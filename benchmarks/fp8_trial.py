@@ -13,9 +13,7 @@ Each mode first scores another step's shapes (compile and kernel choice are not 
     python -m benchmarks.fp8_trial --shape tiny --device cpu --samples 48 --repeat 1 --out x.json   # smoke run
 """
 
-import argparse
 import functools
-import json
 import statistics
 import sys
 import tempfile
@@ -27,7 +25,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.reward_bench import SHAPES, build_model, machine_info, scorer_step  # noqa: E402
+from benchmarks.reward_bench import build_model, save_result, scorer_parser, scorer_step  # noqa: E402
 from reward_score.server.runner import RewardScorer  # noqa: E402
 from reward_score.server.settings import Settings  # noqa: E402
 from reward_score.server.warmup import warm_up  # noqa: E402
@@ -111,11 +109,7 @@ def reference_scores(model_dir: Path, device: str, seqs: list[list[int]]) -> lis
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--samples", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=4321, help="workload seed (fresh lengths: not the warm-up's)")
+    parser = scorer_parser(__doc__)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
         "--reference-samples",
@@ -188,9 +182,7 @@ def main(argv=None) -> int:
            "pairwise_agreement": agreement, "agreement_with_float32": against_fp32, "reference_samples": n,
            "mean_abs_score_error": error, "score_std": spread,
            "bar": {"speedup": SPEEDUP_BAR, "pairwise_agreement": AGREEMENT_BAR}, "meets_bar": keep}  # fmt: skip
-    out.update(machine_info(args.device))
-    args.out.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    save_result(out, args.out, args.device)
     return 0
 
 

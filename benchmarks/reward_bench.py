@@ -97,6 +97,24 @@ def machine_info(device: str) -> dict:
     return info
 
 
+def scorer_parser(doc: str) -> argparse.ArgumentParser:
+    """The options forward_profile and fp8_trial share, to which each adds its own and --out: the model's shape, the
+    device, and the step (its pairs and their seed)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=4321, help="workload seed (fresh lengths: not the warm-up's)")
+    return parser
+
+
+def save_result(out: dict, path: Path, device: str) -> None:
+    """`out` and what it ran on (machine_info), written to `path` as JSON; says where."""
+    out.update(machine_info(device))
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+
+
 def build_tokenizer(vocab_size: int):
     """The word-level tokenizer the benchmarks' models share: the specials, then w0, w1, ... up to `vocab_size`
     entries (one word, one token), with the reward chat template."""

@@ -21,6 +21,18 @@ FAKE_PROGRAMS = ("singularity", "apptainer")  # Slurm is real: tests/real_slurm.
 RUN = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
 
 
+# The start of a shim check run in a fresh interpreter (python -c): outcome(what, call) says how a call the shim is for
+# ends, before and after install(): "what: ok" or the exception's type.
+SHIM_OUTCOME = r"""
+def outcome(what, call):
+    try:
+        call()
+    except Exception as exc:
+        return f"{what}: {type(exc).__name__}"
+    return f"{what}: ok"
+"""
+
+
 @dataclass
 class Process:
     """A background process whose output goes to a log file, with the URL it serves once it is ready."""

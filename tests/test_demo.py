@@ -19,7 +19,7 @@ from launch.plan.config_refusals import rollout_problems
 from launch.plan.preflight import compose, split_command, validate
 from launch.plan.settings import Settings
 from launch.plan.trainer_command import trainer_argv
-from tests.support import AGENT_LOOP_TIMING, REPO, block_environment
+from tests.support import AGENT_LOOP_TIMING, REPO, SHIM_OUTCOME, block_environment
 from tests.test_quickstart import quickstart_lines
 
 STEP_LINE = re.compile(r"\(TaskRunner pid=\d+\)\S* step:(\d+) - (.*)$", re.M)
@@ -119,16 +119,11 @@ def test_make_demo_trains_verls_megatron_workers_on_the_cpu_saves_resumes_and_me
     assert [line.strip() for line in login.splitlines()[1:]] == ["make env", LOGIN_NODE_CHECK], "and then its check"
 
 
-SHIMS_CHECK = r"""
+SHIMS_CHECK = (
+    SHIM_OUTCOME
+    + r"""
 import sys, torch, torch.distributed as dist
 from demo import verl_cpu
-
-def outcome(what, call):
-    try:
-        call()
-    except Exception as exc:
-        return f"{what}: {type(exc).__name__}"
-    return f"{what}: ok"
 
 def verl_calls(address):
     from verl.utils.device import get_torch_device
@@ -152,6 +147,7 @@ from verl.workers.rollout.replica import get_rollout_replica_class
 print("after", *verl_calls(sys.argv[2]), f"pinned: {CPUOffloadPolicy(pin_memory=True).pin_memory}",
       f"replica: {get_rollout_replica_class('hf').__name__}", sep="|")
 """
+)
 
 
 def test_without_the_shims_verl_stops_where_they_say_and_with_them_it_goes_on(tmp_path):

@@ -1,8 +1,11 @@
 """The documentation says what the code does: the generated pages are what the code makes now, every message the scripts
-can print has an entry in docs/operations.md, README.ja.md names the commands and settings README.md names, and every
-link in the docs points at a file that exists."""
+can print has an entry in docs/operations.md, README.ja.md names the commands and settings README.md names, every
+link in the docs points at a file that exists, and README.md's file list names what is there and every file of a clone."""
 
+import fnmatch
 import re
+import subprocess
+from pathlib import Path
 
 from launch.plan import reference
 from tests.support import REPO
@@ -51,10 +54,10 @@ def test_the_message_list_holds_each_kind_of_message_the_scripts_print():
     for m in reference.messages():
         texts[m.where.split(":")[0]].append(" ".join(m.pieces))
     expected = {
-        "run_grpo_qwen3_4b_mega_verl.sh": ["which is not the repository", "no config.json there (no such folder",
-                                           "could not create the job's folders"],
+        "run_grpo_qwen3_4b_mega_verl.sh": ["no config.json there (no such folder", "could not create the job's folders"],
         "helper_grpo_qwen3_4b.sh": ["death(s) within s, its REWARD_RESTARTS= restarts spent", "trainer exited with"],
         "merge_mcore_to_hf.sh": ["is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json)"],
+        "launch/job/common.sh": ["which is not the repository"],
         "launch/plan/refusals.py": ["FP8=true: verl 0.6.1 cannot train"],
         "launch/plan/config_refusals.py": ["sets Megatron's parallel state once per process",
                                            "is less than one per data-parallel rank"],
@@ -234,3 +237,79 @@ def test_the_japanese_readme_says_what_the_canary_is_where_it_first_names_it():
     assert after.startswith("（"), "カナリア is explained at its first use, in parentheses"
     explanation = after[1 : after.index("）")]
     assert "試運転" in explanation and "CANARY=1" in explanation, explanation
+
+
+# --- README.md's Files block: every path it names is there, and every file of the clone is on a line -----------------
+
+# Files of the clone that the block leaves out on purpose, with the reason.
+NOT_IN_FILES = {".gitignore": "git's own: what a clone leaves out"}
+
+
+def files_block() -> list[tuple[str, list[str]]]:
+    """README.md's `## Files` block, a line per path group (`path[, more names]  what it is`): each line with its paths,
+    the first token and the comma-separated names after it, which are relative to the first one's folder."""
+    block = (REPO / "README.md").read_text().split("## Files\n", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    rows = []
+    for line in block.splitlines():
+        first, *more = line.split("  ", 1)[0].split(", ")
+        folder = first.rstrip("/").rpartition("/")[0]
+        rows.append((line, [first, *(f"{folder}/{m}" if folder else m for m in more)]))
+    return rows
+
+
+def files_of(path: str, files: list[str]) -> list[str]:
+    """The files a path of the block stands for: itself, everything under a folder (`dir/`), or a glob's matches."""
+    if path.endswith("/"):
+        return [f for f in files if f.startswith(path)]
+    if "*" in path:
+        return [f for f in files if fnmatch.fnmatch(f, path) and f.count("/") == path.count("/")]
+    return [path] if path in files else []
+
+
+def test_the_readmes_files_block_names_what_is_there_and_every_file_of_the_clone():
+    """What a user's clone holds (tracked and unignored files, as tests/real_slurm.py copies it): each path the block
+    names is among them, and each of them is on a line: named, under a folder the block names, or a package's
+    __init__.py beside a module a line names."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split("\0")  # fmt: skip
+    files = sorted(f for f in listed if f and (REPO / f).is_file())
+    rows = files_block()
+    assert len(rows) >= 20, "README.md's Files block: a fenced block right under `## Files`"
+    problems, covered = [], set()
+    for line, paths in rows:
+        if "  " not in line.strip():
+            problems.append(f"no description on the line {line!r}: write `path[, more names]  what it is`")
+            continue
+        for path in paths:
+            found = files_of(path, files)
+            if not found and files_of(path.rstrip("/") + "/", files):
+                problems.append(f"{path} is a folder: write it {path}/ on the line {line!r}")
+                found = files_of(path.rstrip("/") + "/", files)
+            elif not found:
+                problems.append(f"{path} is not in the repository: fix or drop it on the line {line!r}")
+            covered.update(found)
+    folders = {}  # a folder -> the first line that names a file in it: where another file of it goes
+    for line, paths in rows:
+        for path in (p for p in paths if p in files and "  " in line.strip()):
+            folders.setdefault(str(Path(path).parent), line)
+    for f in files:
+        folder, name = str(Path(f).parent), Path(f).name
+        if f in covered or f in NOT_IN_FILES or (name == "__init__.py" and folder in folders):
+            continue
+        where = (
+            f"add `, {name}` to the line {folders[folder]!r}"
+            if folder in folders and folder != "."
+            else f"add a line `{f}  what it is`"
+        )
+        problems.append(f"{f} is on no line: {where} (or list it in NOT_IN_FILES with the reason)")
+    assert problems == [], "README.md's Files block:\n" + "\n".join(problems)
+    assert all(f in files for f in NOT_IN_FILES), "NOT_IN_FILES names a file that is gone"
+
+
+def test_the_japanese_readme_has_no_file_list_of_its_own_and_points_at_the_english_one():
+    """One list to keep: README.ja.md links README.md's Files block instead of a tree of its own (which this file's
+    test would then have to check the same way)."""
+    japanese = (REPO / "README.ja.md").read_text()
+    assert "(README.md#files)" in japanese, "README.ja.md: keep its link to README.md#files (the file list)"
+    tree = re.search(r"^run_grpo_qwen3_4b_mega_verl\.sh {2,}", japanese, flags=re.M)
+    assert not tree, "README.ja.md has a file tree now: check it as README.md's is checked, or link README.md#files"

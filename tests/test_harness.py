@@ -222,15 +222,6 @@ def test_repository_layout_has_every_entry_point():
         assert (REPO / name).exists(), name
 
 
-def test_the_readme_file_tree_names_only_files_that_exist():
-    tree = (REPO / "README.md").read_text().split("## Files", 1)[1].split("```", 2)[1]
-    for line in tree.strip().splitlines():
-        first, *more = line.split("  ", 1)[0].strip().split(", ")
-        folder = Path(first).parent if "/" in first else Path()
-        for name in [first, *(m if "/" in m else str(folder / m) for m in more)]:
-            assert (REPO / name).exists(), f"the README's file tree names {name}, which does not exist"
-
-
 def test_nothing_in_the_repository_points_outside_it():
     """A user's clone has only this repository: docs live in docs/, never in a sibling folder."""
     outside = "../" + "shared"

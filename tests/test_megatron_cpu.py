@@ -14,7 +14,7 @@ from launch.plan.preflight import compose, split_command, validate
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
 from launch.plan.trainer_command import trainer_argv
-from tests.support import REPO, block_environment
+from tests.support import REPO, SHIM_OUTCOME, block_environment
 
 
 @pytest.fixture(scope="module")
@@ -174,16 +174,11 @@ def test_the_cpu_adam_keeps_fused_adams_state_and_steps_as_torchs_adamw_across_a
     assert float(gap) < 1e-6
 
 
-SHIMS_CHECK = r"""
+SHIMS_CHECK = (
+    SHIM_OUTCOME
+    + r"""
 import sys
 from demo import megatron_cpu
-
-def outcome(what, call):
-    try:
-        call()
-    except Exception as exc:
-        return f"{what}: {type(exc).__name__}"
-    return f"{what}: ok"
 
 def calls():
     import torch
@@ -210,6 +205,7 @@ print("after", *calls(), sep="|")
 print("qkv", __import__("megatron.core.models.gpt.gpt_layer_specs", fromlist=["x"])
       .get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True).submodules.self_attention.submodules.linear_qkv.__name__)
 """
+)
 
 
 def test_without_the_megatron_shims_megatron_core_stops_where_they_say_and_with_them_it_goes_on():

@@ -18,6 +18,7 @@ import pytest
 import requests
 import torch
 
+from benchmarks.reward_bench import request_counts
 from reward_score import safe_hack_reward_request as client
 from reward_score.safe_hack_reward_request import (
     Answer,
@@ -257,16 +258,6 @@ def test_the_async_reward_loop_passes_router_kwargs_and_calls_concurrently(tiny_
     assert [r["reward_extra_info"]["penalized"] for r in results] == [0, 0, 0, 1, 1]
 
 
-def served_requests(url: str) -> dict[str, float]:
-    """The server's request counts by endpoint (status 200), from /metrics."""
-    counts = {"/score": 0.0, "/score_batch": 0.0}
-    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
-        for endpoint in counts:
-            if line.startswith(f'reward_requests_total{{endpoint="{endpoint}",status="200"}}'):
-                counts[endpoint] += float(line.split()[-1])
-    return counts
-
-
 def run_reward_loop(config, tokenizer, data):
     """verl 0.6.1's async reward loop (the config's manager), every sample awaited at once, as the agent-loop workers
     do."""
@@ -292,9 +283,9 @@ def test_the_async_entry_point_scores_like_the_sync_path_in_one_shared_request(t
     tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
     config = verl_config(manager, "safe_hack_reward_async", **{"actor_rollout_ref.rollout.mode": "async"})
     data, _ = make_data(tokenizer)
-    before = served_requests(server.url)
+    before = request_counts(server.url)
     results = run_reward_loop(config, tokenizer, data)
-    after = served_requests(server.url)
+    after = request_counts(server.url)
     assert [r["reward_score"] for r in results] == pytest.approx(expected_rewards(server), abs=1e-4)
     assert [r["reward_extra_info"]["penalized"] for r in results] == [0, 0, 0, 1, 1]
     assert all(set(r["reward_extra_info"]) == {"score", *client.EXTRA_KEYS} for r in results)
@@ -334,9 +325,9 @@ def test_samples_share_a_request_only_within_the_coalesce_window(server, env, wi
 
         return await asyncio.gather(*(later(k) for k in range(3)))
 
-    before = served_requests(server.url)
+    before = request_counts(server.url)
     results = asyncio.run(run())
-    after = served_requests(server.url)
+    after = request_counts(server.url)
     assert all(r["failed"] == 0 and r["penalized"] == 0 for r in results)
     sent = after["/score_batch"] - before["/score_batch"] + after["/score"] - before["/score"]
     assert sent == requests_expected
