@@ -18,7 +18,7 @@ import pytest
 import requests
 import torch
 
-from benchmarks.reward_bench import request_counts
+from benchmarks.reward_bench_servers import request_counts
 from reward_score import safe_hack_reward_request as client
 from reward_score.safe_hack_reward_request import (
     Answer,
