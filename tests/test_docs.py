@@ -313,3 +313,16 @@ def test_the_japanese_readme_has_no_file_list_of_its_own_and_points_at_the_engli
     assert "(README.md#files)" in japanese, "README.ja.md: keep its link to README.md#files (the file list)"
     tree = re.search(r"^run_grpo_qwen3_4b_mega_verl\.sh {2,}", japanese, flags=re.M)
     assert not tree, "README.ja.md has a file tree now: check it as README.md's is checked, or link README.md#files"
+
+
+def test_the_development_page_shows_launchs_layout_as_the_readme_does():
+    """docs/development.md's layout block repeats the README's launch/ lines word for word, so the two cannot drift."""
+
+    def launch_lines(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("launch/")]
+
+    readme = launch_lines((REPO / "README.md").read_text().split("## Files\n", 1)[1].split("```", 2)[1])
+    page = launch_lines((REPO / "docs" / "development.md").read_text().split("## Where the code is\n", 1)[1])
+    assert readme and page == readme, (
+        "docs/development.md's `## Where the code is` block: copy README.md's launch/ lines"
+    )
