@@ -255,9 +255,11 @@ def pyspy_stack(pid: int, pyspy: str) -> str | None:
     return run.stdout if run.returncode == 0 and run.stdout.strip() else None
 
 
-def faulthandler_stacks(pids: list[int], logs: Mapping[int, list[Path]], wait: float = 10.0) -> dict[int, str]:
+def faulthandler_stacks(pids: list[int], logs: Mapping[int, list[Path]], wait: float = 30.0) -> dict[int, str]:
     """Each process's Python stacks as faulthandler prints them on SIGABRT (which ends the process: the start is
-    stopped right after), read from the end of its log (where its stderr goes)."""
+    stopped right after), read from the end of its log (where its stderr goes). A Ray worker's own SIGABRT handler
+    (Ray's C++ core: `*** SIGABRT received at ...`, then its C++ stack) runs first and hands over to faulthandler only
+    after it: on a loaded node that took over 10 s (CI, 2 cores), hence the wait; it ends as soon as every dump is in."""
     sizes = {pid: {p: p.stat().st_size for p in logs.get(pid, []) if p.exists()} for pid in pids}
     for pid in pids:
         try:
