@@ -21,10 +21,11 @@
 #   CONTAINER=none bash run_grpo_qwen3_4b_mega_verl.sh                     # one workstation, verl installed locally
 #   CANARY=1 sbatch --time=01:00:00 run_grpo_qwen3_4b_mega_verl.sh         # first time on a cluster: every stage, tiny
 #   salloc --nodes=1 --gpus-per-node=4 ...  then  bash run_grpo_qwen3_4b_mega_verl.sh   # in that allocation; Ctrl-C stops
-#   python -m launch.watch.status [JOB_ID] [--png FILE] [--follow]               # where a job is, when it ends, how it learns
+#   python -m launch.watch.status [JOB_ID] [--png FILE] [--follow]         # where a job is, when it ends, how it learns
 #
-# The trainer keys that are not settings (the same for every job) are FIXED_OVERRIDES in launch/plan/trainer_command.py; the whole
-# default command is docs/trainer-command.md, and each job writes its own to its log folder (trainer_command.txt).
+# The trainer keys that are not settings (the same for every job) are FIXED_OVERRIDES in
+# launch/plan/trainer_command.py; the whole default command is docs/trainer-command.md, and each job writes its own to
+# its log folder (trainer_command.txt).
 # Edit the settings below (or override any of them from the environment; docs/settings.md lists them all). Keep the
 # #SBATCH lines in step with them: --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a
 # separate reward node). Submit from the repository root: Slurm writes logs/<job name>-<job id>.out there.
