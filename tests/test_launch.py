@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from demo.run import LOGIN_NODE_CHECK
+from launch.plan.procs import free_port, start_process, stop_process, wait_for_http
+from launch.plan.reward_check import CheckServer, server_round_trip
 from tests.support import REPO, assert_everything_stopped, block_environment, job_dir, run, seen
 
 # --- the whole flow ----------------------------------------------------------------------------------------------
@@ -192,7 +194,8 @@ def test_a_login_nodes_preflight_checks_the_cpus_sbatch_will_give_against_what_v
 def test_a_login_node_without_the_engine_still_checks_the_users_data_and_reward(job):
     """The README's login-node command, where SGLang does not import (this machine, like a login node without the
     image): the engine is one finding, and the data through verl's RLHFDataset and the reward round trip on the CPU
-    still run; the job is still refused (exit 1), naming where to check the imports. It used to stop at the import."""
+    still run (alongside the import's check, said after them); the job is still refused (exit 1), naming where to
+    check the imports. It used to stop at the import."""
     env = {k: v for k, v in job.items() if k != "RAY_NUM_CPUS"} | {
         "CONTAINER": "none", "PREFLIGHT_ONLY": "1", "PREFLIGHT_REWARD_DEVICE": "cpu", "TRAINER_LAUNCHER": "python3",
         "TRAINER_IS_VERL": "1", "TRAIN_BATCH_SIZE": "8", "PPO_MINI_BATCH_SIZE": "8",
@@ -201,7 +204,6 @@ def test_a_login_node_without_the_engine_still_checks_the_users_data_and_reward(
     out, err = result.stdout, result.stderr
     assert result.returncode == 1, out[-3000:] + err[-3000:]
     assert "preflight: the trainer cannot start here: import sglang fails" in err, err[-3000:]
-    assert "preflight: checking the data and the reward anyway" in err
     assert "preflight: data train: " in out and "preflight: steps: " in out, out[-3000:]
     assert "preflight: reward verl's naive reward loop (async rollout) scored 8 validation rows" in out, out[-3000:]
     assert (
@@ -314,11 +316,38 @@ def test_recipe_commands_pass_the_whole_preflight_with_verls_recipe_configs(job,
     assert "=== launching on" not in result.stdout
 
 
-def test_a_reward_server_that_cannot_start_fails_the_preflight_naming_its_log(job, fake_container):
-    result = run(job | {"REWARD_START_TIMEOUT": "2", "PREFLIGHT_ONLY": "1"})
-    assert result.returncode == 1
-    assert "the reward server for the check was not healthy after 2 s" in result.stderr
-    assert "preflight_reward_server.log" in result.stderr
+def test_a_reward_server_that_never_answers_fails_the_preflight_naming_its_log_and_is_stopped(
+    tmp_path, monkeypatch, capsys
+):
+    """The check's server starts at the preflight's start and is waited for after the config and data checks:
+    REWARD_START_TIMEOUT counts from its start, and one that never answers fails the check naming its log."""
+    log = tmp_path / "preflight_reward_server.log"
+    log.write_text("loading the reward model\n")
+    hung = start_process([sys.executable, "-c", "import time; time.sleep(120)"], tmp_path / "hung.out")
+    monkeypatch.setenv("REWARD_START_TIMEOUT", "2")
+    began = time.monotonic()
+    server = CheckServer(hung, f"http://127.0.0.1:{free_port()}", log, began)
+    assert server_round_trip(None, None, None, started=server) is False
+    assert 2 <= time.monotonic() - began < 30
+    err = capsys.readouterr().err
+    assert (
+        "preflight: the reward check failed: TimeoutError: the reward server for the check was not healthy after 2 s"
+        in err
+    )
+    assert f"(server log: {log})" in err and "loading the reward model" in err
+    assert hung.poll() is not None, "the check stops its server"
+
+
+def test_a_check_server_already_healthy_when_waited_for_passes_even_past_its_timeout(tmp_path):
+    """Waited for long after its start (the config and data checks ran meanwhile): a server that answers is taken,
+    whatever the clock says; the deadline is for one that does not."""
+    port = free_port()
+    server = start_process([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], tmp_path / "s.log")
+    try:
+        wait_for_http(server, f"http://127.0.0.1:{port}/", tmp_path / "s.log", 30)
+        wait_for_http(server, f"http://127.0.0.1:{port}/", tmp_path / "s.log", 1, since=time.monotonic() - 60)
+    finally:
+        stop_process(server)
 
 
 def test_a_causal_lm_as_the_reward_model_fails_the_preflights_round_trip_before_the_queue(job, tiny_models):

@@ -2,7 +2,9 @@
 
     python -m launch.plan.preflight [EXTRA_OVERRIDES...]     # reads the settings run_grpo_qwen3_4b_mega_verl.sh exports
 
-The job's one check, in one process (one container start; the policy tokenizer loaded once):
+The job's one check, in one process (one container start; the policy tokenizer loaded once), with two helpers
+started alongside: the check's reward server loads its model from the start, and the trainer's imports are tried in
+a fresh interpreter (start_import_check) while the data and the reward are checked, said after them:
 0. settings: launch.plan.refusals.check, context_problems (prompt + response against the models' positions) and
    save_deadline_problems, one line per problem naming the setting;
 1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
@@ -20,9 +22,12 @@ The job's one check, in one process (one container start; the policy tokenizer l
 On failure it prints verl's message and the settings that feed that key.
 """
 
+import atexit
 import os
 import subprocess
 import sys
+import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 from launch.plan.config_refusals import (
@@ -40,8 +45,9 @@ from launch.plan.gpu_memory import (
     megatron_update_line,
     reward_peak,
 )
+from launch.plan.procs import stop_process
 from launch.plan.refusals import check, context_problems, save_deadline_problems
-from launch.plan.reward_check import check_reward_format, server_round_trip
+from launch.plan.reward_check import begin_reward_server, check_reward_format, server_round_trip
 from launch.plan.settings import SettingError, Settings
 from launch.plan.thinking import TemplateError
 from launch.plan.trainer_command import prompt_opens_think, trainer_argv
@@ -154,15 +160,37 @@ for name in sys.argv[1:]:
 """
 
 
-def import_problems(modules: list[str], engine: str, timeout: float = 600) -> list[str]:
+def start_import_check(modules: list[str]) -> subprocess.Popen:
     """Import each module in a fresh interpreter, as the trainer will (this one has already imported verl, and an
-    engine's import may set process-wide state); one line per module that fails, naming it and the fix."""
-    run = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *modules], capture_output=True, text=True,
-                         timeout=timeout)  # fmt: skip
+    engine's import may set process-wide state), in the background: import_problems collects it. Its output goes to
+    files, never an undrained pipe."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _IMPORT_EACH, *modules], stdout=out, stderr=err, start_new_session=True
+    )
+    proc.output_files = (out, err)
+    return proc
+
+
+def import_problems(
+    modules: list[str], engine: str, timeout: float = 600, started: subprocess.Popen | None = None
+) -> list[str]:
+    """One line per module that fails to import in a fresh interpreter (start_import_check's, `started` where it is
+    already running), naming it and the fix."""
+    run = started or start_import_check(modules)
+    try:
+        run.wait(timeout)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.wait()
+        return [f"importing {', '.join(modules)} took over {timeout:.0f} s"]
+    for file in run.output_files:
+        file.seek(0)
+    stdout, stderr = (file.read() for file in run.output_files)
     if run.returncode:
-        return [f"importing {', '.join(modules)} crashed the interpreter (exit {run.returncode}): {run.stderr[-500:]}"]
+        return [f"importing {', '.join(modules)} crashed the interpreter (exit {run.returncode}): {stderr[-500:]}"]
     problems = []
-    for line in run.stdout.splitlines():
+    for line in stdout.splitlines():
         name, _, error = line.partition("\t")
         if name.split(".")[0] == engine or name.startswith("vllm."):
             fix = (f"ROLLOUT_ENGINE={engine} needs {engine} where the trainer runs: use the {engine} image "
@@ -323,8 +351,14 @@ def report_steps(cfg, train_rows: int | None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Every check, in the order that fails cheapest first; one line per problem, naming what to change."""
-    extra = sys.argv[1:] if argv is None else argv
+    """Every check, in the order that fails cheapest first; one line per problem, naming what to change. What runs in
+    the background (the check's reward server, the trainer's imports) is stopped whatever the outcome."""
+    with ExitStack() as background:
+        return checks(sys.argv[1:] if argv is None else argv, background)
+
+
+def checks(extra: list[str], background: ExitStack) -> int:
+    """main's checks; `background` stops the processes they start alongside."""
     try:
         settings = Settings.from_env()
     except SettingError as exc:
@@ -348,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:
         return 1
+    reward_server = None
+    if os.environ.get("PREFLIGHT_REWARD", "1") == "1":  # it loads its model while the config and the data are checked
+        reward_server = begin_reward_server(settings)
+        background.callback(stop_process, reward_server[0], 30)
     lines, warnings = plan(settings, os.environ)
     for line in lines:
         print(f"preflight: save before the time limit: {line}")
@@ -422,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         ) as exc:  # a config the dense formula cannot read (an MoE, no intermediate_size): said, not fatal
             print(f"preflight: WARNING: the Megatron update's memory is not estimated from CONFIG_MODEL_PATH's "
                   f"config.json ({type(exc).__name__}: {exc}); docs/training.md has the formula", file=sys.stderr)  # fmt: skip
-    findings = []  # what stops the trainer here but not the checks of the user's own files below: said again at the end
+    imports = None
     if trainer_runs_verl():
         problems = ray_cpu_problems(cfg, os.environ)
         for problem in problems:
@@ -430,46 +468,22 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             return 1
         modules = trainer_modules(module, cfg)
-        findings = import_problems(modules, cfg.actor_rollout_ref.rollout.name)
-        for finding in findings:
-            print(f"preflight: the trainer cannot start here: {finding}", file=sys.stderr)
-        if findings:
-            print("preflight: checking the data and the reward anyway (the trainer's imports are the image's)",
-                  file=sys.stderr)  # fmt: skip
-        else:
-            print(f"preflight: the trainer's modules import here: {', '.join(modules)}")
+        imports = start_import_check(modules)  # alongside the checks of the user's own files below
+        background.callback(stop_process, imports, 5)
     else:
         print(
             f"preflight: WARNING: TRAINER_IS_VERL=0: TRAINER_LAUNCHER={os.environ.get('TRAINER_LAUNCHER')} runs no verl "
             "trainer, so verl's imports and the Ray CPUs verl holds are not checked",
             file=sys.stderr,
         )
-    from verl.utils import hf_tokenizer
-
-    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)  # the policy's, loaded once for every check below
-    if os.environ.get("PREFLIGHT_DATA", "1") == "1":
-        if not check_rows(cfg, tokenizer):
-            print(
-                "preflight: the train/test parquet files have errors (above): fix them or rebuild with "
-                "python -m data_prep.build",
-                file=sys.stderr,
-            )
-            return 1
-        try:
-            lines, train_rows = check_data(cfg, tokenizer)
-            for line in lines:
-                print(f"preflight: data {line}")
-        except Exception as exc:  # verl's own dataset code, reported as it is
-            print(f"preflight: verl's RLHFDataset cannot read the data: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
-    else:
-        train_rows = None
-    if not report_steps(cfg, train_rows):
-        return 1
-    pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
-    if pairs and not check_reward_format(settings, pairs):
-        return 1
-    if os.environ.get("PREFLIGHT_REWARD", "1") == "1" and not server_round_trip(settings, cfg, tokenizer):
+    own_files_pass = check_own_files(settings, cfg, reward_server)
+    # What stops the trainer here but not the checks of the user's own files: said after them, which ran anyway.
+    findings = [] if imports is None else import_problems(modules, cfg.actor_rollout_ref.rollout.name, started=imports)
+    for finding in findings:
+        print(f"preflight: the trainer cannot start here: {finding}", file=sys.stderr)
+    if imports is not None and not findings:
+        print(f"preflight: the trainer's modules import here: {', '.join(modules)}")
+    if not own_files_pass:
         return 1
     if findings:
         print(
@@ -479,6 +493,37 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def check_own_files(settings: Settings, cfg, reward_server) -> bool:
+    """The data and the reward (steps 2 and 3), with the policy's tokenizer loaded once; `reward_server`:
+    begin_reward_server's, or None where PREFLIGHT_REWARD=0."""
+    from verl.utils import hf_tokenizer
+
+    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)
+    if os.environ.get("PREFLIGHT_DATA", "1") == "1":
+        if not check_rows(cfg, tokenizer):
+            print(
+                "preflight: the train/test parquet files have errors (above): fix them or rebuild with "
+                "python -m data_prep.build",
+                file=sys.stderr,
+            )
+            return False
+        try:
+            lines, train_rows = check_data(cfg, tokenizer)
+            for line in lines:
+                print(f"preflight: data {line}")
+        except Exception as exc:  # verl's own dataset code, reported as it is
+            print(f"preflight: verl's RLHFDataset cannot read the data: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return False
+    else:
+        train_rows = None
+    if not report_steps(cfg, train_rows):
+        return False
+    pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
+    if pairs and not check_reward_format(settings, pairs):
+        return False
+    return reward_server is None or server_round_trip(settings, cfg, tokenizer, started=reward_server)
 
 
 class _Tee:
@@ -502,4 +547,11 @@ class _Tee:
 if __name__ == "__main__":
     if os.environ.get("JOB_LOG_DIR") and Path(os.environ["JOB_LOG_DIR"]).is_dir():
         sys.stderr = _Tee(sys.stderr, Path(os.environ["JOB_LOG_DIR"], "preflight.err"))
-    sys.exit(main())
+    code = main()
+    # Python's own exit handlers, then the exit itself: the interpreter's teardown of what the checks imported (torch,
+    # verl, megatron-core, transformers) takes seconds of native code after the last line, and frees nothing the OS
+    # does not.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -69,12 +69,14 @@ def wait_for_http(
     expect: int = 200,
     name: str = "the process",
     interval: float = 0.2,
+    since: float | None = None,
 ) -> None:
     """Poll `url` until it answers `expect`, each GET with its own short timeout. RuntimeError as soon as `proc`
-    exits, TimeoutError at the deadline; both name `name`, say what was last seen and end with the tail of `log`."""
-    deadline = time.monotonic() + timeout
+    exits, TimeoutError at the deadline (`timeout` seconds from `since`, a time.monotonic() such as the process's
+    start; from now where None); both name `name`, say what was last seen and end with the tail of `log`."""
+    deadline = (time.monotonic() if since is None else since) + timeout
     last = "no answer yet"
-    while time.monotonic() < deadline:
+    while True:  # polled once at least: a process started long before the wait may be healthy by now
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode} before {url} was ready; log {log}:\n{tail(log)}")
         try:
@@ -84,6 +86,8 @@ def wait_for_http(
             last = f"HTTP {status}: {body[:200]!r}"
         except OSError as e:
             last = repr(e)
+        if time.monotonic() >= deadline:
+            break
         time.sleep(interval)
     raise TimeoutError(
         f"{name} was not healthy after {timeout:.0f} s (GET {url}, last: {last}); log {log}:\n{tail(log)}"

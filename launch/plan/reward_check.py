@@ -8,10 +8,11 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
 from pathlib import Path
+from typing import NamedTuple
 
-from launch.plan.procs import free_port, start_server, stop_process
+from launch.plan.procs import free_port, start_process, stop_process, wait_for_http
 from launch.plan.settings import REPO, Settings
 
 CHECK_RESPONSES = [
@@ -109,20 +110,26 @@ def reward_loop_scores(cfg, tokenizer, data) -> tuple[list[float], list[int]]:
     return [o["reward_score"] for o in out], [int(o["reward_extra_info"]["penalized"]) for o in out]
 
 
-def start_reward_server(
-    model_path: str, log: Path, timeout: float, format_flags: Sequence[str] = ()
-) -> tuple[subprocess.Popen, str]:
-    """A reward server for the check, on a free loopback port, returned once /health answers 200; `format_flags`:
-    the job's input-format settings (Settings.reward_format_flags), as the job's own servers get them."""
+class CheckServer(NamedTuple):
+    proc: subprocess.Popen
+    url: str
+    log: Path
+    started: float  # time.monotonic() at its start: REWARD_START_TIMEOUT counts from there
+
+
+def begin_reward_server(settings: Settings) -> CheckServer:
+    """The check's reward server on a free loopback port, started in the background with the job's input-format
+    settings (Settings.reward_format_flags), as the job's own servers get them: it loads its model while the
+    preflight checks the config and the data, and server_round_trip waits for its health."""
+    log = Path(os.environ.get("JOB_LOG_DIR") or tempfile.mkdtemp()) / "preflight_reward_server.log"
     port = free_port()
-    cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", model_path,
+    cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", settings.reward_model_path,
            "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"),
-           *format_flags]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+           *settings.reward_format_flags]  # fmt: skip
     # Its device is PREFLIGHT_REWARD_DEVICE's (a login node has no GPU): the job's CONFIG_REWARD_DEVICE is not for it,
     # and the server would report that name as set and not read.
     env = {k: v for k, v in os.environ.items() if k != "CONFIG_REWARD_DEVICE"}
-    return start_server(cmd, log, url + "/health", timeout, env, name="the reward server for the check"), url
+    return CheckServer(start_process(cmd, log, env), f"http://127.0.0.1:{port}", log, time.monotonic())
 
 
 def check_reward_format(settings: Settings, pairs: str, timeout: float = 3600) -> bool:
@@ -146,18 +153,14 @@ def check_reward_format(settings: Settings, pairs: str, timeout: float = 3600) -
     return False
 
 
-def server_round_trip(settings: Settings, cfg, tokenizer) -> bool:
-    """A reward server for the check (start_reward_server), scored through verl's reward manager (reward_round_trip),
-    its lines printed; False, after the error and the server's log, when the check fails. The server is stopped."""
-    log = Path(os.environ.get("JOB_LOG_DIR") or tempfile.mkdtemp()) / "preflight_reward_server.log"
-    server = None
+def server_round_trip(settings: Settings, cfg, tokenizer, started: CheckServer | None = None) -> bool:
+    """The check's reward server (begin_reward_server's, `started` where it is already starting) once healthy, scored
+    through verl's reward manager (reward_round_trip), its lines printed; False, after the error and the server's
+    log, when the check fails. The server is stopped."""
+    server, url, log, began = started or begin_reward_server(settings)
     try:
-        server, url = start_reward_server(
-            settings.reward_model_path,
-            log,
-            float(os.environ.get("REWARD_START_TIMEOUT", 900)),
-            settings.reward_format_flags,
-        )
+        timeout = float(os.environ.get("REWARD_START_TIMEOUT", 900))
+        wait_for_http(server, f"{url}/health", log, timeout, name="the reward server for the check", since=began)
         os.environ.update(REWARD_SERVER_URLS=url, REWARD_LOG_PATH="")
         for line in reward_round_trip(cfg, tokenizer):
             print(f"preflight: reward {line}")
@@ -165,6 +168,5 @@ def server_round_trip(settings: Settings, cfg, tokenizer) -> bool:
         print(f"preflight: the reward check failed: {type(exc).__name__}: {exc} (server log: {log})", file=sys.stderr)
         return False
     finally:
-        if server is not None:
-            stop_process(server, 30)
+        stop_process(server, 30)
     return True
