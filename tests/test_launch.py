@@ -327,7 +327,7 @@ def test_a_reward_server_that_never_answers_fails_the_preflight_naming_its_log_a
     monkeypatch.setenv("REWARD_START_TIMEOUT", "2")
     began = time.monotonic()
     server = CheckServer(hung, f"http://127.0.0.1:{free_port()}", log, began)
-    assert server_round_trip(None, None, None, started=server) is False
+    assert server_round_trip(None, None, server) is False
     assert 2 <= time.monotonic() - began < 30
     err = capsys.readouterr().err
     assert (

@@ -385,7 +385,7 @@ def checks(extra: list[str], background: ExitStack) -> int:
     reward_server = None
     if os.environ.get("PREFLIGHT_REWARD", "1") == "1":  # it loads its model while the config and the data are checked
         reward_server = begin_reward_server(settings)
-        background.callback(stop_process, reward_server[0], 30)
+        background.callback(stop_process, reward_server.proc, 30)
     lines, warnings = plan(settings, os.environ)
     for line in lines:
         print(f"preflight: save before the time limit: {line}")
@@ -523,7 +523,7 @@ def check_own_files(settings: Settings, cfg, reward_server) -> bool:
     pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
     if pairs and not check_reward_format(settings, pairs):
         return False
-    return reward_server is None or server_round_trip(settings, cfg, tokenizer, started=reward_server)
+    return reward_server is None or server_round_trip(cfg, tokenizer, reward_server)
 
 
 class _Tee:

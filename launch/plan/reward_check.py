@@ -153,11 +153,11 @@ def check_reward_format(settings: Settings, pairs: str, timeout: float = 3600) -
     return False
 
 
-def server_round_trip(settings: Settings, cfg, tokenizer, started: CheckServer | None = None) -> bool:
-    """The check's reward server (begin_reward_server's, `started` where it is already starting) once healthy, scored
+def server_round_trip(cfg, tokenizer, started: CheckServer) -> bool:
+    """The check's reward server (begin_reward_server's, loading since the preflight began) once healthy, scored
     through verl's reward manager (reward_round_trip), its lines printed; False, after the error and the server's
     log, when the check fails. The server is stopped."""
-    server, url, log, began = started or begin_reward_server(settings)
+    server, url, log, began = started
     try:
         timeout = float(os.environ.get("REWARD_START_TIMEOUT", 900))
         wait_for_http(server, f"{url}/health", log, timeout, name="the reward server for the check", since=began)
