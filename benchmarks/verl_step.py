@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -57,14 +56,12 @@ from benchmarks.verl_step_parts import (
     settings_env,
     write_prompts,
 )
-from launch.job.steps import parse_step_lines
+from launch.job.steps import ANSI, parse_step_lines
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 # --- reading verl's console ------------------------------------------------------------------------------------
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def read_console(text: str) -> tuple[list[dict], list[dict]]:
@@ -84,7 +81,7 @@ def parse_phase_line(line: str) -> dict | None:
     if at < 0:
         return None
     try:
-        return json.loads(_ANSI.sub("", line[at + len(PHASE_PREFIX) :]).strip())
+        return json.loads(ANSI.sub("", line[at + len(PHASE_PREFIX) :]).strip())
     except json.JSONDecodeError:
         return None
 

@@ -118,7 +118,7 @@ def test_step_lines_are_read_from_every_entry_point_and_a_validation_only_line_i
     )
     steps = canary.logged_steps(text)
     assert sorted(steps) == [1, 2], "recipe.dapo's lines hold no training/global_step"
-    assert "val-core/" in steps[2]
+    assert any(key.startswith("val-core/") for key in steps[2])
 
 
 def test_a_resume_passes_only_at_step_2_with_one_more_step_saved(tmp_path):

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import re
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # verl's console logger line, behind the prefix Ray gives a TaskRunner actor's lines in the driver's output
 _STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*)$")
 _NUMBER = re.compile(r"^(?:np\.\w+\()?([-+0-9.eE]+|nan|inf|-inf|True|False)\)?$")
-_TOTAL = re.compile(r"Total training steps: (\d+)")
-_PROGRESS = re.compile(r"Training Progress:.*?\|\s*(\d+)/(\d+) \[")
-_RESUMED = re.compile(r"Setting global step to (\d+)")
+TOTAL_STEPS = re.compile(r"Total training steps: (\d+)")
+PROGRESS = re.compile(r"Training Progress:.*?\|\s*(\d+)/(\d+) \[")
+RESUMED_AT = re.compile(r"Setting global step to (\d+)")
 
 
 def number(text: str) -> float | None:
@@ -32,7 +32,7 @@ def parse_step_lines(text: str) -> dict[int, dict[str, float]]:
     """{step: {key: value}} of every console-logger line, the last one of a step winning (validation-only lines,
     `step:0 - val-core/...` before training, included)."""
     steps: dict[int, dict[str, float]] = {}
-    for raw in re.split(r"[\r\n]", _ANSI.sub("", text)):
+    for raw in re.split(r"[\r\n]", ANSI.sub("", text)):
         if "step:" not in raw:
             continue
         m = _STEP_LINE.search(raw)

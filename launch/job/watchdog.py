@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch.job.steps import _RESUMED, _TOTAL, is_training_step, parse_step_lines
+from launch.job.steps import RESUMED_AT, TOTAL_STEPS, is_training_step, parse_step_lines
 from launch.plan import deadline
 from launch.plan.deadline import StallError, positive_seconds, timeout_setting
 
@@ -419,9 +419,9 @@ def watch(log_dir: Path, trainer_pid: int, host: str, env: Mapping[str, str] | N
         pending += chunk
         lines, _, pending = pending.rpartition("\n")
         if lines:
-            if (m := _TOTAL.findall(lines)) and clock.total is None:
+            if (m := TOTAL_STEPS.findall(lines)) and clock.total is None:
                 clock.total = int(m[-1])
-            if (m := _RESUMED.findall(lines)) and clock.last_step is None:
+            if (m := RESUMED_AT.findall(lines)) and clock.last_step is None:
                 clock.resumed_at = int(m[-1])
             for step, metrics in sorted(parse_step_lines(lines).items()):
                 if is_training_step(metrics):

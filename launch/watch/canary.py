@@ -34,6 +34,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from launch.job.steps import ANSI, RESUMED_AT, is_training_step, parse_step_lines
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
 from launch.watch.health import value_clip_warnings
@@ -53,15 +54,7 @@ STAGES = {
     "merge": "3 merge the last checkpoint, verify",
 }
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# RayPPOTrainer.fit runs in verl's TaskRunner actor: Ray prefixes its lines with "(TaskRunner pid=N) " in the driver.
-_STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*)$")
-_TIMED_STEP = re.compile(r"(?:^| - )timing_s/step:")  # only a training step has it
-# verl's console logger prints a numpy number as np.float64(...) (numpy 2), a float as is
-_CLIP_RATIO = re.compile(r"(?:^| - )response_length/clip_ratio:(?:np\.float\d+\()?([0-9.eE+-]+)")
-_VF_CLIPFRAC = re.compile(r"(?:^| - )critic/vf_clipfrac:(?:np\.float\d+\()?([0-9.eE+-]+|nan)")
 _TOLD_THINK = re.compile(r"^\+custom_reward_function\.reward_kwargs\.prompt_opens_think=(\w+)$", re.M)
-_RESUMED_AT = re.compile(r"Setting global step to (\d+)")
 _SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
 
@@ -144,34 +137,24 @@ def stage_overrides(stage: str, s: Settings) -> list[str]:
     return out
 
 
-def logged_steps(text: str) -> dict[int, str]:
-    """{step: the rest of its line} for every training step verl's console logger printed."""
-    steps = {}
-    for line in _ANSI.sub("", text).splitlines():
-        match = _STEP_LINE.search(line)
-        if match and _TIMED_STEP.search(match.group(2)):
-            steps[int(match.group(1))] = match.group(2)
-    return steps
+def logged_steps(text: str) -> dict[int, dict[str, float]]:
+    """{step: its metrics} for every training step verl's console logger printed (launch/job/steps.py reads them)."""
+    return {step: metrics for step, metrics in parse_step_lines(text).items() if is_training_step(metrics)}
 
 
-def _per_step(text: str, metric: re.Pattern) -> dict[int, float]:
+def _per_step(text: str, key: str) -> dict[int, float]:
     """{step: the metric's value} for every training step whose line logged it."""
-    found = {}
-    for step, rest in logged_steps(text).items():
-        match = metric.search(rest)
-        if match:
-            found[step] = float(match.group(1))
-    return found
+    return {step: metrics[key] for step, metrics in logged_steps(text).items() if key in metrics}
 
 
 def clip_ratios(text: str) -> dict[int, float]:
     """{step: verl's response_length/clip_ratio} for every training step that logged it."""
-    return _per_step(text, _CLIP_RATIO)
+    return _per_step(text, "response_length/clip_ratio")
 
 
 def vf_clipfracs(text: str) -> dict[int, float]:
     """{step: verl's critic/vf_clipfrac} for every training step that logged it (PPO only: the critic's metric)."""
-    return _per_step(text, _VF_CLIPFRAC)
+    return _per_step(text, "critic/vf_clipfrac")
 
 
 def trainer_command(log: Path) -> str:
@@ -248,7 +231,7 @@ def _checkpoint_problems(ckpt: Path, steps: range) -> list[str]:
 def check_train(text: str, ckpt: Path) -> list[str]:
     """Stage 1: steps 1..TRAIN_STEPS ran from scratch, validation ran, and each step was saved."""
     problems = []
-    resumed = _RESUMED_AT.search(text)
+    resumed = RESUMED_AT.search(text)
     if resumed:
         problems.append(f"verl resumed at step {resumed.group(1)} in a fresh folder: {ckpt} was not empty")
     steps = logged_steps(text)
@@ -257,7 +240,7 @@ def check_train(text: str, ckpt: Path) -> list[str]:
         problems.append(
             f"verl logged steps {sorted(steps)}, expected {expected} (its 'step:N - ... timing_s/step:...' lines)"
         )
-    elif not any("val-core/" in rest for rest in steps.values()):
+    elif not any(key.startswith("val-core/") for metrics in steps.values() for key in metrics):
         problems.append(f"no validation metrics (val-core/...) at step {TRAIN_STEPS}: validation did not run")
     return problems + _checkpoint_problems(ckpt, range(1, TRAIN_STEPS + 1))
 
@@ -265,7 +248,7 @@ def check_train(text: str, ckpt: Path) -> list[str]:
 def check_resume(text: str, ckpt: Path) -> list[str]:
     """Stage 2: verl loaded the step-TRAIN_STEPS checkpoint (not step 0), ran exactly the next step and saved it."""
     problems = []
-    resumed = _RESUMED_AT.search(text)
+    resumed = RESUMED_AT.search(text)
     if "Training from scratch" in text or not resumed:
         problems.append(
             f"verl started from step 0 ('Training from scratch'), not from the step-{TRAIN_STEPS} checkpoint in {ckpt}"
@@ -291,7 +274,7 @@ def check_merge(text: str, target: Path) -> list[str]:
 def explaining_lines(text: str, n: int = 12) -> list[str]:
     """The lines that most likely explain a failure: up to the last error-looking line (and 2 after), else the last n.
     When they start inside a longer list from one program (`verify: ...` lines), the list's first lines come too."""
-    lines = [line for line in _ANSI.sub("", text).splitlines() if line.strip()]
+    lines = [line for line in ANSI.sub("", text).splitlines() if line.strip()]
     marks = [i for i, line in enumerate(lines) if _ERROR_LINE.search(line)]
     end = min(marks[-1] + 3, len(lines)) if marks else len(lines)
     start = max(0, end - n)

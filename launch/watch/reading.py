@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch.job.steps import _ANSI, _PROGRESS, _RESUMED, _TOTAL, is_training_step, parse_step_lines
+from launch.job.steps import ANSI, PROGRESS, RESUMED_AT, TOTAL_STEPS, is_training_step, parse_step_lines
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
@@ -71,7 +71,7 @@ def first_failure(text: str) -> dict | None:
         if m and (best is None or m.start() < best[0]):
             line_start = text.rfind("\n", 0, m.start()) + 1
             line_end = text.find("\n", m.end())
-            line = _ANSI.sub("", text[line_start : line_end if line_end >= 0 else len(text)]).strip()
+            line = ANSI.sub("", text[line_start : line_end if line_end >= 0 else len(text)]).strip()
             best = (m.start(), {"what": what, "line": line[:240], "docs": f"{OPERATIONS}#{anchor}"})
     return best[1] if best else None
 
@@ -140,9 +140,9 @@ def read_folder(folder: Path, restart: int) -> Start:
     text = read_text(log)
     s.last_write = mtime(log)
     s.steps = parse_step_lines(text)
-    totals = _TOTAL.findall(text) or [t for _, t in _PROGRESS.findall(text)]
+    totals = TOTAL_STEPS.findall(text) or [t for _, t in PROGRESS.findall(text)]
     s.total = int(totals[-1]) if totals else None
-    resumed = _RESUMED.findall(text)
+    resumed = RESUMED_AT.findall(text)
     s.resumed_from = int(resumed[-1]) if resumed else (0 if "Training from scratch" in text else None)
     s.failure = first_failure(text)
     s.trainer_started = mtime(folder / "trainer_command.txt")
