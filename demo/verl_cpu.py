@@ -1,11 +1,13 @@
 """verl 0.6.1's own trainer on a machine without a GPU: every adaptation it needs, in this one module.
 
-`make demo` and the CPU job tests run the real `python -m verl.trainer.main_ppo` (RayPPOTrainer.fit: verl's data
-loader, rollout, our reward function through a real reward server, GRPO advantages, the FSDP2 actor update, the
-checkpoint manager, validation, the console logger) with STRATEGY=fsdp2, in either ROLLOUT_MODE: sync (verl's
-HFRollout on a batch) or async (verl's agent loop and reward loop, with HFReplica below). They pass
-`overrides()` after their other arguments to run_grpo_qwen3_4b_mega_verl.sh, as a user passes Hydra overrides, so
-the preflight checks, and trainer_command.txt records, the command that runs. Two kinds of adaptation:
+The CPU job tests run the real `python -m verl.trainer.main_ppo` (RayPPOTrainer.fit: verl's data loader, rollout,
+our reward function through a real reward server, GRPO advantages, the actor update, the checkpoint manager,
+validation, the console logger), in either ROLLOUT_MODE: sync (verl's HFRollout on a batch) or async (verl's agent
+loop and reward loop, with HFReplica below). With STRATEGY=fsdp2 these adaptations are all of it; with
+STRATEGY=megatron (`make demo`, the quickstart, the Megatron job tests) demo/megatron_cpu.py installs them first and
+adds its own. They pass `overrides()` after their other arguments to run_grpo_qwen3_4b_mega_verl.sh, as a user
+passes Hydra overrides, so the preflight checks, and trainer_command.txt records, the command that runs. Two kinds
+of adaptation:
 
 - Hydra overrides (OVERRIDES): settings verl already has, chosen for a CPU. trainer.device stays `cuda`, verl's
   default: verl places its workers on the GPUs Ray was told of (`ray start --num-gpus`, as on a cluster; here
@@ -20,8 +22,8 @@ the preflight checks, and trainer_command.txt records, the command that runs. Tw
 The HF rollout (HFEngineRollout) takes its device and dtype from the worker: benchmarks/verl_step.py runs the same
 class, registered the same way, with ENGINE_OVERRIDES, on a GPU with NCCL and none of the CPU shims.
 
-Nothing of verl is copied or edited. What stays out of reach on a CPU: Megatron (STRATEGY=megatron) and the SGLang
-and vLLM engines; docs/verl-on-cpu.md says what runs for real.
+Nothing of verl is copied or edited. What stays out of reach on a CPU: the SGLang and vLLM engines;
+docs/verl-on-cpu.md says what runs for real.
 
     python -m demo.verl_cpu          # the overrides, one a line, each with its reason
 """
