@@ -36,6 +36,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -86,8 +87,9 @@ def build_policy(shape: str, layers: int, out: Path, device: str) -> dict:
 # --- one case, in its own process -----------------------------------------------------------------------------------
 
 
-def case_settings(policy: Path, recompute: str, lengths: tuple[int, int] | None) -> dict[str, str]:
-    """The settings block's defaults, with this machine's one GPU, the case's recompute and, where given, lengths."""
+def case_settings(policy: Path, recompute: str, lengths: tuple[int, int] | None, micro: int = 0) -> dict[str, str]:
+    """The settings block's defaults, with this machine's one GPU, the case's recompute and, where given, lengths and
+    MICRO_BATCH_PER_GPU (the token budget)."""
     from launch.plan.reference import block_defaults
 
     return block_defaults(str(REPO)) | {
@@ -95,16 +97,17 @@ def case_settings(policy: Path, recompute: str, lengths: tuple[int, int] | None)
         "CONFIG_TRAIN_FILE": "train.parquet", "CONFIG_TEST_FILE": "test.parquet", "CONFIG_OUTPUT_DIR": "ckpt",
         "CONFIG_GPUS_PER_NODE": "1", "STRATEGY": "megatron", "ACTOR_PP": "1", "ACTOR_TP": "1",
         "MEGATRON_RECOMPUTE": recompute,
-    } | ({"MAX_PROMPT_LENGTH": str(lengths[0]), "MAX_RESPONSE_LENGTH": str(lengths[1])} if lengths else {})  # fmt: skip
+    } | ({"MAX_PROMPT_LENGTH": str(lengths[0]), "MAX_RESPONSE_LENGTH": str(lengths[1])} if lengths else {}) | (
+        {"MICRO_BATCH_PER_GPU": str(micro)} if micro else {})  # fmt: skip
 
 
-def worker_config(policy: Path, recompute: str, fused: bool, lengths, on_gpu: bool):
+def worker_config(policy: Path, recompute: str, fused: bool, lengths, on_gpu: bool, micro: int = 0):
     from launch.plan.preflight import compose, split_command
     from launch.plan.settings import Settings
     from launch.plan.trainer_command import trainer_argv
 
     extra = [] if on_gpu else __import__("demo.megatron_cpu", fromlist=["overrides"]).overrides()
-    s = Settings.from_env(case_settings(policy, recompute, lengths))
+    s = Settings.from_env(case_settings(policy, recompute, lengths, micro))
     extra += ["actor_rollout_ref.model.use_fused_kernels=True"] if fused else []
     _, path, name, overrides = split_command(trainer_argv(s, extra=extra))
     cfg = compose(name, [*overrides, "actor_rollout_ref.actor.optim.total_training_steps=1"], path)
@@ -137,19 +140,35 @@ class Meter:
             self.torch.cuda.synchronize()
             self.torch.cuda.reset_peak_memory_stats()
             self.before = self.torch.cuda.memory_allocated()
+            self.device_peak, self.stop = 0, threading.Event()
+            self.sampler = threading.Thread(target=self._sample, daemon=True)
+            self.sampler.start()
         self.began = time.monotonic()
         return self
+
+    def _sample(self) -> None:
+        """The device's used memory (cudaMemGetInfo: this process's CUDA context, cuBLAS and NCCL workspaces and
+        torch's reserved pool together, as nvidia-smi counts it), every 20 ms."""
+        while True:
+            free, total = self.torch.cuda.mem_get_info()
+            self.device_peak = max(self.device_peak, total - free)
+            if self.stop.wait(0.02):
+                return
 
     def __exit__(self, *exc):
         if self.cuda:
             self.torch.cuda.synchronize()
+            self.stop.set()
+            self.sampler.join()
         self.record = {"seconds": round(time.monotonic() - self.began, 3)}
         if self.cuda:
             c = self.torch.cuda
             self.record |= {"allocated_before_gib": c.memory_allocated() and self.before / GIB,
                             "peak_allocated_gib": c.max_memory_allocated() / GIB,
                             "peak_reserved_gib": c.max_memory_reserved() / GIB,
-                            "allocated_after_gib": c.memory_allocated() / GIB}  # fmt: skip
+                            "allocated_after_gib": c.memory_allocated() / GIB,
+                            "peak_device_used_gib": self.device_peak / GIB,
+                            "outside_torch_gib": (self.device_peak - c.max_memory_reserved()) / GIB}  # fmt: skip
         return False
 
 
@@ -219,13 +238,13 @@ def _resident(worker, on_gpu) -> dict:
             "adam_moments": on_gpu(moments), "allocated": torch.cuda.memory_allocated() / GIB}  # fmt: skip
 
 
-def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths) -> None:
+def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, micro: int = 0) -> None:
     stage, recompute, *fused = case.split("-")
     import torch
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
-    cfg, s = worker_config(policy, recompute, bool(fused), lengths, on_gpu)
+    cfg, s = worker_config(policy, recompute, bool(fused), lengths, on_gpu, micro)
     from launch.plan.procs import free_port
     from launch.plan.trainer_command import token_budget
 
@@ -233,6 +252,10 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths) ->
     from demo import megatron_cpu
 
     megatron_cpu.install_without_te() if on_gpu else megatron_cpu.install()
+    if on_gpu and fused:  # one stage with tied embeddings: the kernel gets the weight a PP=2 last stage holds
+        from benchmarks.verl_step_hook import fused_forward_reads_the_tied_weight
+
+        fused_forward_reads_the_tied_weight()
     if on_gpu:  # the flash kernel or an error: a silent fall back to SDPA's math kernel would keep every score
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -404,12 +427,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per update (at least 2)")
     parser.add_argument("--case-timeout", type=float, default=300, help="seconds for each case's process")
     parser.add_argument("--lengths", default="", help="PROMPT,RESPONSE tokens (default: the settings block's)")
+    parser.add_argument("--micro-batch-per-gpu", type=int, default=0, help="MICRO_BATCH_PER_GPU, the token budget's "
+                        "multiplier (default: the settings block's)")  # fmt: skip
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--reuse-policy", action="store_true", help="keep --work's policy when it is there")
     args = parser.parse_args(argv)
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None
     if args.case:
-        run_case(args.case, args.policy, args.out, args.micro_batches, lengths)
+        run_case(args.case, args.policy, args.out, args.micro_batches, lengths, args.micro_batch_per_gpu)
         return 0
     import torch
 
@@ -437,18 +463,20 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     build = [sys.executable, "-c", f"import json, sys; from pathlib import Path; from benchmarks.megatron_memory import build_policy; "
              f"print(json.dumps(build_policy({args.shape!r}, {layers}, Path({str(policy)!r}), {device!r})))"]  # fmt: skip
-    built = subprocess.run(build, cwd=REPO, capture_output=True, text=True, check=False)
-    if built.returncode:
-        raise SystemExit(f"building the policy failed:\n{built.stderr[-3000:]}")
-    result["policy"] = json.loads(built.stdout.strip().splitlines()[-1]) | {
-        "build_s": round(time.monotonic() - began, 1)
-    }
+    built_json = work / "policy.json"
+    if not (args.reuse_policy and built_json.exists()):
+        built = subprocess.run(build, cwd=REPO, capture_output=True, text=True, check=False)
+        if built.returncode:
+            raise SystemExit(f"building the policy failed:\n{built.stderr[-3000:]}")
+        built_json.write_text(built.stdout.strip().splitlines()[-1])
+    result["policy"] = json.loads(built_json.read_text()) | {"build_s": round(time.monotonic() - began, 1)}
     results_file = args.out / "result.json"
     for case in cases:
         case_file, log = work / f"{case}.json", args.out / f"{case}.log"
         cmd = [sys.executable, "-m", "benchmarks.megatron_memory", "--case", case, "--policy", str(policy),
                "--out", str(case_file), "--micro-batches", str(args.micro_batches)]  # fmt: skip
         cmd += ["--lengths", args.lengths] if args.lengths else []
+        cmd += ["--micro-batch-per-gpu", str(args.micro_batch_per_gpu)] if args.micro_batch_per_gpu else []
         began = time.monotonic()
         with open(log, "w") as f:
             try:

@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.verl_step_hook import PHASE_PREFIX
+from benchmarks.verl_step_hook import PHASE_PREFIX, PROFILE_DIR_ENV, PROFILE_ENV
 from benchmarks.verl_step_parts import (
     POLICY_SHAPES,
     Group,
@@ -135,6 +135,9 @@ class Run:
               flush=True)  # fmt: skip
 
     def write(self) -> None:
+        profiles = sorted((self.out / "logs" / "profiles").glob("*.json"))
+        if profiles:
+            self.result["profiles"] = [json.loads(f.read_text()) for f in profiles]
         self.result.update(steps=self.steps, phases=self.phases, **summarize(self.steps, self.phases),
                            wall_s=round(time.monotonic() - self.began, 1))  # fmt: skip
         tmp = self.out / "result.json.tmp"
@@ -195,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4, help="MICRO_BATCH_PER_GPU")
     parser.add_argument("--timeout", type=float, default=0, help="seconds for the whole run (0: none); at the limit "
                         "the trainer is stopped and result.json keeps what was measured")  # fmt: skip
+    parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
+                        help="a settings-block value for this run (e.g. MEGATRON_RECOMPUTE=off, FUSED_KERNELS=on); repeatable")  # fmt: skip
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Hydra override after the benchmark's own (they win); repeatable")  # fmt: skip
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="run call N of each worker phase under "
+                        "torch.profiler; its summary (GPU time by kernel kind, top kernels) in result.json's profiles")  # fmt: skip
     parser.add_argument("--reread", action="store_true", help="run nothing: parse --out's logs/trainer.log again "
                         "into its result.json (after a parser's fix)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -303,6 +312,11 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
     paths = {"policy": work / "policy", "reward_model": work / "reward_model", "data": data,
              "checkpoints": work / "checkpoints"}  # fmt: skip
     env_settings = settings_env(args, paths)
+    for pair in args.setting:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in env_settings:
+            raise SystemExit(f"--setting {pair!r}: NAME=VALUE with NAME a setting of the run script's block")
+        env_settings[name] = value
     settings = Settings.from_env(env_settings)
     ports = plan_ports(f"verl_step-{os.getpid()}", 0, 1)
     url = f"http://127.0.0.1:{ports['reward_port']}"
@@ -318,6 +332,8 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
         # one host: what the job exports for CONFIG_NETWORK_INTERFACE=lo (helper_grpo_qwen3_4b.sh, export_worker_env)
         NCCL_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo", TP_SOCKET_IFNAME="lo",
     )  # fmt: skip
+    if args.profile:  # Ray's workers inherit the head's environment (benchmarks/verl_step_hook.py reads these)
+        env.update({PROFILE_ENV: str(args.profile), PROFILE_DIR_ENV: str(logs / "profiles")})
     since = time.monotonic()
     server_cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path",
                   str(paths["reward_model"]), "--device", device, "--port", str(ports["reward_port"]),
@@ -349,7 +365,8 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
     run.mark("ray", since)
 
     # 4. the trainer: the job's command, this run's overrides last
-    argv = trainer_argv(settings, ray_address, benchmark_overrides(args.steps, device == "cpu", args.strategy))
+    overrides = benchmark_overrides(args.steps, device == "cpu", args.strategy) + args.override
+    argv = trainer_argv(settings, ray_address, overrides)
     command = [sys.executable, *argv]
     (logs / "trainer_command.txt").write_text("\n".join(command) + "\n")
     run.result["trainer_command"] = command[1:]
