@@ -368,6 +368,32 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, mi
 
 # --- measured against predicted --------------------------------------------------------------------------------------
 
+# Dense bf16 peak of the cards the benchmarks ran on, TFLOP/s (NVIDIA's data sheets, without sparsity): H100 SXM and
+# H200 share the H100's tensor cores and clocks.
+DENSE_BF16_TFLOPS = {"H100 80GB HBM3": 989.4, "H100": 989.4, "H200": 989.4}
+
+
+def utilisation(result: dict) -> dict:
+    """Each stage-1 update's model-FLOPs utilisation: 6 x the stage's parameters x its tokens per second (the forward
+    once and the backward twice; recompute's second forward and the logits' softmax not counted, as MFU is defined),
+    over the card's dense bf16 peak. The seconds are the whole update_actor call: the optimizer's load from the host
+    and its step included."""
+    gpu = result.get("gpu") or ""
+    peak = next((v for k, v in DENSE_BF16_TFLOPS.items() if k in gpu), None)
+    policy = result["policy"]
+    h, f, layers, vocab = (policy[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    q, kv = policy["num_attention_heads"] * policy["head_dim"], policy["num_key_value_heads"] * policy["head_dim"]
+    params = layers * (h * (q + 2 * kv) + q * h + 3 * h * f) + vocab * h  # the matmuls' weights: layers and the head
+    rows = {}
+    for name, case in result["cases"].items():
+        for i, update in enumerate(case.get("update") or []):
+            tokens = case["token_budget"] * case["micro_batches"]
+            flops = 6 * params * tokens / update["seconds"]
+            rows[f"{name} update {i + 1}"] = {"tokens": tokens, "seconds": update["seconds"],
+                                              "tflops": round(flops / 1e12, 1),
+                                              "mfu": round(flops / 1e12 / peak, 3) if peak else None}  # fmt: skip
+    return {"dense_bf16_peak_tflops": peak, "matmul_params": params, "updates": rows}
+
 
 def predictions(result: dict) -> dict:
     """What launch/plan/gpu_memory.py predicts for each case that ran, beside its measured peaks (GiB): the update's peak
@@ -495,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         results_file.write_text(json.dumps(result, indent=1))
         print(f"[megatron_memory] {case}: {case_result.get('status')} in {case_result['wall_s']} s", flush=True)
     result["predicted_vs_measured"] = predictions(result)
+    result["utilisation"] = utilisation(result)
     results_file.write_text(json.dumps(result, indent=1))
     for name, row in result["predicted_vs_measured"].items():
         print(f"[megatron_memory] {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if isinstance(v, float)))
