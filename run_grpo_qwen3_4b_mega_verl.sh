@@ -29,8 +29,8 @@
 # Edit the settings below (or override any of them from the environment; docs/settings.md lists them all). Keep the
 # #SBATCH lines in step with them: --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a
 # separate reward node). Submit from the repository root: Slurm writes logs/<job name>-<job id>.out there.
-# merge_mcore_to_hf.sh reads this block (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER) and takes this script's
-# --partition, --account and --output lines: every start of either script copies them into it (launch/job/common.sh).
+# merge_mcore_to_hf.sh reads this block (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER); this script's --partition,
+# --account and --output reach it on sbatch's command line, as each start logs it ("to merge its checkpoints later").
 set -euo pipefail
 
 # sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
@@ -306,20 +306,6 @@ preflight() {
   log "checks passed"
 }
 
-# follow_this_header: `sbatch merge_mcore_to_hf.sh` goes where this job goes: its #SBATCH --partition, --account and
-# --output lines become this script's (sync_merge_header, launch/job/common.sh).
-follow_this_header() {
-  local lines line
-  if ! lines=$(sync_merge_header "$repo"); then
-    err "could not copy this script's #SBATCH --partition, --account and --output lines into merge_mcore_to_hf.sh" \
-      "(above): set them there by hand, or sbatch it with those options"
-    return 0
-  fi
-  while IFS= read -r line; do
-    [[ -z "$line" ]] || log "merge_mcore_to_hf.sh now has this script's '${line%%  *}' (sbatch merge_mcore_to_hf.sh uses it)"
-  done <<<"$lines"
-}
-
 on_time_limit() {
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" ]]; then
     log "time-limit signal, but training already finished: no requeue"
@@ -458,12 +444,7 @@ main() {
   [[ "$CANARY" != 1 ]] || kind=canary
   [[ "$PREFLIGHT_ONLY" != 1 ]] || kind="preflight only"
   printf '%s\n' "$kind" >"$job_log_dir/kind"
-  if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
-    log "PREFLIGHT_ONLY=1: merge_mcore_to_hf.sh left as it is (a job's start, and the merge itself, copy this script's" \
-      "#SBATCH lines into it)"
-  else
-    follow_this_header
-  fi
+  log "to merge its checkpoints later: $(merge_sbatch_command "$repo") (docs/merge.md)"
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"
     return 0
