@@ -203,6 +203,9 @@ export_ray_cpus() {
   else
     RAY_NUM_CPUS=$(nproc) RAY_NUM_CPUS_FROM="this machine's CPUs, nproc"
   fi
+  # Ray's logical count, which may exceed the node's CPUs (srun's step gets the allocation's, whatever this says)
+  [[ "$RAY_NUM_CPUS" =~ ^[1-9][0-9]*$ ]] || die "RAY_NUM_CPUS=$RAY_NUM_CPUS ($RAY_NUM_CPUS_FROM): Ray's CPUs per node" \
+    "must be a whole number of at least 1; leave it unset for the job's --cpus-per-task. Nothing was started"
   export RAY_NUM_CPUS RAY_NUM_CPUS_FROM
 }
 
@@ -385,6 +388,7 @@ cleanup() {
 
 launch() {
   local -a nodes wrap runner
+  local cpus
   if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
     mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   else
@@ -393,9 +397,12 @@ launch() {
   ((${#nodes[@]} == ${SLURM_NNODES:-1})) || die "node list has ${#nodes[@]} hosts but SLURM_NNODES=${SLURM_NNODES:-1}"
   mapfile -d '' -t wrap < <(container_cmd)
   if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-    # --cpus-per-task explicitly: srun of Slurm 22.05-23.02 does not inherit it, and each node would get one core.
-    runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1
-      --cpus-per-task="$RAY_NUM_CPUS")
+    # The allocation's CPUs, explicitly: srun of Slurm 22.05-23.02 does not inherit --cpus-per-task, and each node
+    # would get one core. Without one (--cpus-per-gpu, a whole node), the fewest CPUs Slurm gave a node (`32(x2),16`).
+    # Ray's logical count, RAY_NUM_CPUS, is its own: asking srun for it fails where it exceeds the allocation.
+    cpus=${SLURM_CPUS_PER_TASK:-$(tr , '\n' <<<"${SLURM_JOB_CPUS_PER_NODE:-}" | sed 's/(.*//' | sort -n | head -n 1)}
+    runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1)
+    [[ -z "$cpus" ]] || runner+=(--cpus-per-task="$cpus")
     ((!interactive)) || runner+=(--job-name="$step_name")
   else
     runner=()

@@ -139,6 +139,9 @@ def test_a_finished_training_is_never_run_again(job):
         ({"ROLLOUT_MODE": "fast"}, "ROLLOUT_MODE='fast'"),
         ({"MEGATRON_RECOMPUTE": "partial"}, "MEGATRON_RECOMPUTE='partial': use one of full, selective, off"),
         ({"CONFIG_IMAGE_PATH": "/nowhere/app.sif"}, "CONFIG_IMAGE_PATH=/nowhere/app.sif: no such image"),
+        # Ray's own count, whatever the trainer (`ray start --num-cpus` would fail on every node, in the job)
+        ({"RAY_NUM_CPUS": "2.5"}, "RAY_NUM_CPUS=2.5 (RAY_NUM_CPUS): Ray's CPUs per node must be a whole number"),
+        ({"RAY_NUM_CPUS": "0"}, "RAY_NUM_CPUS=0 (RAY_NUM_CPUS): Ray's CPUs per node must be a whole number of at"),
     ],
 )
 def test_bad_settings_stop_the_job_before_anything_starts_naming_the_setting(job, fake_container, overrides, needle):
