@@ -174,6 +174,12 @@ export_settings() {
   # Never printed: it reaches every node and verl's Ray workers through the environment only.
   [[ -n "$REWARD_SERVER_TOKEN" ]] || REWARD_SERVER_TOKEN=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
   export REWARD_SERVER_TOKEN
+  # Ray's token authentication (Ray 2.52+; the base images' 2.49 ignores both), with a token of this job's own that the
+  # head and every client the job starts read from the environment: where RAY_AUTH_MODE is unset, a ~/.ray/auth_token
+  # that any local Ray of the user's left (a notebook's ray.init()) turns it on at `ray start --head`, and the job's
+  # own clients, which send no token, are refused. Nobody else on the node can submit work to the job's Ray either.
+  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN
+  RAY_AUTH_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
   export_wandb_run
   # verl's tensorboard logger (TRAINER_LOGGER=[console,tensorboard]) writes there, per start as wandb's runs
   TENSORBOARD_DIR=$(realpath -m "${TENSORBOARD_DIR:-$job_log_dir/tensorboard}")

@@ -18,9 +18,17 @@ from tests.support import REPO, assert_everything_stopped, block_environment, jo
 # --- the whole flow ----------------------------------------------------------------------------------------------
 
 
-def test_one_node_runs_reward_server_ray_and_the_trainer_then_stops_everything(job, fake_container):
-    result = run(job, "trainer.total_epochs=2")
+def test_one_node_runs_reward_server_ray_and_the_trainer_then_stops_everything(job, fake_container, tmp_path):
+    """In a home where a local Ray of the user's left ~/.ray/auth_token (Ray 2.60 writes one at any ray.init()):
+    `ray start --head` turned token authentication on from it, and the job's own clients, which sent no token, were
+    refused until RAY_JOIN_TIMEOUT. The job gives its Ray a token of its own."""
+    stale = Path(job["HOME"]) / ".ray" / "auth_token"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("a0" * 32)
+    user = {k: v for k, v in job.items() if k != "RAY_AUTH_MODE"}  # as a user's shell has it: unset (conftest's off)
+    result = run(user | {"RAY_JOIN_TIMEOUT": "60"}, "trainer.total_epochs=2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert stale.read_text() == "a0" * 32, "the user's token is left alone"
     trainer = seen(job)
     assert trainer["reward_health"] == [200] and trainer["ray_nodes"] == 1 and trainer["ray_gpus"] == 1
     argv = trainer["argv"]
