@@ -44,8 +44,10 @@ ROLE="${ROLE:-actor}"                                            # actor | criti
 TARGET_DIR="${TARGET_DIR:-}"                                     # empty: $repo/hf_models/<run>-step<N>[-critic]
 TIE_WORD_EMBEDDINGS="${TIE_WORD_EMBEDDINGS:-auto}"               # auto (config.json, via transformers) | true | false
 VERIFY_LOAD="${VERIFY_LOAD:-0}"                                  # 1: also load the result with transformers (meta)
-MERGER_LAUNCHER="${MERGER_LAUNCHER:-python3}"                    # what runs `-m verl.model_merger ...`
 # ------------------------------------------------------------------------------------------------------------------
+# Not a setting, read from the environment all the same: what runs `-m verl.model_merger ...` (make demo's CPU merger,
+# demo/megatron_merger; the tests' stand-in).
+MERGER_LAUNCHER="${MERGER_LAUNCHER:-python3}"
 
 # check_run_header: a merge submitted without the run script's --partition or --account stops before it merges (it
 # would bill or queue elsewhere than the training did), naming the command that has them.

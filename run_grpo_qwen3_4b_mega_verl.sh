@@ -131,8 +131,6 @@ STOP_TIMEOUT="${STOP_TIMEOUT:-20}"                              # s to stop serv
 CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
 RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
-TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"                         # 0: TRAINER_LAUNCHER runs no verl trainer (a test's fake)
-TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}"                 # what runs `-m verl.trainer.main_ppo ...`
 # -- A hung trainer: the stall watchdog (docs/operations.md#a-hung-job) -------------------------------------------
 # A trainer that finishes no step for too long is hung (a collective that never returns): the head's watchdog keeps
 # every worker's Python stack in the start's log folder (stall/), says which phase of which step, and stops the start.
@@ -145,6 +143,10 @@ STALL_FIRST_STEP="${STALL_FIRST_STEP:-3600}"                    # s for a start'
 STALL_REQUEUE="${STALL_REQUEUE:-1}"                             # 1: requeue once on a stall (a second in a row: failed)
 set +a
 # ------------------------------------------------------------------------------------------------------------------
+# Not settings, read from the environment all the same: what runs `-m verl.trainer.main_ppo ...` (a site's wrapper,
+# `nsys profile ...`), and TRAINER_IS_VERL=0 where that runs no verl trainer at all (the tests' stand-in), which the
+# preflight then does not check as verl's (docs/development.md).
+export TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}" TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"
 
 # shellcheck source=launch/job/common.sh
 source "$repo/launch/job/common.sh"

@@ -383,9 +383,9 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     env = job | FAST | REAL_TRAINER | {
         "STALL_TIMEOUT": "auto", "STALL_FLOOR": "30", "STALL_FIRST_STEP": "400", "STALL_REQUEUE": "1",
         "TEST_FREQ": "2", "SAVE_FREQ": "3", "TOTAL_EPOCHS": "10", "STALL_TEST_PLAN": plan,
-        "STALL_TEST_MARKER": str(marker),
+        "STALL_TEST_MARKER": str(marker), verl_cpu.THEN_HOOK: stall_hook.HOOK,
     }  # fmt: skip
-    args = [a.replace(verl_cpu.HOOK, stall_hook.HOOK) for a in real_trainer_args("trainer.total_training_steps=20")]
+    args = real_trainer_args("trainer.total_training_steps=20")
     j = submit(env, *args, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=60"))
     fields = j.wait_until("requeued or ended", lambda f: f.get("Restarts") == "1" or f["JobState"] in FINISHED, 1200)
     first = j.output()
