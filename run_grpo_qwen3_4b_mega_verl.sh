@@ -106,6 +106,7 @@ VAL_TOP_K="${VAL_TOP_K:-20}"                                    # -1: off; sync 
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"                               # passes over the training prompts
 SAVE_FREQ="${SAVE_FREQ:-25}"                                    # save a checkpoint every N steps
 TEST_FREQ="${TEST_FREQ:-5}"                                     # validate every N steps
+VAL_BEFORE_TRAIN="${VAL_BEFORE_TRAIN:-auto}"                    # validate before step 1: auto (not on a resume) | true | false
 MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"                       # actor and critic checkpoints kept (~56 GB each for 4B)
 PROJECT_NAME="${PROJECT_NAME:-$WANDB_PROJECT}"                  # trainer.project_name
 EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_4b_grpo_megatron}"    # trainer.experiment_name; the wandb run's name
