@@ -41,6 +41,8 @@ def test_one_node_runs_reward_server_ray_and_the_trainer_then_stops_everything(j
     logs = job_dir(job)
     assert (logs / "trainer_command.txt").read_text().splitlines() == [job["TRAINER_LAUNCHER"], *argv]
     assert {"ray_head.log", "trainer.log", "reward_urls", "done"} <= {p.name for p in logs.iterdir()}
+    (ray_logs,) = logs.glob("ray_logs_*")  # Ray's own, from node-local RAY_TMP_DIR, once Ray stopped
+    assert (ray_logs / "raylet.out").is_file() and list(ray_logs.glob("gcs_server.*")), sorted(ray_logs.iterdir())
     assert any(p.name.startswith("reward_server_") for p in logs.iterdir())
     assert (Path(job["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
     (call,) = fake_container.calls("singularity")[-1:]
