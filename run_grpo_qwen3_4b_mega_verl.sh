@@ -460,6 +460,8 @@ main() {
   [[ "$CANARY" != 1 ]] || kind=canary
   [[ "$PREFLIGHT_ONLY" != 1 ]] || kind="preflight only"
   printf '%s\n' "$kind" >"$job_log_dir/kind"
+  # The Ray token for your own `ray status` into the running job (docs/operations.md, Inside a running job): yours only.
+  (umask 077 && printf '%s' "$RAY_AUTH_TOKEN" >"$job_log_dir/ray_auth_token")
   log "to merge its checkpoints later: $(merge_sbatch_command "$repo") (docs/merge.md)"
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"

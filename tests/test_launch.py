@@ -29,6 +29,9 @@ def test_one_node_runs_reward_server_ray_and_the_trainer_then_stops_everything(j
     result = run(user | {"RAY_JOIN_TIMEOUT": "60"}, "trainer.total_epochs=2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert stale.read_text() == "a0" * 32, "the user's token is left alone"
+    token = job_dir(job) / "ray_auth_token"  # the job's own, for the user's `ray status` into it
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+    assert token.read_text() not in result.stdout + result.stderr, "never printed"
     trainer = seen(job)
     assert trainer["reward_health"] == [200] and trainer["ray_nodes"] == 1 and trainer["ray_gpus"] == 1
     argv = trainer["argv"]
