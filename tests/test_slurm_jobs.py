@@ -218,6 +218,9 @@ def test_two_training_nodes_join_one_ray_cluster_and_every_worker_sees_the_jobs_
     end = int(time.mktime(time.strptime(fields["StartTime"], "%Y-%m-%dT%H:%M:%S"))) + 3600
     nodes = trainer["node_env"]
     assert len(nodes) == 2, "a Ray task ran on every node"
+    ray_logs = {p.name: p for p in logs_of(env, j).glob("ray_logs_*")}  # Ray's own logs of each node, at its stop
+    assert set(ray_logs) == {"ray_logs_n1", "ray_logs_n2"}, sorted(ray_logs)
+    assert all((p / "raylet.out").is_file() for p in ray_logs.values())
     for node_env in nodes.values():
         assert node_env["MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"] == str(end - 1800)
         assert node_env["token"], "the reward token reaches verl's workers on every node"
