@@ -66,6 +66,12 @@ cleanup() {
       >"$job_log_dir/node_failed.$rank"
   fi
   ((${#pids[@]})) && stop_pids "${STOP_TIMEOUT}" "${pids[@]}"
+  # Ray's own logs (raylet, GCS, every worker's stdout and stderr) are in the node-local RAY_TMP_DIR, which a cluster
+  # may wipe after the job: into the job's folder, per node, once Ray has stopped; 10 s at most.
+  if [[ -d "$RAY_TMP_DIR/session_latest/logs" ]]; then
+    timeout 10 cp -rL "$RAY_TMP_DIR/session_latest/logs" "$job_log_dir/ray_logs_$host" 2>/dev/null ||
+      err "[rank $rank] Ray's logs were not all copied from $RAY_TMP_DIR/session_latest/logs (10 s, or unreadable)"
+  fi
   log "[rank $rank] stopped what it started; exit code $exit_code"
   exit "$exit_code"
 }

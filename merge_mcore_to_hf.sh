@@ -22,8 +22,9 @@
 # merger cannot build a value model (see refuse_critic_merge). An FSDP critic goes through verl's FSDP merger.
 #
 # One place to edit: the top of run_grpo_qwen3_4b_mega_verl.sh. This script reads its settings block
-# (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER), and its --partition, --account and --output lines above are that
-# script's: every start of either one copies them in (a merge submitted before that stops, saying so).
+# (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER). sbatch reads only this file's #SBATCH lines: that script's
+# --partition, --account and --output, where they differ, go on sbatch's command line as its log says ("to merge its
+# checkpoints later: sbatch ..."); a merge run on another partition or account than it names stops, printing that line.
 set -euo pipefail
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
@@ -43,34 +44,23 @@ ROLE="${ROLE:-actor}"                                            # actor | criti
 TARGET_DIR="${TARGET_DIR:-}"                                     # empty: $repo/hf_models/<run>-step<N>[-critic]
 TIE_WORD_EMBEDDINGS="${TIE_WORD_EMBEDDINGS:-auto}"               # auto (config.json, via transformers) | true | false
 VERIFY_LOAD="${VERIFY_LOAD:-0}"                                  # 1: also load the result with transformers (meta)
-MERGER_LAUNCHER="${MERGER_LAUNCHER:-python3}"                    # what runs `-m verl.model_merger ...`
 # ------------------------------------------------------------------------------------------------------------------
+# Not a setting, read from the environment all the same: what runs `-m verl.model_merger ...` (make demo's CPU merger,
+# demo/megatron_merger; the tests' stand-in).
+MERGER_LAUNCHER="${MERGER_LAUNCHER:-python3}"
 
-# follow_run_header: this script's #SBATCH lines become the run script's (sync_merge_header). A job submitted before
-# they were, which Slurm runs on another partition or account than the run script names, stops before it merges.
-follow_run_header() {
-  local lines line opt value have synced=1
-  local run="$repo/run_grpo_qwen3_4b_mega_verl.sh"
-  if lines=$(sync_merge_header "$repo"); then
-    while IFS= read -r line; do
-      [[ -z "$line" ]] || log "merge_mcore_to_hf.sh now has run_grpo_qwen3_4b_mega_verl.sh's '${line%%  *}'"
-    done <<<"$lines"
-  else
-    synced=0
-    err "could not copy run_grpo_qwen3_4b_mega_verl.sh's #SBATCH --partition, --account and --output lines in here" \
-      "(above): set them here by hand"
-  fi
+# check_run_header: a merge submitted without the run script's --partition or --account stops before it merges (it
+# would bill or queue elsewhere than the training did), naming the command that has them.
+check_run_header() {
   [[ -n "${SLURM_JOB_ID:-}" ]] || return 0
+  local opt value have
   for opt in partition account; do
-    value=$(sbatch_line "$run" "$opt" | sed -n 's/^#SBATCH --[a-z]*=\([^ ]*\).*/\1/p')
+    value=$(sbatch_value "$repo/run_grpo_qwen3_4b_mega_verl.sh" "$opt")
     [[ -n "$value" ]] || continue  # commented out there: Slurm's default, whatever it is
     if [[ "$opt" == partition ]]; then have=${SLURM_JOB_PARTITION:-}; else have=${SLURM_JOB_ACCOUNT:-}; fi
-    [[ ",$value," == *",$have,"* ]] && continue
-    die "this job runs with --$opt=${have:-(none)}, but run_grpo_qwen3_4b_mega_verl.sh says #SBATCH --$opt=$value:" \
-      "it was submitted before this script's #SBATCH lines followed that one's;" \
-      "$( ((synced)) && echo "they do now: submit it again (sbatch merge_mcore_to_hf.sh)" ||
-        echo "set them here as there, then submit it again")." \
-      "Nothing was merged"
+    [[ ",$value," == *",$have,"* ]] ||
+      die "this job runs with --$opt=${have:-(none)}, but run_grpo_qwen3_4b_mega_verl.sh says #SBATCH --$opt=$value:" \
+        "submit it as $(merge_sbatch_command "$repo") (sbatch reads only this script's own #SBATCH lines). Nothing was merged"
   done
 }
 
@@ -228,7 +218,7 @@ container_wrap() {
 }
 
 main() {
-  follow_run_header
+  check_run_header
   log_phase "merge ${ROLE} of $CKPT_ROOT (STEP=$STEP)"
   resolve_step
   refuse_critic_merge

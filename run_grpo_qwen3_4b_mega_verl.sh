@@ -29,8 +29,8 @@
 # Edit the settings below (or override any of them from the environment; docs/settings.md lists them all). Keep the
 # #SBATCH lines in step with them: --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a
 # separate reward node). Submit from the repository root: Slurm writes logs/<job name>-<job id>.out there.
-# merge_mcore_to_hf.sh reads this block (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER) and takes this script's
-# --partition, --account and --output lines: every start of either script copies them into it (launch/job/common.sh).
+# merge_mcore_to_hf.sh reads this block (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER); this script's --partition,
+# --account and --output reach it on sbatch's command line, as each start logs it ("to merge its checkpoints later").
 set -euo pipefail
 
 # sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
@@ -106,6 +106,7 @@ VAL_TOP_K="${VAL_TOP_K:-20}"                                    # -1: off; sync 
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"                               # passes over the training prompts
 SAVE_FREQ="${SAVE_FREQ:-25}"                                    # save a checkpoint every N steps
 TEST_FREQ="${TEST_FREQ:-5}"                                     # validate every N steps
+VAL_BEFORE_TRAIN="${VAL_BEFORE_TRAIN:-auto}"                    # validate before step 1: auto (not on a resume) | true | false
 MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"                       # actor and critic checkpoints kept (~56 GB each for 4B)
 PROJECT_NAME="${PROJECT_NAME:-$WANDB_PROJECT}"                  # trainer.project_name
 EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_4b_grpo_megatron}"    # trainer.experiment_name; the wandb run's name
@@ -131,8 +132,6 @@ STOP_TIMEOUT="${STOP_TIMEOUT:-20}"                              # s to stop serv
 CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
 RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
-TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"                         # 0: TRAINER_LAUNCHER runs no verl trainer (a test's fake)
-TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}"                 # what runs `-m verl.trainer.main_ppo ...`
 # -- A hung trainer: the stall watchdog (docs/operations.md#a-hung-job) -------------------------------------------
 # A trainer that finishes no step for too long is hung (a collective that never returns): the head's watchdog keeps
 # every worker's Python stack in the start's log folder (stall/), says which phase of which step, and stops the start.
@@ -145,6 +144,10 @@ STALL_FIRST_STEP="${STALL_FIRST_STEP:-3600}"                    # s for a start'
 STALL_REQUEUE="${STALL_REQUEUE:-1}"                             # 1: requeue once on a stall (a second in a row: failed)
 set +a
 # ------------------------------------------------------------------------------------------------------------------
+# Not settings, read from the environment all the same: what runs `-m verl.trainer.main_ppo ...` (a site's wrapper,
+# `nsys profile ...`), and TRAINER_IS_VERL=0 where that runs no verl trainer at all (the tests' stand-in), which the
+# preflight then does not check as verl's (docs/development.md).
+export TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}" TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"
 
 # shellcheck source=launch/job/common.sh
 source "$repo/launch/job/common.sh"
@@ -174,6 +177,12 @@ export_settings() {
   # Never printed: it reaches every node and verl's Ray workers through the environment only.
   [[ -n "$REWARD_SERVER_TOKEN" ]] || REWARD_SERVER_TOKEN=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
   export REWARD_SERVER_TOKEN
+  # Ray's token authentication (Ray 2.52+; the base images' 2.49 ignores both), with a token of this job's own that the
+  # head and every client the job starts read from the environment: where RAY_AUTH_MODE is unset, a ~/.ray/auth_token
+  # that any local Ray of the user's left (a notebook's ray.init()) turns it on at `ray start --head`, and the job's
+  # own clients, which send no token, are refused. Nobody else on the node can submit work to the job's Ray either.
+  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN
+  RAY_AUTH_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
   export_wandb_run
   # verl's tensorboard logger (TRAINER_LOGGER=[console,tensorboard]) writes there, per start as wandb's runs
   TENSORBOARD_DIR=$(realpath -m "${TENSORBOARD_DIR:-$job_log_dir/tensorboard}")
@@ -203,6 +212,9 @@ export_ray_cpus() {
   else
     RAY_NUM_CPUS=$(nproc) RAY_NUM_CPUS_FROM="this machine's CPUs, nproc"
   fi
+  # Ray's logical count, which may exceed the node's CPUs (srun's step gets the allocation's, whatever this says)
+  [[ "$RAY_NUM_CPUS" =~ ^[1-9][0-9]*$ ]] || die "RAY_NUM_CPUS=$RAY_NUM_CPUS ($RAY_NUM_CPUS_FROM): Ray's CPUs per node" \
+    "must be a whole number of at least 1; leave it unset for the job's --cpus-per-task. Nothing was started"
   export RAY_NUM_CPUS RAY_NUM_CPUS_FROM
 }
 
@@ -306,20 +318,6 @@ preflight() {
   log "checks passed"
 }
 
-# follow_this_header: `sbatch merge_mcore_to_hf.sh` goes where this job goes: its #SBATCH --partition, --account and
-# --output lines become this script's (sync_merge_header, launch/job/common.sh).
-follow_this_header() {
-  local lines line
-  if ! lines=$(sync_merge_header "$repo"); then
-    err "could not copy this script's #SBATCH --partition, --account and --output lines into merge_mcore_to_hf.sh" \
-      "(above): set them there by hand, or sbatch it with those options"
-    return 0
-  fi
-  while IFS= read -r line; do
-    [[ -z "$line" ]] || log "merge_mcore_to_hf.sh now has this script's '${line%%  *}' (sbatch merge_mcore_to_hf.sh uses it)"
-  done <<<"$lines"
-}
-
 on_time_limit() {
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" ]]; then
     log "time-limit signal, but training already finished: no requeue"
@@ -399,6 +397,7 @@ cleanup() {
 
 launch() {
   local -a nodes wrap runner
+  local cpus
   if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
     mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   else
@@ -407,9 +406,12 @@ launch() {
   ((${#nodes[@]} == ${SLURM_NNODES:-1})) || die "node list has ${#nodes[@]} hosts but SLURM_NNODES=${SLURM_NNODES:-1}"
   mapfile -d '' -t wrap < <(container_cmd)
   if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-    # --cpus-per-task explicitly: srun of Slurm 22.05-23.02 does not inherit it, and each node would get one core.
-    runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1
-      --cpus-per-task="$RAY_NUM_CPUS")
+    # The allocation's CPUs, explicitly: srun of Slurm 22.05-23.02 does not inherit --cpus-per-task, and each node
+    # would get one core. Without one (--cpus-per-gpu, a whole node), the fewest CPUs Slurm gave a node (`32(x2),16`).
+    # Ray's logical count, RAY_NUM_CPUS, is its own: asking srun for it fails where it exceeds the allocation.
+    cpus=${SLURM_CPUS_PER_TASK:-$(tr , '\n' <<<"${SLURM_JOB_CPUS_PER_NODE:-}" | sed 's/(.*//' | sort -n | head -n 1)}
+    runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1)
+    [[ -z "$cpus" ]] || runner+=(--cpus-per-task="$cpus")
     ((!interactive)) || runner+=(--job-name="$step_name")
   else
     runner=()
@@ -458,12 +460,9 @@ main() {
   [[ "$CANARY" != 1 ]] || kind=canary
   [[ "$PREFLIGHT_ONLY" != 1 ]] || kind="preflight only"
   printf '%s\n' "$kind" >"$job_log_dir/kind"
-  if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
-    log "PREFLIGHT_ONLY=1: merge_mcore_to_hf.sh left as it is (a job's start, and the merge itself, copy this script's" \
-      "#SBATCH lines into it)"
-  else
-    follow_this_header
-  fi
+  # The Ray token for your own `ray status` into the running job (docs/operations.md, Inside a running job): yours only.
+  (umask 077 && printf '%s' "$RAY_AUTH_TOKEN" >"$job_log_dir/ray_auth_token")
+  log "to merge its checkpoints later: $(merge_sbatch_command "$repo") (docs/merge.md)"
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" && "$PREFLIGHT_ONLY" != 1 ]]; then
     log "$CONFIG_OUTPUT_DIR/TRAINING_DONE exists: this training already finished; remove it to train again"
     return 0

@@ -30,9 +30,12 @@ docs/verl-on-cpu.md says what runs for real.
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 
 HOOK = "demo.verl_cpu.install"
+THEN_HOOK = "CPU_RUN_THEN_HOOK"  # `module.function` that install calls in every Ray worker after the shims, if set
 ROLLOUT = "hf"  # the name verl's FSDP worker already gives its HF rollout (fsdp_workers.py:479, 600)
 ROLLOUT_CLASS = "demo.verl_cpu.HFEngineRollout"  # what get_rollout_class imports for ROLLOUT, sync or async
 
@@ -200,6 +203,10 @@ def install() -> None:
     for shim in SHIMS:
         shim()
     _installed = True
+    then = os.environ.get(THEN_HOOK, "")
+    if then:  # a further hook of the run's own, after the shims (a test's delays in verl's worker methods)
+        module, _, name = then.rpartition(".")
+        getattr(importlib.import_module(module), name)()
 
 
 def _rollout_class():

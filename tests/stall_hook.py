@@ -1,11 +1,11 @@
-"""A test-only Ray worker_process_setup_hook: demo.verl_cpu's shims, then STALL_TEST_PLAN's delays inside verl's own
+"""A test-only hook in every Ray worker of a CPU run, after demo.verl_cpu's shims: STALL_TEST_PLAN's delays inside verl's own
 worker methods, to stand for a slow phase or a hung one (a collective that never returns: alive and silent).
 
 STALL_TEST_PLAN="METHOD:ACTION:N[@H],...": at the N-th call of ActorRolloutRefWorker.METHOD in a process (counted per
 process, so a requeued start counts again), ACTION `sleep=S` sleeps S seconds first, `block` never returns; with @H only
 while STALL_TEST_MARKER holds H hangs (@0: the first start alone).
 STALL_TEST_MARKER: a file each block appends `<method> <epoch s>` to as it begins (the test's time of the hang).
-The job passes it instead of demo.verl_cpu.install (tests/test_slurm_jobs.py).
+The job names it in CPU_RUN_THEN_HOOK, which demo.verl_cpu.install calls after its shims (tests/test_slurm_jobs.py).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ verl.trainer.main_ppo` (RayPPOTrainer.fit with verl's Megatron workers and its H
 its Megatron merger and launch.merge.verify_hf are the real ones; what verl needs on a CPU is the two modules' overrides and
 shims."""
 
+import os
 import re
 import subprocess
 import sys
@@ -144,20 +145,25 @@ print("before", *verl_calls(sys.argv[1]), sep="|")
 verl_cpu.install()
 from verl.utils.fsdp_utils import CPUOffloadPolicy
 from verl.workers.rollout.replica import get_rollout_replica_class
+from verl.workers.fsdp_workers import ActorRolloutRefWorker
 print("after", *verl_calls(sys.argv[2]), f"pinned: {CPUOffloadPolicy(pin_memory=True).pin_memory}",
-      f"replica: {get_rollout_replica_class('hf').__name__}", sep="|")
+      f"replica: {get_rollout_replica_class('hf').__name__}",
+      f"then: {ActorRolloutRefWorker.update_actor.__code__.co_filename.rsplit('/', 1)[-1]}", sep="|")
 """
 )
 
 
 def test_without_the_shims_verl_stops_where_they_say_and_with_them_it_goes_on(tmp_path):
     """Each shim of demo/verl_cpu.py on its own, in a fresh interpreter (as a Ray worker gets them): the verl call it
-    names fails before install() and works after."""
+    names fails before install() and works after; then the hook a run names in CPU_RUN_THEN_HOOK (the stall test's,
+    which wraps verl's update_actor)."""
+    from tests import stall_hook
     from tests.support import free_port
 
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    env = os.environ | {verl_cpu.THEN_HOOK: stall_hook.HOOK, "STALL_TEST_PLAN": "update_actor:sleep=1:1"}
     run = subprocess.run([sys.executable, "-c", SHIMS_CHECK, *addresses], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+                         env=env, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     before, after = (line.split("|")[1:] for line in run.stdout.splitlines() if line.startswith(("before", "after")))
     assert before == [
@@ -166,4 +172,5 @@ def test_without_the_shims_verl_stops_where_they_say_and_with_them_it_goes_on(tm
         "gather: RuntimeError",
         "device: AttributeError",
     ]
-    assert after == ["rollout: ok", "backend: ok", "gather: ok", "device: ok", "pinned: False", "replica: HFReplica"]
+    assert after == ["rollout: ok", "backend: ok", "gather: ok", "device: ok", "pinned: False", "replica: HFReplica",
+                     "then: stall_hook.py"]  # fmt: skip

@@ -18,9 +18,20 @@ from tests.support import REPO, assert_everything_stopped, block_environment, jo
 # --- the whole flow ----------------------------------------------------------------------------------------------
 
 
-def test_one_node_runs_reward_server_ray_and_the_trainer_then_stops_everything(job, fake_container):
-    result = run(job, "trainer.total_epochs=2")
+def test_one_node_runs_reward_server_ray_and_the_trainer_then_stops_everything(job, fake_container, tmp_path):
+    """In a home where a local Ray of the user's left ~/.ray/auth_token (Ray 2.60 writes one at any ray.init()):
+    `ray start --head` turned token authentication on from it, and the job's own clients, which sent no token, were
+    refused until RAY_JOIN_TIMEOUT. The job gives its Ray a token of its own."""
+    stale = Path(job["HOME"]) / ".ray" / "auth_token"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("a0" * 32)
+    user = {k: v for k, v in job.items() if k != "RAY_AUTH_MODE"}  # as a user's shell has it: unset (conftest's off)
+    result = run(user | {"RAY_JOIN_TIMEOUT": "60"}, "trainer.total_epochs=2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert stale.read_text() == "a0" * 32, "the user's token is left alone"
+    token = job_dir(job) / "ray_auth_token"  # the job's own, for the user's `ray status` into it
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+    assert token.read_text() not in result.stdout + result.stderr, "never printed"
     trainer = seen(job)
     assert trainer["reward_health"] == [200] and trainer["ray_nodes"] == 1 and trainer["ray_gpus"] == 1
     argv = trainer["argv"]
@@ -33,6 +44,8 @@ def test_one_node_runs_reward_server_ray_and_the_trainer_then_stops_everything(j
     logs = job_dir(job)
     assert (logs / "trainer_command.txt").read_text().splitlines() == [job["TRAINER_LAUNCHER"], *argv]
     assert {"ray_head.log", "trainer.log", "reward_urls", "done"} <= {p.name for p in logs.iterdir()}
+    (ray_logs,) = logs.glob("ray_logs_*")  # Ray's own, from node-local RAY_TMP_DIR, once Ray stopped
+    assert (ray_logs / "raylet.out").is_file() and list(ray_logs.glob("gcs_server.*")), sorted(ray_logs.iterdir())
     assert any(p.name.startswith("reward_server_") for p in logs.iterdir())
     assert (Path(job["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
     (call,) = fake_container.calls("singularity")[-1:]
@@ -139,6 +152,9 @@ def test_a_finished_training_is_never_run_again(job):
         ({"ROLLOUT_MODE": "fast"}, "ROLLOUT_MODE='fast'"),
         ({"MEGATRON_RECOMPUTE": "partial"}, "MEGATRON_RECOMPUTE='partial': use one of full, selective, off"),
         ({"CONFIG_IMAGE_PATH": "/nowhere/app.sif"}, "CONFIG_IMAGE_PATH=/nowhere/app.sif: no such image"),
+        # Ray's own count, whatever the trainer (`ray start --num-cpus` would fail on every node, in the job)
+        ({"RAY_NUM_CPUS": "2.5"}, "RAY_NUM_CPUS=2.5 (RAY_NUM_CPUS): Ray's CPUs per node must be a whole number"),
+        ({"RAY_NUM_CPUS": "0"}, "RAY_NUM_CPUS=0 (RAY_NUM_CPUS): Ray's CPUs per node must be a whole number of at"),
     ],
 )
 def test_bad_settings_stop_the_job_before_anything_starts_naming_the_setting(job, fake_container, overrides, needle):

@@ -421,50 +421,54 @@ def merge_only_env(merge_env) -> dict:
     return {k: v for k, v in merge_env.items() if k not in ("CKPT_ROOT", "CONFIG_IMAGE_PATH", "CONFIG_OUTPUT_DIR")}
 
 
-def test_the_merge_takes_the_output_folder_image_and_header_lines_from_the_top_of_the_run_script(
+def read_only(repo: Path, *argv: str) -> list[str]:
+    """argv run with `repo` read-only: a read-only bind mount of its own (root writes through file modes), else every
+    file and folder in it without write permission."""
+    if os.geteuid() != 0:
+        subprocess.run(["chmod", "-R", "a-w", str(repo)], check=True)
+        return list(argv)
+    remount = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0" && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", remount, str(repo), *argv]
+
+
+def test_both_scripts_start_in_a_read_only_checkout_and_leave_git_status_clean(
     merge_env, tiny_models, tmp_path, fake_container
 ):
+    """A job never writes into the repository's files (a group's shared checkout, a `git pull` after the first job):
+    the run script's start on a login node and a whole merge, in a checkout they cannot write, take the output folder
+    and the image from the top of the run script, and the run script prints the merge's sbatch line with its --account
+    and --output. They used to copy those #SBATCH lines into merge_mcore_to_hf.sh."""
     repo = edited_clone(tmp_path, tiny_models)
-    result = subprocess.run(["bash", "merge_mcore_to_hf.sh"], cwd=repo, env=merge_only_env(merge_env),
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"done: {repo / 'hf_models' / 'my_run-step20'}" in result.stdout
+    git = ["git", "-C", str(repo), "-c", "user.name=u", "-c", "user.email=u@x"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the user's edits"]):
+        subprocess.run([*git, *args], check=True)
+    elsewhere = {"CONFIG_LOG_DIR": str(tmp_path / "logs"), "HF_HOME": str(tmp_path / "hf"),
+                 "TARGET_DIR": str(tmp_path / "merged")}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONFIG_"))}
+    start = subprocess.run(read_only(repo, "bash", "run_grpo_qwen3_4b_mega_verl.sh"), cwd=repo, capture_output=True,
+                           text=True, env=env | elsewhere | {"CONTAINER": "none"}, timeout=300)  # fmt: skip
+    assert start.returncode == 1 and "setting error: CONFIG_MODEL_PATH=" in start.stderr, "no models: refused"
+    line = "to merge its checkpoints later: sbatch --account=team_a --output=slurm_logs/%x-%j.out merge_mcore_to_hf.sh"
+    assert line in start.stdout, start.stdout[-2000:]
+    merge = subprocess.run(read_only(repo, "bash", "merge_mcore_to_hf.sh"), cwd=repo, capture_output=True, text=True,
+                           env=merge_only_env(merge_env) | elsewhere, timeout=300)  # fmt: skip
+    assert merge.returncode == 0, merge.stdout[-2000:] + merge.stderr[-2000:]
+    assert f"done: {tmp_path / 'merged'}" in merge.stdout
     calls = [c["argv"] for c in fake_container.calls("singularity")]
     assert calls and all(str(repo / "images" / "verl_app.sif") in c for c in calls), "the run script's image"
-    header = (repo / "merge_mcore_to_hf.sh").read_text().splitlines()[:12]
-    assert USER_EDITS["##SBATCH --account="] in header and USER_EDITS["#SBATCH --output="] in header
-    assert "merge_mcore_to_hf.sh now has run_grpo_qwen3_4b_mega_verl.sh's '#SBATCH --account=team_a'" in result.stdout
-    again = subprocess.run(["bash", "merge_mcore_to_hf.sh"], cwd=repo, env=merge_only_env(merge_env) | {
-        "TARGET_DIR": str(tmp_path / "second")}, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert again.returncode == 0 and "now has" not in again.stdout, "nothing to copy once they agree"
-
-
-def test_every_start_of_the_run_script_copies_its_header_lines_into_the_merge(tmp_path, tiny_models):
-    """A job's start copies them; PREFLIGHT_ONLY=1 leaves the tracked merge_mcore_to_hf.sh as it is (a check that
-    edits a tracked file shows up in git status)."""
-    repo = edited_clone(tmp_path, tiny_models)
-    before = (repo / "merge_mcore_to_hf.sh").read_text()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONFIG_"))}
-    check = subprocess.run(["bash", "run_grpo_qwen3_4b_mega_verl.sh"], cwd=repo, capture_output=True, text=True,
-                           env=env | {"PREFLIGHT_ONLY": "1", "CONTAINER": "none"}, timeout=300)  # fmt: skip
-    assert check.returncode == 1, "no models here: the preflight refuses"
-    assert (repo / "merge_mcore_to_hf.sh").read_text() == before and "now has" not in check.stdout
-    assert "PREFLIGHT_ONLY=1: merge_mcore_to_hf.sh left as it is" in check.stdout
-    run = subprocess.run(["bash", "run_grpo_qwen3_4b_mega_verl.sh"], cwd=repo, capture_output=True, text=True,
-                         env=env | {"CONTAINER": "none"}, timeout=300)  # fmt: skip
-    assert run.returncode == 1, "no models here: the preflight refuses, after the header was copied"
-    assert "merge_mcore_to_hf.sh now has this script's '#SBATCH --account=team_a'" in run.stdout
-    assert USER_EDITS["##SBATCH --account="] in (repo / "merge_mcore_to_hf.sh").read_text().splitlines()
-    assert os.access(repo / "merge_mcore_to_hf.sh", os.X_OK), "the copy keeps the script's mode"
+    assert "Read-only file system" not in start.stderr + merge.stderr, start.stderr[-2000:] + merge.stderr[-2000:]
+    subprocess.run(["chmod", "-R", "u+w", str(repo)], check=True)
+    status = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True, check=True)
+    assert status.stdout == "", status.stdout
 
 
 def test_sbatch_merge_in_a_fresh_clone_after_editing_only_the_run_script(
     merge_env, tiny_models, tmp_path, fake_container, slurm_cluster
 ):
-    """A user edits the top of the run script in a fresh clone and submits the merge as the README says. Submitted
-    before any start of the run script copied its #SBATCH lines, the first merge runs without the account: it stops,
-    merging nothing, and copies them; the second runs billed to the run script's account, writes its output where
-    the run script's --output says and merges from its CONFIG_OUTPUT_DIR with its image."""
+    """A user edits the top of the run script in a fresh clone and submits the merge. Submitted plain, it runs
+    without the run script's account: it stops, merging nothing, printing the sbatch line the run script's start logs;
+    submitted with that line, it runs billed to that account, writes its output where the run script's --output says
+    and merges from its CONFIG_OUTPUT_DIR with its image."""
     from tests import real_slurm
 
     repo = edited_clone(tmp_path, tiny_models)
@@ -474,11 +478,13 @@ def test_sbatch_merge_in_a_fresh_clone_after_editing_only_the_run_script(
         first = real_slurm.sbatch(env, "merge_mcore_to_hf.sh", cwd=repo, options=options)
         jobs.append(first)
         fields = first.wait(300)
-        assert first.out == repo / "logs" / f"merge-mcore-hf-{first.id}.out", "submitted with the old header"
+        assert first.out == repo / "logs" / f"merge-mcore-hf-{first.id}.out", "the merge's own header"
         assert fields["JobState"] == "FAILED", first.output()[-3000:]
-        assert "it was submitted before this script's #SBATCH lines followed that one's; they do now" in first.output()
+        line = "submit it as sbatch --account=team_a --output=slurm_logs/%x-%j.out merge_mcore_to_hf.sh"
+        assert line in first.output(), first.output()[-3000:]
         assert not (repo / "hf_models").exists(), "nothing merged"
-        second = real_slurm.sbatch(env, "merge_mcore_to_hf.sh", cwd=repo, options=options)
+        printed = line.split()[4:-1]  # the line's options, as a user pastes them
+        second = real_slurm.sbatch(env, "merge_mcore_to_hf.sh", cwd=repo, options=(*options, *printed))
         jobs.append(second)
         fields = second.wait(300)
     finally:

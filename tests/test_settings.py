@@ -52,6 +52,31 @@ def test_the_fixed_trainer_keys_are_in_every_command_and_no_key_is_set_twice(alg
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
 
 
+@pytest.mark.parametrize(
+    "setting, resuming, validates",
+    [
+        ("auto", False, True),  # a first start validates the model it starts from, as verl does by default
+        ("auto", True, False),  # a requeued start resumes a checkpoint: straight to training (issue #58)
+        ("true", True, True),
+        ("false", False, False),
+    ],
+)
+def test_a_start_that_resumes_a_checkpoint_skips_verls_validation_before_training(tmp_path, setting, resuming,
+                                                                                  validates):  # fmt: skip
+    if resuming:
+        (tmp_path / "latest_checkpointed_iteration.txt").write_text("25")  # what verl's resume_mode=auto reads
+    env = block_environment() | {"CONFIG_OUTPUT_DIR": str(tmp_path), "VAL_BEFORE_TRAIN": setting,
+                                 "REWARD_PROMPT_OPENS_THINK": "true"}  # fmt: skip
+    assert f"trainer.val_before_train={validates}" in trainer_argv(Settings.from_env(env))
+
+
+def test_a_val_before_train_setting_of_neither_value_is_refused_naming_it():
+    from launch.plan.refusals import combination_problems
+
+    env = block_environment() | {"VAL_BEFORE_TRAIN": "yes", "REWARD_PROMPT_OPENS_THINK": "true"}
+    assert combination_problems(Settings.from_env(env)) == ["VAL_BEFORE_TRAIN='yes': use one of auto, true, false"]
+
+
 PHASES = ("plan", "job", "watch")  # launch/__init__.py: each imports only the ones before it; merge imports none
 
 

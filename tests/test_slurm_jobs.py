@@ -47,8 +47,10 @@ def test_a_fresh_clones_first_sbatch_runs_the_reference_job_to_completed_with_it
     job, submit, clone, fake_container
 ):
     """Only the node sizes on the command line: the script's own #SBATCH lines, --output=logs/%x-%j.out included,
-    which Slurm cannot open unless the clone holds logs/ (it would fail at once, writing nothing)."""
-    j = submit(job, "trainer.total_epochs=2")
+    which Slurm cannot open unless the clone holds logs/ (it would fail at once, writing nothing). RAY_NUM_CPUS above
+    the job's 2 CPUs is Ray's logical count: the nodes' step still gets the allocation's CPUs (srun used to be asked
+    for RAY_NUM_CPUS and refused the step: "More processors requested than permitted")."""
+    j = submit(job | {"RAY_NUM_CPUS": "3"}, "trainer.total_epochs=2")
     fields = j.wait()
     out = j.output()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), out[-4000:]
@@ -58,6 +60,7 @@ def test_a_fresh_clones_first_sbatch_runs_the_reference_job_to_completed_with_it
     assert f"run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=0; logs: {logs_of(job, j)})" in out
     trainer = seen(job)
     assert trainer["reward_health"] == [200] and (trainer["ray_nodes"], trainer["ray_gpus"]) == (1, 1)
+    assert trainer["ray_cpus"] == 3, "Ray's logical CPUs: RAY_NUM_CPUS"
     assert trainer["argv"][:2] == ["-m", "verl.trainer.main_ppo"] and trainer["argv"][-1] == "trainer.total_epochs=2"
     port = job["CONFIG_REWARD_SERVER_PORT"]
     assert (logs_of(job, j) / f"reward_server_n1_{port}.log").exists(), "per-node files carry Slurm's node name"
@@ -65,6 +68,7 @@ def test_a_fresh_clones_first_sbatch_runs_the_reference_job_to_completed_with_it
     (call,) = fake_container.calls("singularity")[-1:]
     assert call["argv"][:2] == ["exec", "--nv"] and call["argv"][-2].endswith("helper_grpo_qwen3_4b.sh")
     assert call["env"]["SLURMD_NODENAME"] == "n1" and call["env"]["SLURM_STEP_ID"] == "0", "inside srun's step"
+    assert call["env"]["SLURM_CPUS_PER_TASK"] == "2", "the step has the allocation's CPUs"
     assert_everything_stopped(job)
 
 
@@ -214,6 +218,9 @@ def test_two_training_nodes_join_one_ray_cluster_and_every_worker_sees_the_jobs_
     end = int(time.mktime(time.strptime(fields["StartTime"], "%Y-%m-%dT%H:%M:%S"))) + 3600
     nodes = trainer["node_env"]
     assert len(nodes) == 2, "a Ray task ran on every node"
+    ray_logs = {p.name: p for p in logs_of(env, j).glob("ray_logs_*")}  # Ray's own logs of each node, at its stop
+    assert set(ray_logs) == {"ray_logs_n1", "ray_logs_n2"}, sorted(ray_logs)
+    assert all((p / "raylet.out").is_file() for p in ray_logs.values())
     for node_env in nodes.values():
         assert node_env["MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"] == str(end - 1800)
         assert node_env["token"], "the reward token reaches verl's workers on every node"
@@ -379,9 +386,9 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     env = job | FAST | REAL_TRAINER | {
         "STALL_TIMEOUT": "auto", "STALL_FLOOR": "30", "STALL_FIRST_STEP": "400", "STALL_REQUEUE": "1",
         "TEST_FREQ": "2", "SAVE_FREQ": "3", "TOTAL_EPOCHS": "10", "STALL_TEST_PLAN": plan,
-        "STALL_TEST_MARKER": str(marker),
+        "STALL_TEST_MARKER": str(marker), verl_cpu.THEN_HOOK: stall_hook.HOOK,
     }  # fmt: skip
-    args = [a.replace(verl_cpu.HOOK, stall_hook.HOOK) for a in real_trainer_args("trainer.total_training_steps=20")]
+    args = real_trainer_args("trainer.total_training_steps=20")
     j = submit(env, *args, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=60"))
     fields = j.wait_until("requeued or ended", lambda f: f.get("Restarts") == "1" or f["JobState"] in FINISHED, 1200)
     first = j.output()

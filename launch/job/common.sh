@@ -190,44 +190,17 @@ load_run_settings() {
   source <(sed -n '/^# ---- settings/,/^# ------------/p' "$repo/run_grpo_qwen3_4b_mega_verl.sh")
 }
 
-MERGE_SBATCH_OPTIONS=(partition account output)  # the #SBATCH lines merge_mcore_to_hf.sh takes from the run script
+# sbatch_value FILE OPTION: the value of FILE's `#SBATCH --OPTION=` line; nothing when it has none (or `##SBATCH`).
+sbatch_value() { sed -n "s/^#SBATCH --$2=\([^ ]*\).*/\1/p" "$1" | head -n 1; }
 
-# sbatch_line FILE OPTION: FILE's `#SBATCH --OPTION=` line, in use or commented out (`##SBATCH`); nothing without one.
-sbatch_line() { grep -m 1 -E "^##?SBATCH --$2=" "$1" || true; }
-
-# sync_merge_header REPO: merge_mcore_to_hf.sh's #SBATCH --partition, --account and --output lines become the run
-# script's, as written there: sbatch reads only the submitted script's own lines, so the merge cannot look them up
-# when it is submitted; each start of either script writes them in where they differ, through a temporary file and
-# a rename (a bash that is running the old file keeps reading it). Prints each line it wrote; 1 if it could not.
-sync_merge_header() {
-  local repo=$1 opt line want tmp
-  local run="$repo/run_grpo_qwen3_4b_mega_verl.sh" merge="$repo/merge_mcore_to_hf.sh"
-  local -A wanted=()
-  local -a wrote=()
-  for opt in "${MERGE_SBATCH_OPTIONS[@]}"; do
-    wanted[$opt]=$(sbatch_line "$run" "$opt")
+# merge_sbatch_command REPO: how to submit merge_mcore_to_hf.sh where the run script's jobs go. sbatch reads only the
+# submitted script's own #SBATCH lines, and no job writes into a tracked file: the run script's --partition, --account
+# and --output, where they differ from the merge's own lines, go on the command line instead.
+merge_sbatch_command() {
+  local opt value cmd=sbatch
+  for opt in partition account output; do
+    value=$(sbatch_value "$1/run_grpo_qwen3_4b_mega_verl.sh" "$opt")
+    [[ -z "$value" || "$value" == "$(sbatch_value "$1/merge_mcore_to_hf.sh" "$opt")" ]] || cmd+=" --$opt=$value"
   done
-  tmp="$merge.tmp.$$"
-  while IFS= read -r line || [[ -n "$line" ]]; do
-    for opt in "${MERGE_SBATCH_OPTIONS[@]}"; do
-      want=${wanted[$opt]}
-      if [[ -n "$want" && "$line" =~ ^##?SBATCH\ --$opt= && "$line" != "$want" ]]; then
-        line=$want
-        wrote+=("$want")
-      fi
-    done
-    printf '%s\n' "$line"
-  done <"$merge" >"$tmp" || {
-    rm -f "$tmp"
-    return 1
-  }
-  if ((${#wrote[@]} == 0)); then
-    rm -f "$tmp"
-    return 0
-  fi
-  { chmod --reference="$merge" "$tmp" && mv -f "$tmp" "$merge"; } || {
-    rm -f "$tmp"
-    return 1
-  }
-  printf '%s\n' "${wrote[@]}"
+  printf '%s merge_mcore_to_hf.sh\n' "$cmd"
 }

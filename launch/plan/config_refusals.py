@@ -195,9 +195,9 @@ def parallel_problems(cfg) -> list[str]:
     ]
 
 
-# The Ray hooks that register the HF rollout of the CPU runs (demo/verl_cpu.py; demo/megatron_cpu.py calls it, and
-# so does tests/stall_hook.py, which then slows or blocks a worker's phase for the stall watchdog's test).
-CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install", "tests.stall_hook.install")
+# The Ray hooks that register the HF rollout of the CPU runs (demo/verl_cpu.py; demo/megatron_cpu.py calls it). A run
+# that needs more in its workers (the stall watchdog's test) names its own in CPU_RUN_THEN_HOOK, which install calls.
+CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install")
 
 
 def rollout_problems(cfg) -> list[str]:
@@ -296,12 +296,9 @@ def ray_cpu_problems(cfg, env: Mapping[str, str]) -> list[str]:
     """RAY_NUM_CPUS (the run script's: the job's --cpus-per-task) against what verl holds on a node. With fewer, verl
     waits for its placement group (ray.get(pg.ready()) without a timeout, single_controller/ray/base.py:136) or for
     a rollout server's actor for ever, printing nothing: the job would sit in its allocation until the time limit."""
-    if not env.get("RAY_NUM_CPUS"):
-        return []  # only the run script knows the node's CPUs; it always exports them
-    try:
-        cpus = int(env["RAY_NUM_CPUS"])
-    except ValueError:
-        return [f"RAY_NUM_CPUS={env['RAY_NUM_CPUS']!r} is not a whole number (Ray's CPUs per node)"]
+    if not env.get("RAY_NUM_CPUS", "").isdigit():
+        return []  # only the run script knows the node's CPUs; it exports them, refusing what is not a whole number
+    cpus = int(env["RAY_NUM_CPUS"])
     need, parts = ray_cpus_needed(cfg)
     if cpus >= need:
         return []

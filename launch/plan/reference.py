@@ -231,7 +231,7 @@ def command_page() -> str:
     entry = [a for a in argv if "=" not in a or a.startswith("--")]
     overrides = [a for a in argv if a not in entry]
     width = max(len(a) for a in overrides) + 2
-    body = [f"{defaults['TRAINER_LAUNCHER']} {' '.join(entry)}"]
+    body = [f"python3 {' '.join(entry)}"]  # TRAINER_LAUNCHER's default
     for a in overrides:
         key = a.split("=", 1)[0]
         if fed.get(key):

@@ -95,6 +95,7 @@ class Settings:
     experiment_name: str = setting("EXPERIMENT_NAME")
     save_freq: int = setting("SAVE_FREQ")
     test_freq: int = setting("TEST_FREQ")
+    val_before_train_setting: str = setting("VAL_BEFORE_TRAIN")  # auto | true | false (val_before_train)
     total_epochs: int = setting("TOTAL_EPOCHS")
     fp8: bool = setting("FP8")
     logger: str = setting("TRAINER_LOGGER")
@@ -160,6 +161,15 @@ class Settings:
         values = (("--input", self.reward_input), ("--add-special-tokens", self.reward_add_special_tokens),
                   ("--chat-template", self.reward_chat_template), ("--append-eos", self.reward_append_eos))  # fmt: skip
         return [x for pair in values for x in pair]
+
+    @property
+    def val_before_train(self) -> bool:
+        """verl's trainer.val_before_train (its default True). auto: only a start that resumes no checkpoint (verl's
+        resume_mode=auto reads CONFIG_OUTPUT_DIR's tracker file) validates first; a requeued start goes straight to
+        training and validates at its next TEST_FREQ step."""
+        if self.val_before_train_setting == "auto":
+            return not (Path(self.output_dir) / "latest_checkpointed_iteration.txt").is_file()
+        return self.val_before_train_setting == "true"
 
     @property
     def train_nodes(self) -> int:

@@ -333,6 +333,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"trainer.nnodes={s.train_nodes}",
         f"trainer.save_freq={s.save_freq}",
         f"trainer.test_freq={s.test_freq}",
+        f"trainer.val_before_train={s.val_before_train}",
         f"trainer.total_epochs={s.total_epochs}",
         # Checkpoints (~56 GB each with optimizer state for 4B) beyond the newest few are deleted as verl saves.
         f"trainer.max_actor_ckpt_to_keep={s.max_ckpt_to_keep}",

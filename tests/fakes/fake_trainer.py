@@ -246,6 +246,7 @@ def main() -> int:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         seen["ray_nodes"] = sum(1 for n in ray.nodes() if n.get("Alive"))
         seen["ray_gpus"] = ray.cluster_resources().get("GPU", 0)
+        seen["ray_cpus"] = ray.cluster_resources().get("CPU", 0)
         if os.environ.get("FAKE_TRAINER_PROBE_NODES") == "1":
             seen["node_env"] = probe_nodes(ray)
         ray.shutdown()
