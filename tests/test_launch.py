@@ -3,7 +3,9 @@ run_grpo_qwen3_4b_mega_verl.sh and helper_grpo_qwen3_4b.sh with the fake contain
 cluster on loopback, and a stand-in trainer that records what it was given and what it saw. Whole jobs through the
 real Slurm are tests/test_slurm_jobs.py."""
 
+import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -350,13 +352,21 @@ def test_a_check_server_already_healthy_when_waited_for_passes_even_past_its_tim
         stop_process(server)
 
 
-def test_a_causal_lm_as_the_reward_model_fails_the_preflights_round_trip_before_the_queue(job, tiny_models):
-    """The policy given as CONFIG_REWARD_MODEL_PATH would score with a random head: the check's server refuses it."""
-    result = run(job | {"CONFIG_REWARD_MODEL_PATH": str(tiny_models.policy), "PREFLIGHT_ONLY": "1"})
+@pytest.mark.parametrize("config", [{"architectures": ["Qwen3ForCausalLM"]}, {"id2label": {"0": "ok", "1": "bad"}}])
+def test_a_reward_model_without_a_one_score_head_is_refused_by_the_preflight_before_anything_loads(
+    job, tiny_models, tmp_path, config
+):
+    """A causal LM (the policy) would score with a random head, a two-label classifier's head does not fit the one
+    score: its config.json says so, and the preflight refuses it in one line before the check's server starts."""
+    model = tmp_path / "rm"
+    shutil.copytree(tiny_models.reward_model, model)
+    (model / "config.json").write_text(json.dumps(json.loads((model / "config.json").read_text()) | config))
+    result = run(job | {"CONFIG_REWARD_MODEL_PATH": str(model), "PREFLIGHT_ONLY": "1"})
     assert result.returncode == 1, result.stdout[-2000:]
-    assert "preflight: the reward check failed" in result.stderr
-    assert f"the reward model path {tiny_models.policy}" in result.stderr
-    assert "without the scoring head ['score.weight']" in result.stderr
+    field = "architectures=['Qwen3ForCausalLM']" if "architectures" in config else "num_labels=2 (a classifier's head)"
+    (line,) = [x for x in result.stderr.splitlines() if field in x]
+    assert line.startswith(f"setting error: the reward model {model} (CONFIG_REWARD_MODEL_PATH"), line
+    assert not (job_dir(job) / "preflight_reward_server.log").exists(), "no check server was started"
     assert "preflight: reward verl's" not in result.stdout and "=== launching on" not in result.stdout
 
 

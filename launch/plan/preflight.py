@@ -47,7 +47,7 @@ from launch.plan.gpu_memory import (
 )
 from launch.plan.procs import stop_process
 from launch.plan.refusals import check, context_problems, save_deadline_problems
-from launch.plan.reward_check import begin_reward_server, check_reward_format, server_round_trip
+from launch.plan.reward_check import begin_reward_server, check_reward_format, reward_head_problems, server_round_trip
 from launch.plan.settings import SettingError, Settings
 from launch.plan.thinking import TemplateError
 from launch.plan.trainer_command import prompt_opens_think, trainer_argv
@@ -377,7 +377,7 @@ def checks(extra: list[str], background: ExitStack) -> int:
             file=sys.stderr,
         )
         return 1
-    problems = save_deadline_problems(settings, os.environ)
+    problems = save_deadline_problems(settings, os.environ) + reward_head_problems(settings)
     for problem in problems:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:
