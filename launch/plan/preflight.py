@@ -46,9 +46,9 @@ from launch.plan.gpu_memory import (
     reward_peak,
 )
 from launch.plan.procs import stop_process
-from launch.plan.refusals import check, context_problems, save_deadline_problems
+from launch.plan.refusals import check, context_problems, header_problems, save_deadline_problems
 from launch.plan.reward_check import begin_reward_server, check_reward_format, reward_head_problems, server_round_trip
-from launch.plan.settings import SettingError, Settings
+from launch.plan.settings import REPO, SettingError, Settings
 from launch.plan.thinking import TemplateError
 from launch.plan.trainer_command import prompt_opens_think, trainer_argv
 
@@ -369,6 +369,8 @@ def checks(extra: list[str], background: ExitStack) -> int:
               "trainer, a wrapper of it included) or 0 (it runs something else)", file=sys.stderr)  # fmt: skip
         return 1
     problems = check(settings) + context_problems(settings, os.environ)
+    if os.environ.get("PREFLIGHT_ONLY") == "1" and not os.environ.get("SLURM_JOB_ID"):  # before sbatch reads the header
+        problems += header_problems((REPO / "run_grpo_qwen3_4b_mega_verl.sh").read_text(), os.environ)
     for problem in problems:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:
