@@ -156,6 +156,17 @@ def test_the_login_node_check_holds_the_headers_gpus_per_node_against_the_blocks
     assert header_problems(RUN_TEXT, {"CONFIG_GPUS_PER_NODE": "4"}) == [], "the script as shipped agrees with itself"
 
 
+def login_environment(monkeypatch, env: dict) -> None:
+    """The environment of a login node's check: no SLURM_*, and CONFIG_NUM_NODES unset but restored afterwards (the
+    check sets it from the header in os.environ)."""
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:  # a test run inside an allocation is no job
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("CONFIG_NUM_NODES", "")
+    monkeypatch.delenv("CONFIG_NUM_NODES")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
 def test_the_preflight_on_a_login_node_refuses_a_header_that_disagrees_with_the_block(tmp_path, monkeypatch, capsys):
     """PREFLIGHT_ONLY=1 outside a job runs the check, before anything else; inside a job Slurm's count is checked."""
     from launch.plan import preflight
@@ -165,11 +176,23 @@ def test_the_preflight_on_a_login_node_refuses_a_header_that_disagrees_with_the_
     )
     monkeypatch.setattr(preflight, "REPO", tmp_path)
     env = block_environment() | {"CONFIG_GPUS_PER_NODE": "8", "PREFLIGHT_ONLY": "1", "PREFLIGHT_REWARD": "0"}
-    for key in [k for k in os.environ if k.startswith("SLURM_")]:  # a test run inside an allocation is no job
-        monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    login_environment(monkeypatch, env)
     assert preflight.checks([], ExitStack()) == 1
     assert (
         "setting error: CONFIG_GPUS_PER_NODE=8, but line 7 of run_grpo_qwen3_4b_mega_verl.sh" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("nodes, refused", [("1", True), ("2", False)])
+def test_the_login_node_check_plans_for_the_nodes_the_header_asks_for(tmp_path, monkeypatch, capsys, nodes, refused):
+    """A separate reward node needs 2 nodes: outside a job the check reads them from #SBATCH --nodes, not 1."""
+    from launch.plan import preflight
+
+    text = RUN_TEXT.replace("#SBATCH --nodes=1", f"#SBATCH --nodes={nodes}")
+    (tmp_path / "run_grpo_qwen3_4b_mega_verl.sh").write_text(text)
+    monkeypatch.setattr(preflight, "REPO", tmp_path)
+    env = block_environment() | {"CONFIG_USE_SEPARATE_REWARD_NODE": "true", "PREFLIGHT_ONLY": "1"}
+    login_environment(monkeypatch, env)
+    assert preflight.checks([], ExitStack()) == 1  # the block's model and data paths are not here
+    err = capsys.readouterr().err
+    assert ("needs at least 2 nodes (the last one runs only reward servers); this job has 1" in err) == refused, err

@@ -46,7 +46,7 @@ from launch.plan.gpu_memory import (
     reward_peak,
 )
 from launch.plan.procs import stop_process
-from launch.plan.refusals import check, context_problems, header_problems, save_deadline_problems
+from launch.plan.refusals import check, context_problems, header_problems, save_deadline_problems, sbatch_header
 from launch.plan.reward_check import begin_reward_server, check_reward_format, reward_head_problems, server_round_trip
 from launch.plan.settings import REPO, SettingError, Settings
 from launch.plan.thinking import TemplateError
@@ -359,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def checks(extra: list[str], background: ExitStack) -> int:
     """main's checks; `background` stops the processes they start alongside."""
+    login = os.environ.get("PREFLIGHT_ONLY") == "1" and not os.environ.get("SLURM_JOB_ID")  # sbatch reads the header
+    header = (REPO / "run_grpo_qwen3_4b_mega_verl.sh").read_text() if login else ""
+    nodes = sbatch_header(header).get("nodes", (0, ""))[1]
+    if nodes.isdigit():  # the plan for the nodes the job will get (a separate reward node, trainer.nnodes)
+        os.environ.setdefault("CONFIG_NUM_NODES", nodes)
     try:
         settings = Settings.from_env()
     except SettingError as exc:
@@ -369,8 +374,7 @@ def checks(extra: list[str], background: ExitStack) -> int:
               "trainer, a wrapper of it included) or 0 (it runs something else)", file=sys.stderr)  # fmt: skip
         return 1
     problems = check(settings) + context_problems(settings, os.environ)
-    if os.environ.get("PREFLIGHT_ONLY") == "1" and not os.environ.get("SLURM_JOB_ID"):  # before sbatch reads the header
-        problems += header_problems((REPO / "run_grpo_qwen3_4b_mega_verl.sh").read_text(), os.environ)
+    problems += header_problems(header, os.environ) if login else []
     for problem in problems:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:
