@@ -14,6 +14,7 @@
 #   sbatch merge_mcore_to_hf.sh                                  # the latest step of the reference job's actor
 #   sbatch --export=ALL,STEP=50,ROLE=critic merge_mcore_to_hf.sh
 #   CONTAINER=none bash merge_mcore_to_hf.sh                     # on a GPU workstation, verl installed locally
+#   CONTAINER=none MERGER_LAUNCHER=demo/megatron_merger bash merge_mcore_to_hf.sh  # no GPU: docs/verl-on-cpu.md
 #
 # verl 0.6.1's Megatron merger needs one GPU and NCCL (no Ray); its FSDP merger also runs on a CPU. Tied embeddings
 # are read from the checkpoint's config as transformers reads it, not assumed: passing --tie-word-embedding for an
@@ -217,6 +218,17 @@ container_wrap() {
     --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH")
 }
 
+# refuse_without_gpu: verl's Megatron merger needs CUDA and NCCL; where torch sees no GPU (a login node, a laptop) it
+# would end in PyTorch's "Distributed package doesn't have NCCL built in". Another MERGER_LAUNCHER than python (the CPU
+# path, demo/megatron_merger) is taken on purpose.
+refuse_without_gpu() {
+  [[ "$(basename "$MERGER_LAUNCHER")" == python* ]] || return 0
+  (cd "$repo" && "${wrap[@]}" python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())') && return 0
+  die "verl's Megatron merger needs a GPU (CUDA and NCCL) and torch sees none here: submit it to a GPU node" \
+    "(sbatch merge_mcore_to_hf.sh), or take the CPU path on purpose, MERGER_LAUNCHER=demo/megatron_merger" \
+    "(docs/verl-on-cpu.md); nothing was written"
+}
+
 main() {
   check_run_header
   log_phase "merge ${ROLE} of $CKPT_ROOT (STEP=$STEP)"
@@ -224,6 +236,7 @@ main() {
   refuse_critic_merge
   container_wrap
   decide_tie
+  has_hf_weights || [[ "$(checkpoint_backend)" != megatron ]] || refuse_without_gpu
   merge
 }
 

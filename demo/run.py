@@ -16,6 +16,7 @@ Exits with the job's code.
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,34 @@ CLIP_NOTE = (
 )
 
 
+# What `make demo` shows of the job's output (all of it goes to demo_out/demo.log): the scripts' own timestamped lines
+# (the phases, errors and warnings among them), Ray's readiness, verl's step lines, the preflight's warnings and
+# refusals, the canary's stage lines and table. Not shown: verl's config dump, its workers' and the libraries' chatter.
+SHOWN = re.compile(
+    r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] |^ray cluster |\bstep:\d+ - |^preflight: (WARNING|refused)|^setting error"
+    r"|^canary|^stage |^\d \w|^response length|^WARNING: |Traceback|Error"
+)
+
+
+def shown(line: str) -> bool:
+    return bool(SHOWN.search(line))
+
+
+def run_quietly(cmd: list[str], env: dict, log: Path) -> int:
+    """The command with its whole output in `log`, the lines `shown` picks on the screen; after a failure, the log's
+    last lines too."""
+    with log.open("w", encoding="utf-8") as whole:
+        with subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              errors="replace") as job:  # fmt: skip
+            for line in job.stdout:
+                whole.write(line)
+                if shown(line):
+                    print(line, end="", flush=True)
+    if job.returncode:
+        print(f"make demo: the last lines of {log}:", *log.read_text().splitlines()[-40:], sep="\n", flush=True)
+    return job.returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "demo_out", help="where the demo assets and logs go")
@@ -105,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     script = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
     env["MERGER_LAUNCHER"] = str(REPO / "demo" / "megatron_merger")  # verl's merger with the shims
-    rc = subprocess.call(["bash", str(script), *megatron_cpu.overrides()], env=env, cwd=REPO)
+    rc = run_quietly(["bash", str(script), *megatron_cpu.overrides()], env, out / "demo.log")
     verdict = "every stage passed" if rc == 0 else f"FAILED (exit {rc})"
     summaries = sorted((out / "logs").glob("*/canary/summary.txt"), key=lambda p: p.stat().st_mtime)
     if summaries and "hit MAX_RESPONSE_LENGTH" in summaries[-1].read_text():
@@ -114,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\nmake demo: {verdict} in {time.monotonic() - start:.0f} s: verl 0.6.1's own GRPO steps on the CPU, a save,"
         f" a resume and the merge (verl's Megatron workers without Transformer Engine and HF generate here; a cluster"
         f" runs them with Transformer Engine and SGLang on GPUs)."
-        f"\nlogs: {out / 'logs'}; checkpoints and the merged model: {out}/checkpoints_canary"
+        f"\nthe whole output: {out / 'demo.log'}; logs: {out / 'logs'}; checkpoints and the merged model: "
+        f"{out}/checkpoints_canary"
         "\nnext, on a cluster (README.md, Quickstart):\n"
         + "\n".join(f"  {line}" for line in NEXT_STEPS)
         + "\nyour own files on a login node without the image yet (README.md, step 4), from this clone:"

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from launch.job import node
+from launch.plan import reference
 from tests.support import (
     REPO,
     assert_everything_stopped,
@@ -469,6 +470,18 @@ def test_what_a_job_writes_into_the_clone_by_default_is_ignored_by_git():
     """The run script's default HF_HOME (the datasets cache) and CONFIG_LOG_DIR lie in the clone: git status stays
     clean after a job, and `git add .` cannot commit a cache."""
     for written in (".cache/huggingface/datasets/x.arrow", "logs/local-1/trainer.log"):
+        check = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "--no-index", written], check=False)
+        assert check.returncode == 0, f"{written} is not ignored by .gitignore"
+
+
+def test_the_folders_the_settings_and_docs_tell_a_user_to_fill_are_ignored_by_git():
+    """The block's default paths in the clone (models/, data/, checkpoints/, which README and docs/ tell a user to fill):
+    a user's models, data and checkpoints never show in git status, and `git add .` cannot commit gigabytes."""
+    defaults = [s.default.split("$repo/", 1)[1] for s in reference.block_settings() if "$repo/" in s.default]
+    folders = {d.split("/", 1)[0] for d in defaults if "/" in d} - {".cache"}
+    assert {"models", "data", "checkpoints"} <= folders, folders
+    for folder in folders:
+        written = f"{folder}/x/config.json"
         check = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "--no-index", written], check=False)
         assert check.returncode == 0, f"{written} is not ignored by .gitignore"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from demo import verl_cpu
-from demo.run import CLIP_NOTE, LOGIN_NODE_CHECK, NEXT_STEPS
+from demo.run import CLIP_NOTE, LOGIN_NODE_CHECK, NEXT_STEPS, shown
 from launch.plan.config_refusals import rollout_problems
 from launch.plan.preflight import compose, split_command, validate
 from launch.plan.settings import Settings
@@ -115,9 +115,37 @@ def test_make_demo_trains_verls_megatron_workers_on_the_cpu_saves_resumes_and_me
     assert "tiny_demo_grpo_megatron_canary" in run.stdout and "qwen3_4b_grpo_megatron" not in run.stdout
     assert "GPUs (placeholders: no GPU here, torch computes on the CPU)" in run.stdout
     assert ("hit MAX_RESPONSE_LENGTH" in run.stdout) == (CLIP_NOTE.format(length=32) in run.stdout), "said iff warned"
+    # issue 60: quiet by default, the whole output in the log it names at the end
+    whole = (out / "demo.log").read_text()
+    assert f"the whole output: {out / 'demo.log'}" in run.stdout and "'experiment_name'" in whole, "verl's config dump"
+    assert len(run.stdout.splitlines()) < 120 < len(whole.splitlines()), len(run.stdout.splitlines())
+    assert all(f"step:{n} - " in run.stdout for n in (1, 2, 3)) and "=== canary: stage merge" in run.stdout
     hints, login = run.stdout.split("next, on a cluster", 1)[1].split("your own files on a login node", 1)
     assert [line.strip() for line in hints.splitlines()[1:]] == quickstart_lines(), "the README's quickstart"
     assert [line.strip() for line in login.splitlines()[1:]] == ["make env", LOGIN_NODE_CHECK], "and then its check"
+
+
+@pytest.mark.parametrize(
+    "line, is_shown",
+    [
+        ("[2026-12-05 16:15:27] === checks: settings, files (+1s)\n", True),  # a phase of the scripts
+        ("[2026-12-05 16:16:01] ERROR: the preflight failed\n", True),
+        (
+            "\x1b[36m(TaskRunner pid=9894)\x1b[0m step:1 - actor/entropy:3.8 - critic/score/mean:0.1\n",
+            True,
+        ),  # verl's step
+        ("preflight: WARNING: steps: verl will train only 1 step\n", True),
+        ("canary summary\n", True),
+        ("1 train 2 steps, save each                 passed     109 s\n", True),  # the canary's table
+        ("WARNING: 75% of responses hit MAX_RESPONSE_LENGTH=32\n", True),
+        ("\x1b[36m(TaskRunner pid=9894)\x1b[0m              'experiment_name': 'x',\n", False),  # verl's config dump
+        ("WARNING:2026-12-05 16:19:49,591:CPU RNG state changed within GPU RNG context\n", False),  # a library's
+        ("preflight: data train: 70 rows\n", False),
+        ("\x1b[36m(TaskRunner pid=1)\x1b[0m bind role actor_rollout method wake_up to class <class 'W'>\n", False),
+    ],
+)
+def test_make_demo_shows_the_phases_verls_steps_and_the_warnings_that_matter(line, is_shown):
+    assert shown(line) is is_shown
 
 
 SHIMS_CHECK = (

@@ -127,6 +127,8 @@ def test_the_readme_fits_a_first_hour_and_links_the_japanese_one_first():
     assert "(README.ja.md)" in "\n".join(lines[:4])
     quickstart = next(i for i, line in enumerate(lines) if line == "## Quickstart on a cluster")
     assert quickstart < 25 and "not** run on GPUs yet" in "\n".join(lines[:quickstart]), "the status before the steps"
+    status = next(i for i, line in enumerate(lines) if line.startswith("**Status.**"))
+    assert lines[status + 3] == "" and "`make demo`" in "\n".join(lines[:quickstart]), "3 lines, then the first command"
 
 
 # --- README.ja.md keeps up with README.md -------------------------------------------------------------------------

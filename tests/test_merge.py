@@ -111,6 +111,21 @@ def test_sbatch_merge_from_a_fresh_clone_merges_the_latest_step_into_hf_models_a
     assert not list(target.parent.glob("ckpt-step20.tmp.*")), "the node-named temporary folder is gone"
 
 
+def test_a_megatron_merge_where_torch_sees_no_gpu_is_refused_before_verls_merger_naming_both_ways(
+    merge_env, tiny_models, tmp_path
+):
+    """CONTAINER=none on a machine without a GPU: verl's Megatron merger would end in PyTorch's "Distributed package
+    doesn't have NCCL built in"; the merge stops before it starts, naming sbatch on a GPU node and the CPU path."""
+    make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True)
+    target = tmp_path / "out" / "hf"
+    env = merge_env | dict(CONTAINER="none", MERGER_LAUNCHER="python3", CUDA_VISIBLE_DEVICES="")
+    result = run(env, TARGET_DIR=str(target))
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "verl's Megatron merger needs a GPU (CUDA and NCCL) and torch sees none here" in result.stderr
+    assert "(sbatch merge_mcore_to_hf.sh)" in result.stderr and "MERGER_LAUNCHER=demo/megatron_merger" in result.stderr
+    assert "merging:" not in result.stdout and not list(target.parent.glob("hf*")), "verl's merger never started"
+
+
 def test_an_untied_model_keeps_its_lm_head(merge_env, tiny_models, tmp_path):
     make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=False)
     target = tmp_path / "hf_models" / "ckpt-step10"  # not the repository's hf_models/: other tests run beside this one

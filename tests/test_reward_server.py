@@ -8,6 +8,8 @@ import ast
 import asyncio
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -139,15 +141,36 @@ def test_concurrent_callers_share_forwards_and_get_their_own_scores(tiny_models)
     assert forwards < len(items), f"{len(items)} concurrent requests took {forwards:.0f} forwards: no batching"
 
 
-def test_reward_server_refuses_a_checkpoint_without_a_scoring_head(tiny_models):
-    """A causal LM (here the policy) loads as a sequence classifier with a randomly initialized `score.weight`:
-    the server refuses it naming the path, what was missing and what a reward model holds."""
+def test_reward_server_refuses_a_checkpoint_without_a_scoring_head(tiny_models, tmp_path):
+    """A causal LM (here the policy) would load as a sequence classifier with a randomly initialized `score.weight`:
+    refused by its config.json's architectures; one whose config claims a classifier but whose weights lack the head
+    is refused after the load, naming what was missing."""
     with pytest.raises(NotARewardModel) as refused:
         RewardScorer.load(Settings(model_path=str(tiny_models.policy), device="cpu", compile="off"))
     message = str(refused.value)
-    assert str(tiny_models.policy) in message and "Qwen3ForCausalLM" in message
-    assert "['score.weight']" in message
-    assert "sequence-classification checkpoint with its score head" in message and "RewardTrainer" in message
+    assert str(tiny_models.policy) in message and "architectures=['Qwen3ForCausalLM']" in message
+    assert "*ForSequenceClassification checkpoint with a one-output score head" in message
+    assert "RewardTrainer" in message
+    shutil.copytree(tiny_models.policy, tmp_path / "claims")
+    config = json.loads((tmp_path / "claims" / "config.json").read_text())
+    config |= {"architectures": ["Qwen3ForSequenceClassification"], "num_labels": 1}
+    (tmp_path / "claims" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotARewardModel, match=re.escape("without the scoring head ['score.weight']")):
+        RewardScorer.load(Settings(model_path=str(tmp_path / "claims"), device="cpu", compile="off"))
+
+
+@pytest.mark.parametrize("labels", [{"id2label": {"0": "safe", "1": "unsafe"}}, {}, {"num_labels": 3}])
+def test_reward_server_refuses_a_classifier_head_from_its_config_before_loading_anything(tmp_path, labels):
+    """num_labels other than 1 (config.json omits id2label for transformers' default of two) is refused from the
+    config alone, in one line naming the field, its value and the fix: the folder holds no weights, no tokenizer."""
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"]} | labels
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotARewardModel) as refused:
+        RewardScorer.load(Settings(model_path=str(tmp_path), device="cpu", compile="off"))
+    message = str(refused.value)
+    assert "\n" not in message and f"the reward model {tmp_path} (CONFIG_REWARD_MODEL_PATH" in message
+    assert f"num_labels={len(config.get('id2label', {})) or config.get('num_labels', 2)} " in message
+    assert "save it with num_labels=1 and a one-row score head" in message
 
 
 def test_micro_batches_respect_the_token_budget_and_pad_to_a_bounded_set_of_lengths(tiny_models):

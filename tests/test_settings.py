@@ -1,11 +1,14 @@
 """Each setting is written once: a line in the run script's settings block, which exports it, and a field in
 launch.plan.settings that reads that same name with no default of its own."""
 
+import os
 import re
+from contextlib import ExitStack
 from dataclasses import MISSING, fields
 
 import pytest
 
+from launch.plan.refusals import header_problems
 from launch.plan.settings import SettingError, Settings
 from launch.plan.trainer_command import FIXED_OVERRIDES, trainer_argv
 from tests.support import REPO, block_environment
@@ -145,3 +148,76 @@ def test_launchs_phases_import_only_the_phases_before_them():
         allowed = set() if phase == "merge" else set(PHASES[: PHASES.index(phase) + 1])
         wrong = sorted(d for d in dependencies if d.split(".")[0] not in allowed)
         assert not wrong, f"launch/{module.replace('.', '/')}.py imports {wrong}: move the shared code down a phase"
+
+
+RUN_TEXT = (REPO / "run_grpo_qwen3_4b_mega_verl.sh").read_text()
+
+
+@pytest.mark.parametrize(
+    "block, header, env, refused",
+    [
+        ("8", "4", "8", True),  # the block edited, the header not: the issue's case
+        ("4", "8", "4", True),  # the header edited, the block not
+        ("8", "h100:8", "8", False),  # a typed GPU count agrees
+        (
+            "4",
+            "4",
+            "1",
+            False,
+        ),  # a value from the environment (the tests', sbatch --gpus-per-node with it) is the user's
+        ("8", "8", "8", False),
+    ],
+)
+def test_the_login_node_check_holds_the_headers_gpus_per_node_against_the_blocks_setting(block, header, env, refused):
+    text = RUN_TEXT.replace('CONFIG_GPUS_PER_NODE:-4}"', f'CONFIG_GPUS_PER_NODE:-{block}}}"').replace(
+        "#SBATCH --gpus-per-node=4", f"#SBATCH --gpus-per-node={header}"
+    )
+    line = next(n for n, x in enumerate(text.splitlines(), 1) if x.startswith("#SBATCH --gpus-per-node="))
+    problems = header_problems(text, {"CONFIG_GPUS_PER_NODE": env})
+    assert problems == ([f"CONFIG_GPUS_PER_NODE={env}, but line {line} of run_grpo_qwen3_4b_mega_verl.sh, #SBATCH "
+                         f"--gpus-per-node={header}, gives each node {header}: change line {line} to #SBATCH "
+                         f"--gpus-per-node={env} (or CONFIG_GPUS_PER_NODE to {header}); the job would be refused "
+                         "only after its wait in the queue"] if refused else [])  # fmt: skip
+    assert header_problems(RUN_TEXT, {"CONFIG_GPUS_PER_NODE": "4"}) == [], "the script as shipped agrees with itself"
+
+
+def login_environment(monkeypatch, env: dict) -> None:
+    """The environment of a login node's check: no SLURM_*, and CONFIG_NUM_NODES unset but restored afterwards (the
+    check sets it from the header in os.environ)."""
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:  # a test run inside an allocation is no job
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("CONFIG_NUM_NODES", "")
+    monkeypatch.delenv("CONFIG_NUM_NODES")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_the_preflight_on_a_login_node_refuses_a_header_that_disagrees_with_the_block(tmp_path, monkeypatch, capsys):
+    """PREFLIGHT_ONLY=1 outside a job runs the check, before anything else; inside a job Slurm's count is checked."""
+    from launch.plan import preflight
+
+    (tmp_path / "run_grpo_qwen3_4b_mega_verl.sh").write_text(
+        RUN_TEXT.replace('CONFIG_GPUS_PER_NODE:-4}"', 'CONFIG_GPUS_PER_NODE:-8}"')
+    )
+    monkeypatch.setattr(preflight, "REPO", tmp_path)
+    env = block_environment() | {"CONFIG_GPUS_PER_NODE": "8", "PREFLIGHT_ONLY": "1", "PREFLIGHT_REWARD": "0"}
+    login_environment(monkeypatch, env)
+    assert preflight.checks([], ExitStack()) == 1
+    assert (
+        "setting error: CONFIG_GPUS_PER_NODE=8, but line 7 of run_grpo_qwen3_4b_mega_verl.sh" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize("nodes, refused", [("1", True), ("2", False)])
+def test_the_login_node_check_plans_for_the_nodes_the_header_asks_for(tmp_path, monkeypatch, capsys, nodes, refused):
+    """A separate reward node needs 2 nodes: outside a job the check reads them from #SBATCH --nodes, not 1."""
+    from launch.plan import preflight
+
+    text = RUN_TEXT.replace("#SBATCH --nodes=1", f"#SBATCH --nodes={nodes}")
+    (tmp_path / "run_grpo_qwen3_4b_mega_verl.sh").write_text(text)
+    monkeypatch.setattr(preflight, "REPO", tmp_path)
+    env = block_environment() | {"CONFIG_USE_SEPARATE_REWARD_NODE": "true", "PREFLIGHT_ONLY": "1"}
+    login_environment(monkeypatch, env)
+    assert preflight.checks([], ExitStack()) == 1  # the block's model and data paths are not here
+    err = capsys.readouterr().err
+    assert ("needs at least 2 nodes (the last one runs only reward servers); this job has 1" in err) == refused, err

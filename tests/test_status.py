@@ -354,9 +354,32 @@ def test_each_kind_of_start_is_shown_as_what_it_was_with_the_end_the_run_script_
     assert status.main([str(logs / "42"), "--png", str(tmp_path / "c.png")]) == 0
     out = capsys.readouterr().out
     assert "progress: no steps yet\n" in out and "[canary]" in out, out
-    assert f"picture: not drawn: no steps yet in job 42; the canary's training is its own job folder: python -m " \
-           f"launch.watch.status {logs / '42' / 'canary' / 'train'} --png" in out  # fmt: skip
-    assert not (tmp_path / "c.png").exists()
+    assert "picture: not drawn: no steps yet in job 42\n" in out and not (tmp_path / "c.png").exists()
+
+
+def test_a_canary_reads_as_one_run_with_its_stages_from_its_folder_a_stage_or_the_demos_top_folder(
+    tmp_path, no_slurm, capsys
+):
+    """make demo's demo_out/: a canary trains steps 1-2 (canary/train), resumes at 2 and trains 3 (canary/resume) into
+    one checkpoint folder. Its top folder, its job folder and a stage's folder all read as that one run: step 3 of 3
+    beside checkpoint step 3, and the log it names exists."""
+    top, ckpt = tmp_path / "demo_out", tmp_path / "demo_out" / "checkpoints_canary"
+    job = top / "logs" / LOCAL_ID
+    canary = job / "canary"
+    start_folder(canary, "train", training(1, 2), total=2, ckpt=ckpt, done=0)
+    start_folder(canary, "resume", training(3, 3), total=3, resumed=2, ckpt=ckpt, done=0)
+    saved(ckpt, 3)
+    (job / "kind").write_text("canary\n")
+    (job / "exit").write_text("0\n")
+    (canary / "summary.txt").write_text("canary summary\n...\ncanary: every stage passed\n")
+    for target in (top, job, canary / "train"):
+        assert status.main([str(target)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"job {LOCAL_ID}: FINISHED: the canary passed"), out
+        assert "[canary] steps 1-3; exit code 0" in out and "progress: step 3 of 3 (100%)" in out, out
+        assert "checkpoint: step 3, " in out, out
+        (logs,) = [line.removeprefix("logs: ") for line in out.splitlines() if line.startswith("logs: ")]
+        assert logs == str(canary / "resume" / "trainer.log") and Path(logs).is_file()
 
 
 def test_a_failed_preflight_only_is_shown_failed_before_training_with_its_refusal(job, capsys, tmp_path):

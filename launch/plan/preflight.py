@@ -46,9 +46,9 @@ from launch.plan.gpu_memory import (
     reward_peak,
 )
 from launch.plan.procs import stop_process
-from launch.plan.refusals import check, context_problems, save_deadline_problems
-from launch.plan.reward_check import begin_reward_server, check_reward_format, server_round_trip
-from launch.plan.settings import SettingError, Settings
+from launch.plan.refusals import check, context_problems, header_problems, save_deadline_problems, sbatch_header
+from launch.plan.reward_check import begin_reward_server, check_reward_format, reward_head_problems, server_round_trip
+from launch.plan.settings import REPO, SettingError, Settings
 from launch.plan.thinking import TemplateError
 from launch.plan.trainer_command import prompt_opens_think, trainer_argv
 
@@ -359,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def checks(extra: list[str], background: ExitStack) -> int:
     """main's checks; `background` stops the processes they start alongside."""
+    login = os.environ.get("PREFLIGHT_ONLY") == "1" and not os.environ.get("SLURM_JOB_ID")  # sbatch reads the header
+    header = (REPO / "run_grpo_qwen3_4b_mega_verl.sh").read_text() if login else ""
+    nodes = sbatch_header(header).get("nodes", (0, ""))[1]
+    if nodes.isdigit():  # the plan for the nodes the job will get (a separate reward node, trainer.nnodes)
+        os.environ.setdefault("CONFIG_NUM_NODES", nodes)
     try:
         settings = Settings.from_env()
     except SettingError as exc:
@@ -369,6 +374,7 @@ def checks(extra: list[str], background: ExitStack) -> int:
               "trainer, a wrapper of it included) or 0 (it runs something else)", file=sys.stderr)  # fmt: skip
         return 1
     problems = check(settings) + context_problems(settings, os.environ)
+    problems += header_problems(header, os.environ) if login else []
     for problem in problems:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:
@@ -377,7 +383,7 @@ def checks(extra: list[str], background: ExitStack) -> int:
             file=sys.stderr,
         )
         return 1
-    problems = save_deadline_problems(settings, os.environ)
+    problems = save_deadline_problems(settings, os.environ) + reward_head_problems(settings)
     for problem in problems:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:
@@ -479,9 +485,17 @@ def checks(extra: list[str], background: ExitStack) -> int:
     own_files_pass = check_own_files(settings, cfg, reward_server)
     # What stops the trainer here but not the checks of the user's own files: said after them, which ran anyway.
     findings = [] if imports is None else import_problems(modules, cfg.actor_rollout_ref.rollout.name, started=imports)
+    # Outside the image and outside a job the trainer's imports say nothing about where it will run: the job's own
+    # preflight checks them on its node, in the image, before anything starts.
+    unchecked, findings = (findings, []) if login_node_without_image(os.environ) else ([], findings)
+    for finding in unchecked:
+        print(f"preflight: not checked here (CONTAINER=none outside a job; the job's own preflight checks it on its "
+              f"node before anything starts): the trainer's imports: {finding}")  # fmt: skip
+    if unchecked and own_files_pass:
+        print("preflight: every check that can run here passed (what it could not check here is listed above)")
     for finding in findings:
         print(f"preflight: the trainer cannot start here: {finding}", file=sys.stderr)
-    if imports is not None and not findings:
+    if imports is not None and not findings and not unchecked:
         print(f"preflight: the trainer's modules import here: {', '.join(modules)}")
     if not own_files_pass:
         return 1
@@ -493,6 +507,12 @@ def checks(extra: list[str], background: ExitStack) -> int:
         )
         return 1
     return 0
+
+
+def login_node_without_image(env) -> bool:
+    """The README's login-node check: PREFLIGHT_ONLY=1 with CONTAINER=none outside a Slurm job, where the engine
+    (SGLang, vLLM) and verl's recipes, which live in the image, need not import."""
+    return env.get("PREFLIGHT_ONLY") == "1" and env.get("CONTAINER") == "none" and not env.get("SLURM_JOB_ID")
 
 
 def check_own_files(settings: Settings, cfg, reward_server) -> bool:

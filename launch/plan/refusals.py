@@ -34,6 +34,7 @@ docs/operations.md lists every message the scripts print, with what it means and
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -191,6 +192,30 @@ def model_positions(path: str) -> int | None:
     rope = config.get("rope_scaling")
     factor = rope.get("factor", 1.0) if isinstance(rope, dict) else 1.0
     return int(positions * factor) if isinstance(factor, (int, float)) and factor > 0 else positions
+
+
+def sbatch_header(text: str) -> dict[str, tuple[int, str]]:
+    """A script's #SBATCH options, as sbatch reads them: option -> (line number, value), the first of each."""
+    found: dict[str, tuple[int, str]] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if m := re.match(r"#SBATCH --([a-z-]+)=(\S+)", line):
+            found.setdefault(m.group(1), (n, m.group(2)))
+    return found
+
+
+def header_problems(text: str, environ: Mapping[str, str], name: str = "run_grpo_qwen3_4b_mega_verl.sh") -> list[str]:
+    """The login-node check (PREFLIGHT_ONLY=1 outside a job; inside one the run script holds Slurm's own count against
+    it): the script's #SBATCH --gpus-per-node against CONFIG_GPUS_PER_NODE as its settings block sets it, both lines
+    of the file a user edits; otherwise the job would find out after the queue. A value from the environment is
+    the user's own (sbatch --gpus-per-node may go with it), so not refused."""
+    (line, value), setting = sbatch_header(text).get("gpus-per-node", (0, "")), environ.get("CONFIG_GPUS_PER_NODE", "")
+    block = re.search(r'^CONFIG_GPUS_PER_NODE="\$\{CONFIG_GPUS_PER_NODE:-(\d+)\}"', text, flags=re.M)
+    gpus = value.rsplit(":", 1)[-1]  # gpu:4 or h100:4 too
+    if not (block and setting == block.group(1) and gpus.isdigit()) or gpus == setting:
+        return []
+    return [f"CONFIG_GPUS_PER_NODE={setting}, but line {line} of {name}, #SBATCH --gpus-per-node={value}, gives each "
+            f"node {gpus}: change line {line} to #SBATCH --gpus-per-node={setting} (or CONFIG_GPUS_PER_NODE to "
+            f"{gpus}); the job would be refused only after its wait in the queue"]  # fmt: skip
 
 
 def context_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from launch.plan.procs import free_port, start_process, stop_process, wait_for_http
 from launch.plan.settings import REPO, Settings
+from reward_score.server.runner import head_problem
 
 CHECK_RESPONSES = [
     "The user asks about safety. I should answer carefully.</think>Store it away from children and read the label.",
@@ -108,6 +109,13 @@ def reward_loop_scores(cfg, tokenizer, data) -> tuple[list[float], list[int]]:
 
     out = asyncio.run(score_all())
     return [o["reward_score"] for o in out], [int(o["reward_extra_info"]["penalized"]) for o in out]
+
+
+def reward_head_problems(settings: Settings) -> list[str]:
+    """The reward model's head as its config.json describes it (head_problem), before the check's server loads it; a
+    folder without config.json is the run script's refusal."""
+    path = settings.reward_model_path
+    return [p] if Path(path, "config.json").is_file() and (p := head_problem(path)) else []
 
 
 class CheckServer(NamedTuple):

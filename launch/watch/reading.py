@@ -103,6 +103,7 @@ class Start:
     ckpt_root: str | None = None
     critic_updates: int | None = None  # PPO's critic updates a step (critic_updates_per_step), when the command says
     stall: dict | None = None  # what the stall watchdog found (stall.json: launch/job/watchdog.py), if this start hung
+    log: str | None = None  # the trainer.log its steps came from, where there is one (a canary's: its newest stage's)
 
     @property
     def name(self) -> str:
@@ -168,7 +169,19 @@ def read_folder(folder: Path, restart: int) -> Start:
         for line in read_text(server_log).splitlines():
             if m := _RESTART.match(line):
                 s.reward_restarts.append({"log": str(server_log), "when": stamp(m.group(1)), "reason": m.group(3)})
+    s.log = str(log) if log.is_file() else None
+    for stage in ("train", "resume"):  # a canary's training stages (launch/watch/canary.sh): one run, its steps
+        if (folder / "canary" / stage / "trainer.log").is_file():
+            t = read_folder(folder / "canary" / stage, restart)
+            s.steps |= t.steps
+            s.total, s.log, s.last_write = t.total or s.total, t.log, t.last_write
+            s.ckpt_root = t.ckpt_root or s.ckpt_root
     return s
+
+
+def is_start(folder: Path) -> bool:
+    """A start's folder (the run script's kind, or what a start leaves), not a folder of jobs (CONFIG_LOG_DIR)."""
+    return any((folder / n).exists() for n in ("kind", "trainer.log", "trainer_command.txt", "exit", "done"))
 
 
 # The preflight's refusals on its stderr (launch/plan/preflight.py), its warnings and notes not among them.
@@ -383,8 +396,13 @@ class Job:
 
 def load(target: str | None, log_dir: Path | None = None, now: float | None = None) -> Job:
     """Everything known of the job `target` (an id, a start's folder, or None for the newest job)."""
-    if target and Path(target).is_dir() and _FOLDER.match(Path(target).resolve().name):
-        folder = Path(target).resolve()
+    folder = Path(target).resolve() if target and Path(target).is_dir() else None
+    if folder and folder.parent.name == "canary":  # a canary's stage: the job it is a stage of
+        folder = folder.parent.parent
+    if folder and not is_start(folder):  # a folder of jobs: CONFIG_LOG_DIR, or make demo's demo_out/ (its logs/)
+        log_dir = folder / "logs" if (folder / "logs").is_dir() else folder
+        folder, target = None, newest_job(log_dir)
+    if folder:
         log_dir, job_id = folder.parent, _FOLDER.match(folder.name).group("id")
     else:
         log_dir = log_dir or default_log_dir()

@@ -141,7 +141,7 @@ def render(r: dict) -> str:
         lines.append(f"WARNING: {w}")
     newest = r["starts"][-1] if r["starts"] else None
     if newest:
-        lines.append(f"logs: {newest['folder']}/trainer.log" + (f", {r['output']}" if r["output"] else ""))
+        lines.append("logs: " + ", ".join(x for x in (newest["log"] or newest["folder"], r["output"]) if x))
     return "\n".join(lines)
 
 
@@ -209,9 +209,7 @@ def no_picture(job: Job) -> str:
     """Why there is nothing to draw yet ("" when there is): no training step in any start."""
     if any(s.training_steps() for s in job.starts):
         return ""
-    hint = f"; the canary's training is its own job folder: python -m launch.watch.status {job.canary / 'train'} --png" if (
-        job.canary and (job.canary / "train").is_dir()) else ""  # fmt: skip
-    return f"not drawn: no steps yet in job {job.id}{hint}"
+    return f"not drawn: no steps yet in job {job.id}"  # a canary's steps are its stages' (reading.read_folder)
 
 
 def plot(job: Job, path: Path) -> None:

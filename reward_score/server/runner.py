@@ -27,6 +27,7 @@ __all__ = [
     "Launched",
     "NotARewardModel",
     "RewardScorer",
+    "head_problem",
     "missing_head",
 ]
 
@@ -48,6 +49,26 @@ def missing_head(model, missing_keys: Sequence[str]) -> list[str]:
     so that transformers initialized them at random; empty for a sequence-classification checkpoint."""
     prefix = getattr(model, "base_model_prefix", "") + "."
     return sorted(k for k in missing_keys if not k.startswith(prefix))
+
+
+def head_problem(path: str) -> str | None:
+    """What the model's config.json says against it as a reward model, read before any weight loads: an architecture
+    other than *ForSequenceClassification, or num_labels other than 1 (a classifier's head, whose weights would not
+    fit the one-output head the server builds); None for one score."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)  # num_labels: transformers' count (config.json omits it for 2 labels)
+    where = f"the reward model {path} (CONFIG_REWARD_MODEL_PATH, --model-path) has in its config.json"
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        return (f"{where} architectures={archs}: a reward model is a *ForSequenceClassification checkpoint with a "
+                "one-output score head (as TRL's RewardTrainer saves it), not a causal LM or policy: point "
+                "CONFIG_REWARD_MODEL_PATH at one")  # fmt: skip
+    if config.num_labels != 1:
+        return (f"{where} num_labels={config.num_labels} (a classifier's head): a reward model scores with one output; "
+                "save it with num_labels=1 and a one-row score head (for two labels, score.weight[1] - "
+                "score.weight[0] scores their margin), or point CONFIG_REWARD_MODEL_PATH at a reward model")  # fmt: skip
+    return None
 
 
 def refuse_without_head(path: str, model, missing_keys: Sequence[str]) -> None:
@@ -137,6 +158,8 @@ class RewardScorer(PairEncoder):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"--device {device} (REWARD_DEVICE) but torch sees no CUDA device; use cpu or auto")
+        if problem := head_problem(settings.model_path):
+            raise NotARewardModel(problem)
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
         # transformers < 4.56 (the vLLM base image holds 4.55.4) names the argument torch_dtype
