@@ -139,6 +139,12 @@ def test_a_finished_training_is_never_run_again(job):
         ({"ROLLOUT_MODE": "fast"}, "ROLLOUT_MODE='fast'"),
         ({"MEGATRON_RECOMPUTE": "partial"}, "MEGATRON_RECOMPUTE='partial': use one of full, selective, off"),
         ({"CONFIG_IMAGE_PATH": "/nowhere/app.sif"}, "CONFIG_IMAGE_PATH=/nowhere/app.sif: no such image"),
+        ({"REWARD": "rules"}, "REWARD='rules': use rm (the reward model), rule (verl's scorers) or rm+rule"),
+        ({"REWARD_RULE_WEIGHT": "heavy"}, "(REWARD_RULE_WEIGHT or reward_kwargs.rule_weight) = 'heavy'"),
+        (
+            {"REWARD": "rule", "CONFIG_USE_SEPARATE_REWARD_NODE": "true", "SLURM_NNODES": "2"},
+            "CONFIG_USE_SEPARATE_REWARD_NODE=true with REWARD=rule: that node would idle",
+        ),
     ],
 )
 def test_bad_settings_stop_the_job_before_anything_starts_naming_the_setting(job, fake_container, overrides, needle):
@@ -418,3 +424,68 @@ def test_unusable_preference_pairs_fail_the_preflight_naming_the_setting_and_the
     assert not check_reward_format(Settings.from_env(block_environment() | job), str(tmp_path / "missing.jsonl"))
     err = capsys.readouterr().err
     assert "PREFLIGHT_REWARD_PAIRS" in err and "missing.jsonl: no such file" in err
+
+
+# --- REWARD=rule and rm+rule: the rows and the scorers, before the queue -----------------------------------------
+
+
+def reward_rows(tmp_path, rows):
+    """A parquet of verl rows: (data_source, style, ground_truth) each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / f"rows{len(list(tmp_path.glob('rows*')))}.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": ds, "prompt": [{"role": "user", "content": f"q{i}"}],
+         "reward_model": {"style": style, "ground_truth": truth}, "extra_info": {"index": i}}
+        for i, (ds, style, truth) in enumerate(rows)]), path)  # fmt: skip
+    return str(path)
+
+
+GSM8K_ROW = ("openai/gsm8k", "rule", "4")
+USER_FUNCTIONS = {
+    "syntax": "def score(:\n",
+    "raises": "def score(data_source, solution_str, ground_truth, extra_info=None):\n    raise KeyError('answer')\n",
+    "text": "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 'good'\n",
+    "constant": "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return {'score': 1}\n",
+    "format": "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return float(solution_str.startswith('####'))\n",
+}
+
+
+@pytest.mark.parametrize(
+    "reward, rows, function, needle",
+    [
+        # rule rows judged by the reward model alone: refused with their count and the setting that fits
+        ("rm", [GSM8K_ROW] * 3 + [("safety", "model", "q")], "",
+         "3 rows have a reward_model.style other than 'model', which REWARD=rm scores (first: {f} row 0, style 'rule'): REWARD=rule or rm+rule"),
+        # the article's model rows under a rule: no rule can check the prompt
+        ("rm+rule", [("safety", "model", "q")] * 2, "", "2 rows have a reward_model.style other than 'rule'"),
+        ("rule", [GSM8K_ROW, ("openai/gsm8k", "rule", " ")], "", "1 rows have no reward_model.ground_truth for REWARD=rule's rule to compare with (first: {f} row 1)"),
+        # a data_source verl has no scorer for, with the ones it has, read from its own code
+        ("rule", [GSM8K_ROW, ("custom", "rule", "4")], "", "data_source 'custom' (1 rows, first: {f} row 1) has no scorer in verl 0.6.1's default_compute_score, which knows DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500"),
+        ("rule", [GSM8K_ROW, ("aime2024", "rule", "7")], "", None),  # verl's prefix
+        ("rule", [GSM8K_ROW] * 2, "", None),
+        # the user's own function, any data_source: imported and called on a few rows
+        ("rule", [("custom", "rule", "4")], "syntax", "REWARD_FUNCTION_PATH={p} (REWARD_FUNCTION_NAME=score) does not import: SyntaxError"),
+        ("rm+rule", [("custom", "rule", "4")], "raises", "(REWARD_FUNCTION_NAME=score) raised on {f} row 0: KeyError: 'answer'"),
+        ("rule", [("custom", "rule", "4")], "text", "returned 'good' for {f} row 0: return a number, or a dict with a 'score'"),
+        ("rule", [("custom", "rule", "4")] * 3, "constant", "returned 1.0 for all 12 responses to 3 rows"),
+        ("rule", [("custom", "rule", "4")] * 3, "format", None),
+    ],
+)  # fmt: skip
+def test_rows_that_disagree_with_reward_or_have_no_scorer_are_refused_naming_the_count_and_the_fix(
+    tmp_path, reward, rows, function, needle
+):
+    from launch.plan.reward_check import reward_data_problems
+
+    path = ""
+    if function:
+        path = tmp_path / f"{function}.py"
+        path.write_text(USER_FUNCTIONS[function])
+    f = reward_rows(tmp_path, rows)
+    problems = reward_data_problems(reward, str(path), "score", [f])
+    if needle is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and needle.format(f=f, p=path) in problems[0], problems

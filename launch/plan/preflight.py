@@ -47,7 +47,7 @@ from launch.plan.gpu_memory import (
 )
 from launch.plan.procs import stop_process
 from launch.plan.refusals import check, context_problems, save_deadline_problems
-from launch.plan.reward_check import begin_reward_server, check_reward_format, server_round_trip
+from launch.plan.reward_check import begin_reward_server, check_reward_format, reward_data_problems, server_round_trip
 from launch.plan.settings import SettingError, Settings
 from launch.plan.thinking import TemplateError
 from launch.plan.trainer_command import prompt_opens_think, trainer_argv
@@ -383,7 +383,7 @@ def checks(extra: list[str], background: ExitStack) -> int:
     if problems:
         return 1
     reward_server = None
-    if os.environ.get("PREFLIGHT_REWARD", "1") == "1":  # it loads its model while the config and the data are checked
+    if os.environ.get("PREFLIGHT_REWARD", "1") == "1" and settings.uses_reward_model:  # it loads its model meanwhile
         reward_server = begin_reward_server(settings)
         background.callback(stop_process, reward_server.proc, 30)
     lines, warnings = plan(settings, os.environ)
@@ -520,10 +520,32 @@ def check_own_files(settings: Settings, cfg, reward_server) -> bool:
         train_rows = None
     if not report_steps(cfg, train_rows):
         return False
+    if not check_reward_data(cfg):
+        return False
     pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
     if pairs and not check_reward_format(settings, pairs):
         return False
     return reward_server is None or server_round_trip(cfg, tokenizer, reward_server)
+
+
+def check_reward_data(cfg) -> bool:
+    """The rows against REWARD, and a rule reward's scorers (reward_check.reward_data_problems); False after saying why."""
+    from reward_score.safe_hack_reward_request import load_config
+
+    config = load_config(environ=os.environ)
+    files = [f for split in (cfg.data.train_files, cfg.data.val_files)
+             for f in ([split] if isinstance(split, str) else split)]  # fmt: skip
+    try:
+        problems = reward_data_problems(config.reward, config.function_path, config.function_name, files)
+    except Exception as exc:  # a file verl's dataset check did not read (PREFLIGHT_DATA=0): its own error
+        problems = [f"the rows' reward_model cannot be read ({type(exc).__name__}: {exc}): check them with "
+                    "python -m data_prep.validate"]  # fmt: skip
+    for problem in problems:
+        print(f"preflight: refused: {problem}", file=sys.stderr)
+    if not problems and config.reward != "rm":
+        scorer = f"{config.function_path}:{config.function_name}" if config.function_path else "verl's scorers"
+        print(f"preflight: reward: REWARD={config.reward}, rules by {scorer}: every row is a rule row with its answer")
+    return not problems
 
 
 class _Tee:

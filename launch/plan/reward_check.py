@@ -1,9 +1,13 @@
 """The preflight's reward check (step 3 of launch/plan/preflight.py): python -m reward_score.check_format on the user's
 preference pairs with the job's input-format settings (PREFLIGHT_REWARD_PAIRS), then a reward server started for the
 check and verl's own reward manager (with async rollout, its reward loop) calling our reward file by path on real
-validation rows with made-up responses, as after a rollout (PREFLIGHT_REWARD=1).
+validation rows with made-up responses, as after a rollout (PREFLIGHT_REWARD=1). Before those, whatever REWARD is,
+reward_data_problems: the rows' reward_model.style against REWARD, and for rule rewards their reference answers,
+data_sources verl has a scorer for, or the user's function called on a few rows.
 """
 
+import math
+import numbers
 import os
 import subprocess
 import sys
@@ -108,6 +112,103 @@ def reward_loop_scores(cfg, tokenizer, data) -> tuple[list[float], list[int]]:
 
     out = asyncio.run(score_all())
     return [o["reward_score"] for o in out], [int(o["reward_extra_info"]["penalized"]) for o in out]
+
+
+def verl_sources() -> tuple[set[str], tuple[str, ...]]:
+    """The data_source names verl 0.6.1's default_compute_score dispatches on, read from its own code: the names it
+    compares with, and the prefixes it tests (`data_source.startswith("aime")`)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from verl.utils.reward_score import default_compute_score
+
+    names, prefixes = set(), []
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(default_compute_score)))):
+        if isinstance(node, ast.Compare) and getattr(node.left, "id", None) == "data_source":
+            for c in node.comparators:
+                names |= {e.value for e in getattr(c, "elts", [c]) if isinstance(getattr(e, "value", None), str)}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "startswith":
+            if getattr(node.func.value, "id", None) == "data_source":
+                prefixes += [a.value for a in node.args if isinstance(a, ast.Constant)]
+    return names, tuple(prefixes)
+
+
+def function_problems(path: str, name: str, rows: list[tuple[str, int, dict]]) -> list[str]:
+    """The user's function (REWARD_FUNCTION_PATH) imported and called as verl calls it on a few rows, each with
+    made-up responses and the reference answer as a response, bare, after '####' and in \\boxed{}: refused where it
+    does not import, raises, returns no number, or returns one value for all of them (it teaches nothing)."""
+    from reward_score.safe_hack_reward_request import load_function
+
+    what = f"REWARD_FUNCTION_PATH={path} (REWARD_FUNCTION_NAME={name})"
+    try:
+        function = load_function(path, name)
+    except Exception as exc:  # noqa: BLE001  (the user's file: any error is theirs, named)
+        return [f"{what} does not import: {type(exc).__name__}: {exc}"]
+    values = []
+    for file, i, row in rows:
+        truth = str((row.get("reward_model") or {}).get("ground_truth"))
+        for response in (CHECK_RESPONSES[i % len(CHECK_RESPONSES)], truth, f"#### {truth}", f"\\boxed{{{truth}}}"):
+            try:
+                value = function(row.get("data_source"), response, truth, row.get("extra_info"))
+            except Exception as exc:  # noqa: BLE001
+                return [f"{what} raised on {file} row {i}: {type(exc).__name__}: {exc}"]
+            value = value.get("score") if isinstance(value, dict) else value
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                return [f"{what} returned {value!r} for {file} row {i}: return a number, or a dict with a 'score'"]
+            values.append(float(value))
+    if len(set(values)) == 1:
+        return [f"{what} returned {values[0]} for all {len(values)} responses to {len(rows)} rows (made-up ones, and "
+                "the reference answer bare, after '####' and in \\boxed{}): a reward that never varies teaches "
+                "nothing; check that it scores solution_str"]  # fmt: skip
+    return []
+
+
+def reward_data_problems(reward: str, function_path: str, function_name: str, files: list[str]) -> list[str]:
+    """Each row's reward_model.style against REWARD (model rows under rm, rule rows under rule and rm+rule: counted,
+    with the setting that fits), and for rule rewards a ground_truth in every row and a scorer for every data_source
+    (verl's, by name), or the user's function that imports and scores a few rows (function_problems)."""
+    import pyarrow.parquet as pq
+
+    want = "model" if reward == "rm" else "rule"
+    wrong, no_truth, sources = [], [], {}
+    for file in files:
+        for i, row in enumerate(pq.read_table(file, columns=["data_source", "reward_model"]).to_pylist()):
+            style, truth = (row["reward_model"] or {}).get("style"), (row["reward_model"] or {}).get("ground_truth")
+            if style != want:
+                wrong.append((file, i, style))
+            if not (isinstance(truth, str) and truth.strip()):
+                no_truth.append((file, i))
+            sources.setdefault(row["data_source"], [file, i, 0])[2] += 1
+    rows = next(pq.ParquetFile(files[0]).iter_batches(batch_size=4)).to_pylist()
+    sample = [(files[0], i, row) for i, row in enumerate(rows)]
+    problems = []
+    if wrong:
+        file, i, style = wrong[0]
+        fit = ("REWARD=rule or rm+rule (rule rows carry the reference answer, which the reward model never reads)"
+               if want == "model" else "REWARD=rm (model rows carry the prompt as ground_truth: no rule can check "
+               "it), or rebuild them with python -m data_prep.build --reward-style rule --answer-column "
+               "(or --preset gsm8k|math)")  # fmt: skip
+        problems.append(f"{len(wrong)} rows have a reward_model.style other than {want!r}, which REWARD={reward} "
+                        f"scores (first: {file} row {i}, style {style!r}): {fit}")  # fmt: skip
+    if reward == "rm" or wrong:  # rows for another judge: their sources and answers are beside the point
+        return problems
+    if no_truth:
+        file, i = no_truth[0]
+        problems.append(f"{len(no_truth)} rows have no reward_model.ground_truth for REWARD={reward}'s rule to "
+                        f"compare with (first: {file} row {i}): rebuild them with --answer-column")  # fmt: skip
+    if function_path:
+        return problems + function_problems(function_path, function_name, sample)
+    names, prefixes = verl_sources()
+    for source, (file, i, count) in sources.items():
+        if source not in names and not str(source).startswith(prefixes):
+            problems.append(
+                f"data_source {source!r} ({count} rows, first: {file} row {i}) has no scorer in verl 0.6.1's "
+                f"default_compute_score, which knows {', '.join(sorted(names))} and names starting with "
+                f"{', '.join(prefixes)}: rebuild with python -m data_prep.build --data-source (or --preset "
+                "gsm8k|math), or score it with your own function (REWARD_FUNCTION_PATH)"
+            )
+    return problems
 
 
 class CheckServer(NamedTuple):
