@@ -3,6 +3,7 @@ run_grpo_qwen3_4b_mega_verl.sh and helper_grpo_qwen3_4b.sh with the fake contain
 cluster on loopback, and a stand-in trainer that records what it was given and what it saw. Whole jobs through the
 real Slurm are tests/test_slurm_jobs.py."""
 
+import json
 import os
 import sys
 import time
@@ -102,12 +103,31 @@ def test_a_reward_server_that_never_becomes_healthy_fails_the_job_within_the_dea
     assert_everything_stopped(job)
 
 
-def test_the_trainer_exit_code_is_the_jobs_and_everything_stops(job):
-    result = run(job | {"FAKE_TRAINER_RC": "3"})
-    assert result.returncode == 3
+def gsm8k_rule_data(tmp_path) -> dict:
+    """CONFIG_TRAIN_FILE and CONFIG_TEST_FILE of GSM8K-shaped rule rows, built by data_prep.build --preset gsm8k."""
+    from data_prep.build import main as build_main
+
+    src = tmp_path / "gsm8k.jsonl"
+    src.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"})
+                           + "\n" for i in range(40)))  # fmt: skip
+    assert build_main([str(src), "--preset", "gsm8k", "--out-dir", str(tmp_path / "gsm8k"), "--test-size", "0.2"]) == 0
+    return {f"CONFIG_{s.upper()}_FILE": str(tmp_path / "gsm8k" / f"{s}.parquet") for s in ("train", "test")}
+
+
+def test_the_trainer_exit_code_is_the_jobs_and_everything_stops(job, tmp_path):
+    """With REWARD=rule (verl's scorers in its own workers) on GSM8K rule rows: no reward server starts, none is
+    checked, and no reward model needs to exist."""
+    env = job | gsm8k_rule_data(tmp_path) | {"FAKE_TRAINER_RC": "3", "REWARD": "rule", "TRAIN_BATCH_SIZE": "8",
+                                             "PPO_MINI_BATCH_SIZE": "8", "CONFIG_REWARD_MODEL_PATH": "/nowhere"}  # fmt: skip
+    result = run(env)
+    assert result.returncode == 3, result.stderr[-3000:]
     assert "trainer exited with 3" in result.stderr
     assert not (Path(job["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
     assert (job_dir(job) / "done").read_text().strip() == "3"
+    assert "preflight: reward: REWARD=rule, rules by verl's scorers" in result.stdout
+    assert "no reward server (REWARD=rule)" in result.stdout
+    assert seen(job)["reward_health"] == [] and seen(job)["REWARD_SERVER_URLS"] == ""
+    assert not [p.name for p in job_dir(job).iterdir() if "reward_server" in p.name]
     assert_everything_stopped(job)
 
 
