@@ -126,6 +126,8 @@ def test_the_trainer_exit_code_is_the_jobs_and_everything_stops(job, tmp_path):
     assert (job_dir(job) / "done").read_text().strip() == "3"
     assert "preflight: reward: REWARD=rule, rules by verl's scorers" in result.stdout
     assert "no reward server (REWARD=rule)" in result.stdout
+    assert ("reward loop (async rollout) scored a right answer to a openai/gsm8k row 1 by rule, a wrong one 0"
+            in result.stdout), result.stdout[-3000:]  # fmt: skip
     assert seen(job)["reward_health"] == [] and seen(job)["REWARD_SERVER_URLS"] == ""
     assert not [p.name for p in job_dir(job).iterdir() if "reward_server" in p.name]
     assert_everything_stopped(job)
@@ -509,3 +511,40 @@ def test_rows_that_disagree_with_reward_or_have_no_scorer_are_refused_naming_the
         assert problems == []
     else:
         assert len(problems) == 1 and needle.format(f=f, p=path) in problems[0], problems
+
+
+def test_the_rule_check_scores_a_right_answer_above_a_wrong_one_or_refuses_the_rows(tiny_models, tmp_path, monkeypatch):
+    """The check the canary and every job run before training: verl's GSM8K scorer, through verl's batch reward
+    manager (sync rollout; the async reward loop: the exit-code job above), gives the right answer to the first
+    validation row 1 and a wrong one 0; with a ground_truth it cannot parse (the whole solution text, as data_prep
+    wrote it before --preset) it gives both 0: refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from launch.plan.preflight import compose, split_command
+    from launch.plan.reward_check import rule_round_trip
+    from launch.plan.settings import Settings
+    from launch.plan.trainer_command import trainer_argv
+
+    data = gsm8k_rule_data(tmp_path)
+    env = (
+        block_environment()
+        | data
+        | {"CONFIG_MODEL_PATH": str(tiny_models.policy), "REWARD": "rule", "ROLLOUT_MODE": "sync"}
+    )
+    _, path, name, overrides = split_command(
+        trainer_argv(Settings.from_env(env | {"REWARD_PROMPT_OPENS_THINK": "true"}))
+    )
+    cfg = compose(name, overrides, path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    monkeypatch.setenv("REWARD", "rule")
+    (line,) = rule_round_trip(cfg, tokenizer)
+    assert line.endswith("scored a right answer to a openai/gsm8k row 1 by rule, a wrong one 0")
+    rows = pq.read_table(data["CONFIG_TEST_FILE"]).to_pylist()
+    rows[0]["reward_model"]["ground_truth"] = "3+3=6\n#### 6"
+    pq.write_table(pa.Table.from_pylist(rows), data["CONFIG_TEST_FILE"])
+    with pytest.raises(
+        ValueError, match="gave the right answer '3\\+3=6\\\\n#### 6' 0.0 and a wrong one '0' 0.0: it cannot"
+    ):
+        rule_round_trip(cfg, tokenizer)

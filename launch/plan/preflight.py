@@ -47,7 +47,13 @@ from launch.plan.gpu_memory import (
 )
 from launch.plan.procs import stop_process
 from launch.plan.refusals import check, context_problems, save_deadline_problems
-from launch.plan.reward_check import begin_reward_server, check_reward_format, reward_data_problems, server_round_trip
+from launch.plan.reward_check import (
+    begin_reward_server,
+    check_reward_format,
+    reward_data_problems,
+    rule_round_trip,
+    server_round_trip,
+)
 from launch.plan.settings import SettingError, Settings
 from launch.plan.thinking import TemplateError
 from launch.plan.trainer_command import prompt_opens_think, trainer_argv
@@ -525,7 +531,9 @@ def check_own_files(settings: Settings, cfg, reward_server) -> bool:
     pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
     if pairs and not check_reward_format(settings, pairs):
         return False
-    return reward_server is None or server_round_trip(cfg, tokenizer, reward_server)
+    if reward_server is not None and not server_round_trip(cfg, tokenizer, reward_server):
+        return False
+    return os.environ.get("PREFLIGHT_REWARD", "1") != "1" or check_rule_round_trip(cfg, tokenizer)
 
 
 def check_reward_data(cfg) -> bool:
@@ -546,6 +554,27 @@ def check_reward_data(cfg) -> bool:
         scorer = f"{config.function_path}:{config.function_name}" if config.function_path else "verl's scorers"
         print(f"preflight: reward: REWARD={config.reward}, rules by {scorer}: every row is a rule row with its answer")
     return not problems
+
+
+def check_rule_round_trip(cfg, tokenizer) -> bool:
+    """REWARD=rule or rm+rule with verl's scorers: a right and a wrong answer scored apart (reward_check.rule_round_trip,
+    the rule part alone: REWARD=rule for the check); False after saying why."""
+    from reward_score.safe_hack_reward_request import load_config
+
+    config = load_config(environ=os.environ)
+    if config.reward == "rm" or config.function_path:  # the user's function was called on rows already
+        return True
+    saved = os.environ.get("REWARD", "rm")
+    try:
+        os.environ["REWARD"] = "rule"
+        for line in rule_round_trip(cfg, tokenizer):
+            print(f"preflight: reward {line}")
+    except Exception as exc:  # verl's scorer or the rows, reported as they are
+        print(f"preflight: the rule reward check failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return False
+    finally:
+        os.environ["REWARD"] = saved
+    return True
 
 
 class _Tee:

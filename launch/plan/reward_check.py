@@ -27,8 +27,9 @@ CHECK_RESPONSES = [
 ]
 
 
-def rollout_batch(tokenizer, rows: list[dict]):
-    """Left-padded prompts and right-padded responses ending in EOS: the DataProto verl hands the reward manager."""
+def rollout_batch(tokenizer, rows: list[dict], responses: list[str] | None = None):
+    """Left-padded prompts and right-padded responses ending in EOS (CHECK_RESPONSES unless given): the DataProto
+    verl hands the reward manager."""
     import numpy as np
     import torch
     from verl import DataProto
@@ -37,7 +38,7 @@ def rollout_batch(tokenizer, rows: list[dict]):
         tokenizer.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False) for r in rows
     ]
     p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    responses = [CHECK_RESPONSES[i % len(CHECK_RESPONSES)] for i in range(len(rows))]
+    responses = responses or [CHECK_RESPONSES[i % len(CHECK_RESPONSES)] for i in range(len(rows))]
     r_ids = [tokenizer(r + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for r in responses]
     pl, rl, pad = max(map(len, p_ids)), max(map(len, r_ids)), tokenizer.pad_token_id
     prompt_t = torch.tensor([[pad] * (pl - len(p)) + p for p in p_ids])
@@ -56,30 +57,63 @@ def rollout_batch(tokenizer, rows: list[dict]):
     return data, responses, [len(r) for r in r_ids]
 
 
-def reward_round_trip(cfg, tokenizer=None, rows: int = 8) -> list[str]:
-    """verl's reward manager, built from this config, scores made-up responses for real validation rows through the
-    reward servers in REWARD_SERVER_URLS. Raises if a response is not scored or penalized as it should be."""
+def validation_rows(cfg, rows: int) -> list[dict]:
     import pandas as pd
+
+    files = cfg.data.val_files
+    return pd.read_parquet(files if isinstance(files, str) else list(files)[0]).head(rows).to_dict("records")
+
+
+def manager_scores(cfg, tokenizer, rows: list[dict], responses: list[str] | None = None):
+    """The rows with these responses (CHECK_RESPONSES unless given) scored as the job scores them: verl's reward manager
+    built from this config, or with async rollout its reward loop. Each response's score and its extra info, the
+    responses, and what scored them."""
     from verl.trainer.ppo.reward import compute_reward, load_reward_manager
-    from verl.utils import hf_tokenizer
 
     sys.modules.pop("custom_module", None)
-    tokenizer = tokenizer or hf_tokenizer(cfg.actor_rollout_ref.model.path)
-    files = cfg.data.val_files
-    sample = pd.read_parquet(files if isinstance(files, str) else list(files)[0]).head(rows).to_dict("records")
+    data, responses, lengths = rollout_batch(tokenizer, rows, responses)
+    if cfg.actor_rollout_ref.rollout.mode == "async":
+        scores, extras = reward_loop_scores(cfg, tokenizer, data)
+        return scores, extras, responses, f"verl's {cfg.reward_model.reward_manager} reward loop (async rollout)"
     kwargs = dict(cfg.reward_model.get("reward_kwargs", {}))
     if "overlong_buffer" in cfg.reward_model:  # recipe.dapo passes these itself
         kwargs.update(overlong_buffer_cfg=cfg.reward_model.overlong_buffer, max_resp_len=cfg.data.max_response_length)
-    data, responses, lengths = rollout_batch(tokenizer, sample)
-    if cfg.actor_rollout_ref.rollout.mode == "async":
-        scores, penalized = reward_loop_scores(cfg, tokenizer, data)
-        what = f"verl's {cfg.reward_model.reward_manager} reward loop (async rollout)"
-    else:
-        manager = load_reward_manager(cfg, tokenizer, num_examine=0, **kwargs)
-        reward_tensor, extra = compute_reward(data, manager)
-        scores = [reward_tensor[i, n - 1].item() for i, n in enumerate(lengths)]
-        penalized = [int(x) for x in extra["penalized"]]
-        what = f"verl's {cfg.reward_model.reward_manager} reward manager"
+    reward_tensor, extra = compute_reward(data, load_reward_manager(cfg, tokenizer, num_examine=0, **kwargs))
+    scores = [reward_tensor[i, n - 1].item() for i, n in enumerate(lengths)]
+    extras = [{k: v[i] for k, v in extra.items()} for i in range(len(rows))]
+    return scores, extras, responses, f"verl's {cfg.reward_model.reward_manager} reward manager"
+
+
+def rule_round_trip(cfg, tokenizer) -> list[str]:
+    """REWARD=rule or rm+rule with verl's scorers: a right and a wrong answer to the first validation row, scored as
+    the job scores them, must get different rule scores (the right one the higher): else the rule cannot tell them
+    apart (a data_source whose scorer wants another answer format, a ground_truth it cannot parse)."""
+    row = validation_rows(cfg, 1)[0]
+    truth = str(row["reward_model"]["ground_truth"])
+    wrong = "1" if truth.strip() == "0" else "0"
+    # What verl's scorers read: MATH the last \boxed{}, DAPO's math 'Answer:', GSM8K '#### <number>'
+    answers = [f"Thinking.</think>The answer is \\boxed{{{a}}}.\nAnswer: {a}\n#### {a}" for a in (truth, wrong)]
+    _, extras, _, what = manager_scores(cfg, tokenizer, [row, row], answers)
+    right_score, wrong_score = (float(e["rule_score"]) for e in extras)
+    if not right_score > wrong_score:
+        raise ValueError(
+            f"verl's {row['data_source']} scorer gave the right answer {truth!r} {right_score} and a wrong one "
+            f"{wrong!r} {wrong_score}: it cannot tell them apart, so training would learn nothing from it; check "
+            "the rows' ground_truth (data_prep.build --preset) and data_source"
+        )
+    return [f"{what} scored a right answer to a {row['data_source']} row {right_score:g} by rule, a wrong one "
+            f"{wrong_score:g}"]  # fmt: skip
+
+
+def reward_round_trip(cfg, tokenizer=None, rows: int = 8) -> list[str]:
+    """verl's reward manager, built from this config, scores made-up responses for real validation rows through the
+    reward servers in REWARD_SERVER_URLS. Raises if a response is not scored or penalized as it should be."""
+    from verl.utils import hf_tokenizer
+
+    tokenizer = tokenizer or hf_tokenizer(cfg.actor_rollout_ref.model.path)
+    sample = validation_rows(cfg, rows)
+    scores, extras, responses, what = manager_scores(cfg, tokenizer, sample)
+    penalized = [int(e["penalized"]) for e in extras]
     # Only a response without </think> after a prompt that opened <think> was cut off mid-reasoning (none of
     # CHECK_RESPONSES opens a block of its own).
     opens = bool(cfg.custom_reward_function.reward_kwargs.prompt_opens_think)
@@ -96,7 +130,7 @@ def reward_round_trip(cfg, tokenizer=None, rows: int = 8) -> list[str]:
     return lines
 
 
-def reward_loop_scores(cfg, tokenizer, data) -> tuple[list[float], list[int]]:
+def reward_loop_scores(cfg, tokenizer, data) -> tuple[list[float], list[dict]]:
     """Each row scored as async rollout scores it: verl's reward loop manager, built as its RewardManagerWorker builds
     it (verl/experimental/reward/reward_manager.py), awaits run_single for every row at once."""
     import asyncio
@@ -111,7 +145,7 @@ def reward_loop_scores(cfg, tokenizer, data) -> tuple[list[float], list[int]]:
         return await asyncio.gather(*(manager.run_single(data[i : i + 1]) for i in range(len(data))))
 
     out = asyncio.run(score_all())
-    return [o["reward_score"] for o in out], [int(o["reward_extra_info"]["penalized"]) for o in out]
+    return [o["reward_score"] for o in out], [o["reward_extra_info"] for o in out]
 
 
 def verl_sources() -> tuple[set[str], tuple[str, ...]]:
