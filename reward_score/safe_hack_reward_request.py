@@ -1,7 +1,8 @@
 """Reward function for verl 0.6.1: asks the reward server (reward_score/reward_server.py) to score each answer.
 
 verl loads this file by path in its TaskRunner and in reward workers on any node, so it imports only the standard
-library and `requests`, and does nothing at import time.
+library and `requests` (verl's own scorers only when a rule part scores: REWARD=rule or rm+rule, inside verl's
+processes), and does nothing at import time.
 
     custom_reward_function.path=/abs/path/reward_score/safe_hack_reward_request.py
     custom_reward_function.name=safe_hack_reward          # naive and dapo managers, sync or async rollout
