@@ -413,6 +413,8 @@ run_head() {
       die "the reward node failed to start its servers (logs above)"
     fi
     plan_ports 0
+  elif [[ "$REWARD" == rule ]]; then
+    plan_ports 0  # REWARD=rule: verl's workers score by rule, no reward server
   else
     # Started, not waited for: Ray starts while they load their models (wait_reward_servers below).
     launch_reward_servers "$address" "$CONFIG_REWARD_GPUS"
@@ -431,7 +433,7 @@ run_head() {
     --temp-dir="$RAY_TMP_DIR" --include-dashboard=false "${args[@]}"
   [[ -n "$ray_pid" ]] || die "[rank 0] could not start the Ray head (log: $job_log_dir/ray_head.log)"
   watch "$ray_pid" "the Ray head" "$job_log_dir/ray_head.log"
-  [[ "$separate" == true ]] || wait_reward_servers
+  [[ "$separate" == true || "$REWARD" == rule ]] || wait_reward_servers
   printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\nNODE_ADDRESSES=%s\n' "$ray_address" \
     "$REWARD_SERVER_URLS" "$node_addresses" >"$job_log_dir/cluster.env.tmp"
   mv "$job_log_dir/cluster.env.tmp" "$job_log_dir/cluster.env"
@@ -542,7 +544,7 @@ check_gpu_modes() {
   if ((rank == reward_rank)); then
     [[ "$CONFIG_REWARD_DEVICE" != cpu ]] || return 0
     role=reward
-  elif ((rank == 0)) && [[ "$separate" == false && "$CONFIG_REWARD_DEVICE" != cpu ]]; then
+  elif ((rank == 0)) && [[ "$separate" == false && "$CONFIG_REWARD_DEVICE" != cpu && "$REWARD" != rule ]]; then
     role=train+reward
   fi
   if ! modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>&1); then

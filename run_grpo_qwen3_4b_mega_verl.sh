@@ -59,6 +59,12 @@ CONFIG_GPUS_PER_NODE="${CONFIG_GPUS_PER_NODE:-4}"               # GPUs per node 
 CONFIG_NETWORK_INTERFACE="${CONFIG_NETWORK_INTERFACE:-}"        # e.g. ib0: Ray, NCCL and Gloo use it; empty = hostname
 WANDB_PROJECT="${WANDB_PROJECT:-llm_safe_hack}"                 # trainer.project_name
 WANDB_MODE="${WANDB_MODE:-offline}"                             # offline: `wandb sync` later from the login node
+# -- The reward: the reward model's score, verl's rule scorers' against the reference answer, or both ---------------
+REWARD="${REWARD:-rm}"                                          # rm | rule (no reward server) | rm+rule (docs/reward.md)
+REWARD_RM_WEIGHT="${REWARD_RM_WEIGHT:-1}"                       # rm+rule: score = this x the reward model's score...
+REWARD_RULE_WEIGHT="${REWARD_RULE_WEIGHT:-1}"                   # ...+ this x the rule's (verl's scorers give 0..1)
+REWARD_FUNCTION_PATH="${REWARD_FUNCTION_PATH:-}"                # your own rule (a .py, verl's custom_reward_function contract); empty: verl's
+REWARD_FUNCTION_NAME="${REWARD_FUNCTION_NAME:-compute_score}"   # its function
 # -- The reward model: where its servers run, and how it was trained ------------------------------------------------
 CONFIG_USE_SEPARATE_REWARD_NODE="${CONFIG_USE_SEPARATE_REWARD_NODE:-false}"  # true: the last node serves rewards only
 CONFIG_REWARD_DEVICE="${CONFIG_REWARD_DEVICE:-cuda}"            # cuda | cpu
@@ -172,6 +178,7 @@ export_settings() {
     printf -v "$name" '%s' "$(realpath -m "${!name}")"
   done
   [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || PREFLIGHT_REWARD_PAIRS=$(realpath -m "$PREFLIGHT_REWARD_PAIRS")
+  [[ -z "$REWARD_FUNCTION_PATH" ]] || REWARD_FUNCTION_PATH=$(realpath -m "$REWARD_FUNCTION_PATH")
   export JOB_LOG_DIR=$job_log_dir JOB_ID=$job_id
   # The servers require it, the reward function sends it, the health poll proves with it that a server is ours.
   # Never printed: it reaches every node and verl's Ray workers through the environment only.
@@ -267,11 +274,13 @@ container_cmd() {
   [[ "$WANDB_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$WANDB_DIR")  # a WANDB_DIR set elsewhere
   [[ "$TENSORBOARD_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$TENSORBOARD_DIR")
   local path
-  for path in "$CONFIG_MODEL_PATH" "$CONFIG_REWARD_MODEL_PATH" "$(dirname "$CONFIG_TRAIN_FILE")" \
-    "$(dirname "$CONFIG_TEST_FILE")"; do
+  local -a models=("$CONFIG_MODEL_PATH")
+  [[ "$REWARD" == rule ]] || models+=("$CONFIG_REWARD_MODEL_PATH")  # REWARD=rule: no reward model anywhere
+  for path in "${models[@]}" "$(dirname "$CONFIG_TRAIN_FILE")" "$(dirname "$CONFIG_TEST_FILE")"; do
     binds+=(--bind "$path")
   done
   [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || binds+=(--bind "$(dirname "$PREFLIGHT_REWARD_PAIRS")")
+  [[ -z "$REWARD_FUNCTION_PATH" ]] || binds+=(--bind "$(dirname "$REWARD_FUNCTION_PATH")")
   printf '%s\0' "$CONTAINER" exec --nv "${binds[@]}" --pwd "$repo" --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH"
 }
 
@@ -289,8 +298,9 @@ preflight() {
   fi
   # The container binds these folders: one that does not exist stops the runtime with a mount error that names no
   # setting, before the checks below could.
-  local name missing=()
-  for name in CONFIG_MODEL_PATH CONFIG_REWARD_MODEL_PATH; do
+  local name missing=() models=(CONFIG_MODEL_PATH)
+  [[ "$REWARD" == rule ]] || models+=(CONFIG_REWARD_MODEL_PATH)
+  for name in "${models[@]}"; do
     [[ "$CONTAINER" == none || -d "${!name}" ]] ||
       missing+=("$name=${!name}: no config.json there (no such folder: point it at the model's folder)")
   done

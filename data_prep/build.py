@@ -4,6 +4,7 @@
     python -m data_prep.build prompts.csv --prompt-column question --system-prompt "You are careful." --out-dir data/x
     python -m data_prep.build chats.parquet --messages-column messages --test-file held_out.parquet --out-dir data/y
     python -m data_prep.build qa.jsonl --reward-style rule --answer-column answer --out-dir data/z
+    python -m data_prep.build gsm8k_train.parquet --preset gsm8k --test-file gsm8k_test.parquet --out-dir data/gsm8k
 
 Each output row is what verl 0.6.1's RLHFDataset and reward managers read:
     prompt        the chat list the policy sees (system prompt first, if any)
@@ -14,6 +15,9 @@ Each output row is what verl 0.6.1's RLHFDataset and reward managers read:
     extra_info    {"split", "index", "source_row", "reward_messages": <the chat list for the reward model>,
                    and each --keep-column, as text}
 verl pops `prompt` before the reward function runs; `extra_info.reward_messages` is how the reward model still sees it.
+--preset gsm8k|math builds rule rows as verl's examples/data_preprocess/gsm8k.py and math_dataset.py do, from the public
+sets' columns: the data_source verl's scorers dispatch on, verl's instruction after the question, and the reference
+answer verl compares with (GSM8K: the number after '####', commas removed; MATH: the last \\boxed{}, by verl's own code).
 
 Rows stream through in chunks (a million rows in well under a minute, little memory). The split is deterministic:
 a row goes to test when a hash of (--seed, its prompt) falls under --test-size, so identical prompts never straddle
@@ -28,6 +32,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,6 +55,13 @@ MAX_COLUMNS = 50  # columns remembered for the refusal of a file without the pro
 # Column names that usually hold the prompt, in the order a suggestion prefers them.
 PROMPT_NAMES = ("prompt", "question", "query", "instruction", "input", "problem", "text", "content")
 MESSAGES_NAMES = ("messages", "conversations", "conversation", "chat", "dialog", "turns")
+# --preset: what verl 0.6.1's examples/data_preprocess/{gsm8k,math_dataset}.py write, from the public sets' columns.
+PRESETS = {
+    "gsm8k": {"prompt_column": "question", "answer_column": "answer", "data_source": "openai/gsm8k",
+              "instruction": 'Let\'s think step by step and output the final answer after "####".'},
+    "math": {"prompt_column": "problem", "answer_column": "solution", "data_source": "DigitalLearningGmbH/MATH-lighteval",
+             "instruction": "Let's think step by step and output the final answer within \\boxed{}."},
+}  # fmt: skip
 
 
 class BadRow(ValueError):
@@ -70,6 +82,8 @@ class RowSpec:
     data_source: str = "custom"
     ability: str = "general"
     reward_style: str = "model"
+    answer_format: str = "text"  # text (as it is) | gsm8k | math: the reference answer extracted as verl's examples do
+    instruction: str = ""  # appended to the last user turn after a space, as verl's examples append theirs
 
     def schema(self) -> pa.Schema:
         extra = [
@@ -129,6 +143,9 @@ def chat_messages(example: dict, spec: RowSpec) -> list[dict]:
             )
     else:
         messages = [{"role": "user", "content": _text(example, spec.prompt_column, "prompt")}]
+    if spec.instruction:
+        last = max(k for k, m in enumerate(messages) if m["role"] == "user")
+        messages[last] = {"role": "user", "content": f"{messages[last]['content']} {spec.instruction}"}
     system = spec.system_prompt
     if spec.system_column and example.get(spec.system_column) not in (None, ""):
         system = _text(example, spec.system_column, "system")
@@ -141,7 +158,7 @@ def make_row(example: dict, index: int, split: str, spec: RowSpec, source_row: i
     """One verl row from one input example (pure: unit-tested row by row)."""
     messages = messages or chat_messages(example, spec)
     if spec.reward_style == "rule":
-        ground_truth = _text(example, spec.answer_column, "answer")
+        ground_truth = reference_answer(_text(example, spec.answer_column, "answer"), spec)
     else:
         ground_truth = next(m["content"] for m in reversed(messages) if m["role"] == "user")
     data_source = spec.data_source
@@ -158,6 +175,30 @@ def make_row(example: dict, index: int, split: str, spec: RowSpec, source_row: i
         "reward_model": {"style": spec.reward_style, "ground_truth": ground_truth},
         "extra_info": extra,
     }
+
+
+def reference_answer(text: str, spec: RowSpec) -> str:
+    """The answer verl's scorer compares with: GSM8K's number after '####' (examples/data_preprocess/gsm8k.py), MATH's
+    last \\boxed{} (math_dataset.py, with verl's own remove_boxed/last_boxed_only_string), else the text itself."""
+    if spec.answer_format == "gsm8k":
+        found = re.search("#### (\\-?[0-9\\.\\,]+)", text)
+        if found is None:
+            raise BadRow(f"answer column '{spec.answer_column}' has no '#### <number>', GSM8K's final answer")
+        return found.group(1).replace(",", "")
+    if spec.answer_format == "math":
+        try:
+            from verl.utils.reward_score.math_reward import last_boxed_only_string, remove_boxed
+        except ImportError as exc:
+            raise SystemExit(
+                f"--preset math extracts the answer with verl's own code, which {sys.executable} cannot import "
+                f"({exc}): run it in the image (singularity exec verl_app.sif python3 -m data_prep.build ...)"
+            ) from None
+        boxed = last_boxed_only_string(text)
+        try:
+            return remove_boxed(boxed)
+        except (AssertionError, TypeError):  # verl's asserts: no \boxed{...} it can take apart
+            raise BadRow(f"answer column '{spec.answer_column}' has no \\boxed{{...}}, MATH's final answer") from None
+    return text
 
 
 def prompt_key(messages: list[dict]) -> bytes:
@@ -442,16 +483,21 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RowSpec]:
     p.add_argument("--format", default="auto", help="jsonl | json | csv | parquet | hf (default: from the name)")
     p.add_argument("--hf-split", help="the split to read from a saved DatasetDict")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--prompt-column", default="prompt", help="column with the user prompt text (default: prompt)")
+    g.add_argument("--prompt-column", help="column with the user prompt text (default: prompt, or the preset's)")
     g.add_argument("--messages-column", help="column with a chat list [{role, content}, ...] ending with the user")
     p.add_argument("--system-prompt", help="a system message put before every prompt")
     p.add_argument("--system-column", help="column with a per-row system message (wins over --system-prompt)")
-    p.add_argument("--reward-style", choices=["model", "rule"], default="model",
-                   help="model: the reward model judges (ground_truth = the prompt); rule: ground_truth = --answer-column")  # fmt: skip
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="rule rows as verl's gsm8k.py / math_dataset.py build them (its columns, data_source, answer)",
+    )
+    p.add_argument("--reward-style", choices=["model", "rule"],
+                   help="model (default): the reward model judges, ground_truth = the prompt; rule: ground_truth = the answer")  # fmt: skip
     p.add_argument("--answer-column", help="column with the reference answer (required with --reward-style rule)")
-    p.add_argument("--data-source", default="custom", help="data_source of every row (what verl groups metrics by)")
+    p.add_argument("--data-source", help="data_source of every row (verl groups metrics and picks rule scorers by it)")
     p.add_argument("--source-column", help="column whose value is each row's data_source instead")
-    p.add_argument("--ability", default="general", help="the ability field (default: general)")
+    p.add_argument("--ability", help="the ability field (default: general; math with --preset)")
     p.add_argument("--keep-columns", default="", help="comma list of columns kept in extra_info (as text)")
     p.add_argument("--test-file", type=Path, help="an explicit test set (then all of INPUT is train)")
     p.add_argument("--test-size", type=float, default=0.05, help="share of rows in test (default 0.05)")
@@ -460,6 +506,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RowSpec]:
     p.add_argument("--on-bad-row", choices=["skip", "fail"], default="skip", help="skip and report (default), or stop")
     p.add_argument("--overwrite", action="store_true", help="replace existing train/test.parquet")
     args = p.parse_args(argv)
+    preset = PRESETS.get(args.preset, {})
+    defaults = {"prompt_column": "prompt", "data_source": "custom", "ability": "general", "reward_style": "model"}
+    if preset:
+        defaults |= {**preset, "ability": "math", "reward_style": "rule"}
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, None if name == "prompt_column" and args.messages_column else value)
     if args.reward_style == "rule" and not args.answer_column:
         p.error("--reward-style rule needs --answer-column (the reference answer the rule compares with)")
     if not 0 <= args.test_size < 1:
@@ -483,6 +536,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RowSpec]:
         data_source=args.data_source,
         ability=args.ability,
         reward_style=args.reward_style,
+        answer_format=args.preset or "text",
+        instruction=preset.get("instruction", ""),
     )
     return args, spec
 

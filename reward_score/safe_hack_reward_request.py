@@ -1,7 +1,8 @@
 """Reward function for verl 0.6.1: asks the reward server (reward_score/reward_server.py) to score each answer.
 
 verl loads this file by path in its TaskRunner and in reward workers on any node, so it imports only the standard
-library and `requests`, and does nothing at import time.
+library and `requests` (verl's own scorers only when a rule part scores: REWARD=rule or rm+rule, inside verl's
+processes), and does nothing at import time.
 
     custom_reward_function.path=/abs/path/reward_score/safe_hack_reward_request.py
     custom_reward_function.name=safe_hack_reward          # naive and dapo managers, sync or async rollout
@@ -13,6 +14,11 @@ or `reward_prompt`, a text), else `ground_truth` (the article's convention), and
 reasoning. Text after the last `</think>` is the answer. A response cut off mid-reasoning (an open `<think>` with no
 close, or no `</think>` at all when the policy's prompt opened one, as Qwen3-*-Thinking-2507's does), a stray tag in
 the answer, or an empty answer gets the penalty instead of a score.
+
+REWARD=rule scores by rule instead (verl's own scorers by data_source, `verl.utils.reward_score.default_compute_score`,
+or the user's function, REWARD_FUNCTION_PATH / REWARD_FUNCTION_NAME, with verl's custom_reward_function contract), and
+REWARD=rm+rule adds the weighted parts (REWARD_RM_WEIGHT, REWARD_RULE_WEIGHT): the result then holds each part
+(`rm_score`, `rule_score`) and `rule_failed`, 1 where the rule scorer raised and the part scored 0 (logged once).
 
 When the servers cannot be reached within the retry budget, the call raises: the step fails loudly instead of learning
 from invented scores. `REWARD_ON_FAILURE=min_score` opts into the article's behaviour (score = min), counting and
@@ -26,9 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import importlib.util
 import itertools
 import json
 import math
+import numbers
 import os
 import random
 import sys
@@ -42,12 +50,21 @@ import requests
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EXTRA_KEYS = ("raw_score", "truncated", "penalized", "failed")  # the same numeric keys for every sample
+REWARDS = ("rm", "rule", "rm+rule")
+# What a rule part may score, for the reward range the job sizes PPO's value clip and DAPO's penalty by: verl's GSM8K
+# and MATH scorers give 0 or 1, DAPO's math -1 or 1; a user's function is taken to stay within the same.
+RULE_RANGE = (-1.0, 1.0)
 
 
 @dataclass(frozen=True)
 class Config:
     """One setting per field: its environment variable is REWARD_<FIELD> unless named in `_ENV_NAMES`."""
 
+    reward: str = "rm"  # rm | rule | rm+rule (REWARD)
+    rm_weight: float = 1.0  # rm+rule: score = rm_weight x the reward model's + rule_weight x the rule's
+    rule_weight: float = 1.0
+    function_path: str = ""  # the user's rule scorer (verl's custom_reward_function contract); empty: verl's
+    function_name: str = "compute_score"
     server_urls: tuple[str, ...] = ("http://localhost:8000",)
     min_score: float = -40.0
     max_score: float = 30.0
@@ -82,11 +99,23 @@ class Config:
             )
         return self.prompt_opens_think
 
+    @property
+    def score_range(self) -> tuple[float, float]:
+        """The lowest and highest score a sample can get under REWARD (rule parts within RULE_RANGE)."""
+        if self.reward == "rm":
+            return self.min_score, self.max_score
+        if self.reward == "rule":
+            return RULE_RANGE
+        parts = ((self.rm_weight, (self.min_score, self.max_score)), (self.rule_weight, RULE_RANGE))
+        ends = [sorted((w * low, w * high)) for w, (low, high) in parts]
+        return ends[0][0] + ends[1][0], ends[0][1] + ends[1][1]
+
 
 _ENV_NAMES = {
     "server_urls": "REWARD_SERVER_URLS",
     "auth_token": "REWARD_SERVER_TOKEN",
     "server_log": "REWARD_SERVER_LOG",
+    "reward": "REWARD",
 }
 
 
@@ -113,6 +142,11 @@ def load_config(kwargs: dict | None = None, environ: dict | None = None) -> Conf
                 f"reward setting {f.name} ({env_name} or reward_kwargs.{f.name}) = {raw!r}: {exc}"
             ) from None
     config = Config(**values)
+    if config.reward not in REWARDS:
+        raise ValueError(f"REWARD={config.reward!r}: use rm (the reward model), rule (verl's scorers) or rm+rule")
+    for name in ("rm_weight", "rule_weight"):
+        if not math.isfinite(getattr(config, name)):
+            raise ValueError(f"REWARD_{name.upper()}={getattr(config, name)}: use a finite number")
     if config.on_failure not in ("raise", "min_score"):
         raise ValueError(f"REWARD_ON_FAILURE must be 'raise' or 'min_score', got {config.on_failure!r}")
     if config.log_texts not in ("full", "head", "none"):
@@ -359,12 +393,81 @@ def _result(config: Config, raw: float, *, penalized=False, truncated=False, fai
     }
 
 
+_scorers: dict[tuple[str, str], object] = {}  # (REWARD_FUNCTION_PATH, REWARD_FUNCTION_NAME) -> the rule scorer
+_rule_errors = itertools.count()  # rule scorer failures this process printed
+RULE_ERRORS_PRINTED = 20
+
+
+def load_function(path: str, name: str):
+    """The user's function from its file, loaded as verl loads custom_reward_function: a module of its own."""
+    spec = importlib.util.spec_from_file_location(f"user_reward_{len(_scorers)}", path)
+    if spec is None:
+        raise ValueError(f"REWARD_FUNCTION_PATH={path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise AttributeError(f"REWARD_FUNCTION_NAME={name}: {path} defines no function of that name")
+    return function
+
+
+def rule_scorer(config: Config):
+    """The user's function (REWARD_FUNCTION_PATH), else verl's default_compute_score; loaded once per process."""
+    key = (config.function_path, config.function_name)
+    if key not in _scorers:
+        if config.function_path:
+            _scorers[key] = load_function(*key)
+        else:
+            from verl.utils.reward_score import default_compute_score
+
+            _scorers[key] = default_compute_score
+    return _scorers[key]
+
+
+def rule_score(config: Config, data_source, solution_str, ground_truth, extra_info) -> tuple[float, str]:
+    """The rule's score of one whole response (what verl's own examples score), and "" ; or 0 and the error where the
+    scorer raised or returned no number: printed (the first RULE_ERRORS_PRINTED a process meets), never raised."""
+    scorer = rule_scorer(config)  # a function that does not load is the job's error: raised
+    try:
+        value = scorer(data_source, solution_str, ground_truth, extra_info)
+        value = value["score"] if isinstance(value, dict) else value
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise TypeError(f"returned {value!r}, not a finite number")
+        return float(value), ""
+    except Exception as exc:  # noqa: BLE001  (one response's scorer error: scored 0 and counted, rule_failed)
+        error = f"{type(exc).__name__}: {exc}"[:300]
+        if next(_rule_errors) < RULE_ERRORS_PRINTED:
+            index = extra_info.get("index") if isinstance(extra_info, dict) else None
+            print(f"[reward] the rule scorer failed on the {data_source} row with extra_info.index={index}: {error}; "
+                  "scored 0 (counted in rule_failed)", file=sys.stderr)  # fmt: skip
+        return 0.0, error
+
+
+def _mixed(config: Config, rm: dict | None, rule: tuple[float, str]) -> dict:
+    """REWARD=rule's result, or rm+rule's: the weighted sum, and each part for verl's reward_extra_info."""
+    parts = {"rule_score": rule[0], "rule_failed": float(bool(rule[1]))}
+    if rm is None:
+        return {"score": rule[0], **parts}
+    return {
+        **rm,
+        "score": config.rm_weight * rm["score"] + config.rule_weight * rule[0],
+        "rm_score": rm["score"],
+        **parts,
+    }
+
+
 def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: Config) -> list[dict]:
-    """Score a list of samples: penalties locally, the rest in /score_batch chunks spread over the servers."""
+    """Score a list of samples: penalties locally, the rest in /score_batch chunks spread over the servers; by rule
+    too (or only) as REWARD says."""
     n = len(solution_strs)
+    samples = zip(data_sources, solution_strs, ground_truths, extra_infos, strict=True)
+    rules = [rule_score(config, *sample) for sample in samples] if config.reward != "rm" else [None] * n
     answers = [split_answer(str(r), config.opens_think) for r in solution_strs]
-    prompts = [reward_prompt(ground_truths[i], extra_infos[i]) for i in range(n)]
-    todo = [i for i, a in enumerate(answers) if not a.penalty_reason]
+    if config.reward == "rule":  # no reward model: nothing to send, no prompt for it needed
+        prompts, todo = [{"prompt": ""}] * n, []
+    else:
+        prompts = [reward_prompt(ground_truths[i], extra_infos[i]) for i in range(n)]
+        todo = [i for i, a in enumerate(answers) if not a.penalty_reason]
     # One request per server when it fits (the server batches it best in one piece), else batch_size items each.
     size = max(1, min(config.batch_size, math.ceil(len(todo) / len(config.server_urls))))
     chunks = [todo[k : k + size] for k in range(0, len(todo), size)]
@@ -398,7 +501,9 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
     now = time.time()
     out, records = [], []
     for i, answer in enumerate(answers):
-        if answer.penalty_reason:
+        if config.reward == "rule":
+            result, status, reason = _mixed(config, None, rules[i]), "rule_error" if rules[i][1] else "ok", rules[i][1]
+        elif answer.penalty_reason:
             result, status, reason = (
                 _result(config, config.penalty_score, penalized=True),
                 "penalty",
@@ -409,6 +514,8 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
             result, status, reason = _result(config, raw, truncated=truncated), "ok", ""
         else:  # only under REWARD_ON_FAILURE=min_score
             result, status, reason = _result(config, config.min_score, failed=True), "error", str(failures[0])[:300]
+        if config.reward == "rm+rule":
+            result, reason = _mixed(config, result, rules[i]), reason or rules[i][1]
         out.append(result)
         prompt = prompts[i].get("prompt") or json.dumps(prompts[i].get("messages"), ensure_ascii=False)
         response = str(solution_strs[i])

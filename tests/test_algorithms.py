@@ -639,6 +639,12 @@ def test_ppo_sizes_the_critics_value_clip_from_the_reward_range_and_a_number_win
     assert "critic.cliprange_value=35.0" in trainer_argv(settings(env, ALGORITHM="ppo", STRATEGY=strategy))
     narrow = settings(env, ALGORITHM="ppo", STRATEGY=strategy, REWARD_MIN_SCORE=-1, REWARD_MAX_SCORE=1)
     assert "critic.cliprange_value=1.0" in trainer_argv(narrow)
+    # rule rewards span -1..1 (verl's scorers), a weighted mix the sum of the weighted ranges: (-40 - 10, 30 + 10)
+    assert "critic.cliprange_value=1.0" in trainer_argv(
+        settings(env, ALGORITHM="ppo", STRATEGY=strategy, REWARD="rule")
+    )
+    mix = settings(env, ALGORITHM="ppo", STRATEGY=strategy, REWARD="rm+rule", REWARD_RULE_WEIGHT="10")
+    assert "critic.cliprange_value=45.0" in trainer_argv(mix)
     explicit = settings(env, ALGORITHM="ppo", STRATEGY=strategy, CRITIC_CLIPRANGE_VALUE="0.5")
     assert "critic.cliprange_value=0.5" in trainer_argv(explicit)
     assert check(explicit) == []

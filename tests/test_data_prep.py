@@ -298,6 +298,45 @@ def test_a_file_without_the_prompt_column_names_it_the_columns_found_and_the_fla
     assert build_main([str(src), "--out-dir", str(tmp_path / "data" / "out"), *flag.split()]) == 0
 
 
+@pytest.mark.parametrize(
+    "preset, fmt, example, data_source, ground_truth, right, wrong",
+    [
+        # GSM8K's columns; its answer's last line '#### 1,000' becomes '1000' (verl's gsm8k.py); verl's strict scorer
+        ("gsm8k", "jsonl", {"question": "How many?", "answer": "500 + 500 = <<500+500=1000>>1000\n#### 1,000"},
+         "openai/gsm8k", "1000", "So the total is\n#### 1000", "#### 999"),
+        # MATH's columns; the last \boxed{}, nested braces whole (verl's math_dataset.py with its remove_boxed)
+        ("math", "parquet", {"problem": "Half of 1?", "solution": "First \\boxed{2}, no: $\\boxed{\\frac{1}{2}}$."},
+         "DigitalLearningGmbH/MATH-lighteval", "\\frac{1}{2}", "It is \\boxed{\\frac12}.", "It is \\boxed{2}."),
+    ],
+)  # fmt: skip
+def test_a_preset_builds_rule_rows_that_verls_own_scorer_scores(tmp_path, preset, fmt, example, data_source,
+                                                                 ground_truth, right, wrong, capsys):  # fmt: skip
+    """The rows verl's examples build: a right answer scores 1 and a wrong one 0 by verl's default_compute_score
+    (whole solution text as ground_truth, which the build wrote before, scores the right answer 0). A row without the
+    final answer the preset extracts is skipped, naming the column."""
+    from verl.utils.reward_score import default_compute_score
+
+    question, answer = list(example)  # the public set's column names
+    examples = [{question: f"{example[question]} ({i})", answer: example[answer], "id": i} for i in range(8)]
+    src = tmp_path / f"in.{fmt}"
+    examples.append({question: "Why?", answer: "no final answer", "id": 8})
+    write_jsonl(src, examples) if fmt == "jsonl" else pq.write_table(pa.Table.from_pylist(examples), src)
+    assert build(tmp_path, src, "--preset", preset) == 0
+    rows = rows_of(tmp_path / "out" / "train.parquet") + rows_of(tmp_path / "out" / "test.parquet")
+    assert len(rows) == 8 and {r["data_source"] for r in rows} == {data_source} and rows[0]["ability"] == "math"
+    assert {r["reward_model"]["style"] for r in rows} == {"rule"}
+    assert {r["reward_model"]["ground_truth"] for r in rows} == {ground_truth}
+    assert rows[0]["prompt"][0]["content"].startswith(f"{example[question]} (")
+    assert rows[0]["prompt"][0]["content"].endswith(
+        ") Let's think step by step and output the final answer "
+        + ('after "####".' if preset == "gsm8k" else "within \\boxed{}.")
+    )
+    assert default_compute_score(data_source, right, ground_truth) == 1.0
+    assert default_compute_score(data_source, wrong, ground_truth) == 0.0
+    assert default_compute_score(data_source, right, example[answer]) == 0.0, "the whole solution as ground_truth"
+    assert "row 9: answer column" in capsys.readouterr().err
+
+
 def test_the_command_line_has_help_and_rejects_contradictions(tmp_path):
     run = subprocess.run([sys.executable, "-m", "data_prep.build", "--help"], cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0 and "--messages-column" in run.stdout

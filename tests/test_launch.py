@@ -117,12 +117,33 @@ def test_a_reward_server_that_never_becomes_healthy_fails_the_job_within_the_dea
     assert_everything_stopped(job)
 
 
-def test_the_trainer_exit_code_is_the_jobs_and_everything_stops(job):
-    result = run(job | {"FAKE_TRAINER_RC": "3"})
-    assert result.returncode == 3
+def gsm8k_rule_data(tmp_path) -> dict:
+    """CONFIG_TRAIN_FILE and CONFIG_TEST_FILE of GSM8K-shaped rule rows, built by data_prep.build --preset gsm8k."""
+    from data_prep.build import main as build_main
+
+    src = tmp_path / "gsm8k.jsonl"
+    src.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"})
+                           + "\n" for i in range(40)))  # fmt: skip
+    assert build_main([str(src), "--preset", "gsm8k", "--out-dir", str(tmp_path / "gsm8k"), "--test-size", "0.2"]) == 0
+    return {f"CONFIG_{s.upper()}_FILE": str(tmp_path / "gsm8k" / f"{s}.parquet") for s in ("train", "test")}
+
+
+def test_the_trainer_exit_code_is_the_jobs_and_everything_stops(job, tmp_path):
+    """With REWARD=rule (verl's scorers in its own workers) on GSM8K rule rows: no reward server starts, none is
+    checked, and no reward model needs to exist."""
+    env = job | gsm8k_rule_data(tmp_path) | {"FAKE_TRAINER_RC": "3", "REWARD": "rule", "TRAIN_BATCH_SIZE": "8",
+                                             "PPO_MINI_BATCH_SIZE": "8", "CONFIG_REWARD_MODEL_PATH": "/nowhere"}  # fmt: skip
+    result = run(env)
+    assert result.returncode == 3, result.stderr[-3000:]
     assert "trainer exited with 3" in result.stderr
     assert not (Path(job["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
     assert (job_dir(job) / "done").read_text().strip() == "3"
+    assert "preflight: reward: REWARD=rule, rules by verl's scorers" in result.stdout
+    assert "no reward server (REWARD=rule)" in result.stdout
+    assert ("reward loop (async rollout) scored a right answer to a openai/gsm8k row 1 by rule, a wrong one 0"
+            in result.stdout), result.stdout[-3000:]  # fmt: skip
+    assert seen(job)["reward_health"] == [] and seen(job)["REWARD_SERVER_URLS"] == ""
+    assert not [p.name for p in job_dir(job).iterdir() if "reward_server" in p.name]
     assert_everything_stopped(job)
 
 
@@ -157,6 +178,12 @@ def test_a_finished_training_is_never_run_again(job):
         # Ray's own count, whatever the trainer (`ray start --num-cpus` would fail on every node, in the job)
         ({"RAY_NUM_CPUS": "2.5"}, "RAY_NUM_CPUS=2.5 (RAY_NUM_CPUS): Ray's CPUs per node must be a whole number"),
         ({"RAY_NUM_CPUS": "0"}, "RAY_NUM_CPUS=0 (RAY_NUM_CPUS): Ray's CPUs per node must be a whole number of at"),
+        ({"REWARD": "rules"}, "REWARD='rules': use rm (the reward model), rule (verl's scorers) or rm+rule"),
+        ({"REWARD_RULE_WEIGHT": "heavy"}, "(REWARD_RULE_WEIGHT or reward_kwargs.rule_weight) = 'heavy'"),
+        (
+            {"REWARD": "rule", "CONFIG_USE_SEPARATE_REWARD_NODE": "true", "SLURM_NNODES": "2"},
+            "CONFIG_USE_SEPARATE_REWARD_NODE=true with REWARD=rule: that node would idle",
+        ),
     ],
 )
 def test_bad_settings_stop_the_job_before_anything_starts_naming_the_setting(job, fake_container, overrides, needle):
@@ -446,3 +473,105 @@ def test_unusable_preference_pairs_fail_the_preflight_naming_the_setting_and_the
     assert not check_reward_format(Settings.from_env(block_environment() | job), str(tmp_path / "missing.jsonl"))
     err = capsys.readouterr().err
     assert "PREFLIGHT_REWARD_PAIRS" in err and "missing.jsonl: no such file" in err
+
+
+# --- REWARD=rule and rm+rule: the rows and the scorers, before the queue -----------------------------------------
+
+
+def reward_rows(tmp_path, rows):
+    """A parquet of verl rows: (data_source, style, ground_truth) each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / f"rows{len(list(tmp_path.glob('rows*')))}.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": ds, "prompt": [{"role": "user", "content": f"q{i}"}],
+         "reward_model": {"style": style, "ground_truth": truth}, "extra_info": {"index": i}}
+        for i, (ds, style, truth) in enumerate(rows)]), path)  # fmt: skip
+    return str(path)
+
+
+GSM8K_ROW = ("openai/gsm8k", "rule", "4")
+USER_FUNCTIONS = {
+    "syntax": "def score(:\n",
+    "raises": "def score(data_source, solution_str, ground_truth, extra_info=None):\n    raise KeyError('answer')\n",
+    "text": "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 'good'\n",
+    "constant": "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return {'score': 1}\n",
+    "format": "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return float(solution_str.startswith('####'))\n",
+}
+
+
+@pytest.mark.parametrize(
+    "reward, rows, function, needle",
+    [
+        # rule rows judged by the reward model alone: refused with their count and the setting that fits
+        ("rm", [GSM8K_ROW] * 3 + [("safety", "model", "q")], "",
+         "3 rows have a reward_model.style other than 'model', which REWARD=rm scores (first: {f} row 0, style 'rule'): REWARD=rule or rm+rule"),
+        # the article's model rows under a rule: no rule can check the prompt
+        ("rm+rule", [("safety", "model", "q")] * 2, "", "2 rows have a reward_model.style other than 'rule'"),
+        ("rule", [GSM8K_ROW, ("openai/gsm8k", "rule", " ")], "", "1 rows have no reward_model.ground_truth for REWARD=rule's rule to compare with (first: {f} row 1)"),
+        # a data_source verl has no scorer for, with the ones it has, read from its own code
+        ("rule", [GSM8K_ROW, ("custom", "rule", "4")], "", "data_source 'custom' (1 rows, first: {f} row 1) has no scorer in verl 0.6.1's default_compute_score, which knows DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500"),
+        ("rule", [GSM8K_ROW, ("aime2024", "rule", "7")], "", None),  # verl's prefix
+        ("rule", [GSM8K_ROW] * 2, "", None),
+        # the user's own function, any data_source: imported and called on a few rows
+        ("rule", [("custom", "rule", "4")], "syntax", "REWARD_FUNCTION_PATH={p} (REWARD_FUNCTION_NAME=score) does not import: SyntaxError"),
+        ("rm+rule", [("custom", "rule", "4")], "raises", "(REWARD_FUNCTION_NAME=score) raised on {f} row 0: KeyError: 'answer'"),
+        ("rule", [("custom", "rule", "4")], "text", "returned 'good' for {f} row 0: return a number, or a dict with a 'score'"),
+        ("rule", [("custom", "rule", "4")] * 3, "constant", "returned 1.0 for all 12 responses to 3 rows"),
+        ("rule", [("custom", "rule", "4")] * 3, "format", None),
+    ],
+)  # fmt: skip
+def test_rows_that_disagree_with_reward_or_have_no_scorer_are_refused_naming_the_count_and_the_fix(
+    tmp_path, reward, rows, function, needle
+):
+    from launch.plan.reward_check import reward_data_problems
+
+    path = ""
+    if function:
+        path = tmp_path / f"{function}.py"
+        path.write_text(USER_FUNCTIONS[function])
+    f = reward_rows(tmp_path, rows)
+    problems = reward_data_problems(reward, str(path), "score", [f])
+    if needle is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and needle.format(f=f, p=path) in problems[0], problems
+
+
+def test_the_rule_check_scores_a_right_answer_above_a_wrong_one_or_refuses_the_rows(tiny_models, tmp_path, monkeypatch):
+    """The check the canary and every job run before training: verl's GSM8K scorer, through verl's batch reward
+    manager (sync rollout; the async reward loop: the exit-code job above), gives the right answer to the first
+    validation row 1 and a wrong one 0; with a ground_truth it cannot parse (the whole solution text, as data_prep
+    wrote it before --preset) it gives both 0: refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from launch.plan.preflight import compose, split_command
+    from launch.plan.reward_check import rule_round_trip
+    from launch.plan.settings import Settings
+    from launch.plan.trainer_command import trainer_argv
+
+    data = gsm8k_rule_data(tmp_path)
+    env = (
+        block_environment()
+        | data
+        | {"CONFIG_MODEL_PATH": str(tiny_models.policy), "REWARD": "rule", "ROLLOUT_MODE": "sync"}
+    )
+    _, path, name, overrides = split_command(
+        trainer_argv(Settings.from_env(env | {"REWARD_PROMPT_OPENS_THINK": "true"}))
+    )
+    cfg = compose(name, overrides, path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    monkeypatch.setenv("REWARD", "rule")
+    (line,) = rule_round_trip(cfg, tokenizer)
+    assert line.endswith("scored a right answer to a openai/gsm8k row 1 by rule, a wrong one 0")
+    rows = pq.read_table(data["CONFIG_TEST_FILE"]).to_pylist()
+    rows[0]["reward_model"]["ground_truth"] = "3+3=6\n#### 6"
+    pq.write_table(pa.Table.from_pylist(rows), data["CONFIG_TEST_FILE"])
+    with pytest.raises(
+        ValueError, match="gave the right answer '3\\+3=6\\\\n#### 6' 0.0 and a wrong one '0' 0.0: it cannot"
+    ):
+        rule_round_trip(cfg, tokenizer)

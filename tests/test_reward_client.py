@@ -8,6 +8,7 @@ import asyncio
 import http.server
 import json
 import multiprocessing
+import re
 import sys
 import threading
 import time
@@ -136,7 +137,7 @@ SAMPLES = [
 ]  # fmt: skip
 
 
-def make_data(tokenizer, samples=SAMPLES):
+def make_data(tokenizer, samples=SAMPLES, data_source="safety", style="model"):
     """A DataProto as verl builds it after rollout: left-padded prompts, right-padded responses ending in EOS."""
     from verl import DataProto
 
@@ -164,8 +165,8 @@ def make_data(tokenizer, samples=SAMPLES):
             "attention_mask": mask,
         },
         non_tensors={
-            "data_source": np.array(["safety"] * len(samples), dtype=object),
-            "reward_model": np.array([{"ground_truth": gt, "style": "model"} for _, _, gt, _ in samples], dtype=object),
+            "data_source": np.array([data_source] * len(samples), dtype=object),
+            "reward_model": np.array([{"ground_truth": gt, "style": style} for _, _, gt, _ in samples], dtype=object),
             "extra_info": np.array([dict(e) for _, _, _, e in samples], dtype=object),
         },
     )
@@ -373,6 +374,87 @@ def test_scores_are_clipped_and_every_sample_has_the_same_numeric_keys(server, e
     assert all(set(r) == {"score", "raw_score", "truncated", "penalized", "failed"} for r in out)
     assert all(-0.001 <= r["score"] <= 0.0 for r in out)
     assert all(isinstance(v, float) for r in out for v in r.values())
+
+
+# --- REWARD=rule and rm+rule ---------------------------------------------------------------------------------------
+
+GSM8K_SAMPLES = [
+    # (prompt, response, ground truth, extra_info): verl's GSM8K scorer wants '#### <number>' at the end
+    ([{"role": "user", "content": "2+2?"}], "Two and two.</think>So it is\n#### 4", "4", {"index": 0}),
+    ([{"role": "user", "content": "3+3?"}], "Sum.</think>#### 7", "6", {"index": 1}),  # wrong
+    ([{"role": "user", "content": "5+5?"}], "still thinking, cut off", "10", {"index": 2}),  # no answer at all
+]
+
+
+@pytest.mark.parametrize("manager, function", [("naive", "safe_hack_reward"), ("batch", "safe_hack_reward_batch")])
+def test_rule_rows_are_scored_by_verls_own_scorer_without_any_reward_server(
+    tiny_models, monkeypatch, manager, function
+):
+    """REWARD=rule through verl's managers: verl's GSM8K scorer by data_source, the parts in reward_extra_info, and
+    no request at all (the only server named is a closed port, which would fail the step after its budget)."""
+    from transformers import AutoTokenizer
+    from verl.trainer.ppo.reward import compute_reward, load_reward_manager
+
+    sys.modules.pop("custom_module", None)
+    monkeypatch.setenv("REWARD", "rule")
+    monkeypatch.setenv("REWARD_SERVER_URLS", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("REWARD_RETRY_SECONDS", "30")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
+    data, lengths = make_data(tokenizer, GSM8K_SAMPLES, data_source="openai/gsm8k", style="rule")
+    start = time.monotonic()
+    reward_tensor, extra = compute_reward(data, load_reward_manager(verl_config(manager, function), tokenizer, 0))
+    assert time.monotonic() - start < 10, "no reward server may be asked"
+    assert [reward_tensor[i, n - 1].item() for i, n in enumerate(lengths)] == [1.0, 0.0, 0.0]
+    assert list(extra["rule_score"]) == [1.0, 0.0, 0.0] and list(extra["rule_failed"]) == [0.0, 0.0, 0.0]
+
+
+def test_rm_plus_rule_adds_the_weighted_parts_and_a_raising_scorer_scores_0_once_counted(
+    server, env, monkeypatch, tmp_path, capsys
+):
+    """The user's own function (verl's contract) as the rule, weighted onto the reward model's score; a response it
+    raises on gets 0 for the rule, rule_failed 1, and one line naming the row; the step goes on."""
+    user = tmp_path / "my_reward.py"
+    user.write_text(
+        "def length_rule(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if 'boom' in solution_str:\n        raise ValueError('cannot parse')\n"
+        "    return {'score': len(solution_str) / 100, 'acc': 1}\n"
+    )
+    monkeypatch.setenv("REWARD", "rm+rule")
+    monkeypatch.setenv("REWARD_FUNCTION_PATH", str(user))
+    monkeypatch.setenv("REWARD_FUNCTION_NAME", "length_rule")
+    responses = ["a</think>yes, fine", "a</think>boom", "never closed"]
+    out = safe_hack_reward_batch(["s"] * 3, responses, ["q1", "q2", "q3"], [{"index": i} for i in range(3)],
+                                 rm_weight=0.5, rule_weight=10.0)  # fmt: skip
+    rm = safe_hack_reward_batch(["s"] * 3, responses, ["q1", "q2", "q3"], [{}] * 3, reward="rm")
+    assert [r["rm_score"] for r in out] == pytest.approx([r["score"] for r in rm], abs=1e-4)
+    assert [r["rule_score"] for r in out] == [len(responses[0]) / 100, 0.0, len(responses[2]) / 100]
+    assert [r["rule_failed"] for r in out] == [0.0, 1.0, 0.0]
+    assert [r["score"] for r in out] == pytest.approx([0.5 * r["rm_score"] + 10 * r["rule_score"] for r in out])
+    assert all(set(r) == {"score", "raw_score", "truncated", "penalized", "failed", "rm_score", "rule_score",
+                          "rule_failed"} for r in out)  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("the rule scorer failed") == 1 and "extra_info.index=1: ValueError: cannot parse" in err
+    lines = [json.loads(x) for x in (env / "logs" / "rewards.jsonl").read_text().splitlines()]
+    assert lines[1]["reason"] == "ValueError: cannot parse" and lines[1]["rule_failed"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"REWARD": "rules"}, "REWARD='rules': use rm"),  # a typo of the setting
+        ({"REWARD_RULE_WEIGHT": "heavy"}, "REWARD_RULE_WEIGHT or reward_kwargs.rule_weight) = 'heavy'"),
+        ({"REWARD_RM_WEIGHT": "nan"}, "REWARD_RM_WEIGHT=nan: use a finite number"),
+    ],
+)
+def test_a_bad_reward_setting_is_refused_naming_it(env, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        load_config({}, env)
+
+
+def test_the_score_range_follows_the_parts_and_their_weights():
+    assert load_config({}, {}).score_range == (-40.0, 30.0)
+    assert load_config({}, {"REWARD": "rule"}).score_range == (-1.0, 1.0)
+    assert load_config({"rule_weight": -2}, {"REWARD": "rm+rule"}).score_range == (-42.0, 32.0)
 
 
 # --- failures ----------------------------------------------------------------------------------------------------

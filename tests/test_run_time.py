@@ -31,6 +31,7 @@ from launch.plan.gpu_memory import (
     RewardPeak,
     RolloutMemoryError,
     memory_line,
+    reward_peak,
     reward_server_peak,
     stage_parameters,
     trainer_resident,
@@ -289,6 +290,7 @@ def test_two_sync_rollout_jobs_on_one_node_hold_their_sglang_ports_at_once(probe
         ({"ROLLOUT_TP": "2", "ROLLOUT_ENGINE": "vllm"}, False),  # vLLM makes no such check
         ({"ROLLOUT_TP": "2", "SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true"}, False),  # SGLang's own switch
         ({}, False),  # ROLLOUT_TP=1: no group to balance
+        ({"ROLLOUT_TP": "2", "REWARD": "rule"}, False),  # rule rewards: no reward server at all
     ],
 )
 def test_a_tensor_parallel_sglang_rollout_beside_reward_servers_on_some_gpus_is_refused(overrides, refused):
@@ -323,6 +325,15 @@ def _line_settings(**overrides) -> Settings:
 # What the trainer keeps on a GPU at the rollout's start and a reward server's peak, as inputs to the line
 RESIDENT = [Resident((("actor weights", 4 * GIB), ("actor gradients", 8 * GIB), ("process", 2 * GIB)))]
 PEAK = RewardPeak(weights=3 * GIB, activations=3 * GIB, tokens=32768, cap=0)
+
+
+def test_rule_rewards_put_no_reward_server_on_any_gpu_and_one_step_off_gives_the_rollout_vllms_own_share():
+    rule = _line_settings(REWARD="rule")
+    assert reward_peak(rule) is None, "no reward model is sized, even one that is not there"
+    line = memory_line(rule, reward_peak(rule), 80 * GIB, RESIDENT)
+    assert "no reward server (REWARD=rule)" in line and "0.4 x 66.0 = 26.4 GiB" in line, line
+    assert _line_settings(REWARD="rule", TRAINER_MODE="one_step_off").rollout_gpu_memory == 0.9
+    assert _line_settings(TRAINER_MODE="one_step_off").rollout_gpu_memory == 0.65
 
 
 def test_sglangs_share_is_of_the_memory_free_at_its_start_beside_the_trainer_and_the_reward_server():

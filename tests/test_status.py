@@ -42,14 +42,19 @@ def verl_console(steps: dict[int, dict], prefix: str = ACTOR) -> str:
     return out.getvalue()
 
 
-def training(first: int, last: int, **changes) -> dict[int, dict]:
-    """Steps first..last as the stand-in logs them (status's metrics, val-core every 5), each key of `changes` set to
-    its value, or to what its function of the step gives."""
+# REWARD=rm+rule's parts at validation, as verl 0.6.1 logs reward_extra_info (val-aux/<data_source>/<key>/<stat>)
+RULE_PART, RM_PART = "val-aux/safe_hack/rule_score/mean@1", "val-aux/safe_hack/rm_score/mean@1"
+
+
+def training(first: int, last: int, parts: bool = False, **changes) -> dict[int, dict]:
+    """Steps first..last as the stand-in logs them (status's metrics, val-core every 5; with `parts` the reward's
+    parts too), each key of `changes` set to its value, or to what its function of the step gives."""
     steps = {}
     for n in range(first, last + 1):
         metrics = step_metrics(n) | {"training/global_step": n, "timing_s/step": 100.0}
         if n % 5 == 0:
             metrics |= {"val-core/safe_hack/reward/mean@1": metrics["critic/score/mean"] + 0.1, "timing_s/testing": 40}
+            metrics |= {RULE_PART: n / 100, RM_PART: 0.5, "val-aux/safe_hack/rule_score/std@1": 0.1} if parts else {}
         for key, value in changes.items():
             metrics[key] = value(n) if callable(value) else value
         steps[n] = metrics
@@ -113,7 +118,7 @@ def test_every_kind_of_value_verls_console_logger_prints_is_read_back():
 def test_a_folder_alone_gives_the_step_the_total_the_checkpoint_and_the_metrics(tmp_path, no_slurm, capsys):
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     saved(ckpt, 10, payload=4096)
-    folder = start_folder(logs, "424242", training(1, 12), ckpt=ckpt)  # a Slurm job id, on a machine without Slurm
+    folder = start_folder(logs, "424242", training(1, 12, parts=True), ckpt=ckpt)  # a Slurm job id, without Slurm
     r = status_of(str(folder), capsys=capsys)
     assert (r["state"], r["slurm"]) == ("running", None)
     assert "scontrol is not on PATH" in r["slurm_notes"] and "sacct is not on PATH" in r["slurm_notes"]
@@ -126,6 +131,8 @@ def test_a_folder_alone_gives_the_step_the_total_the_checkpoint_and_the_metrics(
     assert score["step"] == 12 and score["value"] == pytest.approx(step_metrics(12)["critic/score/mean"])
     assert score["change"] > 0, "the stand-in's reward rises"
     assert r["metrics"]["val-core/safe_hack/reward/mean@1"]["step"] == 10
+    assert r["metrics"][RULE_PART]["value"] == 0.1 and r["metrics"][RULE_PART]["change"] > 0
+    assert RM_PART in r["metrics"] and not [k for k in r["metrics"] if "std@" in k], "the parts' means only"
     assert r["warnings"] == []
     assert status.main([str(folder)]) == 0
     text = capsys.readouterr().out
@@ -300,7 +307,7 @@ def test_the_eta_in_starts_counts_each_starts_startup_and_the_save_before_its_li
 def test_the_picture_has_every_curve_and_marks_where_each_requeued_start_resumed(tmp_path, no_slurm):
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     start_folder(logs, LOCAL_ID, training(1, 14), ckpt=ckpt, done=143)
-    start_folder(logs, f"{LOCAL_ID}-r1", training(13, 30), resumed=12, ckpt=ckpt)
+    start_folder(logs, f"{LOCAL_ID}-r1", training(13, 30, parts=True), resumed=12, ckpt=ckpt)
     job = reading.load(LOCAL_ID, log_dir=logs)
     fig = status.figure(job)
     titles = [ax.get_title() for ax in fig.axes]
@@ -310,6 +317,8 @@ def test_the_picture_has_every_curve_and_marks_where_each_requeued_start_resumed
     assert marks == [12.5], "the second start resumed after step 12"
     (score,) = [line for line in reward.get_lines() if line.get_label() == "critic/score/mean"]
     assert list(score.get_xdata()) == list(range(1, 31)), "steps 13-14, trained twice, once each"
+    (rule,) = [line for line in reward.get_lines() if line.get_label() == RULE_PART]
+    assert list(rule.get_xdata()) == [15, 20, 25, 30], "REWARD=rm+rule's rule part, at each validation"
     png = tmp_path / "out" / "status.png"
     png.parent.mkdir()
     png.write_bytes(b"an older picture")

@@ -202,7 +202,7 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
     reward_gpus = [g.strip() for g in s.reward_gpus.split(",") if g.strip()]
     shared = peak is not None and not s.separate_reward_node  # a reward server on some of the head's GPUs
     if peak is None:
-        reward = "reward servers on the CPU"
+        reward = "no reward server (REWARD=rule)" if not s.uses_reward_model else "reward servers on the CPU"
     elif s.separate_reward_node:
         reward = f"reward servers on their own node, {replicas} x {peak.describe()}, one per GPU"
     else:
@@ -451,8 +451,10 @@ class UpdateMemoryError(Exception):
 
 
 def reward_peak(settings: Settings) -> RewardPeak | None:
-    """One reward server's peak on a GPU (reward_server_peak), None where the servers run on the CPU."""
-    return None if settings.reward_device == "cpu" else reward_server_peak(settings.reward_model_path, os.environ)
+    """One reward server's peak on a GPU (reward_server_peak), None where the servers run on the CPU or none runs."""
+    if settings.reward_device == "cpu" or not settings.uses_reward_model:
+        return None
+    return reward_server_peak(settings.reward_model_path, os.environ)
 
 
 def gpu_memory_line(settings: Settings, peak, cfg) -> str:

@@ -70,6 +70,9 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
             "CONFIG_USE_SEPARATE_REWARD_NODE=true needs at least 2 nodes (the last one runs only reward servers); "
             f"this job has {s.nnodes}: submit with --nodes=2 or set it to false"
         )
+    if s.separate_reward_node and not s.uses_reward_model:
+        problems.append("CONFIG_USE_SEPARATE_REWARD_NODE=true with REWARD=rule: that node would idle, since rule "
+                        "rewards need no reward server; set it to false, or REWARD=rm+rule")  # fmt: skip
     if s.fp8:
         problems.append(
             "FP8=true: verl 0.6.1 cannot train in FP8 here. Its Megatron path resets config.fp8 to None unless "
@@ -153,7 +156,7 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         problems.append(str(exc))
     if check_paths:
         for name, path in (("CONFIG_MODEL_PATH", s.model_path), ("CONFIG_REWARD_MODEL_PATH", s.reward_model_path)):
-            if not Path(path, "config.json").is_file():
+            if not Path(path, "config.json").is_file() and (name == "CONFIG_MODEL_PATH" or s.uses_reward_model):
                 problems.append(f"{name}={path}: no config.json there (point it at the model's folder)")
         for name, path in (("CONFIG_TRAIN_FILE", s.train_file), ("CONFIG_TEST_FILE", s.test_file)):
             if not Path(path).is_file():
@@ -242,7 +245,7 @@ def context_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
         reward_max = int(raw) if raw else RewardServerSettings.max_length
     except ValueError:
         return problems  # the reward server names a malformed REWARD_MAX_LENGTH itself
-    reward = model_positions(s.reward_model_path)
+    reward = model_positions(s.reward_model_path) if s.uses_reward_model else None
     if reward is not None and reward_max > reward and sequence > reward:
         problems.append(
             f"REWARD_MAX_LENGTH={reward_max} (the reward server keeps that many last tokens of a pair) is above the "
@@ -363,7 +366,7 @@ def reward_gpu_problems(s: Settings) -> list[str]:
     on a node is Ray's choice, so the placements that hold are a server on every GPU of the node (all equally less),
     or none (CONFIG_USE_SEPARATE_REWARD_NODE, CONFIG_REWARD_DEVICE=cpu). vLLM has no such check."""
     if (s.separate_reward_node or s.reward_device != "cuda" or s.rollout_engine != "sglang" or s.rollout_tp < 2
-            or s.trainer_mode != "sync" or s.sglang_memory_check_off):  # fmt: skip
+            or s.trainer_mode != "sync" or s.sglang_memory_check_off or not s.uses_reward_model):  # fmt: skip
         return []
     indices = {g.strip() for g in s.reward_gpus.split(",") if g.strip()}
     every = {str(g) for g in range(s.gpus_per_node)}

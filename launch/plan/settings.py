@@ -64,6 +64,7 @@ class Settings:
     prompt_opens_think_setting: str = setting(
         "REWARD_PROMPT_OPENS_THINK"
     )  # auto | true | false (launch/plan/thinking.py)
+    reward: str = setting("REWARD")  # rm | rule | rm+rule (the reward function checks it: reward_score_range)
     reward_model_path: str = setting("CONFIG_REWARD_MODEL_PATH")
     train_file: str = setting("CONFIG_TRAIN_FILE")
     test_file: str = setting("CONFIG_TEST_FILE")
@@ -172,6 +173,11 @@ class Settings:
         return self.val_before_train_setting == "true"
 
     @property
+    def uses_reward_model(self) -> bool:
+        """REWARD=rule scores in verl's workers alone: no reward server, on no GPU."""
+        return self.reward != "rule"
+
+    @property
     def train_nodes(self) -> int:
         return self.nnodes - 1 if self.separate_reward_node else self.nnodes
 
@@ -244,7 +250,7 @@ class Settings:
         if raw == "auto":
             if self.trainer_mode != "one_step_off":
                 return ROLLOUT_GPU_MEMORY_HYBRID
-            shared = not self.separate_reward_node and self.reward_device != "cpu"
+            shared = not self.separate_reward_node and self.reward_device != "cpu" and self.uses_reward_model
             return round(VLLM_GPU_MEMORY_UTILIZATION - (ROLLOUT_ROOM_FOR_REWARD if shared else 0), 2)
         try:
             value = float(raw)
@@ -262,11 +268,12 @@ class Settings:
 
 
 def _reward_score_range(env) -> tuple[float, float]:
-    """REWARD_MIN_SCORE and REWARD_MAX_SCORE as the reward function reads them (its defaults, then the environment)."""
+    """The scores a sample can get as the reward function reads its settings (its defaults, then the environment):
+    REWARD_MIN_SCORE to REWARD_MAX_SCORE for the reward model, and with REWARD=rule or rm+rule the rule's part."""
     from reward_score.safe_hack_reward_request import load_config
 
     try:
         config = load_config(environ=dict(env))
     except (TypeError, ValueError) as exc:
         raise SettingError(str(exc)) from None
-    return config.min_score, config.max_score
+    return config.score_range

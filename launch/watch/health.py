@@ -36,7 +36,10 @@ METRICS = {
     "actor/entropy": "falls slowly; near 0 the policy has collapsed onto a few answers",
     "timing_s/step": "steady; a jump: the rollout, the reward servers or a slow node",
     "val-core/": "rises with critic/score/mean; falling while the score rises: the policy games the reward model",
+    "val-aux/": "REWARD=rule or rm+rule: each part's mean at validation (rule_score, rm_score); the rule's rising: more right answers",
 }
+# The reward's parts verl 0.6.1 logs from reward_extra_info, at validation only (ray_trainer.py:639-660).
+REWARD_PARTS = ("/rule_score/mean@", "/rm_score/mean@")
 CLIP_HIGH = 0.5
 PG_CLIPFRAC_HIGH = 0.3
 KL_HIGH = 1.0
@@ -180,6 +183,10 @@ def fit_change(values: list[float]) -> float:
     return slope * (n - 1)
 
 
+def is_reward_part(key: str) -> bool:
+    return key.startswith("val-aux/") and any(part in key for part in REWARD_PARTS)
+
+
 def series(steps: dict[int, dict[str, float]], key: str) -> list[tuple[int, float]]:
     return [(n, m[key]) for n, m in sorted(steps.items()) if key in m]
 
@@ -188,13 +195,13 @@ def metric_summary(steps: dict[int, dict[str, float]]) -> dict[str, dict]:
     """The newest value of each metric that matters, its change over the last WINDOW steps, and its healthy range."""
     out = {}
     keys = [k for k in METRICS if not k.endswith("/")]
-    keys += sorted({k for m in steps.values() for k in m if k.startswith("val-core/")})
+    keys += sorted({k for m in steps.values() for k in m if k.startswith("val-core/") or is_reward_part(k)})
     for key in keys:
         points = series(steps, key)
         if not points:
             continue
         finite = [v for _, v in points[-WINDOW:] if math.isfinite(v)]
-        healthy = METRICS.get(key) or METRICS["val-core/"]
+        healthy = METRICS.get(key) or METRICS[key.split("/", 1)[0] + "/"]
         out[key] = {"step": points[-1][0], "value": points[-1][1], "change": fit_change(finite),
                     "over": len(finite), "healthy": healthy}  # fmt: skip
     return out

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from launch.job.steps import is_training_step
-from launch.watch.health import FINAL, merged_steps, report, series, state
+from launch.watch.health import FINAL, is_reward_part, merged_steps, report, series, state
 from launch.watch.reading import PREFLIGHT_ONLY, Job, StatusError, clock, duration, load, read_text
 
 # --- as text ---------------------------------------------------------------------------------------------------------
@@ -176,9 +176,11 @@ def figure(job: Job):
             if points:
                 ax.plot(*zip(*points, strict=True), label=key, color="tab:blue", linewidth=1.2)
         if title == "reward":
-            for key in sorted({k for m in steps.values() for k in m if k.startswith("val-core/")}):
+            for key in sorted({k for m in steps.values() for k in m if k.startswith("val-core/") or is_reward_part(k)}):
                 points = series(steps, key)
-                ax.plot(*zip(*points, strict=True), "o--", label=key, color="tab:green", markersize=3)
+                core = key.startswith("val-core/")  # else a part of the reward (REWARD=rule, rm+rule)
+                ax.plot(*zip(*points, strict=True), "o--" if core else "s-.", label=key, markersize=3,
+                        color="tab:green" if core else None)  # fmt: skip
         handles = list(ax.get_lines())
         if twin and (points := series(train, twin)):
             right = ax.twinx()
