@@ -265,6 +265,7 @@ def combination_problems(s: Settings) -> list[str]:
         ("REWARD_MANAGER", s.reward_manager_setting, ("auto", "batch", "naive", "dapo")),
         ("ROLLOUT_ENGINE", s.rollout_engine, ("sglang", "vllm")),
         ("MEGATRON_RECOMPUTE", s.megatron_recompute, tuple(RECOMPUTE)),
+        ("FUSED_KERNELS", s.fused_kernels_setting, ("auto", "on", "off")),
     ):
         if value not in allowed:
             problems.append(f"{name}={value!r}: use one of {', '.join(allowed)}")
