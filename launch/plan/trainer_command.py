@@ -121,8 +121,8 @@ def recompute_overrides(s: Settings, section: str) -> list[str]:
     return [f"{section}.override_transformer_config.{key}={value}" for key, value in keys.items()]
 
 
-# The Ray hook of a Megatron run on a CPU (demo/megatron_cpu.py, HOOK): there verl's pure-torch FusedLinearForPPO
-# stands in for the Triton kernel, which has no hidden-size limit of its own.
+# The Ray hook of a Megatron run on a CPU (demo/megatron_cpu.py, HOOK): there verl's pure-torch FusedLinearForPPO,
+# which takes any hidden size, stands in for the Triton kernel.
 CPU_STAND_IN_HOOK = "ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=demo.megatron_cpu.install"
 FUSED_OVERRIDES = ["actor_rollout_ref.model.use_fused_kernels=True", "+actor_rollout_ref.ref.use_fused_kernels=True"]
 
