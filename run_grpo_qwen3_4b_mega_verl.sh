@@ -99,6 +99,7 @@ MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-4}"                 # micro-batches 
 ACTOR_PP="${ACTOR_PP:-2}"                                       # Megatron pipeline parallel (actor, ref and critic)
 ACTOR_TP="${ACTOR_TP:-1}"                                       # Megatron tensor parallel (actor, ref and critic)
 MEGATRON_RECOMPUTE="${MEGATRON_RECOMPUTE:-full}"                # full | selective | off: Megatron activation recompute (training.md)
+FUSED_KERNELS="${FUSED_KERNELS:-auto}"                          # auto | on | off: verl's fused log-prob kernels, no [tokens x vocab] logits (Megatron; training.md)
 ROLLOUT_TP="${ROLLOUT_TP:-1}"                                   # rollout engine tensor parallel
 ROLLOUT_N="${ROLLOUT_N:-4}"                                     # responses per prompt (the GRPO group)
 ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-auto}"                # rollout engine's share (SGLang: of the GPU's free memory); auto: 0.4, one_step_off 0.65-0.9

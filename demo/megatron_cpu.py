@@ -360,6 +360,40 @@ def _value_head_without_flash_attn() -> None:
     sys.modules[name] = module
 
 
+# --- verl's fused log-prob kernels (FUSED_KERNELS) ----------------------------------------------------------------
+
+FUSED_STAND_IN_LINE = "fused log-probs: verl's FusedLinearForPPO (CPU stand-in)"
+
+
+def _fused_log_probs_in_torch() -> None:
+    """verl's fused forward (use_fused_kernels, verl/models/mcore/model_forward_fused.py:201) calls the Triton kernel
+    it imports by name (:32, verl.utils.kernel.linear_cross_entropy), which needs CUDA and Triton
+    (linear_cross_entropy.py:66 NVTX, kernels.py:518 asserts is_cuda, :608 Triton). In that module the name is
+    verl's own pure-torch FusedLinearForPPO (verl/utils/experimental/torch_functional.py:196: the same log-probs and
+    entropy, chunk by chunk, with its own backward), with the kernel's signature and shapes: hidden [tokens, 1,
+    hidden] or [b, s, hidden] flattened to its rows, labels to one row, float32 log-probs and entropy per token (the
+    kernel's, kernels.py:543-551), computed in float32 as the kernel accumulates. Tensor parallelism is refused: a CPU
+    run has TP=1."""
+    import torch
+    from verl.models.mcore import model_forward_fused
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    said = []
+
+    def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None):
+        if reduction != "none" or (
+            dist_process_group is not None and torch.distributed.get_world_size(dist_process_group) > 1
+        ):
+            raise NotImplementedError("the CPU stand-in of verl's fused kernel: reduction='none' and TP=1 only")
+        if not said:
+            print(FUSED_STAND_IN_LINE, flush=True)
+            said.append(True)
+        rows = hidden.reshape(-1, hidden.shape[-1]).float()
+        return FusedLinearForPPO()(rows, weight.float(), labels.reshape(-1), float(temperature))
+
+    model_forward_fused.linear_cross_entropy = linear_cross_entropy
+
+
 SHIMS = (
     _te_shaped_layer_spec,
     _cpu_rng_tracker,
@@ -370,6 +404,7 @@ SHIMS = (
     _adam_with_the_step_in_the_group,
     _transformer_engine_for_the_resume,
     _value_head_without_flash_attn,
+    _fused_log_probs_in_torch,
 )
 # What a GPU machine without Transformer Engine (benchmarks/ on the H200) needs of these: the layer spec, the
 # optimizer's state as FusedAdam keeps it, the resume's import, the value head's module. No device shim.

@@ -91,7 +91,7 @@ def _qwen3_config(tokenizer, **extra):
         head_dim=16,
         max_position_embeddings=8192,
         rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=extra.pop("tie_word_embeddings", True),
         # Wider than the default 0.02, so different texts get clearly different scores in tests.
         initializer_range=0.2,
         pad_token_id=tokenizer.pad_token_id,
@@ -136,16 +136,17 @@ def warm_start(model, tokenizer, steps: int = 40, seed: int = 0) -> None:
     model.eval()
 
 
-def build_policy_model(out_dir: str | Path, seed: int = 0, chat_template: str = POLICY_CHAT_TEMPLATE) -> Path:
+def build_policy_model(out_dir: str | Path, seed: int = 0, chat_template: str = POLICY_CHAT_TEMPLATE,
+                       tied: bool = True) -> Path:  # fmt: skip
     """Qwen3ForCausalLM of the same shape, with a Thinking-2507-style chat template (or `chat_template`),
-    warm-started (`warm_start`)."""
+    warm-started (`warm_start`); `tied`: its output layer shares the embedding's weight."""
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     out = Path(out_dir)
     tokenizer = build_tokenizer(chat_template, seed=seed)
     torch.manual_seed(seed + 1)
-    model = Qwen3ForCausalLM(_qwen3_config(tokenizer))
+    model = Qwen3ForCausalLM(_qwen3_config(tokenizer, tie_word_embeddings=tied))
     warm_start(model, tokenizer, seed=seed)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out)

@@ -142,7 +142,11 @@ def reference_and_critic(policy: Path, settings: dict[str, str], cfg, data, move
             sizes.append(buffer_sizes(critic.critic_module))
         critics[name] = {"param_offload": critic._is_offload_param, "values": passes, "buffer_sizes": sizes}
     return {
-        "ref": {"param_offload": ref._ref_is_offload_param, "log_probs": ref_passes},
+        "ref": {
+            "param_offload": ref._ref_is_offload_param,
+            "log_probs": ref_passes,
+            "use_fused_kernels": ref.ref_policy.use_fused_kernels,
+        },  # fmt: skip
         **critics,
     }
 
@@ -195,6 +199,7 @@ def main(out: Path, policy: Path, settings: dict[str, str]) -> None:
         "update": update_metrics(worker, batch, old_log_probs),
         **reference_and_critic(policy, settings, cfg, data, moves, names),
         "moves": [[m if isinstance(m, str) else names.get(id(m), "other"), verb] for m, verb in moves],
+        "use_fused_kernels": worker.actor.use_fused_kernels,  # MegatronPPOActor's own (megatron_actor.py:132)
     }
     out.write_text(json.dumps(report))
 

@@ -204,6 +204,9 @@ def test_the_articles_grpo_command_passes_verls_own_checks_and_a_typo_does_not(j
         in ok.stdout
     )
     assert "PREFLIGHT_ONLY=1: nothing started" in ok.stdout
+    # the tiny policy's hidden size (64) is one verl's Triton kernel refuses: auto keeps them off, saying so
+    assert "verl's fused log-prob kernels off (FUSED_KERNELS=auto: hidden_size 64 is not a multiple of 128" in ok.stdout
+    assert "preflight: Megatron log-prob passes per GPU" in ok.stdout
     typo = run(article, "trainer.total_epoch=2")
     assert typo.returncode == 1 and "Could not override 'trainer.total_epoch'" in typo.stderr
     # fixed micro-batches put back by overrides: verl's validate_config asks 1024 sequences to split into them

@@ -13,7 +13,7 @@ from launch.plan.config_refusals import rollout_problems
 from launch.plan.preflight import compose, split_command, validate
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
-from launch.plan.trainer_command import trainer_argv
+from launch.plan.trainer_command import FUSED_OVERRIDES, fused_kernels, trainer_argv
 from tests.support import REPO, SHIM_OUTCOME, block_environment
 
 
@@ -33,7 +33,7 @@ def run_worker(tmp, policy, *settings: str) -> dict:
     run = subprocess.run([sys.executable, "-m", "tests.megatron_worker", str(out), str(policy), *settings], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()) | {"stdout": run.stdout}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,38 @@ def test_the_update_recomputes_each_layer_and_gets_the_gradient_it_gets_keeping_
     assert full.keys() == kept.keys()
     for key in full:
         assert full[key] == pytest.approx(kept[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_fused_log_probs_reach_the_actor_and_the_reference_and_agree_with_the_logits_path(tmp_path_factory):
+    """FUSED_KERNELS on an untied tiny policy at PP=1 (where a tied one keeps verl 0.6.1's fused forward off): verl's
+    running actor and reference both take the fused path (the `+` key reaches the reference), through
+    demo/megatron_cpu.py's FusedLinearForPPO in place of the Triton kernel (its line in the worker's output), and give
+    the unfused path's log-probs within bf16 rounding: the worker runs in bf16, the logits path rounds the logits to
+    bf16 before its float32 log-softmax while the fused one computes them in float32 as the kernel does, 0.013 apart
+    here, under HF's own bf16-against-float32 gap (0.016); a wrong weight, label shift or temperature puts them whole
+    nats apart. The update's policy loss is the same (-1: each run's ratio to its own old log-probs is 1, which holds
+    only where the update's fused log-probs are the pass's) and its grad norm within 1% (0.07% measured: the fused
+    backward from float32 logits)."""
+    from demo.tiny_models import build_policy_model
+
+    tmp = tmp_path_factory.mktemp("fused")
+    policy = build_policy_model(tmp / "untied", tied=False)
+    runs = {}
+    for value in ("off", "on"):
+        (tmp / value).mkdir()
+        runs[value] = run_worker(tmp / value, policy, f"FUSED_KERNELS={value}")
+    off, on = runs["off"], runs["on"]
+    assert (on["use_fused_kernels"], on["ref"]["use_fused_kernels"]) == (True, True)
+    assert (off["use_fused_kernels"], off["ref"]["use_fused_kernels"]) == (False, False)
+    assert megatron_cpu.FUSED_STAND_IN_LINE in on["stdout"] and megatron_cpu.FUSED_STAND_IN_LINE not in off["stdout"]
+    scale = largest_gap({**off, "megatron": off["hf_bfloat16"]}, "hf_float32")
+    assert largest_gap({**on, "logits": off["megatron"]}, "logits") < max(0.05, 2 * scale)
+    for fused, logits in zip(on["ref"]["log_probs"], off["ref"]["log_probs"], strict=True):
+        assert largest_gap({**on, "megatron": fused, "logits": logits}, "logits") < max(0.05, 2 * scale)
+    assert on["update"]["actor/pg_loss"] == off["update"]["actor/pg_loss"]
+    assert on["update"]["actor/grad_norm"] == pytest.approx(off["update"]["actor/grad_norm"], rel=0.01)
+    assert on["update"]["actor/grad_norm"][0] > 0
 
 
 ADAM_CHECK = r"""
@@ -277,3 +309,56 @@ def test_an_unknown_megatron_recompute_is_refused_naming_the_setting_and_its_val
     assert needle in check(s, check_paths=False)
     with pytest.raises(SettingError, match=needle):
         trainer_argv(s)
+
+
+CPU = megatron_cpu.overrides()
+
+
+@pytest.mark.parametrize(
+    "setting, pp, tied, hidden, extra, want",
+    [
+        # the default plan, Qwen3-4B's shape: PP=2 gives the last stage its own copy of the tied weight
+        ("auto", 2, True, 2560, [], True),
+        # PP=1 tied: verl 0.6.1 reads output_layer.weight, None there
+        ("auto", 1, True, 2560, [], "tie_word_embeddings"),
+        ("on", 1, True, 2560, [], SettingError),
+        # untied (Qwen3-8B's shape) at PP=1: its own output weight
+        ("auto", 1, False, 4096, [], True),
+        # the Triton kernel asserts hidden % 128; the CPU stand-in has no such limit
+        ("auto", 2, True, 64, [], "not a multiple of 128"),
+        ("on", 2, True, 64, [], SettingError),
+        ("auto", 2, True, 64, CPU, True),
+        ("on", 1, False, 64, CPU, True),
+        # off is off, whatever the plan
+        ("off", 2, True, 2560, [], "FUSED_KERNELS=off"),
+    ],
+)
+def test_fused_kernels_run_where_verl_0_6_1_can_and_on_is_refused_where_it_cannot(
+    tmp_path, setting, pp, tied, hidden, extra, want
+):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": hidden, "tie_word_embeddings": tied}))
+    env = block_environment() | dict(
+        CONTAINER="none", CONFIG_MODEL_PATH=str(tmp_path), CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="t",
+        CONFIG_TEST_FILE="v", CONFIG_OUTPUT_DIR="o", REWARD_PROMPT_OPENS_THINK="true", FUSED_KERNELS=setting,
+        ACTOR_PP=str(pp),
+    )  # fmt: skip
+    s = Settings.from_env(env)
+    if want is SettingError:
+        with pytest.raises(SettingError, match=r"FUSED_KERNELS=on, but .*: set FUSED_KERNELS=auto or off") as refused:
+            trainer_argv(s, extra=extra)
+        assert ("ACTOR_PP=2 or more" in str(refused.value)) == (pp == 1 and tied)
+        return
+    on, why = fused_kernels(s, extra)
+    keys = [a for a in trainer_argv(s, extra=extra) if "use_fused_kernels" in a]
+    assert on is (want is True) and keys == (FUSED_OVERRIDES if on else []), why
+    assert want is True or want in why
+
+
+def test_fsdp2_keeps_its_logits_and_an_unknown_fused_kernels_is_refused_naming_its_values():
+    env = block_environment() | dict(
+        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="t",
+        CONFIG_TEST_FILE="v", CONFIG_OUTPUT_DIR="o", REWARD_PROMPT_OPENS_THINK="true",
+    )  # fmt: skip
+    assert fused_kernels(Settings.from_env(env | {"STRATEGY": "fsdp2", "FUSED_KERNELS": "on"}))[0] is False
+    s = Settings.from_env(env | {"FUSED_KERNELS": "yes"})
+    assert "FUSED_KERNELS='yes': use one of auto, on, off" in check(s, check_paths=False)

@@ -11,7 +11,16 @@ import sys
 import pytest
 
 from benchmarks import megatron_memory
-from launch.plan.gpu_memory import GIB, ModelDims, UpdateMemoryError, stage_memory, update_line, update_plan
+from launch.plan.gpu_memory import (
+    GIB,
+    WORKER_OVERHEAD,
+    ModelDims,
+    UpdateMemoryError,
+    log_prob_line,
+    stage_memory,
+    update_line,
+    update_plan,
+)
 from launch.plan.reference import block_defaults
 from launch.plan.settings import Settings
 from tests.support import REPO
@@ -78,6 +87,20 @@ def test_the_preflight_refuses_a_plan_over_the_gpu_naming_the_settings_and_print
     assert [p.in_flight for p in plan] == [4, 3, 2, 1] and sum(p.layers for p in plan) == 36
 
 
+def test_the_fused_plan_drops_the_logits_and_both_lines_count_the_process_outside_torchs_allocator():
+    """FUSED_KERNELS on: the last stage's update and log-prob pass keep the fused kernels' share, not the logits;
+    every stage of either line counts WORKER_OVERHEAD; the log-prob line has the reference's weights for its pass."""
+    plain, fused = update_plan(settings(), QWEN3_4B), update_plan(settings(), QWEN3_4B, fused=True)
+    assert all(p.process == WORKER_OVERHEAD for p in plain + fused)
+    assert fused[0] == plain[0] and fused[1].logits < plain[1].logits and fused[1].fused
+    assert "fused log-probs" in update_line(settings(), QWEN3_4B, None, None, True)
+    lines = [log_prob_line(settings(), QWEN3_4B, None, None, f) for f in (False, True)]
+    assert "logits with the entropy 41.7" in lines[0] and "fused log-probs" in lines[1]
+    assert all("reference 4.1" in x and "process 1.5" in x for x in lines)
+    with pytest.raises(UpdateMemoryError, match="the reference's log-prob pass needs"):
+        log_prob_line(settings(), QWEN3_4B, int(50 * GIB), None)
+
+
 def test_the_default_plan_leaves_the_offloaded_reference_out_and_the_docs_table_says_each_stages_peak():
     """The job offloads the Megatron reference's weights (ref.megatron.param_offload: verl loads them for its log-prob
     pass alone, megatron_workers.py:722-734), so no stage of the update holds them; docs/training.md's per-stage table
@@ -91,7 +114,7 @@ def test_the_default_plan_leaves_the_offloaded_reference_out_and_the_docs_table_
     want = [[round(plans[rc][k].total / GIB) for rc in ("off", "full")] for k in (0, 1)]
     assert documented == want, (documented, want)
     resident = stage_memory(QWEN3_4B, stage=1, stages=2, tp=1, dp=2, tokens=24576, recompute="full", micro_batches=2,
-                            reference_on_gpu=True)  # fmt: skip
+                            reference_on_gpu=True, process=WORKER_OVERHEAD)  # fmt: skip
     assert resident.total - plans["full"][1].total == resident.reference == plans["full"][1].weights  # 2P, 4.1 GiB
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from demo import verl_cpu
+from demo import megatron_cpu, verl_cpu
 from launch.job import node
 from launch.job.steps import is_training_step, parse_step_lines
 from tests import stall_hook
@@ -340,10 +340,15 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     assert (fields["JobState"], fields["ExitCode"], fields["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), out[-5000:]
     logs = logs_of(env, j)
     command = (logs / "trainer_command.txt").read_text().splitlines()
+    # FUSED_KERNELS=auto at PP=2 with the tied tiny policy: on, for the actor and the reference (its `+` key), each
+    # pipeline stage's last through demo/megatron_cpu.py's stand-in for verl's Triton kernel
     for override in ("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-                     "critic.megatron.pipeline_model_parallel_size=2", "trainer.nnodes=2"):  # fmt: skip
+                     "critic.megatron.pipeline_model_parallel_size=2", "trainer.nnodes=2",
+                     "actor_rollout_ref.model.use_fused_kernels=True", "+actor_rollout_ref.ref.use_fused_kernels=True"):  # fmt: skip
         assert override in command, command
+    assert "preflight: verl's fused log-prob kernels on (FUSED_KERNELS=auto)" in out, out[-5000:]
     trainer_log = (logs / "trainer.log").read_text()
+    assert megatron_cpu.FUSED_STAND_IN_LINE in trainer_log, trainer_log[-3000:]
     steps = {int(n): line for n, line in re.findall(r" step:(\d+) - (.*)", trainer_log) if "timing_s/step:" in line}
     assert sorted(steps) == [1, 2], trainer_log[-3000:]
     for line in steps.values():

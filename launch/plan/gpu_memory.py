@@ -328,6 +328,20 @@ class ModelDims:
 LOGITS_UPDATE_BYTES = 8.0
 # The log-prob pass (no_grad) with the entropy verl's worker always asks for (megatron_workers.py:752).
 LOGITS_LOG_PROB_BYTES = 12.0
+# With verl's fused kernels (FUSED_KERNELS, launch/plan/trainer_command.fused_kernels) no [tokens x vocab] logits are
+# kept: what the kernel holds on the last stage beside its input, bytes per token of a micro-batch, in the update and
+# in the log-prob pass. Measured: benchmarks/megatron_memory (the fused cases of its result file).
+FUSED_UPDATE_BYTES_PER_TOKEN = 0.0
+FUSED_LOG_PROB_BYTES_PER_TOKEN = 0.0
+
+
+def _logits_bytes(dims: ModelDims, *, last: bool, fused: bool, tokens: int, tp: int, log_prob: bool) -> int:
+    """The last stage's logits path of one micro-batch: verl's logits (LOGITS_*), or the fused kernels' (FUSED_*)."""
+    if not last:
+        return 0
+    if fused:
+        return int((FUSED_LOG_PROB_BYTES_PER_TOKEN if log_prob else FUSED_UPDATE_BYTES_PER_TOKEN) * tokens)
+    return int((LOGITS_LOG_PROB_BYTES if log_prob else LOGITS_UPDATE_BYTES) * tokens * dims.vocab / tp)
 
 
 @dataclass(frozen=True)
@@ -344,11 +358,14 @@ class StageMemory:
     optimizer: int  # float32 main weights and Adam's two moments, over DP (distributed optimizer); loaded back for it
     reference: int  # the reference's bf16 weights where they stay on the GPU
     activations: int
-    logits: int  # the last stage's logits path
+    logits: int  # the last stage's logits path (the fused kernels' where `fused`)
+    fused: bool = False
+    process: int = 0  # outside torch's allocator (WORKER_OVERHEAD), where the plan counts it
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.reference + self.activations + self.logits
+        return (self.weights + self.grads + self.optimizer + self.reference + self.activations + self.logits
+                + self.process)  # fmt: skip
 
     def describe(self) -> str:
         parts = [f"weights {self.weights / GIB:.1f}", f"grads {self.grads / GIB:.1f}",
@@ -357,14 +374,16 @@ class StageMemory:
             parts.append(f"reference {self.reference / GIB:.1f}")
         parts.append(f"activations {self.activations / GIB:.1f} ({self.layers} layers x {self.in_flight} "
                      f"micro-batch(es) of {self.tokens} tokens)")  # fmt: skip
-        if self.logits:
-            parts.append(f"logits {self.logits / GIB:.1f}")
+        if self.stage == self.stages - 1 and (self.logits or self.fused):
+            parts.append(f"{'fused log-probs' if self.fused else 'logits'} {self.logits / GIB:.1f}")
+        if self.process:
+            parts.append(f"process {self.process / GIB:.1f}")
         return f"stage {self.stage}: ~{self.total / GIB:.1f} GiB (" + ", ".join(parts) + ")"
 
 
 def stage_memory(dims: ModelDims, *, stage: int, stages: int, tp: int, dp: int, tokens: int, recompute: str,
                  micro_batches: int, reference_on_gpu: bool, fused_logits: bool = False,
-                 in_flight: int | None = None, last: bool | None = None) -> StageMemory:  # fmt: skip
+                 in_flight: int | None = None, last: bool | None = None, process: int = 0) -> StageMemory:  # fmt: skip
     """The update's peak on pipeline stage `stage` of `stages` (layers split evenly, megatron-core's default), as the
     StageMemory fields say. With recompute the layer being recomputed holds its full activations once, for one
     micro-batch, on top. `in_flight` and `last` override what the stage's place gives (the benchmark's one-GPU stages)."""
@@ -375,72 +394,94 @@ def stage_memory(dims: ModelDims, *, stage: int, stages: int, tp: int, dp: int, 
     per_token = dims.activation_bytes(recompute) * layers * in_flight
     if recompute != "off":
         per_token += dims.activation_bytes("off")
-    logits = 0 if (not last or fused_logits) else int(LOGITS_UPDATE_BYTES * tokens * dims.vocab / tp)
+    logits = _logits_bytes(dims, last=last, fused=fused_logits, tokens=tokens, tp=tp, log_prob=False)
     return StageMemory(
         stage=stage, stages=stages, layers=layers, in_flight=in_flight, tokens=tokens,
         weights=2 * params // tp, grads=4 * params // tp, optimizer=12 * params // tp // max(1, dp),
         reference=2 * params // tp if reference_on_gpu else 0,
-        activations=int(per_token * tokens / tp), logits=logits,
+        activations=int(per_token * tokens / tp), logits=logits, fused=fused_logits and last, process=process,
     )  # fmt: skip
 
 
 def log_prob_peak(dims: ModelDims, *, stage: int, stages: int, tp: int, tokens: int, fused_logits: bool = False) -> int:
-    """The actor's log-prob pass on a stage (no_grad): its bf16 weights and float32 grad buffer stay on the GPU (the
-    optimizer is offloaded), and on the last stage the logits path of one micro-batch with the entropy."""
+    """The actor's log-prob pass on a stage (no_grad), in torch's allocator: its bf16 weights and float32 grad buffer
+    stay on the GPU (the optimizer is offloaded), and on the last stage the logits path of one micro-batch with the
+    entropy (the fused kernels' where `fused_logits`)."""
     s = stage_memory(dims, stage=stage, stages=stages, tp=tp, dp=1, tokens=tokens, recompute="full", micro_batches=1,
-                     reference_on_gpu=False, fused_logits=True)  # fmt: skip
+                     reference_on_gpu=False)  # fmt: skip
     last = stage == stages - 1
-    logits = 0 if (not last or fused_logits) else int(LOGITS_LOG_PROB_BYTES * tokens * dims.vocab / tp)
-    return s.weights + s.grads + logits
+    return s.weights + s.grads + _logits_bytes(dims, last=last, fused=fused_logits, tokens=tokens, tp=tp, log_prob=True)
 
 
-def update_plan(s: Settings, dims: ModelDims) -> list[StageMemory]:
-    """Every pipeline stage of the actor's update with this job's settings. The reference's bf16 weights (2P) are not
-    there: the job sets ref.megatron.param_offload (launch/plan/trainer_command.py, REF_PARAM_OFFLOAD), and verl moves them to the
-    GPU only for compute_ref_log_prob, back to host memory after it (verl/workers/megatron_workers.py:722-723,
-    733-734), before the update starts. Neither is PPO's critic's weights and gradients (critic.megatron.param_offload:
-    loaded for compute_values and update_critic alone, :1078-1084, :1092-1093, :1111-1112). Without the offload
-    verl keeps the reference's weights resident, and they count."""
+def update_plan(s: Settings, dims: ModelDims, fused: bool = False) -> list[StageMemory]:
+    """Every pipeline stage of the actor's update with this job's settings (`fused`: FUSED_KERNELS as
+    trainer_command.fused_kernels resolves it), the worker process's own WORKER_OVERHEAD included. The reference's
+    bf16 weights (2P) are not there: the job sets ref.megatron.param_offload (launch/plan/trainer_command.py,
+    REF_PARAM_OFFLOAD), and verl moves them to the GPU only for compute_ref_log_prob, back to host memory after it
+    (verl/workers/megatron_workers.py:722-723, 733-734), before the update starts. Neither is PPO's critic's weights
+    and gradients (critic.megatron.param_offload: loaded for compute_values and update_critic alone, :1078-1084,
+    :1092-1093, :1111-1112). Without the offload verl keeps the reference's weights resident, and they count."""
     dp = max(1, s.train_nodes * s.training_gpus_per_node // max(1, s.actor_pp * s.actor_tp))
     return [
-        stage_memory(
-            dims,
-            stage=k,
-            stages=s.actor_pp,
-            tp=s.actor_tp,
-            dp=dp,
-            tokens=token_budget(s),
-            recompute=s.megatron_recompute,
-            micro_batches=s.actor_pp,
-            reference_on_gpu=not megatron_reference_offloaded(s),
-        )  # fmt: skip
+        stage_memory(dims, stage=k, stages=s.actor_pp, tp=s.actor_tp, dp=dp, tokens=token_budget(s),
+                     recompute=s.megatron_recompute, micro_batches=s.actor_pp,
+                     reference_on_gpu=not megatron_reference_offloaded(s), fused_logits=fused, process=WORKER_OVERHEAD)
         for k in range(s.actor_pp)
-    ]
+    ]  # fmt: skip
 
 
-def update_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardPeak | None) -> str:
+def _refuse_over(s: Settings, total: int | None, reward: RewardPeak | None, peaks: list[tuple[int, int, str]],
+                 what: str, fix: str) -> None:  # fmt: skip
+    """UpdateMemoryError where the GPU's size is known and a stage's (stage, bytes, described) peak, with the reward
+    server on the head's first GPU (stage 0's) where it sits there, is over it."""
+    shared = reward is not None and not s.separate_reward_node and total is not None
+    for stage, peak, described in peaks:
+        need = peak + (reward.total if shared and stage == 0 else 0)
+        if total is not None and need > total:
+            with_reward = f" with the reward server's {reward.total / GIB:.1f}" if shared and stage == 0 else ""
+            raise UpdateMemoryError(f"{what} needs ~{need / GIB:.1f} GiB on pipeline stage {stage}{with_reward}, over "
+                                    f"this GPU's {total / GIB:.1f} GiB ({described}): {fix}")  # fmt: skip
+
+
+def update_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardPeak | None, fused: bool = False) -> str:
     """The preflight's line for the Megatron update, each stage's peak; refused (UpdateMemoryError) where the GPU's
     size is known and a stage's peak, with the reward server on the head's first GPU (stage 0's) where it sits there,
     is over it. The rollout gives its memory back for the update (free_cache_engine)."""
-    plan = update_plan(s, dims)
-    line = f"Megatron update per GPU (MEGATRON_RECOMPUTE={s.megatron_recompute}, ACTOR_PP={s.actor_pp}): " + "; ".join(
+    plan = update_plan(s, dims, fused)
+    logits = ("verl's fused log-probs keep no logits" if fused else
+              f"the logits alone take {LOGITS_UPDATE_BYTES:g} bytes x tokens x {dims.vocab} vocabulary")  # fmt: skip
+    _refuse_over(s, total, reward, [(p.stage, p.total, p.describe()) for p in plan], "the actor's update",
+                 f"set MEGATRON_RECOMPUTE=full (now {s.megatron_recompute}), lower MICRO_BATCH_PER_GPU (the micro-batch "
+                 f"is {plan[0].tokens} tokens; {logits}), or raise ACTOR_PP / ACTOR_TP (docs/training.md, the Megatron "
+                 "update's memory)")  # fmt: skip
+    return f"Megatron update per GPU (MEGATRON_RECOMPUTE={s.megatron_recompute}, ACTOR_PP={s.actor_pp}): " + "; ".join(
         p.describe() for p in plan
     )
-    if total is None:
-        return line
-    shared = reward is not None and not s.separate_reward_node
-    for p in plan:
-        need = p.total + (reward.total if shared and p.stage == 0 else 0)
-        if need > total:
-            with_reward = f" with the reward server's {reward.total / GIB:.1f}" if shared and p.stage == 0 else ""
-            raise UpdateMemoryError(
-                f"the actor's update needs ~{need / GIB:.1f} GiB on pipeline stage {p.stage}{with_reward}, over this "
-                f"GPU's {total / GIB:.1f} GiB ({p.describe()}): set MEGATRON_RECOMPUTE=full (now "
-                f"{s.megatron_recompute}), lower MICRO_BATCH_PER_GPU (the micro-batch is {p.tokens} tokens; the "
-                f"logits alone take {LOGITS_UPDATE_BYTES:g} bytes x tokens x {dims.vocab} vocabulary), or raise "
-                f"ACTOR_PP / ACTOR_TP (docs/training.md, the Megatron update's memory)"
-            )
-    return line
+
+
+def log_prob_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardPeak | None,
+                  fused: bool = False) -> str:  # fmt: skip
+    """The preflight's line for the Megatron log-prob passes, each stage's peak: the actor's weights and grad buffer
+    stay (log_prob_peak), the reference's bf16 weights come back from host memory for its own pass (REF_PARAM_OFFLOAD:
+    megatron_workers.py:722-723), the last stage holds one micro-batch's logits path with the entropy (the old
+    log-probs', :752; the reference asks none, :730, so its path is at most that), and the process its
+    WORKER_OVERHEAD. An upper bound of both passes; refused as update_line refuses."""
+    tokens, peaks = token_budget(s), []
+    for k in range(s.actor_pp):
+        m = stage_memory(dims, stage=k, stages=s.actor_pp, tp=s.actor_tp, dp=1, tokens=tokens, recompute="full",
+                         micro_batches=1, reference_on_gpu=True)  # fmt: skip
+        last = k == s.actor_pp - 1
+        logits = _logits_bytes(dims, last=last, fused=fused, tokens=tokens, tp=s.actor_tp, log_prob=True)
+        parts = [f"weights {m.weights / GIB:.1f}", f"grads {m.grads / GIB:.1f}", f"reference {m.reference / GIB:.1f}"]
+        if last:
+            parts.append(f"{'fused log-probs' if fused else 'logits with the entropy'} {logits / GIB:.1f}")
+        parts.append(f"process {WORKER_OVERHEAD / GIB:.1f}")
+        peak = m.weights + m.grads + m.reference + logits + WORKER_OVERHEAD
+        peaks.append((k, peak, f"stage {k}: ~{peak / GIB:.1f} GiB (" + ", ".join(parts) + ")"))
+    _refuse_over(s, total, reward, peaks, "the reference's log-prob pass",
+                 f"lower MICRO_BATCH_PER_GPU (a micro-batch is {tokens} tokens) or raise ACTOR_PP / ACTOR_TP")  # fmt: skip
+    return (f"Megatron log-prob passes per GPU (old log-probs with the entropy, the reference's weights loaded for "
+            f"its pass; {tokens}-token micro-batches): " + "; ".join(d for _, _, d in peaks))  # fmt: skip
 
 
 class UpdateMemoryError(Exception):
@@ -472,10 +513,11 @@ def gpu_memory_line(settings: Settings, peak, cfg) -> str:
     return memory_line(settings, peak, gpu_total(), resident, settings.reward_replicas)
 
 
-def megatron_update_line(settings: Settings, peak) -> str:
-    """Each pipeline stage's peak during the actor's update (update_line: this module's formula, measured on an H200 in
-    benchmarks/results/megatron_memory_h200_qwen3_4b.json); refused where this GPU is known to be too small."""
+def megatron_update_lines(settings: Settings, peak, fused: bool) -> list[str]:
+    """Each pipeline stage's peak during the actor's update and during the log-prob passes (update_line,
+    log_prob_line: this module's formula, measured in benchmarks/results/megatron_memory_*.json); refused where this
+    GPU is known to be too small. `fused`: FUSED_KERNELS as the trainer command has it."""
     from transformers import AutoConfig
 
-    dims = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path))
-    return update_line(settings, dims, gpu_total(), peak)
+    dims, total = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path)), gpu_total()
+    return [update_line(settings, dims, total, peak, fused), log_prob_line(settings, dims, total, peak, fused)]

@@ -42,7 +42,7 @@ from launch.plan.gpu_memory import (
     RolloutMemoryError,
     UpdateMemoryError,
     gpu_memory_line,
-    megatron_update_line,
+    megatron_update_lines,
     reward_peak,
 )
 from launch.plan.procs import stop_process
@@ -57,7 +57,7 @@ from launch.plan.reward_check import (
 )
 from launch.plan.settings import REPO, SettingError, Settings
 from launch.plan.thinking import TemplateError
-from launch.plan.trainer_command import prompt_opens_think, trainer_argv
+from launch.plan.trainer_command import fused_kernels, prompt_opens_think, trainer_argv
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
 SETTING_OF_KEY = {
@@ -465,8 +465,11 @@ def checks(extra: list[str], background: ExitStack) -> int:
         print(f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
               f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how", file=sys.stderr)  # fmt: skip
     if settings.strategy == "megatron":
+        fused, why = fused_kernels(settings, extra)
+        print(f"preflight: verl's fused log-prob kernels {'on' if fused else 'off'} ({why})")
         try:
-            print(f"preflight: {megatron_update_line(settings, peak)}")
+            for line in megatron_update_lines(settings, peak, fused):
+                print(f"preflight: {line}")
         except UpdateMemoryError as exc:
             print(f"preflight: {exc}", file=sys.stderr)
             return 1

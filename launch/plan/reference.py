@@ -174,7 +174,8 @@ def _close_tables(lines: list[str]) -> list[str]:
 # another of its values. Settings with no entry (and those that need what this machine lacks) are not traced.
 _OTHER_VALUES = {"ALGORITHM": ["ppo", "dapo"], "STRATEGY": ["fsdp2"], "ROLLOUT_MODE": ["sync"],
                  "ROLLOUT_ENGINE": ["vllm"], "REWARD_MANAGER": ["naive"], "TRAINER_LOGGER": ["[console]"],
-                 "ESI_REDUNDANT_TIME": ["77"], "MEGATRON_RECOMPUTE": ["selective"], "ROLLOUT_GPU_MEMORY": ["0.5"]}  # fmt: skip
+                 "ESI_REDUNDANT_TIME": ["77"], "MEGATRON_RECOMPUTE": ["selective"], "ROLLOUT_GPU_MEMORY": ["0.5"],
+                 "FUSED_KERNELS": ["off"]}  # fmt: skip
 # What moves a key besides the block: Slurm's node count (the #SBATCH line or sbatch --nodes).
 _OUTSIDE_THE_BLOCK = {"#SBATCH --nodes": {"SLURM_NNODES": "3"}}
 _NOT_A_SETTING = {"custom_reward_function.path": "always this repository's reward function"} | {
@@ -183,6 +184,9 @@ _NOT_A_SETTING = {"custom_reward_function.path": "always this repository's rewar
                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "critic.use_dynamic_bsz")
 }  # fmt: skip
 DEFAULT_POLICY_OPENS_THINK = "true"  # what REWARD_PROMPT_OPENS_THINK=auto reads from Qwen3-4B-Thinking-2507's template
+# What FUSED_KERNELS=auto makes of Qwen3-4B's config.json (hidden 2560, tied) at the default ACTOR_PP=2
+# (trainer_command.fused_kernels); on keeps them where the config is not here.
+DEFAULT_POLICY_FUSED_KERNELS = "on"
 
 
 def _other_values(name: str, value: str) -> list[str]:
@@ -224,7 +228,8 @@ def command_page() -> str:
     placeholder = "/path/to/repo"
     # auto reads the policy's chat template, which is not here: the page shows what it reads from the default
     # policy's, Qwen3-4B-Thinking-2507's (its generation prompt ends in <think>).
-    defaults = block_defaults(placeholder) | {"REWARD_PROMPT_OPENS_THINK": DEFAULT_POLICY_OPENS_THINK}
+    defaults = block_defaults(placeholder) | {"REWARD_PROMPT_OPENS_THINK": DEFAULT_POLICY_OPENS_THINK,
+                                              "FUSED_KERNELS": DEFAULT_POLICY_FUSED_KERNELS}  # fmt: skip
     argv = [a.replace(str(REPO), placeholder) for a in trainer_argv(Settings.from_env(defaults))]  # the reward file
     fed = _changed_by(defaults)
     fixed = {a.split("=", 1)[0] for a in FIXED_OVERRIDES}
@@ -252,7 +257,9 @@ def command_page() -> str:
         "its own command to `logs/<job id>/trainer_command.txt`, one argument per line; what follows differs from it only in",
         f"`{placeholder}` (your repository), `trainer.esi_redundant_time` (600 s on a first start, then measured:",
         "[operations.md](operations.md)), `prompt_opens_think` (`REWARD_PROMPT_OPENS_THINK=auto` reads your policy's",
-        "chat template; Qwen3-4B-Thinking-2507's opens `<think>`: True) and the two keys each start adds:",
+        "chat template; Qwen3-4B-Thinking-2507's opens `<think>`: True), the two `use_fused_kernels` keys",
+        "(`FUSED_KERNELS=auto` reads your policy's config.json: Qwen3-4B's at `ACTOR_PP=2` runs them) and the two keys",
+        "each start adds:",
         "`+ray_kwargs.ray_init.address=` (this job's Ray head) and your own extra overrides, last",
         "(`sbatch run_grpo_qwen3_4b_mega_verl.sh KEY=VALUE ...`: they win).",
         "",

@@ -294,6 +294,7 @@ def combination_problems(s: Settings) -> list[str]:
         ("ROLLOUT_ENGINE", s.rollout_engine, ("sglang", "vllm")),
         ("MEGATRON_RECOMPUTE", s.megatron_recompute, tuple(RECOMPUTE)),
         ("VAL_BEFORE_TRAIN", s.val_before_train_setting, ("auto", "true", "false")),
+        ("FUSED_KERNELS", s.fused_kernels_setting, ("auto", "on", "off")),
     ):
         if value not in allowed:
             problems.append(f"{name}={value!r}: use one of {', '.join(allowed)}")

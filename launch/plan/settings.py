@@ -84,6 +84,7 @@ class Settings:
     actor_pp: int = setting("ACTOR_PP")
     actor_tp: int = setting("ACTOR_TP")
     megatron_recompute: str = setting("MEGATRON_RECOMPUTE")  # full | selective | off (trainer_command.RECOMPUTE)
+    fused_kernels_setting: str = setting("FUSED_KERNELS")  # auto | on | off (trainer_command.fused_kernels)
     rollout_tp: int = setting("ROLLOUT_TP")
     rollout_n: int = setting("ROLLOUT_N")
     rollout_gpu_memory_setting: str = setting("ROLLOUT_GPU_MEMORY")  # auto | a share (rollout_gpu_memory)

@@ -121,6 +121,56 @@ def recompute_overrides(s: Settings, section: str) -> list[str]:
     return [f"{section}.override_transformer_config.{key}={value}" for key, value in keys.items()]
 
 
+# The Ray hook of a Megatron run on a CPU (demo/megatron_cpu.py, HOOK): there verl's pure-torch FusedLinearForPPO,
+# which takes any hidden size, stands in for the Triton kernel.
+CPU_STAND_IN_HOOK = "ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=demo.megatron_cpu.install"
+FUSED_OVERRIDES = ["actor_rollout_ref.model.use_fused_kernels=True", "+actor_rollout_ref.ref.use_fused_kernels=True"]
+
+
+def _fused_blocker(s: Settings, config: dict, extra: list[str]) -> tuple[str, str] | None:
+    """Why verl 0.6.1's fused log-prob kernels cannot run on this Megatron plan and policy (its config.json), and the
+    fix beyond FUSED_KERNELS=auto or off; None where they run."""
+    # transformers' own default ties them (PretrainedConfig: tie_word_embeddings=True)
+    if s.actor_pp == 1 and config.get("tie_word_embeddings", True):
+        return ("the policy ties its output layer to the embedding (tie_word_embeddings), and at ACTOR_PP=1 "
+                "megatron-core keeps no output_layer.weight, which verl 0.6.1's fused forward reads "
+                "(verl/models/mcore/model_forward_fused.py:201; verl 0.7.0 falls back to the embedding's)",
+                ", or ACTOR_PP=2 or more (the last stage holds its own copy of the tied weight)")  # fmt: skip
+    cpu_stand_in = any(o.lstrip("+") == CPU_STAND_IN_HOOK for o in extra)
+    if config.get("hidden_size", 0) % 128 and not cpu_stand_in:
+        return (f"hidden_size {config.get('hidden_size')} is not a multiple of 128, which verl's Triton kernel "
+                "asserts (verl/utils/kernel/kernels.py:537)", "")  # fmt: skip
+    return None
+
+
+def fused_kernels(s: Settings, extra: list[str] | None = None) -> tuple[bool, str]:
+    """FUSED_KERNELS: whether verl's fused log-prob kernels run (log-probs and entropy from the last hidden states in
+    chunks, never the [tokens x vocab] float32 logits), and why. auto runs them unless something blocks them
+    (_fused_blocker) and then says why not; on refuses a blocker. verl's FSDP path is left as it is: off.
+    With them the reference's pass runs fused too: verl 0.6.1's MegatronPPOActor reads use_fused_kernels from its
+    own config (megatron_actor.py:132-138), and the reference's (megatron_workers.py:523-530) has no such key: the
+    `+` adds it, or the reference would build the logits."""
+    import json
+
+    setting = s.fused_kernels_setting
+    if setting not in ("auto", "on", "off"):
+        raise SettingError(f"FUSED_KERNELS={setting!r}: use one of auto, on, off")
+    if setting == "off" or s.strategy != "megatron":
+        return False, f"FUSED_KERNELS={setting}" + ("" if setting == "off" else ": STRATEGY=fsdp2 keeps verl's logits")
+    try:
+        config = json.loads((Path(s.model_path) / "config.json").read_text())
+    except (OSError, ValueError) as exc:  # on stays on: the preflight refuses a missing CONFIG_MODEL_PATH itself
+        unread = f"CONFIG_MODEL_PATH's config.json is not readable here ({type(exc).__name__})"
+        return setting == "on", f"FUSED_KERNELS={setting}" + ("" if setting == "on" else f": {unread}")
+    blocker = _fused_blocker(s, config, extra or [])
+    if blocker is None:
+        return True, f"FUSED_KERNELS={setting}"
+    reason, fix = blocker
+    if setting == "auto":
+        return False, f"FUSED_KERNELS=auto: {reason}"
+    raise SettingError(f"FUSED_KERNELS=on, but {reason}: set FUSED_KERNELS=auto or off{fix}")
+
+
 # The Megatron reference's parameters in host memory between its log-prob passes (_actor_overrides); the update's
 # memory formula reads it (launch/plan/gpu_memory.py, update_plan).
 REF_PARAM_OFFLOAD = "actor_rollout_ref.ref.megatron.param_offload=True"
@@ -316,6 +366,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"{a}.rollout.name={s.rollout_engine}",
         f"{a}.rollout.mode={s.rollout_mode}",
         *_rollout_engine_overrides(s),
+        *(FUSED_OVERRIDES if fused_kernels(s, extra)[0] else []),
         f"{a}.rollout.gpu_memory_utilization={s.rollout_gpu_memory}",
         f"{a}.rollout.n={s.rollout_n}",
         # verl's default validates greedily (temperature 0), which the Qwen3 cards warn repeats to the length limit.
