@@ -60,6 +60,9 @@ SETTINGS = {
     "CONFIG_GPUS_PER_NODE": "1",  # Ray's placeholder GPU: verl places its one worker there, torch computes on the CPU
     "CONFIG_REWARD_DEVICE": "cpu",
     "EXPERIMENT_NAME": "tiny_demo_grpo_megatron",  # not the block's qwen3_4b_...: these are tiny random models
+    # The block's 1e-6 moves almost no bf16 weight of a tiny random model in 3 steps (step 1's checkpoint and step
+    # 3's merge: 9e-6 nats apart); 1e-3 moves most, so the merge's numeric check tells one step from another.
+    "ACTOR_LR": "1e-3",
 }
 # What the canary's clip-ratio WARNING means here: a random tiny policy almost never samples EOS, so its responses
 # run to MAX_RESPONSE_LENGTH; on real models the same warning is a real finding.
@@ -68,6 +71,22 @@ CLIP_NOTE = (
     "never ends a response, so nearly all of them run to MAX_RESPONSE_LENGTH={length}; on your models it is a real "
     "finding"
 )
+
+
+def numeric_check(out: Path) -> None:
+    """The merge's numeric check as it logged it (launch/merge/check_numeric.py), and the same check of that merge
+    against step 1's checkpoint, which it must tell apart (no UNVERIFIED.txt is written: the merge is right)."""
+    from launch.merge import check_numeric
+
+    logs = sorted((out / "logs").glob("*/canary/merge.log"), key=lambda p: p.stat().st_mtime)
+    lines = [x for x in (logs[-1].read_text().splitlines() if logs else []) if x.startswith("numeric check")]
+    print(f"make demo: the merge's {lines[-1] if lines else 'numeric check: not run (see the merge log)'}")
+    roots = sorted((out / "checkpoints_canary").glob("*/hf_model/config.json"), key=lambda p: p.stat().st_mtime)
+    if roots and (roots[-1].parents[1] / "checkpoints" / "global_step_1" / "actor").is_dir():
+        first, merged = roots[-1].parents[1] / "checkpoints" / "global_step_1" / "actor", roots[-1].parent
+        figures = check_numeric.compare(first, merged)
+        told = "told apart" if check_numeric.judge(figures) else "NOT told apart: the steps did not move the weights"
+        print(f"make demo: step 1's checkpoint against that merge: {check_numeric.summary(figures)}: {told}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = sorted((out / "logs").glob("*/canary/summary.txt"), key=lambda p: p.stat().st_mtime)
     if summaries and "hit MAX_RESPONSE_LENGTH" in summaries[-1].read_text():
         print(CLIP_NOTE.format(length=SETTINGS["MAX_RESPONSE_LENGTH"]), flush=True)
+    numeric_check(out)
     print(
         f"\nmake demo: {verdict} in {time.monotonic() - start:.0f} s: verl 0.6.1's own GRPO steps on the CPU, a save,"
         f" a resume and the merge (verl's Megatron workers without Transformer Engine and HF generate here; a cluster"

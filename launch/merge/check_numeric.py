@@ -224,7 +224,11 @@ def compare(ckpt: Path, hf: Path, tolerance: str = "auto") -> dict:
     batch, hf_dtype = probe_batch(hf), merged_dtype(hf)
     if tolerance == "auto":
         tolerance = "fp32" if hf_dtype == ckpt_dtype else "bf16"
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # both copies in float32 on the GPU when they fit in 80% of it (Qwen3-4B: 32 GB), else on the CPU
+    layer = sum(t.numel() for t in weights["layers"][0].values())
+    size = 8 * (layer * config["num_hidden_layers"] + weights["embed"].numel() + weights["head"].numel())
+    fits = torch.cuda.is_available() and size < 0.8 * torch.cuda.get_device_properties(0).total_memory
+    device = "cuda" if fits else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 means float32
     auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
     model = auto.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").to(device).eval()
