@@ -205,3 +205,34 @@ def test_bad_input_is_one_line_exit_2_and_nothing_changes(pair, tmp_path, tiny_m
         rc, out = check(source, target, capsys)
         assert rc == 2 and needle in out and len(out.strip().splitlines()) == 1, (source, target, out)
         assert not (target / check_numeric.UNVERIFIED).exists()
+
+
+def test_a_critics_values_are_compared_net_of_the_bias_verls_megatron_save_drops_and_a_wrong_head_is_caught(
+    tmp_path, tiny_models, capsys
+):
+    """A Megatron critic: output_layer [1, hidden] with its bias in dist_ckpt; its merge (launch/merge/critic_to_hf.py)
+    a Qwen3ForTokenClassification whose score.bias is 0, as verl's saver keeps no bias."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_models.policy, num_labels=1, architectures=["Qwen3ForTokenClassification"])
+    torch.manual_seed(0)
+    critic = AutoModelForTokenClassification.from_pretrained(tiny_models.policy, config=config).bfloat16()
+    ckpt, merged = tmp_path / "global_step_1" / "critic", tmp_path / "merged"
+    state = megatron_state(dict(critic.state_dict()), config)
+    state |= {"output_layer.weight": critic.score.weight.data.clone(), "output_layer.bias": torch.tensor([0.25])}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(ckpt / "dist_ckpt")), no_dist=True)
+    for folder in (ckpt / "huggingface", merged):
+        AutoTokenizer.from_pretrained(tiny_models.policy).save_pretrained(folder)
+        config.save_pretrained(folder)
+    critic.score.bias.data.zero_()
+    critic.save_pretrained(merged)
+    rc, out = check(ckpt, merged, capsys)
+    assert rc == 0 and "numeric check passed: max |d value|" in out and "net of the head's bias 0.25" in out, out
+
+    def scale_score(state):
+        state["score.weight"] *= 1.05
+
+    rc, out = check(ckpt, broken_copy(merged, tmp_path / "bad", scale_score), capsys)
+    assert rc == 1 and "max |d value|" in out and "the output head differs" in out, out

@@ -89,8 +89,9 @@ def _megatron_weights(folder: Path, config: dict) -> tuple[dict, str]:
             down=t["mlp.linear_fc2.weight"],
         ))  # fmt: skip
     embed = sd["embedding.word_embeddings.weight"]
-    return dict(embed=embed, norm=sd["decoder.final_layernorm.weight"], head=sd.get("output_layer.weight", embed),
-                layers=layers), dtype  # fmt: skip
+    head = sd.get("output_layer.weight", embed)  # a critic's: [1, hidden], with a bias
+    return dict(embed=embed, norm=sd["decoder.final_layernorm.weight"], head=head, layers=layers,
+                bias=sd.get("output_layer.bias")), dtype  # fmt: skip
 
 
 def _fsdp_weights(shards: list[Path], config: dict) -> tuple[dict, str]:
@@ -129,7 +130,8 @@ def _head_dim(config: dict) -> int:
 
 
 def reference_forward(w: dict, config: dict, ids) -> tuple[list, object]:
-    """Qwen3 in plain torch over one sequence: (hidden states as transformers reports them, head outputs [T, out])."""
+    """Qwen3 in plain torch over one sequence: (hidden states as transformers reports them, head outputs [T, out]
+    without the head's bias)."""
     import torch
 
     eps, dim = config["rms_norm_eps"], _head_dim(config)
@@ -164,8 +166,7 @@ def reference_forward(w: dict, config: dict, ids) -> tuple[list, object]:
         h = h + (torch.nn.functional.silu(x @ layer["gate"].T) * (x @ layer["up"].T)) @ layer["down"].T
         states.append(h)
     states[-1] = rms(h, w["norm"])
-    out = states[-1] @ w["head"].T
-    return states, out if w.get("bias") is None else out + w["bias"]
+    return states, states[-1] @ w["head"].T
 
 
 def probe_batch(hf: Path) -> list[list[int]]:
@@ -241,8 +242,8 @@ def compare(ckpt: Path, hf: Path, tolerance: str = "auto") -> dict:
             for i, (a, b) in enumerate(zip(got.hidden_states, states, strict=True)):
                 state_gaps[i] = max(state_gaps[i], ((a[0] - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
             a, b = got.logits[0].float(), want
-            if value_model:
-                diffs.append((a[:, 0] - b[:, 0]).abs())
+            if value_model:  # net of each side's bias: verl's Megatron save drops it (compared below)
+                diffs.append((a[:, 0] - _bias(model) - b[:, 0]).abs())
                 continue
             target = torch.tensor(ids[1:], device=device)
             lp_a, lp_b = (x[:-1].log_softmax(-1).gather(1, target[:, None])[:, 0] for x in (a, b))
@@ -250,11 +251,22 @@ def compare(ckpt: Path, hf: Path, tolerance: str = "auto") -> dict:
             flips += int((a[:-1].argmax(-1) != b[:-1].argmax(-1)).sum())
             tokens += len(ids) - 1
     d = torch.cat(diffs)
+    biases = (_float(weights.get("bias")), _bias(model)) if value_model else None
     limit = TOLERANCES[tolerance]
     first = next((i for i, g in enumerate(state_gaps) if g > limit[3]), None)
     return dict(max=d.max().item(), mean=d.mean().item(), top1=flips / tokens if tokens else 0.0, tokens=int(d.numel()),
                 tolerance=tolerance, dtypes=(ckpt_dtype, hf_dtype), value_model=value_model, device=device,
-                first_divergence=first, layers=config["num_hidden_layers"], state_gaps=state_gaps)  # fmt: skip
+                first_divergence=first, biases=biases, layers=config["num_hidden_layers"], state_gaps=state_gaps)  # fmt: skip
+
+
+def _float(t) -> float | None:
+    return None if t is None else float(t.reshape(-1)[0])
+
+
+def _bias(model) -> float:
+    """A value model's head bias (score.bias; 0 without one)."""
+    bias = getattr(getattr(model, "score", None), "bias", None)
+    return 0.0 if bias is None else float(bias.detach().reshape(-1)[0])
 
 
 def _to(w: dict, device: str) -> dict:
@@ -268,6 +280,9 @@ def judge(figures: dict) -> list[str]:
     what = "value" if figures["value_model"] else "log-prob"
     problems = [f"{name} |d {what}| {figures[key]:.3g} > {lim:g}" for name, key, lim in
                 (("max", "max", max_lim), ("mean", "mean", mean_lim)) if figures[key] > lim]  # fmt: skip
+    ckpt_bias, merged_bias = figures.get("biases") or (None, None)
+    if ckpt_bias is not None and merged_bias != 0 and abs(ckpt_bias - merged_bias) > max_lim:
+        problems.append(f"value head bias {merged_bias:.4g}, the checkpoint's {ckpt_bias:.4g}")
     if figures["top1"] > top1_lim:
         problems.append(f"top-1 prediction changed on {figures['top1']:.1%} of tokens > {top1_lim:.0%}")
     return problems
@@ -287,6 +302,9 @@ def where(figures: dict) -> str:
 def summary(figures: dict) -> str:
     what = "value" if figures["value_model"] else "log-prob"
     top1 = "" if figures["value_model"] else f", top-1 changed on {figures['top1']:.1%}"
+    ckpt_bias, merged_bias = figures.get("biases") or (None, None)
+    if ckpt_bias is not None and merged_bias == 0 and ckpt_bias != 0:
+        top1 = f" (net of the head's bias {ckpt_bias:.3g}, which the merged model lacks: verl's save drops it)"
     return (f"max |d {what}| {figures['max']:.2g}, mean {figures['mean']:.2g}{top1} of {figures['tokens']} probe "
             f"tokens (tolerance {figures['tolerance']}: checkpoint {figures['dtypes'][0]}, merged {figures['dtypes'][1]};"
             f" {figures['device']})")  # fmt: skip
