@@ -88,8 +88,8 @@ def _megatron_weights(folder: Path, config: dict) -> tuple[dict, str]:
             o=t["self_attention.linear_proj.weight"], ln2=t["mlp.linear_fc1.layer_norm_weight"], gate=gate, up=up,
             down=t["mlp.linear_fc2.weight"],
         ))  # fmt: skip
-    embed = sd["embedding.word_embeddings.weight"]
-    head = sd.get("output_layer.weight", embed)  # a critic's: [1, hidden], with a bias
+    embed = sd["embedding.word_embeddings.weight"][: config["vocab_size"]]  # Megatron may pad the vocabulary
+    head = sd.get("output_layer.weight", embed)[: config["vocab_size"]]  # a critic's: [1, hidden], with a bias
     return dict(embed=embed, norm=sd["decoder.final_layernorm.weight"], head=head, layers=layers,
                 bias=sd.get("output_layer.bias")), dtype  # fmt: skip
 
