@@ -4,8 +4,8 @@ Builds a tiny policy and reward model from configs and the demo dataset under de
 run_grpo_qwen3_4b_mega_verl.sh on this machine (no container) as the canary (CANARY=1, docs/operations.md): the
 preflight, then in two launches of the job verl's own `python -m verl.trainer.main_ppo` trains 2 GRPO steps and
 saves each, resumes from its step-2 checkpoint and trains step 3, then merge_mcore_to_hf.sh merges what verl saved
-and verifies it; the canary checks verl's own output at every stage. Each launch has a reward server scoring on
-the CPU and a real Ray head. The trainer runs the settings block's default strategy, verl's Megatron actor and
+and verifies it, numerically too (launch/merge/check_numeric.py: its figures are printed at the end); the canary
+checks verl's own output at every stage. Each launch has a reward server scoring on the CPU and a real Ray head. The trainer runs the settings block's default strategy, verl's Megatron actor and
 reference (megatron-core 0.13.0 without Transformer Engine: demo/megatron_cpu.py), and verl's HF rollout
 (demo/verl_cpu.py) instead of SGLang, which needs GPUs; the rollout is the block's default, async (verl's agent loop
 sends each prompt to that engine); verl's Megatron merger runs with the same adaptations (demo/megatron_merger).
