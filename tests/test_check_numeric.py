@@ -160,7 +160,7 @@ def test_another_steps_merge_is_told_apart(tmp_path, tiny_models, pair, capsys):
     """Weights moved by ~1e-3 (another step): far outside float32 agreement, though every shape matches."""
     _, other = make_pair(tmp_path, tiny_models.policy, seed=1)
     rc, out = check(pair[0], other, capsys)
-    assert rc == 1 and "after the embedding" in out, out
+    assert rc == 1 and "after the embedding" in out and "a merge of another checkpoint" in out, out
 
 
 def test_the_bf16_tolerance_covers_an_honest_bfloat16_merge_of_a_float32_checkpoint_and_fp32_would_not(

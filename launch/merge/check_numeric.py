@@ -296,7 +296,8 @@ def where(figures: dict) -> str:
         )
     gap = figures["state_gaps"][i]
     name = "the embedding" if i == 0 else f"layer {i - 1}" if i < layers else f"layer {layers - 1} or the final norm"
-    return f"hidden states first diverge after {name} (relative difference {gap:.2g})"
+    hint = ": a wrong embedding, or a merge of another checkpoint (another step or run)" if i == 0 else ""
+    return f"hidden states first diverge after {name} (relative difference {gap:.2g}){hint}"
 
 
 def summary(figures: dict) -> str:
