@@ -212,7 +212,7 @@ merge() {
     (cd "$repo" && "${wrap[@]}" "${verify[@]}") || ok=0
   fi
   if ((ok)) && [[ "$NUMERIC_CHECK" == 1 ]]; then
-    log_phase "numeric check: the merged model's log-probs against the checkpoint's (launch/merge/check_numeric.py)"
+    log_phase "numeric check: the merged model's log-probs (a critic: values) against the checkpoint's (check_numeric.py)"
     (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.check_numeric --checkpoint "$step_dir" --hf "$tmp") || ok=2
   elif ((ok)); then
     log "numeric check skipped (NUMERIC_CHECK=$NUMERIC_CHECK): the result is verified for its structure only"

