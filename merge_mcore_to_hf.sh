@@ -15,7 +15,12 @@
 #   sbatch --export=ALL,STEP=50,ROLE=critic merge_mcore_to_hf.sh
 #   CONTAINER=none bash merge_mcore_to_hf.sh                     # on a GPU workstation, verl installed locally
 #   CONTAINER=none MERGER_LAUNCHER=demo/megatron_merger bash merge_mcore_to_hf.sh  # no GPU: docs/verl-on-cpu.md
+#   python -m launch.merge.check_numeric --checkpoint CKPT/global_step_N/actor --hf hf_models/RUN-stepN  # alone
 #
+# After the structural verification, a numeric check (NUMERIC_CHECK=1, the default) compares the merged model's
+# log-probs on a fixed probe batch with a forward of the checkpoint's own tensors read without verl's merger; a
+# mismatch fails the job and keeps the result, marked UNVERIFIED.txt, as TARGET_DIR.failed (docs/merge.md). The last
+# command above runs it alone, for merges made before it existed (GPU when there is one, else the CPU).
 # verl 0.6.1's Megatron merger needs one GPU and NCCL (no Ray); its FSDP merger also runs on a CPU. Tied embeddings
 # are read from the checkpoint's config as transformers reads it, not assumed: passing --tie-word-embedding for an
 # untied model (Qwen3-8B and larger) silently drops its lm_head. A Megatron critic is converted only from the Hugging
@@ -45,6 +50,7 @@ ROLE="${ROLE:-actor}"                                            # actor | criti
 TARGET_DIR="${TARGET_DIR:-}"                                     # empty: $repo/hf_models/<run>-step<N>[-critic]
 TIE_WORD_EMBEDDINGS="${TIE_WORD_EMBEDDINGS:-auto}"               # auto (config.json, via transformers) | true | false
 VERIFY_LOAD="${VERIFY_LOAD:-0}"                                  # 1: also load the result with transformers (meta)
+NUMERIC_CHECK="${NUMERIC_CHECK:-1}"                              # 1: compare its log-probs with the checkpoint's; 0: skip
 # ------------------------------------------------------------------------------------------------------------------
 # Not a setting, read from the environment all the same: what runs `-m verl.model_merger ...` (make demo's CPU merger,
 # demo/megatron_merger; the tests' stand-in).
@@ -196,10 +202,18 @@ merge() {
     log_phase "verifying"
     (cd "$repo" && "${wrap[@]}" "${verify[@]}") || ok=0
   fi
-  if ((!ok)); then
-    move_into_place "$tmp" "$TARGET_DIR.failed" ||
-      die "the result is incomplete (above); $TARGET_DIR.failed exists already, so it is kept at $tmp"
-    die "the result is incomplete (above); kept for inspection at $TARGET_DIR.failed"
+  if ((ok)) && [[ "$NUMERIC_CHECK" == 1 ]]; then
+    log_phase "numeric check: the merged model's log-probs (a critic: values) against the checkpoint's (check_numeric.py)"
+    (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.check_numeric --checkpoint "$step_dir" --hf "$tmp") || ok=2
+  elif ((ok)); then
+    log "numeric check skipped (NUMERIC_CHECK=$NUMERIC_CHECK): the result is verified for its structure only"
+  fi
+  if ((ok != 1)); then
+    local kept="$TARGET_DIR.failed"
+    move_into_place "$tmp" "$kept" || { err "$kept exists already, so it is kept at $tmp"; kept=$tmp; }
+    ((ok == 0)) || die "the merged model does not compute what the checkpoint computes (above): kept at $kept," \
+      "marked by its UNVERIFIED.txt"
+    die "the result is incomplete (above); kept for inspection at $kept"
   fi
   move_into_place "$tmp" "$TARGET_DIR" ||
     die "TARGET_DIR=$TARGET_DIR appeared while this job merged (another merge of the same step?): it was left as it" \

@@ -4,8 +4,8 @@ Builds a tiny policy and reward model from configs and the demo dataset under de
 run_grpo_qwen3_4b_mega_verl.sh on this machine (no container) as the canary (CANARY=1, docs/operations.md): the
 preflight, then in two launches of the job verl's own `python -m verl.trainer.main_ppo` trains 2 GRPO steps and
 saves each, resumes from its step-2 checkpoint and trains step 3, then merge_mcore_to_hf.sh merges what verl saved
-and verifies it; the canary checks verl's own output at every stage. Each launch has a reward server scoring on
-the CPU and a real Ray head. The trainer runs the settings block's default strategy, verl's Megatron actor and
+and verifies it, numerically too (launch/merge/check_numeric.py: its figures are printed at the end); the canary
+checks verl's own output at every stage. Each launch has a reward server scoring on the CPU and a real Ray head. The trainer runs the settings block's default strategy, verl's Megatron actor and
 reference (megatron-core 0.13.0 without Transformer Engine: demo/megatron_cpu.py), and verl's HF rollout
 (demo/verl_cpu.py) instead of SGLang, which needs GPUs; the rollout is the block's default, async (verl's agent loop
 sends each prompt to that engine); verl's Megatron merger runs with the same adaptations (demo/megatron_merger).
@@ -61,6 +61,9 @@ SETTINGS = {
     "CONFIG_GPUS_PER_NODE": "1",  # Ray's placeholder GPU: verl places its one worker there, torch computes on the CPU
     "CONFIG_REWARD_DEVICE": "cpu",
     "EXPERIMENT_NAME": "tiny_demo_grpo_megatron",  # not the block's qwen3_4b_...: these are tiny random models
+    # The block's 1e-6 moves almost no bf16 weight of a tiny random model in 3 steps (step 1's checkpoint and step
+    # 3's merge: 9e-6 nats apart); 1e-3 moves most, so the merge's numeric check tells one step from another.
+    "ACTOR_LR": "1e-3",
 }
 # What the canary's clip-ratio WARNING means here: a random tiny policy almost never samples EOS, so its responses
 # run to MAX_RESPONSE_LENGTH; on real models the same warning is a real finding.
@@ -97,6 +100,22 @@ def run_quietly(cmd: list[str], env: dict, log: Path) -> int:
     if job.returncode:
         print(f"make demo: the last lines of {log}:", *log.read_text().splitlines()[-40:], sep="\n", flush=True)
     return job.returncode
+
+
+def numeric_check(out: Path) -> None:
+    """The merge's numeric check as it logged it (launch/merge/check_numeric.py), and the same check of that merge
+    against step 1's checkpoint, which it must tell apart (no UNVERIFIED.txt is written: the merge is right)."""
+    from launch.merge import check_numeric
+
+    logs = sorted((out / "logs").glob("*/canary/merge.log"), key=lambda p: p.stat().st_mtime)
+    lines = [x for x in (logs[-1].read_text().splitlines() if logs else []) if x.startswith("numeric check")]
+    print(f"make demo: the merge's {lines[-1] if lines else 'numeric check: not run (see the merge log)'}")
+    roots = sorted((out / "checkpoints_canary").glob("*/hf_model/config.json"), key=lambda p: p.stat().st_mtime)
+    if roots and (roots[-1].parents[1] / "checkpoints" / "global_step_1" / "actor").is_dir():
+        first, merged = roots[-1].parents[1] / "checkpoints" / "global_step_1" / "actor", roots[-1].parent
+        figures = check_numeric.compare(first, merged)
+        told = "told apart" if check_numeric.judge(figures) else "NOT told apart: the steps did not move the weights"
+        print(f"make demo: step 1's checkpoint against that merge: {check_numeric.summary(figures)}: {told}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = sorted((out / "logs").glob("*/canary/summary.txt"), key=lambda p: p.stat().st_mtime)
     if summaries and "hit MAX_RESPONSE_LENGTH" in summaries[-1].read_text():
         print(CLIP_NOTE.format(length=SETTINGS["MAX_RESPONSE_LENGTH"]), flush=True)
+    numeric_check(out)
     print(
         f"\nmake demo: {verdict} in {time.monotonic() - start:.0f} s: verl 0.6.1's own GRPO steps on the CPU, a save,"
         f" a resume and the merge (verl's Megatron workers without Transformer Engine and HF generate here; a cluster"

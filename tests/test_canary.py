@@ -134,6 +134,16 @@ def test_a_resume_passes_only_at_step_2_with_one_more_step_saved(tmp_path):
     assert "global_step_3/actor is missing" in canary.check_resume(ok, checkpoint(tmp_path / "b", 1, 2))[0]
 
 
+def test_a_merge_passes_stage_3_only_with_its_numeric_check_passed_or_skipped_by_setting(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    verified = "verified /x: 26 tensors\n"
+    passed = "numeric check passed: max |d log-prob| 1.9e-06, mean 6.5e-07, top-1 changed on 0.0% of 182 probe tokens\n"
+    assert canary.check_merge(verified + passed, tmp_path) == []
+    assert canary.check_merge(verified + "numeric check skipped (NUMERIC_CHECK=0): ...", tmp_path) == []
+    (problem,) = canary.check_merge(verified, tmp_path)
+    assert "launch.merge.check_numeric did not report" in problem
+
+
 def test_training_without_validation_or_a_save_per_step_fails_stage_1(tmp_path):
     steps = [STEP_1, STEP_1.replace(":1", ":2")]
     assert "no validation metrics" in canary.check_train("\n".join(steps), checkpoint(tmp_path, 1, 2))[0]
@@ -271,7 +281,9 @@ def canary_job(job, tmp_path, fake_container):  # noqa: F811
         f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{REPO / "tests" / "fakes" / "fake_merger.py"}" "$@"\n'
     )
     merger.chmod(0o755)
-    return job | {"CANARY": "1", "MERGER_LAUNCHER": str(merger), "FAKE_MERGER_LOG": str(tmp_path / "merger.jsonl")}
+    # NUMERIC_CHECK=0: the fake trainer's dist_ckpt/ holds no tensors (make demo runs the check on verl's own)
+    return job | {"CANARY": "1", "MERGER_LAUNCHER": str(merger), "FAKE_MERGER_LOG": str(tmp_path / "merger.jsonl"),
+                  "NUMERIC_CHECK": "0"}  # fmt: skip
 
 
 def trainer_runs(env) -> list[dict]:

@@ -111,6 +111,12 @@ def test_make_demo_trains_verls_megatron_workers_on_the_cpu_saves_resumes_and_me
     merge_log = (canary / "merge.log").read_text()
     assert "-m verl.model_merger merge --backend megatron" in merge_log and "verified " in merge_log
     assert (root / "hf_model" / "config.json").is_file() and (root / "hf_model" / "model.safetensors").is_file()
+    # issue 57: the merge's numeric check against verl's own dist_ckpt and merger, printed; ACTOR_LR moves the weights
+    # enough that step 1's checkpoint is told apart from step 3's merge by the same check
+    assert "numeric check passed: max |d log-prob|" in merge_log and "tolerance fp32" in merge_log
+    assert "make demo: the merge's numeric check passed: max |d log-prob|" in run.stdout
+    assert "make demo: step 1's checkpoint against that merge: max |d log-prob|" in run.stdout
+    assert ": told apart" in run.stdout and not (root / "hf_model" / "UNVERIFIED.txt").exists()
     # issue 44: the run's name, Ray's GPUs on a machine without one, the clip-ratio warning a random policy trips
     assert "tiny_demo_grpo_megatron_canary" in run.stdout and "qwen3_4b_grpo_megatron" not in run.stdout
     assert "GPUs (placeholders: no GPU here, torch computes on the CPU)" in run.stdout

@@ -66,6 +66,7 @@ def merge_env(tmp_path, fake_container):
         CKPT_ROOT=str(tmp_path / "ckpt"),
         MERGER_LAUNCHER=str(merger),
         FAKE_MERGER_LOG=str(tmp_path / "merger.jsonl"),
+        NUMERIC_CHECK="0",  # make_checkpoint's dist_ckpt/ holds no tensors to compare with (tests/test_check_numeric.py)
     )
 
 
@@ -228,9 +229,11 @@ def test_an_fsdp2_critic_merges_through_verls_fsdp_merger_into_the_value_model_v
     assert json.loads((critic / "huggingface" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
     target = tmp_path / "critic_hf"
     env = merge_env | dict(CONTAINER="none", MERGER_LAUNCHER=sys.executable)  # verl's real merger, on this CPU
-    result = run(env, ROLE="critic", TARGET_DIR=str(target), VERIFY_LOAD="1")
+    result = run(env, ROLE="critic", TARGET_DIR=str(target), VERIFY_LOAD="1", NUMERIC_CHECK="1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "-m verl.model_merger merge --backend fsdp" in result.stdout
+    # the values against a forward of the FSDP2 shards themselves: bfloat16 stored from the float32 trained
+    assert "numeric check passed: max |d value|" in result.stdout and "tolerance bf16" in result.stdout
     assert "score.weight [1, 64] kept as verl's FSDP critic trained it" in result.stdout
     assert "value model, value head score.weight [1, 64]" in result.stdout
     trained = json.loads(worker.read_text())

@@ -372,6 +372,9 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     assert "-m verl.model_merger merge --backend megatron" in merges["actor"], "verl's merger, both stages in one"
     assert "verified " in merges["actor"] and "tied embeddings, no lm_head" in merges["actor"]
     assert "-> score.weight" in merges["critic"] and "value model, value head score.weight [1, 64]" in merges["critic"]
+    # issue 57: each merge's numeric check against the PP=2 dist checkpoint read without verl's merger
+    assert "numeric check passed: max |d log-prob|" in merges["actor"], merges["actor"][-3000:]
+    assert "numeric check passed: max |d value|" in merges["critic"], merges["critic"][-3000:]
 
 
 def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_failed_when_the_hang_comes_back(
