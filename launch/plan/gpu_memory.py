@@ -330,9 +330,13 @@ LOGITS_UPDATE_BYTES = 8.0
 LOGITS_LOG_PROB_BYTES = 12.0
 # With verl's fused kernels (FUSED_KERNELS, launch/plan/trainer_command.fused_kernels) no [tokens x vocab] logits are
 # kept: what the kernel holds on the last stage beside its input, bytes per token of a micro-batch, in the update and
-# in the log-prob pass. Measured: benchmarks/megatron_memory (the fused cases of its result file).
-FUSED_UPDATE_BYTES_PER_TOKEN = 0.0
-FUSED_LOG_PROB_BYTES_PER_TOKEN = 0.0
+# in the log-prob pass. Measured on one H100 through verl's worker at Qwen3-4B's stage-1 shape, at 24,576 and 49,152
+# tokens a micro-batch (benchmarks/results/megatron_memory_h100_qwen3_4b_fused.json, _fused_2x.json): the log-prob
+# pass held 2.16 and 4.30 GiB above its resident weights and grads (94,400 and 93,900 bytes a token: a layer's
+# activations while the no-grad recompute runs, and the kernel's chunk); the update's peak is the formula's plus 3.1 and
+# 3.3 GiB, fitted within 4% at both by 67,000 bytes a token (the formula without it: -6.8% and -6.5%).
+FUSED_UPDATE_BYTES_PER_TOKEN = 67_000.0
+FUSED_LOG_PROB_BYTES_PER_TOKEN = 94_000.0
 
 
 def _logits_bytes(dims: ModelDims, *, last: bool, fused: bool, tokens: int, tp: int, log_prob: bool) -> int:
