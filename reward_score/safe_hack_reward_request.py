@@ -36,7 +36,6 @@ import importlib.util
 import itertools
 import json
 import math
-import numbers
 import os
 import random
 import sys
@@ -255,45 +254,16 @@ def _get_session() -> requests.Session:
         return _session
 
 
-class _Breaker:
-    """Per process and server list: once a request spends its whole retry budget, the next calls fail at once.
-
-    verl's `compute_reward` calls the reward function a second time when it raises, and its naive manager scores one
-    sample per call: without this, an outage would cost two budgets before the step fails (or one per sample under
-    REWARD_ON_FAILURE=min_score). It closes on any success (a request already in flight) or after breaker_seconds.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open: dict[tuple[str, ...], tuple[float, str]] = {}  # servers -> (monotonic time it opened, error)
-
-    def check(self, config: Config) -> None:
-        """Raise RewardServerError if the breaker for these servers is open."""
-        if config.breaker_seconds <= 0:
-            return
-        with self._lock:
-            opened, error = self._open.get(config.server_urls, (None, ""))
-            if opened is None:
-                return
-            age = time.monotonic() - opened
-            if age >= config.breaker_seconds:
-                del self._open[config.server_urls]
-                return
-        raise RewardServerError(
-            f"{error} (this process gave up on them {age:.1f} s ago: failing at once instead of waiting the budget "
-            f"again, for {config.breaker_seconds - age:.0f} s more, REWARD_BREAKER_SECONDS)"
-        )
-
-    def trip(self, config: Config, error: str) -> None:
-        if config.breaker_seconds > 0:
-            with self._lock:
-                self._open[config.server_urls] = (time.monotonic(), error)
-
-    def reset(self, config: Config) -> None:
-        with self._lock:
-            self._open.pop(config.server_urls, None)
+def _beside(name: str):
+    """A module of this folder, loaded by path: verl loads this file by path, outside any package."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"reward_score_client_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
+_Breaker = _beside("breaker").Breaker
 _breaker = _Breaker()
 
 
@@ -305,7 +275,8 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
     lands at the deadline. A 4xx is the request's fault and raises at once with the server's message. After a spent
     budget, calls fail at once for a while (`_Breaker`).
     """
-    _breaker.check(config)
+    if (refusal := _breaker.check(config)) is not None:
+        raise RewardServerError(refusal)
     session = _get_session()
     headers = {"Authorization": f"Bearer {config.auth_token}"} if config.auth_token else {}
     servers = config.server_urls
@@ -393,67 +364,8 @@ def _result(config: Config, raw: float, *, penalized=False, truncated=False, fai
     }
 
 
-_scorers: dict[tuple[str, str], object] = {}  # (REWARD_FUNCTION_PATH, REWARD_FUNCTION_NAME) -> the rule scorer
-_rule_errors = itertools.count()  # rule scorer failures this process printed
-RULE_ERRORS_PRINTED = 20
-
-
-def load_function(path: str, name: str):
-    """The user's function from its file, loaded as verl loads custom_reward_function: a module of its own."""
-    spec = importlib.util.spec_from_file_location(f"user_reward_{len(_scorers)}", path)
-    if spec is None:
-        raise ValueError(f"REWARD_FUNCTION_PATH={path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise AttributeError(f"REWARD_FUNCTION_NAME={name}: {path} defines no function of that name")
-    return function
-
-
-def rule_scorer(config: Config):
-    """The user's function (REWARD_FUNCTION_PATH), else verl's default_compute_score; loaded once per process."""
-    key = (config.function_path, config.function_name)
-    if key not in _scorers:
-        if config.function_path:
-            _scorers[key] = load_function(*key)
-        else:
-            from verl.utils.reward_score import default_compute_score
-
-            _scorers[key] = default_compute_score
-    return _scorers[key]
-
-
-def rule_score(config: Config, data_source, solution_str, ground_truth, extra_info) -> tuple[float, str]:
-    """The rule's score of one whole response (what verl's own examples score), and "" ; or 0 and the error where the
-    scorer raised or returned no number: printed (the first RULE_ERRORS_PRINTED a process meets), never raised."""
-    scorer = rule_scorer(config)  # a function that does not load is the job's error: raised
-    try:
-        value = scorer(data_source, solution_str, ground_truth, extra_info)
-        value = value["score"] if isinstance(value, dict) else value
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise TypeError(f"returned {value!r}, not a finite number")
-        return float(value), ""
-    except Exception as exc:  # noqa: BLE001  (one response's scorer error: scored 0 and counted, rule_failed)
-        error = f"{type(exc).__name__}: {exc}"[:300]
-        if next(_rule_errors) < RULE_ERRORS_PRINTED:
-            index = extra_info.get("index") if isinstance(extra_info, dict) else None
-            print(f"[reward] the rule scorer failed on the {data_source} row with extra_info.index={index}: {error}; "
-                  "scored 0 (counted in rule_failed)", file=sys.stderr)  # fmt: skip
-        return 0.0, error
-
-
-def _mixed(config: Config, rm: dict | None, rule: tuple[float, str]) -> dict:
-    """REWARD=rule's result, or rm+rule's: the weighted sum, and each part for verl's reward_extra_info."""
-    parts = {"rule_score": rule[0], "rule_failed": float(bool(rule[1]))}
-    if rm is None:
-        return {"score": rule[0], **parts}
-    return {
-        **rm,
-        "score": config.rm_weight * rm["score"] + config.rule_weight * rule[0],
-        "rm_score": rm["score"],
-        **parts,
-    }
+rule_reward = _beside("rule_reward")  # REWARD=rule / rm+rule, the user's function (reward_score/rule_reward.py)
+load_function, rule_score, _mixed = rule_reward.load_function, rule_reward.rule_score, rule_reward.mixed
 
 
 def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: Config) -> list[dict]:

@@ -193,7 +193,8 @@ def test_the_canary_with_a_proxy_sends_it_nothing_and_passes(job, tmp_path, fake
     )
     merger.chmod(0o755)
     env = job | OWN_PORTS | {"CANARY": "1", "PREFLIGHT_DATA": "0", "REWARD_START_TIMEOUT": "90",
-                             "MERGER_LAUNCHER": str(merger), "FAKE_MERGER_LOG": str(tmp_path / "merger.jsonl")}  # fmt: skip
+                             "MERGER_LAUNCHER": str(merger), "FAKE_MERGER_LOG": str(tmp_path / "merger.jsonl"),
+                             "NUMERIC_CHECK": "0"}  # the fake trainer saves no dist_ckpt to check  # fmt: skip
     result = run(proxy.environment(env), timeout=900)
     assert proxy.seen == [], proxy.seen[:5]
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
@@ -505,6 +506,7 @@ def merge_probe_env(tmp_path, fake_container, tiny_models):
         CONTAINER="singularity", CONFIG_IMAGE_PATH=str(image), CKPT_ROOT=str(tmp_path / "ckpt"),
         MERGER_LAUNCHER=str(wrapper(fake_container.bin_dir, "probe-merger", "merger")),
         FAKE_MERGER_LOG=str(tmp_path / "merger.jsonl"), PROBE_LOG=str(tmp_path / "merger_probe"),
+        NUMERIC_CHECK="0",  # the stand-in merger's checkpoint has no dist_ckpt to read (tests/test_check_numeric.py)
     )  # fmt: skip
 
 

@@ -49,10 +49,10 @@ from launch.plan.procs import stop_process
 from launch.plan.refusals import check, context_problems, header_problems, save_deadline_problems, sbatch_header
 from launch.plan.reward_check import (
     begin_reward_server,
+    check_reward_data,
     check_reward_format,
-    reward_data_problems,
+    check_rule_round_trip,
     reward_head_problems,
-    rule_round_trip,
     server_round_trip,
 )
 from launch.plan.settings import REPO, SettingError, Settings
@@ -560,47 +560,6 @@ def check_own_files(settings: Settings, cfg, reward_server) -> bool:
     if reward_server is not None and not server_round_trip(cfg, tokenizer, reward_server):
         return False
     return os.environ.get("PREFLIGHT_REWARD", "1") != "1" or check_rule_round_trip(cfg, tokenizer)
-
-
-def check_reward_data(cfg) -> bool:
-    """The rows against REWARD, and a rule reward's scorers (reward_check.reward_data_problems); False after saying why."""
-    from reward_score.safe_hack_reward_request import load_config
-
-    config = load_config(environ=os.environ)
-    files = [f for split in (cfg.data.train_files, cfg.data.val_files)
-             for f in ([split] if isinstance(split, str) else split)]  # fmt: skip
-    try:
-        problems = reward_data_problems(config.reward, config.function_path, config.function_name, files)
-    except Exception as exc:  # the row check above passed: a file it could read, but not these columns
-        problems = [f"the rows' reward_model cannot be read ({type(exc).__name__}: {exc}): check them with "
-                    "python -m data_prep.validate"]  # fmt: skip
-    for problem in problems:
-        print(f"preflight: refused: {problem}", file=sys.stderr)
-    if not problems and config.reward != "rm":
-        scorer = f"{config.function_path}:{config.function_name}" if config.function_path else "verl's scorers"
-        print(f"preflight: reward: REWARD={config.reward}, rules by {scorer}: every row is a rule row with its answer")
-    return not problems
-
-
-def check_rule_round_trip(cfg, tokenizer) -> bool:
-    """REWARD=rule or rm+rule with verl's scorers: a right and a wrong answer scored apart (reward_check.rule_round_trip,
-    the rule part alone: REWARD=rule for the check); False after saying why."""
-    from reward_score.safe_hack_reward_request import load_config
-
-    config = load_config(environ=os.environ)
-    if config.reward == "rm" or config.function_path:  # the user's function was called on rows already
-        return True
-    saved = os.environ.get("REWARD", "rm")
-    try:
-        os.environ["REWARD"] = "rule"
-        for line in rule_round_trip(cfg, tokenizer):
-            print(f"preflight: reward {line}")
-    except Exception as exc:  # verl's scorer or the rows, reported as they are
-        print(f"preflight: the rule reward check failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return False
-    finally:
-        os.environ["REWARD"] = saved
-    return True
 
 
 class _Tee:
