@@ -83,8 +83,8 @@ class Job:
             if time.monotonic() > deadline:
                 raise AssertionError(
                     f"job {self.id}: not {what} after {timeout:.0f} s: JobState={fields.get('JobState')} "
-                    f"Reason={fields.get('Reason')} Restarts={fields.get('Restarts')}\n--- {self.out} ---\n"
-                    f"{self.output()[-4000:]}"
+                    f"Reason={fields.get('Reason')} Restarts={fields.get('Restarts')}\n{cluster_state(self.env)}"
+                    f"--- {self.out} ---\n{self.output()[-4000:]}"
                 )
             time.sleep(1)
 
@@ -143,6 +143,16 @@ def copy_tree(src: Path, dst: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source, target)
     return dst
+
+
+def cluster_state(env: Mapping[str, str]) -> str:
+    """The nodes (state, CPUs allocated/idle/other/total, free memory, drain reason) and the queue, for a failure's
+    message: what else held the cluster when a job did not start or finish."""
+    said = []
+    for argv in (["sinfo", "-N", "-o", "%N %T %C %e %E"], ["squeue", "-o", "%i %j %T %R %N %M"]):
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=slurm_env(env))
+        said.append(f"--- {' '.join(argv[:1])} ---\n{run.stdout}{run.stderr}")
+    return "".join(said)
 
 
 def cancel_all(jobs: Sequence[Job], timeout: float = 120) -> None:

@@ -82,10 +82,13 @@ def gpu_total() -> int | None:
 
 # --- the rollout engine's share, at its start --------------------------------------------------------------------
 
-# One process's GPU memory outside torch's allocator (its CUDA context, cuBLAS's and NCCL's workspaces): verl's hybrid
-# worker held 24.80 GiB in NVML against a peak of 23.34 GiB reserved by torch (one H200,
-# benchmarks/results/verl_step_h200_qwen3_0p6b_1p7b.json, `nvml` and `phase_memory`).
-WORKER_OVERHEAD = int(1.46 * GIB)
+# One process's GPU memory outside torch's allocator (its CUDA context, cuBLAS's and NCCL's workspaces), the most any
+# phase held: verl's Megatron worker at Qwen3-4B's stage-1 shape on one H100, device used less torch's reserved, 2.32 GiB
+# after init, 3.15 in the log-prob pass, 3.65 in the update, fused or not
+# (benchmarks/results/megatron_memory_h100_qwen3_4b_fused.json, `outside_torch_gib`). An H200's FSDP2 worker at 0.6B
+# held 1.46 (verl_step_h200_qwen3_0p6b_1p7b.json). The allocator's own slack (reserved less allocated: 1.0-1.2 GiB in
+# those updates) is not counted here.
+WORKER_OVERHEAD = int(3.65 * GIB)
 
 
 @dataclass(frozen=True)
