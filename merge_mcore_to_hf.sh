@@ -204,15 +204,19 @@ merge() {
   fi
   if ((ok)) && [[ "$NUMERIC_CHECK" == 1 ]]; then
     log_phase "numeric check: the merged model's log-probs (a critic: values) against the checkpoint's (check_numeric.py)"
-    (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.check_numeric --checkpoint "$step_dir" --hf "$tmp") || ok=2
+    local rc=0 # check_numeric: 1 the numbers differ, 2 it could not read one side (bad input)
+    (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.check_numeric --checkpoint "$step_dir" --hf "$tmp") || rc=$?
+    ((rc == 0)) || ok=$((rc == 1 ? 2 : 3))
   elif ((ok)); then
     log "numeric check skipped (NUMERIC_CHECK=$NUMERIC_CHECK): the result is verified for its structure only"
   fi
   if ((ok != 1)); then
     local kept="$TARGET_DIR.failed"
     move_into_place "$tmp" "$kept" || { err "$kept exists already, so it is kept at $tmp"; kept=$tmp; }
-    ((ok == 0)) || die "the merged model does not compute what the checkpoint computes (above): kept at $kept," \
+    ((ok != 2)) || die "the merged model does not compute what the checkpoint computes (above): kept at $kept," \
       "marked by its UNVERIFIED.txt"
+    ((ok != 3)) || die "the numeric check could not compare the merged model with the checkpoint (above): kept at" \
+      "$kept; fix what it names and merge again, or NUMERIC_CHECK=0 to keep the structural verification alone"
     die "the result is incomplete (above); kept for inspection at $kept"
   fi
   move_into_place "$tmp" "$TARGET_DIR" ||

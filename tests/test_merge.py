@@ -168,6 +168,20 @@ def test_broken_output_is_rejected_and_kept_aside(merge_env, tiny_models, tmp_pa
     assert not target.exists() and (tmp_path / "hf.failed").exists()
 
 
+def test_a_numeric_check_that_cannot_read_the_checkpoint_says_so_not_a_mismatch_and_keeps_the_result(
+    merge_env, tiny_models, tmp_path
+):
+    """check_numeric's exit 2 (bad input: here make_checkpoint's dist_ckpt/ holds no tensors) is told apart from its
+    exit 1 (the numbers differ): the merge fails naming the check and both ways on, and keeps the verified result."""
+    make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True)
+    target = tmp_path / "hf"
+    result = run(merge_env, TARGET_DIR=str(target), NUMERIC_CHECK="1")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "the numeric check could not compare the merged model with the checkpoint" in result.stderr, result.stderr
+    assert "NUMERIC_CHECK=0" in result.stderr and "does not compute what the checkpoint computes" not in result.stderr
+    assert not target.exists() and (tmp_path / "hf.failed" / "model.safetensors.index.json").exists()
+
+
 @pytest.mark.parametrize(
     "model_type, tied, flag",
     [
