@@ -286,3 +286,14 @@ def block_environment() -> dict[str, str]:
         capture_output=True, text=True, check=True, cwd=REPO, env={"PATH": "/usr/bin:/bin"},
     ).stdout  # fmt: skip
     return dict(kv.split("=", 1) for kv in out.split("\0") if "=" in kv)
+
+
+def gsm8k_rule_data(tmp_path) -> dict:
+    """CONFIG_TRAIN_FILE and CONFIG_TEST_FILE of GSM8K-shaped rule rows, built by data_prep.build --preset gsm8k."""
+    from data_prep.build import main as build_main
+
+    src = tmp_path / "gsm8k.jsonl"
+    src.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"})
+                           + "\n" for i in range(40)))  # fmt: skip
+    assert build_main([str(src), "--preset", "gsm8k", "--out-dir", str(tmp_path / "gsm8k"), "--test-size", "0.2"]) == 0
+    return {f"CONFIG_{s.upper()}_FILE": str(tmp_path / "gsm8k" / f"{s}.parquet") for s in ("train", "test")}

@@ -15,7 +15,7 @@ import pytest
 from demo.run import LOGIN_NODE_CHECK
 from launch.plan.procs import free_port, start_process, stop_process, wait_for_http
 from launch.plan.reward_check import CheckServer, server_round_trip
-from tests.support import REPO, assert_everything_stopped, block_environment, job_dir, run, seen
+from tests.support import REPO, assert_everything_stopped, block_environment, gsm8k_rule_data, job_dir, run, seen
 
 # --- the whole flow ----------------------------------------------------------------------------------------------
 
@@ -115,17 +115,6 @@ def test_a_reward_server_that_never_becomes_healthy_fails_the_job_within_the_dea
     assert "=== [rank 0] Ray head on" in result.stdout, "Ray starts while the reward servers load"
     assert not Path(job["FAKE_TRAINER_LOG"]).exists(), "the trainer must not start"
     assert_everything_stopped(job)
-
-
-def gsm8k_rule_data(tmp_path) -> dict:
-    """CONFIG_TRAIN_FILE and CONFIG_TEST_FILE of GSM8K-shaped rule rows, built by data_prep.build --preset gsm8k."""
-    from data_prep.build import main as build_main
-
-    src = tmp_path / "gsm8k.jsonl"
-    src.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"})
-                           + "\n" for i in range(40)))  # fmt: skip
-    assert build_main([str(src), "--preset", "gsm8k", "--out-dir", str(tmp_path / "gsm8k"), "--test-size", "0.2"]) == 0
-    return {f"CONFIG_{s.upper()}_FILE": str(tmp_path / "gsm8k" / f"{s}.parquet") for s in ("train", "test")}
 
 
 def test_the_trainer_exit_code_is_the_jobs_and_everything_stops(job, tmp_path):

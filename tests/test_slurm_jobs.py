@@ -28,6 +28,7 @@ from tests.support import (
     REPO,
     RUN,
     assert_everything_stopped,
+    gsm8k_rule_data,
     job_processes,
     real_trainer_args,
     seen,
@@ -331,7 +332,15 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     gloo where NCCL would be). Two steps with a save each; then `sbatch merge_mcore_to_hf.sh` twice: the actor's PP=2
     dist checkpoint through verl's Megatron merger, and the critic's own Hugging Face save (critic.checkpoint
     .save_contents with hf_model, docs/merge.md) into a value model by launch/merge/critic_to_hf.py."""
-    env = job | FAST | MEGATRON_TRAINER | {"ALGORITHM": "ppo", "ACTOR_PP": "2", "TRAINER_LOGGER": "[console]"}
+    calls = tmp_path / "user_function_calls.txt"
+    user = tmp_path / "my_reward.py"  # the user's own rule (verl's custom_reward_function contract), alone: no server
+    user.write_text(f"def length_rule(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    f"    with open({str(calls)!r}, 'a') as f:\n        f.write(data_source + '\\n')\n"
+                    f"    return (len(solution_str) + len(str(ground_truth))) % 7 / 6\n")  # fmt: skip
+    env = job | FAST | MEGATRON_TRAINER | gsm8k_rule_data(tmp_path) | {
+        "ALGORITHM": "ppo", "ACTOR_PP": "2", "TRAINER_LOGGER": "[console]", "REWARD": "rule",
+        "REWARD_FUNCTION_PATH": str(user), "REWARD_FUNCTION_NAME": "length_rule",
+    }  # fmt: skip
     args = real_trainer_args("trainer.total_training_steps=2", "trainer.test_freq=-1",
                              "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]", strategy="megatron")  # fmt: skip
     j = submit(env, *args, out=tmp_path / "job.out", options=(*TWO_NODES, "--time=30"))
@@ -354,6 +363,9 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     for line in steps.values():
         assert float(re.search(r"critic/grad_norm:([-\d.e]+)", line).group(1)) > 0, "the critic learned"
         assert float(re.search(r"actor/grad_norm:([-\d.e]+)", line).group(1)) > 0
+    # issue 59: REWARD=rule with the user's function: verl's workers called it on each response, no server started
+    assert calls.read_text().splitlines().count("openai/gsm8k") >= 4, "2 steps x 2 responses, scored by the function"
+    assert "no reward server (REWARD=rule)" in out and not list(logs.glob("reward_server_n*")), out[-3000:]
     step = Path(env["CONFIG_OUTPUT_DIR"]) / "global_step_2"
     for role in ("actor", "critic"):
         assert (step / role / "dist_ckpt" / "metadata.json").is_file(), f"megatron-core's dist checkpoint of the {role}"
@@ -395,6 +407,7 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
         "STALL_TIMEOUT": "auto", "STALL_FLOOR": "30", "STALL_FIRST_STEP": "400", "STALL_REQUEUE": "1",
         "TEST_FREQ": "2", "SAVE_FREQ": "3", "TOTAL_EPOCHS": "10", "STALL_TEST_PLAN": plan,
         "STALL_TEST_MARKER": str(marker), verl_cpu.THEN_HOOK: stall_hook.HOOK,
+        "REWARD": "rm+rule", "REWARD_RULE_WEIGHT": "2", **gsm8k_rule_data(tmp_path),  # issue 59: both judges, mixed
     }  # fmt: skip
     args = real_trainer_args("trainer.total_training_steps=20")
     j = submit(env, *args, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=60"))
@@ -419,6 +432,12 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     steps = parse_step_lines((logs / "trainer.log").read_text())
     assert sorted(n for n, m in steps.items() if is_training_step(m)) == [1, 2, 3, 4], first[-3000:]
     assert steps[2]["timing_s/testing"] >= 35 and steps[3]["timing_s/save_checkpoint"] >= 35, steps
+    # REWARD=rm+rule through verl's real trainer: each validation logs both parts (verl's reward_extra_info) and the
+    # score it trained on is 1 x the reward model's + 2 x GSM8K's rule (means are linear: the same sum of the means)
+    for n in (2, 4):
+        part = {k.split("/")[-2]: v for k, v in steps[n].items() if k.startswith("val-") and k.endswith("/mean@1")}
+        assert {"reward", "rm_score", "rule_score"} <= set(part), steps[n]
+        assert part["reward"] == pytest.approx(part["rm_score"] + 2 * part["rule_score"], abs=1e-3), part
     assert_everything_stopped(env, logs=logs)
 
     # The test does not wait out Slurm's hold (Reason=BeginTime), only the second of the requeue: slurmd refuses a
