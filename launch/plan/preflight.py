@@ -362,10 +362,10 @@ def report_steps(cfg, train_rows: int | None) -> bool:
 
 
 def stamps(path) -> list:
-    """[name, size, mtime_ns] of a file, or of each entry of a folder (not below): what a change to it changes."""
+    """[name, size, mtime_ns] of a file, or of each file in a folder (not below: __pycache__ changes on every run)."""
     p = Path(path)
-    files = sorted(p.iterdir()) if p.is_dir() else [p] if path and p.exists() else []
-    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    files = sorted(p.iterdir()) if p.is_dir() else [p] if path else []
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
 
 
 # Settings the expensive checks do not read, which the run script may set anew for each start
@@ -374,13 +374,13 @@ UNREAD = ("checkpoint_before_end", "esi_redundant_time", "stall_", "reward_resta
 
 def fingerprint(settings: Settings, extra: list[str]) -> dict:
     """What the expensive checks (the reward server's load and round trip, the trainer's imports) read: the image (or,
-    with CONTAINER=none, this Python's site-packages), the model folders, the data, our reward code, the settings,
+    with CONTAINER=none, the packages installed here), the model folders, the data, our reward code, the settings,
     the reward server's environment and the extra overrides; files by name, size and mtime."""
-    env = os.environ
-    image = sysconfig.get_paths()["purelib"] if settings.container == "none" else settings.image
+    env, packages = os.environ, Path(sysconfig.get_paths()["purelib"]).glob("*.dist-info")  # names carry versions
+    image = sorted(p.name for p in packages) if settings.container == "none" else stamps(settings.image)
     values = {k: v for k, v in dataclasses.asdict(settings).items() if not k.startswith(UNREAD)}
     return json.loads(json.dumps(default=str, obj={
-        "image": stamps(image), "policy_model": stamps(settings.model_path),
+        "image": image, "policy_model": stamps(settings.model_path),
         "reward_model": stamps(settings.reward_model_path) if settings.uses_reward_model else [],
         "data": stamps(settings.train_file) + stamps(settings.test_file),
         "reward_code": stamps(REPO / "reward_score") + stamps(env.get("REWARD_FUNCTION_PATH", "")),
