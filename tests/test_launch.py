@@ -407,6 +407,38 @@ def test_a_reward_model_without_a_one_score_head_is_refused_by_the_preflight_bef
     assert "preflight: reward verl's" not in result.stdout and "=== launching on" not in result.stdout
 
 
+def test_a_requeued_start_skips_the_expensive_checks_only_while_nothing_they_read_has_changed(tmp_path, capsys,
+                                                                                            monkeypatch):  # fmt: skip
+    """The first start's record of what its reward server and import checks read (preflight_ok.json): a requeued
+    start equal to it skips them, a changed data file or setting runs them in full naming the field, and a first start
+    never skips."""
+    from launch.plan.preflight import fingerprint, skip_expensive
+    from launch.plan.settings import Settings
+
+    for name in ("policy", "rm"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    for name in ("verl_app.sif", "train.parquet", "test.parquet"):
+        (tmp_path / name).write_text(name)
+    paths = {"CONFIG_IMAGE_PATH": "verl_app.sif", "CONFIG_MODEL_PATH": "policy", "CONFIG_REWARD_MODEL_PATH": "rm",
+             "CONFIG_TRAIN_FILE": "train.parquet", "CONFIG_TEST_FILE": "test.parquet"}  # fmt: skip
+    env = block_environment() | {name: str(tmp_path / path) for name, path in paths.items()}
+    monkeypatch.setattr(os, "environ", env)
+    record = tmp_path / "preflight_ok.json"
+    record.write_text(json.dumps(fingerprint(Settings.from_env(env), ["x=1"])))
+    assert skip_expensive(fingerprint(Settings.from_env(env), ["x=1"]), record, "1")
+    assert "are as at the first start's checks" in capsys.readouterr().out
+    assert not skip_expensive(fingerprint(Settings.from_env(env), ["x=1"]), record, "0"), "a first start checks all"
+    (tmp_path / "rm" / "model.safetensors").write_text("new weights")
+    assert not skip_expensive(fingerprint(Settings.from_env(env), ["x=1"]), record, "1")
+    assert "requeued start: reward_model changed since" in capsys.readouterr().out
+    os.utime(tmp_path / "train.parquet", ns=(1, 1))
+    env["ROLLOUT_N"] = "3"
+    assert not skip_expensive(fingerprint(Settings.from_env(env), ["x=2"]), record, "2")
+    assert "requeued start: reward_model, data, settings, overrides changed" in capsys.readouterr().out
+    assert not skip_expensive(fingerprint(Settings.from_env(env), []), tmp_path / "none.json", "1"), "no record"
+
+
 # --- the reward model's input format ------------------------------------------------------------------------------
 
 
