@@ -412,7 +412,7 @@ def test_a_requeued_start_skips_the_expensive_checks_only_while_nothing_they_rea
     """The first start's record of what its reward server and import checks read (preflight_ok.json): a requeued
     start equal to it skips them, a changed data file or setting runs them in full naming the field, and a first start
     never skips."""
-    from launch.plan.preflight import fingerprint, skip_expensive
+    from launch.plan.requeue_record import fingerprint, skip_expensive
     from launch.plan.settings import Settings
 
     for name in ("policy", "rm"):

@@ -23,13 +23,9 @@ On failure it prints verl's message and the settings that feed that key.
 """
 
 import atexit
-import dataclasses
-import json
 import os
-import re
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -51,6 +47,7 @@ from launch.plan.gpu_memory import (
 )
 from launch.plan.procs import stop_process
 from launch.plan.refusals import check, context_problems, header_problems, save_deadline_problems, sbatch_header
+from launch.plan.requeue_record import fingerprint, first_start_record, keep, skip_expensive
 from launch.plan.reward_check import (
     begin_reward_server,
     check_reward_data,
@@ -361,52 +358,6 @@ def report_steps(cfg, train_rows: int | None) -> bool:
     return not problems
 
 
-def stamps(path) -> list:
-    """[name, size, mtime_ns] of a file, or of each file in a folder (not below: __pycache__ changes on every run)."""
-    p = Path(path)
-    files = sorted(p.iterdir()) if p.is_dir() else [p] if path else []
-    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
-
-
-# Settings the expensive checks do not read, which the run script may set anew for each start
-UNREAD = ("checkpoint_before_end", "esi_redundant_time", "stall_", "reward_restart")
-
-
-def fingerprint(settings: Settings, extra: list[str]) -> dict:
-    """What the expensive checks (the reward server's load and round trip, the trainer's imports) read: the image (or,
-    with CONTAINER=none, the packages installed here), the model folders, the data, our reward code, the settings,
-    the reward server's environment and the extra overrides; files by name, size and mtime."""
-    env, packages = os.environ, Path(sysconfig.get_paths()["purelib"]).glob("*.dist-info")  # names carry versions
-    image = sorted(p.name for p in packages) if settings.container == "none" else stamps(settings.image)
-    values = {k: v for k, v in dataclasses.asdict(settings).items() if not k.startswith(UNREAD)}
-    return json.loads(json.dumps(default=str, obj={
-        "image": image, "policy_model": stamps(settings.model_path),
-        "reward_model": stamps(settings.reward_model_path) if settings.uses_reward_model else [],
-        "data": stamps(settings.train_file) + stamps(settings.test_file),
-        "reward_code": stamps(REPO / "reward_score") + stamps(env.get("REWARD_FUNCTION_PATH", "")),
-        "settings": values, "overrides": extra,
-        "environment": {k: v for k, v in sorted(env.items())
-                        if k.startswith(("PREFLIGHT_", "REWARD_", "TRAINER_IS_VERL")) and k != "REWARD_SERVER_TOKEN"},
-    }))  # fmt: skip
-
-
-def skip_expensive(now: dict, record: Path, restarts: str) -> bool:
-    """On a requeued start (SLURM_RESTART_COUNT above 0), True where `record`, what the first start's passing checks
-    read, equals `now`; says what was compared, or what changed."""
-    if restarts in ("", "0"):
-        return False
-    before = json.loads(record.read_text()) if record.is_file() else {}
-    changed = [name for name in now if before.get(name) != now[name]]
-    what = "the reward server's load and round trip and the trainer's imports"
-    if changed:
-        print(f"preflight: requeued start: {', '.join(changed)} changed since the first start's checks ({record}): "
-              f"{what} run in full")  # fmt: skip
-    else:
-        print(f"preflight: requeued start: {', '.join(now)} (files by name, size and mtime) are as at the first "
-              f"start's checks ({record}): {what} skipped")  # fmt: skip
-    return not changed
-
-
 def main(argv: list[str] | None = None) -> int:
     """Every check, in the order that fails cheapest first; one line per problem, naming what to change. What runs in
     the background (the check's reward server, the trainer's imports) is stopped whatever the outcome."""
@@ -447,10 +398,8 @@ def checks(extra: list[str], background: ExitStack) -> int:
         print(f"setting error: {problem}", file=sys.stderr)
     if problems:
         return 1
-    # A requeued start skips what its first start's checks ran in full (on the first start's record, in its log folder)
-    # where nothing they read has changed; the cheap checks run on every start.
-    log_dir, now = os.environ.get("JOB_LOG_DIR"), fingerprint(settings, extra)
-    record = Path(re.sub(r"-r\d+$", "", log_dir), "preflight_ok.json") if log_dir else None
+    # A requeued start skips what its first start's checks ran in full where nothing they read has changed
+    record, now = first_start_record(os.environ), fingerprint(settings, extra)
     full = record is None or not skip_expensive(now, record, os.environ.get("SLURM_RESTART_COUNT", ""))
     reward_server = None
     if full and os.environ.get("PREFLIGHT_REWARD", "1") == "1" and settings.uses_reward_model:  # loads meanwhile
@@ -573,9 +522,8 @@ def checks(extra: list[str], background: ExitStack) -> int:
             file=sys.stderr,
         )
         return 1
-    if full and record is not None and record.parent.is_dir():
-        record.with_suffix(".tmp").write_text(json.dumps(now))
-        os.replace(record.with_suffix(".tmp"), record)
+    if full:
+        keep(record, now)
     return 0
 
 
