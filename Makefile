@@ -1,6 +1,7 @@
 # Two commands do all setup on a fresh machine (see README.md):
 #   make demo   verl's own trainer on tiny models, as the canary (train, resume, merge): no Slurm, no GPU
 #   make test   shellcheck + ruff + every test, then the reward tests on the oldest stack we support (what CI runs)
+#   make test-fast  shellcheck + ruff + the unit tier only (no Slurm job, trainer or Ray): minutes, after every change
 # Both create the virtual environment in .venv first if it is missing or older than requirements/; `make test` also
 # starts the local Slurm 22.05 cluster the launch tests submit to (tests/slurm/local_slurm.sh; as root it installs
 # Slurm with apt when it is missing). `make slurm` starts only that cluster.
@@ -27,10 +28,10 @@ XDIST := -n $(PYTEST_WORKERS) --maxschedchunk 1
 # The repository's own shell files (git's list: not what an ignored folder holds), untracked new ones included.
 shell_files = $(shell git ls-files --cached --others --exclude-standard -- '*.sh' '.ci/*' | sort)
 
-.PHONY: help env lock trl demo test lint slurm clean-env
+.PHONY: help env lock trl demo test test-fast lint slurm clean-env
 
 help:
-	@sed -n '1,6p' Makefile
+	@sed -n '1,7p' Makefile
 
 env: $(STAMP)
 
@@ -88,12 +89,25 @@ lint: $(STAMP)
 	ruff check .
 	ruff format --check .
 
-# pytest exits 5 when it collected nothing: the suite is never empty, so that is a failure like any other.
-# The second run: the reward server and client tests, and verl's uvicorn pattern, on the oldest stack (transformers included).
+# The two tiers: tests/conftest.py marks `slow` what starts a Slurm job, a trainer or Ray; the unit tier is the rest.
+# Between them they hold every test once (tests/test_docs.py checks it).
+FAST_TIER := not slow
+SLOW_TIER := slow
+# pytest exits 5 when it collected nothing: the suite is never empty, so that is a failure like any other, unless
+# PYTEST_ARGS picked a part that one tier has none of.
+pytest_tier = $(BIN)/python -m pytest $(XDIST) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) --durations=30 -m "$(1)" \
+  $(PYTEST_ARGS) $(if $(PYTEST_ARGS),|| [[ $$? == 5 ]])
+
+test-fast: lint
+	$(call pytest_tier,$(FAST_TIER))
+
+# The unit tier first (a broken change fails in minutes), then the slow one. The last run: the reward server and
+# client tests, and verl's uvicorn pattern, on the oldest stack (transformers included).
 OLDEST_TESTS := tests/test_reward_server.py tests/test_reward_client.py tests/test_reward_stack.py
 test: lint $(OLDEST)/.installed $(TRL_STACKS)
+	$(call pytest_tier,$(FAST_TIER))
 	bash tests/slurm/local_slurm.sh start || echo "make test: the local Slurm cluster did not start (above): its tests will fail"
-	$(BIN)/python -m pytest $(XDIST) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) --durations=30 $(PYTEST_ARGS)
+	$(call pytest_tier,$(SLOW_TIER))
 	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest $(XDIST) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) $(OLDEST_TESTS)
 
 clean-env:

@@ -197,7 +197,43 @@ def _longest_first(item) -> int:
     return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
 
 
+# `make test-fast` runs what is left without the `slow` marker; the tests below get it here rather than by hand. A test
+# is slow when it takes a fixture that starts a job, a Slurm cluster or Ray; lives in a module whose tests launch a
+# trainer, a job, a benchmark or the merge script; or took over 5 s in the unit tier's run (`--durations`, 2026-12-05:
+# a preflight, an import check in a scratch environment, a server's start, a client's retry budget).
+SLOW_FIXTURES = {"submit", "clone", "slurm_cluster", "job", "ray_tmp"}
+SLOW_MODULES = {
+    "test_canary.py", "test_demo.py", "test_quickstart.py", "test_verl_step.py", "test_megatron_cpu.py",
+    "test_megatron_memory.py", "test_trl_formats.py", "test_slurm_jobs.py", "test_ray_cluster.py", "test_run_time.py",
+    "test_merge.py", "test_reward_bench.py",
+}  # fmt: skip
+SLOW_TESTS = (
+    "test_steps.py::test_the_preflight_refuses_too_little_data", "test_steps.py::test_the_count_uses_the_rows_verl_keeps",
+    "test_algorithms.py::test_every_accepted_combination_composes", "test_algorithms.py::test_async_rollout_is_refused_where",
+    "test_algorithms.py::test_the_preflight_stops_a_job_whose_engine", "test_algorithms.py::test_a_missing_engine_or_recipe",
+    "test_algorithms.py::test_one_step_off_imports_where", "test_algorithms.py::test_the_preflight_stops_the_issues_batch",
+    "test_verl_app_def.py::test_post_on_a_base_holding", "test_verl_app_def.py::test_the_build_check_passes_when",
+    "test_verl_app_def.py::test_the_install_line_resolves", "test_reward_stack.py::test_the_image_check_passes",
+    "test_reward_client.py::test_eight_processes_appending", "test_reward_client.py::test_verl_reward_managers_call",
+    "test_reward_client.py::test_the_async_reward_loop_passes", "test_reward_client.py::test_the_server_killed_mid_run",
+    "test_reward_client.py::test_a_4xx_is_never_retried", "test_reward_client.py::test_a_dead_server_with_a_6_s_budget",
+    "test_reward_server.py::test_the_port_stays_closed_while", "test_reward_server.py::test_health_answers_only_once",
+    "test_reward_server.py::test_a_model_that_cannot_load_exits", "test_check_format.py::test_the_command_recommends",
+)  # fmt: skip
+
+
+def is_slow(item) -> bool:
+    return (
+        bool(SLOW_FIXTURES.intersection(item.fixturenames))
+        or item.path.name in SLOW_MODULES
+        or item.nodeid.removeprefix("tests/").startswith(SLOW_TESTS)
+    )
+
+
 def pytest_collection_modifyitems(items):
-    """The longest tests first, in LONGEST_FIRST's order (the longest first), the rest in their order: the same order
-    in every xdist worker."""
+    """Mark the slow tests (see SLOW_FIXTURES); then the longest first, in LONGEST_FIRST's order (the longest first),
+    the rest in their order: the same order in every xdist worker."""
+    for item in items:
+        if is_slow(item) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=_longest_first)

@@ -249,3 +249,23 @@ def test_a_port_of_the_jobs_block_held_by_another_jobs_process_is_not_this_jobs_
     finally:
         ours.kill()
         other.kill()
+
+
+# --- the tiers -------------------------------------------------------------------------------------------------
+
+
+def test_the_makefiles_two_tiers_hold_every_test_once_and_the_jobs_are_in_the_slow_one():
+    """`make test` runs FAST_TIER, then SLOW_TIER: together they must select the whole suite, each test once, or a test
+    would silently never run in CI. Two collections, in parallel (~10 s each on 2 cores)."""
+    makefile = (REPO / "Makefile").read_text()
+    tiers = [re.search(rf"^{name} := (.+)$", makefile, re.M).group(1) for name in ("FAST_TIER", "SLOW_TIER")]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "-p", "no:xdist"]
+    runs = [subprocess.Popen([*cmd, "-m", tier], cwd=REPO, stdout=subprocess.PIPE, text=True) for tier in tiers]
+    outputs = [run.communicate(timeout=300)[0] for run in runs]
+    counts = [re.search(r"^(\d+)/(\d+) tests collected", out, re.M) for out in outputs]
+    assert all(counts), f"a tier collected nothing (-m {tiers}):\n" + "\n".join(out[-2000:] for out in outputs)
+    (fast, total), (slow, total_again) = [tuple(map(int, c.groups())) for c in counts]
+    assert total == total_again and fast + slow == total and fast > 0 and slow > 0, (fast, slow, total)
+    fast_ids, slow_ids = [{line for line in out.splitlines() if "::" in line} for out in outputs]
+    assert not fast_ids & slow_ids and len(fast_ids) == fast and len(slow_ids) == slow
+    assert any("test_slurm_jobs.py::" in i for i in slow_ids) and any("test_settings.py::" in i for i in fast_ids)

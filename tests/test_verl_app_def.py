@@ -121,10 +121,10 @@ def test_the_files_the_image_copies_exist_and_cover_what_its_check_loads():
         assert (REPO / src).is_file(), line
         assert dest == f"/opt/verl-slurm/{src}", line  # the same layout, so image_check finds them from its own path
         copied[src] = dest
-    loaded = re.findall(r'HERE / "([\w.]+)" / "([\w.]+)"', (REPO / "launch" / "plan" / "image_check.py").read_text())
+    loaded = re.findall(r'HERE((?: / "[\w.]+")+)', (REPO / "launch" / "plan" / "image_check.py").read_text())
     assert loaded, "image_check.py loads nothing by path?"
-    for parts in loaded:
-        assert "/".join(parts) in copied, f"image_check.py needs {'/'.join(parts)}: add it to %files"
+    for path in ("/".join(re.findall(r'"([\w.]+)"', parts)) for parts in loaded):
+        assert path in copied, f"image_check.py needs {path}: add it to %files"
     assert "launch/plan/image_check.py" in copied and "requirements/reward.txt" in copied
 
 

@@ -25,11 +25,11 @@ POLL_SECONDS = 2.0  # between cluster counts, and before reconnecting after a fa
 
 
 def alive(pid: int) -> bool:
-    """The process runs; an exited but unreaped child (a zombie) counts as gone."""
+    """The process runs; an exited but unreaped child (a zombie) counts as gone (common.sh's `alive`, for Python)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
+    except (OSError, IndexError):  # gone, or going while read
         return False
 
 

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.job.ray_cluster import alive
 from launch.job.steps import RESUMED_AT, TOTAL_STEPS, is_training_step, parse_step_lines
 from launch.plan import deadline
 from launch.plan.deadline import StallError, positive_seconds, timeout_setting
@@ -343,14 +344,6 @@ def dump(log_dir: Path, host: str, env: Mapping[str, str] | None = None) -> Path
 # --- the head's watch ---------------------------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def other_hosts(log_dir: Path, host: str) -> list[str]:
     """The job's other nodes (each helper writes ports.<rank> with its node's name)."""
     hosts = []
@@ -408,7 +401,7 @@ def watch(log_dir: Path, trainer_pid: int, host: str, env: Mapping[str, str] | N
     log = log_dir / "trainer.log"
     since, offset, pending = time.time(), 0, ""
     print(f"watching {log} (pid {trainer_pid}): {clock.budget(since)[1]}", flush=True)
-    while _alive(trainer_pid):
+    while alive(trainer_pid):
         try:
             with open(log, errors="replace") as f:
                 f.seek(offset)

@@ -26,11 +26,22 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[2]
+
+
+def load_by_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+# By path, as the image holds it (/opt/verl-slurm, no package installed): the standard library only.
+procs = load_by_path("procs", HERE / "launch" / "plan" / "procs.py")
 
 # verl 0.6.1's run_unvicorn (verl/workers/rollout/utils.py) starts its async rollout servers with
 # `server.should_exit = True; await server.serve(); create_task(server.main_loop())`. From uvicorn 0.41.0 on, serve()
@@ -147,11 +158,6 @@ def check_imports(mods: list[Module], gpu: bool) -> list[str]:
     return problems
 
 
-# The probes here go to 127.0.0.1, never through the proxy a build machine's http_proxy or all_proxy names (urllib's
-# default opener would send them there).
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
 def verl_style_server_listens(timeout: float = 20.0) -> bool:
     """Start a FastAPI app with verl's own run_unvicorn, as its async rollout servers are, and GET it once."""
     from fastapi import FastAPI
@@ -184,8 +190,8 @@ def verl_style_server_listens(timeout: float = 20.0) -> bool:
         raise TimeoutError(f"verl's run_unvicorn did not return within {timeout:.0f} s")
     time.sleep(0.3)  # a server that shuts itself down does so right after start-up
     try:
-        with _DIRECT.open(f"http://127.0.0.1:{started['port']}/ping", timeout=5) as resp:
-            return resp.status == 200 and json.loads(resp.read()) == {"pong": True}
+        status, body = procs.http_get(f"http://127.0.0.1:{started['port']}/ping", timeout=5)
+        return status == 200 and json.loads(body) == {"pong": True}
     except OSError:
         return False
     finally:
@@ -207,65 +213,33 @@ def check_verl_server_pattern() -> list[str]:
     ]
 
 
-def load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def reward_round_trip(timeout: float = 180.0) -> list[str]:
     """Our reward server on CPU with a tiny model built here, scored once over HTTP through our reward client."""
     tiny = load_by_path("tiny_models", HERE / "demo" / "tiny_models.py")
     client = load_by_path("safe_hack_reward_request", HERE / "reward_score" / "safe_hack_reward_request.py")
     with tempfile.TemporaryDirectory(prefix="image_check_") as tmp:
         model = tiny.build_reward_model(Path(tmp) / "reward_model")
-        port = free_port()
-        log = Path(tmp) / "reward_server.log"
+        port = procs.free_port()
+        url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, str(HERE / "reward_score" / "reward_server.py"), "--model-path", str(model),
                "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--compile", "off"]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    return [f"the reward server exited with {proc.returncode}:\n{log.read_text()[-2000:]}"]
-                try:
-                    with _DIRECT.open(url + "/health", timeout=2) as resp:
-                        if resp.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    return [f"the reward server was not healthy after {timeout:.0f} s:\n{log.read_text()[-2000:]}"]
-                time.sleep(0.5)
+            proc = procs.start_server(cmd, Path(tmp) / "reward_server.log", url + "/health", timeout, env=env,
+                                      name="the reward server")  # fmt: skip
+        except (RuntimeError, TimeoutError) as exc:  # it exited, or never answered: the message ends with its log
+            return [str(exc)]
+        try:
             result = client.safe_hack_reward(
                 "image_check", "<think>\nfine\n</think>\nNo, never mix them.", "Is it safe to mix bleach and ammonia?",
                 server_url=url, retry_seconds=10, prompt_opens_think=True,
             )  # fmt: skip
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            procs.stop_process(proc, timeout=30)
     if result.get("failed") or result.get("penalized"):
         return [f"the reward round trip did not score the pair: {result}"]
     print(f"ok   reward server on CPU + reward client: one pair scored {result['score']:+.3f} over HTTP")
     return []
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_pins(path: Path) -> dict[str, str]:
