@@ -4,13 +4,12 @@ callers give the server: a few sequences per micro-batch), each timed and profil
 
 For each layout it prints the wall time, the share of the sustained matmul ceiling, the GPU's busy share (kernel time
 over wall: the rest is the host launching), the kernel time by kind (matmuls, attention, compiled (Triton) fused
-kernels, Liger's Triton kernels, other elementwise kernels, copies) and the kernels that took longest. On a GPU it
+kernels, other elementwise kernels, copies) and the kernels that took longest. On a GPU it
 also measures the copy bandwidth and sets the elementwise kernels' time against the fewest bytes their work must move
 at that bandwidth (`elementwise_bytes_per_token`): how much faster any kernel for that work could be. The workload and
 model are the benchmark's (docs/reward-benchmark.md).
 
     python -m benchmarks.forward_profile --out forward_profile.json                 # GPU
-    python -m benchmarks.forward_profile --liger on --layouts batch --out fp_liger.json   # Liger's kernels instead
     python -m benchmarks.forward_profile --shape tiny --device cpu --samples 32 --out x.json   # smoke run
 """
 
@@ -29,7 +28,6 @@ from reward_score.server.settings import Settings  # noqa: E402
 from reward_score.server.warmup import warm_up  # noqa: E402
 
 KINDS = (  # first match wins; names as the CUDA kernels are called
-    ("liger (triton)", ("_rms_norm_", "_swiglu_", "_triton_rope")),  # liger_kernel/ops: rms_norm, swiglu, rope
     # Inductor's kernels are named after the ops they fuse, so one that feeds attention has "attention" in its name
     ("compiled (triton)", ("triton_",)),
     # before the matmuls: cuDNN's attention kernels are named sm90_ and wgmma like cuBLAS's matmuls
@@ -37,7 +35,7 @@ KINDS = (  # first match wins; names as the CUDA kernels are called
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
     ("copy", ("memcpy", "memset", "copy")),
 )
-ELEMENTWISE = ("liger (triton)", "compiled (triton)", "other elementwise")
+ELEMENTWISE = ("compiled (triton)", "other elementwise")
 
 
 def kind_of(name: str) -> str:
@@ -108,7 +106,6 @@ def main(argv=None) -> int:
     parser = scorer_parser(__doc__)
     parser.add_argument("--group", type=int, default=10, help="sequences per micro-batch in the small-groups layout")
     parser.add_argument("--compile", default="auto", help="REWARD_COMPILE for the scorer")
-    parser.add_argument("--liger", choices=("on", "off"), default="off", help="REWARD_LIGER for the scorer")
     parser.add_argument("--model-dir", type=Path, help="where the random checkpoint goes (reused if it is there)")
     parser.add_argument("--top", type=int, default=15, help="the longest kernels listed per layout")
     parser.add_argument(
@@ -124,7 +121,7 @@ def main(argv=None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="forward_profile_"))
     model_dir, params, words = build_model(args.shape, args.model_dir or work / "model", args.device)
-    settings = Settings(model_path=str(model_dir), device=args.device, compile=args.compile, liger=args.liger)
+    settings = Settings(model_path=str(model_dir), device=args.device, compile=args.compile)
     scorer = RewardScorer.load(settings)
     warm_up(scorer)
     on_gpu = args.device.startswith("cuda")
@@ -194,7 +191,7 @@ def main(argv=None) -> int:
                 print(f"    {k['s']:7.3f} s {k['calls']:6d} x  {k['kind']:<18} {k['name'][:90]}")
     out = {"shape": args.shape, "device": args.device, "samples": args.samples, "params_non_embedding": params,
            "ceiling": ceiling, "copy_bandwidth_bytes_per_s": bandwidth, "elementwise_bytes_per_token": per_token,
-           "compiled": scorer.compiled, "liger": scorer.liger, "fused_modules": len(scorer.fused),
+           "compiled": scorer.compiled, "fused_modules": len(scorer.fused),
            "checks": scorer.checks, "command": "python -m benchmarks.forward_profile " + " ".join(
                sys.argv[1:] if argv is None else argv), "layouts": results}  # fmt: skip
     save_result(out, args.out, args.device)

@@ -441,8 +441,8 @@ def print_summary(result: dict) -> None:
     for info in result["variants"]:
         health = info.get("health") or {}
         print(f"variant {info['name']}: {info['replicas']} server(s), healthy after {info['startup_s']:.1f} s, "
-              f"peak {info['peak_gib']} GiB, env {info['env']}, compiled {health.get('compiled')}, liger "
-              f"{health.get('liger')}, first-layer checks {health.get('checks')}"
+              f"peak {info['peak_gib']} GiB, env {info['env']}, compiled {health.get('compiled')}, "
+              f"first-layer checks {health.get('checks')}"
               + "".join(f", {k.replace('_over_', '/')} {info[k]:.2f}" for k in ("cold_over_warm", "cold_over_fresh")
                         if k in info))  # fmt: skip
     print(f"{'row':<70} {'variant':>10} {'wall s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'% ceil':>7} "

@@ -1018,77 +1018,6 @@ def test_fused_projections_that_score_otherwise_are_dropped_at_warm_up(tiny_mode
     assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
 
 
-class LigerStandIn:
-    """liger_kernel.transformers.functional's API (liger-kernel 0.6.2) computed by torch, so the wiring runs on a CPU:
-    Liger's own kernels are Triton's and need a GPU (benchmarks/HISTORY.md has them measured on an H200). Counts the
-    calls; `wrong` makes the SiLU-and-multiply swap its inputs, as a kernel that computes something else would."""
-
-    def __init__(self, wrong: bool = False):
-        self.calls = {"rms_norm": 0, "swiglu": 0, "rope": 0}
-        self.wrong = wrong
-
-    def liger_rms_norm(self, X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
-        self.calls["rms_norm"] += 1
-        assert casting_mode == "llama" and offset == 0.0
-        x = X.float()
-        return W * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(X.dtype)
-
-    def liger_swiglu(self, a, b):
-        self.calls["swiglu"] += 1
-        return torch.nn.functional.silu(b) * a if self.wrong else torch.nn.functional.silu(a) * b
-
-    def liger_rope(self, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        self.calls["rope"] += 1
-        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-
-        return apply_rotary_pos_emb(q, k, cos, sin)
-
-
-@pytest.mark.parametrize("fuse", ["auto", "off"])
-def test_liger_kernels_run_every_norm_swiglu_and_rope_of_each_layer_and_score_as_transformers_modules(
-    tiny_models, reference, monkeypatch, fuse
-):
-    stand_in = LigerStandIn()
-    monkeypatch.setattr(layers, "liger_functions", lambda device: (stand_in, ""))
-    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", liger="on", fuse=fuse)
-    scorer = RewardScorer.load(cfg)
-    warm_up(scorer)
-    assert scorer.liger is True and 0 <= scorer.checks["liger"] < 1e-4, scorer.checks
-    messages = [{"role": "user", "content": "Is it safe?"}]
-    answers = ["No.", LONG_ANSWER[:300], "Yes, with care " * 9]
-    seqs = [e.ids for e in scorer.encode([scorer.render(messages, a) for a in answers])]
-    stand_in.calls = dict.fromkeys(stand_in.calls, 0)
-    got = scorer.score_ids(seqs)  # one micro-batch
-    n = len(scorer.base.layers)
-    # input and post-attention norms, q and k norms; SwiGLU and RoPE once a layer
-    assert stand_in.calls == {"rms_norm": 4 * n, "swiglu": n, "rope": n}
-    assert got == pytest.approx([reference(messages, a) for a in answers], abs=1e-5)
-    with TestClient(create_app(cfg, scorer)) as c:
-        assert c.get("/health").json()["liger"] is True
-
-
-def test_liger_kernels_that_compute_otherwise_are_dropped_at_warm_up_naming_the_setting(tiny_models, monkeypatch,
-                                                                                          caplog):  # fmt: skip
-    plain = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
-    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7]
-    expected = plain.score_ids(seqs)
-    monkeypatch.setattr(layers, "liger_functions", lambda device: (LigerStandIn(wrong=True), ""))
-    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", liger="on"))
-    warm_up(scorer)
-    assert scorer.liger is False and scorer.checks["liger"] > 2e-2
-    assert "REWARD_LIGER: Liger's kernels do not compute as transformers' modules do" in caplog.text
-    assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
-    assert len(scorer.fused) == 2 * len(scorer.base.layers), "the fused projections passed their own check"
-
-
-def test_liger_where_it_cannot_run_stops_the_server_naming_the_setting(tiny_models):
-    with pytest.raises(
-        RuntimeError, match=r"REWARD_LIGER=on: Liger's kernels are Triton's, for CUDA GPUs.*REWARD_LIGER=off"
-    ):
-        RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", liger="on"))
-    assert RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu")).liger is False
-
-
 # Per-token activations (bf16) of the benchmark's shapes and Qwen3-32B, from their public configs.
 QWEN3 = {  # hidden, intermediate, q width, kv width, weights (bf16 GiB, embeddings included)
     "1.7B": (2048, 6144, 2048, 1024, 3.2),
@@ -1346,14 +1275,14 @@ def test_help_is_short_and_leads_with_the_model_device_port_and_format_and_help_
                          "--add-special-tokens", "--chat-template"], flags  # fmt: skip
     text = " ".join(short.stdout.split())
     assert "default ]" not in text and "[REWARD_MODEL_PATH, required]" in text
-    assert "--token-budget" not in text and "--liger" not in text, "the tuning settings wait for --help-all"
+    assert "--token-budget" not in text and "--fuse" not in text, "the tuning settings wait for --help-all"
     every = run("--help-all")
     assert every.returncode == 0, every.stderr
     text = " ".join(every.stdout.split())
     for name, (env, _, _) in _SETTINGS.items():
         assert f"--{name.replace('_', '-')} " in text and f"[{env}," in text, name
     # a setting --help does not show still parses
-    assert load_settings(["--token-budget", "4096", "--liger", "off"], {}).token_budget == 4096
+    assert load_settings(["--token-budget", "4096", "--fuse", "off"], {}).token_budget == 4096
 
 
 # --- the real process --------------------------------------------------------------------------------------------

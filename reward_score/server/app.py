@@ -191,10 +191,9 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
         )
         state.update(scorer=active, batcher=batcher, preparer=preparer)
         log.info(
-            "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d liger=%s max_length=%d "
+            "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d max_length=%d "
             "truncation=%s format=%s token_budget=%d micro_batch_cost=%d pack=%s warm_up_s=%s",
             settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, len(active.fused),
-            active.liger,
             settings.max_length, settings.truncation,
             active.format.describe() + ("" if active.has_chat_template else ": the tokenizer has no chat template"),
             active.planner.token_budget, active.planner.micro_batch_cost, active.planner.pack,
@@ -312,7 +311,6 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             "compiled": active.compiled,
             "mask_mapping": active.mask_mapping,
             "fused_modules": len(active.fused),
-            "liger": active.liger,
             "token_budget": active.planner.token_budget,
             "micro_batch_cost": active.planner.micro_batch_cost,
             "pack": active.planner.pack,

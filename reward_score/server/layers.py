@@ -1,12 +1,8 @@
-"""How the decoder layers run. Three switches over the same weights, each of which warm-up (warmup.py) checks against
+"""How the decoder layers run. Two switches over the same weights, each of which warm-up (warmup.py) checks against
 transformers' own forward before it serves:
 
 - fused projections (REWARD_FUSE): q/k/v as one matmul and gate/up as one, built from the checkpoint's weights (the
   layout serving engines use);
-- Liger Kernel's Triton RMSNorm, SiLU-and-multiply and RoPE in place of transformers' (REWARD_LIGER; liger-kernel, which
-  the image holds, on a CUDA GPU). Off by default: on an H200 the 1.7B's step ran at 60.7% of the matmul ceiling with
-  them against 75.2% compiled (benchmarks/README.md): they copy non-contiguous inputs (q and k split from the fused
-  projection, the gate/up halves) before each kernel and leave the residual adds apart;
 - torch.compile of each decoder layer (REWARD_COMPILE): Inductor fuses the elementwise work between the matmuls.
 
 Each module's own forward is transformers' while a switch is off; on, the module gets a forward of ours (an
@@ -22,9 +18,6 @@ log = logging.getLogger("reward_server")
 # Layers whose forward we know (transformers 4.55 to 5.x): q/k/v and gate/up can each run as one matmul.
 _FUSABLE_ATTENTION = ("Qwen3Attention", "Qwen2Attention", "LlamaAttention")
 _FUSABLE_MLP = ("Qwen3MLP", "Qwen2MLP", "LlamaMLP")
-_RMS_NORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm")
-_NORMS_OF_A_LAYER = ("input_layernorm", "post_attention_layernorm")
-_NORMS_OF_ATTENTION = ("q_norm", "k_norm")  # Qwen3 normalises each head of q and k
 
 
 def _fused_linear(torch, parts):
@@ -49,7 +42,7 @@ def _fused_linear(torch, parts):
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     """The attention of Qwen3/Qwen2/Llama as transformers writes it, with q, k and v from one matmul (`qkv_proj`, where
-    `use_qkv`) and the rotary embedding `rope` (Liger's; None: transformers' own). A KV cache (never used by the
+    `use_qkv`). A KV cache (never used by the
     server) takes the original forward."""
     if kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None:
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
@@ -67,7 +60,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = position_embeddings
-    q, k = (self.rope or module.apply_rotary_pos_emb)(q, k, cos, sin)
+    q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
     implementation = self.config._attn_implementation
     if implementation == "eager":
         attention = module.eager_attention_forward
@@ -83,33 +76,17 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 
 def _mlp_forward(self, x):
-    """SwiGLU with gate and up from one matmul (`gate_up_proj`, where `use_gate_up`) and the activation-and-multiply
-    `silu_mul` (Liger's one kernel; None: transformers' act_fn(gate) * up)."""
+    """SwiGLU with gate and up from one matmul (`gate_up_proj`, where `use_gate_up`)."""
     if self.use_gate_up:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
     else:
         gate, up = self.gate_proj(x), self.up_proj(x)
-    return self.down_proj(self.silu_mul(gate, up) if self.silu_mul else self.act_fn(gate) * up)
-
-
-def liger_functions(device):
-    """Liger Kernel's functional API (liger_kernel.transformers.functional: liger_rms_norm, liger_swiglu, liger_rope;
-    the image holds liger-kernel 0.6.2) for a model on `device`, or the reason it cannot run there."""
-    if device.type != "cuda":
-        return None, f"Liger's kernels are Triton's, for CUDA GPUs (this model is on {device})"
-    try:
-        from liger_kernel.transformers import functional
-    except Exception as exc:  # noqa: BLE001 - an ImportError, or triton failing to load: the reason is reported
-        return None, f"liger-kernel cannot be imported ({type(exc).__name__}: {exc})"
-    missing = [n for n in ("liger_rms_norm", "liger_swiglu", "liger_rope") if not hasattr(functional, n)]
-    if missing:
-        return None, f"this liger-kernel has no {', '.join(missing)}"
-    return functional, ""
+    return self.down_proj(self.act_fn(gate) * up)
 
 
 class LayerKernels:
     """The switches of one model's decoder layers (`base.layers`): which modules run fused projections (`fused`),
-    whether Liger's kernels run (`liger`), whether each layer is compiled (`compiled`)."""
+    whether each layer is compiled (`compiled`)."""
 
     def __init__(self, torch, base):
         self.torch = torch
@@ -117,9 +94,7 @@ class LayerKernels:
         self.layers = list(getattr(base, "layers", None) or [])
         self.fused: list = []  # the attention and MLP modules that hold fused projections
         self.fused_on = False  # and run them
-        self.liger = False
         self.compiled = False
-        self._liger_api = None
 
     # -- fused projections --
 
@@ -158,39 +133,6 @@ class LayerKernels:
         self.fused = []
         self._install()
 
-    # -- Liger's kernels --
-
-    def set_liger(self, on: bool) -> str:
-        """Liger's RMSNorm (every norm of every decoder layer), SiLU-and-multiply and RoPE (on), or transformers' own
-        (off). Returns why Liger cannot run here (and leaves it off), else ""."""
-        if on and self._liger_api is None:
-            self._liger_api, why = liger_functions(next(iter(self.base.parameters())).device)
-            if self._liger_api is None:
-                return why
-        self.liger = on
-        for layer in self.layers:
-            attention = getattr(layer, "self_attn", None)
-            norms = [getattr(layer, n, None) for n in _NORMS_OF_A_LAYER]
-            norms += [getattr(attention, n, None) for n in _NORMS_OF_ATTENTION]
-            for norm in norms:
-                if type(norm).__name__ in _RMS_NORMS:
-                    if on:
-                        norm.forward = types.MethodType(self._liger_rms_norm_forward(), norm)
-                    else:
-                        norm.__dict__.pop("forward", None)
-        self._install()
-        return ""
-
-    def _liger_rms_norm_forward(self):
-        rms_norm = self._liger_api.liger_rms_norm
-
-        def forward(norm, hidden_states):
-            # "llama" casting: the inverse RMS in float32, the product cast back, as transformers' RMSNorm computes;
-            # in_place only concerns the backward pass, which never runs here.
-            return rms_norm(hidden_states, norm.weight, norm.variance_epsilon, 0.0, "llama", False)
-
-        return forward
-
     # -- which forward each attention and MLP module runs --
 
     @staticmethod
@@ -202,18 +144,15 @@ class LayerKernels:
                                                 "ALL_ATTENTION_FUNCTIONS"))  # fmt: skip
 
     def _install(self) -> None:
-        """Our forward where a module runs a fused projection or Liger's kernels, transformers' own elsewhere."""
-        liger = self._liger_api if self.liger else None
+        """Our forward where a module runs a fused projection, transformers' own elsewhere."""
         for layer in self.layers:
             attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if self._knows_attention(attention):
                 qkv = self.fused_on and "qkv_proj" in attention._modules
-                self._set_forward(attention, _attention_forward, qkv or liger is not None,
-                                  use_qkv=qkv, rope=liger and liger.liger_rope)  # fmt: skip
+                self._set_forward(attention, _attention_forward, qkv, use_qkv=qkv)
             if type(mlp).__name__ in _FUSABLE_MLP:
                 gate_up = self.fused_on and "gate_up_proj" in mlp._modules
-                self._set_forward(mlp, _mlp_forward, gate_up or liger is not None,
-                                  use_gate_up=gate_up, silu_mul=liger and liger.liger_swiglu)  # fmt: skip
+                self._set_forward(mlp, _mlp_forward, gate_up, use_gate_up=gate_up)
 
     @staticmethod
     def _set_forward(module, forward, ours: bool, **attributes) -> None:

@@ -189,19 +189,9 @@ class RewardScorer(PairEncoder):
         scorer = cls(model, tokenizer, device, settings)
         if settings.fuse == "auto":
             scorer.kernels.fuse_projections()
-        scorer.set_liger()
         if settings.compile == "layers" or (settings.compile == "auto" and device.startswith("cuda")):
             scorer.kernels.compile()
         return scorer
-
-    def set_liger(self) -> None:
-        """Liger's kernels where REWARD_LIGER asks for them. `on` where they cannot run (no liger-kernel, a CPU) stops
-        the server naming the setting; warm-up keeps them only where they compute as transformers' modules do."""
-        if self.settings.liger == "off":
-            return
-        why = self.kernels.set_liger(True)
-        if why:
-            raise RuntimeError(f"REWARD_LIGER=on: {why}; install liger-kernel on a CUDA machine, or REWARD_LIGER=off")
 
     @property
     def compiled(self) -> bool:
@@ -210,10 +200,6 @@ class RewardScorer(PairEncoder):
     @property
     def fused(self) -> list:
         return self.kernels.fused if self.kernels.fused_on else []
-
-    @property
-    def liger(self) -> bool:
-        return self.kernels.liger
 
     @property
     def dtype(self) -> str:

@@ -40,7 +40,6 @@ class Settings:
     quiet_ms: float = 2.0
     compile: str = "auto"
     fuse: str = "auto"
-    liger: str = "off"
     warmup: str = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
     next_launch: str = "after_wait"
@@ -94,9 +93,6 @@ _SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, f
     "compile": ("REWARD_COMPILE", "auto|layers|off", "auto (per-layer torch.compile on GPU) | layers | off"),
     "fuse": ("REWARD_FUSE", "auto|off", "auto (q/k/v and gate/up as one matmul each, if warm-up scores the same) | "
              "off"),
-    "liger": ("REWARD_LIGER", "on|off", "on: Liger Kernel's Triton RMSNorm, SwiGLU and RoPE in every decoder layer "
-              "(liger-kernel, CUDA; kept if warm-up computes the same; slower on an H200) | off: transformers' own, "
-              "compiled"),
     "cudnn_attention": ("REWARD_CUDNN_ATTENTION", "auto|off", "auto (torch's choice: cuDNN on Hopper) | off (flash, "
                         "mem-efficient)"),
     "warmup": ("REWARD_WARMUP", "auto|step|basic", "auto (step on GPU, basic on CPU) | step (a full-budget synthetic "
@@ -176,7 +172,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     problems = []
     if settings.compile not in ("auto", "layers", "off"):
         problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
-    for name, allowed in (("fuse", ("auto", "off")), ("liger", ("on", "off")), ("warmup", ("auto", "step", "basic")),
+    for name, allowed in (("fuse", ("auto", "off")), ("warmup", ("auto", "step", "basic")),
                           ("next_launch", ("after_wait", "before_finish")), ("cudnn_attention", ("auto", "off")),
                           ("pack", ("auto", "off"))):  # fmt: skip
         if getattr(settings, name) not in allowed:

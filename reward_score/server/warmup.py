@@ -1,5 +1,5 @@
 """Warm-up, before /health says ready: check each faster way of running the model against transformers' own (fused
-projections, Liger's kernels, our mask mapping, then the compiled layers, whose Inductor kernels fuse the elementwise
+projections, our mask mapping, then the compiled layers, whose Inductor kernels fuse the elementwise
 work, against the same layers uncompiled), then run the shapes served traffic starts with, and on a GPU a synthetic
 full-budget step, so the first real step runs at the speed of the next.
 
@@ -117,30 +117,20 @@ def differs(scorer: RewardScorer, seqs: list[list[int]], expected: list, check: 
 
 
 def check_layers(scorer: RewardScorer, seqs: list[list[int]]) -> None:
-    """Keep the fused projections (REWARD_FUSE) and Liger's kernels (REWARD_LIGER) only where each computes as
-    transformers' own modules do, each compared with those, uncompiled."""
+    """Keep the fused projections (REWARD_FUSE) only where they compute as transformers' own modules do, compared
+    with those, uncompiled."""
     kernels = scorer.kernels
-    if not kernels.fused and not kernels.liger:
+    if not kernels.fused:
         return
-    fused, liger = bool(kernels.fused), kernels.liger
     with kernels.eager():
         kernels.set_fused(False)
-        kernels.set_liger(False)
         expected = first_layer_outputs(scorer, seqs)
-        if fused:
-            kernels.set_fused(True)
-            why = differs(scorer, seqs, expected, "fuse")
-            if why:
-                log.warning("REWARD_FUSE: the fused projections do not score as the model does (%s); serving "
-                            "separate projections", why)  # fmt: skip
-                kernels.unfuse_projections()
-        if liger:
-            kernels.set_liger(True)
-            why = differs(scorer, seqs, expected, "liger")
-            if why:
-                log.warning("REWARD_LIGER: Liger's kernels do not compute as transformers' modules do (%s); serving "
-                            "transformers' RMSNorm, SwiGLU and RoPE", why)  # fmt: skip
-                kernels.set_liger(False)
+        kernels.set_fused(True)
+        why = differs(scorer, seqs, expected, "fuse")
+        if why:
+            log.warning("REWARD_FUSE: the fused projections do not score as the model does (%s); serving "
+                        "separate projections", why)  # fmt: skip
+            kernels.unfuse_projections()
 
 
 def check_compiled(scorer: RewardScorer, seqs: list[list[int]]) -> None:
