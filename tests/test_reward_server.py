@@ -358,41 +358,6 @@ class _TimedScorer(_GatedScorer):
         return _TimedHandle(seqs, gate)
 
 
-def test_before_finish_holds_the_next_micro_batch_while_the_running_one_has_far_to_go_and_gathers_what_arrives():
-    """REWARD_NEXT_LAUNCH=before_finish: measured GPU time says the running micro-batch has seconds left: rows that waited max_wait are not queued
-    behind it yet (the launch would sit in the CUDA queue, and later rows would go in a micro-batch of their own)."""
-
-    async def main():
-        scorer = _TimedScorer()
-        batcher = Batcher(scorer, max_wait_s=0.05, quiet_s=0.02, depth=2, next_launch="before_finish")
-        batcher.start()
-        try:
-            first = asyncio.ensure_future(batcher.score([[1] * 10]))  # times the GPU: 0.1 s a token
-            await _until(lambda: len(scorer.launched) == 1)
-            scorer.launched[0][1].set()
-            assert await asyncio.wait_for(first, 5) == [10.0]
-            assert batcher.gpu_s_per_token == pytest.approx(0.1)
-            running = asyncio.ensure_future(batcher.score([[1] * 90]))  # 9 s of GPU work by that measure
-            await _until(lambda: len(scorer.launched) == 2)
-            early = [asyncio.ensure_future(batcher.score([[2] * 3])) for _ in range(2)]
-            await asyncio.sleep(0.2)  # four times max_wait
-            late = asyncio.ensure_future(batcher.score([[3] * 3]))
-            await asyncio.sleep(0.1)
-            assert len(scorer.launched) == 2, "queued behind a micro-batch with seconds to go"
-            scorer.launched[1][1].set()
-            await _until(lambda: len(scorer.launched) == 3)
-            assert scorer.launched[2][0] == [[2] * 3, [2] * 3, [3] * 3], "all that waited, in one micro-batch"
-            scorer.launched[2][1].set()
-            assert await asyncio.wait_for(running, 5) == [90.0]
-            assert [await f for f in (*early, late)] == [[6.0], [6.0], [9.0]]
-        finally:
-            for _, gate in scorer.launched:
-                gate.set()
-            batcher.stop()
-
-    asyncio.run(main())
-
-
 def test_the_gpu_time_of_each_finished_micro_batch_reaches_the_metrics_hook():
     async def main():
         scorer, seen = _TimedScorer(), []
@@ -417,7 +382,7 @@ def test_the_gpu_time_of_each_finished_micro_batch_reaches_the_metrics_hook():
 def test_after_wait_queues_the_next_micro_batch_once_its_rows_waited_max_wait_whatever_the_gpu_has_left():
     async def main():
         scorer = _TimedScorer()
-        batcher = Batcher(scorer, max_wait_s=0.05, quiet_s=0.02, depth=2, next_launch="after_wait")
+        batcher = Batcher(scorer, max_wait_s=0.05, quiet_s=0.02, depth=2)
         batcher.start()
         try:
             first = asyncio.ensure_future(batcher.score([[1] * 10]))
@@ -1235,7 +1200,6 @@ def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_report
         ({"REWARD_FUSE": "yes"}, "REWARD_FUSE"),
         ({"REWARD_WARMUP": "full"}, "REWARD_WARMUP"),
         ({"REWARD_GPU_MEMORY_GIB": "-4"}, "REWARD_GPU_MEMORY_GIB"),
-        ({"REWARD_NEXT_LAUNCH": "soon"}, "REWARD_NEXT_LAUNCH"),
         ({"REWARD_MICRO_BATCH_COST": "-1"}, "REWARD_MICRO_BATCH_COST must be 0 (from the model)"),
         ({"REWARD_PACK": "on"}, "REWARD_PACK must be auto or off"),
         ({"REWARD_CUDNN_ATTENTION": "on"}, "REWARD_CUDNN_ATTENTION"),

@@ -176,7 +176,6 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             settings.max_wait_ms / 1000,
             settings.quiet_ms / 1000,
             on_batch=lambda jobs, waits: [metrics.wait.observe(w) for w in waits],
-            next_launch=settings.next_launch,
             on_gpu=metrics.gpu.inc,
         )
         batcher.start()

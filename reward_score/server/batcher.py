@@ -36,12 +36,9 @@ class Batcher:
 
     Up to `depth` micro-batches are queued on the GPU: while one runs, the thread reads the finished one's scores,
     answers those callers and launches the next from whatever is waiting, new arrivals included; the next goes in
-    behind a running one once a full token budget waits, or once its oldest row has waited `max_wait` and, with
-    `next_launch="before_finish"`, the running one is due to finish within about one launch's time, by the GPU time
-    per token measured on the micro-batches before. Until then the rows that the last answers set off keep joining (a
-    launch queued early holds this thread in the CUDA launch queue for most of a big model's running micro-batch).
-    On an H200 that cut big models' queue waits from 0.35-0.7 s to 15-20 ms but left 64 per-sample callers' share of
-    the ceiling where it was (benchmarks/HISTORY.md), so it is not the default. Each launch takes the micro-batch
+    behind a running one once a full token budget waits, or once its oldest row has waited `max_wait` (holding it
+    back until the running one nears its end, by measured GPU time per token, cut big models' queue waits on an H200
+    but not their share of the ceiling: benchmarks/HISTORY.md, so that setting went). Each launch takes the micro-batch
     (of the length-sorted plan) holding the oldest waiting row, so no request waits behind later ones. When idle,
     the first request waits up to `max_wait` for others to join (stopping once `quiet` passes with nothing new)."""
 
@@ -53,19 +50,14 @@ class Batcher:
         on_batch=None,
         depth: int = 2,
         on_gpu=None,
-        next_launch: str = "after_wait",
     ):
         self.scorer = scorer
         self.planner = scorer.planner
         self.max_wait_s = max_wait_s
         self.quiet_s = quiet_s
         self.depth = depth
-        self.next_launch = next_launch
         self.on_batch = on_batch  # metrics hook: (jobs, queue_waits)
         self.on_gpu = on_gpu  # metrics hook: GPU seconds of a finished micro-batch (timed ones only)
-        self.gpu_s_per_token: float | None = None  # measured on finished micro-batches (moving average)
-        self.launch_s = 0.02  # host time of a launch onto an idle GPU (moving average; the lead before a finish)
-        self._head_since = 0.0  # when the micro-batch at the head of the GPU queue started running
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="reward-gpu", daemon=True)
         self._stopping = False
@@ -134,11 +126,7 @@ class Batcher:
                 return False
             self._admit(self._gather(first), waiting)
         self._admit(self._queued(), waiting)
-        while (
-            waiting
-            and len(flights) < self.depth
-            and (not flights or self.next_launch == "after_wait" or self._due(waiting, flights))
-        ):
+        while waiting and len(flights) < self.depth:
             self._launch(waiting, flights)
         if not flights:
             return True
@@ -152,10 +140,9 @@ class Batcher:
                 self._admit([job, *self._queued()], waiting)  # all that queued while a launch held this thread
             elif self._stopping:
                 break
-            if waiting and len(flights) < self.depth and self._due(waiting, flights):
+            if waiting and len(flights) < self.depth and self._due(waiting):
                 self._launch(waiting, flights)
         flights.popleft()
-        self._head_since = time.perf_counter()
         try:
             values = handle.result()
         except BaseException as exc:  # delivered to every request in this micro-batch, never swallowed
@@ -178,31 +165,17 @@ class Batcher:
             jobs.append(job)
         return jobs
 
-    def _due(self, waiting: list[_Row], flights) -> bool:
+    def _due(self, waiting: list[_Row]) -> bool:
         """Whether the next micro-batch goes in behind the ones on the GPU now (see the class's docstring)."""
         if sum(len(j.seqs[i]) for j, i in waiting) >= self.planner.token_budget:
             return True
-        if time.perf_counter() - waiting[0][0].enqueued < self.max_wait_s:
-            return False
-        return self.next_launch == "after_wait" or self._gpu_left(flights) <= self.launch_s
-
-    def _gpu_left(self, flights) -> float:
-        """Seconds of GPU work still queued, estimated (0 until a micro-batch has been timed, or where none is)."""
-        if not flights or self.gpu_s_per_token is None:
-            return 0.0
-        queued = sum(getattr(handle, "tokens", 0) for _, handle in flights) * self.gpu_s_per_token
-        return max(0.0, queued - (time.perf_counter() - self._head_since))
+        return time.perf_counter() - waiting[0][0].enqueued >= self.max_wait_s
 
     def _measured(self, handle) -> None:
-        """Learn the GPU's time per token from a finished micro-batch (timed ones only: the scorer's on a GPU)."""
+        """Hand a finished micro-batch's GPU time to the metrics hook (timed ones only: the scorer's on a GPU)."""
         seconds = getattr(handle, "gpu_seconds", lambda: None)()
-        tokens = getattr(handle, "tokens", 0)
-        if seconds is None or tokens <= 0:
-            return
-        if self.on_gpu:
+        if seconds is not None and self.on_gpu:
             self.on_gpu(seconds)
-        rate = seconds / tokens
-        self.gpu_s_per_token = rate if self.gpu_s_per_token is None else 0.7 * self.gpu_s_per_token + 0.3 * rate
 
     def _admit(self, jobs: list[_Job], waiting: list[_Row]) -> None:
         now = time.perf_counter()
@@ -222,16 +195,11 @@ class Batcher:
         picked = set(chosen)
         rows = [waiting[i] for i in chosen]
         waiting[:] = [row for k, row in enumerate(waiting) if k not in picked]
-        idle = not flights
-        started = time.perf_counter()
         try:
             flights.append((rows, self.scorer.launch([j.seqs[i] for j, i in rows])))
         except BaseException as exc:
             self._fail({j for j, _ in rows}, exc, waiting)
             return
-        if idle:  # onto an idle GPU: the launch queue is empty, so this is the host's own time
-            self._head_since = started
-            self.launch_s = 0.7 * self.launch_s + 0.3 * max(0.002, time.perf_counter() - started)
 
     @staticmethod
     def _fail(jobs: set[_Job], exc: BaseException, waiting: list[_Row]) -> None:

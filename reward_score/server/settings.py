@@ -42,7 +42,6 @@ class Settings:
     fuse: str = "auto"
     warmup: str = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
-    next_launch: str = "after_wait"
     cudnn_attention: str = "auto"
     max_items: int = 4096
     max_chars: int = 262_144
@@ -88,8 +87,6 @@ _SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, f
                          "for bigger models, whose tokens take longer)"),
     "max_wait_ms": ("REWARD_MAX_WAIT_MS", "MS", "longest the GPU thread gathers requests into one batch"),
     "quiet_ms": ("REWARD_QUIET_MS", "MS", "gathering stops early once no request arrived for this long"),
-    "next_launch": ("REWARD_NEXT_LAUNCH", "WHEN", "after_wait | before_finish (queue it as the running one nears its "
-                    "end)"),
     "compile": ("REWARD_COMPILE", "auto|layers|off", "auto (per-layer torch.compile on GPU) | layers | off"),
     "fuse": ("REWARD_FUSE", "auto|off", "auto (q/k/v and gate/up as one matmul each, if warm-up scores the same) | "
              "off"),
@@ -173,7 +170,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     if settings.compile not in ("auto", "layers", "off"):
         problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
     for name, allowed in (("fuse", ("auto", "off")), ("warmup", ("auto", "step", "basic")),
-                          ("next_launch", ("after_wait", "before_finish")), ("cudnn_attention", ("auto", "off")),
+                          ("cudnn_attention", ("auto", "off")),
                           ("pack", ("auto", "off"))):  # fmt: skip
         if getattr(settings, name) not in allowed:
             problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
