@@ -159,22 +159,28 @@ class _BodyLimit:
 # --- the app -------------------------------------------------------------------------------------------------
 
 
-def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAPI:
-    """The FastAPI app. The model loads in the lifespan (or `scorer` is used as given, for tests)."""
-    state: dict[str, Any] = {}
-    metrics = Metrics(lambda: _peak_gpu_bytes(state.get("scorer")))
+class _Server:
+    """What the routes share: the settings, the metrics, and, while the lifespan runs, the scorer, the batcher (the GPU
+    thread) and the preparer (the tokenizing thread) in `state`."""
+
+    def __init__(self, settings: Settings, scorer: RewardScorer | None):
+        self.settings, self.given = settings, scorer
+        self.state: dict[str, Any] = {}
+        self.metrics = Metrics(lambda: _peak_gpu_bytes(self.state.get("scorer")))
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
-        active = scorer or await run_in_threadpool(RewardScorer.load, settings)
+    async def lifespan(self, app):
+        """Load (or take) the model, warm it up and start the two threads; /health is 200 only after this."""
+        metrics = self.metrics
+        active = self.given or await run_in_threadpool(RewardScorer.load, self.settings)
         active.on_forward = metrics.on_forward
         active.on_oom = lambda: metrics.errors.labels("cuda_oom_split").inc()
         active.on_packed = metrics.packed.inc
         await run_in_threadpool(warm_up, active)
         batcher = Batcher(
             active,
-            settings.max_wait_ms / 1000,
-            settings.quiet_ms / 1000,
+            self.settings.max_wait_ms / 1000,
+            self.settings.quiet_ms / 1000,
             on_batch=lambda jobs, waits: [metrics.wait.observe(w) for w in waits],
             on_gpu=metrics.gpu.inc,
         )
@@ -188,45 +194,36 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
         preparer = Preparer(
             active, in_prepare_thread, on_pass=lambda requests, items, seconds: metrics.prepare.observe(seconds)
         )
-        state.update(scorer=active, batcher=batcher, preparer=preparer)
-        log.info(
-            "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d max_length=%d "
-            "truncation=%s format=%s token_budget=%d micro_batch_cost=%d pack=%s warm_up_s=%s",
-            settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, len(active.fused),
-            settings.max_length, settings.truncation,
-            active.format.describe() + ("" if active.has_chat_template else ": the tokenizer has no chat template"),
-            active.planner.token_budget, active.planner.micro_batch_cost, active.planner.pack,
-            {k: round(v, 2) for k, v in active.warm_up_s.items()},
-        )  # fmt: skip
+        self.state.update(scorer=active, batcher=batcher, preparer=preparer)
+        _log_ready(self.settings, active)
         try:
             yield
         finally:
             batcher.stop()
             prepare_thread.shutdown(wait=False)
-            state.clear()
+            self.state.clear()
 
-    app = FastAPI(title="reward model server", lifespan=lifespan)
-    app.add_middleware(
-        _BodyLimit, limit=settings.max_body_bytes, on_reject=lambda: metrics.errors.labels("body_too_large").inc()
-    )
-
-    def fail(status: int, kind: str, detail: str, endpoint: str) -> HTTPException:
-        metrics.errors.labels(kind).inc()
-        metrics.requests.labels(endpoint, str(status)).inc()
+    def fail(self, status: int, kind: str, detail: str, endpoint: str) -> HTTPException:
+        """Count the error and the request; the caller raises what this returns."""
+        self.metrics.errors.labels(kind).inc()
+        self.metrics.requests.labels(endpoint, str(status)).inc()
         return HTTPException(status_code=status, detail=detail)
 
-    def authorize(request: Request, endpoint: str) -> None:
-        if not settings.auth_token:
+    def authorize(self, request: Request, endpoint: str) -> None:
+        token = self.settings.auth_token
+        if not token:
             return
         given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {settings.auth_token}".encode()):
-            raise fail(
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise self.fail(
                 401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>' (REWARD_SERVER_TOKEN)", endpoint
             )
 
-    def check_limits(items: list[ScoreItem], endpoint: str) -> None:
+    def check_limits(self, items: list[ScoreItem], endpoint: str) -> None:
+        """413 for too many items, or for any one string over REWARD_MAX_CHARS, naming it."""
+        settings = self.settings
         if len(items) > settings.max_items:
-            raise fail(
+            raise self.fail(
                 413,
                 "too_many_items",
                 f"{len(items)} items; the limit is {settings.max_items} (REWARD_MAX_ITEMS)",
@@ -239,29 +236,74 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             ]
             for name, text in [*texts, ("response", item.response)]:
                 if len(text) > settings.max_chars:
-                    raise fail(
+                    raise self.fail(
                         413, "string_too_long",
                         f"{where}{name} is {len(text)} characters; the limit is {settings.max_chars} (REWARD_MAX_CHARS)",
                         endpoint,
                     )  # fmt: skip
 
-    async def score_items(items: list[ScoreItem], endpoint: str) -> tuple[list[float], list[bool]]:
+    async def score_items(self, items: list[ScoreItem], endpoint: str) -> tuple[list[float], list[bool]]:
+        """Tokenize in the preparer's thread, fit each to max_length, score on the GPU thread: (scores, truncated)."""
+        state = self.state
         if "batcher" not in state:
-            raise fail(503, "not_ready", "the model is not loaded yet", endpoint)
+            raise self.fail(503, "not_ready", "the model is not loaded yet", endpoint)
         try:
             ids = await state["preparer"].ids([it.conversation() for it in items])
             encoded = [state["scorer"].fit(x, f"item {i}") for i, x in enumerate(ids)]
             scores = await state["batcher"].score([e.ids for e in encoded])
         except ConversationRefused as exc:
             where = "messages" if endpoint == "/score" else "items[].messages"
-            raise fail(422, "template_refused", f"{where}: {exc}", endpoint) from None
+            raise self.fail(422, "template_refused", f"{where}: {exc}", endpoint) from None
         except InputTooLong as exc:
-            raise fail(413, "too_long", str(exc), endpoint) from None
+            raise self.fail(413, "too_long", str(exc), endpoint) from None
         truncated = [e.truncated for e in encoded]
-        metrics.samples.inc(len(items))
-        metrics.truncated.inc(sum(truncated))
-        metrics.requests.labels(endpoint, "200").inc()
+        self.metrics.samples.inc(len(items))
+        self.metrics.truncated.inc(sum(truncated))
+        self.metrics.requests.labels(endpoint, "200").inc()
         return scores, truncated
+
+
+def _log_ready(settings: Settings, active: RewardScorer) -> None:
+    """One line with everything resolved at startup (the format as decided, the planner's budget, warm-up times)."""
+    log.info(
+        "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d max_length=%d "
+        "truncation=%s format=%s token_budget=%d micro_batch_cost=%d pack=%s warm_up_s=%s",
+        settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, len(active.fused),
+        settings.max_length, settings.truncation,
+        active.format.describe() + ("" if active.has_chat_template else ": the tokenizer has no chat template"),
+        active.planner.token_budget, active.planner.micro_batch_cost, active.planner.pack,
+        {k: round(v, 2) for k, v in active.warm_up_s.items()},
+    )  # fmt: skip
+
+
+def _health(settings: Settings, active: RewardScorer) -> dict[str, Any]:
+    """/health's body once the model is loaded: what the server scores with, as resolved."""
+    return {
+        "status": "ok",
+        "model_path": settings.model_path,
+        "device": active.device,
+        "dtype": active.dtype,
+        "max_length": settings.max_length,
+        "truncation": settings.truncation,
+        "format": "chat_template" if active.chat_template else "plain_text",
+        # The input format as resolved (REWARD_INPUT, REWARD_ADD_SPECIAL_TOKENS, REWARD_APPEND_EOS; `auto` decided)
+        "input": active.format.input,
+        "add_special_tokens": active.format.add_special_tokens,
+        "append_eos": active.format.append_eos,
+        "compiled": active.compiled,
+        "mask_mapping": active.mask_mapping,
+        "fused_modules": len(active.fused),
+        "token_budget": active.planner.token_budget,
+        "micro_batch_cost": active.planner.micro_batch_cost,
+        "pack": active.planner.pack,
+        "warm_up_s": active.warm_up_s,
+        "checks": active.checks,
+        "auth": bool(settings.auth_token),
+    }
+
+
+def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """422 naming each bad field, and 500 naming only the exception's type, both counted."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -286,55 +328,49 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
             status_code=500, content={"detail": f"internal error ({type(exc).__name__}); see the server log"}
         )
 
+
+def _add_routes(app: FastAPI, server: _Server) -> None:
+    """/health, /score, /score_batch and /metrics."""
+
     @app.get("/health")
     async def health(request: Request):
         # Open to probes without a token; a token that is sent must be ours, so a job polling its own port with its
         # token gets 401 from another job's server instead of taking it for its own.
         if "authorization" in request.headers:
-            authorize(request, "/health")
-        if "scorer" not in state:
+            server.authorize(request, "/health")
+        if "scorer" not in server.state:
             return JSONResponse(status_code=503, content={"status": "loading"})
-        active: RewardScorer = state["scorer"]
-        return {
-            "status": "ok",
-            "model_path": settings.model_path,
-            "device": active.device,
-            "dtype": active.dtype,
-            "max_length": settings.max_length,
-            "truncation": settings.truncation,
-            "format": "chat_template" if active.chat_template else "plain_text",
-            # The input format as resolved (REWARD_INPUT, REWARD_ADD_SPECIAL_TOKENS, REWARD_APPEND_EOS; `auto` decided)
-            "input": active.format.input,
-            "add_special_tokens": active.format.add_special_tokens,
-            "append_eos": active.format.append_eos,
-            "compiled": active.compiled,
-            "mask_mapping": active.mask_mapping,
-            "fused_modules": len(active.fused),
-            "token_budget": active.planner.token_budget,
-            "micro_batch_cost": active.planner.micro_batch_cost,
-            "pack": active.planner.pack,
-            "warm_up_s": active.warm_up_s,
-            "checks": active.checks,
-            "auth": bool(settings.auth_token),
-        }
+        return _health(server.settings, server.state["scorer"])
 
     @app.post("/score", response_model=ScoreResponse)
     async def score(item: ScoreItem, request: Request):
-        authorize(request, "/score")
-        check_limits([item], "/score")
-        scores, truncated = await score_items([item], "/score")
+        server.authorize(request, "/score")
+        server.check_limits([item], "/score")
+        scores, truncated = await server.score_items([item], "/score")
         return ScoreResponse(score=scores[0], truncated=truncated[0])
 
     @app.post("/score_batch", response_model=ScoreBatchResponse)
     async def score_batch(body: ScoreBatchRequest, request: Request):
-        authorize(request, "/score_batch")
-        check_limits(body.items, "/score_batch")
-        scores, truncated = await score_items(body.items, "/score_batch")
+        server.authorize(request, "/score_batch")
+        server.check_limits(body.items, "/score_batch")
+        scores, truncated = await server.score_items(body.items, "/score_batch")
         return ScoreBatchResponse(scores=scores, truncated=truncated)
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request):
-        authorize(request, "/metrics")
-        return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        server.authorize(request, "/metrics")
+        return PlainTextResponse(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+
+def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAPI:
+    """The FastAPI app. The model loads in the lifespan (or `scorer` is used as given, for tests)."""
+    server = _Server(settings, scorer)
+    app = FastAPI(title="reward model server", lifespan=server.lifespan)
+    app.add_middleware(
+        _BodyLimit,
+        limit=settings.max_body_bytes,
+        on_reject=lambda: server.metrics.errors.labels("body_too_large").inc(),
+    )
+    _add_error_handlers(app, server.metrics)
+    _add_routes(app, server)
     return app
