@@ -17,10 +17,11 @@ from launch.plan.config_refusals import (
     ray_cpus_needed,
     rollout_problems,
 )
-from launch.plan.preflight import compose, import_problems, split_command, trainer_modules, validate
+from launch.plan.preflight import compose, split_command, validate
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
 from launch.plan.trainer_command import trainer_argv
+from launch.plan.trainer_imports import import_problems, trainer_modules
 from tests.support import REPO
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from launch.job.steps import is_training_step, number, parse_step_lines
-from launch.plan import preflight
+from launch.plan import trainer_imports
 from launch.watch import health, reading, status
 from tests.fakes.fake_trainer import RayPrefixed, step_metrics
 from tests.real_slurm import NODE_SIZE, slurm_env
@@ -472,14 +472,14 @@ def test_the_preflight_checks_that_tensorboard_imports_where_the_trainer_runs(tm
     cfg = OmegaConf.create(
         {"actor_rollout_ref": {"rollout": {"name": "sglang", "mode": "sync"}}, "trainer": {"logger": ["console"]}}
     )
-    assert preflight.TENSORBOARD_WRITER not in preflight.trainer_modules("verl.trainer.main_ppo", cfg)
+    assert trainer_imports.TENSORBOARD_WRITER not in trainer_imports.trainer_modules("verl.trainer.main_ppo", cfg)
     cfg.trainer.logger = ["console", "tensorboard"]
-    assert preflight.trainer_modules("verl.trainer.main_ppo", cfg)[-1] == preflight.TENSORBOARD_WRITER
+    assert trainer_imports.trainer_modules("verl.trainer.main_ppo", cfg)[-1] == trainer_imports.TENSORBOARD_WRITER
     broken = tmp_path / "site" / "tensorboard"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('no tensorboard in this image')\n")
     monkeypatch.setenv("PYTHONPATH", str(broken.parent))
-    (problem,) = preflight.import_problems([preflight.TENSORBOARD_WRITER], "sglang")
+    (problem,) = trainer_imports.import_problems([trainer_imports.TENSORBOARD_WRITER], "sglang")
     assert problem.startswith("import torch.utils.tensorboard fails (")
     assert problem.endswith(
         "TRAINER_LOGGER has tensorboard, which needs the tensorboard package there: drop it from it"

@@ -4,7 +4,7 @@
 
 The job's one check, in one process (one container start; the policy tokenizer loaded once), with two helpers
 started alongside: the check's reward server loads its model from the start, and the trainer's imports are tried in
-a fresh interpreter (start_import_check) while the data and the reward are checked, said after them:
+a fresh interpreter (launch.plan.trainer_imports) while the data and the reward are checked, said after them:
 0. settings: launch.plan.refusals.check, context_problems (prompt + response against the models' positions) and
    save_deadline_problems, one line per problem naming the setting;
 1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
@@ -26,7 +26,6 @@ import atexit
 import os
 import subprocess
 import sys
-import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -59,6 +58,7 @@ from launch.plan.reward_check import (
 from launch.plan.settings import REPO, SettingError, Settings
 from launch.plan.thinking import TemplateError
 from launch.plan.trainer_command import fused_kernels, prompt_opens_think, trainer_argv
+from launch.plan.trainer_imports import import_problems, start_import_check, trainer_modules
 
 # Which of our settings feed which trainer keys, so an error from verl can name what to change.
 SETTING_OF_KEY = {
@@ -115,105 +115,6 @@ def validate(cfg) -> None:
     validate_config(cfg, use_reference_policy=use_ref, use_critic=need_critic(cfg))
     omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     omega_conf_to_dataclass(cfg.algorithm)
-
-
-# What the one-step-off recipe's weight sync imports whatever the engine (recipe/one_step_off_policy/distributed_util.py,
-# inside stateless_init_process_group, so importing the recipe module alone does not show it).
-ONE_STEP_OFF_VLLM = ("vllm.distributed.device_communicators.pynccl", "vllm.distributed.utils")
-
-
-# What verl's tensorboard logger writes with (verl/utils/tracking.py _TensorboardAdapter): it needs the tensorboard
-# package, which verl's wheel depends on but the image does not install (verl_app.def installs verl --no-deps): only
-# its base image can hold it.
-TENSORBOARD_WRITER = "torch.utils.tensorboard"
-
-# What async rollout imports when the trainer builds its workers (ray_trainer.py:770, init_workers): verl's agent loop,
-# whose agent_loop.py:26 imports cachetools, which verl 0.6.1 does not declare (SGLang and vLLM bring it).
-AGENT_LOOP = "verl.experimental.agent_loop"
-
-# The engine a rollout name needs, where that is not a package of its own name: `hf` is verl's own HF generate, which
-# only the CPU runs of make demo and the tests register (demo/verl_cpu.py; config_refusals.rollout_problems).
-ENGINE_MODULES = {"hf": "verl.workers.rollout.hf_rollout"}
-
-
-def trainer_modules(module: str, cfg) -> list[str]:
-    """What the trainer command imports before it can train: the rollout engine, the entry module, with async rollout
-    verl's agent loop, and a recipe's trainer (and for one-step-off its workers for this strategy, which it picks by
-    actor.strategy). verl's own
-    worker modules are the image's to check (its %test): Megatron's pull in TransformerEngine, which a login node
-    without a GPU driver may not load."""
-    engine = cfg.actor_rollout_ref.rollout.name
-    modules = [ENGINE_MODULES.get(engine, engine), module]
-    if cfg.actor_rollout_ref.rollout.mode == "async":
-        modules.append(AGENT_LOOP)
-    if module.startswith("recipe.one_step_off_policy."):
-        package = "recipe.one_step_off_policy"
-        workers = "megatron_workers" if cfg.actor_rollout_ref.actor.strategy == "megatron" else "fsdp_workers"
-        modules += [f"{package}.ray_trainer", f"{package}.{workers}", f"{package}.distributed_util", *ONE_STEP_OFF_VLLM]
-    elif module.startswith("recipe.dapo."):
-        modules += ["recipe.dapo.dapo_ray_trainer"]
-    logger = cfg.trainer.logger
-    if "tensorboard" in ([logger] if isinstance(logger, str) else list(logger)):
-        modules.append(TENSORBOARD_WRITER)
-    return modules
-
-
-_IMPORT_EACH = """
-import importlib, sys
-for name in sys.argv[1:]:
-    try:
-        importlib.import_module(name)
-    except BaseException as exc:
-        print(name, f"{type(exc).__name__}: {exc}".replace("\\n", " ")[:300], sep="\\t", flush=True)
-"""
-
-
-def start_import_check(modules: list[str]) -> subprocess.Popen:
-    """Import each module in a fresh interpreter, as the trainer will (this one has already imported verl, and an
-    engine's import may set process-wide state), in the background: import_problems collects it. Its output goes to
-    files, never an undrained pipe."""
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _IMPORT_EACH, *modules], stdout=out, stderr=err, start_new_session=True
-    )
-    proc.output_files = (out, err)
-    return proc
-
-
-def import_problems(
-    modules: list[str], engine: str, timeout: float = 600, started: subprocess.Popen | None = None
-) -> list[str]:
-    """One line per module that fails to import in a fresh interpreter (start_import_check's, `started` where it is
-    already running), naming it and the fix."""
-    run = started or start_import_check(modules)
-    try:
-        run.wait(timeout)
-    except subprocess.TimeoutExpired:
-        run.kill()
-        run.wait()
-        return [f"importing {', '.join(modules)} took over {timeout:.0f} s"]
-    for file in run.output_files:
-        file.seek(0)
-    stdout, stderr = (file.read() for file in run.output_files)
-    if run.returncode:
-        return [f"importing {', '.join(modules)} crashed the interpreter (exit {run.returncode}): {stderr[-500:]}"]
-    problems = []
-    for line in stdout.splitlines():
-        name, _, error = line.partition("\t")
-        if name.split(".")[0] == engine or name.startswith("vllm."):
-            fix = (f"ROLLOUT_ENGINE={engine} needs {engine} where the trainer runs: use the {engine} image "
-                   f"(CONFIG_IMAGE_PATH), or the engine that image has")  # fmt: skip
-        elif name.startswith("recipe."):
-            fix = "verl's recipes come from its git tag (the image built from verl_app.def has them; PyPI has none)"
-        elif name == AGENT_LOOP:
-            fix = ("ROLLOUT_MODE=async runs verl's agent loop, which imports cachetools (undeclared by verl 0.6.1; the "
-                   "SGLang and vLLM images hold it): install it there, or ROLLOUT_MODE=sync")  # fmt: skip
-        elif name == TENSORBOARD_WRITER:
-            fix = "TRAINER_LOGGER has tensorboard, which needs the tensorboard package there: drop it from it"
-        else:
-            fix = "the trainer's own imports: the image (or local environment) is incomplete"
-        problems.append(f"import {name} fails ({error}): {fix}")
-    return problems
 
 
 def trainer_runs_verl() -> bool:
@@ -365,38 +266,19 @@ def main(argv: list[str] | None = None) -> int:
         return checks(sys.argv[1:] if argv is None else argv, background)
 
 
+def refused(problems: list[str], run_time: bool = False) -> bool:
+    """Print each problem, as a refused setting or (`run_time`) as what verl would stop at after the queue and the
+    model load; True when there was any, and the caller returns 1."""
+    for problem in problems:
+        print(f"preflight: verl 0.6.1 would stop at run time: {problem}" if run_time else f"setting error: {problem}",
+              file=sys.stderr)  # fmt: skip
+    return bool(problems)
+
+
 def checks(extra: list[str], background: ExitStack) -> int:
     """main's checks; `background` stops the processes they start alongside."""
-    login = os.environ.get("PREFLIGHT_ONLY") == "1" and not os.environ.get("SLURM_JOB_ID")  # sbatch reads the header
-    header = (REPO / "run_grpo_qwen3_4b_mega_verl.sh").read_text() if login else ""
-    nodes = sbatch_header(header).get("nodes", (0, ""))[1]
-    if nodes.isdigit():  # the plan for the nodes the job will get (a separate reward node, trainer.nnodes)
-        os.environ.setdefault("CONFIG_NUM_NODES", nodes)
-    try:
-        settings = Settings.from_env()
-    except SettingError as exc:
-        print(f"setting error: {exc}", file=sys.stderr)
-        return 1
-    if os.environ.get("TRAINER_IS_VERL", "1") not in ("0", "1"):
-        print(f"setting error: TRAINER_IS_VERL={os.environ['TRAINER_IS_VERL']!r}: 1 (TRAINER_LAUNCHER runs verl's "
-              "trainer, a wrapper of it included) or 0 (it runs something else)", file=sys.stderr)  # fmt: skip
-        return 1
-    problems = check(settings) + context_problems(settings, os.environ)
-    problems += header_problems(header, os.environ) if login else []
-    for problem in problems:
-        print(f"setting error: {problem}", file=sys.stderr)
-    if problems:
-        print(
-            "preflight: fix the settings above (top of run_grpo_qwen3_4b_mega_verl.sh, or the environment)",
-            file=sys.stderr,
-        )
-        return 1
-    problems = save_deadline_problems(settings, os.environ) + (
-        reward_head_problems(settings) if settings.uses_reward_model else []
-    )
-    for problem in problems:
-        print(f"setting error: {problem}", file=sys.stderr)
-    if problems:
+    settings = checked_settings()
+    if settings is None:
         return 1
     # A requeued start skips what its first start's checks ran in full where nothing they read has changed
     record, now = first_start_record(os.environ), fingerprint(settings, extra)
@@ -410,11 +292,74 @@ def checks(extra: list[str], background: ExitStack) -> int:
         print(f"preflight: save before the time limit: {line}")
     for warning in warnings:
         print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
+    composed = checked_config(settings, extra)
+    if composed is None:
+        return 1
+    module, name, overrides, cfg = composed
+    report_config(settings, extra, cfg, f"{module} --config-name={name} with {len(overrides)} overrides")
+    if not memory_fits(settings, extra, cfg):
+        return 1
+    imports, modules = None, []
+    if full and trainer_runs_verl():
+        if refused(ray_cpu_problems(cfg, os.environ), run_time=True):
+            return 1
+        modules = trainer_modules(module, cfg)
+        imports = start_import_check(modules)  # alongside the checks of the user's own files below
+        background.callback(stop_process, imports, 5)
+    elif full:
+        print(
+            f"preflight: WARNING: TRAINER_IS_VERL=0: TRAINER_LAUNCHER={os.environ.get('TRAINER_LAUNCHER')} runs no verl "
+            "trainer, so verl's imports and the Ray CPUs verl holds are not checked",
+            file=sys.stderr,
+        )
+    own_files_pass = check_own_files(settings, cfg, reward_server)
+    if not (report_imports(imports, modules, cfg, own_files_pass) and own_files_pass):
+        return 1
+    if full:
+        keep(record, now)
+    return 0
+
+
+def checked_settings() -> Settings | None:
+    """Step 0: the settings read and refused where wrong (launch.plan.refusals, the models' positions, on the login
+    node the sbatch header, the save deadline, the reward model's head); None once the refusals are printed."""
+    login = os.environ.get("PREFLIGHT_ONLY") == "1" and not os.environ.get("SLURM_JOB_ID")  # sbatch reads the header
+    header = (REPO / "run_grpo_qwen3_4b_mega_verl.sh").read_text() if login else ""
+    nodes = sbatch_header(header).get("nodes", (0, ""))[1]
+    if nodes.isdigit():  # the plan for the nodes the job will get (a separate reward node, trainer.nnodes)
+        os.environ.setdefault("CONFIG_NUM_NODES", nodes)
+    try:
+        settings = Settings.from_env()
+    except SettingError as exc:
+        print(f"setting error: {exc}", file=sys.stderr)
+        return None
+    if os.environ.get("TRAINER_IS_VERL", "1") not in ("0", "1"):
+        print(f"setting error: TRAINER_IS_VERL={os.environ['TRAINER_IS_VERL']!r}: 1 (TRAINER_LAUNCHER runs verl's "
+              "trainer, a wrapper of it included) or 0 (it runs something else)", file=sys.stderr)  # fmt: skip
+        return None
+    problems = check(settings) + context_problems(settings, os.environ)
+    problems += header_problems(header, os.environ) if login else []
+    if refused(problems):
+        print(
+            "preflight: fix the settings above (top of run_grpo_qwen3_4b_mega_verl.sh, or the environment)",
+            file=sys.stderr,
+        )
+        return None
+    problems = save_deadline_problems(settings, os.environ) + (
+        reward_head_problems(settings) if settings.uses_reward_model else []
+    )
+    return None if refused(problems) else settings
+
+
+def checked_config(settings: Settings, extra: list[str]) -> tuple[str, str, list[str], object] | None:
+    """Step 1: the trainer command composed and validated by verl's own code, then what verl asserts only at run time
+    and the thinking settings against the chat template: (module, config name, overrides, config), or None once the
+    refusal is printed."""
     try:
         module, path, name, overrides = split_command(trainer_argv(settings, extra=extra))
     except SettingError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
-        return 1
+        return None
     try:
         cfg = compose(name, overrides, path)
         validate(cfg)
@@ -422,20 +367,19 @@ def checks(extra: list[str], background: ExitStack) -> int:
         print(
             f"preflight: verl 0.6.1 rejects the trainer config ({module}, {name}):\n  {explain(exc)}", file=sys.stderr
         )
-        return 1
-    problems = batch_problems(cfg) + parallel_problems(cfg) + rollout_problems(cfg)
-    for problem in problems:
-        print(f"preflight: verl 0.6.1 would stop at run time: {problem}", file=sys.stderr)
-    if problems:
-        return 1
+        return None
+    if refused(batch_problems(cfg) + parallel_problems(cfg) + rollout_problems(cfg), run_time=True):
+        return None
     try:
         problems = thinking_problems(cfg, settings.prompt_opens_think_setting)
     except TemplateError as exc:
         problems = [str(exc)]
-    for problem in problems:
-        print(f"setting error: {problem}", file=sys.stderr)
-    if problems:
-        return 1
+    return None if refused(problems) else (module, name, overrides, cfg)
+
+
+def report_config(settings: Settings, extra: list[str], cfg, command: str) -> None:
+    """Print how validation decodes, how the reward reads thinking, and that `command` passes verl's checks; hand the
+    resolved thinking setting on to the head node."""
     print(f"preflight: validation: {validation_sampling(cfg)}")
     opens, source = prompt_opens_think(settings, extra)
     if settings.prompt_opens_think_setting == "auto" and os.environ.get("JOB_LOG_DIR"):
@@ -449,60 +393,51 @@ def checks(extra: list[str], background: ExitStack) -> int:
            else "is all answer)")
     )  # fmt: skip
     print(
-        f"preflight: {module} --config-name={name} with {len(overrides)} overrides composes and passes verl's checks "
+        f"preflight: {command} composes and passes verl's checks "
         f"(adv_estimator={cfg.algorithm.adv_estimator}, reward_manager={cfg.reward_model.reward_manager}, "
         f"rollout={cfg.actor_rollout_ref.rollout.name}/{cfg.actor_rollout_ref.rollout.mode})"
     )
+
+
+def memory_fits(settings: Settings, extra: list[str], cfg) -> bool:
+    """Print the GPU memory of the rollout's start (beside the reward server) and, with Megatron, of the update; False
+    once a refusal is printed. A config the dense formulas cannot read (an MoE, no intermediate_size) is a warning."""
     try:
         peak = reward_peak(settings)
     except (Exception, SystemExit) as exc:  # the reward server's settings (argparse exits) or its model's config
         print(
             f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
         )
-        return 1
+        return False
     try:
         print(f"preflight: {gpu_memory_line(settings, peak, cfg)}")
     except RolloutMemoryError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # a config the dense formula cannot read (an MoE, no intermediate_size): said, not fatal
+        return False
+    except Exception as exc:
         print(f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
               f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how", file=sys.stderr)  # fmt: skip
-    if settings.strategy == "megatron":
-        fused, why = fused_kernels(settings, extra)
-        print(f"preflight: verl's fused log-prob kernels {'on' if fused else 'off'} ({why})")
-        try:
-            for line in megatron_update_lines(settings, peak, fused):
-                print(f"preflight: {line}")
-        except UpdateMemoryError as exc:
-            print(f"preflight: {exc}", file=sys.stderr)
-            return 1
-        except (
-            Exception
-        ) as exc:  # a config the dense formula cannot read (an MoE, no intermediate_size): said, not fatal
-            print(f"preflight: WARNING: the Megatron update's memory is not estimated from CONFIG_MODEL_PATH's "
-                  f"config.json ({type(exc).__name__}: {exc}); docs/training.md has the formula", file=sys.stderr)  # fmt: skip
-    imports = None
-    if full and trainer_runs_verl():
-        problems = ray_cpu_problems(cfg, os.environ)
-        for problem in problems:
-            print(f"preflight: verl 0.6.1 would stop at run time: {problem}", file=sys.stderr)
-        if problems:
-            return 1
-        modules = trainer_modules(module, cfg)
-        imports = start_import_check(modules)  # alongside the checks of the user's own files below
-        background.callback(stop_process, imports, 5)
-    elif full:
-        print(
-            f"preflight: WARNING: TRAINER_IS_VERL=0: TRAINER_LAUNCHER={os.environ.get('TRAINER_LAUNCHER')} runs no verl "
-            "trainer, so verl's imports and the Ray CPUs verl holds are not checked",
-            file=sys.stderr,
-        )
-    own_files_pass = check_own_files(settings, cfg, reward_server)
-    # What stops the trainer here but not the checks of the user's own files: said after them, which ran anyway.
+    if settings.strategy != "megatron":
+        return True
+    fused, why = fused_kernels(settings, extra)
+    print(f"preflight: verl's fused log-prob kernels {'on' if fused else 'off'} ({why})")
+    try:
+        for line in megatron_update_lines(settings, peak, fused):
+            print(f"preflight: {line}")
+    except UpdateMemoryError as exc:
+        print(f"preflight: {exc}", file=sys.stderr)
+        return False
+    except Exception as exc:
+        print(f"preflight: WARNING: the Megatron update's memory is not estimated from CONFIG_MODEL_PATH's "
+              f"config.json ({type(exc).__name__}: {exc}); docs/training.md has the formula", file=sys.stderr)  # fmt: skip
+    return True
+
+
+def report_imports(imports: subprocess.Popen | None, modules: list[str], cfg, own_files_pass: bool) -> bool:
+    """What the trainer's imports (started alongside the user's files' checks) found, said after those checks; False
+    where they fail here. On the login node without the image they are listed as not checked: the job's own preflight
+    checks them on its node, in the image, before anything starts."""
     findings = [] if imports is None else import_problems(modules, cfg.actor_rollout_ref.rollout.name, started=imports)
-    # Outside the image and outside a job the trainer's imports say nothing about where it will run: the job's own
-    # preflight checks them on its node, in the image, before anything starts.
     unchecked, findings = (findings, []) if login_node_without_image(os.environ) else ([], findings)
     for finding in unchecked:
         print(f"preflight: not checked here (CONTAINER=none outside a job; the job's own preflight checks it on its "
@@ -513,18 +448,13 @@ def checks(extra: list[str], background: ExitStack) -> int:
         print(f"preflight: the trainer cannot start here: {finding}", file=sys.stderr)
     if imports is not None and not findings and not unchecked:
         print(f"preflight: the trainer's modules import here: {', '.join(modules)}")
-    if not own_files_pass:
-        return 1
-    if findings:
+    if findings and own_files_pass:
         print(
             f"preflight: the trainer cannot start where this ran ({len(findings)} import(s) above); every other check "
             "that ran passed: run the preflight in the image (PREFLIGHT_ONLY=1 with CONTAINER set) for the trainer's imports",
             file=sys.stderr,
         )
-        return 1
-    if full:
-        keep(record, now)
-    return 0
+    return not findings
 
 
 def login_node_without_image(env) -> bool:
