@@ -50,15 +50,24 @@ from reward_score.server.settings import Settings as RewardServerSettings
 
 def check(s: Settings, check_paths: bool = True) -> list[str]:
     """Every problem, each naming the setting to change. Empty when the job can start."""
-    problems: list[str] = []
-    problems += combination_problems(s)
-    problems += reward_gpu_problems(s)
+    problems = combination_problems(s) + reward_gpu_problems(s)
     if s.rollout_engine == "sglang" and s.gpus_per_node > SGLANG_MAX_GPUS:
         problems.append(
             f"CONFIG_GPUS_PER_NODE={s.gpus_per_node} with ROLLOUT_ENGINE=sglang: a job's port block holds the ports "
             f"verl's SGLang engines take (two per GPU) for at most {SGLANG_MAX_GPUS} GPUs per node (launch/job/node.py: each node's port block)"
         )
-    problems += save_deadline_setting_problems(s)
+    problems += save_deadline_setting_problems(s) + job_problems(s) + gpu_batch_problems(s) + algorithm_problems(s)
+    problems += reward_setting_problems(s) + stall_problems(s) + validation_sampling_problems(s)
+    try:
+        _ = s.rollout_gpu_memory  # the property refuses anything but auto or a share in (0, 1)
+    except SettingError as exc:
+        problems.append(str(exc))
+    return problems + (path_problems(s) if check_paths else [])
+
+
+def job_problems(s: Settings) -> list[str]:
+    """What runs the job and where: the container, the rollout mode, a separate reward node, FP8."""
+    problems: list[str] = []
     if s.container not in ("singularity", "apptainer", "none"):
         problems.append(f"CONTAINER={s.container!r}: use singularity, apptainer or none")
     if s.rollout_mode not in ("sync", "async"):
@@ -79,6 +88,13 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
             "use_mbridge=True (the article's overrides were silently ignored), and the 'blockwise' recipe needs "
             "TransformerEngine >= 2.3 while this image has 2.2.1. FP8 training arrived in verl 0.7.0: keep FP8=false"
         )
+    return problems
+
+
+def gpu_batch_problems(s: Settings) -> list[str]:
+    """GPU and batch arithmetic: the parallel sizes divide the GPUs, and each step splits evenly over the data-parallel
+    ranks."""
+    problems: list[str] = []
     if s.gpus_per_node < 1:
         problems.append(f"CONFIG_GPUS_PER_NODE={s.gpus_per_node}: training needs at least 1 GPU per node")
     else:
@@ -104,6 +120,12 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         problems.append(
             f"TRAIN_BATCH_SIZE={s.train_batch_size} is smaller than PPO_MINI_BATCH_SIZE={s.ppo_mini_batch_size}"
         )
+    return problems
+
+
+def algorithm_problems(s: Settings) -> list[str]:
+    """The settings of one algorithm only: DAPO's overlong buffer and penalty, PPO's critic value clip."""
+    problems: list[str] = []
     if s.algorithm == "dapo" and not 0 <= s.overlong_buffer_len <= s.max_response_length:
         problems.append(
             f"OVERLONG_BUFFER_LEN={s.overlong_buffer_len}: between 0 (a quarter of the response) and "
@@ -120,6 +142,12 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
             _ = s.critic_cliprange_value  # the property refuses a non-number, or a value of 0 or less
         except SettingError as exc:
             problems.append(str(exc))
+    return problems
+
+
+def reward_setting_problems(s: Settings) -> list[str]:
+    """The reward model's input format, how the reward reads <think>, and the reward servers' restarts."""
+    problems: list[str] = []
     for name, value, allowed in (
         ("CONFIG_REWARD_INPUT", s.reward_input, REWARD_FORMAT_CHOICES["input"]),
         ("CONFIG_REWARD_ADD_SPECIAL_TOKENS", s.reward_add_special_tokens, REWARD_FORMAT_CHOICES["add_special_tokens"]),
@@ -142,6 +170,12 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
         problems.append(
             f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
         )
+    return problems
+
+
+def stall_problems(s: Settings) -> list[str]:
+    """The stall watchdog's timeout and its floors."""
+    problems: list[str] = []
     try:
         timeout_setting(s.stall_timeout_setting)
     except StallError as exc:
@@ -149,24 +183,24 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
     for name, value in (("STALL_FLOOR", s.stall_floor), ("STALL_FIRST_STEP", s.stall_first_step)):
         if value < 1:
             problems.append(f"{name}={value}: the seconds the stall watchdog allows, 1 or more")
-    problems += validation_sampling_problems(s)
-    try:
-        _ = s.rollout_gpu_memory  # the property refuses anything but auto or a share in (0, 1)
-    except SettingError as exc:
-        problems.append(str(exc))
-    if check_paths:
-        for name, path in (("CONFIG_MODEL_PATH", s.model_path), ("CONFIG_REWARD_MODEL_PATH", s.reward_model_path)):
-            if not Path(path, "config.json").is_file() and (name == "CONFIG_MODEL_PATH" or s.uses_reward_model):
-                problems.append(f"{name}={path}: no config.json there (point it at the model's folder)")
-        for name, path in (("CONFIG_TRAIN_FILE", s.train_file), ("CONFIG_TEST_FILE", s.test_file)):
-            if not Path(path).is_file():
-                problems.append(f"{name}={path}: no such file (build it with python -m data_prep.build)")
-        if s.train_file and Path(s.train_file).resolve() == Path(s.test_file).resolve():
-            problems.append("CONFIG_TRAIN_FILE and CONFIG_TEST_FILE are the same file")
-        if s.container != "none" and not Path(s.image).is_file():
-            problems.append(
-                f"CONFIG_IMAGE_PATH={s.image}: no such image (sudo singularity build verl_app.sif verl_app.def)"
-            )
+    return problems
+
+
+def path_problems(s: Settings) -> list[str]:
+    """The files the settings point at: the models, the data, the image."""
+    problems: list[str] = []
+    for name, path in (("CONFIG_MODEL_PATH", s.model_path), ("CONFIG_REWARD_MODEL_PATH", s.reward_model_path)):
+        if not Path(path, "config.json").is_file() and (name == "CONFIG_MODEL_PATH" or s.uses_reward_model):
+            problems.append(f"{name}={path}: no config.json there (point it at the model's folder)")
+    for name, path in (("CONFIG_TRAIN_FILE", s.train_file), ("CONFIG_TEST_FILE", s.test_file)):
+        if not Path(path).is_file():
+            problems.append(f"{name}={path}: no such file (build it with python -m data_prep.build)")
+    if s.train_file and Path(s.train_file).resolve() == Path(s.test_file).resolve():
+        problems.append("CONFIG_TRAIN_FILE and CONFIG_TEST_FILE are the same file")
+    if s.container != "none" and not Path(s.image).is_file():
+        problems.append(
+            f"CONFIG_IMAGE_PATH={s.image}: no such image (sudo singularity build verl_app.sif verl_app.def)"
+        )
     return problems
 
 
