@@ -82,7 +82,14 @@ KillWait=30
 DefMemPerNode=2000
 NodeName=${nodes[0]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${node_ports[0]} CPUs=$cpus RealMemory=$mem_mb Gres=gpu:4
 NodeName=${nodes[1]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${node_ports[1]} CPUs=$cpus RealMemory=$mem_mb Gres=gpu:4
-PartitionName=debug Nodes=${nodes[0]},${nodes[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+# Preemption as a cluster runs it: a job in 'urgent' (the higher PriorityTier) that needs a node requeues the jobs of
+# 'preemptible' there (Slurm decides in its scheduling passes, up to a minute after the submit): SIGTERM, SIGKILL
+# GraceTime seconds later unless the job has ended, then back in the queue. 'debug', every other test's, is never preempted.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=${nodes[0]},${nodes[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
+PartitionName=preemptible Nodes=${nodes[0]},${nodes[1]} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=120
+PartitionName=urgent Nodes=${nodes[0]},${nodes[1]} MaxTime=INFINITE State=UP PriorityTier=2
 EOF
   printf 'NodeName=%s Name=gpu File=%s/dev/nvidia[0-3]\n' "${nodes[0]},${nodes[1]}" "$dir" >"$dir/gres.conf"
   if ! cmp -s "$conf.tmp" "$conf"; then
@@ -131,7 +138,7 @@ wait_until() {
 
 nodes_usable() {
   local states
-  states=$(sinfo --noheader --Node --format='%N %t' 2>/dev/null) || return 1
+  states=$(sinfo --noheader --Node --format='%N %t' 2>/dev/null | sort -u) || return 1
   [[ $(grep -cE '^n[12] (idle|mix|alloc)' <<<"$states") == 2 ]]
 }
 
