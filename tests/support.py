@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -47,6 +48,20 @@ class Process:
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM the process group, SIGKILL after `timeout`; return the exit code."""
         return procs.stop_process(self.popen, timeout)
+
+
+def pinned_port(count: int = 1) -> int:
+    """A port to set by hand (RAY_PORT, CONFIG_REWARD_SERVER_PORT), with `count` free in a row: above Linux's ephemeral
+    range (32768-60999), where no outgoing connection or port-0 listener of another process can take it between this
+    pick and the job's bind, and outside the jobs' own blocks (launch/job/node.py: 20000-32767)."""
+    from launch.job.node import port_taken
+
+    first = 61000 + random.randrange(4000)
+    for i in range(500):
+        port = 61000 + (first - 61000 + 7 * i) % 4400
+        if not any(port_taken(p) for p in range(port, port + count)):
+            return port
+    raise RuntimeError("no free port in 61000-65400")
 
 
 def stop_ray(temp_dir: Path | str, timeout: float = 10.0) -> list[str]:
