@@ -24,20 +24,14 @@ POLICY_SHAPES = {
     # the public Qwen3-0.6B config's dimensions
     "qwen3-0.6b": dict(
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-    ),
-    # the same with an output layer of its own: verl 0.6.1's fused log-prob kernels run on it at PP=1 (on the tied
-    # model they need PP>=2, launch/plan/trainer_command.py); the logits' matmul is the same work either way
-    "qwen3-0.6b-untied": dict(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936,
     ),
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=4096, tie_word_embeddings=True,
+        num_key_value_heads=2, head_dim=16, vocab_size=4096,
     ),
 }  # fmt: skip
-REWARD_SHAPE = {"qwen3-0.6b": "qwen3-1.7b", "qwen3-0.6b-untied": "qwen3-1.7b", "tiny": "tiny"}
+REWARD_SHAPE = {"qwen3-0.6b": "qwen3-1.7b", "tiny": "tiny"}
 
 
 def build_models(shape: str, out: Path, device: str, result_file: Path) -> None:
@@ -57,7 +51,7 @@ def build_models(shape: str, out: Path, device: str, result_file: Path) -> None:
     if dims["vocab_size"] < len(tokenizer):
         raise SystemExit(f"policy shape {shape}: vocab {dims['vocab_size']} below the tokenizer's {len(tokenizer)}")
     config = Qwen3Config(
-        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0,
+        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )  # fmt: skip
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
