@@ -305,10 +305,24 @@ def block_environment() -> dict[str, str]:
 
 def gsm8k_rule_data(tmp_path) -> dict:
     """CONFIG_TRAIN_FILE and CONFIG_TEST_FILE of GSM8K-shaped rule rows, built by data_prep.build --preset gsm8k."""
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"} for i in range(40)]
+    return _rule_data(tmp_path / "gsm8k", rows, "--preset", "gsm8k")
+
+
+def dapo_rule_data(tmp_path) -> dict:
+    """The same of DAPO-shaped rule rows (data_source math_dapo, the bare answer; docs/data.md's command): verl's
+    DAPO math scorer gives a wrong answer -1, not GSM8K's 0, so a job shows that its rule part scored (the tiny
+    policy never answers right)."""
+    rows = [{"prompt": f"What is {i} + {i}? Give your answer on its own line after 'Answer:'.", "answer": str(2 * i)}
+            for i in range(40)]  # fmt: skip
+    return _rule_data(tmp_path / "dapo", rows, "--reward-style", "rule", "--answer-column", "answer",
+                      "--data-source", "math_dapo", "--ability", "math")  # fmt: skip
+
+
+def _rule_data(out: Path, rows: list[dict], *flags: str) -> dict:
     from data_prep.build import main as build_main
 
-    src = tmp_path / "gsm8k.jsonl"
-    src.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"})
-                           + "\n" for i in range(40)))  # fmt: skip
-    assert build_main([str(src), "--preset", "gsm8k", "--out-dir", str(tmp_path / "gsm8k"), "--test-size", "0.2"]) == 0
-    return {f"CONFIG_{s.upper()}_FILE": str(tmp_path / "gsm8k" / f"{s}.parquet") for s in ("train", "test")}
+    src = out.with_suffix(".jsonl")
+    src.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert build_main([str(src), *flags, "--out-dir", str(out), "--test-size", "0.2"]) == 0
+    return {f"CONFIG_{s.upper()}_FILE": str(out / f"{s}.parquet") for s in ("train", "test")}

@@ -28,6 +28,7 @@ from tests.support import (
     REPO,
     RUN,
     assert_everything_stopped,
+    dapo_rule_data,
     gsm8k_rule_data,
     job_processes,
     real_trainer_args,
@@ -98,10 +99,14 @@ def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_check
     of MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP, the job's end minus CHECKPOINT_BEFORE_END). Once it has
     saved, the test shortens the time limit (as an admin could), so that Slurm's time-limit signal comes (--signal
     B:USR1@60): the script requeues the job, Slurm holds it (Reason=BeginTime) and starts it again with Restarts=1;
-    that start logs to <id>-r1, verl resumes at the step it saved last and trains on, far from its new expiry, unsaved."""
+    that start logs to <id>-r1, verl resumes at the step it saved last and trains on, far from its new expiry, unsaved.
+    Scored by verl's own rule scorer alone (REWARD=rule on DAPO-shaped rows, the preflight's checks on): no reward
+    server anywhere."""
     # 10 epochs of the 32 prompts: more steps than the first start can take before the signal
-    env = job | FAST | MEGATRON_TRAINER | {"JOB_SIGNAL_LEAD": "60", "CHECKPOINT_BEFORE_END": "240",
-                                           "TOTAL_EPOCHS": "10", "TRAINER_LOGGER": "[console,wandb]"}  # fmt: skip
+    env = job | MEGATRON_TRAINER | dapo_rule_data(tmp_path) | {
+        "JOB_SIGNAL_LEAD": "60", "CHECKPOINT_BEFORE_END": "240", "TOTAL_EPOCHS": "10",
+        "TRAINER_LOGGER": "[console,wandb]", "REWARD": "rule",
+    }  # fmt: skip
     args = real_trainer_args("trainer.total_training_steps=200", "trainer.save_freq=1000", "trainer.test_freq=-1",
                              strategy="megatron")  # fmt: skip
     j = submit(env, *args, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=12", "--signal=B:USR1@60"))
@@ -119,6 +124,14 @@ def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_check
     assert (Path(env["CONFIG_OUTPUT_DIR"]) / f"global_step_{saved}" / "actor" / "dist_ckpt").is_dir(), "not Megatron's"
     assert saved >= 2 and "Force saving checkpoint: ESI instance expiration approaching." in first, first[-4000:]
     assert not (Path(env["CONFIG_OUTPUT_DIR"]) / "global_step_1").exists(), "no save after a start's first step"
+    # issue 59: REWARD=rule with verl's scorers alone. The preflight's rule check scored a right and a wrong answer
+    # apart, no reward server started, and each step trained on verl's DAPO math score of the tiny policy's wrong
+    # answers, -1 (0 would be a response no rule scored; a reward model's score is no whole number)
+    assert "scored a right answer to a math_dapo row 1 by rule, a wrong one -1" in first, first[-4000:]
+    assert "no reward server (REWARD=rule)" in first and not list(logs_of(env, j).glob("reward_server_n*")), first
+    scores = {n: m["critic/score/mean"] for n, m in parse_step_lines((logs_of(env, j) / "trainer.log").read_text())
+              .items() if is_training_step(m)}  # fmt: skip
+    assert len(scores) >= saved and set(scores.values()) == {-1}, scores
     # The test does not wait out Slurm's hold; the second start runs one step past the checkpoint, then it is cancelled.
     j.scontrol("update", f"JobId={j.id}", "TimeLimit=30", "StartTime=now")
     j.wait_for(f"step {saved + 1} after the resume", lambda: f" step:{saved + 1} - " in j.output()[len(first) :], 600)
@@ -411,7 +424,7 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
         "STALL_TIMEOUT": "auto", "STALL_FLOOR": "30", "STALL_FIRST_STEP": "400", "STALL_REQUEUE": "1",
         "TEST_FREQ": "2", "SAVE_FREQ": "3", "TOTAL_EPOCHS": "10", "STALL_TEST_PLAN": plan,
         "STALL_TEST_MARKER": str(marker), verl_cpu.THEN_HOOK: stall_hook.HOOK,
-        "REWARD": "rm+rule", "REWARD_RULE_WEIGHT": "2", **gsm8k_rule_data(tmp_path),  # issue 59: both judges, mixed
+        "REWARD": "rm+rule", "REWARD_RULE_WEIGHT": "2", **dapo_rule_data(tmp_path),  # issue 59: both judges, mixed
     }  # fmt: skip
     args = real_trainer_args("trainer.total_training_steps=20")
     j = submit(env, *args, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=60"))
@@ -437,11 +450,12 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     assert sorted(n for n, m in steps.items() if is_training_step(m)) == [1, 2, 3, 4], first[-3000:]
     assert steps[2]["timing_s/testing"] >= 35 and steps[3]["timing_s/save_checkpoint"] >= 35, steps
     # REWARD=rm+rule through verl's real trainer: each validation logs both parts (verl's reward_extra_info) and the
-    # score it trained on is 1 x the reward model's + 2 x GSM8K's rule (means are linear: the same sum of the means)
+    # score it trained on is 1 x the reward model's + 2 x the rule's (means are linear: the same sum of the means).
+    # The rule is verl's DAPO math scorer, which gives the tiny policy's wrong answers -1: a part that scored.
     for n in (2, 4):
         part = {k.split("/")[-2]: v for k, v in steps[n].items() if k.startswith("val-") and k.endswith("/mean@1")}
         assert {"reward", "rm_score", "rule_score"} <= set(part), steps[n]
-        assert part["reward"] == pytest.approx(part["rm_score"] + 2 * part["rule_score"], abs=1e-3), part
+        assert part["rule_score"] == -1 and part["reward"] == pytest.approx(part["rm_score"] - 2, abs=1e-3), part
     assert_everything_stopped(env, logs=logs)
 
     # The test does not wait out Slurm's hold (Reason=BeginTime), only the second of the requeue: slurmd refuses a
