@@ -32,12 +32,8 @@ class Settings:
     chat_template: Literal["auto", "off"] = "auto"
     append_eos: Literal["auto", "true", "false"] = "auto"
     token_budget: int = 0  # 0: from the model and the memory it may use on a GPU (at most 32768), 8192 on the CPU
-    max_batch_rows: int = 256
-    pad_multiple: int = 16
     pack: str = "auto"
     micro_batch_cost: int = 0  # 0: from the model on a GPU (planner.model_micro_batch_cost), 1024 on the CPU
-    max_wait_ms: float = 20.0
-    quiet_ms: float = 2.0
     compile: str = "auto"
     fuse: str = "auto"
     warmup: str = "auto"
@@ -78,15 +74,11 @@ _SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, f
     "log_level": ("REWARD_LOG_LEVEL", "LEVEL", "debug | info | warning"),
     "token_budget": ("REWARD_TOKEN_BUDGET", "TOKENS", "padded tokens per forward (0: from the model on GPU, 8192 on "
                      "CPU)"),
-    "max_batch_rows": ("REWARD_MAX_BATCH_ROWS", "ROWS", "rows per forward at most"),
-    "pad_multiple": ("REWARD_PAD_MULTIPLE", "TOKENS", "pad each batch to a multiple of this many tokens"),
     "pack": ("REWARD_PACK", "auto|off", "auto (models up to Qwen3-1.7B's size: several sequences to a padded row "
              "where that saves a fifth of the rows, each attending only to itself) | off"),
     "micro_batch_cost": ("REWARD_MICRO_BATCH_COST", "TOKENS", "what one more forward costs, in tokens, when rows are "
                          "split into micro-batches (0: from the model on a GPU: 1024 up to Qwen3-1.7B's size, fewer "
                          "for bigger models, whose tokens take longer)"),
-    "max_wait_ms": ("REWARD_MAX_WAIT_MS", "MS", "longest the GPU thread gathers requests into one batch"),
-    "quiet_ms": ("REWARD_QUIET_MS", "MS", "gathering stops early once no request arrived for this long"),
     "compile": ("REWARD_COMPILE", "auto|layers|off", "auto (per-layer torch.compile on GPU) | layers | off"),
     "fuse": ("REWARD_FUSE", "auto|off", "auto (q/k/v and gate/up as one matmul each, if warm-up scores the same) | "
              "off"),
@@ -186,7 +178,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
             problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
     if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):
         problems.append(f"REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
-    for name in ("max_length", "max_batch_rows", "pad_multiple", "max_items", "max_chars", "max_body_bytes"):
+    for name in ("max_length", "max_items", "max_chars", "max_body_bytes"):
         if getattr(settings, name) < 1:
             problems.append(f"{_SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
     if problems:
