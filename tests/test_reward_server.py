@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from reward_score.server import layers
 from reward_score.server.app import create_app
 from reward_score.server.batcher import Batcher, Preparer, _Job
+from reward_score.server.inputs import ConversationRefused
 from reward_score.server.planner import (
     MICRO_BATCH_COST,
     MemoryTooSmall,
@@ -36,7 +37,7 @@ from reward_score.server.planner import (
     model_packs,
     model_token_budget,
 )
-from reward_score.server.runner import ConversationRefused, NotARewardModel, RewardScorer
+from reward_score.server.runner import NotARewardModel, RewardScorer
 from reward_score.server.settings import Settings, load_settings
 from reward_score.server.warmup import warm_up, warm_up_lengths
 from tests.support import REPO, free_port, http_get, start_http_server, start_process
@@ -1085,7 +1086,7 @@ def test_plain_text_fallback_when_the_tokenizer_has_no_chat_template(tiny_models
     ],
 )
 def test_auto_input_settings_resolve_to_what_trl_did_for_that_input(settings, has_template, expected):
-    from reward_score.server.runner import InputFormat
+    from reward_score.server.inputs import InputFormat
 
     fmt = InputFormat.from_settings(replace(Settings(), **settings), has_template)
     assert (fmt.input, fmt.chat_template, fmt.add_special_tokens, fmt.append_eos) == expected

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictStr, model
 from starlette.concurrency import run_in_threadpool
 
 from reward_score.server.batcher import Batcher, Preparer
-from reward_score.server.runner import ConversationRefused, InputTooLong, RewardScorer
+from reward_score.server.inputs import ConversationRefused, InputTooLong
+from reward_score.server.runner import RewardScorer
 from reward_score.server.settings import Settings
 from reward_score.server.warmup import warm_up
 

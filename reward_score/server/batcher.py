@@ -11,7 +11,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from reward_score.server.runner import ConversationRefused, Launched, RewardScorer
+from reward_score.server.inputs import ConversationRefused
+from reward_score.server.runner import Launched, RewardScorer
 
 log = logging.getLogger("reward_server")
 
