@@ -246,7 +246,8 @@ def sdpa_backends(device: str) -> dict | None:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> tuple[argparse.Namespace, list[dict]]:
+    """The options, and the variants to run (each with its rows), checked before anything starts."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
     parser.add_argument("--device", default="cuda")
@@ -281,29 +282,26 @@ def main(argv=None) -> int:
     parser.add_argument("--arrival-window", type=float, default=60.0, help="rollout window of the spread workload, s")
     args = parser.parse_args(argv)
     args.command = "python -m benchmarks.reward_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
-    reward_bench_servers.PID_FILE = args.pid_file  # every server the run starts is listed there
-
     default_rows = {"classic": list(CLASSIC_ROWS), "verl-loop": list(LOOP_ROWS),
                     "all": [*CLASSIC_ROWS, *LOOP_ROWS]}[args.mode]  # fmt: skip
     if args.replicas >= 2 and not args.rows:
         default_rows.append("killed")
     try:
-        rows_wanted = check_rows(args.rows.split(",")) if args.rows else default_rows
-        variants = [parse_variant(v, args.replicas, rows_wanted) for v in (args.variant or ["default"])]
+        args.rows_wanted = check_rows(args.rows.split(",")) if args.rows else default_rows
+        variants = [parse_variant(v, args.replicas, args.rows_wanted) for v in (args.variant or ["default"])]
     except ValueError as exc:
         parser.error(str(exc))
+    return args, variants
 
-    work = Path(tempfile.mkdtemp(prefix="reward_bench_"))
-    t0 = time.monotonic()
-    model_dir, params, words = build_model(args.shape, args.model_dir or work / "model", args.device)
-    print(f"model {args.shape}: {params / 1e9:.3f}e9 non-embedding parameters, ready in {time.monotonic() - t0:.1f} s")
-    rate_start = matmul_tflops(args.device)
+
+def step_maker(model_dir: Path, samples: int, words: int):
+    """`step(seed, n)`: the step's (prompt, response) texts and its token count in the server's format, cached."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    cache: dict[int, tuple] = {}
+    cache: dict[tuple[int, int], tuple] = {}
 
-    def step(seed: int, n: int = args.samples):
+    def step(seed: int, n: int = samples):
         if (seed, n) not in cache:
             pairs = texts(workload(seed, n), seed, words)
             rendered = [
@@ -316,34 +314,63 @@ def main(argv=None) -> int:
             cache[(seed, n)] = (pairs, tokens)
         return cache[(seed, n)]
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    article_runs: list[tuple[str, list[dict]]] = []
+    return step
 
-    # --- the article's design ---
-    if args.article_samples and "article" in rows_wanted:
-        port = free_port()
-        proc = reward_bench_servers.start([sys.executable, str(REPO / "benchmarks" / "article_server.py"), str(model_dir), str(port)],
-                     work / "article.log", port, env)  # fmt: skip
-        session = requests.Session()
-        pairs, tokens = step(1234, args.article_samples)
-        try:
-            for label in ("cold", "warm"):
-                t = time.monotonic()
-                for p, r in pairs:
-                    session.post(
-                        f"http://127.0.0.1:{port}/score", json={"prompt": p, "response": r}, timeout=600
-                    ).raise_for_status()
-                seconds = time.monotonic() - t
-                article_runs.append((f"article server, sequential per-sample client, {label}",
-                                     [{"wall_s": seconds, "samples": len(pairs), "tokens": tokens,
-                                       "samples_per_s": len(pairs) / seconds, "tokens_per_s": tokens / seconds}]))  # fmt: skip
-                print(f"  {article_runs[-1][0]:<70} {seconds:.2f} s", flush=True)
-        finally:
-            stop_process(proc, 30)
 
-    # --- ours, once per variant ---
+def run_article(args, model_dir: Path, step, env: dict, work: Path) -> list[tuple[str, list[dict]]]:
+    """The article's design: its server, one sequential per-sample client, the step cold and then warm."""
+    runs: list[tuple[str, list[dict]]] = []
+    if not args.article_samples or "article" not in args.rows_wanted:
+        return runs
+    port = free_port()
+    proc = reward_bench_servers.start([sys.executable, str(REPO / "benchmarks" / "article_server.py"), str(model_dir),
+                                       str(port)], work / "article.log", port, env)  # fmt: skip
+    session = requests.Session()
+    pairs, tokens = step(1234, args.article_samples)
+    try:
+        for label in ("cold", "warm"):
+            t = time.monotonic()
+            for p, r in pairs:
+                session.post(
+                    f"http://127.0.0.1:{port}/score", json={"prompt": p, "response": r}, timeout=600
+                ).raise_for_status()
+            seconds = time.monotonic() - t
+            runs.append((f"article server, sequential per-sample client, {label}",
+                         [{"wall_s": seconds, "samples": len(pairs), "tokens": tokens,
+                           "samples_per_s": len(pairs) / seconds, "tokens_per_s": tokens / seconds}]))  # fmt: skip
+            print(f"  {runs[-1][0]:<70} {seconds:.2f} s", flush=True)
+    finally:
+        stop_process(proc, 30)
+    return runs
+
+
+def run_ours(args, variants: list[dict], bench: Bench, env: dict, work: Path, ours, infos, failed) -> None:
+    """Our rows once per variant, each against its own servers, added to `ours`, the variants' `infos` and the
+    `failed` variants as they finish (the partial results read them)."""
     base_env = dict(env)
     base_env.update(kv.split("=", 1) for kv in args.server_env)
+    for variant in variants:
+        try:
+            rows, info = bench.run_variant(variant, base_env, work)
+        except Exception as exc:  # the other variants still run, and the result says what failed
+            print(f"variant {variant['name']} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            failed.append({"name": variant["name"], "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            continue
+        ours.extend(rows)
+        infos.append(info)
+
+
+def main(argv=None) -> int:
+    args, variants = parse_args(argv)
+    reward_bench_servers.PID_FILE = args.pid_file  # every server the run starts is listed there
+    work = Path(tempfile.mkdtemp(prefix="reward_bench_"))
+    t0 = time.monotonic()
+    model_dir, params, words = build_model(args.shape, args.model_dir or work / "model", args.device)
+    print(f"model {args.shape}: {params / 1e9:.3f}e9 non-embedding parameters, ready in {time.monotonic() - t0:.1f} s")
+    rate_start = matmul_tflops(args.device)
+    step = step_maker(model_dir, args.samples, words)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    article_runs = run_article(args, model_dir, step, env, work)
     holder: list = []
 
     def workers():
@@ -352,8 +379,8 @@ def main(argv=None) -> int:
         return holder[0]
 
     bench = Bench(args, model_dir, step, workers)
-    ours, infos, failed = [], [], []
     sdpa = sdpa_backends(args.device)
+    ours, infos, failed = [], [], []
 
     def partial(rows, variant, servers) -> None:
         """What is measured so far, against the first ceiling measurement (a later kill loses nothing)."""
@@ -364,26 +391,15 @@ def main(argv=None) -> int:
 
     bench.on_row = partial
     try:
-        for variant in variants:
-            try:
-                rows, info = bench.run_variant(variant, base_env, work)
-            except Exception as exc:  # the other variants still run, and the result says what failed
-                print(f"variant {variant['name']} FAILED: {type(exc).__name__}: {exc}", flush=True)
-                failed.append({"name": variant["name"], "error": f"{type(exc).__name__}: {exc}"[:2000]})
-                continue
-            ours.extend(rows)
-            infos.append(info)
+        run_ours(args, variants, bench, env, work, ours, infos, failed)
     finally:
         if holder:
             holder[0].close()
-    rate_end = matmul_tflops(args.device)
-    result = assemble(args, params, rate_start, rate_end, article_runs, ours, infos, failed, sdpa)
+    result = assemble(args, params, rate_start, matmul_tflops(args.device), article_runs, ours, infos, failed, sdpa)
     write_result(args, result)
     print_summary(result)
     print(f"wrote {args.out}")
-    if failed:
-        return 1
-    return 0
+    return 1 if failed else 0
 
 
 def assemble(args, params, rate_start, rate_end, article_runs, ours, infos, failed, sdpa, done=True) -> dict:

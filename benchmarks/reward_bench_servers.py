@@ -29,13 +29,15 @@ _PROFILE = {
 }
 
 
+def metrics(url: str) -> dict[str, float]:
+    """The server's /metrics: each sample's name with its labels, and its value."""
+    lines = requests.get(url + "/metrics", timeout=10).text.splitlines()
+    return {name: float(value) for name, _, value in (x.rpartition(" ") for x in lines if x and x[0] != "#")}
+
+
 def server_counters(url: str) -> dict[str, float]:
-    """The server's own counters (from /metrics) that explain a row: micro-batches, rows, padding, waits."""
-    values = {}
-    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in _PROFILE.values():
-            values[name] = float(value)
+    """The server's own counters that explain a row: micro-batches, rows, padding, waits."""
+    values = metrics(url)
     return {key: values.get(name, 0.0) for key, name in _PROFILE.items()}
 
 
@@ -73,20 +75,12 @@ def start(cmd: list[str], log: Path, port: int, env: dict, timeout: float = 900)
     return proc
 
 
-def peak_gib(url: str) -> float:
-    text = requests.get(url + "/metrics", timeout=10).text
-    line = next((x for x in text.splitlines() if x.startswith("reward_gpu_memory_peak_bytes ")), "x 0")
-    return float(line.split()[-1]) / 2**30
-
-
 def request_counts(url: str) -> dict[str, float]:
-    """Answered requests per endpoint, from the server's /metrics."""
-    counts = {"/score": 0.0, "/score_batch": 0.0}
-    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
-        for endpoint in counts:
-            if line.startswith(f'reward_requests_total{{endpoint="{endpoint}",status="200"}}'):
-                counts[endpoint] += float(line.split()[-1])
-    return counts
+    """Answered requests per endpoint."""
+    values = metrics(url)
+    return {
+        e: values.get(f'reward_requests_total{{endpoint="{e}",status="200"}}', 0.0) for e in ("/score", "/score_batch")
+    }
 
 
 class Servers:
@@ -137,7 +131,7 @@ class Servers:
         self.alive[k] = False
 
     def peak_gib(self) -> list[float]:
-        return [peak_gib(u) for u in self.live_urls]
+        return [metrics(u).get("reward_gpu_memory_peak_bytes", 0.0) / 2**30 for u in self.live_urls]
 
     def stop(self) -> None:
         for proc in self.procs:

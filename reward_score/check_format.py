@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -136,11 +137,7 @@ def _text(value, where: str) -> str:
 
 def _shared_prefix(a: str, b: str) -> int:
     """Where an implicit plain-text prompt ends: TRL's extract_prompt (the common start, minus a trailing space)."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
+    n = len(os.path.commonprefix([a, b]))
     if 0 < n < min(len(a), len(b)) and a[n - 1] == " ":
         n -= 1
     return n
@@ -258,7 +255,6 @@ class FormatResult:
     settings: dict[str, str]  # the simplest settings that give these ids (most values left at auto)
     format: object  # inputs.InputFormat of those settings
     same_as: list[dict[str, str]] = field(default_factory=list)  # other settings giving the same ids
-    ids: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (chosen, rejected) as tokenized
     scored: list[tuple[list[int], list[int]]] = field(default_factory=list)  # as scored (inputs.fit)
     chosen: list[float] = field(default_factory=list)
     rejected: list[float] = field(default_factory=list)
@@ -338,9 +334,8 @@ def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | Non
             by_ids[key].same_as.append(values)
             continue
         encoded[key] = [e.ids for e in fitted]
-        by_ids[key] = FormatResult(values, fmt, ids=list(zip(ids[::2], ids[1::2], strict=True)),
-                                   scored=list(zip(encoded[key][::2], encoded[key][1::2], strict=True)),
-                                   truncated=sum(e.truncated for e in fitted), trl=trl_versions(fmt, layout))  # fmt: skip
+        scored = list(zip(encoded[key][::2], encoded[key][1::2], strict=True))
+        by_ids[key] = FormatResult(values, fmt, scored=scored, truncated=sum(e.truncated for e in fitted))
     # Every format's sequences in one call: the planner batches them all.
     scores = scorer.score_ids([s for key in by_ids for s in encoded[key]]) if by_ids else []
     results = list(by_ids.values())
@@ -375,14 +370,9 @@ def close_call(report: Report) -> str:
     if len(scored) < 2:
         return ""
     best, second = scored[0], scored[1]
-    b = sum(
-        (c1 > r1) and not (c2 > r2)
-        for c1, r1, c2, r2 in zip(best.chosen, best.rejected, second.chosen, second.rejected, strict=True)
-    )
-    c = sum(
-        (c2 > r2) and not (c1 > r1)
-        for c1, r1, c2, r2 in zip(best.chosen, best.rejected, second.chosen, second.rejected, strict=True)
-    )
+    both = zip(best.chosen, best.rejected, second.chosen, second.rejected, strict=True)
+    ranks = [(c1 > r1, c2 > r2) for c1, r1, c2, r2 in both]  # (best ranks it right, second does)
+    b, c = sum(one and not two for one, two in ranks), sum(two and not one for one, two in ranks)
     if b > c and b - c > 2 * math.sqrt(b + c):
         return ""
     if b == c == 0:

@@ -380,7 +380,40 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
     else:
         prompts = [reward_prompt(ground_truths[i], extra_infos[i]) for i in range(n)]
         todo = [i for i, a in enumerate(answers) if not a.penalty_reason]
-    # One request per server when it fits (the server batches it best in one piece), else batch_size items each.
+    scored, failures = _score_on_servers(config, prompts, answers, todo, single=n == 1)
+    now = time.time()
+    out, records = [], []
+    for i, answer in enumerate(answers):
+        if config.reward == "rule":
+            result, status, reason = _mixed(config, None, rules[i]), "rule_error" if rules[i][1] else "ok", rules[i][1]
+        elif answer.penalty_reason:
+            result, status = _result(config, config.penalty_score, penalized=True), "penalty"
+            reason = answer.penalty_reason
+        elif i in scored:
+            raw, truncated = scored[i]
+            result, status, reason = _result(config, raw, truncated=truncated), "ok", ""
+        else:  # only under REWARD_ON_FAILURE=min_score
+            result, status, reason = _result(config, config.min_score, failed=True), "error", str(failures[0])[:300]
+        if config.reward == "rm+rule":
+            result, reason = _mixed(config, result, rules[i]), reason or rules[i][1]
+        out.append(result)
+        records.append(_record(config, now, str(data_sources[i]), status, reason, result, prompts[i],
+                               str(solution_strs[i]), answer.text))  # fmt: skip
+    if failures:
+        failed = sum(1 for r in out if r["failed"])
+        print(
+            f"[reward] REWARD_ON_FAILURE=min_score: {failed} of {n} samples scored {config.min_score} "
+            f"because the reward servers failed: {failures[0]}",
+            file=sys.stderr,
+        )
+    write_log(config, records)
+    return out
+
+
+def _score_on_servers(config: Config, prompts: list[dict], answers: list[Answer], todo: list[int], single: bool):
+    """The servers' scores of the samples `todo`: ({sample: (raw score, truncated)}, the outages REWARD_ON_FAILURE=
+    min_score let through). One request per server when it fits (the server batches it best in one piece), else
+    batch_size items each; `single`: the article's per-sample /score."""
     size = max(1, min(config.batch_size, math.ceil(len(todo) / len(config.server_urls))))
     chunks = [todo[k : k + size] for k in range(0, len(todo), size)]
     scored: dict[int, tuple[float, bool]] = {}
@@ -388,7 +421,7 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
 
     def post(chunk: list[int]) -> None:
         try:
-            if n == 1:  # the article's per-sample request
+            if single:
                 body = post_json(config, "/score", {**prompts[chunk[0]], "response": answers[chunk[0]].text})
                 scores, truncated = [body["score"]], [body.get("truncated", False)]
             else:
@@ -409,52 +442,26 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
     elif chunks:
         with ThreadPoolExecutor(max_workers=min(len(chunks), 32)) as pool:
             list(pool.map(post, chunks))
+    return scored, failures
 
-    now = time.time()
-    out, records = [], []
-    for i, answer in enumerate(answers):
-        if config.reward == "rule":
-            result, status, reason = _mixed(config, None, rules[i]), "rule_error" if rules[i][1] else "ok", rules[i][1]
-        elif answer.penalty_reason:
-            result, status, reason = (
-                _result(config, config.penalty_score, penalized=True),
-                "penalty",
-                answer.penalty_reason,
-            )
-        elif i in scored:
-            raw, truncated = scored[i]
-            result, status, reason = _result(config, raw, truncated=truncated), "ok", ""
-        else:  # only under REWARD_ON_FAILURE=min_score
-            result, status, reason = _result(config, config.min_score, failed=True), "error", str(failures[0])[:300]
-        if config.reward == "rm+rule":
-            result, reason = _mixed(config, result, rules[i]), reason or rules[i][1]
-        out.append(result)
-        prompt = prompts[i].get("prompt") or json.dumps(prompts[i].get("messages"), ensure_ascii=False)
-        response = str(solution_strs[i])
-        records.append(
-            {
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
-                "epoch": now,
-                "pid": os.getpid(),
-                "data_source": str(data_sources[i]),
-                "status": status,
-                "reason": reason,
-                **result,
-                "prompt_chars": len(prompt),
-                "response_chars": len(response),
-                "answer_chars": len(answer.text),
-                **_texts(config, prompt=prompt, response=response, answer=answer.text),
-            }
-        )
-    if failures:
-        failed = sum(1 for r in out if r["failed"])
-        print(
-            f"[reward] REWARD_ON_FAILURE=min_score: {failed} of {n} samples scored {config.min_score} "
-            f"because the reward servers failed: {failures[0]}",
-            file=sys.stderr,
-        )
-    write_log(config, records)
-    return out
+
+def _record(config: Config, now: float, data_source: str, status: str, reason: str, result: dict, prompt_item: dict,
+            response: str, answer: str) -> dict:  # fmt: skip
+    """One line of the reward log."""
+    prompt = prompt_item.get("prompt") or json.dumps(prompt_item.get("messages"), ensure_ascii=False)
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
+        "epoch": now,
+        "pid": os.getpid(),
+        "data_source": data_source,
+        "status": status,
+        "reason": reason,
+        **result,
+        "prompt_chars": len(prompt),
+        "response_chars": len(response),
+        "answer_chars": len(answer),
+        **_texts(config, prompt=prompt, response=response, answer=answer),
+    }
 
 
 def safe_hack_reward(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:

@@ -162,7 +162,8 @@ def pairs_ranked_by(model: Path, n: int = 24, seed: int = 2, **settings: str) ->
     """Preference rows ('prompt' + 'chosen'/'rejected' conversations) labelled by `model` itself, scored in the format
     of `settings` (server settings): in that format it ranks every pair right, by construction. For check_format's
     tests and the preflight's, where no TRL-trained model is needed."""
-    from reward_score.server.runner import InputFormat, RewardScorer
+    from reward_score.server.inputs import InputFormat
+    from reward_score.server.runner import RewardScorer
     from reward_score.server.settings import Settings
 
     cfg = Settings(model_path=str(model), device="cpu", compile="off", **settings)

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictStr, model
 from starlette.concurrency import run_in_threadpool
 
 from reward_score.server.batcher import Batcher, Preparer
-from reward_score.server.runner import ConversationRefused, InputTooLong, RewardScorer
+from reward_score.server.inputs import ConversationRefused, InputTooLong
+from reward_score.server.runner import RewardScorer
 from reward_score.server.settings import Settings
 from reward_score.server.warmup import warm_up
 
@@ -178,11 +179,7 @@ class _Server:
         active.on_packed = metrics.packed.inc
         await run_in_threadpool(warm_up, active)
         batcher = Batcher(
-            active,
-            self.settings.max_wait_ms / 1000,
-            self.settings.quiet_ms / 1000,
-            on_batch=lambda jobs, waits: [metrics.wait.observe(w) for w in waits],
-            on_gpu=metrics.gpu.inc,
+            active, on_batch=lambda jobs, waits: [metrics.wait.observe(w) for w in waits], on_gpu=metrics.gpu.inc
         )
         batcher.start()
         # One pass at a time, in a thread of its own (cheaper to reach than anyio's pool, ~0.1 ms a pass).

@@ -11,7 +11,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from reward_score.server.runner import ConversationRefused, Launched, RewardScorer
+from reward_score.server.inputs import ConversationRefused
+from reward_score.server.runner import Launched, RewardScorer
 
 log = logging.getLogger("reward_server")
 
@@ -28,6 +29,9 @@ class _Job:
 
 
 _Row = tuple[_Job, int]
+# How long an idle GPU thread gathers a burst of requests, and the gap that ends a burst early. One H200, 64
+# per-sample callers: 8 or 40 ms instead of 20 were within run-to-run noise (benchmarks/HISTORY.md), so no setting.
+MAX_WAIT_S, QUIET_S = 0.020, 0.002
 
 
 class Batcher:
@@ -45,8 +49,8 @@ class Batcher:
     def __init__(
         self,
         scorer: RewardScorer,
-        max_wait_s: float,
-        quiet_s: float = 0.002,
+        max_wait_s: float = MAX_WAIT_S,
+        quiet_s: float = QUIET_S,
         on_batch=None,
         depth: int = 2,
         on_gpu=None,

@@ -2,6 +2,7 @@
 text through the chat template or TRL's plain-text rule, tokenizing on every core, and the fit to max_length. No torch:
 check_format.py scores every format through this code, and the batcher's tokenizing passes run it off the event loop."""
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -118,12 +119,7 @@ class PairEncoder:
             )
         prompt = apply(messages, tokenize=False, add_generation_prompt=last == "user",
                        continue_final_message=last == "assistant")  # fmt: skip
-        common = 0
-        for a, b in zip(prompt, full, strict=False):
-            if a != b:
-                break
-            common += 1
-        return full[common:]
+        return full[len(os.path.commonprefix([prompt, full])) :]
 
     def tokenize(self, texts: list[str], fmt: InputFormat | None = None) -> list[list[int]]:
         """Token ids of each text, with or without the tokenizer's special tokens as `fmt` says; any thread. The

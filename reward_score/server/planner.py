@@ -132,8 +132,6 @@ class Planner:
     ) -> "Planner":
         return cls(
             token_budget=settings.effective_token_budget(device, model_budget),
-            max_batch_rows=settings.max_batch_rows,
-            pad_multiple=settings.pad_multiple,
             max_length=settings.max_length,
             pack=pack,
             micro_batch_cost=settings.micro_batch_cost or model_cost or MICRO_BATCH_COST,

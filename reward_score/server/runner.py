@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from reward_score.server.inputs import ConversationRefused, Encoded, InputFormat, InputTooLong, PairEncoder
+from reward_score.server.inputs import InputTooLong, PairEncoder
 from reward_score.server.layers import LayerKernels
 from reward_score.server.planner import (
     Planner,
@@ -19,25 +19,7 @@ from reward_score.server.planner import (
 )
 from reward_score.server.settings import Settings
 
-__all__ = [
-    "ConversationRefused",
-    "Encoded",
-    "InputFormat",
-    "InputTooLong",
-    "Launched",
-    "NotARewardModel",
-    "RewardScorer",
-    "head_problem",
-    "missing_head",
-]
-
 log = logging.getLogger("reward_server")
-
-
-def _transformers_at_least(major: int, minor: int) -> bool:
-    import transformers
-
-    return tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (major, minor)
 
 
 class NotARewardModel(RuntimeError):
@@ -151,6 +133,7 @@ class RewardScorer(PairEncoder):
     @classmethod
     def load(cls, settings: Settings) -> "RewardScorer":
         import torch
+        import transformers
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         device = settings.device
@@ -163,7 +146,7 @@ class RewardScorer(PairEncoder):
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
         # transformers < 4.56 (the vLLM base image holds 4.55.4) names the argument torch_dtype
-        dtype_arg = "dtype" if _transformers_at_least(4, 56) else "torch_dtype"
+        dtype_arg = "dtype" if tuple(map(int, transformers.__version__.split(".")[:2])) >= (4, 56) else "torch_dtype"
         model, loading = AutoModelForSequenceClassification.from_pretrained(
             settings.model_path,
             **{dtype_arg: dtype},

@@ -26,18 +26,14 @@ class Settings:
     port: int = 8000
     max_length: int = 4096
     truncation: Literal["left", "reject"] = "left"
-    # How a pair becomes token ids (runner.InputFormat): which of the ways TRL's RewardTrainer built its inputs.
+    # How a pair becomes token ids (inputs.InputFormat): which of the ways TRL's RewardTrainer built its inputs.
     input: Literal["conversation", "completion"] = "conversation"
     add_special_tokens: Literal["auto", "true", "false"] = "auto"
     chat_template: Literal["auto", "off"] = "auto"
     append_eos: Literal["auto", "true", "false"] = "auto"
     token_budget: int = 0  # 0: from the model and the memory it may use on a GPU (at most 32768), 8192 on the CPU
-    max_batch_rows: int = 256
-    pad_multiple: int = 16
     pack: str = "auto"
     micro_batch_cost: int = 0  # 0: from the model on a GPU (planner.model_micro_batch_cost), 1024 on the CPU
-    max_wait_ms: float = 20.0
-    quiet_ms: float = 2.0
     compile: str = "auto"
     fuse: str = "auto"
     warmup: str = "auto"
@@ -78,15 +74,11 @@ _SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, f
     "log_level": ("REWARD_LOG_LEVEL", "LEVEL", "debug | info | warning"),
     "token_budget": ("REWARD_TOKEN_BUDGET", "TOKENS", "padded tokens per forward (0: from the model on GPU, 8192 on "
                      "CPU)"),
-    "max_batch_rows": ("REWARD_MAX_BATCH_ROWS", "ROWS", "rows per forward at most"),
-    "pad_multiple": ("REWARD_PAD_MULTIPLE", "TOKENS", "pad each batch to a multiple of this many tokens"),
     "pack": ("REWARD_PACK", "auto|off", "auto (models up to Qwen3-1.7B's size: several sequences to a padded row "
              "where that saves a fifth of the rows, each attending only to itself) | off"),
     "micro_batch_cost": ("REWARD_MICRO_BATCH_COST", "TOKENS", "what one more forward costs, in tokens, when rows are "
                          "split into micro-batches (0: from the model on a GPU: 1024 up to Qwen3-1.7B's size, fewer "
                          "for bigger models, whose tokens take longer)"),
-    "max_wait_ms": ("REWARD_MAX_WAIT_MS", "MS", "longest the GPU thread gathers requests into one batch"),
-    "quiet_ms": ("REWARD_QUIET_MS", "MS", "gathering stops early once no request arrived for this long"),
     "compile": ("REWARD_COMPILE", "auto|layers|off", "auto (per-layer torch.compile on GPU) | layers | off"),
     "fuse": ("REWARD_FUSE", "auto|off", "auto (q/k/v and gate/up as one matmul each, if warm-up scores the same) | "
              "off"),
@@ -100,15 +92,14 @@ _SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, f
     "max_chars": ("REWARD_MAX_CHARS", "N", "characters per prompt, message or response at most"),
     "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "BYTES", "request body size at most"),
 }  # fmt: skip
-# What `--help` shows, in this order: the model, where it serves, the format it was trained in, what is scored.
-FIRST = ("model_path", "device", "port", "host", "input", "add_special_tokens", "chat_template", "append_eos",
-         "max_length", "truncation", "auth_token")  # fmt: skip
+# What `--help` shows (FIRST), in this order: the model, where it serves, the format it was trained in, what is scored.
 _GROUPS = {
     "the model and where it serves": ("model_path", "device", "port", "host"),
     "the format it was trained in (python -m reward_score.check_format says which)": (
         "input", "add_special_tokens", "chat_template", "append_eos"),
     "what is scored, who may ask": ("max_length", "truncation", "auth_token"),
 }  # fmt: skip
+FIRST = tuple(name for names in _GROUPS.values() for name in names)
 USAGE = "reward_server --model-path DIR [--device DEVICE] [--port PORT] [--input WHAT] [options]"
 DESCRIPTION = """Scores (prompt, response) pairs over HTTP as TRL trained the reward model (docs/reward.md).
   python reward_score/reward_server.py --model-path /models/Unsafe-Reward-Qwen3-1.7B --device cuda:0
@@ -116,13 +107,16 @@ Each flag has a REWARD_* environment variable (in brackets); the flag wins."""
 EPILOG = """Batching, kernels, warm-up, logging and request limits: --help-all (measured defaults; docs/reward.md)."""
 
 
-# The input-format settings' values (runner.InputFormat reads them).
+# The input-format settings' values (inputs.InputFormat reads them).
 CHOICES = {
     "input": ("conversation", "completion"),
     "add_special_tokens": ("auto", "true", "false"),
     "chat_template": ("auto", "off"),
     "append_eos": ("auto", "true", "false"),
 }
+# The other settings of a few values (load_settings checks both).
+_OTHER_CHOICES = {"truncation": ("left", "reject"), "compile": ("auto", "layers", "off"), "fuse": ("auto", "off"),
+                  "warmup": ("auto", "step", "basic"), "cudnn_attention": ("auto", "off"), "pack": ("auto", "off")}  # fmt: skip
 
 
 def _default_shown(name: str, default: Any) -> str:
@@ -167,11 +161,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     values.update({k: v for k, v in vars(args).items() if v is not None})
     settings = replace(defaults, **values)
     problems = []
-    if settings.compile not in ("auto", "layers", "off"):
-        problems.append(f"REWARD_COMPILE must be auto, layers or off, got {settings.compile!r}")
-    for name, allowed in (("fuse", ("auto", "off")), ("warmup", ("auto", "step", "basic")),
-                          ("cudnn_attention", ("auto", "off")),
-                          ("pack", ("auto", "off"))):  # fmt: skip
+    for name, allowed in {**CHOICES, **_OTHER_CHOICES}.items():
         if getattr(settings, name) not in allowed:
             problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
     if settings.micro_batch_cost < 0:
@@ -179,14 +169,9 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
                         f"{settings.micro_batch_cost}")  # fmt: skip
     if settings.gpu_memory_gib < 0:
         problems.append(f"REWARD_GPU_MEMORY_GIB must be 0 (no cap) or a size in GiB, got {settings.gpu_memory_gib}")
-    if settings.truncation not in ("left", "reject"):
-        problems.append(f"REWARD_TRUNCATION must be 'left' or 'reject', got {settings.truncation!r}")
-    for name, allowed in CHOICES.items():
-        if getattr(settings, name) not in allowed:
-            problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
     if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):
         problems.append(f"REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
-    for name in ("max_length", "max_batch_rows", "pad_multiple", "max_items", "max_chars", "max_body_bytes"):
+    for name in ("max_length", "max_items", "max_chars", "max_body_bytes"):
         if getattr(settings, name) < 1:
             problems.append(f"{_SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
     if problems:
