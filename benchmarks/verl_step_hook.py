@@ -152,7 +152,8 @@ def _measured(name: str, method):
             reset()
         before = device.memory_allocated()
         calls[0] += 1
-        profiled = os.environ.get(PROFILE_ENV) == str(calls[0]) and reset is not None
+        # generation is left out: HF generate's per-token kernels make a profile that takes minutes to summarise
+        profiled = os.environ.get(PROFILE_ENV) == str(calls[0]) and reset is not None and name != "generate_sequences"
         began = time.monotonic()
         if profiled:
             from torch.profiler import ProfilerActivity, profile
