@@ -155,29 +155,3 @@ def test_the_forward_profile_scores_the_step_both_ways_and_names_kernel_kinds(tm
     run = subprocess.run([*cmd, "--layouts", "batch"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert [x["layout"] for x in json.loads(out.read_text())["layouts"]] == ["batch path (whole step planned at once)"]
-
-
-def test_pairwise_agreement_counts_the_pairs_kept_in_order_and_ignores_ties():
-    from benchmarks.fp8_trial import pairwise_agreement
-
-    assert pairwise_agreement([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 1.0
-    assert pairwise_agreement([1.0, 2.0, 3.0], [1.0, 3.0, 2.0]) == pytest.approx(2 / 3)  # (2, 3) swapped
-    assert pairwise_agreement([1.0, 1.0, 3.0], [2.0, 1.0, 3.0]) == 1.0  # the tied pair counts for neither
-
-
-def test_the_fp8_trial_turns_every_decoder_linear_layer_to_fp8_and_judges_it_against_the_bar(tmp_path):
-    out = tmp_path / "fp8.json"
-    cmd = [sys.executable, "-m", "benchmarks.fp8_trial", "--shape", "tiny", "--device", "cpu", "--samples", "32",
-           "--repeat", "1", "--reference-samples", "16", "--out", str(out)]  # fmt: skip
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["fp8_linear_layers"] == 4 * SHAPES["tiny"]["num_hidden_layers"]  # qkv, o, gate/up, down
-    assert [r["mode"] for r in result["rows"]] == ["float32", "fp8"]
-    # FP8 rounding moves the scores, but not to noise: most pairs keep their order
-    assert 0 < result["mean_abs_score_error"] < result["score_std"]
-    assert (
-        0.7 < result["pairwise_agreement"] < 1.0 and result["agreement_with_float32"]["bf16"] > 0.99
-    )  # the base: fp32 here
-    assert result["meets_bar"] == (result["speedup"] >= 1.3 and result["pairwise_agreement"] >= 0.995)
-    assert "misses the bar" in run.stdout or "meets the bar" in run.stdout
