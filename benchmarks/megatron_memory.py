@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.verl_step_parts import POLICY_SHAPES
+from benchmarks.verl_step_parts import POLICY_SHAPES, random_policy
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -65,20 +65,11 @@ CASES = ("stage1-off", "stage1-full", "stage1-full-fused", "stage0-full", "stage
 def build_policy(shape: str, layers: int, out: Path, device: str) -> dict:
     """A Qwen3 checkpoint of SHAPES[shape] with `layers` layers, random weights (bf16 on a GPU), tied embeddings as
     Qwen3-4B's, and a word-level tokenizer (benchmarks/reward_bench.py's) padded to the vocabulary."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     from benchmarks.reward_bench import build_tokenizer
 
     tokenizer = build_tokenizer(SHAPES[shape]["vocab_size"])
     dims = SHAPES[shape] | {"num_hidden_layers": layers}
-    config = Qwen3Config(
-        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model = random_policy(dims, tokenizer, device)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {"params": sum(p.numel() for p in model.parameters()), **dims}
