@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.verl_step_hook import PHASE_PREFIX
+from benchmarks.verl_step_hook import PHASE_PREFIX, PROFILE_DIR_ENV, PROFILE_ENV
 from benchmarks.verl_step_parts import (
     POLICY_SHAPES,
     Group,
@@ -135,6 +135,9 @@ class Run:
               flush=True)  # fmt: skip
 
     def write(self) -> None:
+        profiles = sorted((self.out / "logs" / "profiles").glob("*.json"))
+        if profiles:
+            self.result["profiles"] = [json.loads(f.read_text()) for f in profiles]
         self.result.update(steps=self.steps, phases=self.phases, **summarize(self.steps, self.phases),
                            wall_s=round(time.monotonic() - self.began, 1))  # fmt: skip
         tmp = self.out / "result.json.tmp"
@@ -199,6 +202,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="a settings-block value for this run (e.g. MEGATRON_RECOMPUTE=off, FUSED_KERNELS=on); repeatable")  # fmt: skip
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override after the benchmark's own (they win); repeatable")  # fmt: skip
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="run call N of each worker phase under "
+                        "torch.profiler; its summary (GPU time by kernel kind, top kernels) in result.json's profiles")  # fmt: skip
     parser.add_argument("--reread", action="store_true", help="run nothing: parse --out's logs/trainer.log again "
                         "into its result.json (after a parser's fix)")  # fmt: skip
     return parser
@@ -344,6 +349,8 @@ def _services(run: Run, args, device, work, ray_tmp, logs, data, started, nvml):
         # one host: what the job exports for CONFIG_NETWORK_INTERFACE=lo (helper_grpo_qwen3_4b.sh, export_worker_env)
         NCCL_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo", TP_SOCKET_IFNAME="lo",
     )  # fmt: skip
+    if args.profile:  # Ray's workers inherit the head's environment (benchmarks/verl_step_hook.py reads these)
+        env.update({PROFILE_ENV: str(args.profile), PROFILE_DIR_ENV: str(logs / "profiles")})
     since = time.monotonic()
     server_cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path",
                   str(paths["reward_model"]), "--device", device, "--port", str(ports["reward_port"]),

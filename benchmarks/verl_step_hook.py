@@ -86,6 +86,48 @@ def fused_forward_reads_the_tied_weight() -> None:
     fused._fused_GPTModel_forward = reads_tied
 
 
+# VERL_STEP_PROFILE=N: call N of each phase runs under torch.profiler, its summary a JSON file in VERL_STEP_PROFILE_DIR
+PROFILE_ENV, PROFILE_DIR_ENV = "VERL_STEP_PROFILE", "VERL_STEP_PROFILE_DIR"
+# Kernel names by kind, first match wins (CUDA kernels' names as the profiler reports them)
+KERNEL_KINDS = (
+    ("memcpy", ("memcpy",)),
+    ("memset", ("memset",)),
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("fused log-prob (triton)", ("efficient_entropy", "entropy_kernel", "linear_cross")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "wgmma", "splitk")),
+    ("triton", ("triton",)),
+    ("elementwise and reductions", ("elementwise", "reduce", "vectorized", "unrolled", "softmax", "norm", "cat",
+                                    "copy", "index", "scatter", "gather", "fill")),
+)  # fmt: skip
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, needles in KERNEL_KINDS if any(n in low for n in needles)), "other")
+
+
+def profile_summary(prof, wall: float) -> dict:
+    """A profiled call's GPU time by kernel kind, its busiest kernels and CPU operators, beside its wall seconds."""
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+
+    kernels = [(e.key, device_us(e), e.count) for e in events if device_us(e) > 0]
+    kinds: dict[str, float] = {}
+    for name, us, _ in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us / 1e6
+    busy = sum(kinds.values())
+    top = sorted(kernels, key=lambda k: -k[1])[:25]
+    cpu = sorted(((e.key, e.self_cpu_time_total / 1e6, e.count) for e in events), key=lambda k: -k[1])[:15]
+    return {"wall_s": round(wall, 3), "gpu_kernel_s": round(busy, 3), "gpu_busy_share": round(busy / wall, 3),
+            "by_kind_s": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [{"name": n[:160], "s": round(us / 1e6, 4), "calls": c, "kind": kernel_kind(n)}
+                            for n, us, c in top],
+            "top_cpu_ops": [{"name": n[:120], "self_s": round(s, 4), "calls": c} for n, s, c in cpu]}  # fmt: skip
+
+
 def _measure_phases(module: str = "fsdp_workers") -> None:
     """Wrap the hybrid worker's phase methods; verl calls them on the instance by name (single_controller/ray/
     base.py:697-699) and reads their dispatch attributes, which functools.wraps copies, from the class."""
@@ -110,8 +152,16 @@ def _measured(name: str, method):
             reset()
         before = device.memory_allocated()
         calls[0] += 1
+        profiled = os.environ.get(PROFILE_ENV) == str(calls[0]) and reset is not None
         began = time.monotonic()
-        out = method(self, *args, **kwargs)
+        if profiled:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                out = method(self, *args, **kwargs)
+                device.synchronize()
+        else:
+            out = method(self, *args, **kwargs)
         if reset is not None:
             device.synchronize()
         record = {
@@ -120,6 +170,13 @@ def _measured(name: str, method):
             "peak_allocated_gib": device.max_memory_allocated() / 2**30,
             "peak_reserved_gib": device.max_memory_reserved() / 2**30,
         }  # fmt: skip
+        if profiled:
+            folder = os.environ.get(PROFILE_DIR_ENV) or "."
+            os.makedirs(folder, exist_ok=True)
+            summary = record | {"profile": profile_summary(prof, record["seconds"])}
+            with open(os.path.join(folder, f"{name}_call{calls[0]}_{os.getpid()}.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            record["profiled"] = True
         print(PHASE_PREFIX + json.dumps(record), flush=True)
         return out
 
