@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.verl_step_parts import POLICY_SHAPES
+from benchmarks.verl_step_parts import POLICY_SHAPES, random_policy
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -65,20 +65,11 @@ CASES = ("stage1-off", "stage1-full", "stage1-full-fused", "stage0-full", "stage
 def build_policy(shape: str, layers: int, out: Path, device: str) -> dict:
     """A Qwen3 checkpoint of SHAPES[shape] with `layers` layers, random weights (bf16 on a GPU), tied embeddings as
     Qwen3-4B's, and a word-level tokenizer (benchmarks/reward_bench.py's) padded to the vocabulary."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     from benchmarks.reward_bench import build_tokenizer
 
     tokenizer = build_tokenizer(SHAPES[shape]["vocab_size"])
     dims = SHAPES[shape] | {"num_hidden_layers": layers}
-    config = Qwen3Config(
-        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model = random_policy(dims, tokenizer, device)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {"params": sum(p.numel() for p in model.parameters()), **dims}
@@ -238,15 +229,9 @@ def _resident(worker, on_gpu) -> dict:
             "adam_moments": on_gpu(moments), "allocated": torch.cuda.memory_allocated() / GIB}  # fmt: skip
 
 
-def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, micro: int = 0) -> None:
-    stage, recompute, *fused = case.split("-")
-    import torch
-
-    on_gpu = torch.cuda.is_available()
-    device = "cuda" if on_gpu else "cpu"
-    cfg, s = worker_config(policy, recompute, bool(fused), lengths, on_gpu, micro)
+def case_worker(cfg, on_gpu: bool, fused: bool):
+    """verl's Megatron actor worker for one case, on this process's one rank, with the shims this machine needs."""
     from launch.plan.procs import free_port
-    from launch.plan.trainer_command import token_budget
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     from demo import megatron_cpu
@@ -260,11 +245,32 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, mi
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         sdpa_kernel([SDPBackend.FLASH_ATTENTION]).__enter__()
-    from verl import DataProto
-    from verl.models.mcore.util import preprocess_packed_seqs
-    from verl.utils.megatron_utils import load_megatron_optimizer as load_optimizer
-    from verl.utils.megatron_utils import unwrap_model
     from verl.workers.megatron_workers import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+    # A job's worker is the hybrid actor_rollout, which alone reads the offload settings (megatron_workers.py:272-283:
+    # role "actor" keeps everything on the GPU); this one holds no rollout engine, so they are set as that branch does
+    megatron = worker.config.actor.megatron
+    worker._is_offload_param = megatron.get("param_offload", False)
+    worker._is_offload_grad = megatron.get("grad_offload", False)
+    worker._is_offload_optimizer = megatron.get("optimizer_offload", False)
+    return worker
+
+
+def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, micro: int = 0) -> None:
+    """One case in this process: build the worker (timed), count each layer's saved bytes, then the stage's phases;
+    `out` is rewritten after each step, so a case that dies keeps what it measured."""
+    stage, recompute, *fused = case.split("-")
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    cfg, s = worker_config(policy, recompute, bool(fused), lengths, on_gpu, micro)
+    from launch.plan.trainer_command import token_budget
+
+    worker = case_worker(cfg, on_gpu, bool(fused))
+    from verl.models.mcore.util import preprocess_packed_seqs
+    from verl.utils.megatron_utils import unwrap_model
 
     tokens = token_budget(s)
     sequence = s.max_prompt_length + s.max_response_length
@@ -276,13 +282,6 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, mi
     def write():
         out.write_text(json.dumps(result, indent=1))
 
-    worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
-    # A job's worker is the hybrid actor_rollout, which alone reads the offload settings (megatron_workers.py:272-283:
-    # role "actor" keeps everything on the GPU); this one holds no rollout engine, so they are set as that branch does
-    megatron = worker.config.actor.megatron
-    worker._is_offload_param = megatron.get("param_offload", False)
-    worker._is_offload_grad = megatron.get("grad_offload", False)
-    worker._is_offload_optimizer = megatron.get("optimizer_offload", False)
     with Meter(device) as m:
         worker.init_model()
     result["init"] = m.record
@@ -293,10 +292,9 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, mi
     write()
     model = worker.actor_module[0]
     gpt = unwrap_model(model)
-    vocab = gpt.vocab_size
-    batch = full_length_batch(rows, s.max_prompt_length, s.max_response_length, vocab)
+    batch = full_length_batch(rows, s.max_prompt_length, s.max_response_length, gpt.vocab_size)
 
-    def micro(i: int):
+    def forward(i: int):
         rows_i = slice(i * per_micro, (i + 1) * per_micro)
         ids, mask, pos = (batch[k][rows_i].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
         packed, params = preprocess_packed_seqs(ids, mask, pre_process=True)
@@ -308,62 +306,78 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, mi
     model.train()
     result["resident_gib"] = {"after_init": resident(worker)}
     if not fused:  # verl's fused forward wants the labels it is given inside its own forward step
-        saved = saved_bytes_per_layer(model, micro(0))
+        saved = saved_bytes_per_layer(model, forward(0))
         output = saved.pop("output")
         result["saved_bytes_per_token"] = {"layers": [b / tokens for b in saved["layers"]],
                                            "outside": saved["outside"] / tokens}  # fmt: skip
         del output
         model.zero_grad_buffer()
     write()
-
     if stage == "stage1":
-        data = DataProto.from_dict(tensors=batch, meta_info={})
-        with Meter(device) as m:
-            old = worker.compute_log_prob(data).batch["old_log_probs"]
-        result["log_prob"] = m.record
-        result["resident_gib"]["after_log_prob"] = resident(worker)
-        write()
-        sign = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None]
-        tensors = batch | dict(old_log_probs=old, ref_log_prob=old, advantages=sign * batch["response_mask"].float())
-        # one mini-batch: every micro-batch, then one step (the actor keeps its own copy of the config)
-        worker.config.actor.ppo_mini_batch_size = worker.actor.config.ppo_mini_batch_size = rows
-        result["update"] = []
-        for _ in range(2):
-            meta = {"temperature": 1.0, "global_token_num": tensors["attention_mask"].sum(-1).tolist()}
-            with Meter(device) as m:
-                metrics = worker.update_actor(DataProto.from_dict(tensors=dict(tensors), meta_info=meta))
-            metrics = metrics.meta_info["metrics"]
-            result["update"].append(m.record | {
-                "verl_max_memory_allocated_gb": metrics.get("perf/max_memory_allocated_gb"),
-                "grad_norm": metrics.get("actor/grad_norm")})  # fmt: skip
-            result["resident_gib"][f"after_update_{len(result['update'])}"] = resident(worker)
-            write()
+        measure_last_stage(worker, batch, rows, device, result, write)
     else:
-        if worker._is_offload_optimizer:
-            load_optimizer(worker.actor_optimizer)
-        result["stage0"] = []
-        for _ in range(2):
-            forwards = [micro(i) for i in range(micro_batches)]
-            with Meter(device) as m:
-                outs = [f() for f in forwards[:2]]  # two in flight
-                torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
-                del outs[0]
-                for f in forwards[2:]:  # steady 1F1B: one forward, one backward
-                    outs.append(f())
-                    torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
-                    del outs[0]
-                torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
-                del outs
-            record = m.record
-            with Meter(device) as m:
-                worker.actor_optimizer.step()
-                worker.actor_optimizer.zero_grad()
-                model.zero_grad_buffer()
-            result["stage0"].append(record | {"optimizer_step": m.record})
-            result["resident_gib"][f"after_step_{len(result['stage0'])}"] = resident(worker)
-            write()
+        measure_first_stage(worker, [forward(i) for i in range(micro_batches)], device, result, write)
     result["status"] = "ok"
     write()
+
+
+def measure_last_stage(worker, batch: dict, rows: int, device: str, result: dict, write) -> None:
+    """stage1: verl's own log-prob pass, then two updates of one mini-batch (every micro-batch, then one step)."""
+    import torch
+    from verl import DataProto
+
+    data = DataProto.from_dict(tensors=batch, meta_info={})
+    with Meter(device) as m:
+        old = worker.compute_log_prob(data).batch["old_log_probs"]
+    result["log_prob"] = m.record
+    result["resident_gib"]["after_log_prob"] = resident(worker)
+    write()
+    sign = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None]
+    tensors = batch | dict(old_log_probs=old, ref_log_prob=old, advantages=sign * batch["response_mask"].float())
+    # one mini-batch: every micro-batch, then one step (the actor keeps its own copy of the config)
+    worker.config.actor.ppo_mini_batch_size = worker.actor.config.ppo_mini_batch_size = rows
+    result["update"] = []
+    for _ in range(2):
+        meta = {"temperature": 1.0, "global_token_num": tensors["attention_mask"].sum(-1).tolist()}
+        with Meter(device) as m:
+            metrics = worker.update_actor(DataProto.from_dict(tensors=dict(tensors), meta_info=meta))
+        metrics = metrics.meta_info["metrics"]
+        result["update"].append(m.record | {
+            "verl_max_memory_allocated_gb": metrics.get("perf/max_memory_allocated_gb"),
+            "grad_norm": metrics.get("actor/grad_norm")})  # fmt: skip
+        result["resident_gib"][f"after_update_{len(result['update'])}"] = resident(worker)
+        write()
+
+
+def measure_first_stage(worker, forwards: list, device: str, result: dict, write) -> None:
+    """stage0: twice, the micro-batches' forwards and backwards as 1F1B runs them on the first stage (two in flight,
+    random gradients for the next stage's), then the optimizer step, its optimizer loaded back as update_actor does."""
+    import torch
+    from verl.utils.megatron_utils import load_megatron_optimizer
+
+    model = worker.actor_module[0]
+    if worker._is_offload_optimizer:
+        load_megatron_optimizer(worker.actor_optimizer)
+    result["stage0"] = []
+    for _ in range(2):
+        with Meter(device) as m:
+            outs = [f() for f in forwards[:2]]  # two in flight
+            torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
+            del outs[0]
+            for f in forwards[2:]:  # steady 1F1B: one forward, one backward
+                outs.append(f())
+                torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
+                del outs[0]
+            torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
+            del outs
+        record = m.record
+        with Meter(device) as m:
+            worker.actor_optimizer.step()
+            worker.actor_optimizer.zero_grad()
+            model.zero_grad_buffer()
+        result["stage0"].append(record | {"optimizer_step": m.record})
+        result["resident_gib"][f"after_step_{len(result['stage0'])}"] = resident(worker)
+        write()
 
 
 # --- measured against predicted --------------------------------------------------------------------------------------
@@ -439,6 +453,42 @@ def predictions(result: dict) -> dict:
 # --- the driver ---------------------------------------------------------------------------------------------------
 
 
+def policy_once(args, policy: Path, layers: int, device: str) -> dict:
+    """The random-weight policy, built in a process of its own (or kept from --work with --reuse-policy): its shape."""
+    began = time.monotonic()
+    build = [sys.executable, "-c", f"import json, sys; from pathlib import Path; from benchmarks.megatron_memory import build_policy; "
+             f"print(json.dumps(build_policy({args.shape!r}, {layers}, Path({str(policy)!r}), {device!r})))"]  # fmt: skip
+    built_json = policy.parent / "policy.json"
+    if not (args.reuse_policy and built_json.exists()):
+        built = subprocess.run(build, cwd=REPO, capture_output=True, text=True, check=False)
+        if built.returncode:
+            raise SystemExit(f"building the policy failed:\n{built.stderr[-3000:]}")
+        built_json.write_text(built.stdout.strip().splitlines()[-1])
+    return json.loads(built_json.read_text()) | {"build_s": round(time.monotonic() - began, 1)}
+
+
+def case_in_process(case: str, args, policy: Path, work: Path) -> dict:
+    """One case in a process of its own (its log in --out): what it measured, its status and its wall seconds."""
+    case_file, log = work / f"{case}.json", args.out / f"{case}.log"
+    cmd = [sys.executable, "-m", "benchmarks.megatron_memory", "--case", case, "--policy", str(policy),
+           "--out", str(case_file), "--micro-batches", str(args.micro_batches)]  # fmt: skip
+    cmd += ["--lengths", args.lengths] if args.lengths else []
+    cmd += ["--micro-batch-per-gpu", str(args.micro_batch_per_gpu)] if args.micro_batch_per_gpu else []
+    began = time.monotonic()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.case_timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    case_result = json.loads(case_file.read_text()) if case_file.exists() else {}
+    if rc != 0:
+        tail = log.read_text().splitlines()[-15:]
+        oom = any("OutOfMemoryError" in line or "out of memory" in line for line in tail)
+        case_result["status"] = ("out of memory: " if oom else f"failed ({rc}): ") + (tail[-1] if tail else "")
+    case_result["wall_s"] = round(time.monotonic() - began, 1)
+    return case_result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
@@ -486,40 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="megatron_memory_"))
     work.mkdir(parents=True, exist_ok=True)
     policy = work / "policy"
-    began = time.monotonic()
-    build = [sys.executable, "-c", f"import json, sys; from pathlib import Path; from benchmarks.megatron_memory import build_policy; "
-             f"print(json.dumps(build_policy({args.shape!r}, {layers}, Path({str(policy)!r}), {device!r})))"]  # fmt: skip
-    built_json = work / "policy.json"
-    if not (args.reuse_policy and built_json.exists()):
-        built = subprocess.run(build, cwd=REPO, capture_output=True, text=True, check=False)
-        if built.returncode:
-            raise SystemExit(f"building the policy failed:\n{built.stderr[-3000:]}")
-        built_json.write_text(built.stdout.strip().splitlines()[-1])
-    result["policy"] = json.loads(built_json.read_text()) | {"build_s": round(time.monotonic() - began, 1)}
+    result["policy"] = policy_once(args, policy, layers, device)
     results_file = args.out / "result.json"
     for case in cases:
-        case_file, log = work / f"{case}.json", args.out / f"{case}.log"
-        cmd = [sys.executable, "-m", "benchmarks.megatron_memory", "--case", case, "--policy", str(policy),
-               "--out", str(case_file), "--micro-batches", str(args.micro_batches)]  # fmt: skip
-        cmd += ["--lengths", args.lengths] if args.lengths else []
-        cmd += ["--micro-batch-per-gpu", str(args.micro_batch_per_gpu)] if args.micro_batch_per_gpu else []
-        began = time.monotonic()
-        with open(log, "w") as f:
-            try:
-                rc = subprocess.run(
-                    cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.case_timeout
-                ).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        case_result = json.loads(case_file.read_text()) if case_file.exists() else {}
-        if rc != 0:
-            tail = log.read_text().splitlines()[-15:]
-            oom = any("OutOfMemoryError" in line or "out of memory" in line for line in tail)
-            case_result["status"] = ("out of memory: " if oom else f"failed ({rc}): ") + (tail[-1] if tail else "")
-        case_result["wall_s"] = round(time.monotonic() - began, 1)
-        result["cases"][case] = case_result
+        result["cases"][case] = case_in_process(case, args, policy, work)
         results_file.write_text(json.dumps(result, indent=1))
-        print(f"[megatron_memory] {case}: {case_result.get('status')} in {case_result['wall_s']} s", flush=True)
+        print(f"[megatron_memory] {case}: {result['cases'][case].get('status')} in {result['cases'][case]['wall_s']} s",
+              flush=True)  # fmt: skip
     result["predicted_vs_measured"] = predictions(result)
     result["utilisation"] = utilisation(result)
     results_file.write_text(json.dumps(result, indent=1))

@@ -176,7 +176,7 @@ def reread(out: Path) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(POLICY_SHAPES), default="qwen3-0.6b",
                         help="the policy's shape; the reward model's follows (qwen3-0.6b: Qwen3-1.7B's)")  # fmt: skip
@@ -206,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
                         "torch.profiler; its summary (GPU time by kernel kind, top kernels) in result.json's profiles")  # fmt: skip
     parser.add_argument("--reread", action="store_true", help="run nothing: parse --out's logs/trainer.log again "
                         "into its result.json (after a parser's fix)")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.reread:
         result = reread(args.out)
@@ -262,16 +267,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> int:
+    """The run in its four steps: the models, the data, the reward server and Ray's head, then the trainer."""
+    _models(run, args, device, work, logs)
+    data = _data(run, args, work, lo, hi)
+    settings, url, ray_address, env = _services(run, args, device, work, ray_tmp, logs, data, started, nvml)
+    return _train(run, args, device, work, logs, settings, url, ray_address, env, started)
+
+
+def _models(run: Run, args, device, work, logs) -> None:
+    """The random-weight policy and reward model, built in a child process (no CUDA context left in this one)."""
     import multiprocessing
 
-    import requests
-
-    from launch.job.node import plan_ports
-    from launch.plan.procs import wait_for_http
-    from launch.plan.settings import Settings
-    from launch.plan.trainer_command import trainer_argv
-
-    # 1. models, in a child process (no CUDA context left in this one)
     since = time.monotonic()
     info_file = work / "build.json"
     child = multiprocessing.get_context("spawn").Process(
@@ -287,7 +293,9 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
     run.result["machine"] = json.loads(info_file.read_text())
     run.mark("models", since)
 
-    # 2. data: the project's own builder, as a user would run it
+
+def _data(run: Run, args, work, lo, hi) -> Path:
+    """The prompts through the project's own builder, as a user would run it: the data folder."""
     from data_prep import build as data_build
 
     data = work / "data"
@@ -307,8 +315,17 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
         "max_response_length": args.response_length, "micro_batch_per_gpu": args.micro_batch,
         "train_rows": have,
     }  # fmt: skip
+    return data
 
-    # 3. the settings a job would have, the reward server and the Ray head on this run's own ports
+
+def _services(run: Run, args, device, work, ray_tmp, logs, data, started, nvml):
+    """The settings a job would have, the reward server and the Ray head on this run's own ports, both up."""
+    import requests
+
+    from launch.job.node import plan_ports
+    from launch.plan.procs import wait_for_http
+    from launch.plan.settings import Settings
+
     paths = {"policy": work / "policy", "reward_model": work / "reward_model", "data": data,
              "checkpoints": work / "checkpoints"}  # fmt: skip
     env_settings = settings_env(args, paths)
@@ -363,8 +380,13 @@ def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> 
     if waited.returncode != 0:
         raise RuntimeError(f"the Ray head did not come up; log {ray_head.log}")
     run.mark("ray", since)
+    return settings, url, ray_address, env
 
-    # 4. the trainer: the job's command, this run's overrides last
+
+def _train(run: Run, args, device, work, logs, settings, url, ray_address, env, started) -> int:
+    """The trainer: the job's command with this run's overrides last, read until it ends or --timeout."""
+    from launch.plan.trainer_command import trainer_argv
+
     overrides = benchmark_overrides(args.steps, device == "cpu", args.strategy) + args.override
     argv = trainer_argv(settings, ray_address, overrides)
     command = [sys.executable, *argv]

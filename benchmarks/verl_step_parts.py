@@ -34,13 +34,28 @@ POLICY_SHAPES = {
 REWARD_SHAPE = {"qwen3-0.6b": "qwen3-1.7b", "tiny": "tiny"}
 
 
+def random_policy(dims: dict, tokenizer, device: str):
+    """A Qwen3 causal LM of `dims` with random weights (seed 1), tied embeddings as the small Qwen3 models have, the
+    tokenizer's special tokens, in bf16 on a GPU and float32 on a CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+
+
 def build_models(shape: str, out: Path, device: str, result_file: Path) -> None:
     """The reward model (reward_bench.build_model) and a policy of POLICY_SHAPES[shape] with the same tokenizer,
     random weights, in bf16 on a GPU (float32 on a CPU); machine facts. Run in a child process, so that the
     benchmark's own process holds no CUDA context beside the ones it measures."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config
+    from transformers import AutoTokenizer, GenerationConfig
 
     from benchmarks.reward_bench import build_model
 
@@ -50,14 +65,8 @@ def build_models(shape: str, out: Path, device: str, result_file: Path) -> None:
     dims = POLICY_SHAPES[shape]
     if dims["vocab_size"] < len(tokenizer):
         raise SystemExit(f"policy shape {shape}: vocab {dims['vocab_size']} below the tokenizer's {len(tokenizer)}")
-    config = Qwen3Config(
-        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    torch.manual_seed(1)
-    with torch.device(device):
-        policy = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    policy = random_policy(dims, tokenizer, device)
     policy_params = sum(p.numel() for n, p in policy.named_parameters() if "embed_tokens" not in n)
     policy.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id

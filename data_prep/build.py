@@ -385,7 +385,46 @@ class SplitWriter:
         self.tmp.unlink(missing_ok=True)
 
 
+def good_rows(path: Path, fixed_split: str | None, args, spec: RowSpec, report: Report, seen: set):
+    """Each good row of `path` as (split, split value, row), its index still 0; bad rows and duplicates are counted
+    in `report` (a bad row stops the build with --on-bad-row fail)."""
+    for row_number, example in read_examples(path, args.format, args.hf_split):
+        report.read += 1
+        try:
+            if isinstance(example, BadRow):
+                raise example
+            if not isinstance(example, dict):
+                raise BadRow(f"expected an object, got {type(example).__name__}")
+            report.add_columns(example, spec.messages_column or spec.prompt_column)
+            messages = chat_messages(example, spec)
+            key = prompt_key(messages)
+            if args.dedup:
+                if key in seen:
+                    report.duplicates += 1
+                    continue
+                seen.add(key)
+            value = split_value(key, args.seed)
+            split = fixed_split or ("test" if value < args.test_size else "train")
+            row = make_row(example, 0, split, spec, row_number, messages)  # its index: where it is placed
+        except BadRow as exc:
+            if args.on_bad_row == "fail":
+                raise SystemExit(f"{path} row {row_number}: {exc} (--on-bad-row skip reports and goes on)") from None
+            report.add_bad(str(path), row_number, str(exc))
+            continue
+        yield split, value, row
+
+
+def refuse_an_empty_split(report: Report, spec: RowSpec) -> None:
+    """SystemExit naming the split that would be empty and what to change."""
+    for split, n in report.written.items():
+        if n == 0:
+            hint = "raise --test-size or give --test-file" if split == "test" else missing_column_hint(spec, report)
+            raise SystemExit(f"the {split} split would be empty ({report.read} rows read, {report.bad} bad): {hint}")
+
+
 def build(args: argparse.Namespace, spec: RowSpec) -> Report:
+    """train.parquet and test.parquet in --out-dir from the input(s), each written to a .tmp and renamed at the end;
+    on failure nothing is left (not even the folders it made)."""
     out = args.out_dir
     targets = {"train": out / "train.parquet", "test": out / "test.parquet"}
     existing = [str(p) for p in targets.values() if p.exists()]
@@ -416,31 +455,7 @@ def build(args: argparse.Namespace, spec: RowSpec) -> Report:
             place("train", row)
 
     def feed(path: Path, fixed_split: str | None) -> None:
-        for row_number, example in read_examples(path, args.format, args.hf_split):
-            report.read += 1
-            try:
-                if isinstance(example, BadRow):
-                    raise example
-                if not isinstance(example, dict):
-                    raise BadRow(f"expected an object, got {type(example).__name__}")
-                report.add_columns(example, spec.messages_column or spec.prompt_column)
-                messages = chat_messages(example, spec)
-                key = prompt_key(messages)
-                if args.dedup:
-                    if key in seen:
-                        report.duplicates += 1
-                        continue
-                    seen.add(key)
-                value = split_value(key, args.seed)
-                split = fixed_split or ("test" if value < args.test_size else "train")
-                row = make_row(example, 0, split, spec, row_number, messages)  # its index: where it is placed
-            except BadRow as exc:
-                if args.on_bad_row == "fail":
-                    raise SystemExit(
-                        f"{path} row {row_number}: {exc} (--on-bad-row skip reports and goes on)"
-                    ) from None
-                report.add_bad(str(path), row_number, str(exc))
-                continue
+        for split, value, row in good_rows(path, fixed_split, args, spec, report, seen):
             if split == "train" and not fixed_split and args.test_size > 0:
                 hold_or_place(value, row)
             else:
@@ -454,12 +469,7 @@ def build(args: argparse.Namespace, spec: RowSpec) -> Report:
         for held in nearest[1]:
             place("test" if to_test else "train", held)
         report.moved_to_test = len(nearest[1]) if to_test else 0
-        for split, n in report.written.items():
-            if n == 0:
-                hint = "raise --test-size or give --test-file" if split == "test" else missing_column_hint(spec, report)
-                raise SystemExit(
-                    f"the {split} split would be empty ({report.read} rows read, {report.bad} bad): {hint}"
-                )
+        refuse_an_empty_split(report, spec)
         for w in writers.values():
             w.commit()
     except BaseException:

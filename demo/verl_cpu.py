@@ -269,10 +269,6 @@ def _rollout_class():
             if sampling_params.get("logprobs") or image_data:
                 raise NotImplementedError("HFEngineRollout.generate returns tokens only: no log-probs, no images")
             limit = self.config.max_model_len or self.module.config.max_position_embeddings
-            temperature = sampling_params.get("temperature", 1.0)
-            sampling = dict(do_sample=temperature > 0, top_p=sampling_params.get("top_p", 1.0), top_k=0)
-            if temperature > 0:
-                sampling["temperature"] = temperature
             generation = self.model_config.generation_config
             tokenizer = self.model_config.tokenizer
             with torch.no_grad():
@@ -282,7 +278,7 @@ def _rollout_class():
                     max_new_tokens=min(self.config.response_length, limit - len(prompt_ids) - 1),
                     eos_token_id=generation.eos_token_id if generation is not None else tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id,
-                    **sampling,
+                    **_hf_sampling(sampling_params),
                 )
             return TokenOutput(token_ids=out[0, len(prompt_ids) :].tolist())
 
@@ -291,6 +287,13 @@ def _rollout_class():
                 raise RuntimeError("HFEngineRollout: generate before the actor's weights arrived (update_weights)")
 
     return HFEngineRollout
+
+
+def _hf_sampling(sampling_params: dict) -> dict:
+    """The agent loop's sampling parameters as HF generate's: greedy at temperature 0, no top-k as the engines'."""
+    temperature = sampling_params.get("temperature", 1.0)
+    sampling = dict(do_sample=temperature > 0, top_p=sampling_params.get("top_p", 1.0), top_k=0)
+    return sampling | ({"temperature": temperature} if temperature > 0 else {})
 
 
 def _replica_class():

@@ -194,7 +194,7 @@ def stage_entries(tmp_path: Path, opens: str | None, *ratios: str) -> dict[str, 
             mp.setenv(k, v)
         canary.main(["check", "train", "--rc", "1", "--seconds", "5", "--log", str(log), "--ckpt", str(tmp_path),
                      "--results", str(results)])  # fmt: skip
-    return canary.read_results(results)
+    return canary.canary_results(results)
 
 
 def test_the_summary_reports_verls_clip_ratio_and_warns_when_responses_are_cut_naming_the_setting(tmp_path):
@@ -236,7 +236,7 @@ def ppo_entries(tmp_path: Path, *clipfracs: str) -> dict[str, dict]:
             mp.setenv(k, v)
         canary.main(["check", "train", "--rc", "1", "--seconds", "5", "--log", str(log), "--ckpt", str(tmp_path),
                      "--results", str(results)])  # fmt: skip
-    return canary.read_results(results)
+    return canary.canary_results(results)
 
 
 def test_a_ppo_canary_trains_its_critic_twice_a_step_so_that_the_value_clip_can_show():

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -122,62 +121,3 @@ def test_replicas_spread_the_step_and_a_killed_one_leaves_the_step_to_the_others
     # the survivor scored its own share and, on the retry, the killed server's
     assert killed["requests"] == {"/score": 0, "/score_batch": 2} and killed["wall_s"] >= 0.5
     assert "step done in" in run.stdout
-
-
-def test_the_forward_profile_scores_the_step_both_ways_and_names_kernel_kinds(tmp_path):
-    from benchmarks.forward_profile import elementwise_bytes_per_token, kind_of
-
-    # kernel names as the H200 profile showed them
-    assert kind_of("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT") == "matmul"
-    assert kind_of("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
-    assert kind_of("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "compiled (triton)"
-    # the H200's profile of round #38: cuDNN's attention, and an Inductor kernel named after the attention it feeds
-    assert kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128") == "attention"
-    assert (
-        kind_of("triton_per_fused__scaled_dot_product_cudnn_attention__to_copy_add_mean_rsqrt") == "compiled (triton)"
-    )
-    assert kind_of("Memcpy HtoD (Pinned -> Device)") == "copy"
-    assert kind_of("void at::native::index_elementwise_kernel<128, 4>") == "other elementwise"
-    # Qwen3-1.7B, bf16: norm 2h, q/k norm and RoPE 2(q + kv) + 2 head, add and norm 4h, SwiGLU 3f, add 3h
-    config = SimpleNamespace(**SHAPES["qwen3-1.7b"])
-    assert elementwise_bytes_per_token(config, 2) == 2 * (2 * 2048 + 2 * (2048 + 1024) + 2 * 128 + 4 * 2048
-                                                          + 3 * 6144 + 3 * 2048)  # fmt: skip
-    out = tmp_path / "fp.json"
-    cmd = [sys.executable, "-m", "benchmarks.forward_profile", "--shape", "tiny", "--device", "cpu", "--samples", "24",
-           "--group", "5", "--out", str(out)]  # fmt: skip
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    layouts = json.loads(out.read_text())["layouts"]
-    assert [x["layout"] for x in layouts] == ["batch path (whole step planned at once)",
-                                              "small groups (5 sequences per call)"]  # fmt: skip
-    assert all(x["wall_s"] > 0 and x["tokens"] > 24 * 100 for x in layouts)
-    assert all(x["tokens_computed"] >= x["tokens"] for x in layouts), "padding counts as computed"
-    run = subprocess.run([*cmd, "--layouts", "batch"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert [x["layout"] for x in json.loads(out.read_text())["layouts"]] == ["batch path (whole step planned at once)"]
-
-
-def test_pairwise_agreement_counts_the_pairs_kept_in_order_and_ignores_ties():
-    from benchmarks.fp8_trial import pairwise_agreement
-
-    assert pairwise_agreement([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 1.0
-    assert pairwise_agreement([1.0, 2.0, 3.0], [1.0, 3.0, 2.0]) == pytest.approx(2 / 3)  # (2, 3) swapped
-    assert pairwise_agreement([1.0, 1.0, 3.0], [2.0, 1.0, 3.0]) == 1.0  # the tied pair counts for neither
-
-
-def test_the_fp8_trial_turns_every_decoder_linear_layer_to_fp8_and_judges_it_against_the_bar(tmp_path):
-    out = tmp_path / "fp8.json"
-    cmd = [sys.executable, "-m", "benchmarks.fp8_trial", "--shape", "tiny", "--device", "cpu", "--samples", "32",
-           "--repeat", "1", "--reference-samples", "16", "--out", str(out)]  # fmt: skip
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["fp8_linear_layers"] == 4 * SHAPES["tiny"]["num_hidden_layers"]  # qkv, o, gate/up, down
-    assert [r["mode"] for r in result["rows"]] == ["float32", "fp8"]
-    # FP8 rounding moves the scores, but not to noise: most pairs keep their order
-    assert 0 < result["mean_abs_score_error"] < result["score_std"]
-    assert (
-        0.7 < result["pairwise_agreement"] < 1.0 and result["agreement_with_float32"]["bf16"] > 0.99
-    )  # the base: fp32 here
-    assert result["meets_bar"] == (result["speedup"] >= 1.3 and result["pairwise_agreement"] >= 0.995)
-    assert "misses the bar" in run.stdout or "meets the bar" in run.stdout

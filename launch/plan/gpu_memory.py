@@ -183,6 +183,35 @@ def _gib(values: list[float]) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
+def _reward_servers(s: Settings, peak: RewardPeak | None, replicas: int, reward_gpus: list[str]) -> str:
+    """Where the reward servers run and what one holds, for the memory line."""
+    if peak is None:
+        return "no reward server (REWARD=rule)" if not s.uses_reward_model else "reward servers on the CPU"
+    if s.separate_reward_node:
+        return f"reward servers on their own node, {replicas} x {peak.describe()}, one per GPU"
+    return f"a reward server {peak.describe()} on the head's GPU {','.join(reward_gpus)} (CONFIG_REWARD_GPUS)"
+
+
+def _refuse_short(total: int | None, share: float, name: str, held: int, what: str, shared: bool) -> None:
+    """vLLM's own check at its start, where `held` bytes of the GPU are taken: RolloutMemoryError naming the share that
+    fits, where the GPU's size is known and less than `share` of it is free."""
+    if total is None or total - held >= share * total:
+        return
+    fits = math.floor((total - held) / total * 100) / 100
+    raise RolloutMemoryError(
+        f"vLLM takes {name} of the whole GPU, {share * total / GIB:.1f} GiB, but {what} leaves "
+        f"{(total - held) / GIB:.1f} GiB of this GPU's {total / GIB:.1f} free at its start: vLLM 0.10.0 refuses to "
+        "start ('Free memory on device ... is less than desired GPU memory utilization', "
+        f"vllm/v1/worker/gpu_worker.py:166-176); set ROLLOUT_GPU_MEMORY={fits:g} or less"
+        + (
+            ", or cap the reward server (REWARD_GPU_MEMORY_GIB) or give it a node of its own "
+            "(CONFIG_USE_SEPARATE_REWARD_NODE=true)"
+            if shared
+            else ""
+        )  # fmt: skip
+    )
+
+
 def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, resident: list[Resident],
                 replicas: int = 1) -> str:  # fmt: skip
     """The preflight's one line: per GPU, what the rollout engine takes, beside what the trainer and the reward
@@ -204,33 +233,11 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
     name = f"ROLLOUT_GPU_MEMORY={share:g}" + (" (auto)" if s.rollout_gpu_memory_setting == "auto" else "")
     reward_gpus = [g.strip() for g in s.reward_gpus.split(",") if g.strip()]
     shared = peak is not None and not s.separate_reward_node  # a reward server on some of the head's GPUs
-    if peak is None:
-        reward = "no reward server (REWARD=rule)" if not s.uses_reward_model else "reward servers on the CPU"
-    elif s.separate_reward_node:
-        reward = f"reward servers on their own node, {replicas} x {peak.describe()}, one per GPU"
-    else:
-        reward = f"a reward server {peak.describe()} on the head's GPU {','.join(reward_gpus)} (CONFIG_REWARD_GPUS)"
+    reward = _reward_servers(s, peak, replicas, reward_gpus)
     server = peak.total if shared else 0
 
     def whole() -> str:  # a share of the whole GPU (vLLM)
         return f"{share * total / GIB:.1f} GiB" if total is not None else f"{share:.0%}"
-
-    def refuse_short(held: int, what: str) -> None:  # vLLM's own check at its start, where `held` bytes are taken
-        if total is None or total - held >= share * total:
-            return
-        fits = math.floor((total - held) / total * 100) / 100
-        raise RolloutMemoryError(
-            f"vLLM takes {name} of the whole GPU, {share * total / GIB:.1f} GiB, but {what} leaves "
-            f"{(total - held) / GIB:.1f} GiB of this GPU's {total / GIB:.1f} free at its start: vLLM 0.10.0 refuses to "
-            "start ('Free memory on device ... is less than desired GPU memory utilization', "
-            f"vllm/v1/worker/gpu_worker.py:166-176); set ROLLOUT_GPU_MEMORY={fits:g} or less"
-            + (
-                ", or cap the reward server (REWARD_GPU_MEMORY_GIB) or give it a node of its own "
-                "(CONFIG_USE_SEPARATE_REWARD_NODE=true)"
-                if shared
-                else ""
-            )  # fmt: skip
-        )
 
     if s.trainer_mode == "one_step_off":
         parts = [
@@ -240,8 +247,8 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
             reward,
         ]
         if shared:
-            refuse_short(server, f"the reward server on the head's GPU {','.join(reward_gpus)} (a rollout GPU where Ray "
-                         "gives it to the rollout's pool)")  # fmt: skip
+            what = f"the reward server on the head's GPU {','.join(reward_gpus)} (a rollout GPU where Ray gives it to"
+            _refuse_short(total, share, name, server, what + " the rollout's pool)", shared)
             free = f"{(total - server) / GIB:.1f} GiB" if total is not None else f"GPU - {server / GIB:.1f} GiB"
             parts.append(f"a rollout GPU with it has {free} free at vLLM's start")
         return f"GPU memory per GPU ({where}): " + "; ".join(parts)
@@ -267,8 +274,9 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
         else:
             engine += f"{takes(0)} on every GPU"
     else:
-        refuse_short(max(held) + server, f"what the trainer keeps ({_gib(held)} GiB)" + (
-            f" and the reward server ({server / GIB:.1f} GiB) on GPU {','.join(reward_gpus)}" if shared else ""))  # fmt: skip
+        what = f"what the trainer keeps ({_gib(held)} GiB)" + (
+            f" and the reward server ({server / GIB:.1f} GiB) on GPU {','.join(reward_gpus)}" if shared else "")  # fmt: skip
+        _refuse_short(total, share, name, max(held) + server, what, shared)
         engine = f"vLLM takes {name} of the whole GPU (gpu_memory_utilization): {whole()} on every GPU"
     parts.append(engine + "; given back for the update (free_cache_engine)")
     return f"GPU memory per GPU ({where}): " + "; ".join(parts)

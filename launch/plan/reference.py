@@ -302,50 +302,22 @@ class Message:
         return " ... ".join(self.pieces)
 
 
-def _double_quoted(s: str, i: int) -> tuple[str, int]:
-    """The raw text of the double-quoted bash string that starts at s[i] == '"', and the index after it; quotes
-    inside $(...) belong to the command, not to this string."""
-    j, depth = i + 1, 0
-    while j < len(s):
-        c = s[j]
-        if c == "\\":
-            j += 2
-            continue
-        if s.startswith("$(", j):
-            depth += 1
-            j += 2
-            continue
-        if depth and c == ")":
-            depth -= 1
-        elif depth and c == '"':
-            _, j = _double_quoted(s, j)
-            continue
-        elif not depth and c == '"':
-            return s[i + 1 : j], j + 1
-        j += 1
-    return s[i + 1 :], len(s)
+# A $(...) command substitution, nested three deep, and a double-quoted string with its quotes inside such a command
+_COMMAND = r"\$\((?:[^()\"\\]|\\.|\"(?:[^\"\\]|\\.)*\"|\((?:[^()]|\([^()]*\))*\))*\)"
+_QUOTED = re.compile(r" *(?:\"((?:\\.|" + _COMMAND + r"|[^\"\\])*)\"|'([^']*)')", re.S)
+# In a double-quoted string's text: an escaped character (literal), else a value filled in (a command, ${...},
+# $name, $1, $*, ...), else a literal character
+_TOKEN = re.compile(r"\\(.)|(" + _COMMAND + r"|\$\{[^}]*\}|\$(?:[A-Za-z_][A-Za-z0-9_]*|[0-9*#?@$]))|(.)", re.S)
 
 
 def _bash_pieces(raw: str) -> list[str]:
     """The literal pieces of a double-quoted string's text: every $(...), ${...} and $name breaks it."""
-    out, j, depth = [""], 0, 0
-    while j < len(raw):
-        if raw.startswith("$(", j):
-            depth, j = 1, j + 2
-            while j < len(raw) and depth:
-                depth += {"(": 1, ")": -1}.get(raw[j], 0)
-                j += 1
-            out.append("")
-        elif raw.startswith("${", j):
-            j = raw.find("}", j) + 1 or len(raw)
-            out.append("")
-        elif raw[j] == "$" and j + 1 < len(raw) and (raw[j + 1].isalnum() or raw[j + 1] in "_*#?@$"):
-            m = re.match(r"\$(?:[A-Za-z_][A-Za-z0-9_]*|.)", raw[j:])
-            j += m.end()
+    out = [""]
+    for m in _TOKEN.finditer(raw):
+        if m.group(2):
             out.append("")
         else:
-            out[-1] += raw[j + 1] if raw[j] == "\\" and j + 1 < len(raw) else raw[j]
-            j += 2 if raw[j] == "\\" else 1
+            out[-1] += m.group(1) or m.group(3)
     return out
 
 
@@ -374,16 +346,9 @@ def bash_messages(path: Path) -> list[Message]:
             if m.group(0).startswith("printf"):
                 pieces = [re.split(r"%s|\\n", rest.split("'", 1)[0])]
             else:
-                while j < len(rest) and rest[j] in " \"'":
-                    if rest[j] == '"':
-                        raw, j = _double_quoted(rest, j)
-                        pieces.append(_bash_pieces(raw))
-                    elif rest[j] == "'":
-                        end = rest.index("'", j + 1)
-                        pieces.append([rest[j + 1 : end]])
-                        j = end + 1
-                    else:
-                        j += 1
+                while q := _QUOTED.match(rest, j):
+                    pieces.append(_bash_pieces(q.group(1)) if q.group(1) is not None else [q.group(2)])
+                    j = q.end()
             flat = tuple(p.strip() for group in pieces for p in group if p.strip())
             if m.group(0) == "failure+=" and found and found[-1].where == _where(path, start - 1):
                 # the rest of the reason the line above began: one message

@@ -413,14 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] != "trainer-argv":
         print(__doc__, file=sys.stderr)
         return 2
-    try:
-        settings = Settings.from_env()
-    except SettingError as exc:
-        print(f"setting error: {exc}", file=sys.stderr)
-        return 1
-    ray_address, extra = os.environ.get("RAY_ADDRESS_FOR_TRAINER", ""), argv[1:]
-    try:
-        command = trainer_argv(settings, ray_address, extra)
+    try:  # the settings, then the command they make: either may be refused
+        command = trainer_argv(Settings.from_env(), os.environ.get("RAY_ADDRESS_FOR_TRAINER", ""), argv[1:])
     except SettingError as exc:
         print(f"setting error: {exc}", file=sys.stderr)
         return 1

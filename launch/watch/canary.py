@@ -38,7 +38,7 @@ from launch.job.steps import ANSI, RESUMED_AT, is_training_step, parse_step_line
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
 from launch.watch.health import value_clip_warnings
-from launch.watch.reading import critic_updates_per_step
+from launch.watch.reading import canary_results, critic_updates_per_step
 
 TRAIN_STEPS = 2  # stage 1: two steps, a checkpoint after each
 RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more
@@ -306,12 +306,6 @@ def record(results: Path, entry: dict) -> None:
         f.write(json.dumps(entry) + "\n")
 
 
-def read_results(results: Path) -> dict[str, dict]:
-    if not results.exists():
-        return {}
-    return {e["stage"]: e for e in map(json.loads, results.read_text().splitlines())}
-
-
 def summary(results: dict[str, dict]) -> tuple[str, bool]:
     """The table of every stage (passed, FAILED, skipped, not run), with the reasons and log of each failure."""
     rows = [f"{'stage':<42} {'result':<8} {'time':>7}"]
@@ -385,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "skip":
         record(args.results, {"stage": args.stage, "status": "skipped", "reason": args.because})
         return 0
-    table, ok = summary(read_results(args.results))
+    table, ok = summary(canary_results(args.results))
     print(table)
     return 0 if ok else 1
 

@@ -4,7 +4,6 @@ its progress and ETA over the job's starts, and the report launch/watch/status.p
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import asdict
@@ -14,6 +13,7 @@ from launch.watch.reading import (
     OPERATIONS,
     PREFLIGHT_ONLY,
     Job,
+    canary_results,
     clock,
     duration,
     read_text,
@@ -123,16 +123,9 @@ def _state(job: Job) -> tuple[str, str]:
 
 def canary_failure(job: Job) -> str:
     """The canary's first failed stage and why, from its results.jsonl ("" when none failed, or no canary)."""
-    if not job.canary:
-        return ""
-    for line in read_text(job.canary / "results.jsonl").splitlines():
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue
-        if e.get("status") == "failed":
-            return f"the canary's stage {e.get('stage')} failed: {e.get('reason', '?')}"
-    return ""
+    results = canary_results(job.canary / "results.jsonl") if job.canary else {}
+    failed = next((e for e in results.values() if e.get("status") == "failed"), None)
+    return f"the canary's stage {failed.get('stage')} failed: {failed.get('reason', '?')}" if failed else ""
 
 
 def finished_reason(job: Job) -> str:
@@ -175,12 +168,9 @@ def failure_reason(job: Job) -> str:
 
 def fit_change(values: list[float]) -> float:
     """The change over the values' span by a least-squares line (noise averaged out)."""
-    n = len(values)
-    if n < 2:
+    if len(values) < 2:
         return 0.0
-    xm, ym = (n - 1) / 2, sum(values) / n
-    slope = sum((i - xm) * (v - ym) for i, v in enumerate(values)) / sum((i - xm) ** 2 for i in range(n))
-    return slope * (n - 1)
+    return statistics.linear_regression(range(len(values)), values).slope * (len(values) - 1)
 
 
 def is_reward_part(key: str) -> bool:

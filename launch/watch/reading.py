@@ -191,6 +191,19 @@ PREFLIGHT_PROBLEMS = ("setting error: ", "preflight: refused: ", "preflight: ver
                       "preflight: the reward model ranks ")  # fmt: skip
 
 
+def canary_results(path: Path) -> dict[str, dict]:
+    """The canary's results.jsonl (launch/watch/canary.py appends a line a stage) as {stage: its entry}; a line cut
+    short while it is written is passed over."""
+    out = {}
+    for line in read_text(path).splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        out[entry.get("stage")] = entry
+    return out
+
+
 def critic_updates_per_step(command: list[str]) -> int | None:
     """The critic's optimizer updates a step in a trainer command (one override a line): its mini-batches (verl's
     critic.ppo_mini_batch_size follows the actor's) times its epochs (critic.ppo_epochs, the actor's, 1). None

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from launch.job.steps import is_training_step
 from launch.watch.health import FINAL, is_reward_part, merged_steps, report, series, state
-from launch.watch.reading import PREFLIGHT_ONLY, Job, StatusError, clock, duration, load, read_text
+from launch.watch.reading import PREFLIGHT_ONLY, Job, StatusError, canary_results, clock, duration, load, read_text
 
 # --- as text ---------------------------------------------------------------------------------------------------------
 
@@ -52,14 +52,7 @@ CANARY_STAGES = {"train": "train", "resume": "resume", "merge": "merge.log"}  # 
 
 def canary_stages(canary: Path) -> list[str]:
     """The canary's stages so far, from the results.jsonl its checks append (launch/watch/canary.py), and the one running."""
-    results = {}
-    for line in read_text(canary / "results.jsonl").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        results[entry.get("stage")] = entry
-    lines = []
+    results, lines = canary_results(canary / "results.jsonl"), []
     for stage, log in CANARY_STAGES.items():
         e = results.get(stage)
         if e is None:  # the first stage without a result whose log is there runs now; the rest wait
