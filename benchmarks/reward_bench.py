@@ -78,12 +78,6 @@ SHAPES = {
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
 
 
-def scorer_step(scorer, seed: int, n: int, words: int) -> list[list[int]]:
-    """The step of `n` pairs as `scorer` (a RewardScorer) tokenizes them: one user turn each, the server's format."""
-    pairs = texts(workload(seed, n), seed, words)
-    return [e.ids for e in scorer.encode([scorer.render([{"role": "user", "content": p}], r) for p, r in pairs])]
-
-
 def machine_info(device: str) -> dict:
     """What a result ran on: the GPU, how many are visible, torch and transformers (the GPU fields on a GPU only)."""
     import transformers
@@ -95,24 +89,6 @@ def machine_info(device: str) -> dict:
         info.update(gpu=torch.cuda.get_device_name(), gpus_visible=torch.cuda.device_count(), torch=torch.__version__)
     info["transformers"] = transformers.__version__
     return info
-
-
-def scorer_parser(doc: str) -> argparse.ArgumentParser:
-    """The options forward_profile and fp8_trial share, to which each adds its own and --out: the model's shape, the
-    device, and the step (its pairs and their seed)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--samples", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=4321, help="workload seed (fresh lengths: not the warm-up's)")
-    return parser
-
-
-def save_result(out: dict, path: Path, device: str) -> None:
-    """`out` and what it ran on (machine_info), written to `path` as JSON; says where."""
-    out.update(machine_info(device))
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
 
 
 def build_tokenizer(vocab_size: int):
