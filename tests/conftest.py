@@ -173,22 +173,25 @@ def submit(clone):
 # most two tests it has not started and takes the next in this order when one ends (the longest first, greedy). xdist's
 # default hands each worker a quarter of its share at once, in one piece: every test below went to the first worker
 # (41 of its minutes), and one collected last kept a worker busy minutes after the other had run out.
-LONGEST_FIRST = (
+LONGEST_FIRST = (  # by the slow tier's --durations in CI (2026-12-06, 2 cores)
     "tests/test_slurm_jobs.py::test_a_worker_hung_in_a_phase",
     "tests/test_quickstart.py::",
     "tests/test_demo.py::test_make_demo_",
     "tests/test_slurm_jobs.py::test_verl_saves_before_the_time_limit",
     "tests/test_slurm_jobs.py::test_ppo_with_two_pipeline_stages",
-    "tests/test_megatron_memory.py::test_the_benchmark_runs",
-    "tests/test_canary.py::test_canary_1_sbatch_on_two_nodes",
-    "tests/test_canary.py::test_a_merged_model_that_fails_verification",
     "tests/test_status.py::test_a_requeued_job_shows_where_it_resumes",
-    "tests/test_run_time.py::test_the_canary_with_a_proxy",
+    "tests/test_canary.py::test_canary_1_sbatch_on_two_nodes",
     "tests/test_canary.py::test_the_canary_trains_resumes_and_merges",
+    "tests/test_run_time.py::test_the_canary_with_a_proxy",
+    "tests/test_slurm_jobs.py::test_a_worker_that_never_joins",
+    "tests/test_canary.py::test_a_merged_model_that_fails_verification",
     "tests/test_canary.py::test_a_trainer_that_does_not_resume",
-    "tests/test_verl_step.py::test_the_benchmark_takes_real_grpo_steps",
-    "tests/test_canary.py::test_the_canary_passes_whatever_the_entry_point_logs",
+    "tests/test_megatron_cpu.py::test_fused_log_probs_reach_the_actor",
     "tests/test_launch.py::test_a_policy_whose_template_opens_no_think_block",
+    "tests/test_canary.py::test_the_canary_passes_whatever_the_entry_point_logs",
+    "tests/test_slurm_jobs.py::test_two_jobs_on_one_node_at_once",
+    "tests/test_verl_step.py::test_the_benchmark_takes_real_grpo_steps",
+    "tests/test_megatron_memory.py::test_the_benchmark_runs",
     "tests/test_run_time.py::test_two_sync_rollout_jobs_on_one_node",
     "tests/test_merge.py::test_an_fsdp2_critic_merges",
 )
