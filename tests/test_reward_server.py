@@ -174,9 +174,14 @@ def test_reward_server_refuses_a_classifier_head_from_its_config_before_loading_
     assert "save it with num_labels=1 and a one-row score head" in message
 
 
+def _with_budget(scorer: RewardScorer, tokens: int) -> RewardScorer:
+    """The scorer with a token budget of `tokens` (the server's is the model's: 8192 on the CPU)."""
+    scorer.planner = replace(scorer.planner, token_budget=tokens)
+    return scorer
+
+
 def test_micro_batches_respect_the_token_budget_and_pad_to_a_bounded_set_of_lengths(tiny_models):
-    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", token_budget=512)
-    scorer = RewardScorer.load(cfg)
+    scorer = _with_budget(RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu")), 512)
     lengths = [5, 700, 64, 65, 300, 129, 1, 1000, 64, 200]
     plan = scorer.planner.plan(lengths)
     assert sorted(i for rows in plan for i in rows) == list(range(len(lengths)))
@@ -192,8 +197,7 @@ def test_micro_batches_respect_the_token_budget_and_pad_to_a_bounded_set_of_leng
 
 
 def test_mixed_lengths_are_packed_several_to_a_row_and_score_as_alone(tiny_models):
-    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", token_budget=4096)
-    scorer = RewardScorer.load(cfg)
+    scorer = _with_budget(RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu")), 4096)
     rng = torch.Generator().manual_seed(3)
     lengths = [250, 31, 90, 7, 160, 64, 12, 200, 45, 128]
     seqs = [torch.randint(10, 200, (n,), generator=rng).tolist() for n in lengths]
@@ -208,8 +212,7 @@ def test_mixed_lengths_are_packed_several_to_a_row_and_score_as_alone(tiny_model
 
 
 def test_rows_of_similar_length_are_padded_not_packed(tiny_models):
-    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", token_budget=4096)
-    scorer = RewardScorer.load(cfg)
+    scorer = _with_budget(RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu")), 4096)
     seen = []
     scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width))
     scorer.score_ids([[7] * n for n in (250, 240, 231, 200, 199)])
@@ -1008,8 +1011,8 @@ def test_the_token_budget_follows_the_model_and_the_memory_it_may_use(model, cap
     hidden, intermediate, q, kv, weights_gib = QWEN3[model]
     per_token = activation_bytes_per_token(hidden, intermediate, q, kv)
     assert model_token_budget(per_token, int(weights_gib * 2**30), int(cap_gib * 2**30)) == budget
-    assert Settings(token_budget=4096).effective_token_budget("cuda", budget) == 4096  # the setting wins
-    assert Settings().effective_token_budget("cpu", budget) == 8192
+    assert Planner.for_settings(Settings(), "cuda", pack=True, model_budget=budget).token_budget == budget
+    assert Planner.for_settings(Settings(), "cpu", pack=True, model_budget=budget).token_budget == 8192
 
 
 def test_a_memory_cap_that_leaves_no_room_beside_the_weights_is_refused_naming_the_setting():
@@ -1021,11 +1024,11 @@ def test_a_memory_cap_that_leaves_no_room_beside_the_weights_is_refused_naming_t
 
 
 def test_the_warm_up_step_runs_full_budget_micro_batches_padded_and_packed_before_ready(tiny_models):
-    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", token_budget=2048, max_length=512)
-    basic = RewardScorer.load(cfg)
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", max_length=512)
+    basic = _with_budget(RewardScorer.load(cfg), 2048)
     warm_up(basic)
     assert "step" not in basic.warm_up_s, "the CPU default is the basic warm-up"
-    scorer = RewardScorer.load(replace(cfg, warmup="step"))
+    scorer = _with_budget(RewardScorer.load(replace(cfg, warmup="step")), 2048)
     seen, packed = [], []
     scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width))
     real_packed = scorer._forward_packed
@@ -1240,14 +1243,14 @@ def test_help_is_short_and_leads_with_the_model_device_port_and_format_and_help_
                          "--add-special-tokens", "--chat-template"], flags  # fmt: skip
     text = " ".join(short.stdout.split())
     assert "default ]" not in text and "[REWARD_MODEL_PATH, required]" in text
-    assert "--token-budget" not in text and "--fuse" not in text, "the tuning settings wait for --help-all"
+    assert "--micro-batch-cost" not in text and "--fuse" not in text, "the tuning settings wait for --help-all"
     every = run("--help-all")
     assert every.returncode == 0, every.stderr
     text = " ".join(every.stdout.split())
     for name, (env, _, _) in _SETTINGS.items():
         assert f"--{name.replace('_', '-')} " in text and f"[{env}," in text, name
     # a setting --help does not show still parses
-    assert load_settings(["--token-budget", "4096", "--fuse", "off"], {}).token_budget == 4096
+    assert load_settings(["--micro-batch-cost", "96", "--fuse", "off"], {}).micro_batch_cost == 96
 
 
 # --- the real process --------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import socketserver
 import subprocess
@@ -472,12 +473,17 @@ def test_the_docs_memory_table_gives_the_rollouts_share_the_line_computes():
     assert f"= {share * (total - held):.1f} GiB on the 3 other(s)" in line
 
 
-def test_the_preflight_prints_the_rollouts_memory_in_one_line(job, tiny_models):
-    # What the login-node preflight prints, without a GPU to measure
-    server = {"REWARD_TOKEN_BUDGET": "1000000"}  # a peak of GiB, to tell apart from the rounding
-    result = run(job | FAST | server | {"PREFLIGHT_ONLY": "1", "CONFIG_REWARD_DEVICE": "cuda"})
+def test_the_preflight_prints_the_rollouts_memory_in_one_line(job, tiny_models, tmp_path):
+    # What the login-node preflight prints, without a GPU to measure. A wider MLP in the reward model's config (sized on
+    # the meta device: its weights are never read) makes a peak of GiB, to tell apart from the rounding.
+    wide = tmp_path / "wide_reward_model"
+    shutil.copytree(tiny_models.reward_model, wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps(config | {"intermediate_size": 65536}))
+    env = {"CONFIG_REWARD_MODEL_PATH": str(wide), "PREFLIGHT_ONLY": "1", "CONFIG_REWARD_DEVICE": "cuda"}
+    result = run(job | FAST | env)
     assert result.returncode == 0, result.stderr[-3000:]
-    peak = reward_server_peak(str(tiny_models.reward_model), server)
+    peak = reward_server_peak(str(wide), {})
     assert peak.total > GIB
     (printed,) = [x for x in result.stdout.splitlines() if x.startswith("preflight: GPU memory per GPU")]
     assert printed.startswith("preflight: GPU memory per GPU (no GPU here: shares of one): the trainer keeps ")

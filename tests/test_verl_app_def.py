@@ -265,4 +265,4 @@ def test_the_servers_files_the_image_copies_are_all_it_needs(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHONNOUSERSITE": "1"},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert "REWARD_TOKEN_BUDGET" in run.stdout
+    assert "REWARD_MICRO_BATCH_COST" in run.stdout

@@ -49,7 +49,7 @@ class RewardPeak:
 
 def reward_server_peak(model_path: str, environ: Mapping[str, str]) -> RewardPeak:
     """A reward server's peak on a GPU, from the model's config (built on the meta device: nothing is loaded) and the
-    server's own settings in the environment (REWARD_TOKEN_BUDGET, REWARD_GPU_MEMORY_GIB)."""
+    memory cap the environment gives the server (REWARD_GPU_MEMORY_GIB)."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -69,7 +69,7 @@ def reward_server_peak(model_path: str, environ: Mapping[str, str]) -> RewardPea
         config.hidden_size, config.intermediate_size, heads * head_dim, kv_heads * head_dim, 2
     )
     cap = int(server.gpu_memory_gib * GIB)
-    tokens = server.token_budget or model_token_budget(per_token, weights, cap)
+    tokens = model_token_budget(per_token, weights, cap)
     return RewardPeak(weights, int(ACTIVATION_MARGIN * per_token * tokens), tokens, cap)
 
 

@@ -131,7 +131,7 @@ class Planner:
         cls, settings: Settings, device: str, pack: bool, model_budget: int | None = None, model_cost: int | None = None
     ) -> "Planner":
         return cls(
-            token_budget=settings.effective_token_budget(device, model_budget),
+            token_budget=(model_budget or DEFAULT_GPU_BUDGET) if device.startswith("cuda") else 8192,
             max_length=settings.max_length,
             pack=pack,
             micro_batch_cost=settings.micro_batch_cost or model_cost or MICRO_BATCH_COST,

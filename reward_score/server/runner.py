@@ -90,7 +90,7 @@ class RewardScorer(PairEncoder):
                          and settings.pack == "auto" and model_packs(self.non_embedding_params))  # fmt: skip
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model_budget = None
-        if device.startswith("cuda") and not settings.token_budget and self.activation_bytes_per_token():
+        if device.startswith("cuda") and self.activation_bytes_per_token():
             # planner.MemoryTooSmall (a ValueError) when REWARD_GPU_MEMORY_GIB leaves no room: the server exits naming it
             self.model_budget = model_token_budget(
                 self.activation_bytes_per_token(), self.weight_bytes, int(settings.gpu_memory_gib * 2**30)

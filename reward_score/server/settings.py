@@ -31,7 +31,6 @@ class Settings:
     add_special_tokens: Literal["auto", "true", "false"] = "auto"
     chat_template: Literal["auto", "off"] = "auto"
     append_eos: Literal["auto", "true", "false"] = "auto"
-    token_budget: int = 0  # 0: from the model and the memory it may use on a GPU (at most 32768), 8192 on the CPU
     pack: str = "auto"
     micro_batch_cost: int = 0  # 0: from the model on a GPU (planner.model_micro_batch_cost), 1024 on the CPU
     compile: str = "auto"
@@ -44,15 +43,6 @@ class Settings:
     max_body_bytes: int = 64 * 1024 * 1024
     auth_token: str = ""
     log_level: str = "info"
-
-    def effective_token_budget(self, device: str, model_budget: int | None = None) -> int:
-        """The setting, else on a GPU the budget sized from the model (`model_budget`, see
-        planner.model_token_budget) or 32768, on the CPU 8192."""
-        if self.token_budget:
-            return self.token_budget
-        if not device.startswith("cuda"):
-            return 8192
-        return model_budget or 32768
 
 
 _SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, flag's value, help)
@@ -72,8 +62,6 @@ _SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, f
     "auth_token": ("REWARD_SERVER_TOKEN", "TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
     # --help-all only: logging, how the GPU thread batches, how the layers run, the warm-up, request limits
     "log_level": ("REWARD_LOG_LEVEL", "LEVEL", "debug | info | warning"),
-    "token_budget": ("REWARD_TOKEN_BUDGET", "TOKENS", "padded tokens per forward (0: from the model on GPU, 8192 on "
-                     "CPU)"),
     "pack": ("REWARD_PACK", "auto|off", "auto (models up to Qwen3-1.7B's size: several sequences to a padded row "
              "where that saves a fifth of the rows, each attending only to itself) | off"),
     "micro_batch_cost": ("REWARD_MICRO_BATCH_COST", "TOKENS", "what one more forward costs, in tokens, when rows are "
