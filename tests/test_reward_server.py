@@ -1207,6 +1207,8 @@ def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_report
         ({"REWARD_MICRO_BATCH_COST": "-1"}, "REWARD_MICRO_BATCH_COST must be 0 (from the model)"),
         ({"REWARD_PACK": "on"}, "REWARD_PACK must be auto or off"),
         ({"REWARD_CUDNN_ATTENTION": "on"}, "REWARD_CUDNN_ATTENTION"),
+        ({"REWARD_TOKEN_BUDGET": "65536"}, "REWARD_TOKEN_BUDGET is no longer a setting"),  # removed: never ignored
+        ({"REWARD_MAX_WAIT_MS": "40"}, "REWARD_MAX_WAIT_MS is no longer a setting"),
     ],
 )
 def test_bad_settings_exit_naming_the_variable(env, needle, capsys):

@@ -107,6 +107,11 @@ _OTHER_CHOICES = {"truncation": ("left", "reject"), "compile": ("auto", "layers"
                   "warmup": ("auto", "step", "basic"), "cudnn_attention": ("auto", "off"), "pack": ("auto", "off")}  # fmt: skip
 
 
+# Settings removed for want of a measured gain (issue #61, benchmarks/README.md): one still set is refused, not ignored.
+REMOVED = ("REWARD_TOKEN_BUDGET", "REWARD_MAX_BATCH_ROWS", "REWARD_PAD_MULTIPLE", "REWARD_MAX_WAIT_MS",
+           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH")  # fmt: skip
+
+
 def _default_shown(name: str, default: Any) -> str:
     if name == "model_path":
         return "required"
@@ -148,7 +153,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     args = parser.parse_args(argv)
     values.update({k: v for k, v in vars(args).items() if v is not None})
     settings = replace(defaults, **values)
-    problems = []
+    problems = [f"{name} is no longer a setting (its measured default is built in): unset it"
+                for name in REMOVED if environ.get(name)]  # fmt: skip
     for name, allowed in {**CHOICES, **_OTHER_CHOICES}.items():
         if getattr(settings, name) not in allowed:
             problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
