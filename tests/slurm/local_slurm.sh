@@ -6,6 +6,8 @@
 #   tests/slurm/local_slurm.sh status        # exit 0 when the cluster answers with both nodes usable
 #   sudo tests/slurm/local_slurm.sh stop     # stop the daemons (the configuration and state stay)
 #   export SLURM_CONF=/var/lib/local-slurm/slurm.conf   # then sbatch, srun, squeue, scontrol talk to it
+#   LOCAL_SLURM_DIR=/var/lib/local-slurm-2 LOCAL_SLURM_PORT=16827 LOCAL_SLURM_NODE_PORTS="17011 17012" $0 start
+#                                            # a second cluster beside the first (pytest with the same three names uses it)
 #
 # Everything lives in LOCAL_SLURM_DIR (config, state, logs, spools, the placeholder devices): nothing of a real
 # Slurm installation's /etc/slurm is touched, and the clients find this cluster through SLURM_CONF only.
