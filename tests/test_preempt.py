@@ -2,10 +2,14 @@
 reads from verl's step lines, and the Ray hook that makes verl's own save-before-expiry check say yes once. The job
 on the real Slurm: tests/test_slurm_jobs.py::test_a_preempted_job_saves_the_step_it_is_in_..."""
 
+import subprocess
+import sys
+
 import pytest
 from verl.utils.checkpoint import checkpoint_manager
 
 from launch.job import preempt
+from tests.support import REPO
 
 
 @pytest.mark.parametrize(
@@ -55,6 +59,20 @@ def test_the_hook_makes_verls_check_say_yes_once_after_the_request_and_leaves_it
     # verl's own check says no after a start's first step (no longest step yet): the request still saves there
     assert [check(max_steps_duration=0), check(max_steps_duration=5.0)] == [True, False], "once, then verl's own"
     assert f"preemption: saving after this step ({tmp_path / preempt.REQUEST})" in capsys.readouterr().out
+
+
+def test_the_hook_imports_nothing_of_verl_and_patches_its_check_as_verls_trainer_imports_it(tmp_path):
+    """In a fresh process, as a Ray worker starts: verl's import asks torch for the GPUs, which must wait for Ray."""
+    script = (
+        "import sys; from launch.job import preempt; preempt.install()\n"
+        "assert not [m for m in sys.modules if m.startswith('verl')], 'the hook imported verl'\n"
+        "from verl.trainer.ppo import ray_trainer\n"
+        f"open({str(tmp_path / preempt.REQUEST)!r}, 'w').close()\n"
+        "print([ray_trainer.should_save_ckpt_esi(max_steps_duration=0) for _ in range(2)])\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={"JOB_LOG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip().endswith("[True, False]"), run.stdout + run.stderr[-3000:]
 
 
 def test_the_command_line_prints_the_step_and_exits_0_only_for_a_save(tmp_path, capsys):

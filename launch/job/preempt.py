@@ -18,6 +18,8 @@ stops the job once the save is on disk.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -53,9 +55,36 @@ def lengths(log_dir: Path) -> tuple[int, float | None, float | None]:
 
 def install() -> None:
     """Ray's worker_process_setup_hook: verl's save-before-expiry check also says yes, once, when the run script has
-    asked for a save (JOB_LOG_DIR/preempt_requested). Runs before verl's trainer module takes the name."""
-    from verl.utils.checkpoint import checkpoint_manager
+    asked for a save (JOB_LOG_DIR/preempt_requested). verl's module is patched as it is imported, not imported here:
+    its import asks torch for the GPUs (verl/utils/device.py), which must wait for Ray to give the worker its own."""
+    if CHECK_MODULE in sys.modules:
+        _patch(sys.modules[CHECK_MODULE])
+    else:
+        sys.meta_path.insert(0, _PatchOnImport())
 
+
+CHECK_MODULE = "verl.utils.checkpoint.checkpoint_manager"
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds verl's checkpoint module once, through the other finders, and patches it after it has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name != CHECK_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def run_then_patch(module) -> None:
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = run_then_patch
+        return spec
+
+
+def _patch(checkpoint_manager) -> None:
     check = checkpoint_manager.should_save_ckpt_esi
     request = Path(os.environ.get("JOB_LOG_DIR", "/nonexistent")) / REQUEST
     answered = []
@@ -68,7 +97,7 @@ def install() -> None:
         return check(*args, **kwargs)
 
     checkpoint_manager.should_save_ckpt_esi = should_save_ckpt_esi
-    trainer = sys.modules.get("verl.trainer.ppo.ray_trainer")
+    trainer = sys.modules.get("verl.trainer.ppo.ray_trainer")  # imported before the hook: it holds the name itself
     if trainer is not None:
         trainer.should_save_ckpt_esi = should_save_ckpt_esi
 
