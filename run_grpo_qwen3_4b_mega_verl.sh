@@ -359,8 +359,8 @@ on_usr1() {
 }
 
 # on_preempted TIME: preempted at TIME, the partition's GraceTime from then: when a step, a save and the stop fit in
-# the grace left (launch/job/preempt.py), verl saves after the step it is in; then the job requeues itself (with
-# PreemptMode=CANCEL, the one that gives a grace, Slurm would not) and the next start resumes from that save.
+# the grace left (launch/job/preempt.py), verl saves after the step it is in; then the job requeues itself (ending
+# the grace early; with PreemptMode=CANCEL Slurm would not requeue it) and the next start resumes from that save.
 on_preempted() {
   local grace left line tracker="$CONFIG_OUTPUT_DIR/latest_checkpointed_iteration.txt" before="" deadline
   local -a wrap

@@ -153,7 +153,7 @@ def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_check
 
 
 def test_a_preempted_job_saves_the_step_it_is_in_and_its_requeued_start_resumes_there(job, submit, tmp_path):
-    """verl's FSDP2 workers on the CPU in the partition 'preemptible' (PreemptMode=CANCEL, GraceTime=120,
+    """verl's FSDP2 workers on the CPU in the partition 'preemptible' (PreemptMode=REQUEUE, GraceTime=120,
     preempt_send_user_signal: tests/slurm/local_slurm.sh), with SAVE_FREQ out of reach: only the preemption's save can
     explain where the second start resumes. Once two steps are done, an 'urgent' job that needs the whole node preempts
     it: Slurm sends the script's --signal (USR1) to the batch script alone, the script finds a PreemptTime, sees a step

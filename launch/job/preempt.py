@@ -1,10 +1,10 @@
 """Preemption that loses nothing: the save after the current step when Slurm's grace allows it, then the requeue.
 
-Slurm 22.05 gives a preempted job a grace only with PreemptMode=CANCEL and the partition's GraceTime (REQUEUE kills at
-once: SIGTERM to every process, srun's tasks SIGKILLed, KillWait later the rest), and it signals the batch script
-alone only with SlurmctldParameters=preempt_send_user_signal: then the job's own --signal (B:USR1) comes at the
-preemption, and the processes of the nodes are left alone until the grace ends (src/slurmctld/preempt.c
-_preempt_signal; without that parameter every task gets SIGTERM at once, and verl with it). The run script's USR1 trap
+Slurm 22.05 gives a preempted job the partition's GraceTime (PreemptMode=REQUEUE or CANCEL; without one it stops the job
+at once: SIGTERM to every process, srun kills its tasks, KillWait later SIGKILL), and at the grace's start it signals
+the batch script alone only with SlurmctldParameters=preempt_send_user_signal: then the job's own --signal (B:USR1)
+comes, and the processes of the nodes are left alone until the grace ends (src/slurmctld/preempt.c _preempt_signal;
+without that parameter every task gets SIGTERM at the grace's start, verl with it, and the batch script nothing). The run script's USR1 trap
 tells the preemption from the time limit by `scontrol show job`'s PreemptTime, asks this module whether a step and a
 save fit in the grace left (`python -m launch.job.preempt JOB_LOG_DIR GRACE_LEFT STOP_TIMEOUT`, exit 0: save), and
 then writes JOB_LOG_DIR/preempt_requested, waits for verl's tracker file to name a newer step, and requeues the job.

@@ -84,15 +84,15 @@ KillWait=30
 DefMemPerNode=2000
 NodeName=${nodes[0]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${node_ports[0]} CPUs=$cpus RealMemory=$mem_mb Gres=gpu:4
 NodeName=${nodes[1]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${node_ports[1]} CPUs=$cpus RealMemory=$mem_mb Gres=gpu:4
-# Preemption with a grace: a job in 'urgent' (the higher PriorityTier) that needs a node preempts the jobs of
-# 'preemptible' there. Slurm 22.05 gives a grace (GraceTime) with PreemptMode=CANCEL only (REQUEUE kills at once), and
-# preempt_send_user_signal sends the job's own --signal to its batch script then instead of SIGTERM to every process;
-# the job saves and requeues itself (launch/job/preempt.py). 'debug', every other test's, is never preempted.
+# Preemption as a cluster runs it: a job in 'urgent' (the higher PriorityTier) that needs a node preempts the jobs of
+# 'preemptible' there: GraceTime seconds, then SIGTERM, SIGKILL KillWait later, and back in the queue. At the grace's
+# start preempt_send_user_signal sends the job's own --signal to its batch script (not SIGTERM to every task): the job
+# saves and requeues itself (launch/job/preempt.py). 'debug', every other test's, is never preempted.
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
 PartitionName=debug Nodes=${nodes[0]},${nodes[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
-PartitionName=preemptible Nodes=${nodes[0]},${nodes[1]} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=CANCEL GraceTime=120
+PartitionName=preemptible Nodes=${nodes[0]},${nodes[1]} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=120
 PartitionName=urgent Nodes=${nodes[0]},${nodes[1]} MaxTime=INFINITE State=UP PriorityTier=2
 EOF
   printf 'NodeName=%s Name=gpu File=%s/dev/nvidia[0-3]\n' "${nodes[0]},${nodes[1]}" "$dir" >"$dir/gres.conf"
