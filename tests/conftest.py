@@ -178,7 +178,6 @@ LONGEST_FIRST = (
     "tests/test_demo.py::test_make_demo_",
     "tests/test_slurm_jobs.py::test_verl_saves_before_the_time_limit",
     "tests/test_slurm_jobs.py::test_ppo_with_two_pipeline_stages",
-    "tests/test_slurm_jobs.py::test_a_preempted_job_saves",
     "tests/test_megatron_memory.py::test_the_benchmark_runs",
     "tests/test_canary.py::test_canary_1_sbatch_on_two_nodes",
     "tests/test_canary.py::test_a_merged_model_that_fails_verification",
