@@ -130,6 +130,7 @@ PREFLIGHT_REWARD_DEVICE="${PREFLIGHT_REWARD_DEVICE:-auto}"      # the preflight'
 CHECKPOINT_BEFORE_END="${CHECKPOINT_BEFORE_END:-1800}"          # s before the time limit verl saves (> --signal's 900)
 ESI_REDUNDANT_TIME="${ESI_REDUNDANT_TIME:-auto}"                # s that window adds for validation + save; auto: measured
 REQUEUE_BEFORE_TIMEOUT="${REQUEUE_BEFORE_TIMEOUT:-1}"           # on the time-limit signal, requeue unless finished
+PREEMPT_SAVE="${PREEMPT_SAVE:-1}"                               # preempted: save after this step if the grace allows, requeue
 REWARD_START_TIMEOUT="${REWARD_START_TIMEOUT:-900}"             # seconds for reward servers to become healthy
 REWARD_RESTARTS="${REWARD_RESTARTS:-3}"                         # a reward server that dies is restarted this often...
 REWARD_RESTART_WINDOW="${REWARD_RESTART_WINDOW:-3600}"          # ...within this many seconds; one more stops the job
@@ -155,6 +156,8 @@ set +a
 # `nsys profile ...`), and TRAINER_IS_VERL=0 where that runs no verl trainer at all (the tests' stand-in), which the
 # preflight then does not check as verl's (docs/development.md).
 export TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}" TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"
+# The CPU runs' Ray hook (demo/verl_cpu.py) calls this one after its shims: the save on preemption (launch/job/preempt.py).
+export CPU_RUN_THEN_HOOK="${CPU_RUN_THEN_HOOK:-launch.job.preempt.install}"
 
 # shellcheck source=launch/job/common.sh
 source "$repo/launch/job/common.sh"
@@ -329,16 +332,71 @@ preflight() {
   log "checks passed"
 }
 
+requeue() {
+  if scontrol requeue "$SLURM_JOB_ID"; then
+    requeued=1
+  else
+    err "scontrol requeue failed; resubmit by hand to resume"
+  fi
+}
+
+# preempt_time: when Slurm chose to preempt this job (scontrol show job's PreemptTime); empty when it did not.
+preempt_time() {
+  [[ -z "${SLURM_JOB_ID:-}" ]] ||
+    timeout 5 scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.* PreemptTime=\([0-9T:-]*\).*/\1/p' || true
+}
+
+# on_usr1: the job's --signal comes before the time limit, and at a preemption where the cluster sends it then
+# (SlurmctldParameters=preempt_send_user_signal); only then has the job a PreemptTime.
+on_usr1() {
+  local preempted
+  preempted=$(preempt_time)
+  if [[ -n "$preempted" ]]; then
+    on_preempted "$preempted"
+  else
+    on_time_limit
+  fi
+}
+
+# on_preempted TIME: preempted at TIME, the partition's GraceTime from then: when a step, a save and the stop fit in
+# the grace left (launch/job/preempt.py), verl saves after the step it is in; then the job requeues itself (ending
+# the grace early; with PreemptMode=CANCEL Slurm would not requeue it) and the next start resumes from that save.
+on_preempted() {
+  local grace left line tracker="$CONFIG_OUTPUT_DIR/latest_checkpointed_iteration.txt" before="" deadline
+  local -a wrap
+  if [[ "$PREEMPT_SAVE" != 1 ]]; then
+    log "preempted: PREEMPT_SAVE=$PREEMPT_SAVE, so no save and no requeue; Slurm stops the job when its grace ends"
+    return 0
+  fi
+  grace=$(timeout 5 scontrol show partition "${SLURM_JOB_PARTITION:-}" 2>/dev/null | sed -n 's/.*GraceTime=\([0-9]*\).*/\1/p')
+  left=$(($(date -d "$1" +%s) + ${grace:-0} - $(date +%s)))
+  [[ ! -f "$tracker" ]] || before=$(<"$tracker")
+  mapfile -d '' -t wrap < <(container_cmd)
+  if line=$(cd "$repo" && "${wrap[@]}" python3 -m launch.job.preempt "$job_log_dir" "$left" "$STOP_TIMEOUT"); then
+    log "$line"
+    : >"$job_log_dir/preempt_requested"  # verl's trainer sees it at the end of the step (launch.job.preempt.install)
+    deadline=$((SECONDS + left - STOP_TIMEOUT - 15))
+    while alive "$srun_pid" && ((SECONDS < deadline)) && [[ "$(cat "$tracker" 2>/dev/null)" == "$before" ]]; do
+      sleep 1
+    done
+    if [[ "$(cat "$tracker" 2>/dev/null)" != "$before" ]]; then
+      log "preempted: verl saved step $(<"$tracker"); requeueing job $SLURM_JOB_ID, which resumes there"
+    else
+      err "preempted: no save within the grace; requeueing job $SLURM_JOB_ID, which resumes from ${before:-the start}"
+    fi
+  else
+    log "${line:-preempted: launch.job.preempt failed (above)}; requeueing job $SLURM_JOB_ID, which resumes from" \
+      "${before:-the start}"
+  fi
+  requeue
+}
+
 on_time_limit() {
   if [[ -e "$CONFIG_OUTPUT_DIR/TRAINING_DONE" ]]; then
     log "time-limit signal, but training already finished: no requeue"
   elif [[ "$REQUEUE_BEFORE_TIMEOUT" == 1 && -n "${SLURM_JOB_ID:-}" ]]; then
     log "time-limit signal: requeueing job $SLURM_JOB_ID; it resumes from $CONFIG_OUTPUT_DIR (resume_mode=auto)"
-    if scontrol requeue "$SLURM_JOB_ID"; then
-      requeued=1
-    else
-      err "scontrol requeue failed; resubmit by hand to resume"
-    fi
+    requeue
   else
     log "time-limit signal: not requeueing (REQUEUE_BEFORE_TIMEOUT=$REQUEUE_BEFORE_TIMEOUT)"
   fi
@@ -355,22 +413,21 @@ on_stall() {
   elif [[ "$STALL_REQUEUE" == 1 && -n "${SLURM_JOB_ID:-}" ]] && ((!interactive)); then
     log "the trainer stalled: requeueing job $SLURM_JOB_ID once (STALL_REQUEUE=1); it resumes from $CONFIG_OUTPUT_DIR," \
       "and a second stall in a row ends it failed"
-    if scontrol requeue "$SLURM_JOB_ID"; then
-      requeued=1
-    else
-      err "scontrol requeue failed; resubmit by hand to resume"
-    fi
+    requeue
   else
     log "the trainer stalled: not requeueing (STALL_REQUEUE=$STALL_REQUEUE; an interactive allocation never does)"
   fi
 }
 
 # on_stop_signal CODE: SIGTERM/SIGINT (scancel, Ctrl-C, a workstation's kill): stop every node, exit non-zero.
-# After a requeue Slurm ends this start the same way: then the log says so.
+# After a requeue Slurm ends this start the same way, and a preemption without a grace too: then the log says so.
 on_stop_signal() {
   if ((requeued)); then
     log "stopping this start for the requeue (within STOP_TIMEOUT=$STOP_TIMEOUT s); Slurm starts the job again" \
       "in a few minutes (its logs: $CONFIG_LOG_DIR/${job_id}-r$((${SLURM_RESTART_COUNT:-0} + 1)))"
+  elif [[ "$1" == 143 && -n "$(preempt_time)" ]]; then
+    log "preempted without a grace to save in (docs/operations.md#preemption): stopping every node; a requeued start" \
+      "resumes from the last save (SAVE_FREQ=$SAVE_FREQ)"
   else
     log "stop signal: stopping the job on every node (within STOP_TIMEOUT=$STOP_TIMEOUT s)"
   fi
@@ -446,7 +503,7 @@ launch() {
 
 main() {
   trap cleanup EXIT
-  trap on_time_limit USR1
+  trap on_usr1 USR1
   trap 'on_stop_signal 130' INT
   trap 'on_stop_signal 143' TERM
   export_settings

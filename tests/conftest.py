@@ -223,6 +223,7 @@ SLOW_TESTS = (
     "test_reward_client.py::test_a_4xx_is_never_retried", "test_reward_client.py::test_a_dead_server_with_a_6_s_budget",
     "test_reward_server.py::test_the_port_stays_closed_while", "test_reward_server.py::test_health_answers_only_once",
     "test_reward_server.py::test_a_model_that_cannot_load_exits", "test_check_format.py::test_the_command_recommends",
+    "test_preempt.py::test_the_hook_imports_nothing_of_verl",
 )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from demo import megatron_cpu, verl_cpu
 from launch.job import node
 from launch.job.steps import is_training_step, parse_step_lines
 from tests import stall_hook
-from tests.real_slurm import FINISHED, NODE_SIZE
+from tests.real_slurm import FINISHED, NODE_SIZE, slurm_env
 from tests.support import (
     MEGATRON_TRAINER,
     REAL_TRAINER,
@@ -87,6 +87,7 @@ def test_scancel_mid_training_ends_the_job_cancelled_with_nothing_of_it_left(job
     # lines may never reach the output. What holds: the batch script's own stop and exit lines, and nothing of the
     # job left (what the helpers did not stop, Slurm's SIGTERM and, after KillWait, its SIGKILL did).
     assert "stop signal: stopping the job on every node (within STOP_TIMEOUT=20 s)" in out, out[-4000:]
+    assert "preempted" not in out, "a scancel has no PreemptTime: no save is waited for (docs/operations.md#preemption)"
     assert "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=143" in out, out[-4000:]
     assert not (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
     assert_everything_stopped(env)
@@ -162,6 +163,46 @@ def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_check
     assert runs == [f"qwen3_4b_grpo_megatron-{j.id}", f"qwen3_4b_grpo_megatron-{j.id}-r1"], runs
     for start in (logs_of(env, j), Path(f"{logs_of(env, j)}-r1")):
         assert_everything_stopped(env, logs=start)
+
+
+def test_a_preempted_job_saves_the_step_it_is_in_and_its_requeued_start_resumes_there(job, submit, tmp_path):
+    """verl's FSDP2 workers on the CPU in the partition 'preemptible' (PreemptMode=REQUEUE, GraceTime=120,
+    preempt_send_user_signal: tests/slurm/local_slurm.sh), with SAVE_FREQ out of reach: only the preemption's save can
+    explain where the second start resumes. Once two steps are done, an 'urgent' job that needs the whole node preempts
+    it: Slurm sends the script's --signal (USR1) to the batch script alone, the script finds a PreemptTime, sees a step
+    and a save fit in the grace, asks verl for a save after the step it is in (launch/job/preempt.py), waits for
+    verl's tracker file, and requeues the job; the second start resumes at that step and trains to the end."""
+    env = job | FAST | REAL_TRAINER
+    args = real_trainer_args("trainer.total_training_steps=10", "trainer.save_freq=1000", "trainer.test_freq=-1")
+    options = (*NODE_SIZE, "--partition=preemptible", "--nodelist=n1")
+    j = submit(env, *args, out=tmp_path / "job.out", options=options)
+    log, tracker = logs_of(env, j) / "trainer.log", Path(env["CONFIG_OUTPUT_DIR"]) / "latest_checkpointed_iteration.txt"
+    j.wait_for("step 2 of the first start", lambda: log.is_file() and " step:2 - " in log.read_text(), 600)
+    urgent = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--nodelist=n1", "--cpus-per-task=8",
+                             "--mem=500M", f"--output={tmp_path / 'urgent.out'}", "--wrap=sleep 1"],
+                            env=slurm_env(env), capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    try:
+        # Slurm holds a requeued job a while (BeginTime): the test does not wait that out.
+        j.wait_until("requeued", lambda f: f.get("Restarts") == "1" and f["JobState"] == "PENDING", 300)
+    finally:
+        subprocess.run(["scancel", urgent.stdout.strip()], env=slurm_env(env), timeout=30)
+    j.scontrol("update", f"JobId={j.id}", "StartTime=now")
+    first = j.output()
+    preempted = re.search(r"preempted at step (\d+): saving after this step \(grace (\d+) s, a step takes", first)
+    saved = re.search(r"preempted: verl saved step (\d+); requeueing job", first)
+    assert preempted and saved, first[-4000:]
+    step = int(preempted.group(1))
+    assert int(saved.group(1)) == step >= 3 and 60 < int(preempted.group(2)) <= 120, first[-4000:]
+    assert "Force saving checkpoint: ESI instance expiration approaching." in log.read_text()
+    assert "stopping this start for the requeue" in first and "run_grpo_qwen3_4b_mega_verl.sh exiting" in first
+    fields = j.wait(600)
+    assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "1"), j.output()[-4000:]
+    second = Path(f"{logs_of(env, j)}-r1") / "trainer.log"
+    steps = sorted(n for n, m in parse_step_lines(second.read_text()).items() if is_training_step(m))
+    assert f"Setting global step to {step}" in second.read_text() and steps == list(range(step + 1, 11)), steps
+    saves = {p.name for p in Path(env["CONFIG_OUTPUT_DIR"]).glob("global_step_*")}
+    assert saves == {f"global_step_{step}", "global_step_10"}, "the preemption's save and the last step's only"
+    assert (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists() and tracker.read_text().strip() == "10"
 
 
 def test_two_jobs_on_one_node_at_once_each_use_their_own_reward_server_and_ray(job, submit, tmp_path, tiny_models):

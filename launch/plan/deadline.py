@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the type only: at run time this module imports nothing of l
 FIRST_GUESS = 600  # s for a validation and a save before this job measured any (a 4B save with optimizer: minutes)
 VERL_SAVE_SECONDS = 60  # should_save_ckpt_esi's own save_ckpt_duration
 # verl's console logger prints each number with pprint.pformat: a float as is, a numpy one as np.float64(...) (numpy 2)
-_TIMING = re.compile(r"(?:^|\s)timing_s/(testing|save_checkpoint):(?:np\.float\d+\()?([0-9.eE+-]+)")
+_TIMING = re.compile(r"(?:^|\s)timing_s/(step|testing|save_checkpoint):(?:np\.float\d+\()?([0-9.eE+-]+)")
 
 
 class StallError(ValueError):
@@ -82,7 +82,7 @@ def earlier_starts(env: Mapping[str, str]) -> list[Path]:
 
 
 def measured(folders: list[Path]) -> dict[str, float]:
-    """The longest validation and save (s) that verl logged in these folders' trainer.log, by timing name."""
+    """The longest step, validation and save (s) that verl logged in these folders' trainer.log, by timing name."""
     longest: dict[str, float] = {}
     for folder in folders:
         log = folder / "trainer.log"

@@ -178,7 +178,10 @@ _OTHER_VALUES = {"ALGORITHM": ["ppo", "dapo"], "STRATEGY": ["fsdp2"], "ROLLOUT_M
                  "FUSED_KERNELS": ["off"]}  # fmt: skip
 # What moves a key besides the block: Slurm's node count (the #SBATCH line or sbatch --nodes).
 _OUTSIDE_THE_BLOCK = {"#SBATCH --nodes": {"SLURM_NNODES": "3"}}
-_NOT_A_SETTING = {"custom_reward_function.path": "always this repository's reward function"} | {
+_NOT_A_SETTING = {
+    "custom_reward_function.path": "always this repository's reward function",
+    "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook": "every job: the save on preemption (operations.md)",
+} | {
     key: "every job: micro-batches by token count (training.md)"
     for key in ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "critic.use_dynamic_bsz")

@@ -124,6 +124,7 @@ def recompute_overrides(s: Settings, section: str) -> list[str]:
 # The Ray hook of a Megatron run on a CPU (demo/megatron_cpu.py, HOOK): there verl's pure-torch FusedLinearForPPO,
 # which takes any hidden size, stands in for the Triton kernel.
 CPU_STAND_IN_HOOK = "ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=demo.megatron_cpu.install"
+PREEMPT_HOOK = "launch.job.preempt.install"
 FUSED_OVERRIDES = ["actor_rollout_ref.model.use_fused_kernels=True", "+actor_rollout_ref.ref.use_fused_kernels=True"]
 
 
@@ -402,6 +403,10 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
             f"rollout.nnodes={s.train_nodes}",
             f"rollout.n_gpus_per_node={s.rollout_gpus_per_node}",
         ]
+    if not any("worker_process_setup_hook=" in o for o in extra or []):
+        # verl saves after the current step when the job is preempted (launch/job/preempt.py); the CPU runs' own
+        # hook calls it after theirs (CPU_RUN_THEN_HOOK).
+        argv.append(f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={PREEMPT_HOOK}")
     if ray_address:
         # Connect to this job's Ray cluster explicitly, never to a stale one found through /tmp/ray.
         argv.append(f"+ray_kwargs.ray_init.address={ray_address}")

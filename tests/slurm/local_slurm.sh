@@ -6,6 +6,8 @@
 #   tests/slurm/local_slurm.sh status        # exit 0 when the cluster answers with both nodes usable
 #   sudo tests/slurm/local_slurm.sh stop     # stop the daemons (the configuration and state stay)
 #   export SLURM_CONF=/var/lib/local-slurm/slurm.conf   # then sbatch, srun, squeue, scontrol talk to it
+#   LOCAL_SLURM_DIR=/var/lib/local-slurm-2 LOCAL_SLURM_PORT=16827 LOCAL_SLURM_NODE_PORTS="17011 17012" $0 start
+#                                            # a second cluster beside the first (pytest with the same three names uses it)
 #
 # Everything lives in LOCAL_SLURM_DIR (config, state, logs, spools, the placeholder devices): nothing of a real
 # Slurm installation's /etc/slurm is touched, and the clients find this cluster through SLURM_CONF only.
@@ -16,7 +18,7 @@ set -euo pipefail
 dir=${LOCAL_SLURM_DIR:-/var/lib/local-slurm}
 conf=$dir/slurm.conf
 nodes=(n1 n2)
-node_ports=(17001 17002)
+read -r -a node_ports <<<"${LOCAL_SLURM_NODE_PORTS:-17001 17002}"  # another port pair: a second cluster beside this one
 ctld_port=${LOCAL_SLURM_PORT:-16817}
 cpus=${LOCAL_SLURM_CPUS:-8}
 mem_mb=${LOCAL_SLURM_MEM_MB:-16000}
@@ -82,11 +84,13 @@ KillWait=30
 DefMemPerNode=2000
 NodeName=${nodes[0]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${node_ports[0]} CPUs=$cpus RealMemory=$mem_mb Gres=gpu:4
 NodeName=${nodes[1]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${node_ports[1]} CPUs=$cpus RealMemory=$mem_mb Gres=gpu:4
-# Preemption as a cluster runs it: a job in 'urgent' (the higher PriorityTier) that needs a node requeues the jobs of
-# 'preemptible' there (Slurm decides in its scheduling passes, up to a minute after the submit): SIGTERM, SIGKILL
-# GraceTime seconds later unless the job has ended, then back in the queue. 'debug', every other test's, is never preempted.
+# Preemption as a cluster runs it: a job in 'urgent' (the higher PriorityTier) that needs a node preempts the jobs of
+# 'preemptible' there: GraceTime seconds, then SIGTERM, SIGKILL KillWait later, and back in the queue. At the grace's
+# start preempt_send_user_signal sends the job's own --signal to its batch script (not SIGTERM to every task): the job
+# saves and requeues itself (launch/job/preempt.py). 'debug', every other test's, is never preempted.
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
+SlurmctldParameters=preempt_send_user_signal
 PartitionName=debug Nodes=${nodes[0]},${nodes[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
 PartitionName=preemptible Nodes=${nodes[0]},${nodes[1]} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=120
 PartitionName=urgent Nodes=${nodes[0]},${nodes[1]} MaxTime=INFINITE State=UP PriorityTier=2
