@@ -178,6 +178,7 @@ LONGEST_FIRST = (  # by the slow tier's --durations in CI (2026-12-06, 2 cores)
     "tests/test_quickstart.py::",
     "tests/test_demo.py::test_make_demo_",
     "tests/test_slurm_jobs.py::test_verl_saves_before_the_time_limit",
+    "tests/test_slurm_jobs.py::test_a_preempted_job_saves_the_step_it_is_in",
     "tests/test_slurm_jobs.py::test_ppo_with_two_pipeline_stages",
     "tests/test_status.py::test_a_requeued_job_shows_where_it_resumes",
     "tests/test_canary.py::test_canary_1_sbatch_on_two_nodes",
