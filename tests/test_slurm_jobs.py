@@ -174,11 +174,11 @@ def test_a_preempted_job_saves_the_step_it_is_in_and_its_requeued_start_resumes_
     verl's tracker file, and requeues the job; the second start resumes at that step and trains to the end."""
     env = job | FAST | REAL_TRAINER
     args = real_trainer_args("trainer.total_training_steps=10", "trainer.save_freq=1000", "trainer.test_freq=-1")
-    options = (*NODE_SIZE, "--partition=preemptible", "--nodelist=n1")
+    options = (*NODE_SIZE, "--partition=preemptible", "--nodelist=n3")
     j = submit(env, *args, out=tmp_path / "job.out", options=options)
     log, tracker = logs_of(env, j) / "trainer.log", Path(env["CONFIG_OUTPUT_DIR"]) / "latest_checkpointed_iteration.txt"
     j.wait_for("step 2 of the first start", lambda: log.is_file() and " step:2 - " in log.read_text(), 600)
-    urgent = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--nodelist=n1", "--cpus-per-task=8",
+    urgent = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--nodelist=n3", "--cpus-per-task=8",
                              "--mem=500M", f"--output={tmp_path / 'urgent.out'}", "--wrap=sleep 1"],
                             env=slurm_env(env), capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
     try:

@@ -17,8 +17,8 @@ set -euo pipefail
 
 dir=${LOCAL_SLURM_DIR:-/var/lib/local-slurm}
 conf=$dir/slurm.conf
-nodes=(n1 n2)
-read -r -a node_ports <<<"${LOCAL_SLURM_NODE_PORTS:-17001 17002}"  # another port pair: a second cluster beside this one
+nodes=(n1 n2 n3)  # n3: the preemption test's alone (partitions preemptible and urgent only)
+read -r -a node_ports <<<"${LOCAL_SLURM_NODE_PORTS:-17001 17002 17003}"  # other ports: a second cluster beside this one
 ctld_port=${LOCAL_SLURM_PORT:-16817}
 cpus=${LOCAL_SLURM_CPUS:-8}
 mem_mb=${LOCAL_SLURM_MEM_MB:-16000}
@@ -84,18 +84,21 @@ KillWait=30
 DefMemPerNode=2000
 NodeName=${nodes[0]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${node_ports[0]} CPUs=$cpus RealMemory=$mem_mb Gres=gpu:4
 NodeName=${nodes[1]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${node_ports[1]} CPUs=$cpus RealMemory=$mem_mb Gres=gpu:4
+NodeName=${nodes[2]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${node_ports[2]} CPUs=$cpus RealMemory=$mem_mb Gres=gpu:4
 # Preemption as a cluster runs it: a job in 'urgent' (the higher PriorityTier) that needs a node preempts the jobs of
 # 'preemptible' there: GraceTime seconds, then SIGTERM, SIGKILL KillWait later, and back in the queue. At the grace's
 # start preempt_send_user_signal sends the job's own --signal to its batch script (not SIGTERM to every task): the job
-# saves and requeues itself (launch/job/preempt.py). 'debug', every other test's, is never preempted.
+# saves and requeues itself (launch/job/preempt.py). 'debug' (n1, n2), every other
+# test's, is never preempted; n3 is in 'preemptible' and 'urgent' only, so no other test's job can keep the urgent
+# one from running once the preemptible one is gone (else Slurm would not preempt it).
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
 PartitionName=debug Nodes=${nodes[0]},${nodes[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
-PartitionName=preemptible Nodes=${nodes[0]},${nodes[1]} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=120
-PartitionName=urgent Nodes=${nodes[0]},${nodes[1]} MaxTime=INFINITE State=UP PriorityTier=2
+PartitionName=preemptible Nodes=${nodes[2]} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=120
+PartitionName=urgent Nodes=${nodes[2]} MaxTime=INFINITE State=UP PriorityTier=2
 EOF
-  printf 'NodeName=%s Name=gpu File=%s/dev/nvidia[0-3]\n' "${nodes[0]},${nodes[1]}" "$dir" >"$dir/gres.conf"
+  printf 'NodeName=%s Name=gpu File=%s/dev/nvidia[0-3]\n' "${nodes[0]},${nodes[1]},${nodes[2]}" "$dir" >"$dir/gres.conf"
   if ! cmp -s "$conf.tmp" "$conf"; then
     mv "$conf.tmp" "$conf"
     return 0  # changed: daemons that run must be restarted
@@ -143,7 +146,7 @@ wait_until() {
 nodes_usable() {
   local states
   states=$(sinfo --noheader --Node --format='%N %t' 2>/dev/null | sort -u) || return 1
-  [[ $(grep -cE '^n[12] (idle|mix|alloc)' <<<"$states") == 2 ]]
+  [[ $(grep -cE '^n[123] (idle|mix|alloc)' <<<"$states") == 3 ]]
 }
 
 start() {
@@ -172,7 +175,7 @@ start() {
   # A node left down or drained by an earlier start (or a daemon killed with jobs on it) comes back here.
   local deadline=$((SECONDS + 60))
   until nodes_usable; do
-    scontrol update nodename="${nodes[0]},${nodes[1]}" state=resume >/dev/null 2>&1 || true
+    scontrol update nodename="${nodes[0]},${nodes[1]},${nodes[2]}" state=resume >/dev/null 2>&1 || true
     if ((SECONDS >= deadline)); then
       sinfo --Node --long >&2 || true
       die "the nodes are not usable after 60 s (above; logs: $dir/slurmd-n1.log, $dir/slurmd-n2.log)"
