@@ -26,105 +26,20 @@ on the same model and ceiling, each with its own server: upper-case keys are ser
 
 import argparse
 import copy
-import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks import reward_bench_rows
+from benchmarks.common import SHAPES as ALL_SHAPES
+from benchmarks.common import build_reward_model, command_line, machine_info, write_json
+from benchmarks.reward_bench_rows import ROWS, Bench, check_rows, parse_variant
+from benchmarks.reward_bench_workload import texts, workload
 
-from benchmarks import reward_bench_rows  # noqa: E402
-from benchmarks.reward_bench_rows import ROWS, Bench, check_rows, parse_variant  # noqa: E402
-from benchmarks.reward_bench_workload import texts, workload  # noqa: E402
-from demo.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
-
-SHAPES = {
-    "qwen3-1.7b": dict(
-        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    ),
-    # the public Qwen3-8B and Qwen3-14B configs' dimensions
-    "qwen3-8b": dict(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    ),
-    "qwen3-14b": dict(
-        hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    ),
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=4096,
-    ),
-}  # fmt: skip
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
-
-
-def machine_info(device: str) -> dict:
-    """What a result ran on: the GPU, how many are visible, torch and transformers (the GPU fields on a GPU only)."""
-    import transformers
-
-    info = {}
-    if device.startswith("cuda"):
-        import torch
-
-        info.update(gpu=torch.cuda.get_device_name(), gpus_visible=torch.cuda.device_count(), torch=torch.__version__)
-    info["transformers"] = transformers.__version__
-    return info
-
-
-def build_tokenizer(vocab_size: int):
-    """The word-level tokenizer the benchmarks' models share: the specials, then w0, w1, ... up to `vocab_size`
-    entries (one word, one token), with the reward chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = vocab_size - len(SPECIALS) - 2
-    vocab = {t: i for i, t in enumerate(SPECIALS + ["[UNK]"] + [f"w{i}" for i in range(words)])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=REWARD_CHAT_TEMPLATE,
-    )  # fmt: skip
-
-
-def build_model(shape: str, out: Path, device: str) -> tuple[Path, float, int]:
-    """A randomly initialised reward model of `shape` and a word-level tokenizer in `out` (kept where `out` already
-    holds one of that shape: a big checkpoint is written once); returns (dir, non-embedding params, words)."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, Qwen3Config
-
-    dims = SHAPES[shape]
-    words = dims["vocab_size"] - len(SPECIALS) - 2
-    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
-        config = Qwen3Config.from_pretrained(out)
-        if all(getattr(config, k) == v for k, v in dims.items()):
-            with torch.device("meta"):
-                model = AutoModelForSequenceClassification.from_config(config)
-            params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-            return out, float(params), words
-    tokenizer = build_tokenizer(dims["vocab_size"])
-    config = Qwen3Config(
-        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True, num_labels=1,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    del model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return out, float(params), words
+SHAPES = {k: ALL_SHAPES[k] for k in ("qwen3-1.7b", "qwen3-8b", "qwen3-14b", "tiny")}
 
 
 def matmul_tflops(device: str, seconds: float = 4.0) -> dict | None:
@@ -199,12 +114,12 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[dict]]:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each row (cold: 1); the median")
     parser.add_argument("--variant", action="append", default=[], help="NAME[:KEY=VALUE,...]; see above")
     parser.add_argument("--no-first-pass", action="store_true",
-                        help="without a cold row, the first measured row is the servers' first step (no unmeasured "
+                        help="without a cold row, the first measured row is the server's first step (no unmeasured "
                         "pass before it; saves a step on big models)")  # fmt: skip
     parser.add_argument("--model-dir", type=Path, help="where the random checkpoint goes (reused if it is there)")
     parser.add_argument("--pid-file", type=Path, help="append the pid of every server started (for cleanup)")
     args = parser.parse_args(argv)
-    args.command = "python -m benchmarks.reward_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args.command = command_line("benchmarks.reward_bench", argv)
     try:
         rows = check_rows(args.rows.split(",")) if args.rows else list(ROWS)
         variants = [parse_variant(v, rows) for v in (args.variant or ["default"])]
@@ -214,15 +129,15 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[dict]]:
 
 
 def step_maker(model_dir: Path, samples: int, words: int):
-    """`step(seed, n)`: the step's (prompt, response) texts and its token count in the server's format, cached."""
+    """`step(seed)`: the step's (prompt, response) texts and its token count in the server's format, cached."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    cache: dict[tuple[int, int], tuple] = {}
+    cache: dict[int, tuple] = {}
 
-    def step(seed: int, n: int = samples):
-        if (seed, n) not in cache:
-            pairs = texts(workload(seed, n), seed, words)
+    def step(seed: int):
+        if seed not in cache:
+            pairs = texts(workload(seed, samples), seed, words)
             rendered = [
                 tokenizer.apply_chat_template(
                     [{"role": "user", "content": p}, {"role": "assistant", "content": r}], tokenize=False
@@ -230,8 +145,8 @@ def step_maker(model_dir: Path, samples: int, words: int):
                 for p, r in pairs
             ]
             tokens = sum(len(x) for x in tokenizer(rendered, add_special_tokens=False)["input_ids"])
-            cache[(seed, n)] = (pairs, tokens)
-        return cache[(seed, n)]
+            cache[seed] = (pairs, tokens)
+        return cache[seed]
 
     return step
 
@@ -241,7 +156,7 @@ def main(argv=None) -> int:
     reward_bench_rows.PID_FILE = args.pid_file  # every server the run starts is listed there
     work = Path(tempfile.mkdtemp(prefix="reward_bench_"))
     t0 = time.monotonic()
-    model_dir, params, words = build_model(args.shape, args.model_dir or work / "model", args.device)
+    model_dir, params, words = build_reward_model(args.shape, args.model_dir or work / "model", args.device)
     print(f"model {args.shape}: {params / 1e9:.3f}e9 non-embedding parameters, ready in {time.monotonic() - t0:.1f} s")
     rate_start = matmul_tflops(args.device)
     step = step_maker(model_dir, args.samples, words)
@@ -254,7 +169,7 @@ def main(argv=None) -> int:
         """What is measured so far, against the first ceiling measurement (a later kill loses nothing)."""
         info = {"name": variant["name"], "env": variant["env"], "startup_s": server.startup_s,
                 "health": server.health, "in_progress": True}  # fmt: skip
-        write_result(args, assemble(args, params, rate_start, None, ours + rows, infos + [info], failed, done=False))
+        write_json(args.out, assemble(args, params, rate_start, None, ours + rows, infos + [info], failed, done=False))
 
     bench.on_row = partial
     for variant in variants:
@@ -267,7 +182,7 @@ def main(argv=None) -> int:
         ours.extend(rows)
         infos.append(info)
     result = assemble(args, params, rate_start, matmul_tflops(args.device), ours, infos, failed)
-    write_result(args, result)
+    write_json(args.out, result)
     print_summary(result)
     print(f"wrote {args.out}")
     return 1 if failed else 0
@@ -301,12 +216,6 @@ def assemble(args, params, rate_start, rate_end, ours, infos, failed, done=True)
     }  # fmt: skip
     result.update(machine_info(args.device))
     return result
-
-
-def write_result(args, result: dict) -> None:
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, args.out)
 
 
 def print_summary(result: dict) -> None:
