@@ -67,6 +67,14 @@ def random_model(auto_class, config, device: str, seed: int):
         return auto_class.from_config(config, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
 
 
+def random_policy(dims: dict, tokenizer, device: str):
+    """A Qwen3 causal LM of `dims` with random weights (seed 1), tied embeddings as the small Qwen3 models have, the
+    tokenizer's special tokens, in bf16 on a GPU and float32 on a CPU."""
+    from transformers import AutoModelForCausalLM
+
+    return random_model(AutoModelForCausalLM, qwen3_config(dims, tokenizer), device, seed=1)
+
+
 def non_embedding_params(model) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
 

@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.verl_step_parts import random_policy
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -61,7 +60,7 @@ def build_policy(shape: str, layers: int, out: Path, device: str) -> dict:
     Qwen3-4B's, and the benchmarks' word-level tokenizer padded to the vocabulary."""
     tokenizer = common.build_tokenizer(SHAPES[shape]["vocab_size"])
     dims = SHAPES[shape] | {"num_hidden_layers": layers}
-    model = random_policy(dims, tokenizer, device)
+    model = common.random_policy(dims, tokenizer, device)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {"params": sum(p.numel() for p in model.parameters()), **dims}

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import SHAPES, build_reward_model, machine_info, non_embedding_params, qwen3_config, random_model
+from benchmarks.common import SHAPES, build_reward_model, machine_info, non_embedding_params, random_policy
 from benchmarks.verl_step_hook import HOOK, MEGATRON_HOOK
 from demo import verl_cpu
 
@@ -22,14 +22,6 @@ REPO = Path(__file__).resolve().parent.parent
 # The policy's shape (the public Qwen3-0.6B config's dimensions, or tiny) -> the reward model's
 REWARD_SHAPE = {"qwen3-0.6b": "qwen3-1.7b", "tiny": "tiny"}
 POLICY_SHAPES = {k: SHAPES[k] for k in REWARD_SHAPE}
-
-
-def random_policy(dims: dict, tokenizer, device: str):
-    """A Qwen3 causal LM of `dims` with random weights (seed 1), tied embeddings as the small Qwen3 models have, the
-    tokenizer's special tokens, in bf16 on a GPU and float32 on a CPU."""
-    from transformers import AutoModelForCausalLM
-
-    return random_model(AutoModelForCausalLM, qwen3_config(dims, tokenizer), device, seed=1)
 
 
 def build_models(shape: str, out: Path, device: str, result_file: Path) -> None:
