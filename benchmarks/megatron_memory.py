@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,19 +39,13 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.verl_step_parts import POLICY_SHAPES, random_policy
+from benchmarks import common
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
 
-# The public Qwen3-4B config's dimensions; verl_step's tiny policy for the CPU.
-SHAPES = {
-    "qwen3-4b": dict(
-        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    ),
-    "tiny": POLICY_SHAPES["tiny"],
-}  # fmt: skip
+# The public Qwen3-4B config's dimensions; the tiny shape for the CPU.
+SHAPES = {k: common.SHAPES[k] for k in ("qwen3-4b", "tiny")}
 # stage, MEGATRON_RECOMPUTE, and "-fused": verl's fused log-prob kernels (actor_rollout_ref.model.use_fused_kernels,
 # verl/models/mcore/model_forward_fused.py: log-probs and entropy from the hidden states, no [tokens, vocab] logits;
 # Triton, so a GPU only)
@@ -64,12 +57,10 @@ CASES = ("stage1-off", "stage1-full", "stage1-full-fused", "stage0-full", "stage
 
 def build_policy(shape: str, layers: int, out: Path, device: str) -> dict:
     """A Qwen3 checkpoint of SHAPES[shape] with `layers` layers, random weights (bf16 on a GPU), tied embeddings as
-    Qwen3-4B's, and a word-level tokenizer (benchmarks/reward_bench.py's) padded to the vocabulary."""
-    from benchmarks.reward_bench import build_tokenizer
-
-    tokenizer = build_tokenizer(SHAPES[shape]["vocab_size"])
+    Qwen3-4B's, and the benchmarks' word-level tokenizer padded to the vocabulary."""
+    tokenizer = common.build_tokenizer(SHAPES[shape]["vocab_size"])
     dims = SHAPES[shape] | {"num_hidden_layers": layers}
-    model = random_policy(dims, tokenizer, device)
+    model = common.random_policy(dims, tokenizer, device)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {"params": sum(p.numel() for p in model.parameters()), **dims}
@@ -527,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--micro-batches: at least 2 (stage 0 keeps two in flight)")
     layers = args.layers or max(1, SHAPES[args.shape]["num_hidden_layers"] // 2)
     args.out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"command": "python -m benchmarks.megatron_memory " + shlex.join(sys.argv[1:] if argv is None else argv),
+    result: dict = {"command": common.command_line("benchmarks.megatron_memory", argv),
                     "shape": args.shape, "layers": layers, "device": device, "python": platform.python_version(),
                     "cases": {}}  # fmt: skip
     if device == "cuda":

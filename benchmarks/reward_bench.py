@@ -1,6 +1,6 @@
-"""Reward scoring benchmark: one GRPO step (1024 pairs) through the article's design and through ours, over HTTP.
+"""Reward scoring benchmark: one GRPO step (1024 pairs) through our reward server, over HTTP.
 
-The workload, baseline and ceiling are those of docs/reward-benchmark.md:
+The workload and ceiling are those of docs/reward-benchmark.md:
 - 1024 (prompt, response) pairs; prompt lengths uniform in [100, 600] tokens, response lengths lognormal (median 300,
   sigma 0.8) clipped to [10, 1800], each pair clipped to 2048 tokens; seed 1234, fresh lengths from other seeds;
 - a Qwen3ForSequenceClassification of Qwen3-1.7B's shape (or `--shape qwen3-8b | qwen3-14b`, the public configs'
@@ -8,136 +8,38 @@ The workload, baseline and ceiling are those of docs/reward-benchmark.md:
   lengths are exact;
 - the ceiling: the step's FLOP (2 x non-embedding parameters x tokens) at the bf16 matmul rate measured in this run.
 
-Rows (`--rows`, comma-separated; the default follows `--mode`): the article's server with a sequential per-sample
-client (`article`: cold and warm, `--article-samples` pairs); our server called by our reward client's batch function (`cold`: the first step after the
-server starts, `warm`, `fresh`: fresh lengths), the same items posted straight to /score_batch (`direct`: the client's
-overhead), 64 concurrent per-sample callers (`callers-warm`, `callers-fresh`). The verl-loop rows (`loop-plain`,
-`loop-async`, `loop-arrivals-plain`, `loop-arrivals-async`; `--mode verl-loop`, or `all`) call our server as async
-rollout does: verl 0.6.1's own NaiveRewardLoopManager.run_single, one DataProto item per sample, in `--verl-workers`
-processes (rollout.agent.num_workers) whose event loops have `--verl-executor` default threads, for the plain
-function and the async entry point; the step all at once, and arriving as rollouts finish (in proportion to response
-length over `--arrival-window` s): the reward tail is the last arrival to the last score.
+Rows (`--rows`, comma-separated; default all): our server called by our reward client's batch function (`cold`: the
+first step after the server starts, `warm`, `fresh`: fresh lengths), and by 64 concurrent per-sample callers
+(`callers-warm`, `callers-fresh`). The article's baseline, the verl-loop rows, the replicas and the killed server went
+in issue #61 (benchmarks/HISTORY.md says at which commit to rerun them).
 
 `--repeat N` runs each row N times (fresh rows on fresh lengths each time) and reports the median, with the minimum,
-median and maximum share of the ceiling. `--replicas N` starts N servers (one per visible GPU, several on one GPU when
-fewer are visible) and every row goes through the reward client's own spread over REWARD_SERVER_URLS; with N >= 2 the
-`killed` row SIGKILLs one server mid-step (`--kill-at`) and times the step completing on the others. `--variant
-NAME:KEY=VALUE,...` (repeatable) runs our rows once per variant on the same model and ceiling, each with its own
-servers: upper-case keys are server environment (an A/B in one run), `replicas=N` and `rows=a+b` set those for it.
+median and maximum share of the ceiling. `--variant NAME:KEY=VALUE,...` (repeatable) runs the rows once per variant
+on the same model and ceiling, each with its own server: upper-case keys are server environment (an A/B in one run),
+`rows=a+b` sets the rows for it.
 
     python -m benchmarks.reward_bench --out reward_bench.json                         # H200, Qwen3-1.7B shape
     python -m benchmarks.reward_bench --shape tiny --device cpu --samples 64 --out x.json   # smoke run on CPU
-    python -m benchmarks.reward_bench --mode verl-loop --out reward_loop.json            # only the verl-loop rows
     python -m benchmarks.reward_bench --shape qwen3-8b --rows cold,fresh,callers-fresh --repeat 3 --out 8b.json
-    python -m benchmarks.reward_bench --replicas 2 --rows fresh,loop-async,killed --repeat 3 --out x2.json
     python -m benchmarks.reward_bench --variant off:REWARD_FUSE=off --variant on --rows fresh --repeat 3 --out ab.json
 """
 
 import argparse
 import copy
-import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import requests
+from benchmarks import reward_bench_rows
+from benchmarks.common import SHAPES as ALL_SHAPES
+from benchmarks.common import build_reward_model, command_line, machine_info, write_json
+from benchmarks.reward_bench_rows import ROWS, Bench, check_rows, parse_variant
+from benchmarks.reward_bench_workload import texts, workload
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchmarks import reward_bench_servers  # noqa: E402
-from benchmarks.reward_bench_loop import LoopWorkers, print_loop_rows, verl_default_executor_size  # noqa: E402
-from benchmarks.reward_bench_rows import ALL_ROWS, CLASSIC_ROWS, LOOP_ROWS, Bench, check_rows, parse_variant  # noqa: E402
-from benchmarks.reward_bench_workload import texts, workload  # noqa: E402
-from demo.tiny_models import REWARD_CHAT_TEMPLATE  # noqa: E402
-from launch.plan.procs import free_port, stop_process  # noqa: E402
-
-SHAPES = {
-    "qwen3-1.7b": dict(
-        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    ),
-    # the public Qwen3-8B and Qwen3-14B configs' dimensions
-    "qwen3-8b": dict(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    ),
-    "qwen3-14b": dict(
-        hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    ),
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=4096,
-    ),
-}  # fmt: skip
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
-
-
-def machine_info(device: str) -> dict:
-    """What a result ran on: the GPU, how many are visible, torch and transformers (the GPU fields on a GPU only)."""
-    import transformers
-
-    info = {}
-    if device.startswith("cuda"):
-        import torch
-
-        info.update(gpu=torch.cuda.get_device_name(), gpus_visible=torch.cuda.device_count(), torch=torch.__version__)
-    info["transformers"] = transformers.__version__
-    return info
-
-
-def build_tokenizer(vocab_size: int):
-    """The word-level tokenizer the benchmarks' models share: the specials, then w0, w1, ... up to `vocab_size`
-    entries (one word, one token), with the reward chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = vocab_size - len(SPECIALS) - 2
-    vocab = {t: i for i, t in enumerate(SPECIALS + ["[UNK]"] + [f"w{i}" for i in range(words)])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=REWARD_CHAT_TEMPLATE,
-    )  # fmt: skip
-
-
-def build_model(shape: str, out: Path, device: str) -> tuple[Path, float, int]:
-    """A randomly initialised reward model of `shape` and a word-level tokenizer in `out` (kept where `out` already
-    holds one of that shape: a big checkpoint is written once); returns (dir, non-embedding params, words)."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, Qwen3Config
-
-    dims = SHAPES[shape]
-    words = dims["vocab_size"] - len(SPECIALS) - 2
-    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
-        config = Qwen3Config.from_pretrained(out)
-        if all(getattr(config, k) == v for k, v in dims.items()):
-            with torch.device("meta"):
-                model = AutoModelForSequenceClassification.from_config(config)
-            params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-            return out, float(params), words
-    tokenizer = build_tokenizer(dims["vocab_size"])
-    config = Qwen3Config(
-        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True, num_labels=1,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    del model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return out, float(params), words
+SHAPES = {k: ALL_SHAPES[k] for k in ("qwen3-1.7b", "qwen3-8b", "qwen3-14b", "tiny")}
 
 
 def matmul_tflops(device: str, seconds: float = 4.0) -> dict | None:
@@ -199,87 +101,43 @@ def summarize(runs: list[dict], params: float, ceiling: float | None, burst: flo
     return row
 
 
-def sdpa_backends(device: str) -> dict | None:
-    """Which kernel torch's scaled_dot_product_attention picks here for the server's two attention calls: causal
-    without a mask (padded rows) and with a boolean block mask (packed rows)."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    try:
-        from torch.nn.attention import SDPBackend
-
-        q = torch.randn(8, 16, 1024, 128, device=device, dtype=torch.bfloat16)
-        k = torch.randn(8, 8, 1024, 128, device=device, dtype=torch.bfloat16)
-        mask = torch.ones(8, 1, 1024, 1024, device=device, dtype=torch.bool).tril()
-        kv = k.repeat_interleave(2, dim=1)
-
-        def choice(**kw):
-            return SDPBackend(torch._fused_sdp_choice(q, kv, kv, **kw)).name
-
-        return {"causal, no mask": choice(is_causal=True), "boolean mask": choice(attn_mask=mask)}
-    except Exception as exc:  # noqa: BLE001 - a report, never a reason to fail the benchmark
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
 def parse_args(argv) -> tuple[argparse.Namespace, list[dict]]:
     """The options, and the variants to run (each with its rows), checked before anything starts."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--samples", type=int, default=1024, help="pairs per step (default 1024 = 256 prompts x 4)")
-    parser.add_argument("--article-samples", type=int, default=1024, help="pairs for the article's baseline (0: skip)")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--out", type=Path, required=True, help="JSON results")
     parser.add_argument("--server-env", action="append", default=[], help="extra KEY=VALUE for our server")
-    parser.add_argument(
-        "--mode",
-        choices=["all", "classic", "verl-loop"],
-        default="all",
-        help="the default rows: classic (batch function, direct POST, per-sample callers), verl-loop, all: both",
-    )
-    parser.add_argument("--rows", help=f"comma-separated rows instead of --mode's: {', '.join(ALL_ROWS)}")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each row (cold and killed: 1); the median")
-    parser.add_argument("--replicas", type=int, default=1, help="our servers, one per visible GPU (round robin)")
-    parser.add_argument("--kill-at", choices=["forward", "start"], default="forward", help="the killed row's crash")
+    parser.add_argument("--rows", help=f"comma-separated rows (default all): {', '.join(ROWS)}")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each row (cold: 1); the median")
     parser.add_argument("--variant", action="append", default=[], help="NAME[:KEY=VALUE,...]; see above")
     parser.add_argument("--no-first-pass", action="store_true",
-                        help="without a cold row, the first measured row is the servers' first step (no unmeasured "
+                        help="without a cold row, the first measured row is the server's first step (no unmeasured "
                         "pass before it; saves a step on big models)")  # fmt: skip
     parser.add_argument("--model-dir", type=Path, help="where the random checkpoint goes (reused if it is there)")
     parser.add_argument("--pid-file", type=Path, help="append the pid of every server started (for cleanup)")
-    parser.add_argument("--verl-workers", type=int, default=8, help="agent-loop workers (rollout.agent.num_workers)")
-    parser.add_argument(
-        "--verl-executor",
-        type=int,
-        default=verl_default_executor_size(),
-        help="default-executor threads per worker (Python's default: min(32, CPUs + 4))",
-    )
-    parser.add_argument("--arrival-window", type=float, default=60.0, help="rollout window of the spread workload, s")
     args = parser.parse_args(argv)
-    args.command = "python -m benchmarks.reward_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
-    default_rows = {"classic": list(CLASSIC_ROWS), "verl-loop": list(LOOP_ROWS),
-                    "all": [*CLASSIC_ROWS, *LOOP_ROWS]}[args.mode]  # fmt: skip
-    if args.replicas >= 2 and not args.rows:
-        default_rows.append("killed")
+    args.command = command_line("benchmarks.reward_bench", argv)
     try:
-        args.rows_wanted = check_rows(args.rows.split(",")) if args.rows else default_rows
-        variants = [parse_variant(v, args.replicas, args.rows_wanted) for v in (args.variant or ["default"])]
+        rows = check_rows(args.rows.split(",")) if args.rows else list(ROWS)
+        variants = [parse_variant(v, rows) for v in (args.variant or ["default"])]
     except ValueError as exc:
         parser.error(str(exc))
     return args, variants
 
 
 def step_maker(model_dir: Path, samples: int, words: int):
-    """`step(seed, n)`: the step's (prompt, response) texts and its token count in the server's format, cached."""
+    """`step(seed)`: the step's (prompt, response) texts and its token count in the server's format, cached."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    cache: dict[tuple[int, int], tuple] = {}
+    cache: dict[int, tuple] = {}
 
-    def step(seed: int, n: int = samples):
-        if (seed, n) not in cache:
-            pairs = texts(workload(seed, n), seed, words)
+    def step(seed: int):
+        if seed not in cache:
+            pairs = texts(workload(seed, samples), seed, words)
             rendered = [
                 tokenizer.apply_chat_template(
                     [{"role": "user", "content": p}, {"role": "assistant", "content": r}], tokenize=False
@@ -287,138 +145,77 @@ def step_maker(model_dir: Path, samples: int, words: int):
                 for p, r in pairs
             ]
             tokens = sum(len(x) for x in tokenizer(rendered, add_special_tokens=False)["input_ids"])
-            cache[(seed, n)] = (pairs, tokens)
-        return cache[(seed, n)]
+            cache[seed] = (pairs, tokens)
+        return cache[seed]
 
     return step
 
 
-def run_article(args, model_dir: Path, step, env: dict, work: Path) -> list[tuple[str, list[dict]]]:
-    """The article's design: its server, one sequential per-sample client, the step cold and then warm."""
-    runs: list[tuple[str, list[dict]]] = []
-    if not args.article_samples or "article" not in args.rows_wanted:
-        return runs
-    port = free_port()
-    proc = reward_bench_servers.start([sys.executable, str(REPO / "benchmarks" / "article_server.py"), str(model_dir),
-                                       str(port)], work / "article.log", port, env)  # fmt: skip
-    session = requests.Session()
-    pairs, tokens = step(1234, args.article_samples)
-    try:
-        for label in ("cold", "warm"):
-            t = time.monotonic()
-            for p, r in pairs:
-                session.post(
-                    f"http://127.0.0.1:{port}/score", json={"prompt": p, "response": r}, timeout=600
-                ).raise_for_status()
-            seconds = time.monotonic() - t
-            runs.append((f"article server, sequential per-sample client, {label}",
-                         [{"wall_s": seconds, "samples": len(pairs), "tokens": tokens,
-                           "samples_per_s": len(pairs) / seconds, "tokens_per_s": tokens / seconds}]))  # fmt: skip
-            print(f"  {runs[-1][0]:<70} {seconds:.2f} s", flush=True)
-    finally:
-        stop_process(proc, 30)
-    return runs
+def main(argv=None) -> int:
+    args, variants = parse_args(argv)
+    reward_bench_rows.PID_FILE = args.pid_file  # every server the run starts is listed there
+    work = Path(tempfile.mkdtemp(prefix="reward_bench_"))
+    t0 = time.monotonic()
+    model_dir, params, words = build_reward_model(args.shape, args.model_dir or work / "model", args.device)
+    print(f"model {args.shape}: {params / 1e9:.3f}e9 non-embedding parameters, ready in {time.monotonic() - t0:.1f} s")
+    rate_start = matmul_tflops(args.device)
+    step = step_maker(model_dir, args.samples, words)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.update(kv.split("=", 1) for kv in args.server_env)
+    bench = Bench(args, model_dir, step)
+    ours, infos, failed = [], [], []
 
+    def partial(rows, variant, server) -> None:
+        """What is measured so far, against the first ceiling measurement (a later kill loses nothing)."""
+        info = {"name": variant["name"], "env": variant["env"], "startup_s": server.startup_s,
+                "health": server.health, "in_progress": True}  # fmt: skip
+        write_json(args.out, assemble(args, params, rate_start, None, ours + rows, infos + [info], failed, done=False))
 
-def run_ours(args, variants: list[dict], bench: Bench, env: dict, work: Path, ours, infos, failed) -> None:
-    """Our rows once per variant, each against its own servers, added to `ours`, the variants' `infos` and the
-    `failed` variants as they finish (the partial results read them)."""
-    base_env = dict(env)
-    base_env.update(kv.split("=", 1) for kv in args.server_env)
+    bench.on_row = partial
     for variant in variants:
         try:
-            rows, info = bench.run_variant(variant, base_env, work)
+            rows, info = bench.run_variant(variant, env, work)
         except Exception as exc:  # the other variants still run, and the result says what failed
             print(f"variant {variant['name']} FAILED: {type(exc).__name__}: {exc}", flush=True)
             failed.append({"name": variant["name"], "error": f"{type(exc).__name__}: {exc}"[:2000]})
             continue
         ours.extend(rows)
         infos.append(info)
-
-
-def main(argv=None) -> int:
-    args, variants = parse_args(argv)
-    reward_bench_servers.PID_FILE = args.pid_file  # every server the run starts is listed there
-    work = Path(tempfile.mkdtemp(prefix="reward_bench_"))
-    t0 = time.monotonic()
-    model_dir, params, words = build_model(args.shape, args.model_dir or work / "model", args.device)
-    print(f"model {args.shape}: {params / 1e9:.3f}e9 non-embedding parameters, ready in {time.monotonic() - t0:.1f} s")
-    rate_start = matmul_tflops(args.device)
-    step = step_maker(model_dir, args.samples, words)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    article_runs = run_article(args, model_dir, step, env, work)
-    holder: list = []
-
-    def workers():
-        if not holder:
-            holder.append(LoopWorkers(args.verl_workers, model_dir, args.verl_executor, dict(os.environ)))
-        return holder[0]
-
-    bench = Bench(args, model_dir, step, workers)
-    sdpa = sdpa_backends(args.device)
-    ours, infos, failed = [], [], []
-
-    def partial(rows, variant, servers) -> None:
-        """What is measured so far, against the first ceiling measurement (a later kill loses nothing)."""
-        info = {"name": variant["name"], "env": variant["env"], "replicas": variant["replicas"],
-                "startup_s": servers.startup_s[-1], "health": servers.health, "in_progress": True}  # fmt: skip
-        write_result(args, assemble(args, params, rate_start, None, article_runs, ours + rows, infos + [info], failed,
-                                    sdpa, done=False))  # fmt: skip
-
-    bench.on_row = partial
-    try:
-        run_ours(args, variants, bench, env, work, ours, infos, failed)
-    finally:
-        if holder:
-            holder[0].close()
-    result = assemble(args, params, rate_start, matmul_tflops(args.device), article_runs, ours, infos, failed, sdpa)
-    write_result(args, result)
+    result = assemble(args, params, rate_start, matmul_tflops(args.device), ours, infos, failed)
+    write_json(args.out, result)
     print_summary(result)
     print(f"wrote {args.out}")
     return 1 if failed else 0
 
 
-def assemble(args, params, rate_start, rate_end, article_runs, ours, infos, failed, sdpa, done=True) -> dict:
+def assemble(args, params, rate_start, rate_end, ours, infos, failed, done=True) -> dict:
     """The result JSON: every row summarized against the ceiling (the sustained rate, the benchmark page's definition;
     of the measurements before and after our rows, the higher: the harder ceiling). `done` False: partial."""
     rates = [r for r in (rate_start, rate_end) if r]
     ceiling = max(r["sustained"] for r in rates) if rates else None
     burst = max(r["burst"] for r in rates) if rates else None
-    rows = [{"row": name, "variant": None, "replicas": None, **summarize(runs, params, ceiling, burst),
-             "peak_gib": None, "server": None} for name, runs in article_runs]  # fmt: skip
+    rows = []
     for r in ours:
         r = dict(r)
         summary = summarize(copy.deepcopy(r.pop("runs")), params, ceiling, burst)
         rows.append({**r, **{k: v for k, v in summary.items() if k not in r}})
-    by_key = {(r.get("variant"), r.get("key")): r for r in rows}
-    overheads = {}
+    by_key = {(r["variant"], r["key"]): r for r in rows}
     for info in infos:
-        warm, direct = by_key.get((info["name"], "warm")), by_key.get((info["name"], "direct"))
-        if warm and direct:
-            overheads[info["name"]] = 100 * (warm["wall_s"] / direct["wall_s"] - 1)
-        cold, fresh = by_key.get((info["name"], "cold")), by_key.get((info["name"], "fresh"))
-        for key, other in (("cold_over_warm", warm), ("cold_over_fresh", fresh)):
+        cold = by_key.get((info["name"], "cold"))
+        for key, other in (("cold_over_warm", "warm"), ("cold_over_fresh", "fresh")):
+            other = by_key.get((info["name"], other))
             if cold and other:  # the first step after start against the median of the later ones
                 info[key] = cold["tokens_per_s"] / other["tokens_per_s"]
     first = infos[0] if infos else {}
     result = {
         "shape": args.shape, "device": args.device, "samples": args.samples, "params_non_embedding": params,
         "matmul_tflops_start": rate_start, "matmul_tflops_end": rate_end, "ceiling_tflops": ceiling,
-        "burst_tflops": burst, "server_startup_s": first.get("startup_s"), "replicas": first.get("replicas"),
-        "repeat": args.repeat, "client_overhead_pct": overheads.get(first.get("name")),
-        "client_overhead_by_variant": overheads, "server_env": args.server_env, "mode": args.mode,
-        "command": args.command, "partial": not done, "variants": infos, "failed_variants": failed,
-        "verl_workers": args.verl_workers, "verl_executor": args.verl_executor, "arrival_window_s": args.arrival_window,
-        "sdpa_backend": sdpa, "rows": rows,
+        "burst_tflops": burst, "server_startup_s": first.get("startup_s"), "repeat": args.repeat,
+        "server_env": args.server_env, "command": args.command, "partial": not done, "variants": infos,
+        "failed_variants": failed, "rows": rows,
     }  # fmt: skip
     result.update(machine_info(args.device))
     return result
-
-
-def write_result(args, result: dict) -> None:
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, args.out)
 
 
 def print_summary(result: dict) -> None:
@@ -432,7 +229,7 @@ def print_summary(result: dict) -> None:
         print("\n(no GPU: no ceiling)")
     for info in result["variants"]:
         health = info.get("health") or {}
-        print(f"variant {info['name']}: {info['replicas']} server(s), healthy after {info['startup_s']:.1f} s, "
+        print(f"variant {info['name']}: healthy after {info['startup_s']:.1f} s, "
               f"peak {info['peak_gib']} GiB, env {info['env']}, compiled {health.get('compiled')}, "
               f"first-layer checks {health.get('checks')}"
               + "".join(f", {k.replace('_over_', '/')} {info[k]:.2f}" for k in ("cold_over_warm", "cold_over_fresh")
@@ -444,30 +241,17 @@ def print_summary(result: dict) -> None:
         spread = (f"{r['min_pct_of_ceiling']:.1f}-{r['max_pct_of_ceiling']:.1f}"
                   if r["min_pct_of_ceiling"] is not None else "-")  # fmt: skip
         pct_burst = f"{r['pct_of_burst_rate']:.1f}" if r["pct_of_burst_rate"] is not None else "-"
-        peak_s = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
-        print(f"{r['row']:<70} {str(r['variant'] or '-'):>10} {r['wall_s']:>8.2f} {r['tokens_per_s']:>10.0f} "
-              f"{r['tflops']:>8.1f} {pct:>7} {spread:>11} {pct_burst:>7} {peak_s:>8}")  # fmt: skip
+        print(f"{r['row']:<70} {r['variant']:>10} {r['wall_s']:>8.2f} {r['tokens_per_s']:>10.0f} "
+              f"{r['tflops']:>8.1f} {pct:>7} {spread:>11} {pct_burst:>7} {r['peak_gib']:>8.2f}")  # fmt: skip
     print("\nserver side, per row: (the median run of each)")
     for r in rows:
-        if r["server"]:
-            p = r["server"]
-            print(f"  {r['row']:<68} {p['micro_batches']:5.0f} micro-batches ({p.get('packed_micro_batches', 0):.0f} packed) x "
-                  f"{p['rows_per_micro_batch']:5.1f} rows, "
-                  f"prepare {p['prepare_s_total']:6.2f} s in {p['prepare_passes']:4.0f} passes, launch {p['launch_s_total']:6.2f} s, "
-                  f"queue wait {p['queue_wait_ms_mean']:6.1f} ms, GPU busy {100 * p.get('gpu_busy_share', 0):5.1f}% "
-                  "of the wall")  # fmt: skip
-    loop_rows = [r for r in rows if "loop" in r]
-    if loop_rows:
-        print_loop_rows(loop_rows)
-    for r in rows:
-        if "killed" in r:
-            k = r["killed"]
-            print(f"killed row ({r['variant']}): replica {k['replica']} SIGKILLed at {k['at_s']:.2f} s ({k['how']}), "
-                  f"step done in {r['wall_s']:.2f} s on the others (retry budget {k['retry_budget_s']:.0f} s)")  # fmt: skip
+        p = r["server"]
+        print(f"  {r['row']:<68} {p['micro_batches']:5.0f} micro-batches ({p['packed_micro_batches']:.0f} packed) x "
+              f"{p['rows_per_micro_batch']:5.1f} rows, prepare {p['prepare_s_total']:6.2f} s in "
+              f"{p['prepare_passes']:4.0f} passes, launch {p['launch_s_total']:6.2f} s, queue wait "
+              f"{p['queue_wait_ms_mean']:6.1f} ms, GPU busy {100 * p['gpu_busy_share']:5.1f}% of the wall")  # fmt: skip
     for f in result["failed_variants"]:
         print(f"variant {f['name']} FAILED: {f['error'][:500]}")
-    for name, overhead in result["client_overhead_by_variant"].items():
-        print(f"reward client batch function vs one direct POST (warm, {name}): {overhead:+.1f}% wall time")
 
 
 if __name__ == "__main__":

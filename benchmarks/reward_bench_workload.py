@@ -1,6 +1,5 @@
 """The reward benchmark's workload (docs/reward-benchmark.md): one GRPO step's (prompt, response) lengths for a seed,
-their texts in the benchmark tokenizer's words (one word, one token), and when each pair reaches verl's reward loop
-in the rows whose rollouts finish over a window."""
+and their texts in the benchmark tokenizer's words (one word, one token)."""
 
 import numpy as np
 
@@ -21,10 +20,3 @@ def texts(pairs: list[tuple[int, int]], seed: int, words: int) -> list[tuple[str
         (" ".join(f"w{i}" for i in rng.integers(0, words, p)), " ".join(f"w{i}" for i in rng.integers(0, words, r)))
         for p, r in pairs
     ]
-
-
-def arrival_offsets(pairs: list[tuple[int, int]], window: float) -> list[float]:
-    """When each sample reaches the reward loop: its rollout finishes at a time proportional to its response length,
-    the longest at the end of the window (0: the whole step at once)."""
-    longest = max(r for _, r in pairs)
-    return [window * r / longest for _, r in pairs]

@@ -10,7 +10,7 @@ benchmarks/verl_step_hook.py), and the actor keeps its padding
 (sdpa attention): demo/verl_cpu.ENGINE_OVERRIDES. On a CPU (`--shape tiny`) its CPU shims and lean overrides come too.
 
 The models have random weights: a policy in Qwen3-0.6B's shape and a reward model in Qwen3-1.7B's
-(benchmarks/reward_bench.py builds it), sharing reward_bench's word-level tokenizer, one word a token, its vocabulary
+(benchmarks/common.py builds both), sharing the benchmarks' word-level tokenizer, one word a token, its vocabulary
 as large as the models' (151936), so every token a random policy samples decodes to a word and the reward model
 scores as many tokens as were generated. A random policy seldom samples EOS: responses run to --response-length. The
 policy's chat template opens no <think> and the reward function is told so (REWARD_PROMPT_OPENS_THINK=false), so
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -44,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import command_line, write_json
+from benchmarks.reward_bench_rows import metrics
 from benchmarks.verl_step_hook import PHASE_PREFIX, PROFILE_DIR_ENV, PROFILE_ENV
 from benchmarks.verl_step_parts import (
     POLICY_SHAPES,
@@ -52,7 +53,6 @@ from benchmarks.verl_step_parts import (
     benchmark_overrides,
     build_models_logged,
     nvml_role,
-    reward_peak_gib,
     settings_env,
     write_prompts,
 )
@@ -140,9 +140,7 @@ class Run:
             self.result["profiles"] = [json.loads(f.read_text()) for f in profiles]
         self.result.update(steps=self.steps, phases=self.phases, **summarize(self.steps, self.phases),
                            wall_s=round(time.monotonic() - self.began, 1))  # fmt: skip
-        tmp = self.out / "result.json.tmp"
-        tmp.write_text(json.dumps(self.result, indent=2))
-        os.replace(tmp, self.out / "result.json")
+        write_json(self.out / "result.json", self.result)
 
     def read_trainer(self, log: Path, offset: int) -> int:
         """New complete lines of verl's console since `offset`: step lines and phase lines; the new offset."""
@@ -214,12 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reread:
         result = reread(args.out)
-        tmp = args.out / "result.json.tmp"
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, args.out / "result.json")
+        write_json(args.out / "result.json", result)
         print(f"{len(result['steps'])} step(s), {len(result['phases'])} phase lines: {args.out / 'result.json'}")
         return 0
-    args.command = "python -m benchmarks.verl_step " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args.command = command_line("benchmarks.verl_step", argv)
     try:
         lo, hi = (int(x) for x in args.prompt_words.split("-"))
     except ValueError:
@@ -419,7 +415,8 @@ def _train(run: Run, args, device, work, logs, settings, url, ray_address, env, 
             else f"failed: the trainer exited with {trainer.proc.returncode} after steps {done}; log {trainer.log}"
         )  # fmt: skip
     try:
-        run.result["reward_server_peak_gib"] = reward_peak_gib(url)
+        peak = metrics(url).get("reward_gpu_memory_peak_bytes")
+        run.result["reward_server_peak_gib"] = None if peak is None else peak / 2**30
     except Exception as exc:  # the server died: the result says so instead of a figure
         run.result["reward_server_peak_gib"] = f"unread: {type(exc).__name__}: {exc}"
     return 0 if run.result["status"] == "done" else 1

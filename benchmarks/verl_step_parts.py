@@ -1,12 +1,11 @@
-"""The parts of a benchmarks/verl_step.py run: its models (a random policy beside reward_bench's reward model), its
-prompts, the settings block's environment and the overrides the run adds to the job's trainer command, the process
-groups it starts and stops, and the GPU memory it reads (NVML per process, the reward server's /metrics)."""
+"""The parts of a benchmarks/verl_step.py run: its models (a random policy beside the reward benchmark's reward
+model), its prompts, the settings block's environment and the overrides the run adds to the job's trainer command,
+the process groups it starts and stops, and the GPU memory it reads per process (NVML)."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -14,75 +13,41 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.common import SHAPES, build_reward_model, machine_info, non_embedding_params, random_policy
 from benchmarks.verl_step_hook import HOOK, MEGATRON_HOOK
 from demo import verl_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The policy's dimensions, and the reward model's shape (a key of reward_bench.SHAPES).
-POLICY_SHAPES = {
-    # the public Qwen3-0.6B config's dimensions
-    "qwen3-0.6b": dict(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    ),
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=4096,
-    ),
-}  # fmt: skip
+# The policy's shape (the public Qwen3-0.6B config's dimensions, or tiny) -> the reward model's
 REWARD_SHAPE = {"qwen3-0.6b": "qwen3-1.7b", "tiny": "tiny"}
-
-
-def random_policy(dims: dict, tokenizer, device: str):
-    """A Qwen3 causal LM of `dims` with random weights (seed 1), tied embeddings as the small Qwen3 models have, the
-    tokenizer's special tokens, in bf16 on a GPU and float32 on a CPU."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(
-        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+POLICY_SHAPES = {k: SHAPES[k] for k in REWARD_SHAPE}
 
 
 def build_models(shape: str, out: Path, device: str, result_file: Path) -> None:
-    """The reward model (reward_bench.build_model) and a policy of POLICY_SHAPES[shape] with the same tokenizer,
+    """The reward model (common.build_reward_model) and a policy of POLICY_SHAPES[shape] with the same tokenizer,
     random weights, in bf16 on a GPU (float32 on a CPU); machine facts. Run in a child process, so that the
     benchmark's own process holds no CUDA context beside the ones it measures."""
-    import torch
-    import transformers
     from transformers import AutoTokenizer, GenerationConfig
 
-    from benchmarks.reward_bench import build_model
-
     began = time.monotonic()
-    reward_dir, reward_params, words = build_model(REWARD_SHAPE[shape], out / "reward_model", device)
+    reward_dir, reward_params, words = build_reward_model(REWARD_SHAPE[shape], out / "reward_model", device)
     tokenizer = AutoTokenizer.from_pretrained(reward_dir)
     dims = POLICY_SHAPES[shape]
     if dims["vocab_size"] < len(tokenizer):
         raise SystemExit(f"policy shape {shape}: vocab {dims['vocab_size']} below the tokenizer's {len(tokenizer)}")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     policy = random_policy(dims, tokenizer, device)
-    policy_params = sum(p.numel() for n, p in policy.named_parameters() if "embed_tokens" not in n)
     policy.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     policy.save_pretrained(out / "policy")
     tokenizer.save_pretrained(out / "policy")  # the reward model's: its template opens no <think>
     info = {
-        "models_s": time.monotonic() - began, "words": words, "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": transformers.__version__, "cpus": os.cpu_count(),
-        "policy": {"shape": shape, **dims, "non_embedding_params": policy_params, "dtype_saved": str(dtype)},
+        "models_s": time.monotonic() - began, "words": words, **machine_info(device),
+        "policy": {"shape": shape, **dims, "non_embedding_params": non_embedding_params(policy),
+                   "dtype_saved": str(policy.dtype)},
         "reward_model": {"shape": REWARD_SHAPE[shape], "non_embedding_params": reward_params},
     }  # fmt: skip
-    if device == "cuda":
-        info.update(gpu=torch.cuda.get_device_name(), gpus_visible=torch.cuda.device_count(),
-                    gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
-                    cuda=torch.version.cuda, nccl=str(torch.cuda.nccl.version()))  # fmt: skip
     result_file.write_text(json.dumps(info))
 
 
@@ -217,16 +182,6 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace").strip()
     except OSError:
         return "?"
-
-
-def reward_peak_gib(url: str) -> float | None:
-    import requests
-
-    text = requests.get(url + "/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith("reward_gpu_memory_peak_bytes "):
-            return float(line.split()[-1]) / 2**30
-    return None
 
 
 def build_models_logged(shape: str, work: Path, device: str, info_file: Path, log: str) -> None:

@@ -19,7 +19,6 @@ import pytest
 import requests
 import torch
 
-from benchmarks.reward_bench_servers import request_counts
 from reward_score import safe_hack_reward_request as client
 from reward_score.safe_hack_reward_request import (
     Answer,
@@ -35,6 +34,15 @@ from reward_score.safe_hack_reward_request import (
 from tests.support import REPO, free_port, start_http_server
 
 REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
+
+
+def request_counts(url: str) -> dict[str, float]:
+    """The server's answered requests per endpoint, from its /metrics."""
+    lines = requests.get(url + "/metrics", timeout=10).text.splitlines()
+    values = {name: float(value) for name, _, value in (x.rpartition(" ") for x in lines if x and x[0] != "#")}
+    return {
+        e: values.get(f'reward_requests_total{{endpoint="{e}",status="200"}}', 0.0) for e in ("/score", "/score_batch")
+    }
 
 
 def start_server(tiny_models, tmp_path, *flags):
