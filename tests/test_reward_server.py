@@ -39,7 +39,7 @@ from reward_score.server.planner import (
 )
 from reward_score.server.runner import NotARewardModel, RewardScorer
 from reward_score.server.settings import Settings, load_settings
-from reward_score.server.warmup import warm_up, warm_up_lengths
+from reward_score.server.warmup import warm_up
 from tests.support import REPO, free_port, http_get, start_http_server, start_process
 
 LONG_ANSWER = " ".join(f"word{i % 17} step {i}" for i in range(120))
@@ -1023,23 +1023,6 @@ def test_a_memory_cap_that_leaves_no_room_beside_the_weights_is_refused_naming_t
         )
 
 
-def test_the_warm_up_step_runs_full_budget_micro_batches_padded_and_packed_before_ready(tiny_models):
-    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", max_length=512)
-    basic = _with_budget(RewardScorer.load(cfg), 2048)
-    warm_up(basic)
-    assert "step" not in basic.warm_up_s, "the CPU default is the basic warm-up"
-    scorer = _with_budget(RewardScorer.load(replace(cfg, warmup="step")), 2048)
-    seen, packed = [], []
-    scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width))
-    real_packed = scorer._forward_packed
-    scorer._forward_packed = lambda *args: packed.append(1) or real_packed(*args)
-    warm_up(scorer)
-    assert scorer.warm_up_s["step"] > 0
-    assert sum(warm_up_lengths(scorer)[0]) >= 3 * 2048
-    assert any(rows * width > 0.75 * 2048 for rows, width in seen), seen  # micro-batches near the budget
-    assert len({width for _, width in seen}) >= 8 and packed, "many widths, and packed rows as well"
-
-
 def test_models_with_sliding_window_layers_keep_transformers_masks(tiny_models):
     scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
     scorer.model.config.layer_types = ["full_attention", "sliding_attention"]
@@ -1202,7 +1185,7 @@ def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_report
         ({"REWARD_CHAT_TEMPLATE": "on"}, "REWARD_CHAT_TEMPLATE must be auto or off"),
         ({"REWARD_APPEND_EOS": "1"}, "REWARD_APPEND_EOS"),
         ({"REWARD_FUSE": "yes"}, "REWARD_FUSE"),
-        ({"REWARD_WARMUP": "full"}, "REWARD_WARMUP"),
+        ({"REWARD_WARMUP": "step"}, "REWARD_WARMUP is no longer a setting"),  # removed: not shown to pay
         ({"REWARD_GPU_MEMORY_GIB": "-4"}, "REWARD_GPU_MEMORY_GIB"),
         ({"REWARD_MICRO_BATCH_COST": "-1"}, "REWARD_MICRO_BATCH_COST must be 0 (from the model)"),
         ({"REWARD_PACK": "on"}, "REWARD_PACK must be auto or off"),

@@ -35,7 +35,6 @@ class Settings:
     micro_batch_cost: int = 0  # 0: from the model on a GPU (planner.model_micro_batch_cost), 1024 on the CPU
     compile: str = "auto"
     fuse: str = "auto"
-    warmup: str = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
     cudnn_attention: str = "auto"
     max_items: int = 4096
@@ -72,8 +71,6 @@ _SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, f
              "off"),
     "cudnn_attention": ("REWARD_CUDNN_ATTENTION", "auto|off", "auto (torch's choice: cuDNN on Hopper) | off (flash, "
                         "mem-efficient)"),
-    "warmup": ("REWARD_WARMUP", "auto|step|basic", "auto (step on GPU, basic on CPU) | step (a full-budget synthetic "
-               "step too) | basic"),
     "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no "
                        "cap)"),
     "max_items": ("REWARD_MAX_ITEMS", "N", "items per /score_batch request at most"),
@@ -104,12 +101,12 @@ CHOICES = {
 }
 # The other settings of a few values (load_settings checks both).
 _OTHER_CHOICES = {"truncation": ("left", "reject"), "compile": ("auto", "layers", "off"), "fuse": ("auto", "off"),
-                  "warmup": ("auto", "step", "basic"), "cudnn_attention": ("auto", "off"), "pack": ("auto", "off")}  # fmt: skip
+                  "cudnn_attention": ("auto", "off"), "pack": ("auto", "off")}  # fmt: skip
 
 
 # Settings removed for want of a measured gain (issue #61, benchmarks/README.md): one still set is refused, not ignored.
 REMOVED = ("REWARD_TOKEN_BUDGET", "REWARD_MAX_BATCH_ROWS", "REWARD_PAD_MULTIPLE", "REWARD_MAX_WAIT_MS",
-           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH")  # fmt: skip
+           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP")  # fmt: skip
 
 
 def _default_shown(name: str, default: Any) -> str:
