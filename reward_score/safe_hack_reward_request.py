@@ -263,7 +263,40 @@ def _beside(name: str):
     return module
 
 
-_Breaker = _beside("breaker").Breaker
+class _Breaker:
+    """Per process and server list: once a request spends its whole retry budget, the next calls fail at once.
+
+    verl's `compute_reward` calls the reward function a second time when it raises, and its naive manager scores one
+    sample per call: without this, an outage would cost two budgets before the step fails (or one per sample under
+    REWARD_ON_FAILURE=min_score). It closes on any success (a request already in flight) or after breaker_seconds.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, ...], tuple[float, str]] = {}  # servers -> (monotonic time it opened, error)
+
+    def check(self, config: Config) -> str | None:
+        """The refusal's words while the breaker for these servers is open, else None."""
+        with self._lock:
+            opened, error = self._open.get(config.server_urls, (-math.inf, ""))
+            age = time.monotonic() - opened
+            if age >= config.breaker_seconds:  # closed, cooled down, or off (0)
+                self._open.pop(config.server_urls, None)
+                return None
+        return (
+            f"{error} (this process gave up on them {age:.1f} s ago: failing at once instead of waiting the budget "
+            f"again, for {config.breaker_seconds - age:.0f} s more, REWARD_BREAKER_SECONDS)"
+        )
+
+    def trip(self, config: Config, error: str) -> None:
+        with self._lock:
+            self._open[config.server_urls] = (time.monotonic(), error)
+
+    def reset(self, config: Config) -> None:
+        with self._lock:
+            self._open.pop(config.server_urls, None)
+
+
 _breaker = _Breaker()
 
 
@@ -326,13 +359,9 @@ def write_log(config: Config, records: list[dict]) -> None:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(config.log_path)), exist_ok=True)
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-        with open(config.log_path, "ab") as f:
+        with open(config.log_path, "ab") as f:  # closing it flushes, then releases the lock
             fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                f.write(data)
-                f.flush()
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+            f.write(data)
     except OSError as exc:
         if not _log_failure_reported:
             _log_failure_reported = True
@@ -464,12 +493,14 @@ def _record(config: Config, now: float, data_source: str, status: str, reason: s
     }
 
 
+def _without_router(kwargs: dict) -> dict:
+    """verl's async rollout also passes reward_router_address and reward_model_tokenizer: not ours, ignored."""
+    return {k: v for k, v in kwargs.items() if k not in ("reward_router_address", "reward_model_tokenizer")}
+
+
 def safe_hack_reward(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
-    """One sample (verl's naive and dapo managers; async rollout also passes reward_router_address and
-    reward_model_tokenizer, which are ignored)."""
-    kwargs.pop("reward_router_address", None)
-    kwargs.pop("reward_model_tokenizer", None)
-    config = load_config(kwargs)
+    """One sample (verl's naive and dapo managers)."""
+    config = load_config(_without_router(kwargs))
     return score_many([data_source], [solution_str], [ground_truth], [extra_info], config)[0]
 
 
@@ -532,19 +563,12 @@ def _score_each(config: Config, samples: list[tuple]) -> list:
     An outage fails every sample that needed a server (each call would have raised), while a penalized sample still
     gets its penalty; any other error (a 4xx, a row without a prompt) belongs to one sample, so the group is scored
     again one by one and only the faulty samples raise."""
-    outage = None
     try:
         return score_many(*(list(column) for column in zip(*samples, strict=True)), config)
-    except RewardRequestRejected:
+    except Exception as exc:
         if len(samples) == 1:
             raise
-    except RewardServerError as exc:
-        if len(samples) == 1:
-            raise
-        outage = exc
-    except Exception:
-        if len(samples) == 1:
-            raise
+        outage = exc if type(exc) is RewardServerError else None
     results = []
     for sample in samples:
         if outage is not None and not split_answer(str(sample[1]), config.opens_think).penalty_reason:
@@ -566,9 +590,7 @@ async def safe_hack_reward_async(data_source, solution_str, ground_truth, extra_
     directly instead of running it in a thread pool, so every finished sample is in flight at once. Samples awaited
     together on one event loop share one request (`coalesce_seconds`). Same result keys, failures and log as
     `safe_hack_reward`. Async rollout only: verl's sync reward managers call the function without awaiting it."""
-    kwargs.pop("reward_router_address", None)
-    kwargs.pop("reward_model_tokenizer", None)
-    config = load_config(kwargs)
+    config = load_config(_without_router(kwargs))
     loop = asyncio.get_running_loop()
     with _coalescers_lock:
         per_loop = _coalescers.setdefault(loop, {})
