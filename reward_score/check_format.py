@@ -39,7 +39,7 @@ from pathlib import Path
 if not __package__:  # run by path: the repository root is not on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reward_score.server.settings import CHOICES, Settings  # noqa: E402
+from reward_score.server.settings import CHOICES, LAUNCH_NAMES, SETTINGS, Settings  # noqa: E402
 
 Conversation = tuple[list[dict[str, str]], str]  # (messages before the answer, the answer), as the server takes them
 
@@ -49,13 +49,8 @@ LAYOUTS = {
     "text": "'chosen'/'rejected' plain texts",
     "text_prompt": "'prompt' + 'chosen'/'rejected' plain texts",
 }
-# The server settings that decide the input format, with their environment and launch names.
-FORMAT_SETTINGS = {
-    "input": ("REWARD_INPUT", "CONFIG_REWARD_INPUT"),
-    "add_special_tokens": ("REWARD_ADD_SPECIAL_TOKENS", "CONFIG_REWARD_ADD_SPECIAL_TOKENS"),
-    "chat_template": ("REWARD_CHAT_TEMPLATE", "CONFIG_REWARD_CHAT_TEMPLATE"),
-    "append_eos": ("REWARD_APPEND_EOS", "CONFIG_REWARD_APPEND_EOS"),
-}
+# The server settings that decide the input format (CHOICES), with their environment and launch names.
+FORMAT_SETTINGS = {name: (SETTINGS[name][0], launch) for launch, name in LAUNCH_NAMES.items() if name in CHOICES}
 
 
 class PairsError(ValueError):
@@ -156,6 +151,26 @@ def layout_of(row: dict, where: str) -> str:
     return "conversation" if conversational else "text"
 
 
+def _side(value, where: str, layout: str, prompt: list[dict[str, str]]) -> Conversation:
+    """One side of a pair (not a plain-text one without a prompt) as (messages before the answer, the answer)."""
+    if layout == "text_prompt":
+        return prompt, _text(value, where)
+    msgs = _messages(value, where)
+    if layout == "conversation":
+        if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
+            raise PairsError(
+                f"{where}: the last message is the scored answer: role 'assistant' with text, got "
+                f"role {msgs[-1]['role']!r}"
+            )
+        return msgs[:-1], msgs[-1]["content"]
+    if len(msgs) != 1 or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
+        raise PairsError(
+            f"{where}: one assistant message with text (the server scores one response after the prompt), got "
+            f"{len(msgs)} message(s), roles {[m['role'] for m in msgs]}: move earlier turns into 'prompt'"
+        )
+    return prompt, msgs[0]["content"]
+
+
 def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
     """(layout, pairs) from TRL-format rows; one layout for the whole file, as TRL reads it from the first row."""
     if not rows:
@@ -167,42 +182,20 @@ def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
         this = layout_of(row, where)
         if this != layout:
             raise PairsError(f"{where}: {LAYOUTS[this]}, but row 0 has {LAYOUTS[layout]}: one layout per file")
-        if layout == "conversation":
-            sides = []
-            for name in ("chosen", "rejected"):
-                msgs = _messages(row[name], f"{where}.{name}")
-                if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
-                    raise PairsError(
-                        f"{where}.{name}: the last message is the scored answer: role 'assistant' with text, got "
-                        f"role {msgs[-1]['role']!r}"
-                    )
-                sides.append((msgs[:-1], msgs[-1]["content"]))
-            pairs.append(Pair(i, sides[0], sides[1]))
-        elif layout == "conversation_prompt":
-            prompt = _messages(row["prompt"], f"{where}.prompt")
-            sides = []
-            for name in ("chosen", "rejected"):
-                msgs = _messages(row[name], f"{where}.{name}")
-                if len(msgs) != 1 or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
-                    raise PairsError(
-                        f"{where}.{name}: one assistant message with text (the server scores one response after the "
-                        f"prompt), got {len(msgs)} message(s), roles {[m['role'] for m in msgs]}: move earlier turns "
-                        "into 'prompt'"
-                    )
-                sides.append((prompt, msgs[0]["content"]))
-            pairs.append(Pair(i, sides[0], sides[1]))
-        elif layout == "text_prompt":
-            prompt = _text(row["prompt"], f"{where}.prompt")
-            chosen, rejected = _text(row["chosen"], f"{where}.chosen"), _text(row["rejected"], f"{where}.rejected")
-            user = [{"role": "user", "content": prompt}]
-            pairs.append(Pair(i, (user, chosen), (user, rejected)))
-        else:
+        if layout == "text":
             chosen, rejected = _text(row["chosen"], f"{where}.chosen"), _text(row["rejected"], f"{where}.rejected")
             n = _shared_prefix(chosen, rejected)
             if n == len(chosen) or n == len(rejected):
                 raise PairsError(f"{where}: 'chosen' and 'rejected' must differ after their shared start")
             user = [{"role": "user", "content": chosen[:n]}] if n else []
             pairs.append(Pair(i, (user, chosen[n:]), (user, rejected[n:])))
+            continue
+        prompt: list[dict[str, str]] = []
+        if layout == "text_prompt":
+            prompt = [{"role": "user", "content": _text(row["prompt"], f"{where}.prompt")}]
+        elif layout == "conversation_prompt":
+            prompt = _messages(row["prompt"], f"{where}.prompt")
+        pairs.append(Pair(i, *(_side(row[name], f"{where}.{name}", layout, prompt) for name in ("chosen", "rejected"))))
     return layout, pairs
 
 
@@ -234,17 +227,13 @@ def candidate_settings(layout: str, has_chat_template: bool) -> list[dict[str, s
 
 def trl_versions(fmt, layout: str) -> str:
     """Which TRL versions' RewardTrainer built its sequences this way from pairs of this layout ('' for none)."""
-    prompt_column = layout.endswith("_prompt")
+    old_input = "completion" if layout.endswith("_prompt") else "conversation"  # TRL <= 0.23's for this layout
     if fmt.chat_template:
         new = fmt.input == "conversation" and not fmt.add_special_tokens
-        old = fmt.add_special_tokens and fmt.input == ("completion" if prompt_column else "conversation")
+        old = fmt.add_special_tokens and fmt.input == old_input
     else:
         new = fmt.input == "conversation" and fmt.add_special_tokens and fmt.append_eos
-        old = (
-            fmt.add_special_tokens
-            and not fmt.append_eos
-            and fmt.input == ("completion" if prompt_column else "conversation")
-        )
+        old = fmt.add_special_tokens and not fmt.append_eos and fmt.input == old_input
     return " and ".join(v for v, ok in (("<= 0.23", old), (">= 0.24", new)) if ok)
 
 

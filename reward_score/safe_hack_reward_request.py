@@ -146,10 +146,9 @@ def load_config(kwargs: dict | None = None, environ: dict | None = None) -> Conf
     for name in ("rm_weight", "rule_weight"):
         if not math.isfinite(getattr(config, name)):
             raise ValueError(f"REWARD_{name.upper()}={getattr(config, name)}: use a finite number")
-    if config.on_failure not in ("raise", "min_score"):
-        raise ValueError(f"REWARD_ON_FAILURE must be 'raise' or 'min_score', got {config.on_failure!r}")
-    if config.log_texts not in ("full", "head", "none"):
-        raise ValueError(f"REWARD_LOG_TEXTS must be full, head or none, got {config.log_texts!r}")
+    for name, allowed in (("on_failure", ("raise", "min_score")), ("log_texts", ("full", "head", "none"))):
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"REWARD_{name.upper()} must be {' or '.join(allowed)}, got {getattr(config, name)!r}")
     if config.min_score > config.max_score:
         raise ValueError(f"REWARD_MIN_SCORE ({config.min_score}) is above REWARD_MAX_SCORE ({config.max_score})")
     return config
@@ -343,7 +342,6 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
             _breaker.trip(config, error)
             raise RewardServerError(error)
         time.sleep(min(remaining, min(10.0, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)))
-    raise AssertionError("unreachable")
 
 
 # --- the reward log ------------------------------------------------------------------------------------------
@@ -369,14 +367,6 @@ def write_log(config: Config, records: list[dict]) -> None:
                 f"[reward] cannot write the reward log {config.log_path}: {exc} (rewards are unaffected)",
                 file=sys.stderr,
             )
-
-
-def _texts(config: Config, **texts: str) -> dict:
-    if config.log_texts == "none":
-        return {}
-    if config.log_texts == "head":
-        return {k: v[: config.log_head_chars] for k, v in texts.items()}
-    return texts
 
 
 # --- scoring -------------------------------------------------------------------------------------------------
@@ -478,6 +468,8 @@ def _record(config: Config, now: float, data_source: str, status: str, reason: s
             response: str, answer: str) -> dict:  # fmt: skip
     """One line of the reward log."""
     prompt = prompt_item.get("prompt") or json.dumps(prompt_item.get("messages"), ensure_ascii=False)
+    texts = {"prompt": prompt, "response": response, "answer": answer} if config.log_texts != "none" else {}
+    head = config.log_head_chars if config.log_texts == "head" else None
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
         "epoch": now,
@@ -489,7 +481,7 @@ def _record(config: Config, now: float, data_source: str, status: str, reason: s
         "prompt_chars": len(prompt),
         "response_chars": len(response),
         "answer_chars": len(answer),
-        **_texts(config, prompt=prompt, response=response, answer=answer),
+        **{k: v[:head] for k, v in texts.items()},
     }
 
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 @dataclass(frozen=True)
 class Settings:
-    """Every setting: (environment variable, flag, help) in `_SETTINGS` below."""
+    """Every setting: (environment variable, flag, help) in `SETTINGS` below."""
 
     model_path: str = ""
     device: str = "auto"
@@ -44,7 +44,7 @@ class Settings:
     log_level: str = "info"
 
 
-_SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, flag's value, help)
+SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, flag's value, help)
     "model_path": ("REWARD_MODEL_PATH", "DIR", "the reward model's folder (config.json, weights, tokenizer)"),
     "device": ("REWARD_DEVICE", "DEVICE", "cpu | cuda | cuda:N | auto"),
     "port": ("REWARD_PORT", "PORT", "port to listen on"),
@@ -135,7 +135,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     defaults = Settings()
     values: dict[str, Any] = {}
     for name in [*FIRST, *(f.name for f in fields(Settings) if f.name not in FIRST)]:
-        env_name, metavar, help_text = _SETTINGS[name]
+        env_name, metavar, help_text = SETTINGS[name]
         kind = type(getattr(defaults, name))
         raw = environ.get(env_name)
         if raw not in (None, ""):
@@ -154,7 +154,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
                 for name in REMOVED if environ.get(name)]  # fmt: skip
     for name, allowed in {**CHOICES, **_OTHER_CHOICES}.items():
         if getattr(settings, name) not in allowed:
-            problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
+            problems.append(f"{SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
     if settings.micro_batch_cost < 0:
         problems.append(f"REWARD_MICRO_BATCH_COST must be 0 (from the model) or a number of tokens, got "
                         f"{settings.micro_batch_cost}")  # fmt: skip
@@ -164,7 +164,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         problems.append(f"REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
     for name in ("max_length", "max_items", "max_chars", "max_body_bytes"):
         if getattr(settings, name) < 1:
-            problems.append(f"{_SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
+            problems.append(f"{SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
     if problems:
         parser.error("; ".join(problems))
     return settings
@@ -196,7 +196,7 @@ def launch_names_not_read(settings: Settings, environ: dict[str, str] | None = N
         value, used = environ.get(launch, ""), str(getattr(settings, name))
         if value and value != used:
             notes.append(
-                f"{launch}={value} is not read by this server (it reads {_SETTINGS[name][0]} or {_flag(name)}; the "
+                f"{launch}={value} is not read by this server (it reads {SETTINGS[name][0]} or {_flag(name)}; the "
                 f"launch scripts pass {launch} as {_flag(name)}): running with {name}={used or '(unset)'}"
             )
     return notes
