@@ -1267,7 +1267,7 @@ def test_health_answers_only_once_the_model_can_score_and_reports_what_runs(tiny
         # uvicorn shuts down cleanly, then re-raises SIGTERM so the exit status says how it ended.
         assert server.stop() in (0, -15)
     log = (tmp_path / "rs.log").read_text()
-    assert "ready: model=" in log and "Finished server process" in log
+    assert "ready: model_path=" in log and "Finished server process" in log
     assert "format=conversation (chat template, without special tokens)" in log
     # the tests' environment exports TOKENIZERS_PARALLELISM=false, as training scripts do: not for the server
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"

@@ -129,8 +129,6 @@ class _BodyLimit:
         self.app, self.limit, self.on_reject = app, limit, on_reject
 
     def _error(self):
-        from starlette.exceptions import HTTPException
-
         if self.on_reject:
             self.on_reject()
         return HTTPException(413, detail=f"request body over {self.limit} bytes (REWARD_MAX_BODY_BYTES)")
@@ -192,7 +190,10 @@ class _Server:
             active, in_prepare_thread, on_pass=lambda requests, items, seconds: metrics.prepare.observe(seconds)
         )
         self.state.update(scorer=active, batcher=batcher, preparer=preparer)
-        _log_ready(self.settings, active)
+        # One line with everything resolved at startup: /health's body, the format as decided in words.
+        no_template = "" if active.has_chat_template else ": the tokenizer has no chat template"
+        ready = _health(self.settings, active) | {"format": active.format.describe() + no_template}
+        log.info("ready: %s", " ".join(f"{k}={v}" for k, v in ready.items() if k != "status"))
         try:
             yield
         finally:
@@ -220,12 +221,8 @@ class _Server:
         """413 for too many items, or for any one string over REWARD_MAX_CHARS, naming it."""
         settings = self.settings
         if len(items) > settings.max_items:
-            raise self.fail(
-                413,
-                "too_many_items",
-                f"{len(items)} items; the limit is {settings.max_items} (REWARD_MAX_ITEMS)",
-                endpoint,
-            )
+            detail = f"{len(items)} items; the limit is {settings.max_items} (REWARD_MAX_ITEMS)"
+            raise self.fail(413, "too_many_items", detail, endpoint)
         for i, item in enumerate(items):
             where = f"items[{i}]." if endpoint == "/score_batch" else ""
             texts = [("prompt", item.prompt or "")] + [
@@ -258,19 +255,6 @@ class _Server:
         self.metrics.truncated.inc(sum(truncated))
         self.metrics.requests.labels(endpoint, "200").inc()
         return scores, truncated
-
-
-def _log_ready(settings: Settings, active: RewardScorer) -> None:
-    """One line with everything resolved at startup (the format as decided, the planner's budget, warm-up times)."""
-    log.info(
-        "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d max_length=%d "
-        "truncation=%s format=%s token_budget=%d micro_batch_cost=%d pack=%s warm_up_s=%s",
-        settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, len(active.fused),
-        settings.max_length, settings.truncation,
-        active.format.describe() + ("" if active.has_chat_template else ": the tokenizer has no chat template"),
-        active.planner.token_budget, active.planner.micro_batch_cost, active.planner.pack,
-        {k: round(v, 2) for k, v in active.warm_up_s.items()},
-    )  # fmt: skip
 
 
 def _health(settings: Settings, active: RewardScorer) -> dict[str, Any]:

@@ -90,11 +90,9 @@ class RewardScorer(PairEncoder):
                          and settings.pack == "auto" and model_packs(self.non_embedding_params))  # fmt: skip
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model_budget = None
-        if device.startswith("cuda") and self.activation_bytes_per_token():
+        if device.startswith("cuda") and (per_token := self.activation_bytes_per_token()):
             # planner.MemoryTooSmall (a ValueError) when REWARD_GPU_MEMORY_GIB leaves no room: the server exits naming it
-            self.model_budget = model_token_budget(
-                self.activation_bytes_per_token(), self.weight_bytes, int(settings.gpu_memory_gib * 2**30)
-            )
+            self.model_budget = model_token_budget(per_token, self.weight_bytes, int(settings.gpu_memory_gib * 2**30))
         # A bigger model's token takes longer, so one more forward costs fewer of its tokens: narrower micro-batches
         # with less padding pay (on the CPU the cost stays MICRO_BATCH_COST).
         model_cost = model_micro_batch_cost(self.non_embedding_params) if device.startswith("cuda") else None
@@ -218,9 +216,7 @@ class RewardScorer(PairEncoder):
         host.copy_(scores, non_blocking=True)
         done = torch.cuda.Event(enable_timing=True)
         done.record(torch.cuda.current_stream(scores.device))
-        layout = self.planner.layout(lengths)
-        tokens = layout.width * (len(layout.bins) if layout.bins is not None else len(lengths))
-        return Launched(order, host, done, started, tokens)
+        return Launched(order, host, done, started)
 
     def _forward_split(self, rows: list[int], seqs, lengths) -> list[tuple[list[int], Any]]:
         torch = self.torch
@@ -240,7 +236,6 @@ class RewardScorer(PairEncoder):
             return self._forward_split(rows[:half], seqs, lengths) + self._forward_split(rows[half:], seqs, lengths)
 
     def _forward(self, rows: list[int], seqs, lengths):
-        torch = self.torch
         start = time.perf_counter()
         layout = self.planner.layout([lengths[i] for i in rows])
         width = layout.width
@@ -249,9 +244,16 @@ class RewardScorer(PairEncoder):
             scores = self._forward_packed(rows, bins, seqs, lengths, width)
             if self.on_packed:
                 self.on_packed()
-            if self.on_forward:
-                self.on_forward(len(bins), width, sum(lengths[i] for i in rows), time.perf_counter() - start)
-            return scores
+        else:
+            scores = self._forward_padded(rows, seqs, lengths, width)
+        if self.on_forward:
+            as_run = len(layout.bins) if layout.bins is not None else len(rows)
+            self.on_forward(as_run, width, sum(lengths[i] for i in rows), time.perf_counter() - start)
+        return scores
+
+    def _forward_padded(self, rows: list[int], seqs, lengths, width: int):
+        """One sequence to a row, padded on the right; the score is read at each row's last real token."""
+        torch = self.torch
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, pin_memory=self.pin)
         for r, i in enumerate(rows):
             ids[r, : lengths[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
@@ -268,8 +270,6 @@ class RewardScorer(PairEncoder):
         else:
             mask = (torch.arange(width)[None, :] < torch.as_tensor([lengths[i] for i in rows])[:, None]).long()
             scores = self.model(input_ids=ids, attention_mask=mask.to(self.device), use_cache=False).logits[:, 0]
-        if self.on_forward:
-            self.on_forward(len(rows), width, sum(lengths[i] for i in rows), time.perf_counter() - start)
         return scores
 
     def _forward_packed(self, rows: list[int], bins: list[list[int]], seqs, lengths, width: int):
@@ -315,11 +315,10 @@ class RewardScorer(PairEncoder):
 
 class Launched:
     """A micro-batch on its way through the GPU: `ready()` without blocking, `result()` scores in launch order,
-    `gpu_seconds()` how long the GPU took once it is done (None where not timed), `tokens` as run (with padding)."""
+    `gpu_seconds()` how long the GPU took once it is done (None where not timed)."""
 
-    def __init__(self, order: list[int], scores, event, started=None, tokens: int = 0):
-        self.order, self.scores, self.event = order, scores, event
-        self.started, self.tokens = started, tokens
+    def __init__(self, order: list[int], scores, event, started=None):
+        self.order, self.scores, self.event, self.started = order, scores, event, started
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
