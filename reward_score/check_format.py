@@ -39,7 +39,7 @@ from pathlib import Path
 if not __package__:  # run by path: the repository root is not on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reward_score.server.settings import CHOICES, LAUNCH_NAMES, SETTINGS, Settings  # noqa: E402
+from reward_score.server.settings import CHOICES, LAUNCH_NAMES, SETTINGS, Settings, check_model_path  # noqa: E402
 
 Conversation = tuple[list[dict[str, str]], str]  # (messages before the answer, the answer), as the server takes them
 
@@ -205,23 +205,18 @@ def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
 def candidate_settings(layout: str, has_chat_template: bool) -> list[dict[str, str]]:
     """Every combination of the format settings that applies to this layout: conversations through the chat template,
     plain text without it (every TRL version did so)."""
-    if layout.startswith("conversation"):
-        if not has_chat_template:
-            raise PairsError(
-                f"the pairs are conversations ({LAYOUTS[layout]}) but the model's tokenizer has no chat template: TRL "
-                "renders conversations with it, so this model was not trained on such pairs; give plain-text pairs"
-            )
-        return [
-            {"input": i, "add_special_tokens": s, "chat_template": "auto", "append_eos": "auto"}
-            for i in CHOICES["input"]
-            for s in ("auto", "true", "false")
-        ]
-    template = "off" if has_chat_template else "auto"
+    conversations = layout.startswith("conversation")
+    if conversations and not has_chat_template:
+        raise PairsError(
+            f"the pairs are conversations ({LAYOUTS[layout]}) but the model's tokenizer has no chat template: TRL "
+            "renders conversations with it, so this model was not trained on such pairs; give plain-text pairs"
+        )
+    template = "off" if has_chat_template and not conversations else "auto"
     return [
         {"input": i, "add_special_tokens": s, "chat_template": template, "append_eos": e}
         for i in CHOICES["input"]
-        for s in ("auto", "true", "false")
-        for e in ("auto", "true", "false")
+        for s in CHOICES["add_special_tokens"]
+        for e in (("auto",) if conversations else CHOICES["append_eos"])  # EOS: plain text only
     ]
 
 
@@ -303,7 +298,6 @@ def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | Non
     given = given or {k: getattr(Settings(), k) for k in FORMAT_SETTINGS}
     base = scorer.settings
     by_ids: dict[tuple, FormatResult] = {}
-    encoded: dict[tuple, list[list[int]]] = {}  # what is scored for each distinct set of ids
     refused: list[FormatResult] = []
     candidates = sorted(candidate_settings(layout, scorer.has_chat_template), key=_simplicity)
     if given not in candidates:
@@ -322,11 +316,10 @@ def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | Non
         if key in by_ids:
             by_ids[key].same_as.append(values)
             continue
-        encoded[key] = [e.ids for e in fitted]
-        scored = list(zip(encoded[key][::2], encoded[key][1::2], strict=True))
+        scored = [(list(c), list(r)) for c, r in zip(key[::2], key[1::2], strict=True)]
         by_ids[key] = FormatResult(values, fmt, scored=scored, truncated=sum(e.truncated for e in fitted))
     # Every format's sequences in one call: the planner batches them all.
-    scores = scorer.score_ids([s for key in by_ids for s in encoded[key]]) if by_ids else []
+    scores = scorer.score_ids([s for key in by_ids for s in key]) if by_ids else []
     results = list(by_ids.values())
     for k, r in enumerate(results):
         own = scores[2 * len(pairs) * k : 2 * len(pairs) * (k + 1)]
@@ -431,8 +424,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             help=f"the job's {env} ({launch}), marked in the table [default {getattr(defaults, name)}]",
         )  # fmt: skip
     args = parser.parse_args(argv)
-    from reward_score.server.settings import check_model_path
-
     problem = check_model_path(args.model)
     if problem:
         print(f"check_format: {problem.replace('REWARD_MODEL_PATH (or --model-path)', 'MODEL')}", file=sys.stderr)

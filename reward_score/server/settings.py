@@ -109,12 +109,6 @@ REMOVED = ("REWARD_TOKEN_BUDGET", "REWARD_MAX_BATCH_ROWS", "REWARD_PAD_MULTIPLE"
            "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP")  # fmt: skip
 
 
-def _default_shown(name: str, default: Any) -> str:
-    if name == "model_path":
-        return "required"
-    return f"default {default if default != '' else 'none'}"
-
-
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
     """Defaults, then the environment, then command-line flags (which win). Bad values exit with the name to fix.
     `--help` shows the settings of FIRST; `--help-all` every one."""
@@ -143,7 +137,9 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
                 values[name] = kind(raw)
             except ValueError:
                 parser.error(f"{env_name}={raw!r} is not a valid {kind.__name__}")
-        shown = f"{help_text} [{env_name}, {_default_shown(name, getattr(defaults, name))}]"
+        default = getattr(defaults, name)
+        default = "required" if name == "model_path" else f"default {'none' if default == '' else default}"
+        shown = f"{help_text} [{env_name}, {default}]"
         group = groups.get(name, tuning)
         group.add_argument(_flag(name), type=kind, default=None, metavar=metavar,
                            help=shown if name in groups or every else argparse.SUPPRESS)  # fmt: skip
