@@ -203,7 +203,6 @@ class Batcher:
             flights.append((rows, self.scorer.launch([j.seqs[i] for j, i in rows])))
         except BaseException as exc:
             self._fail({j for j, _ in rows}, exc, waiting)
-            return
 
     @staticmethod
     def _fail(jobs: set[_Job], exc: BaseException, waiting: list[_Row]) -> None:

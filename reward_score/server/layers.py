@@ -42,8 +42,7 @@ def _fused_linear(torch, parts):
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     """The attention of Qwen3/Qwen2/Llama as transformers writes it, with q, k and v from one matmul (`qkv_proj`, where
-    `use_qkv`). A KV cache (never used by the
-    server) takes the original forward."""
+    `use_qkv`). A KV cache (never used by the server) takes the original forward."""
     if kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None:
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
     for name in ("past_key_values", "past_key_value", "cache_position"):
@@ -62,15 +61,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     cos, sin = position_embeddings
     q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
     implementation = self.config._attn_implementation
-    if implementation == "eager":
-        attention = module.eager_attention_forward
-    else:
-        attention = module.ALL_ATTENTION_FUNCTIONS[implementation]
+    attention = (
+        module.eager_attention_forward if implementation == "eager" else module.ALL_ATTENTION_FUNCTIONS[implementation]
+    )
     if getattr(self, "sliding_window", None) is not None:
         kwargs["sliding_window"] = self.sliding_window
-    out, weights = attention(
-        self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
-    )  # fmt: skip
+    out, weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
     out = out.reshape(*input_shape, -1).contiguous()
     return self.o_proj(out), weights
 

@@ -220,10 +220,8 @@ class Planner:
                 return Layout(width, packer.bins)
         return Layout(width, None)
 
-    def padded_length(self, n: int) -> int:
-        m = self.pad_multiple
-        return max(m, math.ceil(n / m) * m)
-
     def width_for(self, longest: int) -> int:
-        """The padded width of a micro-batch whose longest row has `longest` tokens."""
-        return min(self.padded_length(longest), max(longest, self.max_length))
+        """The padded width of a micro-batch whose longest row has `longest` tokens: a multiple of `pad_multiple`
+        (fewer shapes to compile), never over max_length unless the row is."""
+        padded = max(self.pad_multiple, math.ceil(longest / self.pad_multiple) * self.pad_multiple)
+        return min(padded, max(longest, self.max_length))
