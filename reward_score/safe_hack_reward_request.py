@@ -165,13 +165,9 @@ def _convert(name: str, raw):
         if not urls or bad:
             raise ValueError(f"expected http(s)://host:port[,http(s)://host:port...], got {bad or raw}")
         return urls
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        if str(raw).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(raw).lower() in ("0", "false", "no", "off"):
-            return False
+    if kind is bool:  # str(True) is "True": a bool from reward_kwargs reads as one
+        if str(raw).lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return str(raw).lower() in ("1", "true", "yes", "on")
         raise ValueError("expected true or false")
     return kind(raw)
 

@@ -40,11 +40,10 @@ class Batcher:
 
     Up to `depth` micro-batches are queued on the GPU: while one runs, the thread reads the finished one's scores,
     answers those callers and launches the next from whatever is waiting, new arrivals included; the next goes in
-    behind a running one once a full token budget waits, or once its oldest row has waited `max_wait` (holding it
-    back until the running one nears its end, by measured GPU time per token, cut big models' queue waits on an H200
-    but not their share of the ceiling: benchmarks/HISTORY.md, so that setting went). Each launch takes the micro-batch
-    (of the length-sorted plan) holding the oldest waiting row, so no request waits behind later ones. When idle,
-    the first request waits up to `max_wait` for others to join (stopping once `quiet` passes with nothing new)."""
+    behind a running one once a full token budget waits, or once its oldest row has waited `max_wait`. Each launch
+    takes the micro-batch (of the length-sorted plan) holding the oldest waiting row, so no request waits behind later
+    ones. When idle, the first request waits up to `max_wait` for others to join (stopping once `quiet` passes with
+    nothing new)."""
 
     def __init__(
         self,

@@ -159,9 +159,7 @@ class RewardScorer(PairEncoder):
             )
         model.to(device).eval()
         if device.startswith("cuda") and settings.cudnn_attention == "off":
-            # torch 2.11 takes cuDNN's attention on an H200 for both of our calls, and cuDNN builds a plan for every
-            # new shape; flash and mem-efficient attention build none. A/B on an H200 (1.7B, benchmarks/HISTORY.md):
-            # the same throughput either way, so torch's choice stays the default.
+            # Flash and mem-efficient attention only; torch's choice (cuDNN on Hopper) gains 4.2% (benchmarks/README.md).
             torch.backends.cuda.enable_cudnn_sdp(False)
         if device.startswith("cuda") and settings.gpu_memory_gib:
             # The caching allocator stays under the cap; a micro-batch that would cross it is split (as on any OOM).
