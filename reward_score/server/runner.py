@@ -26,13 +26,6 @@ class NotARewardModel(RuntimeError):
     """The checkpoint holds no scoring head: transformers would score with a randomly initialized one."""
 
 
-def missing_head(model, missing_keys: Sequence[str]) -> list[str]:
-    """The head's weights (those outside the base model: `score.weight`, `classifier.*`) that the checkpoint lacked,
-    so that transformers initialized them at random; empty for a sequence-classification checkpoint."""
-    prefix = getattr(model, "base_model_prefix", "") + "."
-    return sorted(k for k in missing_keys if not k.startswith(prefix))
-
-
 def head_problem(path: str) -> str | None:
     """What the model's config.json says against it as a reward model, read before any weight loads: an architecture
     other than *ForSequenceClassification, or num_labels other than 1 (a classifier's head, whose weights would not
@@ -54,9 +47,10 @@ def head_problem(path: str) -> str | None:
 
 
 def refuse_without_head(path: str, model, missing_keys: Sequence[str]) -> None:
-    """NotARewardModel naming the path, what it lacked and what a reward model holds, where its head was not in it."""
-    head = missing_head(model, missing_keys)
-    if head:
+    """NotARewardModel naming the path, what it lacked and what a reward model holds, where its head was not in it:
+    weights outside the base model (`score.weight`, `classifier.*`) missing, so transformers initialized them."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    if head := sorted(k for k in missing_keys if not k.startswith(prefix)):
         saved_as = ", ".join(getattr(model.config, "architectures", None) or []) or "a model without a scoring head"
         raise NotARewardModel(
             f"the reward model path {path} (CONFIG_REWARD_MODEL_PATH, --model-path) is not a reward model: it holds "
