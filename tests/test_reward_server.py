@@ -1211,7 +1211,7 @@ def test_help_lists_the_input_format_settings_with_their_flags(capsys):
 
 
 def test_help_is_short_and_leads_with_the_model_device_port_and_format_and_help_all_lists_every_setting():
-    from reward_score.server.settings import _SETTINGS
+    from reward_score.server.settings import SETTINGS
 
     def run(*args):
         env = dict(os.environ, COLUMNS="80")
@@ -1232,7 +1232,7 @@ def test_help_is_short_and_leads_with_the_model_device_port_and_format_and_help_
     every = run("--help-all")
     assert every.returncode == 0, every.stderr
     text = " ".join(every.stdout.split())
-    for name, (env, _, _) in _SETTINGS.items():
+    for name, (env, _, _) in SETTINGS.items():
         assert f"--{name.replace('_', '-')} " in text and f"[{env}," in text, name
     # a setting --help does not show still parses
     assert load_settings(["--micro-batch-cost", "96", "--fuse", "off"], {}).micro_batch_cost == 96
