@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,12 @@ class Settings:
     add_special_tokens: Literal["auto", "true", "false"] = "auto"
     chat_template: Literal["auto", "off"] = "auto"
     append_eos: Literal["auto", "true", "false"] = "auto"
-    pack: str = "auto"
+    pack: Literal["auto", "off"] = "auto"
     micro_batch_cost: int = 0  # 0: from the model on a GPU (planner.model_micro_batch_cost), 1024 on the CPU
-    compile: str = "auto"
-    fuse: str = "auto"
+    compile: Literal["auto", "layers", "off"] = "auto"
+    fuse: Literal["auto", "off"] = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
-    cudnn_attention: str = "auto"
+    cudnn_attention: Literal["auto", "off"] = "auto"
     max_items: int = 4096
     max_chars: int = 262_144
     max_body_bytes: int = 64 * 1024 * 1024
@@ -92,16 +92,9 @@ Each flag has a REWARD_* environment variable (in brackets); the flag wins."""
 EPILOG = """Batching, kernels, warm-up, logging and request limits: --help-all (measured defaults; docs/reward.md)."""
 
 
-# The input-format settings' values (inputs.InputFormat reads them).
-CHOICES = {
-    "input": ("conversation", "completion"),
-    "add_special_tokens": ("auto", "true", "false"),
-    "chat_template": ("auto", "off"),
-    "append_eos": ("auto", "true", "false"),
-}
-# The other settings of a few values (load_settings checks both).
-_OTHER_CHOICES = {"truncation": ("left", "reject"), "compile": ("auto", "layers", "off"), "fuse": ("auto", "off"),
-                  "cudnn_attention": ("auto", "off"), "pack": ("auto", "off")}  # fmt: skip
+# The values of each setting of a few (a Literal in Settings), as load_settings checks them; the input format's are
+# also read by inputs.InputFormat, check_format and the launch scripts' refusals.
+CHOICES = {f.name: get_args(f.type) for f in fields(Settings) if get_origin(f.type) is Literal}
 
 
 # Settings removed for want of a measured gain (issue #61, benchmarks/README.md): one still set is refused, not ignored.
@@ -148,7 +141,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     settings = replace(defaults, **values)
     problems = [f"{name} is no longer a setting (its measured default is built in): unset it"
                 for name in REMOVED if environ.get(name)]  # fmt: skip
-    for name, allowed in {**CHOICES, **_OTHER_CHOICES}.items():
+    for name, allowed in CHOICES.items():
         if getattr(settings, name) not in allowed:
             problems.append(f"{SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
     if settings.micro_batch_cost < 0:
