@@ -357,10 +357,9 @@ def close_call(report: Report) -> str:
     b, c = sum(one and not two for one, two in ranks), sum(two and not one for one, two in ranks)
     if b > c and b - c > 2 * math.sqrt(b + c):
         return ""
-    if b == c == 0:
-        why = "rank the same pairs right"
-    else:
-        why = f"rank {b} and {c} of the {b + c} pairs on which they disagree right"
+    why = (
+        f"rank {b} and {c} of the {b + c} pairs on which they disagree right" if b + c else "rank the same pairs right"
+    )
     return (
         f"note: the first two formats {why}: the pick rests on the loss ({best.loss:.3g} against {second.loss:.3g}); "
         "more held-out pairs would make it surer"
@@ -389,8 +388,7 @@ def format_report(report: Report, model: str, pairs_path: str, device: str) -> s
         return "\n".join(lines)
     lines.append(f"recommended: {settings_line(best.settings)}")
     lines.append(f"  in run_grpo_qwen3_4b_mega_verl.sh: {settings_line(best.settings, launch=True)}")
-    note = close_call(report)
-    if note:
+    if note := close_call(report):
         lines.append(note)
     if report.given is best:
         lines.append("the settings given score as recommended")
@@ -424,8 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             help=f"the job's {env} ({launch}), marked in the table [default {getattr(defaults, name)}]",
         )  # fmt: skip
     args = parser.parse_args(argv)
-    problem = check_model_path(args.model)
-    if problem:
+    if problem := check_model_path(args.model):
         print(f"check_format: {problem.replace('REWARD_MODEL_PATH (or --model-path)', 'MODEL')}", file=sys.stderr)
         return 2
     try:

@@ -34,8 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    problem = check_model_path(settings.model_path)
-    if problem:
+    if problem := check_model_path(settings.model_path):
         log.error("%s", problem)
         return 2
     for note in launch_names_not_read(settings):

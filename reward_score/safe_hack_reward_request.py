@@ -123,8 +123,7 @@ def load_config(kwargs: dict | None = None, environ: dict | None = None) -> Conf
     environ = os.environ if environ is None else environ
     kwargs = kwargs or {}
     known = {f.name for f in fields(Config)} | {"server_url"}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
+    if unknown := sorted(set(kwargs) - known):
         raise TypeError(f"unknown reward_kwargs {unknown}; known: {sorted(known)}")
     values = {}
     for f in fields(Config):

@@ -266,7 +266,7 @@ def _health(settings: Settings, active: RewardScorer) -> dict[str, Any]:
         "dtype": active.dtype,
         "max_length": settings.max_length,
         "truncation": settings.truncation,
-        "format": "chat_template" if active.chat_template else "plain_text",
+        "format": "chat_template" if active.format.chat_template else "plain_text",
         # The input format as resolved (REWARD_INPUT, REWARD_ADD_SPECIAL_TOKENS, REWARD_APPEND_EOS; `auto` decided)
         "input": active.format.input,
         "add_special_tokens": active.format.add_special_tokens,

@@ -82,11 +82,6 @@ class PairEncoder:
             self.backend.no_padding()
         self._slow_lock = threading.Lock()
 
-    @property
-    def chat_template(self) -> bool:
-        """Pairs are rendered through the tokenizer's chat template (else TRL's plain-text rule)."""
-        return self.format.chat_template
-
     def render(self, messages: list[dict[str, str]], response: str, fmt: InputFormat | None = None) -> str:
         """The exact text the reward model was trained on for this conversation, in `fmt` (default: the server's)."""
         fmt = fmt or self.format

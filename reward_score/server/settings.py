@@ -195,8 +195,7 @@ def check_model_path(path: str, environ: dict[str, str] | None = None) -> str | 
     """Why `path` cannot be a reward model folder, or None. Checked before anything starts."""
     if not path:
         problem = "REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
-        given = dict(os.environ if environ is None else environ).get("CONFIG_REWARD_MODEL_PATH")
-        if given:
+        if given := dict(os.environ if environ is None else environ).get("CONFIG_REWARD_MODEL_PATH"):
             problem += (
                 f". CONFIG_REWARD_MODEL_PATH={given} is set, but this server reads only its own names (REWARD_MODEL_PATH,"
                 " REWARD_DEVICE, REWARD_PORT, ...: --help lists them all); run_grpo_qwen3_4b_mega_verl.sh passes"

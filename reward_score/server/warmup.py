@@ -97,8 +97,7 @@ def check_layers(scorer: RewardScorer, seqs: list[list[int]]) -> None:
         kernels.set_fused(False)
         expected = first_layer_outputs(scorer, seqs)
         kernels.set_fused(True)
-        why = differs(scorer, seqs, expected, "fuse")
-        if why:
+        if why := differs(scorer, seqs, expected, "fuse"):
             log.warning("REWARD_FUSE: the fused projections do not score as the model does (%s); serving "
                         "separate projections", why)  # fmt: skip
             kernels.unfuse_projections()
@@ -111,8 +110,7 @@ def check_compiled(scorer: RewardScorer, seqs: list[list[int]]) -> None:
         return
     with scorer.kernels.eager():
         expected = first_layer_outputs(scorer, seqs)
-    why = differs(scorer, seqs, expected, "compile")
-    if why:
+    if why := differs(scorer, seqs, expected, "compile"):
         log.warning("REWARD_COMPILE: the compiled layers do not compute as the layers do (%s); serving eager", why)
         scorer.kernels.uncompile()
 
@@ -124,7 +122,6 @@ def choose_mask_path(scorer: RewardScorer, seqs: list[list[int]]) -> None:
     with scorer.kernels.eager():
         expected = first_layer_outputs(scorer, seqs)
         scorer.mask_mapping = True
-        why = differs(scorer, seqs, expected, "mask_mapping")
-        if why:
+        if why := differs(scorer, seqs, expected, "mask_mapping"):
             log.warning("the model does not take a per-layer mask mapping (%s); transformers builds masks", why)
             scorer.mask_mapping = False
