@@ -442,10 +442,8 @@ def _score_on_servers(config: Config, prompts: list[dict], answers: list[Answer]
                 items = [{**prompts[i], "response": answers[i].text} for i in chunk]
                 body = post_json(config, "/score_batch", {"items": items})
                 scores, truncated = body["scores"], body.get("truncated", [False] * len(chunk))
-        except RewardRequestRejected:
-            raise  # the request is wrong: no policy turns that into a score
         except RewardServerError as exc:
-            if config.on_failure == "raise":
+            if config.on_failure == "raise" or isinstance(exc, RewardRequestRejected):  # a wrong request: never scored
                 raise
             failures.append(exc)
             return

@@ -225,16 +225,14 @@ class _Server:
             raise self.fail(413, "too_many_items", detail, endpoint)
         for i, item in enumerate(items):
             where = f"items[{i}]." if endpoint == "/score_batch" else ""
-            texts = [("prompt", item.prompt or "")] + [
-                (f"messages[{k}].content", m.content) for k, m in enumerate(item.messages or [])
-            ]
-            for name, text in [*texts, ("response", item.response)]:
+            texts = [("prompt", item.prompt or ""), ("response", item.response)]
+            texts += [(f"messages[{k}].content", m.content) for k, m in enumerate(item.messages or [])]
+            for name, text in texts:
                 if len(text) > settings.max_chars:
+                    limit = f"the limit is {settings.max_chars} (REWARD_MAX_CHARS)"
                     raise self.fail(
-                        413, "string_too_long",
-                        f"{where}{name} is {len(text)} characters; the limit is {settings.max_chars} (REWARD_MAX_CHARS)",
-                        endpoint,
-                    )  # fmt: skip
+                        413, "string_too_long", f"{where}{name} is {len(text)} characters; {limit}", endpoint
+                    )
 
     async def score_items(self, items: list[ScoreItem], endpoint: str) -> tuple[list[float], list[bool]]:
         """Tokenize in the preparer's thread, fit each to max_length, score on the GPU thread: (scores, truncated)."""
