@@ -8,6 +8,7 @@ event loop never runs model code.
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hmac
 import logging
 from typing import Any
@@ -182,10 +183,7 @@ class _Server:
         batcher.start()
         # One pass at a time, in a thread of its own (cheaper to reach than anyio's pool, ~0.1 ms a pass).
         prepare_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-prepare")
-
-        async def in_prepare_thread(fn, *args):
-            return await asyncio.get_running_loop().run_in_executor(prepare_thread, fn, *args)
-
+        in_prepare_thread = functools.partial(asyncio.get_running_loop().run_in_executor, prepare_thread)
         preparer = Preparer(
             active, in_prepare_thread, on_pass=lambda requests, items, seconds: metrics.prepare.observe(seconds)
         )

@@ -218,7 +218,7 @@ def _answer(job: _Job, value, exc) -> None:
 
 
 def _settle(future: asyncio.Future, value, exc) -> None:
-    if future.done():
+    if future.done():  # the caller went away
         return
     if exc is not None:
         future.set_exception(exc)
@@ -262,12 +262,7 @@ class Preparer:
                 except BaseException as exc:  # noqa: BLE001 - handed to every caller of this pass, never swallowed
                     results = [exc] * len(taken)
                 for (_, future), result in zip(taken, results, strict=True):
-                    if future.done():  # the caller went away
-                        continue
-                    if isinstance(result, BaseException):
-                        future.set_exception(result)
-                    else:
-                        future.set_result(result)
+                    _settle(future, result, result if isinstance(result, BaseException) else None)
         finally:
             self._drainer = None
 
