@@ -159,10 +159,7 @@ class Planner:
             if packer is not None and len(current) < self.max_batch_rows:
                 slot = packer.slot(lengths[i])
                 bins = len(packer.rooms) + (slot == len(packer.rooms))
-                if self.pack and bins <= PACK_WHEN * (len(current) + 1):
-                    rows = bins
-                else:
-                    rows = len(current) + 1
+                rows = bins if self.pack and bins <= PACK_WHEN * (len(current) + 1) else len(current) + 1
                 if rows * packer.width <= self.token_budget:
                     current.append(i)
                     packer.add(i, lengths[i], slot)
