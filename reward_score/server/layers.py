@@ -102,14 +102,11 @@ class LayerKernels:
         for layer in self.layers:
             attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if self._knows_attention(attention) and not hasattr(attention, "qkv_proj"):
-                with torch.no_grad():
-                    attention.qkv_proj, attention.qkv_sizes = _fused_linear(
-                        torch, [attention.q_proj, attention.k_proj, attention.v_proj]
-                    )
+                parts = [attention.q_proj, attention.k_proj, attention.v_proj]
+                attention.qkv_proj, attention.qkv_sizes = _fused_linear(torch, parts)
                 self.fused.append(attention)
             if type(mlp).__name__ in _FUSABLE_MLP and not hasattr(mlp, "gate_up_proj"):
-                with torch.no_grad():
-                    mlp.gate_up_proj, _ = _fused_linear(torch, [mlp.gate_proj, mlp.up_proj])
+                mlp.gate_up_proj, _ = _fused_linear(torch, [mlp.gate_proj, mlp.up_proj])
                 self.fused.append(mlp)
         self.fused_on = bool(self.fused)
         self._install()
