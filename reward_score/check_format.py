@@ -339,10 +339,10 @@ def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | Non
 def settings_line(settings: dict[str, str], launch: bool = False) -> str:
     """The settings that differ from the server's defaults, as environment assignments (or the launch names)."""
     defaults = Settings()
-    changed = {k: v for k, v in settings.items() if v != getattr(defaults, k)}
-    if not changed:
-        return "the defaults"
-    return " ".join(f"{FORMAT_SETTINGS[k][1 if launch else 0]}={v}" for k, v in changed.items())
+    changed = [
+        f"{FORMAT_SETTINGS[k][1 if launch else 0]}={v}" for k, v in settings.items() if v != getattr(defaults, k)
+    ]
+    return " ".join(changed) or "the defaults"
 
 
 def close_call(report: Report) -> str:
