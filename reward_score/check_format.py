@@ -39,7 +39,7 @@ from pathlib import Path
 if not __package__:  # run by path: the repository root is not on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reward_score.server.settings import CHOICES, Settings  # noqa: E402
+from reward_score.server.settings import CHOICES, LAUNCH_NAMES, SETTINGS, Settings, check_model_path  # noqa: E402
 
 Conversation = tuple[list[dict[str, str]], str]  # (messages before the answer, the answer), as the server takes them
 
@@ -49,13 +49,8 @@ LAYOUTS = {
     "text": "'chosen'/'rejected' plain texts",
     "text_prompt": "'prompt' + 'chosen'/'rejected' plain texts",
 }
-# The server settings that decide the input format, with their environment and launch names.
-FORMAT_SETTINGS = {
-    "input": ("REWARD_INPUT", "CONFIG_REWARD_INPUT"),
-    "add_special_tokens": ("REWARD_ADD_SPECIAL_TOKENS", "CONFIG_REWARD_ADD_SPECIAL_TOKENS"),
-    "chat_template": ("REWARD_CHAT_TEMPLATE", "CONFIG_REWARD_CHAT_TEMPLATE"),
-    "append_eos": ("REWARD_APPEND_EOS", "CONFIG_REWARD_APPEND_EOS"),
-}
+# The server settings that decide the input format (CHOICES), with their environment and launch names.
+FORMAT_SETTINGS = {name: (SETTINGS[name][0], launch) for launch, name in LAUNCH_NAMES.items() if name in CHOICES}
 
 
 class PairsError(ValueError):
@@ -156,6 +151,26 @@ def layout_of(row: dict, where: str) -> str:
     return "conversation" if conversational else "text"
 
 
+def _side(value, where: str, layout: str, prompt: list[dict[str, str]]) -> Conversation:
+    """One side of a pair (not a plain-text one without a prompt) as (messages before the answer, the answer)."""
+    if layout == "text_prompt":
+        return prompt, _text(value, where)
+    msgs = _messages(value, where)
+    if layout == "conversation":
+        if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
+            raise PairsError(
+                f"{where}: the last message is the scored answer: role 'assistant' with text, got "
+                f"role {msgs[-1]['role']!r}"
+            )
+        return msgs[:-1], msgs[-1]["content"]
+    if len(msgs) != 1 or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
+        raise PairsError(
+            f"{where}: one assistant message with text (the server scores one response after the prompt), got "
+            f"{len(msgs)} message(s), roles {[m['role'] for m in msgs]}: move earlier turns into 'prompt'"
+        )
+    return prompt, msgs[0]["content"]
+
+
 def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
     """(layout, pairs) from TRL-format rows; one layout for the whole file, as TRL reads it from the first row."""
     if not rows:
@@ -167,42 +182,20 @@ def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
         this = layout_of(row, where)
         if this != layout:
             raise PairsError(f"{where}: {LAYOUTS[this]}, but row 0 has {LAYOUTS[layout]}: one layout per file")
-        if layout == "conversation":
-            sides = []
-            for name in ("chosen", "rejected"):
-                msgs = _messages(row[name], f"{where}.{name}")
-                if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
-                    raise PairsError(
-                        f"{where}.{name}: the last message is the scored answer: role 'assistant' with text, got "
-                        f"role {msgs[-1]['role']!r}"
-                    )
-                sides.append((msgs[:-1], msgs[-1]["content"]))
-            pairs.append(Pair(i, sides[0], sides[1]))
-        elif layout == "conversation_prompt":
-            prompt = _messages(row["prompt"], f"{where}.prompt")
-            sides = []
-            for name in ("chosen", "rejected"):
-                msgs = _messages(row[name], f"{where}.{name}")
-                if len(msgs) != 1 or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
-                    raise PairsError(
-                        f"{where}.{name}: one assistant message with text (the server scores one response after the "
-                        f"prompt), got {len(msgs)} message(s), roles {[m['role'] for m in msgs]}: move earlier turns "
-                        "into 'prompt'"
-                    )
-                sides.append((prompt, msgs[0]["content"]))
-            pairs.append(Pair(i, sides[0], sides[1]))
-        elif layout == "text_prompt":
-            prompt = _text(row["prompt"], f"{where}.prompt")
-            chosen, rejected = _text(row["chosen"], f"{where}.chosen"), _text(row["rejected"], f"{where}.rejected")
-            user = [{"role": "user", "content": prompt}]
-            pairs.append(Pair(i, (user, chosen), (user, rejected)))
-        else:
+        if layout == "text":
             chosen, rejected = _text(row["chosen"], f"{where}.chosen"), _text(row["rejected"], f"{where}.rejected")
             n = _shared_prefix(chosen, rejected)
             if n == len(chosen) or n == len(rejected):
                 raise PairsError(f"{where}: 'chosen' and 'rejected' must differ after their shared start")
             user = [{"role": "user", "content": chosen[:n]}] if n else []
             pairs.append(Pair(i, (user, chosen[n:]), (user, rejected[n:])))
+            continue
+        prompt: list[dict[str, str]] = []
+        if layout == "text_prompt":
+            prompt = [{"role": "user", "content": _text(row["prompt"], f"{where}.prompt")}]
+        elif layout == "conversation_prompt":
+            prompt = _messages(row["prompt"], f"{where}.prompt")
+        pairs.append(Pair(i, *(_side(row[name], f"{where}.{name}", layout, prompt) for name in ("chosen", "rejected"))))
     return layout, pairs
 
 
@@ -212,39 +205,30 @@ def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
 def candidate_settings(layout: str, has_chat_template: bool) -> list[dict[str, str]]:
     """Every combination of the format settings that applies to this layout: conversations through the chat template,
     plain text without it (every TRL version did so)."""
-    if layout.startswith("conversation"):
-        if not has_chat_template:
-            raise PairsError(
-                f"the pairs are conversations ({LAYOUTS[layout]}) but the model's tokenizer has no chat template: TRL "
-                "renders conversations with it, so this model was not trained on such pairs; give plain-text pairs"
-            )
-        return [
-            {"input": i, "add_special_tokens": s, "chat_template": "auto", "append_eos": "auto"}
-            for i in CHOICES["input"]
-            for s in ("auto", "true", "false")
-        ]
-    template = "off" if has_chat_template else "auto"
+    conversations = layout.startswith("conversation")
+    if conversations and not has_chat_template:
+        raise PairsError(
+            f"the pairs are conversations ({LAYOUTS[layout]}) but the model's tokenizer has no chat template: TRL "
+            "renders conversations with it, so this model was not trained on such pairs; give plain-text pairs"
+        )
+    template = "off" if has_chat_template and not conversations else "auto"
     return [
         {"input": i, "add_special_tokens": s, "chat_template": template, "append_eos": e}
         for i in CHOICES["input"]
-        for s in ("auto", "true", "false")
-        for e in ("auto", "true", "false")
+        for s in CHOICES["add_special_tokens"]
+        for e in (("auto",) if conversations else CHOICES["append_eos"])  # EOS: plain text only
     ]
 
 
 def trl_versions(fmt, layout: str) -> str:
     """Which TRL versions' RewardTrainer built its sequences this way from pairs of this layout ('' for none)."""
-    prompt_column = layout.endswith("_prompt")
+    old_input = "completion" if layout.endswith("_prompt") else "conversation"  # TRL <= 0.23's for this layout
     if fmt.chat_template:
         new = fmt.input == "conversation" and not fmt.add_special_tokens
-        old = fmt.add_special_tokens and fmt.input == ("completion" if prompt_column else "conversation")
+        old = fmt.add_special_tokens and fmt.input == old_input
     else:
         new = fmt.input == "conversation" and fmt.add_special_tokens and fmt.append_eos
-        old = (
-            fmt.add_special_tokens
-            and not fmt.append_eos
-            and fmt.input == ("completion" if prompt_column else "conversation")
-        )
+        old = fmt.add_special_tokens and not fmt.append_eos and fmt.input == old_input
     return " and ".join(v for v, ok in (("<= 0.23", old), (">= 0.24", new)) if ok)
 
 
@@ -314,7 +298,6 @@ def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | Non
     given = given or {k: getattr(Settings(), k) for k in FORMAT_SETTINGS}
     base = scorer.settings
     by_ids: dict[tuple, FormatResult] = {}
-    encoded: dict[tuple, list[list[int]]] = {}  # what is scored for each distinct set of ids
     refused: list[FormatResult] = []
     candidates = sorted(candidate_settings(layout, scorer.has_chat_template), key=_simplicity)
     if given not in candidates:
@@ -333,11 +316,10 @@ def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | Non
         if key in by_ids:
             by_ids[key].same_as.append(values)
             continue
-        encoded[key] = [e.ids for e in fitted]
-        scored = list(zip(encoded[key][::2], encoded[key][1::2], strict=True))
+        scored = [(list(c), list(r)) for c, r in zip(key[::2], key[1::2], strict=True)]
         by_ids[key] = FormatResult(values, fmt, scored=scored, truncated=sum(e.truncated for e in fitted))
     # Every format's sequences in one call: the planner batches them all.
-    scores = scorer.score_ids([s for key in by_ids for s in encoded[key]]) if by_ids else []
+    scores = scorer.score_ids([s for key in by_ids for s in key]) if by_ids else []
     results = list(by_ids.values())
     for k, r in enumerate(results):
         own = scores[2 * len(pairs) * k : 2 * len(pairs) * (k + 1)]
@@ -357,10 +339,10 @@ def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | Non
 def settings_line(settings: dict[str, str], launch: bool = False) -> str:
     """The settings that differ from the server's defaults, as environment assignments (or the launch names)."""
     defaults = Settings()
-    changed = {k: v for k, v in settings.items() if v != getattr(defaults, k)}
-    if not changed:
-        return "the defaults"
-    return " ".join(f"{FORMAT_SETTINGS[k][1 if launch else 0]}={v}" for k, v in changed.items())
+    changed = [
+        f"{FORMAT_SETTINGS[k][1 if launch else 0]}={v}" for k, v in settings.items() if v != getattr(defaults, k)
+    ]
+    return " ".join(changed) or "the defaults"
 
 
 def close_call(report: Report) -> str:
@@ -375,10 +357,9 @@ def close_call(report: Report) -> str:
     b, c = sum(one and not two for one, two in ranks), sum(two and not one for one, two in ranks)
     if b > c and b - c > 2 * math.sqrt(b + c):
         return ""
-    if b == c == 0:
-        why = "rank the same pairs right"
-    else:
-        why = f"rank {b} and {c} of the {b + c} pairs on which they disagree right"
+    why = (
+        f"rank {b} and {c} of the {b + c} pairs on which they disagree right" if b + c else "rank the same pairs right"
+    )
     return (
         f"note: the first two formats {why}: the pick rests on the loss ({best.loss:.3g} against {second.loss:.3g}); "
         "more held-out pairs would make it surer"
@@ -407,8 +388,7 @@ def format_report(report: Report, model: str, pairs_path: str, device: str) -> s
         return "\n".join(lines)
     lines.append(f"recommended: {settings_line(best.settings)}")
     lines.append(f"  in run_grpo_qwen3_4b_mega_verl.sh: {settings_line(best.settings, launch=True)}")
-    note = close_call(report)
-    if note:
+    if note := close_call(report):
         lines.append(note)
     if report.given is best:
         lines.append("the settings given score as recommended")
@@ -442,10 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             help=f"the job's {env} ({launch}), marked in the table [default {getattr(defaults, name)}]",
         )  # fmt: skip
     args = parser.parse_args(argv)
-    from reward_score.server.settings import check_model_path
-
-    problem = check_model_path(args.model)
-    if problem:
+    if problem := check_model_path(args.model):
         print(f"check_format: {problem.replace('REWARD_MODEL_PATH (or --model-path)', 'MODEL')}", file=sys.stderr)
         return 2
     try:

@@ -9,6 +9,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,8 +91,6 @@ def report(records: list[dict], every: float) -> str:
 
 
 def _clock(epoch: float) -> str:
-    import time
-
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
 
 

@@ -13,7 +13,6 @@ POST /score_batch, GET /metrics. How a pair is scored and batched: docs/reward.m
 (its __init__ lists the parts, each importing only the ones before it); this file only starts it.
 """
 
-import importlib.util
 import logging
 import os
 import sys
@@ -35,8 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    problem = check_model_path(settings.model_path)
-    if problem:
+    if problem := check_model_path(settings.model_path):
         log.error("%s", problem)
         return 2
     for note in launch_names_not_read(settings):
@@ -54,12 +52,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("starting with %s", shown)
     import uvicorn
 
-    # uvicorn takes uvloop and httptools (C parsers, less CPU per request) when they are installed.
-    log.info(
-        "HTTP: uvicorn %s, event loop %s, parser %s", uvicorn.__version__,
-        "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        "httptools" if importlib.util.find_spec("httptools") else "h11 (pure Python; pip install httptools)",
-    )  # fmt: skip
     # uvicorn runs the lifespan (model load + warm-up) before it binds the port: until then, connections are refused.
     uvicorn.run(
         create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False

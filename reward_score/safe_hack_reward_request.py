@@ -123,8 +123,7 @@ def load_config(kwargs: dict | None = None, environ: dict | None = None) -> Conf
     environ = os.environ if environ is None else environ
     kwargs = kwargs or {}
     known = {f.name for f in fields(Config)} | {"server_url"}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
+    if unknown := sorted(set(kwargs) - known):
         raise TypeError(f"unknown reward_kwargs {unknown}; known: {sorted(known)}")
     values = {}
     for f in fields(Config):
@@ -146,10 +145,9 @@ def load_config(kwargs: dict | None = None, environ: dict | None = None) -> Conf
     for name in ("rm_weight", "rule_weight"):
         if not math.isfinite(getattr(config, name)):
             raise ValueError(f"REWARD_{name.upper()}={getattr(config, name)}: use a finite number")
-    if config.on_failure not in ("raise", "min_score"):
-        raise ValueError(f"REWARD_ON_FAILURE must be 'raise' or 'min_score', got {config.on_failure!r}")
-    if config.log_texts not in ("full", "head", "none"):
-        raise ValueError(f"REWARD_LOG_TEXTS must be full, head or none, got {config.log_texts!r}")
+    for name, allowed in (("on_failure", ("raise", "min_score")), ("log_texts", ("full", "head", "none"))):
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"REWARD_{name.upper()} must be {' or '.join(allowed)}, got {getattr(config, name)!r}")
     if config.min_score > config.max_score:
         raise ValueError(f"REWARD_MIN_SCORE ({config.min_score}) is above REWARD_MAX_SCORE ({config.max_score})")
     return config
@@ -166,13 +164,9 @@ def _convert(name: str, raw):
         if not urls or bad:
             raise ValueError(f"expected http(s)://host:port[,http(s)://host:port...], got {bad or raw}")
         return urls
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        if str(raw).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(raw).lower() in ("0", "false", "no", "off"):
-            return False
+    if kind is bool:  # str(True) is "True": a bool from reward_kwargs reads as one
+        if str(raw).lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return str(raw).lower() in ("1", "true", "yes", "on")
         raise ValueError("expected true or false")
     return kind(raw)
 
@@ -263,7 +257,40 @@ def _beside(name: str):
     return module
 
 
-_Breaker = _beside("breaker").Breaker
+class _Breaker:
+    """Per process and server list: once a request spends its whole retry budget, the next calls fail at once.
+
+    verl's `compute_reward` calls the reward function a second time when it raises, and its naive manager scores one
+    sample per call: without this, an outage would cost two budgets before the step fails (or one per sample under
+    REWARD_ON_FAILURE=min_score). It closes on any success (a request already in flight) or after breaker_seconds.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, ...], tuple[float, str]] = {}  # servers -> (monotonic time it opened, error)
+
+    def check(self, config: Config) -> str | None:
+        """The refusal's words while the breaker for these servers is open, else None."""
+        with self._lock:
+            opened, error = self._open.get(config.server_urls, (-math.inf, ""))
+            age = time.monotonic() - opened
+            if age >= config.breaker_seconds:  # closed, cooled down, or off (0)
+                self._open.pop(config.server_urls, None)
+                return None
+        return (
+            f"{error} (this process gave up on them {age:.1f} s ago: failing at once instead of waiting the budget "
+            f"again, for {config.breaker_seconds - age:.0f} s more, REWARD_BREAKER_SECONDS)"
+        )
+
+    def trip(self, config: Config, error: str) -> None:
+        with self._lock:
+            self._open[config.server_urls] = (time.monotonic(), error)
+
+    def reset(self, config: Config) -> None:
+        with self._lock:
+            self._open.pop(config.server_urls, None)
+
+
 _breaker = _Breaker()
 
 
@@ -310,7 +337,6 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
             _breaker.trip(config, error)
             raise RewardServerError(error)
         time.sleep(min(remaining, min(10.0, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)))
-    raise AssertionError("unreachable")
 
 
 # --- the reward log ------------------------------------------------------------------------------------------
@@ -326,13 +352,9 @@ def write_log(config: Config, records: list[dict]) -> None:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(config.log_path)), exist_ok=True)
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-        with open(config.log_path, "ab") as f:
+        with open(config.log_path, "ab") as f:  # closing it flushes, then releases the lock
             fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                f.write(data)
-                f.flush()
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+            f.write(data)
     except OSError as exc:
         if not _log_failure_reported:
             _log_failure_reported = True
@@ -340,14 +362,6 @@ def write_log(config: Config, records: list[dict]) -> None:
                 f"[reward] cannot write the reward log {config.log_path}: {exc} (rewards are unaffected)",
                 file=sys.stderr,
             )
-
-
-def _texts(config: Config, **texts: str) -> dict:
-    if config.log_texts == "none":
-        return {}
-    if config.log_texts == "head":
-        return {k: v[: config.log_head_chars] for k, v in texts.items()}
-    return texts
 
 
 # --- scoring -------------------------------------------------------------------------------------------------
@@ -428,10 +442,8 @@ def _score_on_servers(config: Config, prompts: list[dict], answers: list[Answer]
                 items = [{**prompts[i], "response": answers[i].text} for i in chunk]
                 body = post_json(config, "/score_batch", {"items": items})
                 scores, truncated = body["scores"], body.get("truncated", [False] * len(chunk))
-        except RewardRequestRejected:
-            raise  # the request is wrong: no policy turns that into a score
         except RewardServerError as exc:
-            if config.on_failure == "raise":
+            if config.on_failure == "raise" or isinstance(exc, RewardRequestRejected):  # a wrong request: never scored
                 raise
             failures.append(exc)
             return
@@ -449,6 +461,8 @@ def _record(config: Config, now: float, data_source: str, status: str, reason: s
             response: str, answer: str) -> dict:  # fmt: skip
     """One line of the reward log."""
     prompt = prompt_item.get("prompt") or json.dumps(prompt_item.get("messages"), ensure_ascii=False)
+    texts = {"prompt": prompt, "response": response, "answer": answer} if config.log_texts != "none" else {}
+    head = config.log_head_chars if config.log_texts == "head" else None
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
         "epoch": now,
@@ -460,16 +474,18 @@ def _record(config: Config, now: float, data_source: str, status: str, reason: s
         "prompt_chars": len(prompt),
         "response_chars": len(response),
         "answer_chars": len(answer),
-        **_texts(config, prompt=prompt, response=response, answer=answer),
+        **{k: v[:head] for k, v in texts.items()},
     }
 
 
+def _without_router(kwargs: dict) -> dict:
+    """verl's async rollout also passes reward_router_address and reward_model_tokenizer: not ours, ignored."""
+    return {k: v for k, v in kwargs.items() if k not in ("reward_router_address", "reward_model_tokenizer")}
+
+
 def safe_hack_reward(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
-    """One sample (verl's naive and dapo managers; async rollout also passes reward_router_address and
-    reward_model_tokenizer, which are ignored)."""
-    kwargs.pop("reward_router_address", None)
-    kwargs.pop("reward_model_tokenizer", None)
-    config = load_config(kwargs)
+    """One sample (verl's naive and dapo managers)."""
+    config = load_config(_without_router(kwargs))
     return score_many([data_source], [solution_str], [ground_truth], [extra_info], config)[0]
 
 
@@ -532,19 +548,12 @@ def _score_each(config: Config, samples: list[tuple]) -> list:
     An outage fails every sample that needed a server (each call would have raised), while a penalized sample still
     gets its penalty; any other error (a 4xx, a row without a prompt) belongs to one sample, so the group is scored
     again one by one and only the faulty samples raise."""
-    outage = None
     try:
         return score_many(*(list(column) for column in zip(*samples, strict=True)), config)
-    except RewardRequestRejected:
+    except Exception as exc:
         if len(samples) == 1:
             raise
-    except RewardServerError as exc:
-        if len(samples) == 1:
-            raise
-        outage = exc
-    except Exception:
-        if len(samples) == 1:
-            raise
+        outage = exc if type(exc) is RewardServerError else None
     results = []
     for sample in samples:
         if outage is not None and not split_answer(str(sample[1]), config.opens_think).penalty_reason:
@@ -566,9 +575,7 @@ async def safe_hack_reward_async(data_source, solution_str, ground_truth, extra_
     directly instead of running it in a thread pool, so every finished sample is in flight at once. Samples awaited
     together on one event loop share one request (`coalesce_seconds`). Same result keys, failures and log as
     `safe_hack_reward`. Async rollout only: verl's sync reward managers call the function without awaiting it."""
-    kwargs.pop("reward_router_address", None)
-    kwargs.pop("reward_model_tokenizer", None)
-    config = load_config(kwargs)
+    config = load_config(_without_router(kwargs))
     loop = asyncio.get_running_loop()
     with _coalescers_lock:
         per_loop = _coalescers.setdefault(loop, {})

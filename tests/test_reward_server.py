@@ -39,7 +39,7 @@ from reward_score.server.planner import (
 )
 from reward_score.server.runner import NotARewardModel, RewardScorer
 from reward_score.server.settings import Settings, load_settings
-from reward_score.server.warmup import warm_up, warm_up_lengths
+from reward_score.server.warmup import warm_up
 from tests.support import REPO, free_port, http_get, start_http_server, start_process
 
 LONG_ANSWER = " ".join(f"word{i % 17} step {i}" for i in range(120))
@@ -1023,23 +1023,6 @@ def test_a_memory_cap_that_leaves_no_room_beside_the_weights_is_refused_naming_t
         )
 
 
-def test_the_warm_up_step_runs_full_budget_micro_batches_padded_and_packed_before_ready(tiny_models):
-    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu", max_length=512)
-    basic = _with_budget(RewardScorer.load(cfg), 2048)
-    warm_up(basic)
-    assert "step" not in basic.warm_up_s, "the CPU default is the basic warm-up"
-    scorer = _with_budget(RewardScorer.load(replace(cfg, warmup="step")), 2048)
-    seen, packed = [], []
-    scorer.on_forward = lambda rows, width, tokens, seconds: seen.append((rows, width))
-    real_packed = scorer._forward_packed
-    scorer._forward_packed = lambda *args: packed.append(1) or real_packed(*args)
-    warm_up(scorer)
-    assert scorer.warm_up_s["step"] > 0
-    assert sum(warm_up_lengths(scorer)[0]) >= 3 * 2048
-    assert any(rows * width > 0.75 * 2048 for rows, width in seen), seen  # micro-batches near the budget
-    assert len({width for _, width in seen}) >= 8 and packed, "many widths, and packed rows as well"
-
-
 def test_models_with_sliding_window_layers_keep_transformers_masks(tiny_models):
     scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
     scorer.model.config.layer_types = ["full_attention", "sliding_attention"]
@@ -1202,7 +1185,7 @@ def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_report
         ({"REWARD_CHAT_TEMPLATE": "on"}, "REWARD_CHAT_TEMPLATE must be auto or off"),
         ({"REWARD_APPEND_EOS": "1"}, "REWARD_APPEND_EOS"),
         ({"REWARD_FUSE": "yes"}, "REWARD_FUSE"),
-        ({"REWARD_WARMUP": "full"}, "REWARD_WARMUP"),
+        ({"REWARD_WARMUP": "step"}, "REWARD_WARMUP is no longer a setting"),  # removed: not shown to pay
         ({"REWARD_GPU_MEMORY_GIB": "-4"}, "REWARD_GPU_MEMORY_GIB"),
         ({"REWARD_MICRO_BATCH_COST": "-1"}, "REWARD_MICRO_BATCH_COST must be 0 (from the model)"),
         ({"REWARD_PACK": "on"}, "REWARD_PACK must be auto or off"),
@@ -1228,7 +1211,7 @@ def test_help_lists_the_input_format_settings_with_their_flags(capsys):
 
 
 def test_help_is_short_and_leads_with_the_model_device_port_and_format_and_help_all_lists_every_setting():
-    from reward_score.server.settings import _SETTINGS
+    from reward_score.server.settings import SETTINGS
 
     def run(*args):
         env = dict(os.environ, COLUMNS="80")
@@ -1249,7 +1232,7 @@ def test_help_is_short_and_leads_with_the_model_device_port_and_format_and_help_
     every = run("--help-all")
     assert every.returncode == 0, every.stderr
     text = " ".join(every.stdout.split())
-    for name, (env, _, _) in _SETTINGS.items():
+    for name, (env, _, _) in SETTINGS.items():
         assert f"--{name.replace('_', '-')} " in text and f"[{env}," in text, name
     # a setting --help does not show still parses
     assert load_settings(["--micro-batch-cost", "96", "--fuse", "off"], {}).micro_batch_cost == 96
@@ -1284,7 +1267,7 @@ def test_health_answers_only_once_the_model_can_score_and_reports_what_runs(tiny
         # uvicorn shuts down cleanly, then re-raises SIGTERM so the exit status says how it ended.
         assert server.stop() in (0, -15)
     log = (tmp_path / "rs.log").read_text()
-    assert "ready: model=" in log and "Finished server process" in log
+    assert "ready: model_path=" in log and "Finished server process" in log
     assert "format=conversation (chat template, without special tokens)" in log
     # the tests' environment exports TOKENIZERS_PARALLELISM=false, as training scripts do: not for the server
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"

@@ -5,7 +5,7 @@ planner.py    the batching policy: micro-batches within the token budget, padded
 inputs.py     a pair as token ids: TRL's formats, the chat template, tokenizing, the fit to max_length (no torch)
 layers.py     how the decoder layers run: fused projections, per-layer torch.compile
 runner.py     the model: load, run a planned micro-batch (padded or packed), the mask path
-warmup.py     warm-up before ready: each faster way checked against transformers' own, the shapes, a synthetic step
+warmup.py     warm-up before ready: each faster way checked against transformers' own, then the first shapes
 batcher.py    the GPU thread over all requests (when to launch what) and the off-loop tokenizing passes
 app.py        HTTP: FastAPI app, request and response bodies, limits, auth, metrics
 """

@@ -8,6 +8,7 @@ event loop never runs model code.
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hmac
 import logging
 from typing import Any
@@ -129,8 +130,6 @@ class _BodyLimit:
         self.app, self.limit, self.on_reject = app, limit, on_reject
 
     def _error(self):
-        from starlette.exceptions import HTTPException
-
         if self.on_reject:
             self.on_reject()
         return HTTPException(413, detail=f"request body over {self.limit} bytes (REWARD_MAX_BODY_BYTES)")
@@ -184,15 +183,15 @@ class _Server:
         batcher.start()
         # One pass at a time, in a thread of its own (cheaper to reach than anyio's pool, ~0.1 ms a pass).
         prepare_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-prepare")
-
-        async def in_prepare_thread(fn, *args):
-            return await asyncio.get_running_loop().run_in_executor(prepare_thread, fn, *args)
-
+        in_prepare_thread = functools.partial(asyncio.get_running_loop().run_in_executor, prepare_thread)
         preparer = Preparer(
             active, in_prepare_thread, on_pass=lambda requests, items, seconds: metrics.prepare.observe(seconds)
         )
         self.state.update(scorer=active, batcher=batcher, preparer=preparer)
-        _log_ready(self.settings, active)
+        # One line with everything resolved at startup: /health's body, the format as decided in words.
+        no_template = "" if active.has_chat_template else ": the tokenizer has no chat template"
+        ready = _health(self.settings, active) | {"format": active.format.describe() + no_template}
+        log.info("ready: %s", " ".join(f"{k}={v}" for k, v in ready.items() if k != "status"))
         try:
             yield
         finally:
@@ -220,24 +219,18 @@ class _Server:
         """413 for too many items, or for any one string over REWARD_MAX_CHARS, naming it."""
         settings = self.settings
         if len(items) > settings.max_items:
-            raise self.fail(
-                413,
-                "too_many_items",
-                f"{len(items)} items; the limit is {settings.max_items} (REWARD_MAX_ITEMS)",
-                endpoint,
-            )
+            detail = f"{len(items)} items; the limit is {settings.max_items} (REWARD_MAX_ITEMS)"
+            raise self.fail(413, "too_many_items", detail, endpoint)
         for i, item in enumerate(items):
             where = f"items[{i}]." if endpoint == "/score_batch" else ""
-            texts = [("prompt", item.prompt or "")] + [
-                (f"messages[{k}].content", m.content) for k, m in enumerate(item.messages or [])
-            ]
-            for name, text in [*texts, ("response", item.response)]:
+            texts = [("prompt", item.prompt or ""), ("response", item.response)]
+            texts += [(f"messages[{k}].content", m.content) for k, m in enumerate(item.messages or [])]
+            for name, text in texts:
                 if len(text) > settings.max_chars:
+                    limit = f"the limit is {settings.max_chars} (REWARD_MAX_CHARS)"
                     raise self.fail(
-                        413, "string_too_long",
-                        f"{where}{name} is {len(text)} characters; the limit is {settings.max_chars} (REWARD_MAX_CHARS)",
-                        endpoint,
-                    )  # fmt: skip
+                        413, "string_too_long", f"{where}{name} is {len(text)} characters; {limit}", endpoint
+                    )
 
     async def score_items(self, items: list[ScoreItem], endpoint: str) -> tuple[list[float], list[bool]]:
         """Tokenize in the preparer's thread, fit each to max_length, score on the GPU thread: (scores, truncated)."""
@@ -260,19 +253,6 @@ class _Server:
         return scores, truncated
 
 
-def _log_ready(settings: Settings, active: RewardScorer) -> None:
-    """One line with everything resolved at startup (the format as decided, the planner's budget, warm-up times)."""
-    log.info(
-        "ready: model=%s device=%s dtype=%s compiled=%s mask_mapping=%s fused=%d max_length=%d "
-        "truncation=%s format=%s token_budget=%d micro_batch_cost=%d pack=%s warm_up_s=%s",
-        settings.model_path, active.device, active.dtype, active.compiled, active.mask_mapping, len(active.fused),
-        settings.max_length, settings.truncation,
-        active.format.describe() + ("" if active.has_chat_template else ": the tokenizer has no chat template"),
-        active.planner.token_budget, active.planner.micro_batch_cost, active.planner.pack,
-        {k: round(v, 2) for k, v in active.warm_up_s.items()},
-    )  # fmt: skip
-
-
 def _health(settings: Settings, active: RewardScorer) -> dict[str, Any]:
     """/health's body once the model is loaded: what the server scores with, as resolved."""
     return {
@@ -282,7 +262,7 @@ def _health(settings: Settings, active: RewardScorer) -> dict[str, Any]:
         "dtype": active.dtype,
         "max_length": settings.max_length,
         "truncation": settings.truncation,
-        "format": "chat_template" if active.chat_template else "plain_text",
+        "format": "chat_template" if active.format.chat_template else "plain_text",
         # The input format as resolved (REWARD_INPUT, REWARD_ADD_SPECIAL_TOKENS, REWARD_APPEND_EOS; `auto` decided)
         "input": active.format.input,
         "add_special_tokens": active.format.add_special_tokens,

@@ -40,11 +40,10 @@ class Batcher:
 
     Up to `depth` micro-batches are queued on the GPU: while one runs, the thread reads the finished one's scores,
     answers those callers and launches the next from whatever is waiting, new arrivals included; the next goes in
-    behind a running one once a full token budget waits, or once its oldest row has waited `max_wait` (holding it
-    back until the running one nears its end, by measured GPU time per token, cut big models' queue waits on an H200
-    but not their share of the ceiling: benchmarks/HISTORY.md, so that setting went). Each launch takes the micro-batch
-    (of the length-sorted plan) holding the oldest waiting row, so no request waits behind later ones. When idle,
-    the first request waits up to `max_wait` for others to join (stopping once `quiet` passes with nothing new)."""
+    behind a running one once a full token budget waits, or once its oldest row has waited `max_wait`. Each launch
+    takes the micro-batch (of the length-sorted plan) holding the oldest waiting row, so no request waits behind later
+    ones. When idle, the first request waits up to `max_wait` for others to join (stopping once `quiet` passes with
+    nothing new)."""
 
     def __init__(
         self,
@@ -203,7 +202,6 @@ class Batcher:
             flights.append((rows, self.scorer.launch([j.seqs[i] for j, i in rows])))
         except BaseException as exc:
             self._fail({j for j, _ in rows}, exc, waiting)
-            return
 
     @staticmethod
     def _fail(jobs: set[_Job], exc: BaseException, waiting: list[_Row]) -> None:
@@ -220,7 +218,7 @@ def _answer(job: _Job, value, exc) -> None:
 
 
 def _settle(future: asyncio.Future, value, exc) -> None:
-    if future.done():
+    if future.done():  # the caller went away
         return
     if exc is not None:
         future.set_exception(exc)
@@ -264,12 +262,7 @@ class Preparer:
                 except BaseException as exc:  # noqa: BLE001 - handed to every caller of this pass, never swallowed
                     results = [exc] * len(taken)
                 for (_, future), result in zip(taken, results, strict=True):
-                    if future.done():  # the caller went away
-                        continue
-                    if isinstance(result, BaseException):
-                        future.set_exception(result)
-                    else:
-                        future.set_result(result)
+                    _settle(future, result, result if isinstance(result, BaseException) else None)
         finally:
             self._drainer = None
 

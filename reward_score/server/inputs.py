@@ -43,15 +43,10 @@ class InputFormat:
     def from_settings(cls, settings: Settings, has_chat_template: bool) -> "InputFormat":
         """The `auto` values resolved: for each input, what the TRL versions that produce it did."""
         template = has_chat_template and settings.chat_template == "auto"
-        if settings.add_special_tokens == "auto":
-            # Only TRL >= 0.24's apply_chat_template(tokenize=True) tokenized without them; every tokenizer(text) adds.
-            special = not (template and settings.input == "conversation")
-        else:
-            special = settings.add_special_tokens == "true"
-        if settings.append_eos == "auto":
-            eos = settings.input == "conversation"
-        else:
-            eos = settings.append_eos == "true"
+        # Only TRL >= 0.24's apply_chat_template(tokenize=True) tokenized without them; every tokenizer(text) adds.
+        auto_special = not (template and settings.input == "conversation")
+        special = auto_special if settings.add_special_tokens == "auto" else settings.add_special_tokens == "true"
+        eos = settings.input == "conversation" if settings.append_eos == "auto" else settings.append_eos == "true"
         return cls(settings.input, template, special, eos and not template)
 
     def describe(self) -> str:
@@ -81,11 +76,6 @@ class PairEncoder:
             self.backend.no_truncation()
             self.backend.no_padding()
         self._slow_lock = threading.Lock()
-
-    @property
-    def chat_template(self) -> bool:
-        """Pairs are rendered through the tokenizer's chat template (else TRL's plain-text rule)."""
-        return self.format.chat_template
 
     def render(self, messages: list[dict[str, str]], response: str, fmt: InputFormat | None = None) -> str:
         """The exact text the reward model was trained on for this conversation, in `fmt` (default: the server's)."""

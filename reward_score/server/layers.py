@@ -42,8 +42,7 @@ def _fused_linear(torch, parts):
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     """The attention of Qwen3/Qwen2/Llama as transformers writes it, with q, k and v from one matmul (`qkv_proj`, where
-    `use_qkv`). A KV cache (never used by the
-    server) takes the original forward."""
+    `use_qkv`). A KV cache (never used by the server) takes the original forward."""
     if kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None:
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
     for name in ("past_key_values", "past_key_value", "cache_position"):
@@ -62,15 +61,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     cos, sin = position_embeddings
     q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
     implementation = self.config._attn_implementation
-    if implementation == "eager":
-        attention = module.eager_attention_forward
-    else:
-        attention = module.ALL_ATTENTION_FUNCTIONS[implementation]
+    attention = (
+        module.eager_attention_forward if implementation == "eager" else module.ALL_ATTENTION_FUNCTIONS[implementation]
+    )
     if getattr(self, "sliding_window", None) is not None:
         kwargs["sliding_window"] = self.sliding_window
-    out, weights = attention(
-        self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
-    )  # fmt: skip
+    out, weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
     out = out.reshape(*input_shape, -1).contiguous()
     return self.o_proj(out), weights
 
@@ -106,14 +102,11 @@ class LayerKernels:
         for layer in self.layers:
             attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if self._knows_attention(attention) and not hasattr(attention, "qkv_proj"):
-                with torch.no_grad():
-                    attention.qkv_proj, attention.qkv_sizes = _fused_linear(
-                        torch, [attention.q_proj, attention.k_proj, attention.v_proj]
-                    )
+                parts = [attention.q_proj, attention.k_proj, attention.v_proj]
+                attention.qkv_proj, attention.qkv_sizes = _fused_linear(torch, parts)
                 self.fused.append(attention)
             if type(mlp).__name__ in _FUSABLE_MLP and not hasattr(mlp, "gate_up_proj"):
-                with torch.no_grad():
-                    mlp.gate_up_proj, _ = _fused_linear(torch, [mlp.gate_proj, mlp.up_proj])
+                mlp.gate_up_proj, _ = _fused_linear(torch, [mlp.gate_proj, mlp.up_proj])
                 self.fused.append(mlp)
         self.fused_on = bool(self.fused)
         self._install()

@@ -159,10 +159,7 @@ class Planner:
             if packer is not None and len(current) < self.max_batch_rows:
                 slot = packer.slot(lengths[i])
                 bins = len(packer.rooms) + (slot == len(packer.rooms))
-                if self.pack and bins <= PACK_WHEN * (len(current) + 1):
-                    rows = bins
-                else:
-                    rows = len(current) + 1
+                rows = bins if self.pack and bins <= PACK_WHEN * (len(current) + 1) else len(current) + 1
                 if rows * packer.width <= self.token_budget:
                     current.append(i)
                     packer.add(i, lengths[i], slot)
@@ -220,10 +217,8 @@ class Planner:
                 return Layout(width, packer.bins)
         return Layout(width, None)
 
-    def padded_length(self, n: int) -> int:
-        m = self.pad_multiple
-        return max(m, math.ceil(n / m) * m)
-
     def width_for(self, longest: int) -> int:
-        """The padded width of a micro-batch whose longest row has `longest` tokens."""
-        return min(self.padded_length(longest), max(longest, self.max_length))
+        """The padded width of a micro-batch whose longest row has `longest` tokens: a multiple of `pad_multiple`
+        (fewer shapes to compile), never over max_length unless the row is."""
+        padded = max(self.pad_multiple, math.ceil(longest / self.pad_multiple) * self.pad_multiple)
+        return min(padded, max(longest, self.max_length))

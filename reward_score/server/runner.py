@@ -26,13 +26,6 @@ class NotARewardModel(RuntimeError):
     """The checkpoint holds no scoring head: transformers would score with a randomly initialized one."""
 
 
-def missing_head(model, missing_keys: Sequence[str]) -> list[str]:
-    """The head's weights (those outside the base model: `score.weight`, `classifier.*`) that the checkpoint lacked,
-    so that transformers initialized them at random; empty for a sequence-classification checkpoint."""
-    prefix = getattr(model, "base_model_prefix", "") + "."
-    return sorted(k for k in missing_keys if not k.startswith(prefix))
-
-
 def head_problem(path: str) -> str | None:
     """What the model's config.json says against it as a reward model, read before any weight loads: an architecture
     other than *ForSequenceClassification, or num_labels other than 1 (a classifier's head, whose weights would not
@@ -54,9 +47,10 @@ def head_problem(path: str) -> str | None:
 
 
 def refuse_without_head(path: str, model, missing_keys: Sequence[str]) -> None:
-    """NotARewardModel naming the path, what it lacked and what a reward model holds, where its head was not in it."""
-    head = missing_head(model, missing_keys)
-    if head:
+    """NotARewardModel naming the path, what it lacked and what a reward model holds, where its head was not in it:
+    weights outside the base model (`score.weight`, `classifier.*`) missing, so transformers initialized them."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    if head := sorted(k for k in missing_keys if not k.startswith(prefix)):
         saved_as = ", ".join(getattr(model.config, "architectures", None) or []) or "a model without a scoring head"
         raise NotARewardModel(
             f"the reward model path {path} (CONFIG_REWARD_MODEL_PATH, --model-path) is not a reward model: it holds "
@@ -90,11 +84,9 @@ class RewardScorer(PairEncoder):
                          and settings.pack == "auto" and model_packs(self.non_embedding_params))  # fmt: skip
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model_budget = None
-        if device.startswith("cuda") and self.activation_bytes_per_token():
+        if device.startswith("cuda") and (per_token := self.activation_bytes_per_token()):
             # planner.MemoryTooSmall (a ValueError) when REWARD_GPU_MEMORY_GIB leaves no room: the server exits naming it
-            self.model_budget = model_token_budget(
-                self.activation_bytes_per_token(), self.weight_bytes, int(settings.gpu_memory_gib * 2**30)
-            )
+            self.model_budget = model_token_budget(per_token, self.weight_bytes, int(settings.gpu_memory_gib * 2**30))
         # A bigger model's token takes longer, so one more forward costs fewer of its tokens: narrower micro-batches
         # with less padding pay (on the CPU the cost stays MICRO_BATCH_COST).
         model_cost = model_micro_batch_cost(self.non_embedding_params) if device.startswith("cuda") else None
@@ -161,9 +153,7 @@ class RewardScorer(PairEncoder):
             )
         model.to(device).eval()
         if device.startswith("cuda") and settings.cudnn_attention == "off":
-            # torch 2.11 takes cuDNN's attention on an H200 for both of our calls, and cuDNN builds a plan for every
-            # new shape; flash and mem-efficient attention build none. A/B on an H200 (1.7B, benchmarks/HISTORY.md):
-            # the same throughput either way, so torch's choice stays the default.
+            # Flash and mem-efficient attention only; torch's choice (cuDNN on Hopper) gains 4.2% (benchmarks/README.md).
             torch.backends.cuda.enable_cudnn_sdp(False)
         if device.startswith("cuda") and settings.gpu_memory_gib:
             # The caching allocator stays under the cap; a micro-batch that would cross it is split (as on any OOM).
@@ -218,9 +208,7 @@ class RewardScorer(PairEncoder):
         host.copy_(scores, non_blocking=True)
         done = torch.cuda.Event(enable_timing=True)
         done.record(torch.cuda.current_stream(scores.device))
-        layout = self.planner.layout(lengths)
-        tokens = layout.width * (len(layout.bins) if layout.bins is not None else len(lengths))
-        return Launched(order, host, done, started, tokens)
+        return Launched(order, host, done, started)
 
     def _forward_split(self, rows: list[int], seqs, lengths) -> list[tuple[list[int], Any]]:
         torch = self.torch
@@ -240,7 +228,6 @@ class RewardScorer(PairEncoder):
             return self._forward_split(rows[:half], seqs, lengths) + self._forward_split(rows[half:], seqs, lengths)
 
     def _forward(self, rows: list[int], seqs, lengths):
-        torch = self.torch
         start = time.perf_counter()
         layout = self.planner.layout([lengths[i] for i in rows])
         width = layout.width
@@ -249,9 +236,16 @@ class RewardScorer(PairEncoder):
             scores = self._forward_packed(rows, bins, seqs, lengths, width)
             if self.on_packed:
                 self.on_packed()
-            if self.on_forward:
-                self.on_forward(len(bins), width, sum(lengths[i] for i in rows), time.perf_counter() - start)
-            return scores
+        else:
+            scores = self._forward_padded(rows, seqs, lengths, width)
+        if self.on_forward:
+            as_run = len(layout.bins) if layout.bins is not None else len(rows)
+            self.on_forward(as_run, width, sum(lengths[i] for i in rows), time.perf_counter() - start)
+        return scores
+
+    def _forward_padded(self, rows: list[int], seqs, lengths, width: int):
+        """One sequence to a row, padded on the right; the score is read at each row's last real token."""
+        torch = self.torch
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, pin_memory=self.pin)
         for r, i in enumerate(rows):
             ids[r, : lengths[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
@@ -268,8 +262,6 @@ class RewardScorer(PairEncoder):
         else:
             mask = (torch.arange(width)[None, :] < torch.as_tensor([lengths[i] for i in rows])[:, None]).long()
             scores = self.model(input_ids=ids, attention_mask=mask.to(self.device), use_cache=False).logits[:, 0]
-        if self.on_forward:
-            self.on_forward(len(rows), width, sum(lengths[i] for i in rows), time.perf_counter() - start)
         return scores
 
     def _forward_packed(self, rows: list[int], bins: list[list[int]], seqs, lengths, width: int):
@@ -315,11 +307,10 @@ class RewardScorer(PairEncoder):
 
 class Launched:
     """A micro-batch on its way through the GPU: `ready()` without blocking, `result()` scores in launch order,
-    `gpu_seconds()` how long the GPU took once it is done (None where not timed), `tokens` as run (with padding)."""
+    `gpu_seconds()` how long the GPU took once it is done (None where not timed)."""
 
-    def __init__(self, order: list[int], scores, event, started=None, tokens: int = 0):
-        self.order, self.scores, self.event = order, scores, event
-        self.started, self.tokens = started, tokens
+    def __init__(self, order: list[int], scores, event, started=None):
+        self.order, self.scores, self.event, self.started = order, scores, event, started
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()

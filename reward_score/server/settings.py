@@ -13,12 +13,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Every setting: (environment variable, flag, help) in `_SETTINGS` below."""
+    """Every setting: (environment variable, flag, help) in `SETTINGS` below."""
 
     model_path: str = ""
     device: str = "auto"
@@ -31,13 +31,12 @@ class Settings:
     add_special_tokens: Literal["auto", "true", "false"] = "auto"
     chat_template: Literal["auto", "off"] = "auto"
     append_eos: Literal["auto", "true", "false"] = "auto"
-    pack: str = "auto"
+    pack: Literal["auto", "off"] = "auto"
     micro_batch_cost: int = 0  # 0: from the model on a GPU (planner.model_micro_batch_cost), 1024 on the CPU
-    compile: str = "auto"
-    fuse: str = "auto"
-    warmup: str = "auto"
+    compile: Literal["auto", "layers", "off"] = "auto"
+    fuse: Literal["auto", "off"] = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
-    cudnn_attention: str = "auto"
+    cudnn_attention: Literal["auto", "off"] = "auto"
     max_items: int = 4096
     max_chars: int = 262_144
     max_body_bytes: int = 64 * 1024 * 1024
@@ -45,7 +44,7 @@ class Settings:
     log_level: str = "info"
 
 
-_SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, flag's value, help)
+SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, flag's value, help)
     "model_path": ("REWARD_MODEL_PATH", "DIR", "the reward model's folder (config.json, weights, tokenizer)"),
     "device": ("REWARD_DEVICE", "DEVICE", "cpu | cuda | cuda:N | auto"),
     "port": ("REWARD_PORT", "PORT", "port to listen on"),
@@ -72,8 +71,6 @@ _SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, f
              "off"),
     "cudnn_attention": ("REWARD_CUDNN_ATTENTION", "auto|off", "auto (torch's choice: cuDNN on Hopper) | off (flash, "
                         "mem-efficient)"),
-    "warmup": ("REWARD_WARMUP", "auto|step|basic", "auto (step on GPU, basic on CPU) | step (a full-budget synthetic "
-               "step too) | basic"),
     "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no "
                        "cap)"),
     "max_items": ("REWARD_MAX_ITEMS", "N", "items per /score_batch request at most"),
@@ -95,27 +92,14 @@ Each flag has a REWARD_* environment variable (in brackets); the flag wins."""
 EPILOG = """Batching, kernels, warm-up, logging and request limits: --help-all (measured defaults; docs/reward.md)."""
 
 
-# The input-format settings' values (inputs.InputFormat reads them).
-CHOICES = {
-    "input": ("conversation", "completion"),
-    "add_special_tokens": ("auto", "true", "false"),
-    "chat_template": ("auto", "off"),
-    "append_eos": ("auto", "true", "false"),
-}
-# The other settings of a few values (load_settings checks both).
-_OTHER_CHOICES = {"truncation": ("left", "reject"), "compile": ("auto", "layers", "off"), "fuse": ("auto", "off"),
-                  "warmup": ("auto", "step", "basic"), "cudnn_attention": ("auto", "off"), "pack": ("auto", "off")}  # fmt: skip
+# The values of each setting of a few (a Literal in Settings), as load_settings checks them; the input format's are
+# also read by inputs.InputFormat, check_format and the launch scripts' refusals.
+CHOICES = {f.name: get_args(f.type) for f in fields(Settings) if get_origin(f.type) is Literal}
 
 
 # Settings removed for want of a measured gain (issue #61, benchmarks/README.md): one still set is refused, not ignored.
 REMOVED = ("REWARD_TOKEN_BUDGET", "REWARD_MAX_BATCH_ROWS", "REWARD_PAD_MULTIPLE", "REWARD_MAX_WAIT_MS",
-           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH")  # fmt: skip
-
-
-def _default_shown(name: str, default: Any) -> str:
-    if name == "model_path":
-        return "required"
-    return f"default {default if default != '' else 'none'}"
+           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP")  # fmt: skip
 
 
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
@@ -138,7 +122,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     defaults = Settings()
     values: dict[str, Any] = {}
     for name in [*FIRST, *(f.name for f in fields(Settings) if f.name not in FIRST)]:
-        env_name, metavar, help_text = _SETTINGS[name]
+        env_name, metavar, help_text = SETTINGS[name]
         kind = type(getattr(defaults, name))
         raw = environ.get(env_name)
         if raw not in (None, ""):
@@ -146,7 +130,9 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
                 values[name] = kind(raw)
             except ValueError:
                 parser.error(f"{env_name}={raw!r} is not a valid {kind.__name__}")
-        shown = f"{help_text} [{env_name}, {_default_shown(name, getattr(defaults, name))}]"
+        default = getattr(defaults, name)
+        default = "required" if name == "model_path" else f"default {'none' if default == '' else default}"
+        shown = f"{help_text} [{env_name}, {default}]"
         group = groups.get(name, tuning)
         group.add_argument(_flag(name), type=kind, default=None, metavar=metavar,
                            help=shown if name in groups or every else argparse.SUPPRESS)  # fmt: skip
@@ -155,9 +141,9 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     settings = replace(defaults, **values)
     problems = [f"{name} is no longer a setting (its measured default is built in): unset it"
                 for name in REMOVED if environ.get(name)]  # fmt: skip
-    for name, allowed in {**CHOICES, **_OTHER_CHOICES}.items():
+    for name, allowed in CHOICES.items():
         if getattr(settings, name) not in allowed:
-            problems.append(f"{_SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
+            problems.append(f"{SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
     if settings.micro_batch_cost < 0:
         problems.append(f"REWARD_MICRO_BATCH_COST must be 0 (from the model) or a number of tokens, got "
                         f"{settings.micro_batch_cost}")  # fmt: skip
@@ -167,7 +153,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         problems.append(f"REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
     for name in ("max_length", "max_items", "max_chars", "max_body_bytes"):
         if getattr(settings, name) < 1:
-            problems.append(f"{_SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
+            problems.append(f"{SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
     if problems:
         parser.error("; ".join(problems))
     return settings
@@ -199,7 +185,7 @@ def launch_names_not_read(settings: Settings, environ: dict[str, str] | None = N
         value, used = environ.get(launch, ""), str(getattr(settings, name))
         if value and value != used:
             notes.append(
-                f"{launch}={value} is not read by this server (it reads {_SETTINGS[name][0]} or {_flag(name)}; the "
+                f"{launch}={value} is not read by this server (it reads {SETTINGS[name][0]} or {_flag(name)}; the "
                 f"launch scripts pass {launch} as {_flag(name)}): running with {name}={used or '(unset)'}"
             )
     return notes
@@ -209,8 +195,7 @@ def check_model_path(path: str, environ: dict[str, str] | None = None) -> str | 
     """Why `path` cannot be a reward model folder, or None. Checked before anything starts."""
     if not path:
         problem = "REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
-        given = dict(os.environ if environ is None else environ).get("CONFIG_REWARD_MODEL_PATH")
-        if given:
+        if given := dict(os.environ if environ is None else environ).get("CONFIG_REWARD_MODEL_PATH"):
             problem += (
                 f". CONFIG_REWARD_MODEL_PATH={given} is set, but this server reads only its own names (REWARD_MODEL_PATH,"
                 " REWARD_DEVICE, REWARD_PORT, ...: --help lists them all); run_grpo_qwen3_4b_mega_verl.sh passes"

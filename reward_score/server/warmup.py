@@ -1,7 +1,7 @@
 """Warm-up, before /health says ready: check each faster way of running the model against transformers' own (fused
 projections, our mask mapping, then the compiled layers, whose Inductor kernels fuse the elementwise
-work, against the same layers uncompiled), then run the shapes served traffic starts with, and on a GPU a synthetic
-full-budget step, so the first real step runs at the speed of the next.
+work, against the same layers uncompiled), then run the shapes served traffic starts with. (A synthetic full-budget
+step as well, REWARD_WARMUP=step, was not shown to gain beyond noise: benchmarks/README.md.)
 
 The checks compare the first decoder layer's output (within the dtype's rounding), not the score: a deep model's bf16
 rounding moves a score by more than any tolerance that would still catch a wrong path (a random Qwen3-14B on an
@@ -9,7 +9,6 @@ H200: 0.08 on a score of 0.5 between two right mask paths), while a wrong path s
 does not compute the same is dropped with a warning naming its setting, never silently; so is a compile that fails."""
 
 import logging
-import random
 import time
 
 from reward_score.server.runner import RewardScorer
@@ -18,10 +17,9 @@ log = logging.getLogger("reward_server")
 
 
 def warm_up(scorer: RewardScorer) -> None:
-    """The checks, then the shapes served traffic starts with (one row, several rows, two lengths, padded and packed);
-    with REWARD_WARMUP=step (auto on a GPU) also the synthetic step of `warm_up_lengths`. With REWARD_COMPILE this
-    compiles; a failure there falls back to eager with a warning, never to a crash. The time of each part is in
-    `scorer.warm_up_s`."""
+    """The checks, then the shapes served traffic starts with (one row, several rows, two lengths, padded and packed).
+    With REWARD_COMPILE this compiles; a failure there falls back to eager with a warning, never to a crash. The time
+    of each part is in `scorer.warm_up_s`."""
     started = time.perf_counter()
     base = scorer.encode([scorer.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
     ids = (base * (1 + 200 // len(base)))[: min(200, scorer.settings.max_length)]
@@ -44,33 +42,6 @@ def warm_up(scorer: RewardScorer) -> None:
         for seqs in shapes:
             scorer.score_ids(seqs)
     scorer.warm_up_s["shapes"] = time.perf_counter() - started
-    settings = scorer.settings
-    if settings.warmup == "step" or (settings.warmup == "auto" and scorer.device.startswith("cuda")):
-        started = time.perf_counter()
-        _warm_up_step(scorer, base)
-        scorer.warm_up_s["step"] = time.perf_counter() - started
-
-
-def warm_up_lengths(scorer: RewardScorer) -> list[list[int]]:
-    """The synthetic step: sequence lengths (fixed seed) over 16..max_length, 3 token budgets in all, as one request;
-    then 8 groups of 8 mixed lengths, as per-sample callers send them."""
-    rng = random.Random(0)
-    limit = max(16, scorer.settings.max_length)
-    step: list[int] = []
-    while sum(step) < 3 * scorer.planner.token_budget:
-        step.append(rng.randint(16, limit))
-    groups = [[rng.randint(16, min(limit, 2048)) for _ in range(8)] for _ in range(8)]
-    return [step, *groups]
-
-
-def _warm_up_step(scorer: RewardScorer, base: list[int]) -> None:
-    """What the first real step would otherwise meet first: micro-batches at the full token budget, padded and
-    packed, over many widths (the allocator grows to its peak; kernels meet large sizes)."""
-    long = base * (1 + scorer.settings.max_length // len(base))
-    for lengths in warm_up_lengths(scorer):
-        scorer.score_ids([long[:n] for n in lengths])
-    if scorer.device.startswith("cuda"):
-        scorer.torch.cuda.synchronize(scorer.device)
 
 
 # --- the checks ----------------------------------------------------------------------------------------------------
@@ -126,8 +97,7 @@ def check_layers(scorer: RewardScorer, seqs: list[list[int]]) -> None:
         kernels.set_fused(False)
         expected = first_layer_outputs(scorer, seqs)
         kernels.set_fused(True)
-        why = differs(scorer, seqs, expected, "fuse")
-        if why:
+        if why := differs(scorer, seqs, expected, "fuse"):
             log.warning("REWARD_FUSE: the fused projections do not score as the model does (%s); serving "
                         "separate projections", why)  # fmt: skip
             kernels.unfuse_projections()
@@ -140,8 +110,7 @@ def check_compiled(scorer: RewardScorer, seqs: list[list[int]]) -> None:
         return
     with scorer.kernels.eager():
         expected = first_layer_outputs(scorer, seqs)
-    why = differs(scorer, seqs, expected, "compile")
-    if why:
+    if why := differs(scorer, seqs, expected, "compile"):
         log.warning("REWARD_COMPILE: the compiled layers do not compute as the layers do (%s); serving eager", why)
         scorer.kernels.uncompile()
 
@@ -153,7 +122,6 @@ def choose_mask_path(scorer: RewardScorer, seqs: list[list[int]]) -> None:
     with scorer.kernels.eager():
         expected = first_layer_outputs(scorer, seqs)
         scorer.mask_mapping = True
-        why = differs(scorer, seqs, expected, "mask_mapping")
-        if why:
+        if why := differs(scorer, seqs, expected, "mask_mapping"):
             log.warning("the model does not take a per-layer mask mapping (%s); transformers builds masks", why)
             scorer.mask_mapping = False
