@@ -62,12 +62,8 @@ def reward_server_peak(model_path: str, environ: Mapping[str, str]) -> RewardPea
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)
     weights = sum(p.numel() for p in model.parameters()) * 2  # bf16 on a GPU (reward_score/server/runner.py)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    per_token = activation_bytes_per_token(
-        config.hidden_size, config.intermediate_size, heads * head_dim, kv_heads * head_dim, 2
-    )
+    dims = ModelDims.from_config(config)
+    per_token = activation_bytes_per_token(dims.hidden, dims.ffn, dims.q, dims.kv, 2)
     cap = int(server.gpu_memory_gib * GIB)
     tokens = model_token_budget(per_token, weights, cap)
     return RewardPeak(weights, int(ACTIVATION_MARGIN * per_token * tokens), tokens, cap)
