@@ -263,7 +263,6 @@ def bash_messages(path: Path) -> list[Message]:
 
 
 def _py_pieces(node) -> list[str]:
-
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return [node.value]
     if isinstance(node, ast.JoinedStr):
@@ -286,21 +285,12 @@ def _py_pieces(node) -> list[str]:
     return [""]
 
 
-_RAISED = (
-    "SettingError",
-    "NodeError",
-    "StatusError",
-    "ValueError",
-    "RuntimeError",
-    "TimeoutError",
-    "TemplateError",
-    "StallError",
-)
+_RAISED = {"SettingError", "NodeError", "StatusError", "ValueError", "RuntimeError", "TimeoutError", "TemplateError",
+           "StallError"}  # fmt: skip
 
 
 def python_messages(path: Path) -> list[Message]:
     """What a module adds to its problems or warnings, raises as one of _RAISED, or prints to stderr."""
-
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         texts = []
@@ -340,14 +330,13 @@ def documented_keys(page: Path = OPERATIONS_PAGE) -> list[str]:
     return [k.replace("\\|", "|") for k in re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)]  # \| in a table
 
 
-def undocumented(keys: list[str] | None = None) -> list[Message]:
-    keys = documented_keys() if keys is None else keys
+def undocumented() -> list[Message]:
+    keys = documented_keys()
     return [m for m in messages() if not any(k in p for k in keys for p in m.pieces)]
 
 
-def stale_keys(keys: list[str] | None = None) -> list[str]:
-    keys = documented_keys() if keys is None else keys
-    every = messages()
+def stale_keys() -> list[str]:
+    keys, every = documented_keys(), messages()
     return [k for k in keys if not any(k in p for m in every for p in m.pieces)]
 
 
