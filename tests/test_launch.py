@@ -428,6 +428,11 @@ def test_a_requeued_start_skips_the_expensive_checks_only_while_nothing_they_rea
     record.write_text(json.dumps(fingerprint(Settings.from_env(env), ["x=1"])))
     assert skip_expensive(fingerprint(Settings.from_env(env), ["x=1"]), record, "1")
     assert "are as at the first start's checks" in capsys.readouterr().out
+    rule = env | {"REWARD": "rule"}  # no reward server: only the imports are skipped, and the log says so
+    record.write_text(json.dumps(fingerprint(Settings.from_env(rule), ["x=1"])))
+    assert skip_expensive(fingerprint(Settings.from_env(rule), ["x=1"]), record, "1")
+    assert capsys.readouterr().out.endswith(f"checks ({record}): the trainer's imports skipped\n")
+    record.write_text(json.dumps(fingerprint(Settings.from_env(env), ["x=1"])))
     assert not skip_expensive(fingerprint(Settings.from_env(env), ["x=1"]), record, "0"), "a first start checks all"
     (tmp_path / "rm" / "model.safetensors").write_text("new weights")
     assert not skip_expensive(fingerprint(Settings.from_env(env), ["x=1"]), record, "1")

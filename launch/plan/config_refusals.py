@@ -1,10 +1,8 @@
-"""The refusals of the composed trainer config: steps 3 and 4 of the preflight's order (launch/plan/refusals.py lists
-all four and holds steps 1 and 2, the settings themselves), with the rule of verl 0.6.1 behind each message.
-
-launch/plan/preflight.py composes the trainer command with verl's own Hydra config, the user's extra overrides
-included, and runs these on it: what verl 0.6.1 asserts or silently ignores only at run time, hours in (batches,
-parallel sizes, rollout keys, what the reward function is told about the policy's prompt), and Ray's CPUs per node,
-without which verl waits for ever.
+"""The refusals of the trainer config that launch/plan/preflight.py composes from the settings with verl's own Hydra
+config, the user's extra overrides included (launch/plan/refusals.py refuses the settings themselves): what verl 0.6.1
+asserts or silently ignores only at run time, hours in (batches, parallel sizes, rollout keys, what the reward function
+is told about the policy's prompt), and Ray's CPUs per node, without which verl waits for ever; each with the rule of
+verl 0.6.1 behind its message.
 """
 
 from __future__ import annotations
@@ -13,8 +11,6 @@ import os
 from collections.abc import Mapping
 
 from launch.plan import thinking
-
-# --- 3. the composed trainer config -------------------------------------------------------------------------------
 
 
 def _dp_size(cfg, n_gpus: int) -> int:
@@ -257,7 +253,7 @@ def thinking_problems(cfg, setting: str) -> list[str]:
     ]  # fmt: skip
 
 
-# --- 4. Ray's CPUs on each node -----------------------------------------------------------------------------------
+# --- Ray's CPUs on each node ------------------------------------------------------------------------------------------
 
 # verl 0.6.1's rollout servers for async rollout: one Ray actor of num_cpus=1 per node of each replica, pinned to that
 # node (async_sglang_server.py:50, 300-306; vllm_async_server.py:444, 520-525). The CPU runs' `hf` replica serves

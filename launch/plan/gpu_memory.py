@@ -5,12 +5,8 @@ preflight prints the rollout's as one line:
     preflight: GPU memory per GPU (79.2 GiB, measured here): the trainer keeps 14.9 GiB at the rollout's start (...);
     a reward server ...; SGLang takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the memory free at its start ...
 
-The engines read the one setting differently (memory_line): SGLang's mem_fraction_static is a share of the memory free
-when it starts, after the trainer's workers have loaded and beside any reward server; vLLM's gpu_memory_utilization a
-share of the whole GPU. Either holds its weights and KV cache while it generates and gives them back for the update
-(free_cache_engine). A reward server holds its weights in bf16 and, at its peak, the activations of one full
-micro-batch: the estimate the server's own planner sizes its token budget by (reward_score/server/planner.py), capped
-by REWARD_GPU_MEMORY_GIB. Measured on one H200, the servers' peaks were 5.0, 17.8 and 30.8 GiB for the 1.7B, 8B and
+The engines read the one setting differently (memory_line says how). A reward server holds its weights in bf16 and, at
+its peak, the activations of one full micro-batch (reward_server_peak). Measured on one H200, the servers' peaks were 5.0, 17.8 and 30.8 GiB for the 1.7B, 8B and
 14B shapes; this estimate says 5.5, 18.6 and 32.2 (benchmarks/HISTORY.md).
 """
 
@@ -62,12 +58,8 @@ def reward_server_peak(model_path: str, environ: Mapping[str, str]) -> RewardPea
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)
     weights = sum(p.numel() for p in model.parameters()) * 2  # bf16 on a GPU (reward_score/server/runner.py)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    per_token = activation_bytes_per_token(
-        config.hidden_size, config.intermediate_size, heads * head_dim, kv_heads * head_dim, 2
-    )
+    dims = ModelDims.from_config(config)
+    per_token = activation_bytes_per_token(dims.hidden, dims.ffn, dims.q, dims.kv, 2)
     cap = int(server.gpu_memory_gib * GIB)
     tokens = model_token_budget(per_token, weights, cap)
     return RewardPeak(weights, int(ACTIVATION_MARGIN * per_token * tokens), tokens, cap)

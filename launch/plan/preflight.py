@@ -468,8 +468,9 @@ def check_own_files(settings: Settings, cfg, reward_server) -> bool:
     begin_reward_server's, or None where PREFLIGHT_REWARD=0."""
     from verl.utils import hf_tokenizer
 
-    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)
-    if os.environ.get("PREFLIGHT_DATA", "1") == "1":
+    tokenizer, train_rows = hf_tokenizer(cfg.actor_rollout_ref.model.path), None
+    data = os.environ.get("PREFLIGHT_DATA", "1") == "1"  # 0 reads no rows
+    if data:
         if not check_rows(cfg, tokenizer):
             print(
                 "preflight: the train/test parquet files have errors (above): fix them or rebuild with "
@@ -484,18 +485,14 @@ def check_own_files(settings: Settings, cfg, reward_server) -> bool:
         except Exception as exc:  # verl's own dataset code, reported as it is
             print(f"preflight: verl's RLHFDataset cannot read the data: {type(exc).__name__}: {exc}", file=sys.stderr)
             return False
-    else:
-        train_rows = None
-    if not report_steps(cfg, train_rows):
-        return False
-    if os.environ.get("PREFLIGHT_DATA", "1") == "1" and not check_reward_data(cfg):  # 0 reads no rows
-        return False
     pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
-    if pairs and not check_reward_format(settings, pairs):
-        return False
-    if reward_server is not None and not server_round_trip(cfg, tokenizer, reward_server):
-        return False
-    return os.environ.get("PREFLIGHT_REWARD", "1") != "1" or check_rule_round_trip(cfg, tokenizer)
+    return (  # each step says why it fails, and the first that fails stops the rest
+        report_steps(cfg, train_rows)
+        and (not data or check_reward_data(cfg))
+        and (not pairs or check_reward_format(settings, pairs))
+        and (reward_server is None or server_round_trip(cfg, tokenizer, reward_server))
+        and (os.environ.get("PREFLIGHT_REWARD", "1") != "1" or check_rule_round_trip(cfg, tokenizer))
+    )
 
 
 class _Tee:

@@ -1,12 +1,13 @@
-"""The reference pages that are generated from the code, so that they cannot drift from it:
+"""The parts of the reference pages that are generated from the code, so that they cannot drift from it:
 
     python -m launch.plan.reference write     # docs/settings.md and docs/trainer-command.md from the code
     python -m launch.plan.reference check     # exit 1 naming each page that is not what `write` would make
 
-docs/settings.md is the run script's settings block as a table: each setting's section, default and comment exactly
-as the block has them, and the article's name where it had one (ARTICLE_NAMES). docs/trainer-command.md is the trainer
-command the defaults make, one override per line, each with the settings that feed it (found by changing one setting
-at a time and seeing which overrides move). tests/test_docs.py runs `check`.
+Each page's generated part sits between the GENERATED marker lines; its prose around them is written by hand and kept.
+docs/settings.md's part is the run script's settings block as tables: each setting's section, default and comment
+exactly as the block has them. docs/trainer-command.md's is the trainer command the defaults make, one override per
+line, each with the settings that feed it (found by changing one setting at a time and seeing which overrides move).
+tests/test_docs.py runs `check`.
 """
 
 from __future__ import annotations
@@ -25,61 +26,8 @@ RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
 SETTINGS_PAGE = REPO / "docs" / "settings.md"
 COMMAND_PAGE = REPO / "docs" / "trainer-command.md"
 
-# The article's name for a setting of the block (its run script's CONFIG_* exports, or the trainer key its helper
-# hard-coded, with the article's value). A setting missing here had none.
-ARTICLE_NAMES = {
-    "CONFIG_IMAGE_PATH": "`${CONFIG_HOME_PATH}/singularity/verl_app_v061.sif` in its srun line",
-    "CONFIG_MODEL_PATH": "`CONFIG_MODEL_PATH`",
-    "CONFIG_REWARD_MODEL_PATH": "`CONFIG_REWARD_MODEL_PATH`",
-    "CONFIG_TRAIN_FILE": "`CONFIG_TRAIN_FILE` (it pointed at the test file)",
-    "CONFIG_TEST_FILE": "`CONFIG_TEST_FILE` (it pointed at the train file)",
-    "CONFIG_OUTPUT_DIR": "`trainer.default_local_dir=${HOME_PATH}/output_model/...`",
-    "HF_HOME": "`--env HF_HOME=${CONFIG_HOME_PATH}/.cache/huggingface`",
-    "CONFIG_GPUS_PER_NODE": "`CONFIG_GPUS_PER_NODE`",
-    "CONFIG_NETWORK_INTERFACE": "`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`, `TP_SOCKET_IFNAME`",
-    "WANDB_PROJECT": "`trainer.project_name='llm_safe_hack'`",
-    "CONFIG_USE_SEPARATE_REWARD_NODE": "`CONFIG_USE_SEPARATE_REWARD_NODE`",
-    "CONFIG_REWARD_DEVICE": "`CONFIG_REWARD_DEVICE`",
-    "ALGORITHM": "`algorithm.adv_estimator=grpo`",
-    "ROLLOUT_MODE": "`actor_rollout_ref.rollout.mode=async`",
-    "ROLLOUT_ENGINE": "`actor_rollout_ref.rollout.name=sglang`",
-    "TRAIN_BATCH_SIZE": "`data.train_batch_size=256`",
-    "MAX_PROMPT_LENGTH": "`data.max_prompt_length=2048`",
-    "MAX_RESPONSE_LENGTH": "`data.max_response_length=4096`",
-    "ACTOR_LR": "`actor_rollout_ref.actor.optim.lr=1e-6`",
-    "PPO_MINI_BATCH_SIZE": "`actor_rollout_ref.actor.ppo_mini_batch_size=128`",
-    "MICRO_BATCH_PER_GPU": "`ppo_micro_batch_size_per_gpu=4`, `log_prob_micro_batch_size_per_gpu=4`",
-    "ACTOR_PP": "`actor.megatron.pipeline_model_parallel_size=2` (and ref's)",
-    "ACTOR_TP": "`actor.megatron.tensor_model_parallel_size=1` (and ref's)",
-    "ROLLOUT_TP": "`actor_rollout_ref.rollout.tensor_model_parallel_size=1`",
-    "ROLLOUT_N": "`actor_rollout_ref.rollout.n=4`",
-    "ROLLOUT_GPU_MEMORY": "`actor_rollout_ref.rollout.gpu_memory_utilization=0.4`",
-    "ROLLOUT_ENFORCE_EAGER": "`actor_rollout_ref.rollout.enforce_eager=true` (now false by default)",
-    "KL_LOSS_COEF": "`actor_rollout_ref.actor.kl_loss_coef=0.001`",
-    "TOTAL_EPOCHS": "`trainer.total_epochs=1`",
-    "SAVE_FREQ": "`trainer.save_freq=25`",
-    "TEST_FREQ": "`trainer.test_freq=5`",
-    "PROJECT_NAME": "`trainer.project_name='llm_safe_hack'`",
-    "EXPERIMENT_NAME": "`trainer.experiment_name='qwen3_4b_grpo_megatron'`",
-    "TRAINER_LOGGER": "`trainer.logger=['console','wandb']`",
-    "FP8": 'the `+...fp8="e4m3"` and `fp8_recipe="blockwise"` overrides (verl 0.6.1 ignored them)',
-    "CONFIG_REWARD_SERVER_PORT": "`CONFIG_REWARD_SERVER_PORT=8000` (the server itself always took 8000)",
-    "RAY_PORT": "`ray start --port 6379`",
-}
-
-# The article's names that are no settings here, and what took their place.
-ARTICLE_ONLY = [
-    ("CONFIG_HOME_PATH", "every default path is inside the repository (`$repo`); set each path setting instead"),
-    ("CONFIG_NUM_NODES", "`#SBATCH --nodes` (or `sbatch --nodes=N`): the job reads Slurm's node count"),
-    ("CONFIG_REWARD_SCRIPT_PATH, CONFIG_REWARD_FUNCTION_NAME",
-     "always `reward_score/safe_hack_reward_request.py`, its entry point picked for the rollout mode "
-     "(trainer-command.md)"),
-    ("REWARD_SERVER_URL", "the job starts the servers and sets `REWARD_SERVER_URLS` for verl's workers"),
-    ("MASTER_ADDR, MASTER_PORT", "the head's address comes from the node (`CONFIG_NETWORK_INTERFACE`), its ports are "
-     "the job's own"),
-    ("VERL_ROOT_DIR, PYTHONPATH, NPROC_PER_NODE, CUDA_VISIBLE_DEVICES",
-     "verl is in the image; Slurm gives each node its GPUs"),
-]  # fmt: skip
+GENERATED = ("<!-- generated by python -m launch.plan.reference write: edit the code, not this part -->",
+             "<!-- end of the generated part -->")  # fmt: skip
 
 _SECTION = re.compile(r"^# -- (.+?) -+$")
 _SETTING = re.compile(r'^([A-Z][A-Z0-9_]*)="\$\{\1:-(.*?)\}"\s*(?:#\s?(.*))?$')
@@ -124,50 +72,26 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def with_generated(page: Path, body: str) -> str:
+    """The page with `body` as its generated part (between the GENERATED lines), its prose as written."""
+    head, rest = page.read_text().split(GENERATED[0] + "\n", 1)
+    return f"{head}{GENERATED[0]}\n{body}{GENERATED[1]}{rest.split(GENERATED[1], 1)[1]}"
+
+
 def settings_page() -> str:
-    """docs/settings.md: the block, section by section."""
-    lines = [
-        "# Settings of run_grpo_qwen3_4b_mega_verl.sh",
-        "",
-        "Generated from the block of settings at the top of the run script by `python -m launch.plan.reference write`",
-        '(a test fails when this page and the block differ). Each setting is `NAME="${NAME:-default}"`: edit the',
-        "default in the script, or set the name in the environment of `sbatch` (`NAME=value sbatch ...`, or",
-        "`sbatch --export=ALL,NAME=value ...`). `$repo` is the repository root (submit from there). What refuses a",
-        "value, and why: `launch/plan/refusals.py` (and, on the trainer config composed from the values,",
-        "`launch/plan/config_refusals.py`); the trainer keys each one feeds: [trainer-command.md](trainer-command.md).",
-        "",
-    ]
-    header = ["| setting | default | what it is | the article's name |", "|---|---|---|---|"]
-    section, note = None, ""
+    """docs/settings.md: the block, a table for each section (and below each comment inside a section)."""
+    header = ["| setting | default | what it is |", "|---|---|---|"]
+    lines, section, note = [], None, ""
     for s in block_settings():
         if s.section != section:
             section, note = s.section, ""
-            lines += [f"## {section}", ""] + (header if not s.note else [])
+            lines += ([""] if lines else []) + [f"## {section}", ""] + (header if not s.note else [])
         if s.note != note:  # a comment inside the section: the settings below it
             note = s.note
             lines += ([""] if lines[-1] else []) + [note, "", *header]
         default = f"`{s.default}`" if s.default else "(empty)"
-        article = ARTICLE_NAMES.get(s.name, "")
-        lines.append(f"| `{s.name}` | {_cell(default)} | {_cell(s.comment)} | {_cell(article)} |")
-    lines += [
-        "",
-        "## The article's names that are no settings here",
-        "",
-        "| the article's name | instead |",
-        "|---|---|",
-    ]
-    lines += [f"| `{name}` | {_cell(instead)} |" for name, instead in ARTICLE_ONLY]
-    return "\n".join(_close_tables(lines)) + "\n"
-
-
-def _close_tables(lines: list[str]) -> list[str]:
-    """A blank line before each heading that follows a table row."""
-    out: list[str] = []
-    for line in lines:
-        if line.startswith("## ") and out and out[-1] != "":
-            out.append("")
-        out.append(line)
-    return out
+        lines.append(f"| `{s.name}` | {_cell(default)} | {_cell(s.comment)} |")
+    return with_generated(SETTINGS_PAGE, "\n".join(lines) + "\n")
 
 
 # Values that change a setting without breaking the command: a number or path becomes another, an enumeration takes
@@ -251,30 +175,7 @@ def command_page() -> str:
         else:
             why = "the algorithm's own value (ALGORITHM)"
         body.append(f"{a.ljust(width)}# {why}")
-    return "\n".join([
-        "# The default trainer command",
-        "",
-        "Generated by `python -m launch.plan.reference write` from the settings block's defaults and",
-        "`launch/plan/trainer_command.py` (a test fails when they differ): what the reference job (GRPO, Megatron, SGLang,",
-        "async rollout) runs, one Hydra override per line, each with the settings whose change moves it. Every job writes",
-        "its own command to `logs/<job id>/trainer_command.txt`, one argument per line; what follows differs from it only in",
-        f"`{placeholder}` (your repository), `trainer.esi_redundant_time` (600 s on a first start, then measured:",
-        "[operations.md](operations.md)), `prompt_opens_think` (`REWARD_PROMPT_OPENS_THINK=auto` reads your policy's",
-        "chat template; Qwen3-4B-Thinking-2507's opens `<think>`: True), the two `use_fused_kernels` keys",
-        "(`FUSED_KERNELS=auto` reads your policy's config.json: Qwen3-4B's at `ACTOR_PP=2` runs them) and the two keys",
-        "each start adds:",
-        "`+ray_kwargs.ray_init.address=` (this job's Ray head) and your own extra overrides, last",
-        "(`sbatch run_grpo_qwen3_4b_mega_verl.sh KEY=VALUE ...`: they win).",
-        "",
-        "Other combinations (`ALGORITHM`, `TRAINER_MODE`, `STRATEGY`, `ROLLOUT_MODE`) change the entry point and keys;",
-        "`PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh` composes yours with verl's own config and prints",
-        "how many overrides it has.",
-        "",
-        "```text",
-        *body,
-        "```",
-        "",
-    ])  # fmt: skip
+    return with_generated(COMMAND_PAGE, "\n".join(["```text", *body, "```", ""]))
 
 
 PAGES = {SETTINGS_PAGE: settings_page, COMMAND_PAGE: command_page}
@@ -362,7 +263,6 @@ def bash_messages(path: Path) -> list[Message]:
 
 
 def _py_pieces(node) -> list[str]:
-
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return [node.value]
     if isinstance(node, ast.JoinedStr):
@@ -385,21 +285,12 @@ def _py_pieces(node) -> list[str]:
     return [""]
 
 
-_RAISED = (
-    "SettingError",
-    "NodeError",
-    "StatusError",
-    "ValueError",
-    "RuntimeError",
-    "TimeoutError",
-    "TemplateError",
-    "StallError",
-)
+_RAISED = {"SettingError", "NodeError", "StatusError", "ValueError", "RuntimeError", "TimeoutError", "TemplateError",
+           "StallError"}  # fmt: skip
 
 
 def python_messages(path: Path) -> list[Message]:
     """What a module adds to its problems or warnings, raises as one of _RAISED, or prints to stderr."""
-
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         texts = []
@@ -439,14 +330,13 @@ def documented_keys(page: Path = OPERATIONS_PAGE) -> list[str]:
     return [k.replace("\\|", "|") for k in re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)]  # \| in a table
 
 
-def undocumented(keys: list[str] | None = None) -> list[Message]:
-    keys = documented_keys() if keys is None else keys
+def undocumented() -> list[Message]:
+    keys = documented_keys()
     return [m for m in messages() if not any(k in p for k in keys for p in m.pieces)]
 
 
-def stale_keys(keys: list[str] | None = None) -> list[str]:
-    keys = documented_keys() if keys is None else keys
-    every = messages()
+def stale_keys() -> list[str]:
+    keys, every = documented_keys(), messages()
     return [k for k in keys if not any(k in p for m in every for p in m.pieces)]
 
 

@@ -1,24 +1,13 @@
-"""Every refusal of a setting, in two files: why a job was refused, and the rule of verl 0.6.1 behind each message.
-This one refuses the settings themselves (steps 1 and 2 below); launch/plan/config_refusals.py, the trainer config
-composed from them (steps 3 and 4).
-
-A job is refused before anything starts, on the login node (PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh)
-and again inside the allocation, by launch/plan/preflight.py, which runs these in this order and prints each problem on a
-line of its own, naming the setting (or the trainer key and the setting behind it) to change:
-
-1. check(settings): the settings block alone (launch.plan.settings.Settings): values, combinations verl 0.6.1 or the
-   image cannot run (combination_problems), GPU and batch arithmetic, the files the settings point at; then
-   context_problems(settings, env): prompt + response against the positions in the models' config.json (and the
-   reward server's REWARD_MAX_LENGTH); printed as `setting error: ...`.
-2. save_deadline_problems(settings, env): CHECKPOINT_BEFORE_END against the job's own time-limit signal;
-   printed as `setting error: ...` (launch/plan/deadline.py says what verl will save, and warns).
-3. launch/plan/config_refusals.py: batch_problems(cfg), parallel_problems(cfg), rollout_problems(cfg): the trainer
-   config composed with verl's own Hydra config, the user's extra overrides included, for what verl 0.6.1 asserts or
-   silently ignores only at run time, hours in; printed as `preflight: verl 0.6.1 would stop at run time: ...`;
-   thinking_problems(cfg, setting): what the reward function is told about the policy's prompt against its chat
-   template, printed as `setting error`.
-4. launch/plan/config_refusals.py: ray_cpu_problems(cfg, env): Ray's CPUs per node (the job's --cpus-per-task) against
-   what verl holds on a node, without which it waits for ever; printed the same way.
+"""Every refusal of a setting, each naming the setting to change, with the rule of verl 0.6.1 (or the image) behind it;
+launch/plan/config_refusals.py refuses the trainer config composed from the settings. launch/plan/preflight.py runs
+both, cheapest first, on the login node (PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh) and again inside the
+allocation, and prints each problem here as `setting error: ...`:
+- check(settings): the settings block alone (launch.plan.settings.Settings): values, combinations verl 0.6.1 or the
+  image cannot run (combination_problems), GPU and batch arithmetic, the files the settings point at;
+- context_problems(settings, env): prompt + response against the positions in the models' config.json (and the
+  reward server's REWARD_MAX_LENGTH); header_problems: the run script's #SBATCH --gpus-per-node, on the login node;
+- save_deadline_problems(settings, env): CHECKPOINT_BEFORE_END against the job's own time-limit signal
+  (launch/plan/deadline.py says what verl will save, and warns).
 
 Refused elsewhere, because only there is what they need:
 - run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
@@ -44,8 +33,6 @@ from launch.plan.settings import SGLANG_MAX_GPUS, SettingError, Settings
 from launch.plan.trainer_command import RECOMPUTE
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
 from reward_score.server.settings import Settings as RewardServerSettings
-
-# --- 1. the settings block ----------------------------------------------------------------------------------------
 
 
 def check(s: Settings, check_paths: bool = True) -> list[str]:
@@ -388,9 +375,6 @@ def combination_problems(s: Settings) -> list[str]:
                 f"{s.gpus_per_node - 1} (now {s.rollout_gpus_per_node})"
             )
     return problems
-
-
-# --- 2. the save before the time limit ------------------------------------------------------------------------------
 
 
 def reward_gpu_problems(s: Settings) -> list[str]:

@@ -48,7 +48,8 @@ def skip_expensive(now: dict, record: Path, restarts: str) -> bool:
         return False
     before = json.loads(record.read_text()) if record.is_file() else {}
     changed = [name for name in now if before.get(name) != now[name]]
-    what = "the reward server's load and round trip and the trainer's imports"
+    server = now["settings"]["reward"] != "rule" and now["environment"].get("PREFLIGHT_REWARD", "1") == "1"
+    what = ("the reward server's load and round trip and " if server else "") + "the trainer's imports"
     if changed:
         print(f"preflight: requeued start: {', '.join(changed)} changed since the first start's checks ({record}): "
               f"{what} run in full")  # fmt: skip

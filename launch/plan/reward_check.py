@@ -106,12 +106,9 @@ def rule_round_trip(cfg, tokenizer) -> list[str]:
             f"{wrong_score:g}"]  # fmt: skip
 
 
-def reward_round_trip(cfg, tokenizer=None, rows: int = 8) -> list[str]:
+def reward_round_trip(cfg, tokenizer, rows: int = 8) -> list[str]:
     """verl's reward manager, built from this config, scores made-up responses for real validation rows through the
     reward servers in REWARD_SERVER_URLS. Raises if a response is not scored or penalized as it should be."""
-    from verl.utils import hf_tokenizer
-
-    tokenizer = tokenizer or hf_tokenizer(cfg.actor_rollout_ref.model.path)
     sample = validation_rows(cfg, rows)
     scores, extras, responses, what = manager_scores(cfg, tokenizer, sample)
     penalized = [int(e["penalized"]) for e in extras]

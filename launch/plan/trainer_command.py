@@ -8,6 +8,7 @@ helper_grpo_qwen3_4b.sh runs that on the head node. Imports the settings (launch
 deadline (launch/plan/deadline.py); refusals, gpu_memory, preflight and reference import this module.
 """
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -21,44 +22,38 @@ REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
 
 def find_recipe(name: str):
     """The import spec of a verl recipe package, or None where it is not installed."""
-    import importlib.util
-
     try:
         return importlib.util.find_spec(name)
     except ModuleNotFoundError:
         return None
 
 
+# The recipes' entry modules and config names (Megatron's, FSDP's)
+RECIPE_ENTRIES = {
+    "recipe.dapo": ("recipe.dapo.main_dapo", "dapo_megatron_trainer", "dapo_trainer"),
+    "recipe.one_step_off_policy": (
+        "recipe.one_step_off_policy.main_ppo", "one_step_off_ppo_megatron_trainer", "one_step_off_ppo_trainer"
+    ),
+}  # fmt: skip
+
+
 def _entry(s: Settings) -> list[str]:
     """`-m MODULE --config-path=... --config-name=...` for this combination."""
-    if s.uses_recipe:
-        spec = find_recipe(s.uses_recipe)
-        if spec is None or not spec.submodule_search_locations:
-            raise SettingError(
-                f"{s.uses_recipe} is not installed here (verl's PyPI wheel holds no recipes): run inside the image "
-                "built from verl_app.def, which installs verl 0.6.1 from its git tag"
-            )
-        config_dir = Path(next(iter(spec.submodule_search_locations))) / "config"
-        if s.uses_recipe == "recipe.dapo":
-            module, name = (
-                "recipe.dapo.main_dapo",
-                "dapo_megatron_trainer" if s.strategy == "megatron" else "dapo_trainer",
-            )
-        else:
-            module, name = (
-                "recipe.one_step_off_policy.main_ppo",
-                "one_step_off_ppo_megatron_trainer" if s.strategy == "megatron" else "one_step_off_ppo_trainer",
-            )
-        # The recipe YAML's searchpath is relative to the current folder: make it absolute, so any folder works.
-        return [
-            "-m",
-            module,
-            f"--config-path={config_dir}",
-            f"--config-name={name}",
-            "hydra.searchpath=[pkg://verl.trainer.config]",
-        ]
-    name = "ppo_megatron_trainer" if s.strategy == "megatron" else "ppo_trainer"
-    return ["-m", "verl.trainer.main_ppo", "--config-path=config", f"--config-name={name}"]
+    if not s.uses_recipe:
+        name = "ppo_megatron_trainer" if s.strategy == "megatron" else "ppo_trainer"
+        return ["-m", "verl.trainer.main_ppo", "--config-path=config", f"--config-name={name}"]
+    spec = find_recipe(s.uses_recipe)
+    if spec is None or not spec.submodule_search_locations:
+        raise SettingError(
+            f"{s.uses_recipe} is not installed here (verl's PyPI wheel holds no recipes): run inside the image "
+            "built from verl_app.def, which installs verl 0.6.1 from its git tag"
+        )
+    module, megatron, fsdp = RECIPE_ENTRIES[s.uses_recipe]
+    # The recipe YAML's searchpath is relative to the current folder: make it absolute, so any folder works.
+    config_dir = Path(next(iter(spec.submodule_search_locations))) / "config"
+    name = megatron if s.strategy == "megatron" else fsdp
+    return ["-m", module, f"--config-path={config_dir}", f"--config-name={name}",
+            "hydra.searchpath=[pkg://verl.trainer.config]"]  # fmt: skip
 
 
 # The article's sequence: MAX_PROMPT_LENGTH 2048 + MAX_RESPONSE_LENGTH 4096 tokens. Its fixed micro-batches of
@@ -227,28 +222,26 @@ def _algorithm_overrides(s: Settings) -> list[str]:
             f"critic.ppo_micro_batch_size_per_gpu={s.micro_batch_per_gpu}",
             f"critic.cliprange_value={s.critic_cliprange_value}",  # CRITIC_CLIPRANGE_VALUE (sized to the rewards)
         ]
-        if s.strategy == "megatron":
+        # The critic's optimizer state (fp32 weights and Adam's two moments, 12 bytes a parameter) waits in host
+        # memory between its updates, as the actor's does: verl's default keeps it on the GPUs that also hold the
+        # actor's update (megatron_workers.py CriticWorker, fsdp_workers.py CriticWorker: optimizer_offload).
+        if s.strategy != "megatron":
+            critic.append("critic.model.fsdp_config.optimizer_offload=True")
+        else:
             # The actor's sizes: Megatron's parallel state is set once per process, from the actor, and the critic
             # shares that process (verl/workers/megatron_workers.py), so any other value would only be a label.
+            # Its bf16 weights and fp32 gradient buffers wait in host memory too (param_offload): verl loads them
+            # (gradients zeroed) for compute_values and update_critic only and frees them after
+            # (megatron_workers.py:1035-1036 at init, :1078-1084, :1092-1093 and :1111-1112; megatron_utils.py:335-350,
+            # 364-376: the DDP buffers' storage is copied to pinned host memory and resized to 0), so the actor's
+            # update does not hold the critic's 6P.
             critic += [
                 f"critic.megatron.pipeline_model_parallel_size={s.actor_pp}",
                 f"critic.megatron.tensor_model_parallel_size={s.actor_tp}",
                 *recompute_overrides(s, "critic.megatron"),
+                "critic.megatron.optimizer_offload=True",
+                "critic.megatron.param_offload=True",
             ]
-        # The critic's optimizer state (fp32 weights and Adam's two moments, 12 bytes a parameter) waits in host
-        # memory between its updates, as the actor's does: verl's default keeps it on the GPUs that also hold the
-        # actor's update (megatron_workers.py CriticWorker, fsdp_workers.py CriticWorker: optimizer_offload).
-        critic.append(
-            "critic.megatron.optimizer_offload=True"
-            if s.strategy == "megatron"
-            else "critic.model.fsdp_config.optimizer_offload=True"
-        )
-        if s.strategy == "megatron":
-            # Its bf16 weights and fp32 gradient buffers too: verl loads them (gradients zeroed) for compute_values
-            # and update_critic only and frees them after (megatron_workers.py:1035-1036 at init, :1078-1084,
-            # :1092-1093 and :1111-1112; megatron_utils.py:335-350, 364-376: the DDP buffers' storage is copied
-            # to pinned host memory and resized to 0), so the actor's update does not hold the critic's 6P.
-            critic.append("critic.megatron.param_offload=True")
         return critic + [f"{a}.use_kl_loss=True", f"{a}.kl_loss_coef={s.kl_loss_coef}", f"{a}.kl_loss_type=low_var_kl"]
     if s.algorithm == "dapo":
         out = [
