@@ -142,19 +142,10 @@ def logged_steps(text: str) -> dict[int, dict[str, float]]:
     return {step: metrics for step, metrics in parse_step_lines(text).items() if is_training_step(metrics)}
 
 
-def _per_step(text: str, key: str) -> dict[int, float]:
-    """{step: the metric's value} for every training step whose line logged it."""
+def per_step(text: str, key: str) -> dict[int, float]:
+    """{step: the metric's value} for every training step whose line logged it (response_length/clip_ratio,
+    critic/vf_clipfrac)."""
     return {step: metrics[key] for step, metrics in logged_steps(text).items() if key in metrics}
-
-
-def clip_ratios(text: str) -> dict[int, float]:
-    """{step: verl's response_length/clip_ratio} for every training step that logged it."""
-    return _per_step(text, "response_length/clip_ratio")
-
-
-def vf_clipfracs(text: str) -> dict[int, float]:
-    """{step: verl's critic/vf_clipfrac} for every training step that logged it (PPO only: the critic's metric)."""
-    return _per_step(text, "critic/vf_clipfrac")
 
 
 def trainer_command(log: Path) -> str:
@@ -366,10 +357,11 @@ def main(argv: list[str] | None = None) -> int:
             except SettingError as exc:
                 print(f"canary: {exc}", file=sys.stderr)
                 return 1
-            entry |= {"clip_ratio": clip_ratios(text), "max_response_length": s.max_response_length,
-                      "rollout_n": s.rollout_n, "prompt_opens_think": told_opens_think(args.log)}  # fmt: skip
+            entry |= {"clip_ratio": per_step(text, "response_length/clip_ratio"), "rollout_n": s.rollout_n,
+                      "max_response_length": s.max_response_length,
+                      "prompt_opens_think": told_opens_think(args.log)}  # fmt: skip
             if s.algorithm == "ppo":
-                entry |= {"vf_clipfrac": vf_clipfracs(text),
+                entry |= {"vf_clipfrac": per_step(text, "critic/vf_clipfrac"),
                           "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines())}  # fmt: skip
         if problems:
             entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
