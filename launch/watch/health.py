@@ -83,7 +83,7 @@ def _state(job: Job) -> tuple[str, str]:
         st, reason = slurm["state"] or "", slurm.get("reason") or ""
         if st == "PENDING":
             restarts = slurm.get("restarts")
-            if (restarts or 0) > 0 or (restarts is None and job.starts):  # squeue does not say; folders do
+            if (restarts or 0) > 0 or (restarts is None and job.starts):  # sacct does not say; folders do
                 return "requeued", f"waiting to start again (Reason={reason}); it resumes from its newest checkpoint"
             return "pending", f"waiting in the queue (Reason={reason})"
         if st.startswith("REQUEUE"):
