@@ -333,47 +333,38 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--results", type=Path, required=True)
     sub.add_parser("summary").add_argument("--results", type=Path, required=True)
     args = p.parse_args(argv)
-
-    if args.command in ("settings", "overrides"):
-        try:
-            s = Settings.from_env()
-            items = (
-                [f"{k}={v}" for k, v in canary_settings(s, args.extra).items()]
-                if args.command == "settings"
-                else stage_overrides(args.stage, s)
-            )
-        except SettingError as exc:
-            print(f"canary: {exc}", file=sys.stderr)
-            return 1
-        sys.stdout.write("\0".join(items) + "\0")
-        return 0
-    if args.command == "check":
-        text = args.log.read_text(errors="replace") if args.log.exists() else ""
-        problems = evaluate(args.stage, args.rc, text, args.ckpt, args.target)
-        entry = {"stage": args.stage, "status": "failed" if problems else "passed", "seconds": args.seconds}
-        if args.stage in ("train", "resume"):
-            try:
-                s = Settings.from_env()
-            except SettingError as exc:
-                print(f"canary: {exc}", file=sys.stderr)
-                return 1
-            entry |= {"clip_ratio": per_step(text, "response_length/clip_ratio"), "rollout_n": s.rollout_n,
-                      "max_response_length": s.max_response_length,
-                      "prompt_opens_think": told_opens_think(args.log)}  # fmt: skip
-            if s.algorithm == "ppo":
-                entry |= {"vf_clipfrac": per_step(text, "critic/vf_clipfrac"),
-                          "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines())}  # fmt: skip
-        if problems:
-            entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
-        record(args.results, entry)
-        print(f"canary: stage {STAGES[args.stage]}: {'FAILED: ' + entry['reason'] if problems else 'passed'}")
-        return 1 if problems else 0
     if args.command == "skip":
         record(args.results, {"stage": args.stage, "status": "skipped", "reason": args.because})
         return 0
-    table, ok = summary(canary_results(args.results))
-    print(table)
-    return 0 if ok else 1
+    if args.command == "summary":
+        table, ok = summary(canary_results(args.results))
+        print(table)
+        return 0 if ok else 1
+    try:  # every other command reads the settings, but the merge's check
+        s = None if args.command == "check" and args.stage == "merge" else Settings.from_env()
+        if args.command in ("settings", "overrides"):
+            items = ([f"{k}={v}" for k, v in canary_settings(s, args.extra).items()] if args.command == "settings"
+                     else stage_overrides(args.stage, s))  # fmt: skip
+            sys.stdout.write("\0".join(items) + "\0")
+            return 0
+    except SettingError as exc:
+        print(f"canary: {exc}", file=sys.stderr)
+        return 1
+    text = args.log.read_text(errors="replace") if args.log.exists() else ""
+    problems = evaluate(args.stage, args.rc, text, args.ckpt, args.target)
+    entry = {"stage": args.stage, "status": "failed" if problems else "passed", "seconds": args.seconds}
+    if s is not None:
+        entry |= {"clip_ratio": per_step(text, "response_length/clip_ratio"), "rollout_n": s.rollout_n,
+                  "max_response_length": s.max_response_length,
+                  "prompt_opens_think": told_opens_think(args.log)}  # fmt: skip
+        if s.algorithm == "ppo":
+            entry |= {"vf_clipfrac": per_step(text, "critic/vf_clipfrac"),
+                      "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines())}  # fmt: skip
+    if problems:
+        entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
+    record(args.results, entry)
+    print(f"canary: stage {STAGES[args.stage]}: {'FAILED: ' + entry['reason'] if problems else 'passed'}")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
