@@ -329,12 +329,8 @@ def dump(log_dir: Path, host: str, env: Mapping[str, str] | None = None) -> Path
 
 def other_hosts(log_dir: Path, host: str) -> list[str]:
     """The job's other nodes (each helper writes ports.<rank> with its node's name)."""
-    hosts = []
-    for plan in sorted(log_dir.glob("ports.*")):
-        for line in plan.read_text(errors="replace").splitlines():
-            if line.startswith("node=") and line[5:] != host:
-                hosts.append(line[5:])
-    return hosts
+    lines = [line for plan in sorted(log_dir.glob("ports.*")) for line in plan.read_text(errors="replace").splitlines()]
+    return [line[5:] for line in lines if line.startswith("node=") and line[5:] != host]
 
 
 def on_stall(log_dir: Path, host: str, clock: Clock, since: float, budget: float, why: str,

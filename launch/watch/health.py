@@ -59,10 +59,7 @@ FINAL = {"finished", "failed", "cancelled", "ended"}
 
 def merged_steps(job: Job) -> dict[int, dict[str, float]]:
     """Every step's metrics across the starts; a step trained again after a requeue keeps its newest values."""
-    merged: dict[int, dict[str, float]] = {}
-    for s in job.starts:
-        merged.update(s.steps)
-    return merged
+    return {n: metrics for s in job.starts for n, metrics in s.steps.items()}
 
 
 def state(job: Job) -> tuple[str, str]:
