@@ -34,6 +34,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from launch.job.checkpoints import saved_step
 from launch.job.steps import ANSI, RESUMED_AT, is_training_step, parse_step_lines
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
@@ -200,14 +201,6 @@ def response_length_report(results: dict[str, dict]) -> list[str]:
         f"WARNING: {mean:.0%} of responses hit MAX_RESPONSE_LENGTH={length} (more than {CLIP_RATIO_WARN:.0%}): {why}; "
         "raise MAX_RESPONSE_LENGTH (docs/training.md says what it costs), then run the canary again"
     ]
-
-
-def saved_step(ckpt: Path) -> int | None:
-    """The step in verl's tracker file (latest_checkpointed_iteration.txt), None without one."""
-    try:
-        return int((ckpt / "latest_checkpointed_iteration.txt").read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def _checkpoint_problems(ckpt: Path, steps: range) -> list[str]:

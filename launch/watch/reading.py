@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.job.checkpoints import TRACKER, saved_step
 from launch.job.steps import ANSI, PROGRESS, RESUMED_AT, TOTAL_STEPS, is_training_step, parse_step_lines
 
 REPO = Path(__file__).resolve().parents[2]
@@ -360,9 +361,8 @@ def checkpoint(root: str | None) -> dict | None:
         return None
     base = Path(root)
     out = {"root": root, "training_done": (base / "TRAINING_DONE").exists(), "step": None}
-    tracker = base / "latest_checkpointed_iteration.txt"
-    step = read_text(tracker).strip()
-    if not step.isdigit():
+    step = saved_step(base)
+    if step is None:
         return out
     folder = base / f"global_step_{step}"
     size = 0
@@ -372,7 +372,7 @@ def checkpoint(root: str | None) -> dict | None:
                 size += os.lstat(os.path.join(dirpath, name)).st_size
             except OSError:
                 continue
-    return out | {"step": int(step), "path": str(folder), "saved": mtime(tracker), "bytes": size}
+    return out | {"step": step, "path": str(folder), "saved": mtime(base / TRACKER), "bytes": size}
 
 
 def signal_lead() -> int:
