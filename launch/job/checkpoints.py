@@ -17,6 +17,15 @@ import sys
 from pathlib import Path
 
 STEP = re.compile(r"^global_step_(\d+)$")
+TRACKER = "latest_checkpointed_iteration.txt"  # verl's record of its newest save, the step resume_mode=auto loads
+
+
+def saved_step(output_dir: Path) -> int | None:
+    """The step verl's tracker file names; None without one (nothing saved yet) or when it holds no step."""
+    try:
+        return int((output_dir / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def to_remove(output_dir: Path, keep: int) -> list[Path]:
@@ -24,10 +33,8 @@ def to_remove(output_dir: Path, keep: int) -> list[Path]:
     if keep <= 0 or not output_dir.is_dir():
         return []
     steps = sorted((int(m.group(1)), p) for p in output_dir.iterdir() if p.is_dir() and (m := STEP.match(p.name)))
-    tracker = output_dir / "latest_checkpointed_iteration.txt"
-    latest = tracker.read_text().strip() if tracker.is_file() else ""
-    kept = {step for step, _ in steps[-keep:]}
-    return [p for step, p in steps if step not in kept and str(step) != latest]
+    kept = {step for step, _ in steps[-keep:]} | {saved_step(output_dir)}
+    return [p for step, p in steps if step not in kept]
 
 
 def main(argv: list[str] | None = None) -> int:

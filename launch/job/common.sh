@@ -142,11 +142,8 @@ stop_pids() {
 start_bg() {
   local logfile=$1
   shift
-  if [[ "${START_BG_APPEND:-0}" == 1 ]]; then
-    setsid "$@" >>"$logfile" 2>&1 </dev/null &
-  else
-    setsid "$@" >"$logfile" 2>&1 </dev/null &
-  fi
+  [[ "${START_BG_APPEND:-0}" == 1 ]] || : >"$logfile"
+  setsid "$@" >>"$logfile" 2>&1 </dev/null &
   BG_PID=$!
 }
 

@@ -289,12 +289,7 @@ def interface_ipv4(name: str) -> str | None:
 
 def interfaces() -> list[tuple[str, str]]:
     """(name, IPv4) of every interface that has one, for the error message."""
-    found = []
-    for _, name in socket.if_nameindex():
-        addr = interface_ipv4(name)
-        if addr:
-            found.append((name, addr))
-    return found
+    return [(name, addr) for _, name in socket.if_nameindex() if (addr := interface_ipv4(name))]
 
 
 def host_addresses(hostname: str) -> list[str]:

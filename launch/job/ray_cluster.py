@@ -33,11 +33,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def count(ray) -> tuple[int, float]:
-    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-    return nodes, float(ray.cluster_resources().get("GPU", 0))
-
-
 def ready(nodes: int, gpus: float, args) -> bool:
     return nodes >= args.nodes and gpus >= args.gpus
 
@@ -71,7 +66,7 @@ def probe(args) -> int:
         emit({"error": f"{type(exc).__name__}: {exc}"})
         return 1
     while True:
-        nodes, gpus = count(ray)
+        nodes, gpus = sum(1 for n in ray.nodes() if n.get("Alive")), float(ray.cluster_resources().get("GPU", 0))
         emit({"nodes": nodes, "gpus": gpus})
         if ready(nodes, gpus, args):
             ray.shutdown()
@@ -82,12 +77,6 @@ def probe(args) -> int:
 def probe_command(args, timeout: float) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "probe", "--address", args.address, "--nodes", str(args.nodes),
             "--gpus", str(args.gpus), "--timeout", f"{timeout:.3f}"]  # fmt: skip
-
-
-def stop(proc: subprocess.Popen | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.wait()
 
 
 def wait(args) -> int:
@@ -150,7 +139,9 @@ def wait(args) -> int:
                     last_error = f"the probe exited with {proc.returncode}"
                 proc, next_start = None, time.monotonic() + POLL_SECONDS
     finally:
-        stop(proc)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
     if connected:
         where = ""
     elif proc is not None and since is None:

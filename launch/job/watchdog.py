@@ -49,7 +49,6 @@ from launch.plan.deadline import StallError, positive_seconds, timeout_setting
 
 STALLED = 3  # watch's exit code when it found a stall
 STALL_FACTOR = 3  # auto: this many times the longest step (and validation, and save) so far
-VERL_SAVE_SECONDS = deadline.VERL_SAVE_SECONDS
 OTHER_NODES_WAIT = 60  # s the head waits for the other nodes' stacks before it stops the start
 LOG_LINES = 30  # last lines of each worker's logs kept
 
@@ -71,19 +70,6 @@ def _command_int(command: list[str], key: str, default: int) -> int:
             except ValueError:
                 return default
     return default
-
-
-def longest_step(folders: list[Path]) -> float:
-    """The longest training part of a step (timing_s/step) that these folders' trainer.log hold."""
-    longest = 0.0
-    for folder in folders:
-        try:
-            text = (folder / "trainer.log").read_text(errors="replace")
-        except OSError:
-            continue
-        for metrics in parse_step_lines(text).values():
-            longest = max(longest, metrics.get("timing_s/step", 0.0))
-    return longest
 
 
 @dataclass
@@ -114,9 +100,8 @@ class Clock:
         )
         expiry = env.get("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP", "")
         clock.expiry = float(expiry) if expiry.isdigit() else None
-        earlier = deadline.earlier_starts(env)
-        clock.longest = deadline.measured(earlier)
-        clock.longest_step = longest_step(earlier)
+        clock.longest = deadline.measured(deadline.earlier_starts(env))
+        clock.longest_step = clock.longest.pop("step", 0.0)
         return clock
 
     @property
@@ -132,10 +117,8 @@ class Clock:
                 self.longest[name] = max(self.longest.get(name, 0.0), metrics[f"timing_s/{name}"])
 
     def _extra(self, name: str) -> tuple[float, str]:
-        if self.longest.get(name):
-            return STALL_FACTOR * self.longest[
-                name
-            ], f"{STALL_FACTOR} x the longest {name} ({self.longest[name]:.0f} s)"
+        if longest := self.longest.get(name):
+            return STALL_FACTOR * longest, f"{STALL_FACTOR} x the longest {name} ({longest:.0f} s)"
         return self.first, f"STALL_FIRST_STEP={self.first:.0f} s for a first {name}"
 
     def budget(self, now: float) -> tuple[float, str]:
@@ -156,7 +139,7 @@ class Clock:
             why.append(f"+ {extra:.0f} s: step {step} validates ({because})")
         save_extra, because = self._extra("save_checkpoint")
         # verl's own check: a save after any step that ends within 60 s + the longest step + its room of the expiry
-        esi = self.expiry is not None and self.expiry - now <= seconds + VERL_SAVE_SECONDS + save_extra
+        esi = self.expiry is not None and self.expiry - now <= seconds + deadline.VERL_SAVE_SECONDS + save_extra
         if self.save_freq > 0 and (last or step % self.save_freq == 0 or esi):
             seconds += save_extra
             why.append(f"+ {save_extra:.0f} s: step {step} saves ({because})")
@@ -346,12 +329,8 @@ def dump(log_dir: Path, host: str, env: Mapping[str, str] | None = None) -> Path
 
 def other_hosts(log_dir: Path, host: str) -> list[str]:
     """The job's other nodes (each helper writes ports.<rank> with its node's name)."""
-    hosts = []
-    for plan in sorted(log_dir.glob("ports.*")):
-        for line in plan.read_text(errors="replace").splitlines():
-            if line.startswith("node=") and line[5:] != host:
-                hosts.append(line[5:])
-    return hosts
+    lines = [line for plan in sorted(log_dir.glob("ports.*")) for line in plan.read_text(errors="replace").splitlines()]
+    return [line[5:] for line in lines if line.startswith("node=") and line[5:] != host]
 
 
 def on_stall(log_dir: Path, host: str, clock: Clock, since: float, budget: float, why: str,

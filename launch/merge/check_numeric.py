@@ -252,16 +252,13 @@ def compare(ckpt: Path, hf: Path, tolerance: str = "auto") -> dict:
             flips += int((a[:-1].argmax(-1) != b[:-1].argmax(-1)).sum())
             tokens += len(ids) - 1
     d = torch.cat(diffs)
-    biases = (_float(weights.get("bias")), _bias(model)) if value_model else None
+    bias = weights.get("bias")  # the checkpoint's own value-head bias; None where it was not saved
+    biases = (None if bias is None else float(bias.reshape(-1)[0]), _bias(model)) if value_model else None
     limit = TOLERANCES[tolerance]
     first = next((i for i, g in enumerate(state_gaps) if g > limit[3]), None)
     return dict(max=d.max().item(), mean=d.mean().item(), top1=flips / tokens if tokens else 0.0, tokens=int(d.numel()),
                 tolerance=tolerance, dtypes=(ckpt_dtype, hf_dtype), value_model=value_model, device=device,
                 first_divergence=first, biases=biases, layers=config["num_hidden_layers"], state_gaps=state_gaps)  # fmt: skip
-
-
-def _float(t) -> float | None:
-    return None if t is None else float(t.reshape(-1)[0])
 
 
 def _bias(model) -> float:

@@ -27,26 +27,14 @@ import json
 import sys
 from pathlib import Path
 
+from launch.merge import verify_hf
+
 HEAD = "lm_head.weight"
 SCORE = "score.weight"
 
 
 class NotACritic(ValueError):
     """The folder does not hold verl's save of a critic (no [1, hidden] head, or a full lm_head)."""
-
-
-def _shards(folder: Path) -> tuple[dict[str, str], Path | None]:
-    """{tensor name: shard file} and the index file, if the weights are sharded."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        return dict(json.loads(index.read_text())["weight_map"]), index
-    single = folder / "model.safetensors"
-    if not single.exists():
-        raise NotACritic(f"{folder}: no model.safetensors and no model.safetensors.index.json")
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single.name for name in f.keys()}, None
 
 
 def to_value_model(folder: Path) -> str:
@@ -57,7 +45,9 @@ def to_value_model(folder: Path) -> str:
 
     config = AutoConfig.from_pretrained(folder)
     hidden = config.hidden_size
-    weight_map, index = _shards(folder)
+    weight_map, index = verify_hf.weight_map(folder), folder / "model.safetensors.index.json"
+    if weight_map is None:
+        raise NotACritic(f"{folder}: no model.safetensors and no model.safetensors.index.json")
     name = HEAD if HEAD in weight_map else SCORE if SCORE in weight_map else None
     if name is None:
         raise NotACritic(
@@ -84,7 +74,7 @@ def to_value_model(folder: Path) -> str:
         tensors["score.weight"] = head
         tensors["score.bias"] = torch.zeros(1, dtype=head.dtype)
         save_file(tensors, str(shard), metadata={"format": "pt"})
-        if index is not None:
+        if index.exists():
             data = json.loads(index.read_text())
             data["weight_map"].pop(HEAD)
             data["weight_map"].update({"score.weight": shard.name, "score.bias": shard.name})

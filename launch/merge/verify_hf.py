@@ -15,6 +15,7 @@ initialise. Exit 1 with every mismatch listed.
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -22,19 +23,28 @@ TOKENIZER_FILES = ("tokenizer_config.json",)
 TOKENIZER_ONE_OF = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 
+def weight_map(folder: Path) -> dict[str, str] | None:
+    """{tensor name: shard file}: model.safetensors.index.json's, else the single model.safetensors'; None without
+    either."""
+    from safetensors import safe_open
+
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    if not single.exists():
+        return None
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single.name)
+
+
 def stored_tensors(target: Path) -> tuple[dict[str, tuple[int, ...]], list[str], int]:
     """{name: shape} from the safetensors headers (no tensor is loaded), problems, and the number of shards."""
     from safetensors import safe_open
 
-    problems = []
-    index = target / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    elif (target / "model.safetensors").exists():
-        weight_map, shards = None, ["model.safetensors"]
-    else:
+    names = weight_map(target)
+    if names is None:
         return {}, ["no model.safetensors and no model.safetensors.index.json"], 0
+    shards, problems = sorted(set(names.values())), []
     shapes: dict[str, tuple[int, ...]] = {}
     for shard in shards:
         path = target / shard
@@ -44,10 +54,9 @@ def stored_tensors(target: Path) -> tuple[dict[str, tuple[int, ...]], list[str],
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 shapes[name] = tuple(f.get_slice(name).get_shape())
-    if weight_map is not None:
-        for name, shard in weight_map.items():
-            if (target / shard).exists() and name not in shapes:
-                problems.append(f"{name} is indexed in {shard} but not stored there")
+    for name, shard in names.items():
+        if (target / shard).exists() and name not in shapes:
+            problems.append(f"{name} is indexed in {shard} but not stored there")
     return shapes, problems, len(shards)
 
 
@@ -101,9 +110,7 @@ def input_embedding_name(target: Path) -> str:
 def read_tensor(target: Path, name: str):
     from safetensors import safe_open
 
-    index = target / "model.safetensors.index.json"
-    shard = json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors"
-    with safe_open(str(target / shard), framework="pt") as f:
+    with safe_open(str(target / weight_map(target)[name]), framework="pt") as f:
         return f.get_tensor(name)
 
 
@@ -169,8 +176,8 @@ def verify(target: Path, tied: bool, value_model: bool = False, load: bool = Fal
         problems.append(
             "lm_head.weight is missing although the embeddings are untied (merged with --tie-word-embedding?)"
         )
-    params = sum(_numel(s) for s in stored.values())
-    expected_params = sum(_numel(s) for s in expected.values())
+    params = sum(math.prod(s) for s in stored.values())
+    expected_params = sum(math.prod(s) for s in expected.values())
     if not problems and params != expected_params:
         problems.append(f"{params} parameters stored, the config implies {expected_params}")
     if load and not problems:
@@ -182,13 +189,6 @@ def verify(target: Path, tied: bool, value_model: bool = False, load: bool = Fal
         head = copy_of_embedding or head
     summary = f"{target}: {len(stored)} tensors in {shards} shard(s), {params / 1e9:.3f}e9 parameters, {head}"
     return problems, summary
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _load_on_meta(target: Path, value_model: bool = False) -> list[str]:

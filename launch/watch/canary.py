@@ -34,6 +34,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from launch.job.checkpoints import saved_step
 from launch.job.steps import ANSI, RESUMED_AT, is_training_step, parse_step_lines
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
@@ -142,19 +143,10 @@ def logged_steps(text: str) -> dict[int, dict[str, float]]:
     return {step: metrics for step, metrics in parse_step_lines(text).items() if is_training_step(metrics)}
 
 
-def _per_step(text: str, key: str) -> dict[int, float]:
-    """{step: the metric's value} for every training step whose line logged it."""
+def per_step(text: str, key: str) -> dict[int, float]:
+    """{step: the metric's value} for every training step whose line logged it (response_length/clip_ratio,
+    critic/vf_clipfrac)."""
     return {step: metrics[key] for step, metrics in logged_steps(text).items() if key in metrics}
-
-
-def clip_ratios(text: str) -> dict[int, float]:
-    """{step: verl's response_length/clip_ratio} for every training step that logged it."""
-    return _per_step(text, "response_length/clip_ratio")
-
-
-def vf_clipfracs(text: str) -> dict[int, float]:
-    """{step: verl's critic/vf_clipfrac} for every training step that logged it (PPO only: the critic's metric)."""
-    return _per_step(text, "critic/vf_clipfrac")
 
 
 def trainer_command(log: Path) -> str:
@@ -209,14 +201,6 @@ def response_length_report(results: dict[str, dict]) -> list[str]:
         f"WARNING: {mean:.0%} of responses hit MAX_RESPONSE_LENGTH={length} (more than {CLIP_RATIO_WARN:.0%}): {why}; "
         "raise MAX_RESPONSE_LENGTH (docs/training.md says what it costs), then run the canary again"
     ]
-
-
-def saved_step(ckpt: Path) -> int | None:
-    """The step in verl's tracker file (latest_checkpointed_iteration.txt), None without one."""
-    try:
-        return int((ckpt / "latest_checkpointed_iteration.txt").read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def _checkpoint_problems(ckpt: Path, steps: range) -> list[str]:
@@ -342,46 +326,38 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--results", type=Path, required=True)
     sub.add_parser("summary").add_argument("--results", type=Path, required=True)
     args = p.parse_args(argv)
-
-    if args.command in ("settings", "overrides"):
-        try:
-            s = Settings.from_env()
-            items = (
-                [f"{k}={v}" for k, v in canary_settings(s, args.extra).items()]
-                if args.command == "settings"
-                else stage_overrides(args.stage, s)
-            )
-        except SettingError as exc:
-            print(f"canary: {exc}", file=sys.stderr)
-            return 1
-        sys.stdout.write("\0".join(items) + "\0")
-        return 0
-    if args.command == "check":
-        text = args.log.read_text(errors="replace") if args.log.exists() else ""
-        problems = evaluate(args.stage, args.rc, text, args.ckpt, args.target)
-        entry = {"stage": args.stage, "status": "failed" if problems else "passed", "seconds": args.seconds}
-        if args.stage in ("train", "resume"):
-            try:
-                s = Settings.from_env()
-            except SettingError as exc:
-                print(f"canary: {exc}", file=sys.stderr)
-                return 1
-            entry |= {"clip_ratio": clip_ratios(text), "max_response_length": s.max_response_length,
-                      "rollout_n": s.rollout_n, "prompt_opens_think": told_opens_think(args.log)}  # fmt: skip
-            if s.algorithm == "ppo":
-                entry |= {"vf_clipfrac": vf_clipfracs(text),
-                          "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines())}  # fmt: skip
-        if problems:
-            entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
-        record(args.results, entry)
-        print(f"canary: stage {STAGES[args.stage]}: {'FAILED: ' + entry['reason'] if problems else 'passed'}")
-        return 1 if problems else 0
     if args.command == "skip":
         record(args.results, {"stage": args.stage, "status": "skipped", "reason": args.because})
         return 0
-    table, ok = summary(canary_results(args.results))
-    print(table)
-    return 0 if ok else 1
+    if args.command == "summary":
+        table, ok = summary(canary_results(args.results))
+        print(table)
+        return 0 if ok else 1
+    try:  # every other command reads the settings, but the merge's check
+        s = None if args.command == "check" and args.stage == "merge" else Settings.from_env()
+        if args.command in ("settings", "overrides"):
+            items = ([f"{k}={v}" for k, v in canary_settings(s, args.extra).items()] if args.command == "settings"
+                     else stage_overrides(args.stage, s))  # fmt: skip
+            sys.stdout.write("\0".join(items) + "\0")
+            return 0
+    except SettingError as exc:
+        print(f"canary: {exc}", file=sys.stderr)
+        return 1
+    text = args.log.read_text(errors="replace") if args.log.exists() else ""
+    problems = evaluate(args.stage, args.rc, text, args.ckpt, args.target)
+    entry = {"stage": args.stage, "status": "failed" if problems else "passed", "seconds": args.seconds}
+    if s is not None:
+        entry |= {"clip_ratio": per_step(text, "response_length/clip_ratio"), "rollout_n": s.rollout_n,
+                  "max_response_length": s.max_response_length,
+                  "prompt_opens_think": told_opens_think(args.log)}  # fmt: skip
+        if s.algorithm == "ppo":
+            entry |= {"vf_clipfrac": per_step(text, "critic/vf_clipfrac"),
+                      "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines())}  # fmt: skip
+    if problems:
+        entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
+    record(args.results, entry)
+    print(f"canary: stage {STAGES[args.stage]}: {'FAILED: ' + entry['reason'] if problems else 'passed'}")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

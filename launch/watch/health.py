@@ -59,10 +59,7 @@ FINAL = {"finished", "failed", "cancelled", "ended"}
 
 def merged_steps(job: Job) -> dict[int, dict[str, float]]:
     """Every step's metrics across the starts; a step trained again after a requeue keeps its newest values."""
-    merged: dict[int, dict[str, float]] = {}
-    for s in job.starts:
-        merged.update(s.steps)
-    return merged
+    return {n: metrics for s in job.starts for n, metrics in s.steps.items()}
 
 
 def state(job: Job) -> tuple[str, str]:
@@ -83,7 +80,7 @@ def _state(job: Job) -> tuple[str, str]:
         st, reason = slurm["state"] or "", slurm.get("reason") or ""
         if st == "PENDING":
             restarts = slurm.get("restarts")
-            if (restarts or 0) > 0 or (restarts is None and job.starts):  # squeue does not say; folders do
+            if (restarts or 0) > 0 or (restarts is None and job.starts):  # sacct does not say; folders do
                 return "requeued", f"waiting to start again (Reason={reason}); it resumes from its newest checkpoint"
             return "pending", f"waiting in the queue (Reason={reason})"
         if st.startswith("REQUEUE"):

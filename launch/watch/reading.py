@@ -1,6 +1,6 @@
 """Reading a job, for launch/watch/status.py: every start's folder (trainer.log, trainer_command.txt, `done` and
 `exit`, the preflight's and the stall watchdog's records, the reward servers' logs), the job's Slurm output file, Slurm
-itself (scontrol, else squeue, else sacct) and the checkpoint folder, into one Job (`load`); nothing is written. verl's
+itself (scontrol, else sacct) and the checkpoint folder, into one Job (`load`); nothing is written. verl's
 step lines are parsed in launch/job/steps.py. Also the times as text (duration, clock) a start's description uses."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.job.checkpoints import TRACKER, saved_step
 from launch.job.steps import ANSI, PROGRESS, RESUMED_AT, TOTAL_STEPS, is_training_step, parse_step_lines
 
 REPO = Path(__file__).resolve().parents[2]
@@ -281,8 +282,9 @@ def slurm_duration(value: str | None) -> float | None:
 
 
 def ask_slurm(job_id: str) -> tuple[dict | None, list[str]]:
-    """What Slurm knows of the job (state, reason, restarts, times, time limit, output file, nodes), from the first of
-    scontrol, squeue, sacct that is on PATH and knows it; and a note per program that was not there or did not."""
+    """What Slurm knows of the job (state, reason, restarts, times, time limit, output file, nodes), from scontrol, else
+    from sacct (squeue would say no more than scontrol: both ask slurmctld, which forgets ended jobs after MinJobAge);
+    and a note per program that was not there or did not know it."""
     notes = []
     if not re.fullmatch(r"\d+", job_id):
         return None, [f"job {job_id} ran without Slurm"]
@@ -300,15 +302,6 @@ def ask_slurm(job_id: str) -> tuple[dict | None, list[str]]:
         notes.append("scontrol does not know the job (it forgets ended jobs after MinJobAge)")
     else:
         notes.append("scontrol is not on PATH")
-    if shutil.which("squeue"):
-        out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%S|%e|%l|%N"])
-        if out and out.strip():
-            state, reason, start, end, limit, nodes = (out.strip().splitlines()[0].split("|") + [""] * 6)[:6]
-            return {"source": "squeue", "state": state, "reason": reason, "restarts": None,
-                    "start": slurm_time(start), "end": slurm_time(end), "time_limit": slurm_duration(limit),
-                    "output": None, "nodes": nodes, "exit_code": None, "batch": None}, notes  # fmt: skip
-    else:
-        notes.append("squeue is not on PATH")
     if shutil.which("sacct"):
         out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,Start,End,Timelimit,NodeList"])
         if out and out.strip():
@@ -368,9 +361,8 @@ def checkpoint(root: str | None) -> dict | None:
         return None
     base = Path(root)
     out = {"root": root, "training_done": (base / "TRAINING_DONE").exists(), "step": None}
-    tracker = base / "latest_checkpointed_iteration.txt"
-    step = read_text(tracker).strip()
-    if not step.isdigit():
+    step = saved_step(base)
+    if step is None:
         return out
     folder = base / f"global_step_{step}"
     size = 0
@@ -380,7 +372,7 @@ def checkpoint(root: str | None) -> dict | None:
                 size += os.lstat(os.path.join(dirpath, name)).st_size
             except OSError:
                 continue
-    return out | {"step": int(step), "path": str(folder), "saved": mtime(tracker), "bytes": size}
+    return out | {"step": step, "path": str(folder), "saved": mtime(base / TRACKER), "bytes": size}
 
 
 def signal_lead() -> int:
