@@ -27,15 +27,11 @@ job_log_dir=${JOB_LOG_DIR:?JOB_LOG_DIR is set by run_grpo_qwen3_4b_mega_verl.sh}
 # This node's name: Slurm's where there is one (two nodes can share a host name: containers on one host, or nodes
 # with one NodeHostname), so the per-node files the job writes into its shared folder never collide.
 host=${SLURMD_NODENAME:-$(hostname)}
-separate=false
-[[ "${CONFIG_USE_SEPARATE_REWARD_NODE}" == true ]] && separate=true
-reward_rank=-1
-if [[ "$separate" == true ]]; then
+separate=false reward_rank=-1 train_nodes=$nnodes
+if [[ "${CONFIG_USE_SEPARATE_REWARD_NODE}" == true ]]; then
   ((nnodes >= 2)) || die "CONFIG_USE_SEPARATE_REWARD_NODE=true needs 2+ nodes; this job has $nnodes"
-  reward_rank=$((nnodes - 1))
+  separate=true reward_rank=$((nnodes - 1)) train_nodes=$((nnodes - 1))
 fi
-train_nodes=$nnodes
-[[ "$separate" == false ]] || train_nodes=$((nnodes - 1))
 pids=()          # everything this node started, stopped by cleanup
 ray_pid=""
 trainer_pid=""
@@ -52,9 +48,8 @@ declare -A port  # this job's ports on this node (launch/job/node.py ports)
 cleanup() {
   local rc=$?
   ((exit_code != 0)) || exit_code=$rc
-  # SIGTERM again while stopping (a second scancel, or any other second delivery) would kill this shell before it has
-  # stopped its servers and Ray and printed its last line: ignored; Slurm's SIGKILL after KillWait still ends it. A
-  # second Ctrl-C (SIGINT) still stops it at once.
+  # A second SIGTERM would kill this shell before it stopped its servers and Ray: ignored (Slurm's SIGKILL after
+  # KillWait still ends it); a second Ctrl-C still stops it at once.
   trap - EXIT INT
   trap '' TERM
   # The head's exit code tells every other node to stop; a failed node tells the head (and why).
@@ -66,8 +61,7 @@ cleanup() {
       >"$job_log_dir/node_failed.$rank"
   fi
   ((${#pids[@]})) && stop_pids "${STOP_TIMEOUT}" "${pids[@]}"
-  # Ray's own logs (raylet, GCS, every worker's stdout and stderr) are in the node-local RAY_TMP_DIR, which a cluster
-  # may wipe after the job: into the job's folder, per node, once Ray has stopped; 10 s at most.
+  # Ray's own logs are in the node-local RAY_TMP_DIR, which a cluster may wipe after the job: kept per node.
   if [[ -d "$RAY_TMP_DIR/session_latest/logs" ]]; then
     timeout 10 cp -rL "$RAY_TMP_DIR/session_latest/logs" "$job_log_dir/ray_logs_$host" 2>/dev/null ||
       err "[rank $rank] Ray's logs were not all copied from $RAY_TMP_DIR/session_latest/logs (10 s, or unreadable)"
@@ -76,10 +70,8 @@ cleanup() {
   exit "$exit_code"
 }
 
-# on_signal CODE: SIGTERM/SIGINT: stop everything, exit non-zero. Slurm sends it to every process of the job at once
-# (scancel, the time limit, a requeue), and srun (--kill-on-bad-exit) to the other nodes once one node's helper has
-# exited: then that node's reason (node_failed.N) or the head's exit code (done) is in the job's folder, and this
-# node reports it and exits with it (srun's exit code is the highest of its tasks').
+# on_signal CODE: SIGTERM/SIGINT (scancel, the time limit, a requeue; srun's --kill-on-bad-exit once a node's helper
+# exited): stop everything; report the failed node's reason (node_failed.N) or exit with the head's code (done).
 on_signal() {
   trap '' INT TERM  # Slurm and srun may signal more than once: one stop is enough
   exit_code=$1
@@ -247,11 +239,10 @@ follow_restart() {
 # node_info ARGS...: launch/job/node.py (ports, reward GPUs, the node address) from the repository.
 node_info() { (cd "$here" && python3 -m launch.job.node "$@"); }
 
-# start_reward_servers ADDRESS INDICES: one server per GPU (indices into this job's GPUs; or on the CPU), each polled
-# on /health with this job's token; writes reward_urls.
-start_reward_servers() {
-  launch_reward_servers "$@"
-  wait_reward_servers
+# node_address: this node's address that the other nodes reach, into the caller's `address`.
+node_address() {
+  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
+    die "[rank $rank] no address for $host that the other nodes can reach (above)"
 }
 
 # launch_reward_servers ADDRESS INDICES: start the servers and set srv_urls (comma-separated), without waiting for
@@ -398,14 +389,12 @@ collect_addresses() {
   done
 }
 
-run_head() {
-  local address
-  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
-    die "[rank 0] no address for $host that the other nodes can reach (above)"
-  log_phase "[rank 0] head on $host ($address), $nnodes node(s), $train_nodes training"
+# head_rewards ADDRESS: the head's side of the reward servers: wait for the reward node's, or start its own (not
+# waited for here: Ray starts while they load their models), or none (REWARD=rule: verl's workers score by rule).
+head_rewards() {
   if [[ "$separate" == true ]]; then
     log "[rank 0] waiting for the reward node's servers"
-    local found
+    local found f
     found=$(wait_for_any "$REWARD_START_TIMEOUT" "$job_log_dir/reward_urls" "$job_log_dir/reward_failed") ||
       die "the reward node reported no servers within ${REWARD_START_TIMEOUT} s (REWARD_START_TIMEOUT)"
     if [[ "$found" == */reward_failed ]]; then
@@ -413,46 +402,49 @@ run_head() {
       die "the reward node failed to start its servers (logs above)"
     fi
     plan_ports 0
+    srv_urls=$(cat "$job_log_dir/reward_urls")
   elif [[ "$REWARD" == rule ]]; then
-    plan_ports 0  # REWARD=rule: verl's workers score by rule, no reward server
+    plan_ports 0
   else
-    # Started, not waited for: Ray starts while they load their models (wait_reward_servers below).
-    launch_reward_servers "$address" "$CONFIG_REWARD_GPUS"
+    launch_reward_servers "$1" "$CONFIG_REWARD_GPUS"
   fi
-  collect_addresses "$address"
-  local ray_address="${address}:${port[ray_port]}"
-  if [[ "$separate" == true ]]; then srv_urls=$(cat "$job_log_dir/reward_urls"); fi
-  export_worker_env "$srv_urls" "$ray_address" "$address" "$node_addresses"
+}
 
-  log_phase "[rank 0] Ray head on ${ray_address} (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
+# start_ray_head ADDRESS RAY_ADDRESS: the Ray head, the head's reward servers healthy, cluster.env for the workers,
+# then every training node's GPUs in Ray.
+start_ray_head() {
+  log_phase "[rank 0] Ray head on $2 (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
   local -a args
   mapfile -d '' -t args < <(ray_args)
   # The dashboard's own process starts even with --include-dashboard=false: it gets this job's port too.
-  start_ray "$job_log_dir/ray_head.log" 120 --head --node-ip-address="$address" --port="${port[ray_port]}" \
+  start_ray "$job_log_dir/ray_head.log" 120 --head --node-ip-address="$1" --port="${port[ray_port]}" \
     --ray-client-server-port="${port[ray_client_server_port]}" --dashboard-port="${port[dashboard_port]}" \
     --temp-dir="$RAY_TMP_DIR" --include-dashboard=false "${args[@]}"
   [[ -n "$ray_pid" ]] || die "[rank 0] could not start the Ray head (log: $job_log_dir/ray_head.log)"
   watch "$ray_pid" "the Ray head" "$job_log_dir/ray_head.log"
   [[ "$separate" == true || "$REWARD" == rule ]] || wait_reward_servers
-  printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\nNODE_ADDRESSES=%s\n' "$ray_address" \
+  printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\nNODE_ADDRESSES=%s\n' "$2" \
     "$REWARD_SERVER_URLS" "$node_addresses" >"$job_log_dir/cluster.env.tmp"
   mv "$job_log_dir/cluster.env.tmp" "$job_log_dir/cluster.env"
-  python3 -m launch.job.ray_cluster wait --address "$ray_address" --nodes "$train_nodes" \
+  python3 -m launch.job.ray_cluster wait --address "$2" --nodes "$train_nodes" \
     --gpus $((CONFIG_GPUS_PER_NODE * train_nodes)) --timeout "$RAY_JOIN_TIMEOUT" --watch-pid "$ray_pid" || {
     local -a workers=("$job_log_dir"/ray_worker_*.log)
     err "Ray logs: head $job_log_dir/ray_head.log, workers ${workers[*]}"
     show_tail "$job_log_dir/ray_head.log" 15
     die "not every node joined the Ray cluster"
   }
+}
 
+# run_trainer RAY_ADDRESS OVERRIDES...: the trainer (and the stall watchdog beside it) in the background, so a stop
+# signal's trap runs at once; every part is checked while it runs, and its exit code is the job's.
+run_trainer() {
   log_phase "[rank 0] trainer"
   local -a cmd
-  mapfile -d '' -t cmd < <(RAY_ADDRESS_FOR_TRAINER="$ray_address" python3 -m launch.plan.trainer_command trainer-argv "$@")
+  mapfile -d '' -t cmd < <(RAY_ADDRESS_FOR_TRAINER="$1" python3 -m launch.plan.trainer_command trainer-argv "${@:2}")
   ((${#cmd[@]})) || die "could not build the trainer command"
   cmd=("$TRAINER_LAUNCHER" "${cmd[@]}")
   printf '%s\n' "${cmd[@]}" >"$job_log_dir/trainer_command.txt"
   log "[rank 0] trainer command (one argument per line): $job_log_dir/trainer_command.txt"
-  # In the background, so a stop signal's trap runs at once; the watchdog checks every part while it runs.
   # shellcheck disable=SC2016  # $1 and $@ are the inner bash's own arguments
   start_bg "$job_log_dir/trainer.log" bash -c 'cd "$1" && shift && exec "$@"' trainer "$job_log_dir" "${cmd[@]}"
   trainer_pid=$BG_PID
@@ -472,8 +464,7 @@ run_head() {
     check_stall
     sleep 1
   done
-  # The trainer's exit code is the job's: taken, not exited on.
-  wait "$trainer_pid" && exit_code=0 || exit_code=$?
+  wait "$trainer_pid" && exit_code=0 || exit_code=$?  # taken, not exited on
   trainer_pid=""
   wait "$tail_pid" || true  # tail ends by itself within a second of the trainer, after its last lines
   if ((exit_code == 0)); then
@@ -484,21 +475,30 @@ run_head() {
   fi
 }
 
+run_head() {
+  local address
+  node_address
+  log_phase "[rank 0] head on $host ($address), $nnodes node(s), $train_nodes training"
+  head_rewards "$address"
+  collect_addresses "$address"
+  local ray_address="${address}:${port[ray_port]}"
+  export_worker_env "$srv_urls" "$ray_address" "$address" "$node_addresses"
+  start_ray_head "$address" "$ray_address"
+  run_trainer "$ray_address" "$@"
+}
+
 run_reward_node() {
   local address
-  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
-    die "[rank $rank] no address for $host that the other nodes can reach (above)"
+  node_address
   log_phase "[rank $rank] reward node $host ($address): $REWARD_REPLICAS server(s), no training"
-  local gpus
-  gpus=$(seq -s, 0 $((REWARD_REPLICAS - 1)))
-  start_reward_servers "$address" "$gpus"
+  launch_reward_servers "$address" "$(seq -s, 0 $((REWARD_REPLICAS - 1)))"
+  wait_reward_servers
   wait_until_done
 }
 
 run_worker() {
   local address
-  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
-    die "[rank $rank] no address for $host that the other nodes can reach (above)"
+  node_address
   printf '%s\n' "$address" >"$job_log_dir/address.$rank.tmp"
   mv "$job_log_dir/address.$rank.tmp" "$job_log_dir/address.$rank"
   log_phase "[rank $rank] Ray worker on $host ($address): waiting for the head"
