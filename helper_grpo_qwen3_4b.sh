@@ -24,8 +24,7 @@ die() {
 rank=${SLURM_PROCID:-0}
 nnodes=${SLURM_NNODES:-1}
 job_log_dir=${JOB_LOG_DIR:?JOB_LOG_DIR is set by run_grpo_qwen3_4b_mega_verl.sh}
-# This node's name: Slurm's where there is one (two nodes can share a host name: containers on one host, or nodes
-# with one NodeHostname), so the per-node files the job writes into its shared folder never collide.
+# This node's name: Slurm's where there is one (two nodes can share a host name), for the per-node files.
 host=${SLURMD_NODENAME:-$(hostname)}
 separate=false reward_rank=-1 train_nodes=$nnodes
 if [[ "${CONFIG_USE_SEPARATE_REWARD_NODE}" == true ]]; then
@@ -37,11 +36,9 @@ ray_pid=""
 trainer_pid=""
 exit_code=0
 failure=""       # what went wrong on this node, for the head's message
-# The watchdog: every process this node started and must keep running, with what it is and its log, and for a
-# reward server its index in srv_* (-1: anything else, which stops the job when it dies).
+# What this node watches (watch): pid, name, log, and a reward server's index in srv_* (-1: any other part).
 watch_pids=() watch_names=() watch_logs=() watch_server=()
-# This node's reward servers: port, GPU (or cpu), log, the times it died (within REWARD_RESTART_WINDOW), while a
-# restart is not yet healthy, when it began; the first start's pid and time.
+# This node's reward servers: port, GPU (or cpu), log, recent deaths, when a pending restart began, first pid, start.
 srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_restarting=() srv_pid=() srv_started=()
 declare -A port  # this job's ports on this node (launch/job/node.py ports)
 
@@ -91,8 +88,7 @@ on_signal() {
   cleanup
 }
 
-# watch PID NAME LOG [SERVER]: the watchdog checks PID on every pass until the job ends (SERVER: a reward server's
-# index in srv_*, restarted instead of stopping the job).
+# watch PID NAME LOG [SERVER]: check PID on every pass until the job ends (SERVER: a reward server, restarted).
 watch() {
   watch_pids+=("$1")
   watch_names+=("$2")
@@ -100,8 +96,8 @@ watch() {
   watch_server+=("${4:--1}")
 }
 
-# check_watched: restart a reward server that died (restart_reward_server), follow one that restarts, and die,
-# naming the part, the node and its log, if anything else this node watches died or another node failed.
+# check_watched: restart a reward server that died, follow one that restarts, and die naming the part, the node and
+# its log if anything else this node watches died or another node failed.
 check_watched() {
   local i k f
   for i in "${!watch_pids[@]}"; do
@@ -124,8 +120,7 @@ check_watched() {
   ((rank == 0)) || dump_stacks_if_asked
 }
 
-# dump_stacks_if_asked: once the head's stall watchdog asks (stall/request), this node's Python stacks, worker log
-# tails and GPU use go beside the head's (launch/job/watchdog.py dump), before the head stops the job.
+# dump_stacks_if_asked: once the head's stall watchdog asks (stall/request), this node's stacks go beside the head's.
 stacks_dumped=0
 dump_stacks_if_asked() {
   [[ -e "$job_log_dir/stall/request" ]] && ((!stacks_dumped)) || return 0
@@ -135,8 +130,7 @@ dump_stacks_if_asked() {
     err "[rank $rank] could not keep the stacks of $host (above)"
 }
 
-# check_stall: the head's stall watchdog (launch/job/watchdog.py watch) exited: it found the trainer hung (stall.json
-# says where; the job stops), or it failed itself (the job goes on unwatched).
+# check_stall: the stall watchdog exited: the trainer hung (stall.json; the job stops), or it failed (no watch now).
 stall_pid=""
 check_stall() {
   [[ -n "$stall_pid" ]] && ! alive "$stall_pid" || return 0
@@ -164,8 +158,7 @@ plan_ports() {
   [[ "${port[block_moved]}" == 0 ]] || log "[rank $rank] this job's usual ports on $host are taken: moved ${port[block_moved]} block(s) on"
 }
 
-# launch_reward_server K: start reward server K on its GPU and port with this job's token (in the environment);
-# sets BG_PID. A restart appends to the server's log.
+# launch_reward_server K: start reward server K on its GPU and port (the token is in the environment); sets BG_PID.
 launch_reward_server() {
   local k=$1 device=cuda visible=${srv_gpu[$1]}
   if [[ "$visible" == cpu ]]; then
@@ -178,9 +171,8 @@ launch_reward_server() {
     --chat-template "$CONFIG_REWARD_CHAT_TEMPLATE" --append-eos "$CONFIG_REWARD_APPEND_EOS"
 }
 
-# restart_reward_server I K: watched process I, reward server K, died. Within its budget (REWARD_RESTARTS in any
-# REWARD_RESTART_WINDOW seconds) start it again on the same GPU, port and token, and log why it died (the reward
-# function fails over to the other servers and retries for REWARD_RETRY_SECONDS meanwhile); past it, stop the job.
+# restart_reward_server I K: watched process I, reward server K, died: within REWARD_RESTARTS in any
+# REWARD_RESTART_WINDOW s start it again on the same GPU, port and token, logging why; past that, stop the job.
 restart_reward_server() {
   local i=$1 k=$2 reason now t rc=0
   local -a recent=()
@@ -245,9 +237,8 @@ node_address() {
     die "[rank $rank] no address for $host that the other nodes can reach (above)"
 }
 
-# launch_reward_servers ADDRESS INDICES: start the servers and set srv_urls (comma-separated), without waiting for
-# them: the head starts Ray while they load their models (wait_reward_servers). They are watched (restarted when they
-# die) once healthy: until then a death is a failed start.
+# launch_reward_servers ADDRESS INDICES: start one server per GPU index (or on the CPU) and set srv_urls, not waiting
+# (wait_reward_servers): the head starts Ray while they load. Until healthy, a death is a failed start.
 srv_urls=""
 launch_reward_servers() {
   local address=$1 gpu p i=0 urls=() mapped
@@ -277,8 +268,8 @@ launch_reward_servers() {
   srv_urls="${urls[*]}"
 }
 
-# wait_reward_servers: each server launched healthy (with the token: a server of another job on its port answers 401
-# and is never taken for ours), then watched; writes reward_urls.
+# wait_reward_servers: each server healthy with this job's token (another job's answers 401), then watched; writes
+# reward_urls.
 wait_reward_servers() {
   local i p left slowest=0
   for i in "${!srv_pid[@]}"; do
@@ -307,13 +298,10 @@ print(int(load_config().retry_seconds))' 2>/dev/null) || return 0
       "(REWARD_RETRY_SECONDS=$retry): a restart would not be covered; raise REWARD_RETRY_SECONDS or add a server"
 }
 
-# export_worker_env URLS RAY_ADDRESS ADDRESS ADDRESSES: what verl's Ray workers must inherit, exported before
-# `ray start` on every node, once this node has its address and ports (ADDRESSES: every training node's).
+# export_worker_env URLS RAY_ADDRESS ADDRESS ADDRESSES: what verl's Ray workers inherit, exported before `ray start`.
 export_worker_env() {
   export REWARD_SERVER_URLS=$1
-  # The job's own servers are reached directly. A cluster's proxy (http_proxy, https_proxy, all_proxy: Singularity
-  # and Ray pass them on) stays for what must reach the outside (wandb online); our reward client and probes bypass
-  # it in their own code, this covers everything else verl and Ray start (launch/job/node.py no_proxy).
+  # The job's own servers are reached directly; a cluster's proxy stays for the outside (wandb online).
   NO_PROXY=$(node_info no-proxy "$1" "$2" "$4" "$host" "$(hostname)") || die "[rank $rank] could not build NO_PROXY (above)"
   export NO_PROXY no_proxy=$NO_PROXY
   # verl's sync SGLang engines take their ports from SGLANG_PORT, 30000 for every job when unset (launch/job/node.py).
@@ -326,14 +314,11 @@ export_worker_env() {
   export REWARD_LOG_PATH=${REWARD_LOG_PATH:-$job_log_dir/rewards.jsonl}
   export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
   export WANDB_MODE WANDB_DIR HF_HOME
-  # Slurm sets every vendor's GPU variable for a GPU gres without env flags (gres.conf's default: ROCR_VISIBLE_DEVICES
-  # beside CUDA_VISIBLE_DEVICES), and verl 0.6.1's workers refuse to start with both (Worker.__init__,
-  # verl/single_controller/base/worker.py:241-242).
+  # Slurm may set ROCR_VISIBLE_DEVICES beside CUDA_VISIBLE_DEVICES; verl 0.6.1's workers refuse both (worker.py:241).
   [[ -z "${CUDA_VISIBLE_DEVICES:-}" ]] || unset ROCR_VISIBLE_DEVICES
   # Nothing to drain at the end of a job: without this, recent Ray waits 30 s on SIGTERM before it stops.
   export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
-  # Every Python stack of a Ray worker on a fatal signal, all threads (Ray's own turns on the current thread's only):
-  # the stall watchdog's way to a worker's stack where there is no py-spy (launch/job/watchdog.py).
+  # Every thread's stack of a Ray worker on a fatal signal: the stall watchdog's way in without py-spy.
   export PYTHONFAULTHANDLER=1
   if [[ -n "${CONFIG_NETWORK_INTERFACE}" ]]; then
     export NCCL_SOCKET_IFNAME=$CONFIG_NETWORK_INTERFACE GLOO_SOCKET_IFNAME=$CONFIG_NETWORK_INTERFACE
@@ -341,11 +326,8 @@ export_worker_env() {
   fi
 }
 
-# start_ray LOG TIMEOUT ARGS...: `ray start ARGS` in the background, RAY_START_RETRIES attempts of TIMEOUT seconds
-# each, every attempt's output in LOG; sets ray_pid (empty when every attempt failed). `ray start --block` never
-# returns while it runs: its log says when the node is up. Ray gives its raylet 30 s to register
-# (ray/_private/node.py, raylet_start_wait_time_s, not a setting): on a loaded node a start can exit "timed out
-# during startup", the head's as a worker's.
+# start_ray LOG TIMEOUT ARGS...: `ray start --block ARGS` in the background until its log says it is up, in
+# RAY_START_RETRIES attempts (Ray's fixed 30 s for the raylet runs out on a loaded node); sets ray_pid (empty: failed).
 start_ray() {
   local logfile=$1 timeout=$2 attempt
   shift 2
@@ -371,8 +353,7 @@ ray_args() {
     --max-worker-port="${port[max_worker_port]}"
 }
 
-# collect_addresses ADDRESS: every training node's address into node_addresses, the head's (ADDRESS) first: each
-# worker writes address.<rank> as it starts, and verl numbers its ranks by these (launch/job/node.py sglang_port).
+# collect_addresses ADDRESS: every training node's address (address.<rank>) into node_addresses, the head's first.
 node_addresses=""
 collect_addresses() {
   local r f deadline=$((SECONDS + RAY_JOIN_TIMEOUT))
@@ -534,10 +515,8 @@ wait_until_done() {
   log "[rank $rank] the head finished (exit code $(cat "$job_log_dir/done")); stopping"
 }
 
-# check_gpu_modes: before this node starts anything, refuse GPUs whose compute mode forbids what it puts on them
-# (launch/job/node.py gpu-modes: Exclusive_Process allows one process a GPU, and a training GPU carries verl's worker
-# and SGLang's scheduler, the head's reward GPUs the reward server too). A node without nvidia-smi (CPU runs) has
-# nothing to check; one where it fails says so once and goes on (the GPUs' own errors follow).
+# check_gpu_modes: before this node starts anything, refuse GPUs whose compute mode forbids the processes it puts on
+# them (launch/job/node.py gpu-modes); without nvidia-smi nothing to check, and where it fails the node goes on.
 check_gpu_modes() {
   local role=train modes problem
   command -v nvidia-smi >/dev/null 2>&1 || return 0

@@ -136,7 +136,7 @@ RAY_PORT="${RAY_PORT:-}"                                        # Ray head port;
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
 # -- A hung trainer: the stall watchdog (docs/operations.md#a-hung-job) -------------------------------------------
 # A trainer that finishes no step for too long is hung: the head's watchdog keeps every worker's stack (stall/) and
-# stops the start. auto gives a step 3 x the longest so far (a validation or save 3 x its longest), at least STALL_FLOOR.
+# stops the start. auto gives a step 3 x the longest so far (a validation or save 3 x its longest), >= STALL_FLOOR.
 STALL_TIMEOUT="${STALL_TIMEOUT:-auto}"                          # auto | off | s a step may take (after the first)
 STALL_FLOOR="${STALL_FLOOR:-1800}"                              # s: auto never gives a step less
 STALL_FIRST_STEP="${STALL_FIRST_STEP:-3600}"                    # s for a start's first step, first validation, save
@@ -168,11 +168,9 @@ wrap=()  # container_cmd's prefix, once the settings are final (main)
 export_settings() {
   local name
   for name in CONFIG_IMAGE_PATH CONFIG_MODEL_PATH CONFIG_REWARD_MODEL_PATH CONFIG_TRAIN_FILE CONFIG_TEST_FILE \
-    CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME; do
-    printf -v "$name" '%s' "$(realpath -m "${!name}")"
+    CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME PREFLIGHT_REWARD_PAIRS REWARD_FUNCTION_PATH; do
+    [[ -z "${!name}" ]] || printf -v "$name" '%s' "$(realpath -m "${!name}")"
   done
-  [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || PREFLIGHT_REWARD_PAIRS=$(realpath -m "$PREFLIGHT_REWARD_PAIRS")
-  [[ -z "$REWARD_FUNCTION_PATH" ]] || REWARD_FUNCTION_PATH=$(realpath -m "$REWARD_FUNCTION_PATH")
   export JOB_LOG_DIR=$job_log_dir JOB_ID=$job_id
   # The servers require it, the health poll proves with it that a server is ours; never printed, environment only.
   [[ -n "$REWARD_SERVER_TOKEN" ]] || REWARD_SERVER_TOKEN=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
@@ -239,7 +237,7 @@ export_checkpoint_deadline() {
     end=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'EndTime=[^ ]*' | cut -d= -f2 || true)
     end=$(date -d "$end" +%s 2>/dev/null || true)
   fi
-  # Slurm shows a job its --signal nowhere: one given to sbatch instead of this header needs JOB_SIGNAL_LEAD=N beside it.
+  # Slurm shows a job its --signal nowhere: one given to sbatch instead of this header needs JOB_SIGNAL_LEAD=N too.
   [[ -n "${JOB_SIGNAL_LEAD:-}" ]] ||
     JOB_SIGNAL_LEAD=$(sed -n 's/^#SBATCH --signal=[^@]*@\([0-9]*\).*/\1/p' "${BASH_SOURCE[0]}" | head -n 1)
   export JOB_SIGNAL_LEAD=${JOB_SIGNAL_LEAD:-0}
@@ -257,12 +255,8 @@ container_cmd() {
   local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME")
   [[ "$WANDB_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$WANDB_DIR")  # a WANDB_DIR set elsewhere
   [[ "$TENSORBOARD_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$TENSORBOARD_DIR")
-  local path
-  local -a models=("$CONFIG_MODEL_PATH")
-  [[ "$REWARD" == rule ]] || models+=("$CONFIG_REWARD_MODEL_PATH")  # REWARD=rule: no reward model anywhere
-  for path in "${models[@]}" "$(dirname "$CONFIG_TRAIN_FILE")" "$(dirname "$CONFIG_TEST_FILE")"; do
-    binds+=(--bind "$path")
-  done
+  binds+=(--bind "$CONFIG_MODEL_PATH" --bind "$(dirname "$CONFIG_TRAIN_FILE")" --bind "$(dirname "$CONFIG_TEST_FILE")")
+  [[ "$REWARD" == rule ]] || binds+=(--bind "$CONFIG_REWARD_MODEL_PATH")  # REWARD=rule: no reward model anywhere
   [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || binds+=(--bind "$(dirname "$PREFLIGHT_REWARD_PAIRS")")
   [[ -z "$REWARD_FUNCTION_PATH" ]] || binds+=(--bind "$(dirname "$REWARD_FUNCTION_PATH")")
   printf '%s\0' "$CONTAINER" exec --nv "${binds[@]}" --pwd "$repo" --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH"

@@ -19,12 +19,9 @@ verl pops `prompt` before the reward function runs; `extra_info.reward_messages`
 sets' columns: the data_source verl's scorers dispatch on, verl's instruction after the question, and the reference
 answer verl compares with (GSM8K: the number after '####', commas removed; MATH: the last \\boxed{}, by verl's own code).
 
-Rows stream through in chunks (a million rows in well under a minute, little memory). The split is deterministic:
-a row goes to test when a hash of (--seed, its prompt) falls under --test-size, so identical prompts never straddle
-the split. A small input may have no row under it: then the prompt whose hash is nearest (all its copies) goes to
-test, so that verl gets a validation set (it asserts one), and the build says so. Bad rows (missing or empty prompt, wrong types) are skipped and reported with their row numbers, or stop
-the build with --on-bad-row fail. Outputs are written to *.tmp and renamed only when everything succeeded; existing
-outputs are kept unless --overwrite.
+The split is deterministic: a row goes to test when a hash of (--seed, its prompt) falls under --test-size (on a small
+input, the nearest prompt). Bad rows are skipped and listed (bad_rows.jsonl), or stop the build with --on-bad-row
+fail. Outputs are written atomically and kept unless --overwrite (docs/data.md).
 """
 
 import argparse
@@ -228,8 +225,8 @@ def goes_to_test(key: bytes, seed: int, test_size: float) -> bool:
 # --- readers: (row number as a person would count it, example) ------------------------------------------------
 
 
-def read_examples(path: Path, fmt: str = "auto", split: str | None = None) -> Iterator[tuple[int, object]]:
-    fmt = detect_format(path) if fmt == "auto" else fmt
+def read_examples(path: Path) -> Iterator[tuple[int, object]]:
+    fmt = detect_format(path)
     if fmt == "jsonl":
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -255,7 +252,7 @@ def read_examples(path: Path, fmt: str = "auto", split: str | None = None) -> It
             for example in batch.to_pylist():
                 n += 1
                 yield n, example
-    elif fmt == "hf":
+    else:
         try:
             import datasets
         except ImportError as exc:
@@ -266,12 +263,8 @@ def read_examples(path: Path, fmt: str = "auto", split: str | None = None) -> It
 
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
-            if split is None:
-                raise SystemExit(f"{path} holds splits {list(ds)}: choose one with --hf-split")
-            ds = ds[split]
+            raise SystemExit(f"{path} holds splits {list(ds)}: save one of them alone (ds[split].save_to_disk)")
         yield from enumerate(ds, 1)
-    else:
-        raise SystemExit(f"unknown --format {fmt!r}: use jsonl, json, csv, parquet or hf")
 
 
 def detect_format(path: Path) -> str:
@@ -286,7 +279,7 @@ def detect_format(path: Path) -> str:
     suffix = path.suffix.lower()
     kinds = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
     if suffix not in kinds:
-        raise SystemExit(f"cannot tell the format of {path}: pass --format jsonl|json|csv|parquet|hf")
+        raise SystemExit(f"cannot tell the format of {path}: name it .jsonl, .json, .csv or .parquet")
     return kinds[suffix]
 
 
@@ -388,7 +381,7 @@ class SplitWriter:
 def good_rows(path: Path, fixed_split: str | None, args, spec: RowSpec, report: Report, seen: set):
     """Each good row of `path` as (split, split value, row), its index still 0; bad rows and duplicates are counted
     in `report` (a bad row stops the build with --on-bad-row fail)."""
-    for row_number, example in read_examples(path, args.format, args.hf_split):
+    for row_number, example in read_examples(path):
         report.read += 1
         try:
             if isinstance(example, BadRow):
@@ -490,8 +483,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RowSpec]:
     )
     p.add_argument("input", type=Path, help="JSONL, JSON, CSV, parquet file, or a save_to_disk folder")
     p.add_argument("--out-dir", type=Path, required=True, help="receives train.parquet and test.parquet")
-    p.add_argument("--format", default="auto", help="jsonl | json | csv | parquet | hf (default: from the name)")
-    p.add_argument("--hf-split", help="the split to read from a saved DatasetDict")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt-column", help="column with the user prompt text (default: prompt, or the preset's)")
     g.add_argument("--messages-column", help="column with a chat list [{role, content}, ...] ending with the user")

@@ -29,4 +29,3 @@ def write_demo(out_dir: Path, n: int = 96) -> Path:
                 "--system-prompt", "You are a careful assistant.", "--keep-columns", "id", "--test-size", "0.25",
                 "--overwrite"])  # fmt: skip
     return out_dir
-

@@ -149,4 +149,3 @@ def build_policy_model(out_dir: str | Path, seed: int = 0, chat_template: str = 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
