@@ -157,8 +157,7 @@ job_id=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)-$$}
 job_log_dir="$CONFIG_LOG_DIR/${job_id}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}"
 srun_pid=""
 requeued=0  # set once this start asked Slurm to requeue the job
-# Run from the shell of an interactive allocation (salloc: a job id, no batch script), the job runs in it: no requeue
-# (Slurm requeues batch jobs only), its output also in CONFIG_LOG_DIR, and Ctrl-C stops every node's part.
+# In an interactive allocation's shell (salloc) the job runs there: no requeue, its output also in CONFIG_LOG_DIR.
 interactive=0
 [[ -z "${SLURM_JOB_ID:-}" || "${ENVIRONMENT:-}" == BATCH ]] || interactive=1
 step_name="grpo-$$"  # the nodes' srun step, by name, to stop it inside an interactive allocation
@@ -315,8 +314,7 @@ preempt_time() {
     timeout 5 scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.* PreemptTime=\([0-9T:-]*\).*/\1/p' || true
 }
 
-# on_usr1: the job's --signal comes before the time limit, and at a preemption where the cluster sends it then
-# (SlurmctldParameters=preempt_send_user_signal); only then has the job a PreemptTime.
+# on_usr1: the job's --signal before the time limit, or a preemption (then the job has a PreemptTime).
 on_usr1() {
   local preempted
   preempted=$(preempt_time)
@@ -327,9 +325,8 @@ on_usr1() {
   fi
 }
 
-# on_preempted TIME: preempted at TIME, the partition's GraceTime from then: when a step, a save and the stop fit in
-# the grace left (launch/job/preempt.py), verl saves after the step it is in; then the job requeues itself (ending
-# the grace early; with PreemptMode=CANCEL Slurm would not requeue it) and the next start resumes from that save.
+# on_preempted TIME: where a step, a save and the stop fit in the grace left (launch/job/preempt.py), verl saves after
+# the step it is in; then the job requeues itself, and the next start resumes from that save.
 on_preempted() {
   local grace left line tracker="$CONFIG_OUTPUT_DIR/latest_checkpointed_iteration.txt" before="" deadline
   if [[ "$PREEMPT_SAVE" != 1 ]]; then
@@ -369,8 +366,7 @@ on_time_limit() {
   fi
 }
 
-# on_stall: the head's watchdog stopped this start, hung (stall.json in its folder): the job requeues once
-# (STALL_REQUEUE=1, a batch job), unless the start before this one stalled too: a hang that comes back is not retried.
+# on_stall: the watchdog stopped this start, hung (stall.json): requeue once, unless the start before stalled too.
 on_stall() {
   local restarts=${SLURM_RESTART_COUNT:-0} previous=""
   ((restarts == 0)) || previous="$CONFIG_LOG_DIR/${job_id}$( ((restarts == 1)) || printf -- '-r%s' $((restarts - 1)))"
@@ -386,8 +382,7 @@ on_stall() {
   fi
 }
 
-# on_stop_signal CODE: SIGTERM/SIGINT (scancel, Ctrl-C, a workstation's kill): stop every node, exit non-zero.
-# After a requeue Slurm ends this start the same way, and a preemption without a grace too: then the log says so.
+# on_stop_signal CODE: SIGTERM/SIGINT (scancel, Ctrl-C, a requeue, a preemption without grace): stop every node.
 on_stop_signal() {
   if ((requeued)); then
     log "stopping this start for the requeue (within STOP_TIMEOUT=$STOP_TIMEOUT s); Slurm starts the job again" \
@@ -401,8 +396,7 @@ on_stop_signal() {
   exit "$1"
 }
 
-# stop_step: inside an interactive allocation, SIGTERM to every process of the nodes' srun step (what scancel does to a
-# batch job; srun itself answers a SIGTERM by SIGKILLing them), then the helpers' own stop, until srun has ended.
+# stop_step: in an interactive allocation, SIGTERM to the nodes' srun step (srun itself would SIGKILL them), then wait.
 stop_step() {
   local step deadline=$((SECONDS + STOP_TIMEOUT + 15))
   step=$(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format='%i %j' | awk -v n="$step_name" '$2 == n {print $1}') ||
@@ -440,9 +434,8 @@ launch() {
   fi
   ((${#nodes[@]} == ${SLURM_NNODES:-1})) || die "node list has ${#nodes[@]} hosts but SLURM_NNODES=${SLURM_NNODES:-1}"
   if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-    # The allocation's CPUs, explicitly: srun of Slurm 22.05-23.02 does not inherit --cpus-per-task, and each node
-    # would get one core. Without one (--cpus-per-gpu, a whole node), the fewest CPUs Slurm gave a node (`32(x2),16`).
-    # Ray's logical count, RAY_NUM_CPUS, is its own: asking srun for it fails where it exceeds the allocation.
+    # The allocation's CPUs, explicitly: srun of Slurm 22.05-23.02 does not inherit --cpus-per-task (one core a
+    # node); without one, the fewest CPUs Slurm gave a node. Not RAY_NUM_CPUS, which may exceed the allocation.
     cpus=${SLURM_CPUS_PER_TASK:-$(tr , '\n' <<<"${SLURM_JOB_CPUS_PER_NODE:-}" | sed 's/(.*//' | sort -n | head -n 1)}
     runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1)
     [[ -z "$cpus" ]] || runner+=(--cpus-per-task="$cpus")
@@ -473,8 +466,7 @@ main() {
   export_settings
   [[ "$CANARY" != 1 ]] || canary_settings "$@"  # its own folder and a tiny workload (launch/watch/canary.sh)
   mapfile -d '' -t wrap < <(container_cmd)
-  # WANDB_DIR before anything starts: where wandb cannot write it, it logs to the system temp folder of whichever node
-  # holds verl's TaskRunner (wandb_init.py try_create_root_dir), not where `wandb sync` is pointed.
+  # WANDB_DIR before anything starts: where wandb cannot write it, it logs to /tmp of some node.
   mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME" "$WANDB_DIR" ||
     die "could not create the job's folders (above: CONFIG_LOG_DIR, CONFIG_OUTPUT_DIR, HF_HOME or WANDB_DIR)"
   [[ -w "$WANDB_DIR" ]] || die "WANDB_DIR=$WANDB_DIR is not writable: wandb would log to /tmp of some node instead"
@@ -504,8 +496,7 @@ main() {
   if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
     log "PREFLIGHT_ONLY=1: nothing started"
     if [[ -z "${SLURM_JOB_ID:-}" ]]; then
-      # The checks passed and their output is above: the folder held only their reward server's log. A failed
-      # preflight keeps it (that log is what its message points at).
+      # The checks passed: the folder held only their reward server's log (a failed preflight keeps it).
       rm -rf -- "$job_log_dir"
       job_log_dir="none kept (the checks passed; their output is above)"
     fi

@@ -6,19 +6,10 @@
     python -m data_prep.build qa.jsonl --reward-style rule --answer-column answer --out-dir data/z
     python -m data_prep.build gsm8k_train.parquet --preset gsm8k --test-file gsm8k_test.parquet --out-dir data/gsm8k
 
-Each output row is what verl 0.6.1's RLHFDataset and reward managers read:
-    prompt        the chat list the policy sees (system prompt first, if any)
-    data_source   --data-source, or a --source-column value
-    ability       --ability
-    reward_model  {"style": "model", "ground_truth": <the prompt text>} (the article's convention), or
-                  {"style": "rule", "ground_truth": <the reference answer>}
-    extra_info    {"split", "index", "source_row", "reward_messages": <the chat list for the reward model>,
-                   and each --keep-column, as text}
-verl pops `prompt` before the reward function runs; `extra_info.reward_messages` is how the reward model still sees it.
---preset gsm8k|math builds rule rows as verl's examples/data_preprocess/gsm8k.py and math_dataset.py do, from the public
-sets' columns: the data_source verl's scorers dispatch on, verl's instruction after the question, and the reference
-answer verl compares with (GSM8K: the number after '####', commas removed; MATH: the last \\boxed{}, by verl's own code).
-
+Each output row is what verl 0.6.1's RLHFDataset and reward managers read: `prompt` (the chat list), `data_source`,
+`ability`, `reward_model` ({"style": "model"|"rule", "ground_truth": the prompt text | the reference answer}) and
+`extra_info` (split, index, source_row, reward_messages: the prompt the reward model sees after verl pops `prompt`,
+and each --keep-column). --preset gsm8k|math builds rule rows as verl's own examples/data_preprocess scripts do.
 The split is deterministic: a row goes to test when a hash of (--seed, its prompt) falls under --test-size (on a small
 input, the nearest prompt). Bad rows are skipped and listed (bad_rows.jsonl), or stop the build with --on-bad-row
 fail. Outputs are written atomically and kept unless --overwrite (docs/data.md).
