@@ -33,7 +33,6 @@ if [[ "${CONFIG_USE_SEPARATE_REWARD_NODE}" == true ]]; then
 fi
 pids=()          # everything this node started, stopped by cleanup
 ray_pid=""
-trainer_pid=""
 exit_code=0
 failure=""       # what went wrong on this node, for the head's message
 # What this node watches (watch): pid, name, log, and a reward server's index in srv_* (-1: any other part).
@@ -426,12 +425,13 @@ run_trainer() {
   cmd=("$TRAINER_LAUNCHER" "${cmd[@]}")
   printf '%s\n' "${cmd[@]}" >"$job_log_dir/trainer_command.txt"
   log "[rank 0] trainer command (one argument per line): $job_log_dir/trainer_command.txt"
+  local trainer_pid tail_pid
   # shellcheck disable=SC2016  # $1 and $@ are the inner bash's own arguments
   start_bg "$job_log_dir/trainer.log" bash -c 'cd "$1" && shift && exec "$@"' trainer "$job_log_dir" "${cmd[@]}"
   trainer_pid=$BG_PID
   pids+=("$trainer_pid")
   tail --pid="$trainer_pid" -n +1 -F "$job_log_dir/trainer.log" 2>/dev/null &  # the log in the job's output too
-  local tail_pid=$!
+  tail_pid=$!
   pids+=("$tail_pid")
   if [[ "$STALL_TIMEOUT" != off ]]; then
     # shellcheck disable=SC2016  # as the trainer's
@@ -446,7 +446,6 @@ run_trainer() {
     sleep 1
   done
   wait "$trainer_pid" && exit_code=0 || exit_code=$?  # taken, not exited on
-  trainer_pid=""
   wait "$tail_pid" || true  # tail ends by itself within a second of the trainer, after its last lines
   if ((exit_code == 0)); then
     touch "$CONFIG_OUTPUT_DIR/TRAINING_DONE"

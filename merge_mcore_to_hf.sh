@@ -82,8 +82,7 @@ resolve_step() {
   [[ ! -e "$TARGET_DIR" ]] || die "TARGET_DIR=$TARGET_DIR already exists: choose another or remove it (nothing was changed)"
 }
 
-# decide_tie: the actor's tie_word_embeddings as transformers reads config.json (run in the image, which has
-# transformers): without the key, the config class's default for that model type (Qwen3 and Llama: untied).
+# decide_tie: the actor's tie_word_embeddings as transformers reads config.json (no key: the model type's default).
 decide_tie() {
   case "$TIE_WORD_EMBEDDINGS" in
     auto | true | false) ;;
@@ -115,14 +114,12 @@ has_hf_weights() {
   compgen -G "$step_dir/huggingface/*.safetensors" >/dev/null
 }
 
-# checkpoint_backend: fsdp for STRATEGY=fsdp2's shards (verl's FSDP checkpoint manager writes fsdp_config.json beside
-# them, fsdp_checkpoint_manager.py:294-301), megatron otherwise (dist_ckpt/).
+# checkpoint_backend: fsdp for STRATEGY=fsdp2's shards (beside their fsdp_config.json), megatron otherwise (dist_ckpt/).
 checkpoint_backend() {
   if [[ -f "$step_dir/fsdp_config.json" ]]; then echo fsdp; else echo megatron; fi
 }
 
-# refuse_critic_merge: a Megatron critic with only its dist checkpoint cannot be merged into a value model by verl
-# 0.6.1. An FSDP critic can: verl's FSDP merger keeps every tensor it saved, the value head too (critic_to_hf.py).
+# refuse_critic_merge: verl 0.6.1 cannot merge a Megatron critic's dist checkpoint into a value model (an FSDP one can).
 refuse_critic_merge() {
   [[ "$ROLE" == critic && "$(checkpoint_backend)" == megatron ]] && ! has_hf_weights || return 0
   die "ROLE=critic: $step_dir is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json) with no Hugging Face" \
@@ -131,8 +128,8 @@ refuse_critic_merge() {
     "'critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]' and merge a step saved with it. Nothing was written."
 }
 
-# move_into_place SRC DEST: rename SRC to DEST only when nothing is at DEST. mkdir claims the name (it fails if
-# anything is there); rename(2) then replaces that empty folder, and fails if something was written into it since.
+# move_into_place SRC DEST: rename SRC to DEST only when nothing is there: mkdir claims the name, rename(2) replaces
+# that folder only while it is empty.
 move_into_place() {
   local src=$1 dest=$2
   mkdir "$dest" 2>/dev/null || return 1
@@ -143,8 +140,7 @@ move_into_place() {
 }
 
 merge() {
-  # a folder of this job's own beside TARGET_DIR (node and PID: two jobs on two nodes can have the same PID, and
-  # two nodes the same host name)
+  # a folder of this job's own beside TARGET_DIR (node and PID: either alone can repeat across nodes)
   local tmp="$TARGET_DIR.tmp.${SLURMD_NODENAME:-${HOSTNAME%%.*}}.$$"
   mkdir "$tmp" || die "$tmp exists: another merge is writing there; nothing was changed"
   if has_hf_weights; then

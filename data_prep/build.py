@@ -149,13 +149,9 @@ def make_row(example: dict, index: int, split: str, spec: RowSpec, source_row: i
         ground_truth = reference_answer(_text(example, spec.answer_column, "answer"), spec)
     else:
         ground_truth = next(m["content"] for m in reversed(messages) if m["role"] == "user")
-    data_source = spec.data_source
-    if spec.source_column:
-        data_source = _text(example, spec.source_column, "source")
+    data_source = _text(example, spec.source_column, "source") if spec.source_column else spec.data_source
     extra = {"split": split, "index": index, "source_row": source_row, "reward_messages": messages}
-    for column in spec.keep_columns:
-        value = example.get(column)
-        extra[column] = _as_text(value)
+    extra |= {column: _as_text(example.get(column)) for column in spec.keep_columns}
     return {
         "data_source": data_source,
         "prompt": messages,
@@ -238,11 +234,8 @@ def read_examples(path: Path) -> Iterator[tuple[int, object]]:
         with open(path, encoding="utf-8", newline="") as f:
             yield from enumerate(csv.DictReader(f), 2)  # row 1 is the header
     elif fmt == "parquet":
-        n = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=CHUNK_ROWS):
-            for example in batch.to_pylist():
-                n += 1
-                yield n, example
+        batches = pq.ParquetFile(path).iter_batches(batch_size=CHUNK_ROWS)
+        yield from enumerate((example for batch in batches for example in batch.to_pylist()), 1)
     else:
         try:
             import datasets
@@ -260,11 +253,7 @@ def read_examples(path: Path) -> Iterator[tuple[int, object]]:
 
 def detect_format(path: Path) -> str:
     if path.is_dir():
-        if (
-            (path / "dataset_info.json").exists()
-            or (path / "dataset_dict.json").exists()
-            or (path / "state.json").exists()
-        ):
+        if any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
             return "hf"
         raise SystemExit(f"{path} is a folder but not a dataset saved with datasets' save_to_disk")
     suffix = path.suffix.lower()
@@ -517,20 +506,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RowSpec]:
     reserved = {"split", "index", "source_row", "reward_messages"} & set(keep)
     if reserved:
         p.error(f"--keep-columns {sorted(reserved)}: these names are taken in extra_info; rename the columns")
-    spec = RowSpec(
-        prompt_column=None if args.messages_column else args.prompt_column,
-        messages_column=args.messages_column,
-        system_prompt=args.system_prompt,
-        system_column=args.system_column,
-        answer_column=args.answer_column,
-        source_column=args.source_column,
-        keep_columns=keep,
-        data_source=args.data_source,
-        ability=args.ability,
-        reward_style=args.reward_style,
-        answer_format=args.preset or "text",
-        instruction=preset.get("instruction", ""),
-    )
+    as_given = ("prompt_column", "messages_column", "system_prompt", "system_column", "answer_column", "source_column",
+                "data_source", "ability", "reward_style")  # fmt: skip
+    spec = RowSpec(**{name: getattr(args, name) for name in as_given}, keep_columns=keep,
+                   answer_format=args.preset or "text", instruction=preset.get("instruction", ""))  # fmt: skip
     return args, spec
 
 
