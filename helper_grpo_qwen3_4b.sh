@@ -103,11 +103,9 @@ check_watched() {
     k=${watch_server[$i]}
     if ((k >= 0)) && [[ -n "${srv_restarting[$k]}" ]]; then
       follow_restart "$i" "$k"
+    elif ((k >= 0)) && ! alive "${watch_pids[$i]}"; then
+      restart_reward_server "$i" "$k"
     elif ! alive "${watch_pids[$i]}"; then
-      if ((k >= 0)); then
-        restart_reward_server "$i" "$k"
-        continue
-      fi
       show_tail "${watch_logs[$i]}" 20
       die "[rank $rank] ${watch_names[$i]} on $host died (log: ${watch_logs[$i]}): stopping the job"
     fi
