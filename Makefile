@@ -17,11 +17,8 @@ STAMP := $(VENV)/.installed
 export PATH := $(BIN):$(PATH)
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k reward -x"
 PYTEST_ARGS ?=
-# The suite runs in this many processes (pytest-xdist; 0: in pytest's own): most tests wait on Slurm, Ray and
-# servers rather than the CPU, so two share a 2-core machine. Every test is written to share the machine. Each run
-# gets a short --basetemp of its own: a worker's tmp paths grow by popen-gwN/, and HF datasets' and Ray's unix sockets
-# live under them (at most 107 bytes). --maxschedchunk 1: a worker is handed one test at a time as it finishes one
-# (tests/conftest.py's LONGEST_FIRST, longest first), never a quarter of the suite at once.
+# pytest-xdist processes (0: none): most tests wait on Slurm, Ray and servers, so two share a 2-core machine. A short
+# --basetemp per run keeps Ray's unix sockets under 107 bytes; --maxschedchunk 1 hands out one test at a time.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --maxschedchunk 1
 
@@ -35,10 +32,8 @@ help:
 
 env: $(STAMP)
 
-# torch first, from the local CPU build: anything that pulls torch before it would download a multi-GB CUDA build.
-# pip's own lines (Collecting, Downloading, Installing) are the progress: a first install takes minutes.
-# requirements/lock.txt pins every package pip resolved (make lock), so the install never backtracks. A failed install
-# is tried once more: a truncated download fails pip's hash check and is not retried by pip itself.
+# torch first, the CPU build (else a dependency pulls a multi-GB CUDA one); requirements/lock.txt pins the rest (make
+# lock). A failed install is tried once more: pip does not retry a truncated download.
 $(STAMP): requirements/reward.txt requirements/reward-newest.txt requirements/test.txt requirements/constraints.txt requirements/lock.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "make: 1/2 installing torch 2.13.0, the CPU build, into $(VENV) (a first install downloads ~200 MB)"
@@ -76,8 +71,7 @@ $(VENV)/trl-%/.installed: requirements/trl-%.txt $(STAMP)
 
 trl: $(TRL_STACKS)
 
-# The launch tests' Slurm (tests/test_slurm_jobs.py and friends). Where it cannot start, `make test` goes on and those
-# tests fail with the reason (never skip); then SLURM_CONF=/var/lib/local-slurm/slurm.conf sinfo shows the nodes.
+# The launch tests' Slurm; where it cannot start, `make test` goes on and those tests fail with the reason.
 slurm:
 	bash tests/slurm/local_slurm.sh start
 

@@ -24,37 +24,28 @@ die() {
 rank=${SLURM_PROCID:-0}
 nnodes=${SLURM_NNODES:-1}
 job_log_dir=${JOB_LOG_DIR:?JOB_LOG_DIR is set by run_grpo_qwen3_4b_mega_verl.sh}
-# This node's name: Slurm's where there is one (two nodes can share a host name: containers on one host, or nodes
-# with one NodeHostname), so the per-node files the job writes into its shared folder never collide.
+# This node's name: Slurm's where there is one (two nodes can share a host name), for the per-node files.
 host=${SLURMD_NODENAME:-$(hostname)}
-separate=false
-[[ "${CONFIG_USE_SEPARATE_REWARD_NODE}" == true ]] && separate=true
-reward_rank=-1
-if [[ "$separate" == true ]]; then
+separate=false reward_rank=-1 train_nodes=$nnodes
+if [[ "${CONFIG_USE_SEPARATE_REWARD_NODE}" == true ]]; then
   ((nnodes >= 2)) || die "CONFIG_USE_SEPARATE_REWARD_NODE=true needs 2+ nodes; this job has $nnodes"
-  reward_rank=$((nnodes - 1))
+  separate=true reward_rank=$((nnodes - 1)) train_nodes=$((nnodes - 1))
 fi
-train_nodes=$nnodes
-[[ "$separate" == false ]] || train_nodes=$((nnodes - 1))
 pids=()          # everything this node started, stopped by cleanup
 ray_pid=""
-trainer_pid=""
 exit_code=0
 failure=""       # what went wrong on this node, for the head's message
-# The watchdog: every process this node started and must keep running, with what it is and its log, and for a
-# reward server its index in srv_* (-1: anything else, which stops the job when it dies).
+# What this node watches (watch): pid, name, log, and a reward server's index in srv_* (-1: any other part).
 watch_pids=() watch_names=() watch_logs=() watch_server=()
-# This node's reward servers: port, GPU (or cpu), log, the times it died (within REWARD_RESTART_WINDOW), while a
-# restart is not yet healthy, when it began; the first start's pid and time.
+# This node's reward servers: port, GPU (or cpu), log, recent deaths, when a pending restart began, first pid, start.
 srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_restarting=() srv_pid=() srv_started=()
 declare -A port  # this job's ports on this node (launch/job/node.py ports)
 
 cleanup() {
   local rc=$?
   ((exit_code != 0)) || exit_code=$rc
-  # SIGTERM again while stopping (a second scancel, or any other second delivery) would kill this shell before it has
-  # stopped its servers and Ray and printed its last line: ignored; Slurm's SIGKILL after KillWait still ends it. A
-  # second Ctrl-C (SIGINT) still stops it at once.
+  # A second SIGTERM would kill this shell before it stopped its servers and Ray: ignored (Slurm's SIGKILL after
+  # KillWait still ends it); a second Ctrl-C still stops it at once.
   trap - EXIT INT
   trap '' TERM
   # The head's exit code tells every other node to stop; a failed node tells the head (and why).
@@ -66,8 +57,7 @@ cleanup() {
       >"$job_log_dir/node_failed.$rank"
   fi
   ((${#pids[@]})) && stop_pids "${STOP_TIMEOUT}" "${pids[@]}"
-  # Ray's own logs (raylet, GCS, every worker's stdout and stderr) are in the node-local RAY_TMP_DIR, which a cluster
-  # may wipe after the job: into the job's folder, per node, once Ray has stopped; 10 s at most.
+  # Ray's own logs are in the node-local RAY_TMP_DIR, which a cluster may wipe after the job: kept per node.
   if [[ -d "$RAY_TMP_DIR/session_latest/logs" ]]; then
     timeout 10 cp -rL "$RAY_TMP_DIR/session_latest/logs" "$job_log_dir/ray_logs_$host" 2>/dev/null ||
       err "[rank $rank] Ray's logs were not all copied from $RAY_TMP_DIR/session_latest/logs (10 s, or unreadable)"
@@ -76,10 +66,8 @@ cleanup() {
   exit "$exit_code"
 }
 
-# on_signal CODE: SIGTERM/SIGINT: stop everything, exit non-zero. Slurm sends it to every process of the job at once
-# (scancel, the time limit, a requeue), and srun (--kill-on-bad-exit) to the other nodes once one node's helper has
-# exited: then that node's reason (node_failed.N) or the head's exit code (done) is in the job's folder, and this
-# node reports it and exits with it (srun's exit code is the highest of its tasks').
+# on_signal CODE: SIGTERM/SIGINT (scancel, the time limit, a requeue; srun's --kill-on-bad-exit once a node's helper
+# exited): stop everything; report the failed node's reason (node_failed.N) or exit with the head's code (done).
 on_signal() {
   trap '' INT TERM  # Slurm and srun may signal more than once: one stop is enough
   exit_code=$1
@@ -99,8 +87,7 @@ on_signal() {
   cleanup
 }
 
-# watch PID NAME LOG [SERVER]: the watchdog checks PID on every pass until the job ends (SERVER: a reward server's
-# index in srv_*, restarted instead of stopping the job).
+# watch PID NAME LOG [SERVER]: check PID on every pass until the job ends (SERVER: a reward server, restarted).
 watch() {
   watch_pids+=("$1")
   watch_names+=("$2")
@@ -108,19 +95,17 @@ watch() {
   watch_server+=("${4:--1}")
 }
 
-# check_watched: restart a reward server that died (restart_reward_server), follow one that restarts, and die,
-# naming the part, the node and its log, if anything else this node watches died or another node failed.
+# check_watched: restart a reward server that died, follow one that restarts, and die naming the part, the node and
+# its log if anything else this node watches died or another node failed.
 check_watched() {
   local i k f
   for i in "${!watch_pids[@]}"; do
     k=${watch_server[$i]}
     if ((k >= 0)) && [[ -n "${srv_restarting[$k]}" ]]; then
       follow_restart "$i" "$k"
+    elif ((k >= 0)) && ! alive "${watch_pids[$i]}"; then
+      restart_reward_server "$i" "$k"
     elif ! alive "${watch_pids[$i]}"; then
-      if ((k >= 0)); then
-        restart_reward_server "$i" "$k"
-        continue
-      fi
       show_tail "${watch_logs[$i]}" 20
       die "[rank $rank] ${watch_names[$i]} on $host died (log: ${watch_logs[$i]}): stopping the job"
     fi
@@ -132,8 +117,7 @@ check_watched() {
   ((rank == 0)) || dump_stacks_if_asked
 }
 
-# dump_stacks_if_asked: once the head's stall watchdog asks (stall/request), this node's Python stacks, worker log
-# tails and GPU use go beside the head's (launch/job/watchdog.py dump), before the head stops the job.
+# dump_stacks_if_asked: once the head's stall watchdog asks (stall/request), this node's stacks go beside the head's.
 stacks_dumped=0
 dump_stacks_if_asked() {
   [[ -e "$job_log_dir/stall/request" ]] && ((!stacks_dumped)) || return 0
@@ -143,8 +127,7 @@ dump_stacks_if_asked() {
     err "[rank $rank] could not keep the stacks of $host (above)"
 }
 
-# check_stall: the head's stall watchdog (launch/job/watchdog.py watch) exited: it found the trainer hung (stall.json
-# says where; the job stops), or it failed itself (the job goes on unwatched).
+# check_stall: the stall watchdog exited: the trainer hung (stall.json; the job stops), or it failed (no watch now).
 stall_pid=""
 check_stall() {
   [[ -n "$stall_pid" ]] && ! alive "$stall_pid" || return 0
@@ -172,8 +155,7 @@ plan_ports() {
   [[ "${port[block_moved]}" == 0 ]] || log "[rank $rank] this job's usual ports on $host are taken: moved ${port[block_moved]} block(s) on"
 }
 
-# launch_reward_server K: start reward server K on its GPU and port with this job's token (in the environment);
-# sets BG_PID. A restart appends to the server's log.
+# launch_reward_server K: start reward server K on its GPU and port (the token is in the environment); sets BG_PID.
 launch_reward_server() {
   local k=$1 device=cuda visible=${srv_gpu[$1]}
   if [[ "$visible" == cpu ]]; then
@@ -186,9 +168,8 @@ launch_reward_server() {
     --chat-template "$CONFIG_REWARD_CHAT_TEMPLATE" --append-eos "$CONFIG_REWARD_APPEND_EOS"
 }
 
-# restart_reward_server I K: watched process I, reward server K, died. Within its budget (REWARD_RESTARTS in any
-# REWARD_RESTART_WINDOW seconds) start it again on the same GPU, port and token, and log why it died (the reward
-# function fails over to the other servers and retries for REWARD_RETRY_SECONDS meanwhile); past it, stop the job.
+# restart_reward_server I K: watched process I, reward server K, died: within REWARD_RESTARTS in any
+# REWARD_RESTART_WINDOW s start it again on the same GPU, port and token, logging why; past that, stop the job.
 restart_reward_server() {
   local i=$1 k=$2 reason now t rc=0
   local -a recent=()
@@ -247,16 +228,14 @@ follow_restart() {
 # node_info ARGS...: launch/job/node.py (ports, reward GPUs, the node address) from the repository.
 node_info() { (cd "$here" && python3 -m launch.job.node "$@"); }
 
-# start_reward_servers ADDRESS INDICES: one server per GPU (indices into this job's GPUs; or on the CPU), each polled
-# on /health with this job's token; writes reward_urls.
-start_reward_servers() {
-  launch_reward_servers "$@"
-  wait_reward_servers
+# node_address: this node's address that the other nodes reach, into the caller's `address`.
+node_address() {
+  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
+    die "[rank $rank] no address for $host that the other nodes can reach (above)"
 }
 
-# launch_reward_servers ADDRESS INDICES: start the servers and set srv_urls (comma-separated), without waiting for
-# them: the head starts Ray while they load their models (wait_reward_servers). They are watched (restarted when they
-# die) once healthy: until then a death is a failed start.
+# launch_reward_servers ADDRESS INDICES: start one server per GPU index (or on the CPU) and set srv_urls, not waiting
+# (wait_reward_servers): the head starts Ray while they load. Until healthy, a death is a failed start.
 srv_urls=""
 launch_reward_servers() {
   local address=$1 gpu p i=0 urls=() mapped
@@ -286,8 +265,8 @@ launch_reward_servers() {
   srv_urls="${urls[*]}"
 }
 
-# wait_reward_servers: each server launched healthy (with the token: a server of another job on its port answers 401
-# and is never taken for ours), then watched; writes reward_urls.
+# wait_reward_servers: each server healthy with this job's token (another job's answers 401), then watched; writes
+# reward_urls.
 wait_reward_servers() {
   local i p left slowest=0
   for i in "${!srv_pid[@]}"; do
@@ -316,13 +295,10 @@ print(int(load_config().retry_seconds))' 2>/dev/null) || return 0
       "(REWARD_RETRY_SECONDS=$retry): a restart would not be covered; raise REWARD_RETRY_SECONDS or add a server"
 }
 
-# export_worker_env URLS RAY_ADDRESS ADDRESS ADDRESSES: what verl's Ray workers must inherit, exported before
-# `ray start` on every node, once this node has its address and ports (ADDRESSES: every training node's).
+# export_worker_env URLS RAY_ADDRESS ADDRESS ADDRESSES: what verl's Ray workers inherit, exported before `ray start`.
 export_worker_env() {
   export REWARD_SERVER_URLS=$1
-  # The job's own servers are reached directly. A cluster's proxy (http_proxy, https_proxy, all_proxy: Singularity
-  # and Ray pass them on) stays for what must reach the outside (wandb online); our reward client and probes bypass
-  # it in their own code, this covers everything else verl and Ray start (launch/job/node.py no_proxy).
+  # The job's own servers are reached directly; a cluster's proxy stays for the outside (wandb online).
   NO_PROXY=$(node_info no-proxy "$1" "$2" "$4" "$host" "$(hostname)") || die "[rank $rank] could not build NO_PROXY (above)"
   export NO_PROXY no_proxy=$NO_PROXY
   # verl's sync SGLang engines take their ports from SGLANG_PORT, 30000 for every job when unset (launch/job/node.py).
@@ -335,14 +311,11 @@ export_worker_env() {
   export REWARD_LOG_PATH=${REWARD_LOG_PATH:-$job_log_dir/rewards.jsonl}
   export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
   export WANDB_MODE WANDB_DIR HF_HOME
-  # Slurm sets every vendor's GPU variable for a GPU gres without env flags (gres.conf's default: ROCR_VISIBLE_DEVICES
-  # beside CUDA_VISIBLE_DEVICES), and verl 0.6.1's workers refuse to start with both (Worker.__init__,
-  # verl/single_controller/base/worker.py:241-242).
+  # Slurm may set ROCR_VISIBLE_DEVICES beside CUDA_VISIBLE_DEVICES; verl 0.6.1's workers refuse both (worker.py:241).
   [[ -z "${CUDA_VISIBLE_DEVICES:-}" ]] || unset ROCR_VISIBLE_DEVICES
   # Nothing to drain at the end of a job: without this, recent Ray waits 30 s on SIGTERM before it stops.
   export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
-  # Every Python stack of a Ray worker on a fatal signal, all threads (Ray's own turns on the current thread's only):
-  # the stall watchdog's way to a worker's stack where there is no py-spy (launch/job/watchdog.py).
+  # Every thread's stack of a Ray worker on a fatal signal: the stall watchdog's way in without py-spy.
   export PYTHONFAULTHANDLER=1
   if [[ -n "${CONFIG_NETWORK_INTERFACE}" ]]; then
     export NCCL_SOCKET_IFNAME=$CONFIG_NETWORK_INTERFACE GLOO_SOCKET_IFNAME=$CONFIG_NETWORK_INTERFACE
@@ -350,11 +323,8 @@ export_worker_env() {
   fi
 }
 
-# start_ray LOG TIMEOUT ARGS...: `ray start ARGS` in the background, RAY_START_RETRIES attempts of TIMEOUT seconds
-# each, every attempt's output in LOG; sets ray_pid (empty when every attempt failed). `ray start --block` never
-# returns while it runs: its log says when the node is up. Ray gives its raylet 30 s to register
-# (ray/_private/node.py, raylet_start_wait_time_s, not a setting): on a loaded node a start can exit "timed out
-# during startup", the head's as a worker's.
+# start_ray LOG TIMEOUT ARGS...: `ray start --block ARGS` in the background until its log says it is up, in
+# RAY_START_RETRIES attempts (Ray's fixed 30 s for the raylet runs out on a loaded node); sets ray_pid (empty: failed).
 start_ray() {
   local logfile=$1 timeout=$2 attempt
   shift 2
@@ -380,8 +350,7 @@ ray_args() {
     --max-worker-port="${port[max_worker_port]}"
 }
 
-# collect_addresses ADDRESS: every training node's address into node_addresses, the head's (ADDRESS) first: each
-# worker writes address.<rank> as it starts, and verl numbers its ranks by these (launch/job/node.py sglang_port).
+# collect_addresses ADDRESS: every training node's address (address.<rank>) into node_addresses, the head's first.
 node_addresses=""
 collect_addresses() {
   local r f deadline=$((SECONDS + RAY_JOIN_TIMEOUT))
@@ -398,14 +367,12 @@ collect_addresses() {
   done
 }
 
-run_head() {
-  local address
-  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
-    die "[rank 0] no address for $host that the other nodes can reach (above)"
-  log_phase "[rank 0] head on $host ($address), $nnodes node(s), $train_nodes training"
+# head_rewards ADDRESS: the head's side of the reward servers: wait for the reward node's, or start its own (not
+# waited for here: Ray starts while they load their models), or none (REWARD=rule: verl's workers score by rule).
+head_rewards() {
   if [[ "$separate" == true ]]; then
     log "[rank 0] waiting for the reward node's servers"
-    local found
+    local found f
     found=$(wait_for_any "$REWARD_START_TIMEOUT" "$job_log_dir/reward_urls" "$job_log_dir/reward_failed") ||
       die "the reward node reported no servers within ${REWARD_START_TIMEOUT} s (REWARD_START_TIMEOUT)"
     if [[ "$found" == */reward_failed ]]; then
@@ -413,52 +380,56 @@ run_head() {
       die "the reward node failed to start its servers (logs above)"
     fi
     plan_ports 0
+    srv_urls=$(cat "$job_log_dir/reward_urls")
   elif [[ "$REWARD" == rule ]]; then
-    plan_ports 0  # REWARD=rule: verl's workers score by rule, no reward server
+    plan_ports 0
   else
-    # Started, not waited for: Ray starts while they load their models (wait_reward_servers below).
-    launch_reward_servers "$address" "$CONFIG_REWARD_GPUS"
+    launch_reward_servers "$1" "$CONFIG_REWARD_GPUS"
   fi
-  collect_addresses "$address"
-  local ray_address="${address}:${port[ray_port]}"
-  if [[ "$separate" == true ]]; then srv_urls=$(cat "$job_log_dir/reward_urls"); fi
-  export_worker_env "$srv_urls" "$ray_address" "$address" "$node_addresses"
+}
 
-  log_phase "[rank 0] Ray head on ${ray_address} (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
+# start_ray_head ADDRESS RAY_ADDRESS: the Ray head, the head's reward servers healthy, cluster.env for the workers,
+# then every training node's GPUs in Ray.
+start_ray_head() {
+  log_phase "[rank 0] Ray head on $2 (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
   local -a args
   mapfile -d '' -t args < <(ray_args)
   # The dashboard's own process starts even with --include-dashboard=false: it gets this job's port too.
-  start_ray "$job_log_dir/ray_head.log" 120 --head --node-ip-address="$address" --port="${port[ray_port]}" \
+  start_ray "$job_log_dir/ray_head.log" 120 --head --node-ip-address="$1" --port="${port[ray_port]}" \
     --ray-client-server-port="${port[ray_client_server_port]}" --dashboard-port="${port[dashboard_port]}" \
     --temp-dir="$RAY_TMP_DIR" --include-dashboard=false "${args[@]}"
   [[ -n "$ray_pid" ]] || die "[rank 0] could not start the Ray head (log: $job_log_dir/ray_head.log)"
   watch "$ray_pid" "the Ray head" "$job_log_dir/ray_head.log"
   [[ "$separate" == true || "$REWARD" == rule ]] || wait_reward_servers
-  printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\nNODE_ADDRESSES=%s\n' "$ray_address" \
+  printf 'RAY_ADDRESS_FOR_TRAINER=%s\nREWARD_SERVER_URLS=%s\nNODE_ADDRESSES=%s\n' "$2" \
     "$REWARD_SERVER_URLS" "$node_addresses" >"$job_log_dir/cluster.env.tmp"
   mv "$job_log_dir/cluster.env.tmp" "$job_log_dir/cluster.env"
-  python3 -m launch.job.ray_cluster wait --address "$ray_address" --nodes "$train_nodes" \
+  python3 -m launch.job.ray_cluster wait --address "$2" --nodes "$train_nodes" \
     --gpus $((CONFIG_GPUS_PER_NODE * train_nodes)) --timeout "$RAY_JOIN_TIMEOUT" --watch-pid "$ray_pid" || {
     local -a workers=("$job_log_dir"/ray_worker_*.log)
     err "Ray logs: head $job_log_dir/ray_head.log, workers ${workers[*]}"
     show_tail "$job_log_dir/ray_head.log" 15
     die "not every node joined the Ray cluster"
   }
+}
 
+# run_trainer RAY_ADDRESS OVERRIDES...: the trainer (and the stall watchdog beside it) in the background, so a stop
+# signal's trap runs at once; every part is checked while it runs, and its exit code is the job's.
+run_trainer() {
   log_phase "[rank 0] trainer"
   local -a cmd
-  mapfile -d '' -t cmd < <(RAY_ADDRESS_FOR_TRAINER="$ray_address" python3 -m launch.plan.trainer_command trainer-argv "$@")
+  mapfile -d '' -t cmd < <(RAY_ADDRESS_FOR_TRAINER="$1" python3 -m launch.plan.trainer_command trainer-argv "${@:2}")
   ((${#cmd[@]})) || die "could not build the trainer command"
   cmd=("$TRAINER_LAUNCHER" "${cmd[@]}")
   printf '%s\n' "${cmd[@]}" >"$job_log_dir/trainer_command.txt"
   log "[rank 0] trainer command (one argument per line): $job_log_dir/trainer_command.txt"
-  # In the background, so a stop signal's trap runs at once; the watchdog checks every part while it runs.
+  local trainer_pid tail_pid
   # shellcheck disable=SC2016  # $1 and $@ are the inner bash's own arguments
   start_bg "$job_log_dir/trainer.log" bash -c 'cd "$1" && shift && exec "$@"' trainer "$job_log_dir" "${cmd[@]}"
   trainer_pid=$BG_PID
   pids+=("$trainer_pid")
   tail --pid="$trainer_pid" -n +1 -F "$job_log_dir/trainer.log" 2>/dev/null &  # the log in the job's output too
-  local tail_pid=$!
+  tail_pid=$!
   pids+=("$tail_pid")
   if [[ "$STALL_TIMEOUT" != off ]]; then
     # shellcheck disable=SC2016  # as the trainer's
@@ -472,9 +443,7 @@ run_head() {
     check_stall
     sleep 1
   done
-  # The trainer's exit code is the job's: taken, not exited on.
-  wait "$trainer_pid" && exit_code=0 || exit_code=$?
-  trainer_pid=""
+  wait "$trainer_pid" && exit_code=0 || exit_code=$?  # taken, not exited on
   wait "$tail_pid" || true  # tail ends by itself within a second of the trainer, after its last lines
   if ((exit_code == 0)); then
     touch "$CONFIG_OUTPUT_DIR/TRAINING_DONE"
@@ -484,21 +453,30 @@ run_head() {
   fi
 }
 
+run_head() {
+  local address
+  node_address
+  log_phase "[rank 0] head on $host ($address), $nnodes node(s), $train_nodes training"
+  head_rewards "$address"
+  collect_addresses "$address"
+  local ray_address="${address}:${port[ray_port]}"
+  export_worker_env "$srv_urls" "$ray_address" "$address" "$node_addresses"
+  start_ray_head "$address" "$ray_address"
+  run_trainer "$ray_address" "$@"
+}
+
 run_reward_node() {
   local address
-  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
-    die "[rank $rank] no address for $host that the other nodes can reach (above)"
+  node_address
   log_phase "[rank $rank] reward node $host ($address): $REWARD_REPLICAS server(s), no training"
-  local gpus
-  gpus=$(seq -s, 0 $((REWARD_REPLICAS - 1)))
-  start_reward_servers "$address" "$gpus"
+  launch_reward_servers "$address" "$(seq -s, 0 $((REWARD_REPLICAS - 1)))"
+  wait_reward_servers
   wait_until_done
 }
 
 run_worker() {
   local address
-  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
-    die "[rank $rank] no address for $host that the other nodes can reach (above)"
+  node_address
   printf '%s\n' "$address" >"$job_log_dir/address.$rank.tmp"
   mv "$job_log_dir/address.$rank.tmp" "$job_log_dir/address.$rank"
   log_phase "[rank $rank] Ray worker on $host ($address): waiting for the head"
@@ -534,10 +512,8 @@ wait_until_done() {
   log "[rank $rank] the head finished (exit code $(cat "$job_log_dir/done")); stopping"
 }
 
-# check_gpu_modes: before this node starts anything, refuse GPUs whose compute mode forbids what it puts on them
-# (launch/job/node.py gpu-modes: Exclusive_Process allows one process a GPU, and a training GPU carries verl's worker
-# and SGLang's scheduler, the head's reward GPUs the reward server too). A node without nvidia-smi (CPU runs) has
-# nothing to check; one where it fails says so once and goes on (the GPUs' own errors follow).
+# check_gpu_modes: before this node starts anything, refuse GPUs whose compute mode forbids the processes it puts on
+# them (launch/job/node.py gpu-modes); without nvidia-smi nothing to check, and where it fails the node goes on.
 check_gpu_modes() {
   local role=train modes problem
   command -v nvidia-smi >/dev/null 2>&1 || return 0

@@ -17,20 +17,9 @@
 #   CONTAINER=none MERGER_LAUNCHER=demo/megatron_merger bash merge_mcore_to_hf.sh  # no GPU: docs/verl-on-cpu.md
 #   python -m launch.merge.check_numeric --checkpoint CKPT/global_step_N/actor --hf hf_models/RUN-stepN  # alone
 #
-# After the structural verification, a numeric check (NUMERIC_CHECK=1, the default) compares the merged model's
-# log-probs on a fixed probe batch with a forward of the checkpoint's own tensors read without verl's merger; a
-# mismatch fails the job and keeps the result, marked UNVERIFIED.txt, as TARGET_DIR.failed (docs/merge.md). The last
-# command above runs it alone, for merges made before it existed (GPU when there is one, else the CPU).
-# verl 0.6.1's Megatron merger needs one GPU and NCCL (no Ray); its FSDP merger also runs on a CPU. Tied embeddings
-# are read from the checkpoint's config as transformers reads it, not assumed: passing --tie-word-embedding for an
-# untied model (Qwen3-8B and larger) silently drops its lm_head. A Megatron critic is converted only from the Hugging
-# Face weights verl saved beside it while training (critic.checkpoint.save_contents with hf_model): verl's Megatron
-# merger cannot build a value model (see refuse_critic_merge). An FSDP critic goes through verl's FSDP merger.
-#
-# One place to edit: the top of run_grpo_qwen3_4b_mega_verl.sh. This script reads its settings block
-# (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER). sbatch reads only this file's #SBATCH lines: that script's
-# --partition, --account and --output, where they differ, go on sbatch's command line as its log says ("to merge its
-# checkpoints later: sbatch ..."); a merge run on another partition or account than it names stops, printing that line.
+# The result is verified for its structure, then numerically against the checkpoint's own tensors (NUMERIC_CHECK);
+# a failed one is kept as TARGET_DIR.failed (docs/merge.md). Settings: the run script's block (CONFIG_OUTPUT_DIR,
+# CONFIG_IMAGE_PATH, CONTAINER); its --partition and --account go on sbatch's command line, as the job's log says.
 set -euo pipefail
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
@@ -52,12 +41,10 @@ TIE_WORD_EMBEDDINGS="${TIE_WORD_EMBEDDINGS:-auto}"               # auto (config.
 VERIFY_LOAD="${VERIFY_LOAD:-0}"                                  # 1: also load the result with transformers (meta)
 NUMERIC_CHECK="${NUMERIC_CHECK:-1}"                              # 1: compare its log-probs with the checkpoint's; 0: skip
 # ------------------------------------------------------------------------------------------------------------------
-# Not a setting, read from the environment all the same: what runs `-m verl.model_merger ...` (make demo's CPU merger,
-# demo/megatron_merger; the tests' stand-in).
+# Not a setting: what runs `-m verl.model_merger ...` (demo/megatron_merger on a CPU; the tests' stand-in).
 MERGER_LAUNCHER="${MERGER_LAUNCHER:-python3}"
 
-# check_run_header: a merge submitted without the run script's --partition or --account stops before it merges (it
-# would bill or queue elsewhere than the training did), naming the command that has them.
+# check_run_header: a merge without the run script's --partition or --account stops, naming the command that has them.
 check_run_header() {
   [[ -n "${SLURM_JOB_ID:-}" ]] || return 0
   local opt value have
@@ -95,8 +82,7 @@ resolve_step() {
   [[ ! -e "$TARGET_DIR" ]] || die "TARGET_DIR=$TARGET_DIR already exists: choose another or remove it (nothing was changed)"
 }
 
-# decide_tie: the actor's tie_word_embeddings as transformers reads config.json (run in the image, which has
-# transformers): without the key, the config class's default for that model type (Qwen3 and Llama: untied).
+# decide_tie: the actor's tie_word_embeddings as transformers reads config.json (no key: the model type's default).
 decide_tie() {
   case "$TIE_WORD_EMBEDDINGS" in
     auto | true | false) ;;
@@ -128,29 +114,22 @@ has_hf_weights() {
   compgen -G "$step_dir/huggingface/*.safetensors" >/dev/null
 }
 
-# checkpoint_backend: fsdp for STRATEGY=fsdp2's shards (verl's FSDP checkpoint manager writes fsdp_config.json beside
-# them, fsdp_checkpoint_manager.py:294-301), megatron otherwise (dist_ckpt/).
+# checkpoint_backend: fsdp for STRATEGY=fsdp2's shards (beside their fsdp_config.json), megatron otherwise (dist_ckpt/).
 checkpoint_backend() {
   if [[ -f "$step_dir/fsdp_config.json" ]]; then echo fsdp; else echo megatron; fi
 }
 
-# refuse_critic_merge: a Megatron critic with only its dist checkpoint cannot be merged into a value model by verl
-# 0.6.1. An FSDP critic can: verl's FSDP merger keeps every tensor it saved, the value head too (critic_to_hf.py).
+# refuse_critic_merge: verl 0.6.1 cannot merge a Megatron critic's dist checkpoint into a value model (an FSDP one can).
 refuse_critic_merge() {
   [[ "$ROLE" == critic && "$(checkpoint_backend)" == megatron ]] && ! has_hf_weights || return 0
   die "ROLE=critic: $step_dir is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json) with no Hugging Face" \
-    "weights, and verl 0.6.1's Megatron merger cannot make a value model of it:" \
-    "verl/model_merger/megatron_model_merger.py (_load_state_dicts) always builds a causal LM (init_mcore_model(...," \
-    "value=False)), so the critic's [1, hidden] value head is dropped (tied config) or fails to load on its shape" \
-    "(untied); --is-value-model does not change that. To resume training, no merge is needed (the trainer resumes" \
-    "from CKPT_ROOT). For a Hugging Face value model, have verl save one while training: add the Hydra override" \
-    "'critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]' to the training job, then run this on a step" \
-    "saved with it (an FSDP2 critic, STRATEGY=fsdp2, needs neither: verl's FSDP merger keeps its head). Nothing" \
-    "was written."
+    "weights, and verl/model_merger/megatron_model_merger.py always builds a causal LM (value=False): the value head" \
+    "would be lost (docs/merge.md). Resuming needs no merge; for a value model, train with the Hydra override" \
+    "'critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]' and merge a step saved with it. Nothing was written."
 }
 
-# move_into_place SRC DEST: rename SRC to DEST only when nothing is at DEST. mkdir claims the name (it fails if
-# anything is there); rename(2) then replaces that empty folder, and fails if something was written into it since.
+# move_into_place SRC DEST: rename SRC to DEST only when nothing is there: mkdir claims the name, rename(2) replaces
+# that folder only while it is empty.
 move_into_place() {
   local src=$1 dest=$2
   mkdir "$dest" 2>/dev/null || return 1
@@ -161,22 +140,17 @@ move_into_place() {
 }
 
 merge() {
-  # a folder of this job's own beside TARGET_DIR (node and PID: two jobs on two nodes can have the same PID, and
-  # two nodes the same host name)
+  # a folder of this job's own beside TARGET_DIR (node and PID: either alone can repeat across nodes)
   local tmp="$TARGET_DIR.tmp.${SLURMD_NODENAME:-${HOSTNAME%%.*}}.$$"
   mkdir "$tmp" || die "$tmp exists: another merge is writing there; nothing was changed"
   if has_hf_weights; then
     log_phase "the checkpoint already holds Hugging Face weights: copying $step_dir/huggingface"
     cp -r "$step_dir/huggingface/." "$tmp"
   else
-    # STRATEGY=fsdp2 saves FSDP shards, which verl's FSDP merger reads, on the CPU too; --tie-word-embedding is its
-    # Megatron merger's only.
     local backend
     backend=$(checkpoint_backend)
-    # verl's Megatron merger starts a one-process torch.distributed group; with no WORLD_SIZE set it takes
-    # MASTER_PORT=12355 (verl/model_merger/megatron_model_merger.py:146-151), which a second merge on the node, or
-    # anything else there, may hold. This merge's own free port instead (from its job's port block, launch/job/node.py),
-    # on loopback; the FSDP merger starts none and ignores them.
+    # verl's Megatron merger's process group takes MASTER_PORT=12355 unless told, which another merge may hold: this
+    # merge's own free port (launch/job/node.py); the FSDP merger ignores it.
     local master_port
     master_port=$(cd "$repo" && "${wrap[@]}" python3 -m launch.job.node master-port --job-id "${SLURM_JOB_ID:-merge-$$}") ||
       { rm -rf "$tmp"; die "no free port for the merger's process group on this node (above); nothing was written"; }
@@ -236,9 +210,7 @@ container_wrap() {
     --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH")
 }
 
-# refuse_without_gpu: verl's Megatron merger needs CUDA and NCCL; where torch sees no GPU (a login node, a laptop) it
-# would end in PyTorch's "Distributed package doesn't have NCCL built in". Another MERGER_LAUNCHER than python (the CPU
-# path, demo/megatron_merger) is taken on purpose.
+# refuse_without_gpu: verl's Megatron merger needs CUDA and NCCL; another MERGER_LAUNCHER than python is on purpose.
 refuse_without_gpu() {
   [[ "$(basename "$MERGER_LAUNCHER")" == python* ]] || return 0
   (cd "$repo" && "${wrap[@]}" python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())') && return 0

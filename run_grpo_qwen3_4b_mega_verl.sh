@@ -23,19 +23,13 @@
 #   salloc --nodes=1 --gpus-per-node=4 ...  then  bash run_grpo_qwen3_4b_mega_verl.sh   # in that allocation; Ctrl-C stops
 #   python -m launch.watch.status [JOB_ID] [--png FILE] [--follow]         # where a job is, when it ends, how it learns
 #
-# The trainer keys that are not settings (the same for every job) are FIXED_OVERRIDES in
-# launch/plan/trainer_command.py; the whole default command is docs/trainer-command.md, and each job writes its own to
-# its log folder (trainer_command.txt).
-# Edit the settings below (or override any of them from the environment; docs/settings.md lists them all). Keep the
-# #SBATCH lines in step with them: --gpus-per-node = CONFIG_GPUS_PER_NODE, --nodes = the nodes you want (2+ for a
-# separate reward node). Submit from the repository root: Slurm writes logs/<job name>-<job id>.out there.
-# merge_mcore_to_hf.sh reads this block (CONFIG_OUTPUT_DIR, CONFIG_IMAGE_PATH, CONTAINER); this script's --partition,
-# --account and --output reach it on sbatch's command line, as each start logs it ("to merge its checkpoints later").
+# Edit the settings below, or override them from the environment (docs/settings.md; the trainer command they make:
+# docs/trainer-command.md). Keep #SBATCH --gpus-per-node = CONFIG_GPUS_PER_NODE and --nodes = the nodes you want (2+
+# for a separate reward node). Submit from the repository root. merge_mcore_to_hf.sh reads this block too.
 set -euo pipefail
 
 # sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
-# from. When that is not it either, the job stops, saying so: not_the_repository, from the common.sh beside the script
-# that Slurm's record names (the first word of its Command), the one repository the job can still find.
+# from; when that is not it either, not_the_repository (from the script Slurm's record names) stops the job.
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || repo=${SLURM_SUBMIT_DIR:-}
 # shellcheck source=launch/job/common.sh
@@ -141,22 +135,17 @@ CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward se
 RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
 # -- A hung trainer: the stall watchdog (docs/operations.md#a-hung-job) -------------------------------------------
-# A trainer that finishes no step for too long is hung (a collective that never returns): the head's watchdog keeps
-# every worker's Python stack in the start's log folder (stall/), says which phase of which step, and stops the start.
-# auto gives a step 3 x the longest so far, never less than STALL_FLOOR, which covers a step of the article's job
-# (Qwen3-4B, 256 x 4 responses of up to 4096 tokens on 4 GPUs) with room; a validation or save 3 x its longest, the
-# first one STALL_FIRST_STEP, as the first step after a start (loading, compiling, the validation before training).
+# A trainer that finishes no step for too long is hung: the head's watchdog keeps every worker's stack (stall/) and
+# stops the start. auto gives a step 3 x the longest so far (a validation or save 3 x its longest), >= STALL_FLOOR.
 STALL_TIMEOUT="${STALL_TIMEOUT:-auto}"                          # auto | off | s a step may take (after the first)
 STALL_FLOOR="${STALL_FLOOR:-1800}"                              # s: auto never gives a step less
 STALL_FIRST_STEP="${STALL_FIRST_STEP:-3600}"                    # s for a start's first step, first validation, save
 STALL_REQUEUE="${STALL_REQUEUE:-1}"                             # 1: requeue once on a stall (a second in a row: failed)
 set +a
 # ------------------------------------------------------------------------------------------------------------------
-# Not settings, read from the environment all the same: what runs `-m verl.trainer.main_ppo ...` (a site's wrapper,
-# `nsys profile ...`), and TRAINER_IS_VERL=0 where that runs no verl trainer at all (the tests' stand-in), which the
-# preflight then does not check as verl's (docs/development.md).
+# Not settings (docs/development.md): what runs `-m verl.trainer.main_ppo ...` (a site's wrapper, `nsys profile`);
+# TRAINER_IS_VERL=0 where that is no verl trainer (the tests' stand-in); the CPU runs' hook after their shims.
 export TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}" TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"
-# The CPU runs' Ray hook (demo/verl_cpu.py) calls this one after its shims: the save on preemption (launch/job/preempt.py).
 export CPU_RUN_THEN_HOOK="${CPU_RUN_THEN_HOOK:-launch.job.preempt.install}"
 
 # shellcheck source=launch/job/common.sh
@@ -168,30 +157,25 @@ job_id=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)-$$}
 job_log_dir="$CONFIG_LOG_DIR/${job_id}${SLURM_RESTART_COUNT:+-r$SLURM_RESTART_COUNT}"
 srun_pid=""
 requeued=0  # set once this start asked Slurm to requeue the job
-# Run from the shell of an interactive allocation (salloc: a job id, no batch script), the job runs in it: no requeue
-# (Slurm requeues batch jobs only), its output also in CONFIG_LOG_DIR, and Ctrl-C stops every node's part.
+# In an interactive allocation's shell (salloc) the job runs there: no requeue, its output also in CONFIG_LOG_DIR.
 interactive=0
 [[ -z "${SLURM_JOB_ID:-}" || "${ENVIRONMENT:-}" == BATCH ]] || interactive=1
 step_name="grpo-$$"  # the nodes' srun step, by name, to stop it inside an interactive allocation
+wrap=()  # container_cmd's prefix, once the settings are final (main)
 
 # export_settings: the settings' paths made absolute for every node, and what the job derives from them.
 export_settings() {
   local name
   for name in CONFIG_IMAGE_PATH CONFIG_MODEL_PATH CONFIG_REWARD_MODEL_PATH CONFIG_TRAIN_FILE CONFIG_TEST_FILE \
-    CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME; do
-    printf -v "$name" '%s' "$(realpath -m "${!name}")"
+    CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME PREFLIGHT_REWARD_PAIRS REWARD_FUNCTION_PATH; do
+    [[ -z "${!name}" ]] || printf -v "$name" '%s' "$(realpath -m "${!name}")"
   done
-  [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || PREFLIGHT_REWARD_PAIRS=$(realpath -m "$PREFLIGHT_REWARD_PAIRS")
-  [[ -z "$REWARD_FUNCTION_PATH" ]] || REWARD_FUNCTION_PATH=$(realpath -m "$REWARD_FUNCTION_PATH")
   export JOB_LOG_DIR=$job_log_dir JOB_ID=$job_id
-  # The servers require it, the reward function sends it, the health poll proves with it that a server is ours.
-  # Never printed: it reaches every node and verl's Ray workers through the environment only.
+  # The servers require it, the health poll proves with it that a server is ours; never printed, environment only.
   [[ -n "$REWARD_SERVER_TOKEN" ]] || REWARD_SERVER_TOKEN=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
   export REWARD_SERVER_TOKEN
-  # Ray's token authentication (Ray 2.52+; the base images' 2.49 ignores both), with a token of this job's own that the
-  # head and every client the job starts read from the environment: where RAY_AUTH_MODE is unset, a ~/.ray/auth_token
-  # that any local Ray of the user's left (a notebook's ray.init()) turns it on at `ray start --head`, and the job's
-  # own clients, which send no token, are refused. Nobody else on the node can submit work to the job's Ray either.
+  # Ray 2.52+'s token authentication with a token of the job's own: a ~/.ray/auth_token left by the user's own Ray
+  # would otherwise turn it on and refuse the job's clients (2.49 ignores both); nobody else can use the job's Ray.
   export RAY_AUTH_MODE=token RAY_AUTH_TOKEN
   RAY_AUTH_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
   export_wandb_run
@@ -204,10 +188,8 @@ export_settings() {
   export_ray_cpus
 }
 
-# export_ray_cpus: Ray's CPUs on every node (RAY_NUM_CPUS) and where that number came from (RAY_NUM_CPUS_FROM), which
-# the preflight checks against what verl holds on a node: in a job its --cpus-per-task, else what Slurm gave the node
-# (salloc's shell may run elsewhere); outside Slurm, PREFLIGHT_ONLY=1 checks what sbatch will give (this header's
-# --cpus-per-task: the login node's own CPUs are not the job's), and a run here this machine's.
+# export_ray_cpus: Ray's CPUs per node (RAY_NUM_CPUS) and where that came from (RAY_NUM_CPUS_FROM), for the
+# preflight; PREFLIGHT_ONLY=1 outside Slurm checks this header's --cpus-per-task, not the login node's CPUs.
 export_ray_cpus() {
   local cpus=${SLURM_JOB_CPUS_PER_NODE:-} header
   cpus=${cpus%%[(,]*}
@@ -229,11 +211,9 @@ export_ray_cpus() {
   export RAY_NUM_CPUS RAY_NUM_CPUS_FROM
 }
 
-# export_wandb_run: which wandb run each start of the job logs to (verl's wandb.init passes no id, group or folder:
-# wandb reads them from the environment of verl's TaskRunner). Online, one run for the job, resumed by every requeue.
-# Offline, wandb ignores resume ("`resume` will be ignored since W&B syncing is set to `offline`", wandb_init.py of
-# the images' wandb 0.21-0.22) and two starts with one id overwrite each other at `wandb sync`: each start is its own
-# run (-rN: Slurm's restart count), all in one group, the job's.
+# export_wandb_run: the wandb run of each start (wandb reads it from verl's environment). Online, one run for the job,
+# resumed by every requeue; offline, wandb ignores resume and one id would be overwritten at `wandb sync`: each start
+# is its own run (-rN), all in the job's group.
 export_wandb_run() {
   local run_id=${WANDB_RUN_ID:-${EXPERIMENT_NAME}-${job_id}}
   run_id=${run_id//[^A-Za-z0-9_.-]/_}
@@ -248,18 +228,15 @@ export_wandb_run() {
   export WANDB_DIR
 }
 
-# export_checkpoint_deadline: the job's end (JOB_END_TIME, epoch s) and verl 0.6.1's expiry, CHECKPOINT_BEFORE_END
-# before it: the main trainer saves after any step that ends within 60 s + its longest step + trainer.esi_redundant_time
-# of it (checkpoint_manager.should_save_ckpt_esi); the preflight says what that means for this job (launch/plan/deadline.py).
-# JOB_SIGNAL_LEAD: the time-limit signal's lead in this script's own header (#SBATCH --signal=B:USR1@N).
+# export_checkpoint_deadline: the job's end (JOB_END_TIME) and verl's save-before-expiry time, CHECKPOINT_BEFORE_END
+# before it (launch/plan/deadline.py); JOB_SIGNAL_LEAD: this header's --signal=B:USR1@N.
 export_checkpoint_deadline() {
   local end=${SLURM_JOB_END_TIME:-}
   if [[ -z "$end" && -n "${SLURM_JOB_ID:-}" ]]; then
     end=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'EndTime=[^ ]*' | cut -d= -f2 || true)
     end=$(date -d "$end" +%s 2>/dev/null || true)
   fi
-  # Slurm shows a job its --signal nowhere (no variable, not in scontrol show job): one given on the sbatch command line
-  # instead of this header's needs JOB_SIGNAL_LEAD=N set beside it.
+  # Slurm shows a job its --signal nowhere: one given to sbatch instead of this header needs JOB_SIGNAL_LEAD=N too.
   [[ -n "${JOB_SIGNAL_LEAD:-}" ]] ||
     JOB_SIGNAL_LEAD=$(sed -n 's/^#SBATCH --signal=[^@]*@\([0-9]*\).*/\1/p' "${BASH_SOURCE[0]}" | head -n 1)
   export JOB_SIGNAL_LEAD=${JOB_SIGNAL_LEAD:-0}
@@ -277,31 +254,23 @@ container_cmd() {
   local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME")
   [[ "$WANDB_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$WANDB_DIR")  # a WANDB_DIR set elsewhere
   [[ "$TENSORBOARD_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$TENSORBOARD_DIR")
-  local path
-  local -a models=("$CONFIG_MODEL_PATH")
-  [[ "$REWARD" == rule ]] || models+=("$CONFIG_REWARD_MODEL_PATH")  # REWARD=rule: no reward model anywhere
-  for path in "${models[@]}" "$(dirname "$CONFIG_TRAIN_FILE")" "$(dirname "$CONFIG_TEST_FILE")"; do
-    binds+=(--bind "$path")
-  done
+  binds+=(--bind "$CONFIG_MODEL_PATH" --bind "$(dirname "$CONFIG_TRAIN_FILE")" --bind "$(dirname "$CONFIG_TEST_FILE")")
+  [[ "$REWARD" == rule ]] || binds+=(--bind "$CONFIG_REWARD_MODEL_PATH")  # REWARD=rule: no reward model anywhere
   [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || binds+=(--bind "$(dirname "$PREFLIGHT_REWARD_PAIRS")")
   [[ -z "$REWARD_FUNCTION_PATH" ]] || binds+=(--bind "$(dirname "$REWARD_FUNCTION_PATH")")
   printf '%s\0' "$CONTAINER" exec --nv "${binds[@]}" --pwd "$repo" --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH"
 }
 
-# preflight: what must run before Python exists here (the image, the container program, Slurm's GPU count), then
-# launch.plan.preflight in one container start: settings, verl's config checks, the data, the reward round trip.
+# preflight: what must be checked before Python runs in the image, then launch.plan.preflight in one container start.
 preflight() {
   log_phase "checks: settings, files, and the trainer config through verl's own code"
-  local -a wrap
-  mapfile -d '' -t wrap < <(container_cmd)
   if [[ "$CONTAINER" != none && ! -f "$CONFIG_IMAGE_PATH" ]]; then
     die "CONFIG_IMAGE_PATH=$CONFIG_IMAGE_PATH: no such image (sudo singularity build verl_app.sif verl_app.def)"
   fi
   if [[ "$CONTAINER" != none ]] && ! command -v "$CONTAINER" >/dev/null; then
     die "CONTAINER=$CONTAINER but '$CONTAINER' is not on PATH (module load it, or CONTAINER=apptainer|none)"
   fi
-  # The container binds these folders: one that does not exist stops the runtime with a mount error that names no
-  # setting, before the checks below could.
+  # The container binds these folders: a missing one would stop it with a mount error that names no setting.
   local name missing=() models=(CONFIG_MODEL_PATH)
   [[ "$REWARD" == rule ]] || models+=(CONFIG_REWARD_MODEL_PATH)
   for name in "${models[@]}"; do
@@ -323,8 +292,7 @@ preflight() {
   fi
   (cd "$repo" && "${wrap[@]}" python3 -m launch.plan.preflight "$@") ||
     die "the preflight failed (above: the settings, verl's config checks, the data or the reward check); nothing was started"
-  # REWARD_PROMPT_OPENS_THINK=auto as the preflight read it from the policy's chat template: every node builds the
-  # trainer command with that value, not reading the template again.
+  # REWARD_PROMPT_OPENS_THINK=auto as the preflight read it from the chat template, for every node's trainer command.
   if [[ "$REWARD_PROMPT_OPENS_THINK" == auto && -f "$job_log_dir/prompt_opens_think" ]]; then
     REWARD_PROMPT_OPENS_THINK=$(<"$job_log_dir/prompt_opens_think")
     export REWARD_PROMPT_OPENS_THINK
@@ -346,8 +314,7 @@ preempt_time() {
     timeout 5 scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.* PreemptTime=\([0-9T:-]*\).*/\1/p' || true
 }
 
-# on_usr1: the job's --signal comes before the time limit, and at a preemption where the cluster sends it then
-# (SlurmctldParameters=preempt_send_user_signal); only then has the job a PreemptTime.
+# on_usr1: the job's --signal before the time limit, or a preemption (then the job has a PreemptTime).
 on_usr1() {
   local preempted
   preempted=$(preempt_time)
@@ -358,12 +325,10 @@ on_usr1() {
   fi
 }
 
-# on_preempted TIME: preempted at TIME, the partition's GraceTime from then: when a step, a save and the stop fit in
-# the grace left (launch/job/preempt.py), verl saves after the step it is in; then the job requeues itself (ending
-# the grace early; with PreemptMode=CANCEL Slurm would not requeue it) and the next start resumes from that save.
+# on_preempted TIME: where a step, a save and the stop fit in the grace left (launch/job/preempt.py), verl saves after
+# the step it is in; then the job requeues itself, and the next start resumes from that save.
 on_preempted() {
   local grace left line tracker="$CONFIG_OUTPUT_DIR/latest_checkpointed_iteration.txt" before="" deadline
-  local -a wrap
   if [[ "$PREEMPT_SAVE" != 1 ]]; then
     log "preempted: PREEMPT_SAVE=$PREEMPT_SAVE, so no save and no requeue; Slurm stops the job when its grace ends"
     return 0
@@ -371,7 +336,6 @@ on_preempted() {
   grace=$(timeout 5 scontrol show partition "${SLURM_JOB_PARTITION:-}" 2>/dev/null | sed -n 's/.*GraceTime=\([0-9]*\).*/\1/p')
   left=$(($(date -d "$1" +%s) + ${grace:-0} - $(date +%s)))
   [[ ! -f "$tracker" ]] || before=$(<"$tracker")
-  mapfile -d '' -t wrap < <(container_cmd)
   if line=$(cd "$repo" && "${wrap[@]}" python3 -m launch.job.preempt "$job_log_dir" "$left" "$STOP_TIMEOUT"); then
     log "$line"
     : >"$job_log_dir/preempt_requested"  # verl's trainer sees it at the end of the step (launch.job.preempt.install)
@@ -402,8 +366,7 @@ on_time_limit() {
   fi
 }
 
-# on_stall: the head's watchdog stopped this start, hung (stall.json in its folder): the job requeues once
-# (STALL_REQUEUE=1, a batch job), unless the start before this one stalled too: a hang that comes back is not retried.
+# on_stall: the watchdog stopped this start, hung (stall.json): requeue once, unless the start before stalled too.
 on_stall() {
   local restarts=${SLURM_RESTART_COUNT:-0} previous=""
   ((restarts == 0)) || previous="$CONFIG_LOG_DIR/${job_id}$( ((restarts == 1)) || printf -- '-r%s' $((restarts - 1)))"
@@ -419,8 +382,7 @@ on_stall() {
   fi
 }
 
-# on_stop_signal CODE: SIGTERM/SIGINT (scancel, Ctrl-C, a workstation's kill): stop every node, exit non-zero.
-# After a requeue Slurm ends this start the same way, and a preemption without a grace too: then the log says so.
+# on_stop_signal CODE: SIGTERM/SIGINT (scancel, Ctrl-C, a requeue, a preemption without grace): stop every node.
 on_stop_signal() {
   if ((requeued)); then
     log "stopping this start for the requeue (within STOP_TIMEOUT=$STOP_TIMEOUT s); Slurm starts the job again" \
@@ -434,8 +396,7 @@ on_stop_signal() {
   exit "$1"
 }
 
-# stop_step: inside an interactive allocation, SIGTERM to every process of the nodes' srun step (what scancel does to a
-# batch job; srun itself answers a SIGTERM by SIGKILLing them), then the helpers' own stop, until srun has ended.
+# stop_step: in an interactive allocation, SIGTERM to the nodes' srun step (srun itself would SIGKILL them), then wait.
 stop_step() {
   local step deadline=$((SECONDS + STOP_TIMEOUT + 15))
   step=$(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format='%i %j' | awk -v n="$step_name" '$2 == n {print $1}') ||
@@ -464,7 +425,7 @@ cleanup() {
 }
 
 launch() {
-  local -a nodes wrap runner
+  local -a nodes runner
   local cpus
   if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
     mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -472,11 +433,9 @@ launch() {
     nodes=("$(hostname)")
   fi
   ((${#nodes[@]} == ${SLURM_NNODES:-1})) || die "node list has ${#nodes[@]} hosts but SLURM_NNODES=${SLURM_NNODES:-1}"
-  mapfile -d '' -t wrap < <(container_cmd)
   if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-    # The allocation's CPUs, explicitly: srun of Slurm 22.05-23.02 does not inherit --cpus-per-task, and each node
-    # would get one core. Without one (--cpus-per-gpu, a whole node), the fewest CPUs Slurm gave a node (`32(x2),16`).
-    # Ray's logical count, RAY_NUM_CPUS, is its own: asking srun for it fails where it exceeds the allocation.
+    # The allocation's CPUs, explicitly: srun of Slurm 22.05-23.02 does not inherit --cpus-per-task (one core a
+    # node); without one, the fewest CPUs Slurm gave a node. Not RAY_NUM_CPUS, which may exceed the allocation.
     cpus=${SLURM_CPUS_PER_TASK:-$(tr , '\n' <<<"${SLURM_JOB_CPUS_PER_NODE:-}" | sed 's/(.*//' | sort -n | head -n 1)}
     runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1)
     [[ -z "$cpus" ]] || runner+=(--cpus-per-task="$cpus")
@@ -489,13 +448,11 @@ launch() {
   "${runner[@]}" "${wrap[@]}" bash "$repo/helper_grpo_qwen3_4b.sh" "$@" &
   srun_pid=$!
   local rc=0
-  while true; do
-    wait "$srun_pid" && rc=0 || rc=$?
-    # wait returns >128 when a trapped signal interrupted it; the job itself is still running then.
-    if ((rc > 128)) && alive "$srun_pid"; then
-      continue
-    fi
-    break
+  wait "$srun_pid" || rc=$?
+  # >128: a trapped signal interrupted the wait while the job itself still runs: wait again.
+  while ((rc > 128)) && alive "$srun_pid"; do
+    rc=0
+    wait "$srun_pid" || rc=$?
   done
   srun_pid=""
   return "$rc"
@@ -508,8 +465,8 @@ main() {
   trap 'on_stop_signal 143' TERM
   export_settings
   [[ "$CANARY" != 1 ]] || canary_settings "$@"  # its own folder and a tiny workload (launch/watch/canary.sh)
-  # WANDB_DIR before anything starts: where wandb cannot write it, it logs to the system temp folder of whichever node
-  # holds verl's TaskRunner (wandb_init.py try_create_root_dir), not where `wandb sync` is pointed.
+  mapfile -d '' -t wrap < <(container_cmd)
+  # WANDB_DIR before anything starts: where wandb cannot write it, it logs to /tmp of some node.
   mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME" "$WANDB_DIR" ||
     die "could not create the job's folders (above: CONFIG_LOG_DIR, CONFIG_OUTPUT_DIR, HF_HOME or WANDB_DIR)"
   [[ -w "$WANDB_DIR" ]] || die "WANDB_DIR=$WANDB_DIR is not writable: wandb would log to /tmp of some node instead"
@@ -539,8 +496,7 @@ main() {
   if [[ "$PREFLIGHT_ONLY" == 1 ]]; then
     log "PREFLIGHT_ONLY=1: nothing started"
     if [[ -z "${SLURM_JOB_ID:-}" ]]; then
-      # The checks passed and their output is above: the folder held only their reward server's log. A failed
-      # preflight keeps it (that log is what its message points at).
+      # The checks passed: the folder held only their reward server's log (a failed preflight keeps it).
       rm -rf -- "$job_log_dir"
       job_log_dir="none kept (the checks passed; their output is above)"
     fi
@@ -551,8 +507,6 @@ main() {
     return
   fi
   # verl prunes only its own saves: what earlier starts of this job left goes here (never the one it resumes from).
-  local -a wrap
-  mapfile -d '' -t wrap < <(container_cmd)
   (cd "$repo" && "${wrap[@]}" python3 -m launch.job.checkpoints "$CONFIG_OUTPUT_DIR" "$MAX_CKPT_TO_KEEP") ||
     die "could not prune old checkpoints in $CONFIG_OUTPUT_DIR (MAX_CKPT_TO_KEEP=$MAX_CKPT_TO_KEEP)"
   local rc=0

@@ -6,25 +6,13 @@
     python -m data_prep.build qa.jsonl --reward-style rule --answer-column answer --out-dir data/z
     python -m data_prep.build gsm8k_train.parquet --preset gsm8k --test-file gsm8k_test.parquet --out-dir data/gsm8k
 
-Each output row is what verl 0.6.1's RLHFDataset and reward managers read:
-    prompt        the chat list the policy sees (system prompt first, if any)
-    data_source   --data-source, or a --source-column value
-    ability       --ability
-    reward_model  {"style": "model", "ground_truth": <the prompt text>} (the article's convention), or
-                  {"style": "rule", "ground_truth": <the reference answer>}
-    extra_info    {"split", "index", "source_row", "reward_messages": <the chat list for the reward model>,
-                   and each --keep-column, as text}
-verl pops `prompt` before the reward function runs; `extra_info.reward_messages` is how the reward model still sees it.
---preset gsm8k|math builds rule rows as verl's examples/data_preprocess/gsm8k.py and math_dataset.py do, from the public
-sets' columns: the data_source verl's scorers dispatch on, verl's instruction after the question, and the reference
-answer verl compares with (GSM8K: the number after '####', commas removed; MATH: the last \\boxed{}, by verl's own code).
-
-Rows stream through in chunks (a million rows in well under a minute, little memory). The split is deterministic:
-a row goes to test when a hash of (--seed, its prompt) falls under --test-size, so identical prompts never straddle
-the split. A small input may have no row under it: then the prompt whose hash is nearest (all its copies) goes to
-test, so that verl gets a validation set (it asserts one), and the build says so. Bad rows (missing or empty prompt, wrong types) are skipped and reported with their row numbers, or stop
-the build with --on-bad-row fail. Outputs are written to *.tmp and renamed only when everything succeeded; existing
-outputs are kept unless --overwrite.
+Each output row is what verl 0.6.1's RLHFDataset and reward managers read: `prompt` (the chat list), `data_source`,
+`ability`, `reward_model` ({"style": "model"|"rule", "ground_truth": the prompt text | the reference answer}) and
+`extra_info` (split, index, source_row, reward_messages: the prompt the reward model sees after verl pops `prompt`,
+and each --keep-column). --preset gsm8k|math builds rule rows as verl's own examples/data_preprocess scripts do.
+The split is deterministic: a row goes to test when a hash of (--seed, its prompt) falls under --test-size (on a small
+input, the nearest prompt). Bad rows are skipped and listed (bad_rows.jsonl), or stop the build with --on-bad-row
+fail. Outputs are written atomically and kept unless --overwrite (docs/data.md).
 """
 
 import argparse
@@ -161,13 +149,9 @@ def make_row(example: dict, index: int, split: str, spec: RowSpec, source_row: i
         ground_truth = reference_answer(_text(example, spec.answer_column, "answer"), spec)
     else:
         ground_truth = next(m["content"] for m in reversed(messages) if m["role"] == "user")
-    data_source = spec.data_source
-    if spec.source_column:
-        data_source = _text(example, spec.source_column, "source")
+    data_source = _text(example, spec.source_column, "source") if spec.source_column else spec.data_source
     extra = {"split": split, "index": index, "source_row": source_row, "reward_messages": messages}
-    for column in spec.keep_columns:
-        value = example.get(column)
-        extra[column] = _as_text(value)
+    extra |= {column: _as_text(example.get(column)) for column in spec.keep_columns}
     return {
         "data_source": data_source,
         "prompt": messages,
@@ -228,8 +212,8 @@ def goes_to_test(key: bytes, seed: int, test_size: float) -> bool:
 # --- readers: (row number as a person would count it, example) ------------------------------------------------
 
 
-def read_examples(path: Path, fmt: str = "auto", split: str | None = None) -> Iterator[tuple[int, object]]:
-    fmt = detect_format(path) if fmt == "auto" else fmt
+def read_examples(path: Path) -> Iterator[tuple[int, object]]:
+    fmt = detect_format(path)
     if fmt == "jsonl":
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -250,12 +234,9 @@ def read_examples(path: Path, fmt: str = "auto", split: str | None = None) -> It
         with open(path, encoding="utf-8", newline="") as f:
             yield from enumerate(csv.DictReader(f), 2)  # row 1 is the header
     elif fmt == "parquet":
-        n = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=CHUNK_ROWS):
-            for example in batch.to_pylist():
-                n += 1
-                yield n, example
-    elif fmt == "hf":
+        batches = pq.ParquetFile(path).iter_batches(batch_size=CHUNK_ROWS)
+        yield from enumerate((example for batch in batches for example in batch.to_pylist()), 1)
+    else:
         try:
             import datasets
         except ImportError as exc:
@@ -266,27 +247,19 @@ def read_examples(path: Path, fmt: str = "auto", split: str | None = None) -> It
 
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
-            if split is None:
-                raise SystemExit(f"{path} holds splits {list(ds)}: choose one with --hf-split")
-            ds = ds[split]
+            raise SystemExit(f"{path} holds splits {list(ds)}: save one of them alone (ds[split].save_to_disk)")
         yield from enumerate(ds, 1)
-    else:
-        raise SystemExit(f"unknown --format {fmt!r}: use jsonl, json, csv, parquet or hf")
 
 
 def detect_format(path: Path) -> str:
     if path.is_dir():
-        if (
-            (path / "dataset_info.json").exists()
-            or (path / "dataset_dict.json").exists()
-            or (path / "state.json").exists()
-        ):
+        if any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
             return "hf"
         raise SystemExit(f"{path} is a folder but not a dataset saved with datasets' save_to_disk")
     suffix = path.suffix.lower()
     kinds = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
     if suffix not in kinds:
-        raise SystemExit(f"cannot tell the format of {path}: pass --format jsonl|json|csv|parquet|hf")
+        raise SystemExit(f"cannot tell the format of {path}: name it .jsonl, .json, .csv or .parquet")
     return kinds[suffix]
 
 
@@ -388,7 +361,7 @@ class SplitWriter:
 def good_rows(path: Path, fixed_split: str | None, args, spec: RowSpec, report: Report, seen: set):
     """Each good row of `path` as (split, split value, row), its index still 0; bad rows and duplicates are counted
     in `report` (a bad row stops the build with --on-bad-row fail)."""
-    for row_number, example in read_examples(path, args.format, args.hf_split):
+    for row_number, example in read_examples(path):
         report.read += 1
         try:
             if isinstance(example, BadRow):
@@ -490,8 +463,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RowSpec]:
     )
     p.add_argument("input", type=Path, help="JSONL, JSON, CSV, parquet file, or a save_to_disk folder")
     p.add_argument("--out-dir", type=Path, required=True, help="receives train.parquet and test.parquet")
-    p.add_argument("--format", default="auto", help="jsonl | json | csv | parquet | hf (default: from the name)")
-    p.add_argument("--hf-split", help="the split to read from a saved DatasetDict")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt-column", help="column with the user prompt text (default: prompt, or the preset's)")
     g.add_argument("--messages-column", help="column with a chat list [{role, content}, ...] ending with the user")
@@ -535,20 +506,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RowSpec]:
     reserved = {"split", "index", "source_row", "reward_messages"} & set(keep)
     if reserved:
         p.error(f"--keep-columns {sorted(reserved)}: these names are taken in extra_info; rename the columns")
-    spec = RowSpec(
-        prompt_column=None if args.messages_column else args.prompt_column,
-        messages_column=args.messages_column,
-        system_prompt=args.system_prompt,
-        system_column=args.system_column,
-        answer_column=args.answer_column,
-        source_column=args.source_column,
-        keep_columns=keep,
-        data_source=args.data_source,
-        ability=args.ability,
-        reward_style=args.reward_style,
-        answer_format=args.preset or "text",
-        instruction=preset.get("instruction", ""),
-    )
+    as_given = ("prompt_column", "messages_column", "system_prompt", "system_column", "answer_column", "source_column",
+                "data_source", "ability", "reward_style")  # fmt: skip
+    spec = RowSpec(**{name: getattr(args, name) for name in as_given}, keep_columns=keep,
+                   answer_format=args.preset or "text", instruction=preset.get("instruction", ""))  # fmt: skip
     return args, spec
 
 

@@ -154,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt-length", type=int, help="data.max_prompt_length of the run")
     p.add_argument("--overlong", choices=["error", "warn"], default="error",
                    help="error (default; verl with data.truncation=error fails on them) or warn (filter_overlong_prompts)")  # fmt: skip
-    p.add_argument("--chat-template-kwargs", default="{}", help="JSON of data.apply_chat_template_kwargs")
     args = p.parse_args(argv)
     if args.max_prompt_length is not None and args.tokenizer is None:
         p.error("--max-prompt-length needs --tokenizer (lengths are in the policy's tokens)")
@@ -163,10 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    ok = validate_files(
-        args.files, tokenizer, args.max_prompt_length, args.overlong, json.loads(args.chat_template_kwargs)
-    )
-    return 0 if ok else 1
+    return 0 if validate_files(args.files, tokenizer, args.max_prompt_length, args.overlong) else 1
 
 
 def validate_files(paths, tokenizer=None, max_prompt_length=None, overlong="error", template_kwargs=None) -> bool:

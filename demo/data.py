@@ -1,12 +1,7 @@
-"""A small demo dataset (English and Japanese safety prompts) for the launch scripts' embedded default.
+"""A small demo dataset (English and Japanese safety prompts): `make demo`'s and the job tests' prompts."""
 
-python -m demo.data OUT_DIR           # writes OUT_DIR/demo.jsonl, then OUT_DIR/train.parquet, test.parquet
-"""
-
-import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 from data_prep import build
@@ -34,16 +29,3 @@ def write_demo(out_dir: Path, n: int = 96) -> Path:
                 "--system-prompt", "You are a careful assistant.", "--keep-columns", "id", "--test-size", "0.25",
                 "--overwrite"])  # fmt: skip
     return out_dir
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--rows", type=int, default=96)
-    args = parser.parse_args(argv)
-    write_demo(args.out_dir, args.rows)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,25 +1,11 @@
 """verl 0.6.1's Megatron workers on a machine without a GPU and without Transformer Engine: every adaptation, here.
 
-`make demo` and the Megatron job tests run the settings block's default strategy, STRATEGY=megatron, through verl's
-own `ppo_megatron_trainer`: its Megatron actor, reference and PPO critic (megatron-core 0.13.0, the image's version)
-build the model, load the HF weights, run the packed forward and backward (PP=2 over two Ray workers where asked),
-step megatron-core's distributed optimizer with offload, sync the weights into the rollout, save verl's dist
-checkpoint, resume it, and verl's Megatron merger turns it into a HuggingFace model. Nothing of verl or
-megatron-core is copied or edited; what a CPU and the lack of Transformer Engine (TE) stop is adapted below, each
-with the file and line it works around (verl v0.6.1, megatron-core 0.13.0). demo/verl_cpu.py's adaptations (gloo,
-the HF rollout, torch.cpu's device calls) apply as well: `install` runs them first.
-
-Two kinds, as in demo/verl_cpu.py:
-- Hydra overrides (OVERRIDES): settings verl has, chosen for a CPU.
-- Shims (SHIMS, applied by `install` in every Ray worker process of a Megatron run, and by `merger_main` in the
-  merger's process). Some are process-wide ("cuda" read as the CPU): they are installed only for Megatron runs on a
-  machine without CUDA, never in the image.
-
-The layer spec keeps TE's parameter names and checkpoint keys (`self_attention.linear_qkv.layer_norm_weight`,
-`mlp.linear_fc1.layer_norm_weight`, `core_attention._extra_state`), so verl's HF->mcore loader, the weight sync into
-the rollout, the dist checkpoint and the merger see what a TE run writes. What a CPU run does not prove (TE's kernels
-and fp8 state, FusedAdam's own state, TP>1 with sequence parallelism, NCCL, SGLang's weight update, 4B shapes):
-docs/verl-on-cpu.md.
+`make demo` and the Megatron job tests run STRATEGY=megatron through verl's own `ppo_megatron_trainer` (megatron-core
+0.13.0) and verl's Megatron merger. Nothing of verl or megatron-core is copied or edited; what a CPU and the lack of
+Transformer Engine (TE) stop is adapted below, as in demo/verl_cpu.py (whose shims `install` runs first): Hydra
+overrides (OVERRIDES) and shims (SHIMS), some process-wide, so installed only for Megatron runs without CUDA. The
+layer spec keeps TE's parameter names and checkpoint keys, so the loader, the weight sync, the dist checkpoint and the
+merger see what a TE run writes. Each adaptation, and what a CPU run does not prove: docs/verl-on-cpu.md.
 
     python -m demo.megatron_cpu          # the overrides, one a line, each with its reason
 """
@@ -65,10 +51,8 @@ def _te_shaped_modules():
     from megatron.core.transformer.module import MegatronModule
 
     class NormColumnParallelLinear(ColumnParallelLinear):
-        """TE's TELayerNormColumnParallelLinear without TE: RMSNorm fused into the following column-parallel linear
-        layer, owning its weight as `layer_norm_weight` (the name verl's loader, loader.py:406,441, weight converter,
-        weight_converter.py, and merger, megatron_model_merger.py:183-200, read). Replicated across tensor-parallel
-        ranks like TE's: the checkpoint shards only `weight` and `bias` (tensor_parallel/layers.py, sharded_state_dict)."""
+        """TE's TELayerNormColumnParallelLinear without TE: RMSNorm, then the column-parallel linear layer, its weight
+        named `layer_norm_weight` as verl's loader, weight converter and merger read it; replicated as TE's is."""
 
         def __init__(self, input_size, output_size, *, config, **kwargs):
             super().__init__(input_size, output_size, config=config, **kwargs)
@@ -76,17 +60,13 @@ def _te_shaped_modules():
             self.eps = config.layernorm_epsilon
 
         def forward(self, input_, *args, **kwargs):
-            # In the input's dtype: torch computes in float32 inside and, on CUDA, runs one fused kernel that keeps
-            # the input and the inverse RMS for the backward, as TE's does (a float32 copy would keep twice that)
+            # In the input's dtype: torch computes in float32 inside (a float32 copy would keep twice the memory)
             normed = F.rms_norm(input_, (input_.shape[-1],), self.layer_norm_weight.to(input_.dtype), self.eps)
             return super().forward(normed, *args, **kwargs)
 
     class PackedSDPAttention(MegatronModule):
-        """TE's DotProductAttention for the packed input verl always sends (THD with cu_seqlens,
-        verl/models/mcore/model_forward.py:56-63, util.py:90-97), which megatron-core's local DotProductAttention
-        refuses (transformer/dot_product_attention.py:120): causal attention within each packed sequence, through
-        PyTorch's SDPA, with grouped key/value heads. Its `_extra_state` (None) stands where TE keeps fp8 metadata,
-        so the checkpoint has TE's keys."""
+        """TE's DotProductAttention for verl's packed (THD) input, which megatron-core's local one refuses
+        (dot_product_attention.py:120): causal SDPA within each packed sequence; `_extra_state` keeps TE's keys."""
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **_):
             super().__init__(config=config)
@@ -99,9 +79,7 @@ def _te_shaped_modules():
             bounds = packed_seq_params.cu_seqlens_q.tolist()
             pieces = []
             for start, end in itertools.pairwise(bounds):
-                # [1, heads, tokens, dim]: SDPA's flash kernel takes 4-D input only (3-D falls back to the math
-                # kernel, which keeps every [tokens x tokens] score); grouped key/value heads as they are
-                # (enable_gqa): the kernel keeps them unrepeated, as TE's does
+                # 4-D: SDPA's flash kernel takes no 3-D input; grouped key/value heads unrepeated (enable_gqa)
                 q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
                 pieces.append(out[0].transpose(0, 1))
@@ -120,12 +98,8 @@ def _te_shaped_modules():
 
 
 def _te_shaped_layer_spec() -> None:
-    """verl asks every model for `get_gpt_decoder_block_spec(..., use_transformer_engine=True)`
-    (verl/models/mcore/model_initializer.py:105, :114, :138, ...), which without TE stops at `NameError: TENorm`
-    (megatron-core models/gpt/gpt_layer_specs.py:404). megatron-core's local spec would build, but names the norms
-    `input_layernorm` / `pre_mlp_layernorm`, which verl's loader and weight sync refuse. So megatron-core's own TE
-    spec runs, with a spec provider of TE-free modules in TESpecProvider's place: the layer's structure and every
-    parameter name are TE's."""
+    """verl asks for TE's layer spec (model_initializer.py:105), which stops at `NameError: TENorm` without TE, and
+    the local spec's norm names are refused by verl's loader: megatron-core's own TE spec, with TE-free modules."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -153,9 +127,8 @@ def _te_shaped_layer_spec() -> None:
 
 
 def _cpu_rng_tracker() -> None:
-    """verl seeds megatron-core's model-parallel RNG tracker (megatron_workers.py:96 ->
-    tensor_parallel.model_parallel_cuda_manual_seed), which keeps CUDA generator states (tensor_parallel/random.py:196,
-    and the same states around recompute): `Torch not compiled with CUDA`. The tracker keeps the CPU generator's."""
+    """megatron-core's model-parallel RNG tracker keeps CUDA generator states (tensor_parallel/random.py:196): the
+    CPU generator's instead."""
     import torch
     from megatron.core.tensor_parallel import random
 
@@ -167,13 +140,8 @@ def _cpu_rng_tracker() -> None:
 
 
 def _cuda_means_cpu() -> None:
-    """megatron-core hard-codes CUDA where verl's CPU path cannot reach: buffers on `torch.cuda.current_device()`
-    (distributed/param_and_grad_buffer.py:650-673, optimizer/distrib_optimizer.py:724), tensors made with
-    device="cuda" (pipeline_parallel/schedules.py:497, optimizer/optimizer.py:421-433,852), `torch.cuda.synchronize`
-    (dist_checkpointing/strategies/filesystem_async.py:229), `weight.data.cuda()` for the tied embedding across
-    pipeline stages (models/common/language_module/language_module.py:173) and its gradient buffer's CUDA streams. In
-    a process without CUDA every such call fails, so the device "cuda" is read as the CPU: process-wide, which is why
-    this is installed only for Megatron runs on a machine without CUDA."""
+    """megatron-core hard-codes CUDA (current_device buffers, device="cuda" tensors, synchronize, `.cuda()`, streams;
+    docs/verl-on-cpu.md lists where): the device "cuda" reads as the CPU, process-wide."""
     import torch
 
     def cpu_device(device):
@@ -224,20 +192,15 @@ def _cuda_means_cpu() -> None:
 
 
 def _device_index() -> None:
-    """verl's Megatron utilities place modules on f"{get_device_name()}:{get_device_id()}" (verl/utils/megatron_utils.py
-    :128), and on a CPU get_device_id() is torch.cpu.current_device(), "cpu": `Invalid device string: 'cpu:cpu'`. In
-    that module the device index reads 0, as on a one-GPU node ("cpu:0"; its bare `.to(0)` and `device=0` calls,
-    :379-850, land on the CPU through _cuda_means_cpu)."""
+    """`Invalid device string: 'cpu:cpu'` (verl/utils/megatron_utils.py:128): the device index reads 0 there."""
     from verl.utils import megatron_utils
 
     megatron_utils.get_device_id = lambda: 0
 
 
 def _cuda_tensor_types() -> None:
-    """megatron-core's distributed optimizer sorts parameters by their CUDA type names
-    (optimizer/distrib_optimizer.py:361-405: 'torch.cuda.BFloat16Tensor' ...) and refuses any other: `Wrapped
-    parameters must be one of torch.cuda.FloatTensor...`. For its callers alone, a CPU tensor's type() reads as the
-    CUDA type of the same dtype."""
+    """megatron-core's distributed optimizer refuses any but CUDA type names (distrib_optimizer.py:361-405): for its
+    callers alone, a CPU tensor's type() reads as the CUDA type of its dtype."""
     import torch
 
     type_ = torch.Tensor.type
@@ -252,15 +215,9 @@ def _cuda_tensor_types() -> None:
 
 
 def _host_copy_for_the_param_offload() -> None:
-    """verl offloads a DDP-wrapped Megatron module's parameters (the critic's with param_offload, the job's default for
-    PPO; the actor's where asked) by copying each buffer to pinned host memory and freeing its device storage
-    (verl/utils/megatron_utils.py:341-343, `buffer.param_data.data.cpu().pin_memory()` then `storage().resize_(0)`).
-    Pinning needs an accelerator: `Cannot access accelerator device when none is available`. And on a CPU `.cpu()`
-    returns the buffer itself, so a copy that only skipped the pinning would be freed by the resize, the weights with
-    it. For that module's callers alone, pin_memory returns a copy in ordinary host memory: what the pinned copy
-    holds on a GPU (the page-locking only speeds the copy back, :376). The reference is not DDP-wrapped and moves with
-    `.to()` (:353-354, 380-381), which needs nothing here. Like every shim, it is installed only without CUDA: a GPU
-    run pins as verl does."""
+    """verl offloads a DDP-wrapped module's parameters as `.cpu().pin_memory()`, then frees the storage
+    (megatron_utils.py:341-343): pinning needs an accelerator, and on a CPU `.cpu()` is the buffer itself, which the
+    free would take with it. For that module's callers alone, pin_memory returns an ordinary host copy."""
     import torch
 
     pin_memory = torch.Tensor.pin_memory
@@ -277,12 +234,8 @@ def _host_copy_for_the_param_offload() -> None:
 
 
 def _adam_with_the_step_in_the_group() -> None:
-    """Without TE or apex megatron-core falls back to torch's AdamW (optimizer/__init__.py:25) and to code paths
-    that read AdamW's per-parameter `step` (distrib_optimizer.py:612-614, 753-760), which fail verl's resume:
-    `KeyError: 'step'` loading a checkpoint after a step (distrib_optimizer.py:896) and `assert len(steps) == 1`
-    resuming in a new process (:614). The optimizer here is torch's AdamW keeping its state as TE's and apex's
-    FusedAdam do (exp_avg and exp_avg_sq per parameter, the step in the parameter group), and megatron-core takes its
-    FusedAdam paths: the checkpoint holds the same keys as a GPU run's."""
+    """Without TE or apex megatron-core's AdamW paths fail verl's resume (distrib_optimizer.py:614, :896): torch's
+    AdamW keeping its state as FusedAdam does (the step in the parameter group): a GPU run's checkpoint keys."""
     import torch
     from megatron.core import optimizer
     from megatron.core.optimizer import distrib_optimizer
@@ -321,10 +274,8 @@ def _adam_with_the_step_in_the_group() -> None:
 
 
 def _transformer_engine_for_the_resume() -> None:
-    """verl's Megatron checkpoint manager imports transformer_engine, unguarded, to allow-list FusedAdam for
-    torch.load (verl/utils/checkpoint/megatron_checkpoint_manager.py:300-303): without TE every resume stops there. A
-    stand-in module with that one name is present for the duration of load_checkpoint only (verl's own dist
-    checkpoint helper guards the same import, verl/utils/megatron/dist_checkpointing.py:55-61)."""
+    """verl's checkpoint manager imports transformer_engine unguarded on resume (megatron_checkpoint_manager.py:300):
+    a stand-in module with that one name, during load_checkpoint only."""
     from verl.utils.checkpoint import megatron_checkpoint_manager as manager
 
     load = manager.MegatronCheckpointManager.load_checkpoint
@@ -347,9 +298,8 @@ def _transformer_engine_for_the_resume() -> None:
 
 
 def _value_head_without_flash_attn() -> None:
-    """The critic's value head is verl's LinearForLastLayer (model_initializer.py:90), in a package whose __init__
-    imports its legacy Llama layers and with them flash_attn (verl/models/llama/megatron/layers/parallel_attention.py
-    :27). The module itself needs only torch and megatron-core: it is loaded alone, under its own name."""
+    """The critic's value head (model_initializer.py:90) is in a package whose __init__ imports flash_attn: its one
+    module, loaded alone under its own name."""
     name = "verl.models.llama.megatron.layers.parallel_linear"
     if name in sys.modules:
         return
@@ -366,14 +316,8 @@ FUSED_STAND_IN_LINE = "fused log-probs: verl's FusedLinearForPPO (CPU stand-in)"
 
 
 def _fused_log_probs_in_torch() -> None:
-    """verl's fused forward (use_fused_kernels, verl/models/mcore/model_forward_fused.py:201) calls the Triton kernel
-    it imports by name (:32, verl.utils.kernel.linear_cross_entropy), which needs CUDA and Triton
-    (linear_cross_entropy.py:66 NVTX, kernels.py:518 asserts is_cuda, :608 Triton). In that module the name is
-    verl's own pure-torch FusedLinearForPPO (verl/utils/experimental/torch_functional.py:196: the same log-probs and
-    entropy, chunk by chunk, with its own backward), with the kernel's signature and shapes: hidden [tokens, 1,
-    hidden] or [b, s, hidden] flattened to its rows, labels to one row, float32 log-probs and entropy per token (the
-    kernel's, kernels.py:543-551), computed in float32 as the kernel accumulates. Tensor parallelism is refused: a CPU
-    run has TP=1."""
+    """verl's fused forward calls a CUDA and Triton kernel by name (model_forward_fused.py:32): in that module the name
+    is verl's own pure-torch FusedLinearForPPO, with the kernel's signature, shapes and float32 outputs; TP=1 only."""
     import torch
     from verl.models.mcore import model_forward_fused
     from verl.utils.experimental.torch_functional import FusedLinearForPPO
@@ -418,8 +362,7 @@ _installed = False
 
 
 def install_without_te() -> None:
-    """verl's Megatron workers on a GPU without TE: WITHOUT_TE alone, once a process. Refuses where TE imports (the
-    image): there verl's own TE spec runs and nothing here must replace it."""
+    """verl's Megatron workers on a GPU without TE: WITHOUT_TE alone, once a process; refused where TE imports."""
     global _installed
     if _installed:
         return
@@ -442,9 +385,8 @@ def install() -> None:
 
 
 def run_merger(argv: list[str]) -> None:
-    """`python -m verl.model_merger ARGS` in this process, with the shims: verl's Megatron merger builds the same model
-    as the workers (the layer spec, the RNG tracker, "cuda" as the CPU) to read the checkpoint. demo/megatron_merger
-    is the MERGER_LAUNCHER that runs it (merge_mcore_to_hf.sh)."""
+    """`python -m verl.model_merger ARGS` with the shims: the merger builds the same model as the workers
+    (demo/megatron_merger, the CPU's MERGER_LAUNCHER)."""
     import runpy
 
     install()

@@ -1,15 +1,10 @@
 """The main job on tiny models, for a machine without Slurm or GPUs (`make demo`): verl 0.6.1's own trainer on CPU.
 
-Builds a tiny policy and reward model from configs and the demo dataset under demo_out/, then runs the real
-run_grpo_qwen3_4b_mega_verl.sh on this machine (no container) as the canary (CANARY=1, docs/operations.md): the
-preflight, then in two launches of the job verl's own `python -m verl.trainer.main_ppo` trains 2 GRPO steps and
-saves each, resumes from its step-2 checkpoint and trains step 3, then merge_mcore_to_hf.sh merges what verl saved
-and verifies it, numerically too (launch/merge/check_numeric.py: its figures are printed at the end); the canary
-checks verl's own output at every stage. Each launch has a reward server scoring on the CPU and a real Ray head. The trainer runs the settings block's default strategy, verl's Megatron actor and
-reference (megatron-core 0.13.0 without Transformer Engine: demo/megatron_cpu.py), and verl's HF rollout
-(demo/verl_cpu.py) instead of SGLang, which needs GPUs; the rollout is the block's default, async (verl's agent loop
-sends each prompt to that engine); verl's Megatron merger runs with the same adaptations (demo/megatron_merger).
-Exits with the job's code.
+Builds a tiny policy and reward model and the demo dataset under demo_out/, then runs the real
+run_grpo_qwen3_4b_mega_verl.sh here (no container) as the canary (CANARY=1, docs/operations.md): the preflight, 2 GRPO
+steps saved, a resume to step 3, then merge_mcore_to_hf.sh's merge and its numeric check, with a CPU reward server
+and a real Ray head. verl's Megatron workers and merger run through demo/megatron_cpu.py, its HF rollout through
+demo/verl_cpu.py (docs/verl-on-cpu.md). Exits with the job's code.
 
     python -m demo.run [--out demo_out]        # what `make demo` runs
 """
@@ -46,11 +41,8 @@ LOGIN_NODE_CHECK = (
     'PATH="$PWD/.venv/bin:$PATH" CONTAINER=none PREFLIGHT_ONLY=1 PREFLIGHT_REWARD_DEVICE=cpu '
     "bash run_grpo_qwen3_4b_mega_verl.sh"
 )
-# The job's settings for a 2-core machine: the settings block's default strategy, verl's Megatron workers, on one
-# pipeline stage (PP=2 runs too, measured 334 s for the demo on a loaded 2-core machine against 215 s: the Slurm job
-# test with PP=2 across two nodes runs it), the settings block's default
-# async rollout (verl's agent loop, through the HF engine demo/verl_cpu.py registers), and a tiny workload; the
-# canary shrinks the batch and the steps further.
+# The job's settings for a 2-core machine: the block's defaults (Megatron, async rollout) on one pipeline stage (PP=2:
+# 334 s against 215 s; the Slurm job test runs it) and a tiny workload, which the canary shrinks further.
 SETTINGS = {
     "STRATEGY": "megatron",
     "ACTOR_PP": "1",

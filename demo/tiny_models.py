@@ -12,13 +12,10 @@ the models are randomly initialised from a `Qwen3Config`. They keep the properti
   has scores to tell apart (`make demo` and the tests train it with verl's own trainer);
 - the reward model is a `Qwen3ForSequenceClassification` with `num_labels=1` and `pad_token_id` set, so batched
   scoring reads the last non-pad token.
-
-    python -m demo.tiny_models OUT_DIR        # writes OUT_DIR/reward_model and OUT_DIR/policy
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 from pathlib import Path
 
@@ -152,18 +149,3 @@ def build_policy_model(out_dir: str | Path, seed: int = 0, chat_template: str = 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", type=Path, help="folder that receives reward_model/ and policy/")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    for name, build in (("reward_model", build_reward_model), ("policy", build_policy_model)):
-        path = build(args.out_dir / name, seed=args.seed)
-        print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,29 +1,13 @@
 """verl 0.6.1's own trainer on a machine without a GPU: every adaptation it needs, in this one module.
 
-The CPU job tests run the real `python -m verl.trainer.main_ppo` (RayPPOTrainer.fit: verl's data loader, rollout,
-our reward function through a real reward server, GRPO advantages, the actor update, the checkpoint manager,
-validation, the console logger), in either ROLLOUT_MODE: sync (verl's HFRollout on a batch) or async (verl's agent
-loop and reward loop, with HFReplica below). With STRATEGY=fsdp2 these adaptations are all of it; with
-STRATEGY=megatron (`make demo`, the quickstart, the Megatron job tests) demo/megatron_cpu.py installs them first and
-adds its own. They pass `overrides()` after their other arguments to run_grpo_qwen3_4b_mega_verl.sh, as a user
-passes Hydra overrides, so the preflight checks, and trainer_command.txt records, the command that runs. Two kinds
-of adaptation:
-
-- Hydra overrides (OVERRIDES): settings verl already has, chosen for a CPU. trainer.device stays `cuda`, verl's
-  default: verl places its workers on the GPUs Ray was told of (`ray start --num-gpus`, as on a cluster; here
-  placeholders) and picks torch's device from torch itself (verl/utils/device.py:40-52: cpu without CUDA), whereas
-  trainer.device=cpu would ask Ray for a resource literally named `cpu` (verl/single_controller/ray/base.py:117-124).
-- Shims (SHIMS, applied by `install`): what verl 0.6.1 cannot do on a CPU without a change to its code. Each names
-  the verl line it works around. verl's TaskRunner and its workers are Ray actors in other processes, so a patch in
-  the process that runs main_ppo would reach none of them: `install` runs in every Ray worker process of the job,
-  as Ray's worker_process_setup_hook, which one of the overrides sets (the job's Ray started by
-  helper_grpo_qwen3_4b.sh puts the repository on PYTHONPATH, so every worker can import this module).
-
-The HF rollout (HFEngineRollout) takes its device and dtype from the worker: benchmarks/verl_step.py runs the same
-class, registered the same way, with ENGINE_OVERRIDES, on a GPU with NCCL and none of the CPU shims.
-
-Nothing of verl is copied or edited. What stays out of reach on a CPU: the SGLang and vLLM engines;
-docs/verl-on-cpu.md says what runs for real.
+The CPU job tests, and `make demo` through demo/megatron_cpu.py, run the real `python -m verl.trainer.main_ppo`.
+Two kinds of adaptation (docs/verl-on-cpu.md: each one, and where verl stopped without it):
+- Hydra overrides (OVERRIDES): settings verl already has, chosen for a CPU, passed after the job's own as a user's
+  are, so the preflight checks, and trainer_command.txt records, the command that runs.
+- Shims (SHIMS, applied by `install`): what verl 0.6.1 cannot do on a CPU without a change to its code, each naming
+  the verl line it works around. verl's workers are Ray actors in other processes: `install` runs in each as Ray's
+  worker_process_setup_hook, which one of the overrides sets.
+The HF rollout (HFEngineRollout) also serves benchmarks/verl_step.py on a GPU, with ENGINE_OVERRIDES alone.
 
     python -m demo.verl_cpu          # the overrides, one a line, each with its reason
 """
@@ -84,10 +68,8 @@ def overrides() -> list[str]:
 
 
 def _gloo_for_nccl() -> None:
-    """verl's process groups ask for NCCL: `cpu:gloo,cpu:nccl` in the actor and rollout worker
-    (fsdp_workers.py:150) and `nccl` in the critic's (:1155), from get_nccl_backend (verl/utils/device.py:76-85,
-    nccl unless NPU). A CPU has only gloo, and patching get_nccl_backend alone would give `cpu:gloo,cpu:gloo`,
-    which torch refuses (a device named twice)."""
+    """verl's process groups ask for NCCL (fsdp_workers.py:150, :1155); patching get_nccl_backend alone would give
+    `cpu:gloo,cpu:gloo`, which torch refuses."""
     import torch.distributed as dist
 
     original = dist.init_process_group
@@ -101,8 +83,7 @@ def _gloo_for_nccl() -> None:
 
 
 def _gather_like_nccl() -> None:
-    """topk_reduce_ratio_min_max gathers a 0-d timing tensor into 1-element tensors after every rollout
-    (verl/utils/profiler/performance.py:231-234): NCCL checks only element counts, gloo refuses the shapes."""
+    """A 0-d timing tensor gathered into 1-element ones (profiler/performance.py:231-234): gloo refuses the shapes."""
     import torch.distributed as dist
 
     original = dist.all_gather
@@ -116,12 +97,8 @@ def _gather_like_nccl() -> None:
 
 
 def _cpu_device_calls() -> None:
-    """On a CPU verl's get_torch_device() is torch.cpu (verl/utils/device.py:55-65), which lacks calls verl makes on
-    every device: empty_cache (memory_utils.py:53), the memory counters (memory_utils.py:46, fsdp_workers.py:882-883)
-    and the random state it swaps between rollout and training (fsdp_workers.py:612-615). Added to torch.cpu, not
-    a stand-in module: verl tells a CPU by `get_torch_device() == torch.cpu` (flops_counter.py:69,
-    profiler/performance.py:45). A CPU has no device memory apart from the process's: the counters read 0, as
-    verl's own CPU branch of its memory log does."""
+    """verl's get_torch_device() is torch.cpu here (device.py:55-65), which lacks empty_cache, the memory counters
+    (read 0) and the random state calls; added to torch.cpu itself, since verl tells a CPU by `== torch.cpu`."""
     import torch
 
     calls = {
@@ -140,8 +117,7 @@ def _cpu_device_calls() -> None:
 
 
 def _unpinned_offload() -> None:
-    """The reference policy's FSDP2 module is always offloaded with pinned memory (fsdp_workers.py:518,
-    CPUOffloadPolicy(pin_memory=True)), and pinning needs an accelerator. It lives in CPU memory either way."""
+    """The reference is always offloaded with pinned memory (fsdp_workers.py:518), which needs an accelerator."""
     import verl.utils.fsdp_utils as fsdp_utils  # before fsdp_workers imports the name from it
 
     pinned = fsdp_utils.CPUOffloadPolicy
@@ -154,10 +130,8 @@ def _unpinned_offload() -> None:
 
 
 def _critic_attention() -> None:
-    """verl's FSDP critic is loaded with attn_implementation="flash_attention_2" whatever its override_config says
-    (verl/utils/model.py:623-629, load_valuehead_model), and without flash-attn it falls back to trl's value-head
-    model (:639), not installed here. The same first call, with the attention the critic's config was built with
-    (critic.model.override_config.attn_implementation, fsdp_workers.py:1254-1259)."""
+    """verl's FSDP critic is loaded with flash_attention_2 whatever its config says (verl/utils/model.py:623-629), and
+    without flash-attn falls back to trl: the same call with the config's attention."""
     import verl.utils.model as model_utils  # fsdp_workers imports the name from it inside the critic's builder
 
     def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
@@ -172,10 +146,8 @@ def _critic_attention() -> None:
 
 
 def register_rollout() -> None:
-    """verl 0.6.1 registers only vLLM and SGLang (verl/workers/rollout/base.py:81-86) and asserts on anything else
-    (:99); its HF rollout ships unregistered. Async rollout (the agent loop) also asks a replica class for the
-    servers it sends prompts to (verl/workers/rollout/replica.py:193-246, looked up in agent_loop.py:682). The
-    registration is the one shim a GPU run needs too (benchmarks/verl_step.py)."""
+    """verl 0.6.1 registers only vLLM and SGLang (rollout/base.py:81-86); async rollout also asks for a replica
+    class (replica.py:193-246). The one shim a GPU run needs too (benchmarks/verl_step.py)."""
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
@@ -189,8 +161,7 @@ _installed = False
 
 
 def install() -> None:
-    """Ray's worker_process_setup_hook: every shim, once per process, before verl's modules are imported there (the
-    device calls and the offload policy are taken by name when verl's worker module loads)."""
+    """Ray's worker_process_setup_hook: every shim, once per process, before verl's modules are imported there."""
     global _installed
     if _installed:
         return
@@ -210,13 +181,9 @@ def install() -> None:
 
 
 def _rollout_class():
-    """HFEngineRollout: verl's own HFRollout (HF generate, hf_rollout.py) behind the interface verl's FSDP worker calls
-    on an engine. HFRollout.__init__(module, config) predates that interface (BaseRollout(config, model_config,
-    device_mesh), base.py:32-40; hf_rollout.py:40-42 calls super().__init__() with no arguments), so this class has
-    its own: it builds the policy's architecture on the worker's device and, as the vLLM and SGLang engines do, takes
-    the actor's weights in update_weights, which the worker calls before every rollout (fsdp_workers.py:651-721).
-    On a GPU (benchmarks/verl_step.py) it holds the weights in the rollout's dtype (rollout.dtype, bfloat16), on a
-    CPU in float32; HFRollout autocasts generation to bfloat16 on either (hf_rollout.py:108)."""
+    """HFEngineRollout: verl's own HFRollout (HF generate) behind the engine interface verl's FSDP worker calls, which
+    its older __init__ predates (hf_rollout.py:40-42): it builds the policy on the worker's device (float32 on a CPU,
+    rollout.dtype on a GPU) and takes the actor's weights in update_weights, as the vLLM and SGLang engines do."""
     import torch
     from transformers import AutoModelForCausalLM
     from verl.utils.device import get_device_id, get_device_name
@@ -237,8 +204,7 @@ def _rollout_class():
             self.synced = False
 
         async def resume(self, tags: list[str]):
-            """The weights stay where they are between rollouts (on a GPU, one bfloat16 copy of the policy beside the
-            actor's), and HF's KV cache lives only inside generate: nothing to bring back."""
+            """The weights stay between rollouts; HF's KV cache lives only inside generate: nothing to bring back."""
 
         async def release(self):
             """Nothing to free: see resume."""
@@ -261,8 +227,7 @@ def _rollout_class():
             return super().generate_sequences(prompts)
 
         async def generate(self, prompt_ids, sampling_params, request_id, image_data=None):
-            """Async rollout (the agent loop): one prompt's tokens in, its response's tokens out, as the SGLang and vLLM
-            servers answer (async_sglang_server.py:224-253: the same length limit, TokenOutput)."""
+            """Async rollout: one prompt's tokens in, its response's out, as SGLang's server answers (:224-253)."""
             from verl.workers.rollout.replica import TokenOutput
 
             self._check_synced()
@@ -297,10 +262,8 @@ def _hf_sampling(sampling_params: dict) -> dict:
 
 
 def _replica_class():
-    """The agent loop's rollout servers for HFEngineRollout: in verl's hybrid mode each server is the hybrid worker itself,
-    which holds the engine and answers `generate` (AsyncActorRolloutRefWorker.generate, fsdp_workers.py:1952-1961);
-    wake_up and sleep, which the replica sends its servers around every rollout, are that worker's own weight sync
-    (fsdp_workers.py:1929-1937). The SGLang and vLLM replicas start a server process of their own instead."""
+    """The agent loop's rollout servers for HFEngineRollout: each is the hybrid worker itself, which holds the engine
+    and answers `generate` (fsdp_workers.py:1952-1961); wake_up and sleep are its own weight sync."""
     from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
     class HFReplica(RolloutReplica):
