@@ -21,7 +21,7 @@ on the same model and ceiling, each with its own server: upper-case keys are ser
     python -m benchmarks.reward_bench --out reward_bench.json                         # H200, Qwen3-1.7B shape
     python -m benchmarks.reward_bench --shape tiny --device cpu --samples 64 --out x.json   # smoke run on CPU
     python -m benchmarks.reward_bench --shape qwen3-8b --rows cold,fresh,callers-fresh --repeat 3 --out 8b.json
-    python -m benchmarks.reward_bench --variant off:REWARD_FUSE=off --variant on --rows fresh --repeat 3 --out ab.json
+    python -m benchmarks.reward_bench --variant off:REWARD_PACK=off --variant on --rows fresh --repeat 3 --out ab.json
 """
 
 import argparse

@@ -15,12 +15,12 @@ def test_the_reward_benchmark_runs_every_row_of_each_variant_against_its_own_ser
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "benchmarks.reward_bench", "--shape", "tiny", "--device", "cpu", "--samples", "48",
            "--concurrency", "4", "--repeat", "2", "--pid-file", str(tmp_path / "pids"),
-           "--variant", "one:REWARD_FUSE=off,rows=cold+fresh", "--variant", "two", "--out", str(out)]  # fmt: skip
+           "--variant", "one:REWARD_PACK=off,rows=cold+fresh", "--variant", "two", "--out", str(out)]  # fmt: skip
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     one, two = result["variants"]
-    assert one["health"]["fused_modules"] == 0 and two["health"]["fused_modules"] > 0  # the variant's own env
+    assert one["health"]["pack"] is False and two["health"]["pack"] is True  # the variant's own env
     assert len((tmp_path / "pids").read_text().split()) == 2
     assert "cold_over_fresh" in one and "cold_over_warm" in two
     rows = {(r["variant"], r["key"]): r for r in result["rows"]}
@@ -62,10 +62,10 @@ def test_a_row_reports_the_median_run_and_the_spread_of_its_repeats():
 
 
 def test_variants_and_rows_are_checked_before_anything_starts():
-    v = parse_variant("fused:REWARD_FUSE=off,rows=fresh+cold", ["fresh"])
-    assert v == {"name": "fused", "env": {"REWARD_FUSE": "off"}, "rows": ["cold", "fresh"]}
+    v = parse_variant("unpacked:REWARD_PACK=off,rows=fresh+cold", ["fresh"])
+    assert v == {"name": "unpacked", "env": {"REWARD_PACK": "off"}, "rows": ["cold", "fresh"]}
     assert parse_variant("plain", ["warm"]) == {"name": "plain", "env": {}, "rows": ["warm"]}
-    for bad, needle in (("x:REWARD_FUSE", "not KEY=VALUE"), ("x:fuse=off", "neither"),
+    for bad, needle in (("x:REWARD_PACK", "not KEY=VALUE"), ("x:pack=off", "neither"),
                         ("x:rows=hot", "unknown rows"), ("x:replicas=2", "neither")):  # fmt: skip
         with pytest.raises(ValueError, match=needle):
             parse_variant(bad, ["fresh"])

@@ -24,7 +24,6 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reward_score.server import layers
 from reward_score.server.app import create_app
 from reward_score.server.batcher import Batcher, Preparer, _Job
 from reward_score.server.inputs import ConversationRefused
@@ -891,102 +890,6 @@ def test_compiled_layers_serve_only_where_they_compute_as_the_layers_do_at_warm_
     assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-5)
 
 
-def test_the_model_gets_its_mask_mapping_from_us_and_scores_the_same(tiny_models, client):
-    assert client.get("/health").json()["mask_mapping"] is True
-    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu")
-    scorer = RewardScorer.load(cfg)
-    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7, [11] * 3]
-    built_by_transformers = scorer.score_ids(seqs)  # padded and packed micro-batches, transformers' own masks
-    warm_up(scorer)
-    assert scorer.mask_mapping is True
-    assert scorer.score_ids(seqs) == pytest.approx(built_by_transformers, abs=1e-5)
-    assert scorer.score_ids([seqs[0]]) == pytest.approx([built_by_transformers[0]], abs=1e-5)
-
-
-@pytest.mark.parametrize("how", ["refuses", "misreads"])
-def test_a_model_that_does_not_take_the_mask_mapping_builds_its_own_masks(tiny_models, monkeypatch, caplog, how):
-    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
-    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7, [11] * 3]
-    expected = scorer.score_ids(seqs)
-    forward = scorer.base.forward
-
-    def older_model(*args, attention_mask=None, **kwargs):  # a forward written before per-layer mask mappings
-        if isinstance(attention_mask, dict):
-            if how == "refuses":
-                raise AttributeError("'dict' object has no attribute 'ndim'")
-            kwargs["inputs_embeds"] = scorer.base.embed_tokens(kwargs.pop("input_ids")) * 2  # runs, scores wrong
-            attention_mask = attention_mask["full_attention"]
-        return forward(*args, attention_mask=attention_mask, **kwargs)
-
-    monkeypatch.setattr(scorer.base, "forward", older_model)
-    warm_up(scorer)
-    assert scorer.mask_mapping is False
-    assert "does not take a per-layer mask mapping" in caplog.text
-    assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
-
-
-def test_a_deep_models_rounding_in_its_scores_does_not_cost_it_the_mask_mapping(tiny_models, monkeypatch):
-    # Two right ways of running a deep bf16 model end in scores further apart than any tolerance that would still
-    # catch a wrong one (a random Qwen3-14B on an H200: 0.08); here a head that moves every score by more than that.
-    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
-    head, calls = scorer.head, []
-
-    def drifting(hidden):
-        calls.append(1)
-        return head(hidden) + 0.1 * len(calls)
-
-    monkeypatch.setattr(scorer, "head", drifting)
-    warm_up(scorer)
-    assert scorer.mask_mapping is True and len(scorer.fused) == 2 * len(scorer.base.layers)
-
-
-def _count_calls(modules) -> list:
-    calls = []
-    for m in modules:
-        m.register_forward_hook(lambda *args: calls.append(1))
-    return calls
-
-
-def test_fused_projections_score_as_the_checkpoint_and_replace_the_separate_matmuls(tiny_models, reference):
-    fused = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
-    separate = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", fuse="off"))
-    warm_up(fused)
-    layers = fused.base.layers
-    assert len(fused.fused) == 2 * len(layers) and separate.fused == []
-    attention, mlp = layers[0].self_attn, layers[0].mlp
-    # the checkpoint's tensors are views into the fused ones: no second copy of the weights
-    assert attention.k_proj.weight.data_ptr() == attention.qkv_proj.weight[attention.qkv_sizes[0] :].data_ptr()
-    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_proj.weight[mlp.gate_proj.weight.shape[0] :].data_ptr()
-    calls = _count_calls([m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                          layer.self_attn.v_proj, layer.mlp.gate_proj,
-                                                          layer.mlp.up_proj)])  # fmt: skip
-    messages = [{"role": "user", "content": "Is it safe?"}]
-    answers = ["No.", LONG_ANSWER[:300], "Yes, with care " * 9]
-    seqs = [e.ids for e in fused.encode([fused.render(messages, a) for a in answers])]
-    got = fused.score_ids(seqs)  # one packed micro-batch
-    assert calls == [], "the separate projections still ran"
-    assert got == pytest.approx(separate.score_ids(seqs), abs=1e-5)
-    assert got == pytest.approx([reference(messages, a) for a in answers], abs=1e-5)
-    assert [fused.score_ids([s])[0] for s in seqs] == pytest.approx(got, abs=1e-5)  # padded, one row each
-
-
-def test_fused_projections_that_score_otherwise_are_dropped_at_warm_up(tiny_models, monkeypatch, caplog):
-    separate = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", fuse="off"))
-    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7]
-    expected = separate.score_ids(seqs)
-    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
-
-    def misread(self, x):  # a transformers whose MLP is not what our fused forward assumes
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(up) * gate)
-
-    monkeypatch.setattr(layers, "_mlp_forward", misread)
-    scorer.kernels.set_fused(True)
-    warm_up(scorer)
-    assert scorer.fused == [] and "REWARD_FUSE" in caplog.text
-    assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
-
-
 # Per-token activations (bf16) of the benchmark's shapes and Qwen3-32B, from their public configs.
 QWEN3 = {  # hidden, intermediate, q width, kv width, weights (bf16 GiB, embeddings included)
     "1.7B": (2048, 6144, 2048, 1024, 3.2),
@@ -1021,15 +924,6 @@ def test_a_memory_cap_that_leaves_no_room_beside_the_weights_is_refused_naming_t
         model_token_budget(
             activation_bytes_per_token(hidden, intermediate, q, kv), int(27.5 * 2**30), int(27.6 * 2**30)
         )
-
-
-def test_models_with_sliding_window_layers_keep_transformers_masks(tiny_models):
-    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
-    scorer.model.config.layer_types = ["full_attention", "sliding_attention"]
-    again = RewardScorer(scorer.model, scorer.tokenizer, "cpu", scorer.settings)
-    assert again.can_map_mask is False
-    warm_up(again)
-    assert again.mask_mapping is False
 
 
 def test_plain_text_fallback_when_the_tokenizer_has_no_chat_template(tiny_models, reference):
@@ -1184,7 +1078,7 @@ def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_report
         ({"REWARD_ADD_SPECIAL_TOKENS": "yes"}, "REWARD_ADD_SPECIAL_TOKENS must be auto or true or false"),
         ({"REWARD_CHAT_TEMPLATE": "on"}, "REWARD_CHAT_TEMPLATE must be auto or off"),
         ({"REWARD_APPEND_EOS": "1"}, "REWARD_APPEND_EOS"),
-        ({"REWARD_FUSE": "yes"}, "REWARD_FUSE"),
+        ({"REWARD_FUSE": "off"}, "REWARD_FUSE is no longer a setting"),  # removed: not shown to pay
         ({"REWARD_WARMUP": "step"}, "REWARD_WARMUP is no longer a setting"),  # removed: not shown to pay
         ({"REWARD_GPU_MEMORY_GIB": "-4"}, "REWARD_GPU_MEMORY_GIB"),
         ({"REWARD_MICRO_BATCH_COST": "-1"}, "REWARD_MICRO_BATCH_COST must be 0 (from the model)"),
@@ -1228,14 +1122,14 @@ def test_help_is_short_and_leads_with_the_model_device_port_and_format_and_help_
                          "--add-special-tokens", "--chat-template"], flags  # fmt: skip
     text = " ".join(short.stdout.split())
     assert "default ]" not in text and "[REWARD_MODEL_PATH, required]" in text
-    assert "--micro-batch-cost" not in text and "--fuse" not in text, "the tuning settings wait for --help-all"
+    assert "--micro-batch-cost" not in text and "--pack" not in text, "the tuning settings wait for --help-all"
     every = run("--help-all")
     assert every.returncode == 0, every.stderr
     text = " ".join(every.stdout.split())
     for name, (env, _, _) in SETTINGS.items():
         assert f"--{name.replace('_', '-')} " in text and f"[{env}," in text, name
     # a setting --help does not show still parses
-    assert load_settings(["--micro-batch-cost", "96", "--fuse", "off"], {}).micro_batch_cost == 96
+    assert load_settings(["--micro-batch-cost", "96", "--pack", "off"], {}).micro_batch_cost == 96
 
 
 # --- the real process --------------------------------------------------------------------------------------------

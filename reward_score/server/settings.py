@@ -34,7 +34,6 @@ class Settings:
     pack: Literal["auto", "off"] = "auto"
     micro_batch_cost: int = 0  # 0: from the model on a GPU (planner.model_micro_batch_cost), 1024 on the CPU
     compile: Literal["auto", "layers", "off"] = "auto"
-    fuse: Literal["auto", "off"] = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
     cudnn_attention: Literal["auto", "off"] = "auto"
     max_items: int = 4096
@@ -67,8 +66,6 @@ SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, fl
                          "split into micro-batches (0: from the model on a GPU: 1024 up to Qwen3-1.7B's size, fewer "
                          "for bigger models, whose tokens take longer)"),
     "compile": ("REWARD_COMPILE", "auto|layers|off", "auto (per-layer torch.compile on GPU) | layers | off"),
-    "fuse": ("REWARD_FUSE", "auto|off", "auto (q/k/v and gate/up as one matmul each, if warm-up scores the same) | "
-             "off"),
     "cudnn_attention": ("REWARD_CUDNN_ATTENTION", "auto|off", "auto (torch's choice: cuDNN on Hopper) | off (flash, "
                         "mem-efficient)"),
     "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no "
@@ -99,7 +96,7 @@ CHOICES = {f.name: get_args(f.type) for f in fields(Settings) if get_origin(f.ty
 
 # Settings removed for want of a measured gain (issue #61, benchmarks/README.md): one still set is refused, not ignored.
 REMOVED = ("REWARD_TOKEN_BUDGET", "REWARD_MAX_BATCH_ROWS", "REWARD_PAD_MULTIPLE", "REWARD_MAX_WAIT_MS",
-           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP")  # fmt: skip
+           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP", "REWARD_FUSE")  # fmt: skip
 
 
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:

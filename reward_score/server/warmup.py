@@ -1,12 +1,13 @@
-"""Warm-up, before /health says ready: check each faster way of running the model against transformers' own (fused
-projections, our mask mapping, then the compiled layers, whose Inductor kernels fuse the elementwise
-work, against the same layers uncompiled), then run the shapes served traffic starts with. (A synthetic full-budget
-step as well, REWARD_WARMUP=step, was not shown to gain beyond noise: benchmarks/README.md.)
+"""Warm-up, before /health says ready: check the compiled layers (whose Inductor kernels fuse the elementwise work)
+against the same layers uncompiled, then run the shapes served traffic starts with. (A synthetic full-budget step as
+well, REWARD_WARMUP=step, and fused q/k/v and gate/up projections, REWARD_FUSE, were not shown to gain beyond noise:
+benchmarks/README.md.)
 
-The checks compare the first decoder layer's output (within the dtype's rounding), not the score: a deep model's bf16
+The check compares the first decoder layer's output (within the dtype's rounding), not the score: a deep model's bf16
 rounding moves a score by more than any tolerance that would still catch a wrong path (a random Qwen3-14B on an
-H200: 0.08 on a score of 0.5 between two right mask paths), while a wrong path shows at the first layer. A way that
-does not compute the same is dropped with a warning naming its setting, never silently; so is a compile that fails."""
+H200: 0.08 on a score of 0.5 between two right ways to run it), while a wrong path shows at the first layer. Compiled
+layers that do not compute the same are dropped with a warning naming their setting, never silently; so is a compile
+that fails."""
 
 import logging
 import time
@@ -23,8 +24,6 @@ def warm_up(scorer: RewardScorer) -> None:
     started = time.perf_counter()
     base = scorer.encode([scorer.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
     ids = (base * (1 + 200 // len(base)))[: min(200, scorer.settings.max_length)]
-    check_layers(scorer, [ids, ids[: len(ids) // 2], ids[:37]])
-    choose_mask_path(scorer, [ids, ids[: len(ids) // 2]])
     check_compiled(scorer, [ids, ids[: len(ids) // 2], ids[:37]])
     scorer.warm_up_s["checks"] = time.perf_counter() - started
     # Padded: one row, two rows, three equal rows. Packed (two or more sequences to a row): one row, two rows.
@@ -87,22 +86,6 @@ def differs(scorer: RewardScorer, seqs: list[list[int]], expected: list, check: 
     return ""
 
 
-def check_layers(scorer: RewardScorer, seqs: list[list[int]]) -> None:
-    """Keep the fused projections (REWARD_FUSE) only where they compute as transformers' own modules do, compared
-    with those, uncompiled."""
-    kernels = scorer.kernels
-    if not kernels.fused:
-        return
-    with kernels.eager():
-        kernels.set_fused(False)
-        expected = first_layer_outputs(scorer, seqs)
-        kernels.set_fused(True)
-        if why := differs(scorer, seqs, expected, "fuse"):
-            log.warning("REWARD_FUSE: the fused projections do not score as the model does (%s); serving "
-                        "separate projections", why)  # fmt: skip
-            kernels.unfuse_projections()
-
-
 def check_compiled(scorer: RewardScorer, seqs: list[list[int]]) -> None:
     """Keep the compiled layers (REWARD_COMPILE) only where they compute as the same layers uncompiled; this is where
     they compile first. A compile that fails, or computes otherwise, serves eager with a warning."""
@@ -113,15 +96,3 @@ def check_compiled(scorer: RewardScorer, seqs: list[list[int]]) -> None:
     if why := differs(scorer, seqs, expected, "compile"):
         log.warning("REWARD_COMPILE: the compiled layers do not compute as the layers do (%s); serving eager", why)
         scorer.kernels.uncompile()
-
-
-def choose_mask_path(scorer: RewardScorer, seqs: list[list[int]]) -> None:
-    """Use the mask mapping where the model takes it and scores as it does building its own mask."""
-    if not scorer.can_map_mask:
-        return
-    with scorer.kernels.eager():
-        expected = first_layer_outputs(scorer, seqs)
-        scorer.mask_mapping = True
-        if why := differs(scorer, seqs, expected, "mask_mapping"):
-            log.warning("the model does not take a per-layer mask mapping (%s); transformers builds masks", why)
-            scorer.mask_mapping = False
