@@ -1241,3 +1241,61 @@ def test_a_model_that_cannot_load_exits_non_zero_before_serving(tmp_path):
     proc = start_process(server_cmd("--model-path", str(tmp_path), "--port", str(free_port())), tmp_path / "x.log")
     assert proc.popen.wait(120) != 0
     assert "Application startup failed" in proc.log.read_text()
+
+
+def test_the_model_gets_its_mask_mapping_from_us_and_scores_the_same(tiny_models, client):
+    assert client.get("/health").json()["mask_mapping"] is True
+    cfg = Settings(model_path=str(tiny_models.reward_model), device="cpu")
+    scorer = RewardScorer.load(cfg)
+    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7, [11] * 3]
+    built_by_transformers = scorer.score_ids(seqs)  # padded and packed micro-batches, transformers' own masks
+    warm_up(scorer)
+    assert scorer.mask_mapping is True
+    assert scorer.score_ids(seqs) == pytest.approx(built_by_transformers, abs=1e-5)
+    assert scorer.score_ids([seqs[0]]) == pytest.approx([built_by_transformers[0]], abs=1e-5)
+
+
+@pytest.mark.parametrize("how", ["refuses", "misreads"])
+def test_a_model_that_does_not_take_the_mask_mapping_builds_its_own_masks(tiny_models, monkeypatch, caplog, how):
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+    seqs = [[5, 6, 7, 8] * 10, [9, 10] * 7, [11] * 3]
+    expected = scorer.score_ids(seqs)
+    forward = scorer.base.forward
+
+    def older_model(*args, attention_mask=None, **kwargs):  # a forward written before per-layer mask mappings
+        if isinstance(attention_mask, dict):
+            if how == "refuses":
+                raise AttributeError("'dict' object has no attribute 'ndim'")
+            kwargs["inputs_embeds"] = scorer.base.embed_tokens(kwargs.pop("input_ids")) * 2  # runs, scores wrong
+            attention_mask = attention_mask["full_attention"]
+        return forward(*args, attention_mask=attention_mask, **kwargs)
+
+    monkeypatch.setattr(scorer.base, "forward", older_model)
+    warm_up(scorer)
+    assert scorer.mask_mapping is False
+    assert "does not take a per-layer mask mapping" in caplog.text
+    assert scorer.score_ids(seqs) == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_deep_models_rounding_in_its_scores_does_not_cost_it_the_mask_mapping(tiny_models, monkeypatch):
+    # Two right ways of running a deep bf16 model end in scores further apart than any tolerance that would still
+    # catch a wrong one (a random Qwen3-14B on an H200: 0.08); here a head that moves every score by more than that.
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+    head, calls = scorer.head, []
+
+    def drifting(hidden):
+        calls.append(1)
+        return head(hidden) + 0.1 * len(calls)
+
+    monkeypatch.setattr(scorer, "head", drifting)
+    warm_up(scorer)
+    assert scorer.mask_mapping is True
+
+
+def test_models_with_sliding_window_layers_keep_transformers_masks(tiny_models):
+    scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu"))
+    scorer.model.config.layer_types = ["full_attention", "sliding_attention"]
+    again = RewardScorer(scorer.model, scorer.tokenizer, "cpu", scorer.settings)
+    assert again.can_map_mask is False
+    warm_up(again)
+    assert again.mask_mapping is False

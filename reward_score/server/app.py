@@ -268,6 +268,7 @@ def _health(settings: Settings, active: RewardScorer) -> dict[str, Any]:
         "add_special_tokens": active.format.add_special_tokens,
         "append_eos": active.format.append_eos,
         "compiled": active.compiled,
+        "mask_mapping": active.mask_mapping,
         "token_budget": active.planner.token_budget,
         "micro_batch_cost": active.planner.micro_batch_cost,
         "pack": active.planner.pack,

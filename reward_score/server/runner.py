@@ -93,6 +93,11 @@ class RewardScorer(PairEncoder):
         self.planner = Planner.for_settings(
             settings, device, pack=self.can_pack, model_budget=self.model_budget, model_cost=model_cost
         )
+        # Hand the model its per-layer mask mapping ourselves (warm-up checks the model takes it and scores the same)?
+        layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        self.can_map_mask = (self.base is not None and self.head is not None and layer_types == {"full_attention"}
+                             and bool(getattr(self.base, "layers", None)))  # fmt: skip
+        self.mask_mapping = False
         # Inputs go to the GPU from pinned memory: a copy from pageable memory waits for the GPU to finish what is
         # queued before it, so launching the next micro-batch would wait for the running one.
         self.pin = device.startswith("cuda")
@@ -242,11 +247,11 @@ class RewardScorer(PairEncoder):
         ids, last = ids.to(self.device, non_blocking=True), last.to(self.device, non_blocking=True)
         if self.base is not None and self.head is not None:
             # Padding is on the right and attention is causal: a real token never attends to a later (pad) position,
-            # so no mask is needed (transformers' causal one serves), and the score is read at each row's last real
-            # token.
+            # so no mask is needed. Attention then takes the fused causal kernel, and the score is read at each row's
+            # last real token.
             # use_cache=False: no KV cache (GBs at a 32k-token budget), and no per-layer cache state for compile to
             # guard on (with it, every layer recompiles until torch gives up and runs eager).
-            hidden = self.base(input_ids=ids, use_cache=False).last_hidden_state
+            hidden = self._hidden(ids)
             scores = self.head(hidden[torch.arange(len(rows), device=hidden.device), last])[:, 0]
         else:
             mask = (torch.arange(width)[None, :] < torch.as_tensor([lengths[i] for i in rows])[:, None]).long()
@@ -280,9 +285,18 @@ class RewardScorer(PairEncoder):
         # of its own (no fully masked query row: those give NaN, which would spread).
         causal = torch.ones((width, width), dtype=torch.bool, device=ids.device).tril()
         mask = (segment[:, :, None] == segment[:, None, :]) & causal
-        hidden = self.base(input_ids=ids, attention_mask=mask[:, None], position_ids=positions, use_cache=False)
-        hidden = hidden.last_hidden_state
+        hidden = self._hidden(ids, mask[:, None], positions)
         return self.head(hidden[row_of, last])[:, 0]
+
+    def _hidden(self, ids, mask=None, positions=None):
+        """The base model's last hidden states. No mask means causal attention over right-padded rows.
+
+        With `mask_mapping` the mask goes in as the per-layer mapping the model would build ({"full_attention":
+        mask}), so transformers builds none: for a missing mask it would look for packed sequences on the GPU and
+        wait for the answer (transformers 5.x) or build a full mask and lose the fused causal kernel (4.56)."""
+        attention = {"full_attention": mask} if self.mask_mapping else mask
+        out = self.base(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False)
+        return out.last_hidden_state
 
 
 class Launched:

@@ -1,5 +1,5 @@
-"""Warm-up, before /health says ready: check the compiled layers (whose Inductor kernels fuse the elementwise work)
-against the same layers uncompiled, then run the shapes served traffic starts with. (A synthetic full-budget step as
+"""Warm-up, before /health says ready: check our mask mapping against transformers' own masks, and the compiled layers (whose Inductor kernels fuse the
+elementwise work) against the same layers uncompiled, then run the shapes served traffic starts with. (A synthetic full-budget step as
 well, REWARD_WARMUP=step, and fused q/k/v and gate/up projections, REWARD_FUSE, were not shown to gain beyond noise:
 benchmarks/README.md.)
 
@@ -24,6 +24,7 @@ def warm_up(scorer: RewardScorer) -> None:
     started = time.perf_counter()
     base = scorer.encode([scorer.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
     ids = (base * (1 + 200 // len(base)))[: min(200, scorer.settings.max_length)]
+    choose_mask_path(scorer, [ids, ids[: len(ids) // 2]])
     check_compiled(scorer, [ids, ids[: len(ids) // 2], ids[:37]])
     scorer.warm_up_s["checks"] = time.perf_counter() - started
     # Padded: one row, two rows, three equal rows. Packed (two or more sequences to a row): one row, two rows.
@@ -96,3 +97,15 @@ def check_compiled(scorer: RewardScorer, seqs: list[list[int]]) -> None:
     if why := differs(scorer, seqs, expected, "compile"):
         log.warning("REWARD_COMPILE: the compiled layers do not compute as the layers do (%s); serving eager", why)
         scorer.kernels.uncompile()
+
+
+def choose_mask_path(scorer: RewardScorer, seqs: list[list[int]]) -> None:
+    """Use the mask mapping where the model takes it and scores as it does building its own mask."""
+    if not scorer.can_map_mask:
+        return
+    with scorer.kernels.eager():
+        expected = first_layer_outputs(scorer, seqs)
+        scorer.mask_mapping = True
+        if why := differs(scorer, seqs, expected, "mask_mapping"):
+            log.warning("the model does not take a per-layer mask mapping (%s); transformers builds masks", why)
+            scorer.mask_mapping = False
