@@ -1,5 +1,5 @@
 """The Megatron update's memory: launch/plan/gpu_memory.py's per-stage formula against what verl's own Megatron worker held
-on an H200 at Qwen3-4B's shape (benchmarks/results/megatron_memory_h200_qwen3_4b.json, benchmarks/megatron_memory.py),
+on an H100 and an H200 at Qwen3-4B's shape (benchmarks/results/megatron_memory_h*_qwen3_4b*.json, benchmarks/megatron_memory.py),
 the preflight's refusal of a plan over the GPU, and the benchmark itself on a CPU."""
 
 from __future__ import annotations
@@ -47,6 +47,19 @@ def test_the_formula_is_within_ten_percent_of_each_phase_measured_on_the_h200():
             assert abs(rows[case][f"{key}_error"]) < 0.10, (case, key, rows[case])
     layer = rows["stage1-off"]
     assert abs(layer["predicted_layer_bytes_per_token"] / layer["measured_layer_bytes_per_token"] - 1) < 0.10
+
+
+@pytest.mark.parametrize("name", ["megatron_memory_h100_qwen3_4b_fused.json", "megatron_memory_h100_qwen3_4b_fused_2x.json"])
+def test_the_formula_is_within_ten_percent_of_each_phase_measured_on_the_h100(name):
+    """On the H100, at HEAD's worker: stage 1 with verl's logits path and with its fused kernels (24,576 and 49,152
+    tokens a micro-batch), update and log-prob pass, and stage 0's update; predicted from today's formula."""
+    result = json.loads((RESULTS / name).read_text())
+    assert result["gpu"] == "NVIDIA H100 80GB HBM3" and result["policy"]["num_hidden_layers"] == 18
+    rows = megatron_memory.predictions(result)
+    checked = {(case, key) for case in rows for key in ("update", "log_prob") if f"measured_{key}_gib" in rows[case]}
+    assert {("stage1-full-fused", "update"), ("stage1-full-fused", "log_prob")} <= checked, checked
+    for case, key in checked:
+        assert abs(rows[case][f"{key}_error"]) < 0.10, (name, case, key, rows[case])
 
 
 def test_without_recompute_the_h200_ran_out_of_memory_where_the_formula_says_it_would():
