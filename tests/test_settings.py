@@ -45,6 +45,18 @@ def test_a_missing_or_malformed_setting_names_itself():
         Settings.from_env(env | {"FP8": "maybe"})
 
 
+@pytest.mark.parametrize("name, other", [("STALL_REQUEUE", "true"), ("CONFIG_USE_SEPARATE_REWARD_NODE", "1")])
+def test_a_flag_the_job_scripts_compare_takes_only_their_spelling(name, other):
+    """bash reads these as `== 1` and `== true`: another word the preflight took as true would be false in the job."""
+    spelled = next(f.metadata["spelled"] for f in fields(Settings) if f.metadata.get("env") == name)
+    scripts = "".join((REPO / f).read_text() for f in ("run_grpo_qwen3_4b_mega_verl.sh", "helper_grpo_qwen3_4b.sh"))
+    assert re.search(rf'"\$\{{?{name}\}}?" == {spelled[0]}\b', scripts), (name, spelled)
+    env = block_environment()
+    assert Settings.from_env(env | {name: spelled[0]}) != Settings.from_env(env | {name: spelled[1]})
+    with pytest.raises(SettingError, match=f"{name}='{other}': use {spelled[0]} or {spelled[1]}"):
+        Settings.from_env(env | {name: other})
+
+
 @pytest.mark.parametrize("algorithm, strategy", [("grpo", "megatron"), ("ppo", "fsdp2"), ("dapo", "megatron")])
 def test_the_fixed_trainer_keys_are_in_every_command_and_no_key_is_set_twice(algorithm, strategy):
     # REWARD_PROMPT_OPENS_THINK=auto would read the default policy's template, which is not here

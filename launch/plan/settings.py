@@ -32,8 +32,13 @@ ROLLOUT_ROOM_FOR_REWARD = 0.25
 SGLANG_MAX_GPUS = 16
 
 
-def _parse(kind: type, name: str, raw: str):
-    """One setting's text as its field's type; a bad value names the setting."""
+def _parse(kind: type, name: str, raw: str, spelled: tuple[str, str] | None = None):
+    """One setting's text as its field's type; a bad value names the setting. A flag the scripts also read (spelled)
+    takes exactly the two words they compare against, so the preflight and the job never read it differently."""
+    if spelled:
+        if raw not in spelled:
+            raise SettingError(f"{name}={raw!r}: use {spelled[0]} or {spelled[1]} (the job script compares exactly these)")
+        return raw == spelled[0]
     if kind is bool:
         value = raw.lower()
         if value in ("1", "true", "yes", "on"):
@@ -48,9 +53,10 @@ def _parse(kind: type, name: str, raw: str):
         raise SettingError(f"{name}={raw!r} is not {what}") from None
 
 
-def setting(name: str):
-    """A field read from the environment variable NAME, which the run script's settings block exports."""
-    return field(metadata={"env": name})
+def setting(name: str, spelled: tuple[str, str] | None = None):
+    """A field read from the environment variable NAME, which the run script's settings block exports; a flag that bash
+    reads too is spelled (on, off) as bash compares it."""
+    return field(metadata={"env": name, "spelled": spelled})
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class Settings:
     test_file: str = setting("CONFIG_TEST_FILE")
     output_dir: str = setting("CONFIG_OUTPUT_DIR")
     gpus_per_node: int = setting("CONFIG_GPUS_PER_NODE")
-    separate_reward_node: bool = setting("CONFIG_USE_SEPARATE_REWARD_NODE")
+    separate_reward_node: bool = setting("CONFIG_USE_SEPARATE_REWARD_NODE", spelled=("true", "false"))
     reward_device: str = setting("CONFIG_REWARD_DEVICE")
     reward_gpus: str = setting("CONFIG_REWARD_GPUS")
     reward_replicas: int = setting("REWARD_REPLICAS")
@@ -125,7 +131,7 @@ class Settings:
     stall_timeout_setting: str = setting("STALL_TIMEOUT")  # auto | off | seconds (launch/job/watchdog.py)
     stall_floor: int = setting("STALL_FLOOR")
     stall_first_step: int = setting("STALL_FIRST_STEP")
-    stall_requeue: bool = setting("STALL_REQUEUE")
+    stall_requeue: bool = setting("STALL_REQUEUE", spelled=("1", "0"))
     reward_restarts: int = setting("REWARD_RESTARTS")
     reward_restart_window: int = setting("REWARD_RESTART_WINDOW")
     # Not settings: Slurm's node count, the reward client's score range, two removed settings still read so that
@@ -145,7 +151,7 @@ class Settings:
             raise SettingError(
                 f"{', '.join(missing)} not set (the defaults live in run_grpo_qwen3_4b_mega_verl.sh: run through it)"
             )
-        values = {f.name: _parse(f.type, f.metadata["env"], env[f.metadata["env"]]) for f in read}
+        values = {f.name: _parse(f.type, f.metadata["env"], env[f.metadata["env"]], f.metadata["spelled"]) for f in read}
         values["critic_model_path"] = values["critic_model_path"] or values["model_path"]
         for field_name, name in (("critic_pp", "CRITIC_PP"), ("critic_tp", "CRITIC_TP")):
             values[field_name] = _parse(int, name, env[name]) if env.get(name) else None
