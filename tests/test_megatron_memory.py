@@ -49,7 +49,9 @@ def test_the_formula_is_within_ten_percent_of_each_phase_measured_on_the_h200():
     assert abs(layer["predicted_layer_bytes_per_token"] / layer["measured_layer_bytes_per_token"] - 1) < 0.10
 
 
-@pytest.mark.parametrize("name", ["megatron_memory_h100_qwen3_4b_fused.json", "megatron_memory_h100_qwen3_4b_fused_2x.json"])
+@pytest.mark.parametrize(
+    "name", ["megatron_memory_h100_qwen3_4b_fused.json", "megatron_memory_h100_qwen3_4b_fused_2x.json"]
+)
 def test_the_formula_is_within_ten_percent_of_each_phase_measured_on_the_h100(name):
     """On the H100, at HEAD's worker: stage 1 with verl's logits path and with its fused kernels (24,576 and 49,152
     tokens a micro-batch), update and log-prob pass, and stage 0's update; predicted from today's formula."""

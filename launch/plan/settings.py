@@ -37,7 +37,9 @@ def _parse(kind: type, name: str, raw: str, spelled: tuple[str, str] | None = No
     takes exactly the two words they compare against, so the preflight and the job never read it differently."""
     if spelled:
         if raw not in spelled:
-            raise SettingError(f"{name}={raw!r}: use {spelled[0]} or {spelled[1]} (the job script compares exactly these)")
+            raise SettingError(
+                f"{name}={raw!r}: use {spelled[0]} or {spelled[1]} (the job script compares exactly these)"
+            )
         return raw == spelled[0]
     if kind is bool:
         value = raw.lower()
@@ -151,7 +153,9 @@ class Settings:
             raise SettingError(
                 f"{', '.join(missing)} not set (the defaults live in run_grpo_qwen3_4b_mega_verl.sh: run through it)"
             )
-        values = {f.name: _parse(f.type, f.metadata["env"], env[f.metadata["env"]], f.metadata["spelled"]) for f in read}
+        values = {
+            f.name: _parse(f.type, f.metadata["env"], env[f.metadata["env"]], f.metadata["spelled"]) for f in read
+        }
         values["critic_model_path"] = values["critic_model_path"] or values["model_path"]
         for field_name, name in (("critic_pp", "CRITIC_PP"), ("critic_tp", "CRITIC_TP")):
             values[field_name] = _parse(int, name, env[name]) if env.get(name) else None
