@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -206,23 +207,20 @@ class Message:
         return " ... ".join(self.pieces)
 
 
-# A $(...) command substitution, nested three deep, and a double-quoted string with its quotes inside such a command
-_COMMAND = r"\$\((?:[^()\"\\]|\\.|\"(?:[^\"\\]|\\.)*\"|\((?:[^()]|\([^()]*\))*\))*\)"
-_QUOTED = re.compile(r" *(?:\"((?:\\.|" + _COMMAND + r"|[^\"\\])*)\"|'([^']*)')", re.S)
-# In a double-quoted string's text: an escaped character (literal), else a value filled in (a command, ${...},
-# $name, $1, $*, ...), else a literal character
-_TOKEN = re.compile(r"\\(.)|(" + _COMMAND + r"|\$\{[^}]*\}|\$(?:[A-Za-z_][A-Za-z0-9_]*|[0-9*#?@$]))|(.)", re.S)
+# A value filled in: $(...) (one level of parentheses inside), ${...}, $name, $1, $*, ...
+_VALUE = re.compile(r"\$\((?:[^()]|\([^()]*\))*\)|\$\{[^}]*\}|\$(?:[A-Za-z_][A-Za-z0-9_]*|[0-9*#?@$])")
 
 
-def _bash_pieces(raw: str) -> list[str]:
-    """The literal pieces of a double-quoted string's text: every $(...), ${...} and $name breaks it."""
-    out = [""]
-    for m in _TOKEN.finditer(raw):
-        if m.group(2):
-            out.append("")
-        else:
-            out[-1] += m.group(1) or m.group(3)
-    return out
+def _bash_pieces(rest: str) -> list[str]:
+    """The literal pieces of the words that follow a command (up to its end: ;, ||, >&2, ...), as bash reads their
+    quotes: every value filled in breaks them."""
+    words, lexer = [], shlex.shlex(rest, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    for word in lexer:
+        if word and not word.strip("();<>|&"):  # the command ends
+            break
+        words += _VALUE.split(word)
+    return words
 
 
 _BASH_MESSAGE = re.compile(r"(?:\b(?:die|err)\s+|\bfailure\+?=|\bmissing\+=\(|printf '(?=ERROR))")
@@ -246,14 +244,12 @@ def bash_messages(path: Path) -> list[Message]:
         if text.lstrip().startswith("#"):
             continue
         for m in _BASH_MESSAGE.finditer(text):
-            rest, pieces, j = text[m.end() :], [], 0
+            rest = text[m.end() :]
             if m.group(0).startswith("printf"):
-                pieces = [re.split(r"%s|\\n", rest.split("'", 1)[0])]
+                pieces = re.split(r"%s|\\n", rest.split("'", 1)[0])
             else:
-                while q := _QUOTED.match(rest, j):
-                    pieces.append(_bash_pieces(q.group(1)) if q.group(1) is not None else [q.group(2)])
-                    j = q.end()
-            flat = tuple(p.strip() for group in pieces for p in group if p.strip())
+                pieces = _bash_pieces(rest)
+            flat = tuple(p.strip() for p in pieces if p.strip())
             if m.group(0) == "failure+=" and found and found[-1].where == _where(path, start - 1):
                 # the rest of the reason the line above began: one message
                 found[-1] = Message(_where(path, start), found[-1].pieces + flat)
@@ -263,26 +259,13 @@ def bash_messages(path: Path) -> list[Message]:
 
 
 def _py_pieces(node) -> list[str]:
+    """The string literals of a message's expression in their order (an f-string's pieces between its values, both
+    arms of an `x if c else y`, the parts of a + or a list); what is computed (calls, names) adds none."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return [node.value]
-    if isinstance(node, ast.JoinedStr):
-        out = [""]
-        for value in node.values:
-            if isinstance(value, ast.Constant):
-                out[-1] += value.value
-            else:
-                out.append("")
-        return out
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        left, right = _py_pieces(node.left), _py_pieces(node.right)
-        return [*left[:-1], left[-1] + right[0], *right[1:]]
-    if isinstance(node, ast.IfExp):
-        return ["", *_py_pieces(node.body), "", *_py_pieces(node.orelse), ""]
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join":
-        return [""]
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [p for element in node.elts for p in ("", *_py_pieces(element))]
-    return [""]
+    if isinstance(node, (ast.JoinedStr, ast.BinOp, ast.IfExp, ast.List, ast.Tuple)):
+        return [p for child in ast.iter_child_nodes(node) for p in _py_pieces(child)]
+    return []
 
 
 _RAISED = {"SettingError", "NodeError", "StatusError", "ValueError", "RuntimeError", "TimeoutError", "TemplateError",
