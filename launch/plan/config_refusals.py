@@ -69,10 +69,6 @@ def batch_problems(cfg) -> list[str]:
     return _update_relation_problems(cfg) + agent_loop_problems(cfg)
 
 
-def _agent_split_holds(prompts: int, n: int, workers: int) -> bool:
-    return (prompts * n) % workers == 0
-
-
 def agent_loop_problems(cfg) -> list[str]:
     """Async rollout: the agent loop cuts every training step's batch (prompts x rollout.n, unpadded) into one equal
     part per worker, rollout.agent.num_workers of them (verl/experimental/agent_loop/agent_loop.py:734, 764), and
@@ -87,17 +83,9 @@ def agent_loop_problems(cfg) -> list[str]:
         return [
             f"actor_rollout_ref.rollout.agent.num_workers={workers}: async rollout needs at least 1 agent loop worker"
         ]
-    if _agent_split_holds(prompts, n, workers):
-        return []
-
-    def works(b: int) -> bool:  # this split and every other relation above, with b prompts a step
-        return _agent_split_holds(b, n, workers) and not _update_relation_problems(cfg, prompts=b)
-
-    mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size  # verl requires train_batch_size >= it
-    below = next((b for b in range(prompts - 1, max(mini, 1) - 1, -1) if works(b)), None)
-    above = next((b for b in range(prompts + 1, 4 * prompts + 1) if works(b)), None)
-    sizes = " or ".join(str(b) for b in (below, above) if b is not None)
     total = prompts * n
+    if total % workers == 0:
+        return []
     divisors = [d for d in range(1, total + 1) if total % d == 0]
     fewer = max((d for d in divisors if d < workers), default=None)
     more = min((d for d in divisors if d > workers), default=None)
@@ -106,20 +94,19 @@ def agent_loop_problems(cfg) -> list[str]:
         f"data.train_batch_size={prompts} (TRAIN_BATCH_SIZE) x rollout.n={n} (ROLLOUT_N) = {total} sequences do not "
         f"split over the agent loop's {workers} workers (actor_rollout_ref.rollout.agent.num_workers): async rollout "
         "cuts every step's batch into equal parts, one per worker, and verl 0.6.1 asserts it at the first step "
-        "(agent_loop.py generate_sequences, DataProto.chunk), after the model load; "
-        + (f"nearest TRAIN_BATCH_SIZE that divides and passes the other batch checks: {sizes}" if sizes else
-           "no TRAIN_BATCH_SIZE near it passes every batch check with these sizes")
-        + f"; or override actor_rollout_ref.rollout.agent.num_workers with {other_workers}, which divide {total}"
-    ]  # fmt: skip
+        f"(agent_loop.py generate_sequences, DataProto.chunk), after the model load; set TRAIN_BATCH_SIZE x ROLLOUT_N "
+        f"to a multiple of {workers}, or override actor_rollout_ref.rollout.agent.num_workers with {other_workers}, "
+        f"which divide {total}"
+    ]
 
 
-def _update_relation_problems(cfg, prompts: int | None = None) -> list[str]:
-    """The relations of the batch (`prompts` a step; default data.train_batch_size) to the ranks and mini-batches."""
+def _update_relation_problems(cfg) -> list[str]:
+    """The relations of the batch (data.train_batch_size prompts a step) to the ranks and mini-batches."""
     from omegaconf import OmegaConf
     from verl.trainer.ppo.utils import need_critic
 
     arr, problems = cfg.actor_rollout_ref, []
-    n, prompts = arr.rollout.n, cfg.data.train_batch_size if prompts is None else prompts
+    n, prompts = arr.rollout.n, cfg.data.train_batch_size
     batch, n_gpus = prompts * n, cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     dp = _dp_size(cfg, n_gpus)
     if dp < 1:
