@@ -89,14 +89,10 @@ def summarize(runs: list[dict], params: float, ceiling: float | None, burst: flo
     row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
     row["tflops"] = statistics.median(r["tflops"] for r in runs)
     row["repeats"] = len(runs)
-    if ceiling:
-        pct = [r["pct_of_ceiling"] for r in runs]
-        row.update(pct_of_ceiling=statistics.median(pct), min_pct_of_ceiling=min(pct),
-                   median_pct_of_ceiling=statistics.median(pct), max_pct_of_ceiling=max(pct),
-                   pct_of_burst_rate=100 * row["tflops"] / burst)  # fmt: skip
-    else:
-        row.update(pct_of_ceiling=None, min_pct_of_ceiling=None, median_pct_of_ceiling=None, max_pct_of_ceiling=None,
-                   pct_of_burst_rate=None)  # fmt: skip
+    pct = [r["pct_of_ceiling"] for r in runs]
+    low, middle, high = (min(pct), statistics.median(pct), max(pct)) if ceiling else (None, None, None)
+    row.update(pct_of_ceiling=middle, min_pct_of_ceiling=low, median_pct_of_ceiling=middle, max_pct_of_ceiling=high,
+               pct_of_burst_rate=100 * row["tflops"] / burst if burst else None)  # fmt: skip
     row["runs"] = [{k: v for k, v in r.items() if k != "server"} for r in runs]
     return row
 
