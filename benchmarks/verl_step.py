@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import command_line, write_json
-from benchmarks.reward_bench_rows import metrics
+from benchmarks.reward_bench import metrics
 from benchmarks.verl_step_hook import PHASE_PREFIX, PROFILE_DIR_ENV, PROFILE_ENV
 from benchmarks.verl_step_parts import (
     POLICY_SHAPES,
