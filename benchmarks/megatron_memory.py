@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -518,12 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--micro-batches: at least 2 (stage 0 keeps two in flight)")
     layers = args.layers or max(1, SHAPES[args.shape]["num_hidden_layers"] // 2)
     args.out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"command": common.command_line("benchmarks.megatron_memory", argv),
-                    "shape": args.shape, "layers": layers, "device": device, "python": platform.python_version(),
-                    "cases": {}}  # fmt: skip
-    if device == "cuda":
-        result.update(gpu=torch.cuda.get_device_name(), gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / GIB,
-                      torch=torch.__version__)  # fmt: skip
+    result: dict = {"command": common.command_line("benchmarks.megatron_memory", argv), "shape": args.shape,
+                    "layers": layers, "device": device, **common.machine_info(device), "cases": {}}  # fmt: skip
     work = args.work or Path(tempfile.mkdtemp(prefix="megatron_memory_"))
     work.mkdir(parents=True, exist_ok=True)
     policy = work / "policy"

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import command_line, write_json
-from benchmarks.reward_bench_rows import metrics
+from benchmarks.reward_bench import metrics
 from benchmarks.verl_step_hook import PHASE_PREFIX, PROFILE_DIR_ENV, PROFILE_ENV
 from benchmarks.verl_step_parts import (
     POLICY_SHAPES,
@@ -148,15 +148,14 @@ class Run:
             f.seek(offset)
             chunk = f.read()
         end = chunk.rfind(b"\n") + 1
-        for raw in chunk[:end].decode(errors="replace").splitlines():
-            steps, phases = read_console(raw)
-            self.phases += phases
-            for step in steps:
-                self.steps.append(step)
-                timing = {k.split("/", 1)[1]: round(v, 2) for k, v in step["metrics"].items()
-                          if k.startswith("timing_s/") and "/" not in k.split("/", 1)[1]}  # fmt: skip
-                print(f"[verl_step +{time.monotonic() - self.began:.0f}s] step {step['step']}: {timing}", flush=True)
-                self.write()
+        steps, phases = read_console(chunk[:end].decode(errors="replace"))
+        self.phases += phases
+        for step in steps:
+            self.steps.append(step)
+            timing = {k.split("/", 1)[1]: round(v, 2) for k, v in step["metrics"].items()
+                      if k.startswith("timing_s/") and "/" not in k.split("/", 1)[1]}  # fmt: skip
+            print(f"[verl_step +{time.monotonic() - self.began:.0f}s] step {step['step']}: {timing}", flush=True)
+            self.write()
         return offset + end
 
 

@@ -25,22 +25,16 @@ def install() -> None:
     """Ray's worker_process_setup_hook. With CUDA: only the HF rollout's registration (verl_cpu.register_rollout),
     none of the CPU shims (NCCL, torch.cuda and pinned offload stay verl's own); without: all of demo/verl_cpu.py's.
     Then the per-phase memory measurement (after the shims: they must precede verl's worker module)."""
-    global _installed
-    if _installed:
-        return
-    import torch
-
-    if torch.cuda.is_available():
-        verl_cpu.register_rollout()
-    else:
-        verl_cpu.install()
-    _measure_phases()
-    _installed = True
+    _install("fsdp_workers")
 
 
 def install_megatron() -> None:
     """The same for STRATEGY=megatron: on CUDA without Transformer Engine demo/megatron_cpu.py's TE-shaped layer spec
     and optimizer state (install_without_te) beside the HF rollout; without CUDA all its CPU shims."""
+    _install("megatron_workers")
+
+
+def _install(module: str) -> None:
     global _installed
     if _installed:
         return
@@ -48,13 +42,15 @@ def install_megatron() -> None:
 
     from demo import megatron_cpu
 
+    megatron = module == "megatron_workers"
     if torch.cuda.is_available():
         verl_cpu.register_rollout()
-        megatron_cpu.install_without_te()
-        fused_forward_reads_the_tied_weight()
+        if megatron:
+            megatron_cpu.install_without_te()
+            fused_forward_reads_the_tied_weight()
     else:
-        megatron_cpu.install()
-    _measure_phases("megatron_workers")
+        megatron_cpu.install() if megatron else verl_cpu.install()
+    _measure_phases(module)
     _installed = True
 
 
@@ -133,7 +129,7 @@ def profile_summary(prof, wall: float) -> dict:
             "top_cpu_ops": [{"name": n[:120], "total_s": round(s, 4), "calls": c} for n, (s, c) in top_cpu]}  # fmt: skip
 
 
-def _measure_phases(module: str = "fsdp_workers") -> None:
+def _measure_phases(module: str) -> None:
     """Wrap the hybrid worker's phase methods; verl calls them on the instance by name (single_controller/ray/
     base.py:697-699) and reads their dispatch attributes, which functools.wraps copies, from the class."""
     import importlib

@@ -110,6 +110,7 @@ class Group:
         return self.proc.poll() is None
 
     def _members(self) -> bool:
+        self.proc.poll()  # reap the leader: a zombie still counts in its group
         try:
             os.killpg(self.pid, 0)
         except ProcessLookupError:
@@ -123,14 +124,10 @@ class Group:
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                self.proc.poll()
-                if not self._members():
-                    break
+            while self._members() and time.monotonic() < deadline:
                 time.sleep(0.2)
-            else:
-                continue
-            break
+            if not self._members():
+                break
         try:
             return self.proc.wait(5)
         except subprocess.TimeoutExpired:

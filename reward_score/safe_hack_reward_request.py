@@ -257,41 +257,23 @@ def _beside(name: str):
     return module
 
 
-class _Breaker:
-    """Per process and server list: once a request spends its whole retry budget, the next calls fail at once.
-
-    verl's `compute_reward` calls the reward function a second time when it raises, and its naive manager scores one
-    sample per call: without this, an outage would cost two budgets before the step fails (or one per sample under
-    REWARD_ON_FAILURE=min_score). It closes on any success (a request already in flight) or after breaker_seconds.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open: dict[tuple[str, ...], tuple[float, str]] = {}  # servers -> (monotonic time it opened, error)
-
-    def check(self, config: Config) -> str | None:
-        """The refusal's words while the breaker for these servers is open, else None."""
-        with self._lock:
-            opened, error = self._open.get(config.server_urls, (-math.inf, ""))
-            age = time.monotonic() - opened
-            if age >= config.breaker_seconds:  # closed, cooled down, or off (0)
-                self._open.pop(config.server_urls, None)
-                return None
-        return (
-            f"{error} (this process gave up on them {age:.1f} s ago: failing at once instead of waiting the budget "
-            f"again, for {config.breaker_seconds - age:.0f} s more, REWARD_BREAKER_SECONDS)"
-        )
-
-    def trip(self, config: Config, error: str) -> None:
-        with self._lock:
-            self._open[config.server_urls] = (time.monotonic(), error)
-
-    def reset(self, config: Config) -> None:
-        with self._lock:
-            self._open.pop(config.server_urls, None)
+# Per process and server list, (when a request spent its whole retry budget, its error): for breaker_seconds after,
+# the next calls fail at once. verl's `compute_reward` calls the reward function a second time when it raises, and its
+# naive manager scores one sample per call: without this, an outage would cost two budgets before the step fails (or
+# one per sample under REWARD_ON_FAILURE=min_score). Any success (a request already in flight) clears it.
+_gave_up: dict[tuple[str, ...], tuple[float, str]] = {}
 
 
-_breaker = _Breaker()
+def _breaker_refusal(config: Config) -> str | None:
+    """The refusal's words while this process has given up on these servers, else None."""
+    opened, error = _gave_up.get(config.server_urls, (-math.inf, ""))
+    age = time.monotonic() - opened
+    if age >= config.breaker_seconds:  # never given up, cooled down, or off (0)
+        return None
+    return (
+        f"{error} (this process gave up on them {age:.1f} s ago: failing at once instead of waiting the budget "
+        f"again, for {config.breaker_seconds - age:.0f} s more, REWARD_BREAKER_SECONDS)"
+    )
 
 
 def post_json(config: Config, path: str, payload: dict) -> dict:
@@ -300,9 +282,9 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
     Connection errors, timeouts and 5xx are retried with exponential backoff and jitter, moving to the next server
     each time, until the budget is spent: a backoff that would cross the deadline is cut short so the last attempt
     lands at the deadline. A 4xx is the request's fault and raises at once with the server's message. After a spent
-    budget, calls fail at once for a while (`_Breaker`).
+    budget, calls fail at once for a while (`_gave_up`).
     """
-    if (refusal := _breaker.check(config)) is not None:
+    if (refusal := _breaker_refusal(config)) is not None:
         raise RewardServerError(refusal)
     session = _get_session()
     headers = {"Authorization": f"Bearer {config.auth_token}"} if config.auth_token else {}
@@ -321,7 +303,7 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
             last_error = f"{url}: {type(exc).__name__}: {exc}"
         else:
             if resp.status_code == 200:
-                _breaker.reset(config)
+                _gave_up.pop(config.server_urls, None)
                 return resp.json()
             if 400 <= resp.status_code < 500:
                 raise RewardRequestRejected(f"{url} refused the request with {resp.status_code}: {resp.text[:500]}")
@@ -334,7 +316,7 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
                 f"({attempt + 1} attempts); last error: {last_error}. Check {where}. "
                 "Failing the step instead of inventing scores (REWARD_ON_FAILURE=min_score opts out)."
             )
-            _breaker.trip(config, error)
+            _gave_up[config.server_urls] = (time.monotonic(), error)
             raise RewardServerError(error)
         time.sleep(min(remaining, min(10.0, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)))
 

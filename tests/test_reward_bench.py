@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from benchmarks.reward_bench import SHAPES, summarize
-from benchmarks.reward_bench_rows import check_rows, parse_variant
+from benchmarks.reward_bench import SHAPES, check_rows, parse_variant, summarize
 from tests.support import REPO
 
 

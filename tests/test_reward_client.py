@@ -529,7 +529,7 @@ def scripted():
 @pytest.fixture(autouse=True)
 def fresh_breaker(monkeypatch):
     """Each test starts with the circuit breaker closed (it is per process, and pytest is one process)."""
-    monkeypatch.setattr(client, "_breaker", client._Breaker())
+    monkeypatch.setattr(client, "_gave_up", {})
 
 
 def test_a_failing_server_gets_its_last_attempt_at_the_deadline(monkeypatch, scripted):

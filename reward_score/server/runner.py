@@ -1,15 +1,15 @@
 """The model: load it and run the micro-batches the planner lays out (padded rows, or several sequences packed to a
-row), with the decoder layers set as layers.py sets them and pairs encoded as inputs.py encodes them. Any thread may
-call it; the batcher (batcher.py) owns when; warm-up and its checks are warmup.py's. torch and transformers are
-imported only when a model loads, so `--help` and the settings checks run without them."""
+row), with each decoder layer compiled (REWARD_COMPILE, `LayerKernels`) and pairs encoded as inputs.py encodes them.
+Any thread may call it; the batcher (batcher.py) owns when; warm-up and its checks are warmup.py's. torch and
+transformers are imported only when a model loads, so `--help` and the settings checks run without them."""
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from reward_score.server.inputs import InputTooLong, PairEncoder
-from reward_score.server.layers import LayerKernels
 from reward_score.server.planner import (
     Planner,
     activation_bytes_per_token,
@@ -58,6 +58,49 @@ def refuse_without_head(path: str, model, missing_keys: Sequence[str]) -> None:
             "score would be noise). A reward model is a sequence-classification checkpoint with its score head and "
             "num_labels=1 (e.g. *ForSequenceClassification as TRL's RewardTrainer saves it), not a causal LM or policy"
         )
+
+
+class LayerKernels:
+    """Whether each of one model's decoder layers (`base.layers`) runs compiled: torch.compile of each layer, where
+    Inductor fuses the elementwise work between the matmuls. Warm-up (warmup.py) checks the compiled layers against
+    the same layers uncompiled before it serves."""
+
+    def __init__(self, torch, base):
+        self.torch = torch
+        self.base = base
+        self.layers = list(getattr(base, "layers", None) or [])
+        self.compiled = False
+
+    def compile(self) -> bool:
+        """torch.compile each decoder layer (dynamic shapes): fused kernels, far fewer launches. False if unavailable."""
+        torch = self.torch
+        if not self.layers or not hasattr(torch, "compile") or not hasattr(self.layers[0], "compile"):
+            log.warning(
+                "REWARD_COMPILE: this model or torch %s cannot compile per layer; serving eager", torch.__version__
+            )
+            return False
+        for layer in self.layers:
+            layer.compile(dynamic=True)
+        self.compiled = True
+        return True
+
+    def uncompile(self) -> None:
+        for layer in self.layers:
+            layer._compiled_call_impl = None
+        self.compiled = False
+
+    @contextlib.contextmanager
+    def eager(self):
+        """The decoder layers' own (uncompiled) forward while a path is checked, so that a compile failure is not
+        mistaken for the path's."""
+        compiled = [getattr(layer, "_compiled_call_impl", None) for layer in self.layers]
+        for layer in self.layers:
+            layer._compiled_call_impl = None
+        try:
+            yield
+        finally:
+            for layer, call in zip(self.layers, compiled, strict=True):
+                layer._compiled_call_impl = call
 
 
 class RewardScorer(PairEncoder):
