@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.job.ray_cluster import alive
-from launch.job.steps import RESUMED_AT, TOTAL_STEPS, is_training_step, parse_step_lines
+from launch.job.steps import RESUMED_AT, TOTAL_STEPS, is_training_step, override, parse_step_lines
 from launch.plan import deadline
 from launch.plan.deadline import StallError, positive_seconds, timeout_setting
 
@@ -62,14 +62,8 @@ def _seconds(env: Mapping[str, str], name: str) -> float:
 
 def _command_int(command: list[str], key: str, default: int) -> int:
     """The last `KEY=N` of the trainer command (a user's override after the settings' wins there too)."""
-    for arg in reversed(command):
-        name, _, value = arg.lstrip("+").partition("=")
-        if name == key:
-            try:
-                return int(value)
-            except ValueError:
-                return default
-    return default
+    value = override(command, key) or ""
+    return int(value) if value.lstrip("-").isdigit() else default
 
 
 @dataclass

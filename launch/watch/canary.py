@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from launch.job.checkpoints import saved_step
-from launch.job.steps import ANSI, RESUMED_AT, is_training_step, parse_step_lines
+from launch.job.steps import ANSI, RESUMED_AT, is_training_step, override, parse_step_lines
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
 from launch.watch.health import value_clip_warnings
@@ -62,7 +62,7 @@ _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited 
 
 def agent_loop_workers(extra: list[str]) -> int:
     """rollout.agent.num_workers as verl will use it: the last override of it on the command line wins (Hydra)."""
-    value = next((a.split("=", 1)[1] for a in reversed(extra) if a.lstrip("+").startswith(AGENT_LOOP_KEY + "=")), None)
+    value = override(extra, AGENT_LOOP_KEY)
     try:
         return int(value) if value is not None else AGENT_LOOP_WORKERS
     except ValueError:
