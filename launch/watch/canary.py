@@ -55,7 +55,6 @@ STAGES = {
     "merge": "3 merge the last checkpoint, verify",
 }
 
-_TOLD_THINK = re.compile(r"^\+custom_reward_function\.reward_kwargs\.prompt_opens_think=(\w+)$", re.M)
 _SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
 
@@ -157,8 +156,8 @@ def trainer_command(log: Path) -> str:
 
 def told_opens_think(log: Path) -> bool | None:
     """What the stage's trainer command told the reward function."""
-    match = _TOLD_THINK.search(trainer_command(log))
-    return None if match is None else match.group(1) == "True"
+    told = override(trainer_command(log).splitlines(), "custom_reward_function.reward_kwargs.prompt_opens_think")
+    return None if told is None else told == "True"
 
 
 def value_clip_report(results: dict[str, dict]) -> list[str]:
