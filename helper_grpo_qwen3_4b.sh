@@ -520,15 +520,12 @@ check_gpu_modes() {
   if ((rank == reward_rank)); then
     [[ "$CONFIG_REWARD_DEVICE" != cpu ]] || return 0
     role=reward
-  elif ((rank == 0)) && [[ "$separate" == false && "$CONFIG_REWARD_DEVICE" != cpu && "$REWARD" != rule ]]; then
-    role=train+reward
   fi
   if ! modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>&1); then
     err "[rank $rank] nvidia-smi failed on $host (${modes##*$'\n'}): GPU compute modes not checked"
     return 0
   fi
-  problem=$(node_info gpu-modes --role "$role" --engine "$ROLLOUT_ENGINE" --reward-gpus "$CONFIG_REWARD_GPUS" \
-    <<<"$modes" 2>&1) || die "[rank $rank] GPU compute mode forbids this job's processes on $host: $problem"
+  problem=$(node_info gpu-modes --role "$role" <<<"$modes" 2>&1) || die "[rank $rank] GPU compute mode forbids this job's processes on $host: $problem"
 }
 
 main() {

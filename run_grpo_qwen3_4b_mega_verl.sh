@@ -21,7 +21,7 @@
 #   CONTAINER=none bash run_grpo_qwen3_4b_mega_verl.sh                     # one workstation, verl installed locally
 #   CANARY=1 sbatch --time=01:00:00 run_grpo_qwen3_4b_mega_verl.sh         # first time on a cluster: every stage, tiny
 #   salloc --nodes=1 --gpus-per-node=4 ...  then  bash run_grpo_qwen3_4b_mega_verl.sh   # in that allocation; Ctrl-C stops
-#   python -m launch.watch.status [JOB_ID] [--png FILE] [--follow]         # where a job is, when it ends, how it learns
+#   python -m launch.watch.status [JOB_ID] [--follow]                      # where a job is, when it ends, how it learns
 #
 # Edit the settings below, or override them from the environment (docs/settings.md; the trainer command they make:
 # docs/trainer-command.md). Keep #SBATCH --gpus-per-node = CONFIG_GPUS_PER_NODE and --nodes = the nodes you want (2+

@@ -148,45 +148,38 @@ def test_the_address_of_a_real_interface_is_read_from_the_kernel():
 
 # --- the GPUs' compute mode --------------------------------------------------------------------------------------
 
-SHARING = "verl's Ray worker (the update, the log-probs) and SGLang's scheduler"
-
 
 @pytest.mark.parametrize(
-    "smi, visible, role, engine, reward_gpus, expected",
+    "smi, visible, role, expected",
     [
         # every GPU in Default mode: any number of processes, nothing to refuse
-        ("0, Default\n1, Default\n", None, "train+reward", "sglang", "0", None),
+        ("0, Default\n1, Default\n", None, "train", None),
         # a training node in Exclusive_Process: verl's worker and SGLang's scheduler share each of its GPUs
-        ("0, Exclusive_Process\n1, Exclusive_Process\n", None, "train", "sglang", "", f"GPU 0, 1 in Exclusive_Process mode: Exclusive_Process lets one process at a time hold a GPU, and this job puts several on each: {SHARING}"),
-        # the head with its reward servers: the refusal names the reward GPU too, as nvidia-smi numbers it
-        ("4, Exclusive_Process\n5, Exclusive_Process\n", "4,5", "train+reward", "sglang", "1", "the reward server beside them on GPU 5 (CONFIG_REWARD_GPUS)"),
-        # SGLang: moving the reward server to its own node does not help, and the refusal says so
-        ("0, Exclusive_Process\n", None, "train", "sglang", "", "no placement avoids it: a separate reward node"),
-        # the fix: Default mode, set as root
-        ("0, Exclusive_Process\n", None, "train", "sglang", "", "`nvidia-smi -i 0 -c DEFAULT` as root"),
+        ("0, Exclusive_Process\n1, Exclusive_Process\n", None, "train", "GPU 0, 1 in Exclusive_Process mode: Prohibited lets no process use a GPU, Exclusive_Process one at a time, and this job puts several on a GPU"),
+        # the head with its reward servers: the GPUs as nvidia-smi numbers them
+        ("4, Exclusive_Process\n5, Exclusive_Process\n", "4,5", "train", "GPU 4, 5 in Exclusive_Process mode"),
+        # no placement avoids it, and the fix: Default mode, set as root
+        ("0, Exclusive_Process\n", None, "train", "so no placement avoids it"),
+        ("0, Exclusive_Process\n", None, "train", "`nvidia-smi -i 0 -c DEFAULT` as root"),
         # the older drivers' one-process mode is refused as Exclusive_Process is
-        ("0, Exclusive_Thread\n", None, "train", "vllm", "", "GPU 0 in Exclusive_Thread mode"),
-        # vLLM: no SGLang scheduler to name, and no claim that vLLM keeps to one process a GPU
-        ("0, Exclusive_Process\n", None, "train", "vllm", "", "is not known here to keep to one process a GPU"),
+        ("0, Exclusive_Thread\n", None, "train", "GPU 0 in Exclusive_Thread mode"),
         # one GPU of the job's in the mode is enough; the others are not listed
-        ("0, Default\n1, Exclusive_Process\n", None, "train", "sglang", "", "GPU 1 in Exclusive_Process mode"),
+        ("0, Default\n1, Exclusive_Process\n", None, "train", "GPU 1 in Exclusive_Process mode"),
         # a GPU of another job (no device cgroup: nvidia-smi lists the node's all) is not this job's concern
-        ("0, Exclusive_Process\n1, Default\n", "1", "train", "sglang", "", None),
+        ("0, Exclusive_Process\n1, Default\n", "1", "train", None),
         # with a device cgroup nvidia-smi lists only the job's GPUs, renumbered from 0: they are all the job's
-        ("0, Exclusive_Process\n", "3", "train", "sglang", "", "GPU 0 in Exclusive_Process mode"),
+        ("0, Exclusive_Process\n", "3", "train", "GPU 0 in Exclusive_Process mode"),
         # the separate reward node runs one server a GPU, which Exclusive_Process allows
-        ("0, Exclusive_Process\n1, Exclusive_Process\n", None, "reward", "sglang", "", None),
+        ("0, Exclusive_Process\n1, Exclusive_Process\n", None, "reward", None),
         # Prohibited lets no process at all on a GPU: refused on the reward node too
-        ("0, Prohibited\n", None, "reward", "sglang", "", "GPU 0 in Prohibited mode: Prohibited lets no process use a GPU"),
+        ("0, Prohibited\n", None, "reward", "GPU 0 in Prohibited mode: "),
         # a line nvidia-smi's format never had is named, not guessed at
-        ("0 Default\n", None, "train", "sglang", "", "cannot read '0 Default'"),
+        ("0 Default\n", None, "train", "cannot read '0 Default'"),
     ],
 )  # fmt: skip
-def test_gpus_in_a_mode_that_forbids_sharing_are_refused_naming_them_the_mode_and_the_fix(
-    smi, visible, role, engine, reward_gpus, expected
-):
+def test_gpus_in_a_mode_that_forbids_sharing_are_refused_naming_them_the_mode_and_the_fix(smi, visible, role, expected):
     try:
-        got = node.compute_mode_problem(node.parse_compute_modes(smi), visible, role, engine, reward_gpus)
+        got = node.compute_mode_problem(node.parse_compute_modes(smi), visible, role)
     except node.NodeError as exc:
         got = str(exc)
     if expected is None:

@@ -23,7 +23,7 @@ from launch.plan import trainer_imports
 from launch.watch import health, reading, status
 from tests.fakes.fake_trainer import RayPrefixed, step_metrics
 from tests.real_slurm import NODE_SIZE, slurm_env
-from tests.support import REPO, run, run_without
+from tests.support import REPO, run
 from tests.test_docs import anchors
 
 ACTOR = "\x1b[36m(TaskRunner pid=4711)\x1b[0m"  # Ray's prefix for a TaskRunner actor's lines, coloured
@@ -301,34 +301,18 @@ def test_the_eta_in_starts_counts_each_starts_startup_and_the_save_before_its_li
     assert p["eta"] == pytest.approx(began + 3600 + 7 * 3600 + 600 + last * 100, abs=2)
 
 
-# --- the picture ---------------------------------------------------------------------------------------------------
-
-
-def test_the_picture_has_every_curve_and_marks_where_each_requeued_start_resumed(tmp_path, no_slurm):
+def test_a_step_trained_again_after_a_requeue_counts_once_with_its_newest_values(tmp_path, no_slurm):
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     start_folder(logs, LOCAL_ID, training(1, 14), ckpt=ckpt, done=143)
-    start_folder(logs, f"{LOCAL_ID}-r1", training(13, 30, parts=True), resumed=12, ckpt=ckpt)
-    job = reading.load(LOCAL_ID, log_dir=logs)
-    fig = status.figure(job)
-    titles = [ax.get_title() for ax in fig.axes]
-    assert titles[:6] == [t for t, _, _ in status.PANELS]
-    reward = fig.axes[0]
-    marks = [line.get_xdata()[0] for line in reward.get_lines() if line.get_linestyle() == ":"]
-    assert marks == [12.5], "the second start resumed after step 12"
-    (score,) = [line for line in reward.get_lines() if line.get_label() == "critic/score/mean"]
-    assert list(score.get_xdata()) == list(range(1, 31)), "steps 13-14, trained twice, once each"
-    (rule,) = [line for line in reward.get_lines() if line.get_label() == RULE_PART]
-    assert list(rule.get_xdata()) == [15, 20, 25, 30], "REWARD=rm+rule's rule part, at each validation"
-    png = tmp_path / "out" / "status.png"
-    png.parent.mkdir()
-    png.write_bytes(b"an older picture")
-    status.plot(job, png)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and list(png.parent.iterdir()) == [png]
+    start_folder(logs, f"{LOCAL_ID}-r1", training(13, 30, **{"critic/score/mean": 9.0}), resumed=12, ckpt=ckpt)
+    steps = health.merged_steps(reading.load(LOCAL_ID, log_dir=logs))
+    assert sorted(steps) == list(range(1, 31)), "steps 13-14, trained twice, once each"
+    assert [steps[n]["critic/score/mean"] for n in (12, 13, 14)] == [training(12, 12)[12]["critic/score/mean"], 9, 9]
 
 
 def test_each_kind_of_start_is_shown_as_what_it_was_with_the_end_the_run_script_recorded(tmp_path, no_slurm, capsys):
     """A finished preflight only (sbatch keeps its folder), the canary, and a start that ended without a step: the run
-    script's `kind` and `exit` (every start's end, where no Slurm output says it), and --png draws nothing then."""
+    script's `kind` and `exit` (every start's end, where no Slurm output says it)."""
     logs = tmp_path / "logs"
     for name, kind in (("41", "preflight only"), ("42", "canary")):
         folder = logs / name
@@ -360,10 +344,9 @@ def test_each_kind_of_start_is_shown_as_what_it_was_with_the_end_the_run_script_
         "preflight only (PREFLIGHT_ONLY=1): every check passed; nothing was started"
     )
     assert status_of(str(logs / "42"), capsys=capsys)["why"] == "the canary passed (CANARY=1): its table below"
-    assert status.main([str(logs / "42"), "--png", str(tmp_path / "c.png")]) == 0
+    assert status.main([str(logs / "42")]) == 0
     out = capsys.readouterr().out
     assert "progress: no steps yet\n" in out and "[canary]" in out, out
-    assert "picture: not drawn: no steps yet in job 42\n" in out and not (tmp_path / "c.png").exists()
 
 
 def test_a_canary_reads_as_one_run_with_its_stages_from_its_folder_a_stage_or_the_demos_top_folder(
@@ -403,23 +386,11 @@ def test_a_failed_preflight_only_is_shown_failed_before_training_with_its_refusa
     assert r["why"].startswith("before training, in the preflight: setting error: FP8=true: verl 0.6.1 cannot"), r
     (start,) = r["starts"]
     assert (start["kind"], start["exit_code"], start["steps"]) == ("preflight only", 1, [])
-    assert status.main(["--log-dir", str(logs), "--png", str(tmp_path / "p.png")]) == 0
+    assert status.main(["--log-dir", str(logs)]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"job {r['job']}: FAILED: before training, in the preflight: setting error: FP8=true")
     assert "  a local run, outside Slurm\n" in text and "[preflight only]" in text
     assert "progress: no steps yet (a preflight only: it trains none)" in text
-    assert f"picture: not drawn: no steps yet in job {r['job']}" in text and not (tmp_path / "p.png").exists()
-
-
-def test_png_without_matplotlib_is_one_line_naming_the_install_not_a_traceback(tmp_path, no_slurm):
-    logs = tmp_path / "logs"
-    folder = start_folder(logs, LOCAL_ID, training(1, 3))
-    run = run_without(["matplotlib", "matplotlib.pyplot"], "launch.watch.status", str(folder), "--png",
-                      str(tmp_path / "status.png"))  # fmt: skip
-    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
-    (line,) = run.stderr.strip().splitlines()
-    assert line.startswith("status: --png needs matplotlib") and "pip install matplotlib" in line
-    assert not (tmp_path / "status.png").exists()
 
 
 # --- bad input, docs --------------------------------------------------------------------------------------------------
@@ -561,11 +532,9 @@ def test_a_running_job_shows_its_step_eta_checkpoint_and_metrics_and_follow_ends
     assert reports[-1].startswith("CANCELLED: scancel"), reports[-1][:300]
 
 
-def test_a_requeued_job_shows_where_it_resumes_then_both_starts_once_it_has_finished(job, submit, tmp_path,
-                                                                                     monkeypatch):  # fmt: skip
+def test_a_requeued_job_shows_where_it_resumes_then_both_starts_once_it_has_finished(job, submit, tmp_path):
     """`scontrol requeue` (what the time-limit signal does, without waiting for the limit): the job goes back to
-    PENDING, its next start resumes from the newest checkpoint. STATUS_PNG=docs/status.png writes the picture the
-    docs show, of this job."""
+    PENDING, its next start resumes from the newest checkpoint."""
     env = job | FAST | {"FAKE_TRAINER_STEP_SECONDS": "1"}
     j = submit(env, "trainer.total_training_steps=40", "trainer.save_freq=4", "trainer.test_freq=4",
                out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=30"))  # fmt: skip
@@ -588,13 +557,6 @@ def test_a_requeued_job_shows_where_it_resumes_then_both_starts_once_it_has_fini
     assert [(s["name"], s["resumed_from"]) for s in r["starts"]] == [(j.id, 0), (f"{j.id}-r1", saved)]
     assert r["starts"][1]["steps"] == list(range(saved + 1, 41))
     assert (r["progress"]["step"], r["checkpoint"]["step"], r["checkpoint"]["training_done"]) == (40, 40, True)
-    monkeypatch.setenv("SLURM_CONF", slurm_env(env)["SLURM_CONF"])
-    fig = status.figure(reading.load(j.id, log_dir=Path(env["CONFIG_LOG_DIR"])))
-    assert [line.get_xdata()[0] for line in fig.axes[0].get_lines() if line.get_linestyle() == ":"] == [saved + 0.5]
-    png = Path(os.environ.get("STATUS_PNG") or tmp_path / "status.png")
-    result = status_cmd(env, j.id, "--log-dir", env["CONFIG_LOG_DIR"], "--png", str(png))
-    assert result.returncode == 0 and f"picture: {png}" in result.stdout, result.stderr
-    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_failed_job_says_why_from_its_own_messages(job, submit, tmp_path):

@@ -201,11 +201,9 @@ def reward_gpus(indices: str, visible: str | None) -> list[str]:
 # nvidia-smi's compute modes (--query-gpu=compute_mode): Default lets any number of processes hold a GPU;
 # Exclusive_Process one at a time (Exclusive_Thread: its older drivers' form); Prohibited none.
 ONE_PROCESS_MODES = ("Exclusive_Process", "Exclusive_Thread")
-NO_PROCESS_MODE = "Prohibited"
-# What a node puts on its GPUs: `train` verl's workers (every node of the Ray cluster), `train+reward` those and the
-# reward servers beside them (the head, unless CONFIG_USE_SEPARATE_REWARD_NODE=true or the servers run on the CPU),
-# `reward` one reward server a GPU and nothing else (the separate reward node).
-GPU_ROLES = ("train", "train+reward", "reward")
+# What a node puts on its GPUs: `train` verl's workers (every node of the Ray cluster, and the head's reward servers
+# beside them), `reward` one reward server a GPU and nothing else (the separate reward node).
+GPU_ROLES = ("train", "reward")
 
 
 def parse_compute_modes(text: str) -> list[tuple[str, str]]:
@@ -231,49 +229,26 @@ def job_rows(rows: list[tuple[str, str]], visible: str | None) -> list[tuple[str
     return rows
 
 
-def compute_mode_problem(
-    rows: list[tuple[str, str]], visible: str | None, role: str, engine: str, reward_indices: str = ""
-) -> str | None:
+def compute_mode_problem(rows: list[tuple[str, str]], visible: str | None, role: str) -> str | None:
     """Why this node's GPUs cannot run their part of the job, or None. A mode other than Default refuses the
     processes this job puts beside each other: on every training GPU verl's Ray worker, and with SGLang its
     scheduler, a second process (SGLang's Engine starts it: verl's sglang_rollout.py:135, 489 in sync mode,
     async_sglang_server.py:181 in async); on the head's reward GPUs the reward server too. The reward node runs one
     server a GPU, which Exclusive_Process allows."""
-    if role not in GPU_ROLES:
-        raise NodeError(f"gpu-modes --role {role!r}: use one of {', '.join(GPU_ROLES)}")
-    gpus = job_rows(rows, visible)
-    refused = {}
-    for index, mode in gpus:
-        if mode == NO_PROCESS_MODE or (mode in ONE_PROCESS_MODES and role != "reward"):
+    refused: dict[str, list[str]] = {}
+    for index, mode in job_rows(rows, visible):
+        if mode == "Prohibited" or (mode in ONE_PROCESS_MODES and role != "reward"):
             refused.setdefault(mode, []).append(index)
     if not refused:
         return None
     found = "; ".join(f"GPU {', '.join(indices)} in {mode} mode" for mode, indices in refused.items())
-    if set(refused) == {NO_PROCESS_MODE}:
-        why = "Prohibited lets no process use a GPU"
-        fix = "ask the cluster's admins for Default mode on them"
-    else:
-        one = next(m for m in refused if m in ONE_PROCESS_MODES)
-        why = f"{one} lets one process at a time hold a GPU, and this job puts several on each: "
-        sharing = ["verl's Ray worker (the update, the log-probs)"]
-        if engine == "sglang":
-            sharing.append("SGLang's scheduler, a process of its own that SGLang's Engine starts for the rollout")
-        why += " and ".join(sharing) + " on every training GPU"
-        if role == "train+reward":
-            reward = [gpus[int(i)][0] for i in reward_indices.split(",") if i.strip().isdigit() and int(i) < len(gpus)]
-            why += f", and the reward server beside them on GPU {', '.join(reward) or '0'} (CONFIG_REWARD_GPUS)"
-        if engine != "sglang":
-            why += " (verl 0.6.1's vLLM rollout is not known here to keep to one process a GPU either)"
-        fix = "ask the cluster's admins for Default mode on them"
-        if engine == "sglang":
-            fix += (
-                " (no placement avoids it: a separate reward node, CONFIG_USE_SEPARATE_REWARD_NODE=true, frees the "
-                "reward GPUs, while verl's worker and SGLang's scheduler still share every training GPU)"
-            )
     listed = ",".join(i for indices in refused.values() for i in indices)
     return (
-        f"{found}: {why}. Nothing was started. Fix: {fix}, e.g. `nvidia-smi -i {listed} -c DEFAULT` as root on "
-        "this node (it needs root, and lasts until the driver reloads), or a partition whose GPUs are in Default mode"
+        f"{found}: Prohibited lets no process use a GPU, Exclusive_Process one at a time, and this job puts several "
+        "on a GPU (verl's Ray worker and, with SGLang, its scheduler; on the head's reward GPUs the reward server "
+        "too), so no placement avoids it. Nothing was started. Fix: ask the cluster's admins for Default mode on "
+        f"them, e.g. `nvidia-smi -i {listed} -c DEFAULT` as root on this node (it lasts until the driver reloads), "
+        "or a partition whose GPUs are in Default mode"
     )
 
 
@@ -345,8 +320,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("--job-id", required=True)
     c = sub.add_parser("gpu-modes", help="nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader on stdin")
     c.add_argument("--role", required=True, choices=GPU_ROLES)
-    c.add_argument("--engine", default="sglang", help="ROLLOUT_ENGINE")
-    c.add_argument("--reward-gpus", default="", help="CONFIG_REWARD_GPUS (indices into the job's GPUs)")
     n = sub.add_parser("no-proxy")
     n.add_argument("hosts", nargs="*", help="hosts, addresses with a port, or URLs; comma-separated lists too")
     args = parser.parse_args(argv)
@@ -369,11 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "gpu-modes":
             try:
                 problem = compute_mode_problem(
-                    parse_compute_modes(sys.stdin.read()),
-                    os.environ.get("CUDA_VISIBLE_DEVICES"),
-                    args.role,
-                    args.engine,
-                    args.reward_gpus,
+                    parse_compute_modes(sys.stdin.read()), os.environ.get("CUDA_VISIBLE_DEVICES"), args.role
                 )
             except NodeError as exc:  # nvidia-smi's own output, not a setting
                 problem = str(exc)

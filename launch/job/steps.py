@@ -1,5 +1,5 @@
-"""verl's step lines as the trainer writes them into trainer.log: what the watchdog times on the node and what
-launch.watch reads back.
+"""verl's step lines as the trainer writes them into trainer.log, and the trainer command's overrides
+(trainer_command.txt): what the watchdog times on the node and what launch.watch reads back.
 
 verl 0.6.1's console logger prints one line a step, `step:N - key:value - ...` (verl/utils/logger/aggregate_logger.py:
 26-51), each value through pprint.pformat; the trainer logs `Total training steps: N` and, on a resume, `Setting
@@ -9,6 +9,7 @@ global step to N` (ray_trainer.py's fit and _load_checkpoint).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # verl's console logger line, behind the prefix Ray gives a TaskRunner actor's lines in the driver's output
@@ -58,3 +59,9 @@ def wall_seconds(metrics: dict[str, float]) -> float:
     """A step's wall time as verl timed its parts: the step, and the validation and save that followed it (timed
     apart: ray_trainer.py:1224-1271)."""
     return sum(metrics.get(f"timing_s/{k}", 0.0) for k in ("step", "testing", "save_checkpoint"))
+
+
+def override(command: Sequence[str], key: str) -> str | None:
+    """The value of a trainer command's last `KEY=VALUE` (or `+KEY=VALUE`), one override an item: the last wins, as
+    in Hydra; None where the command does not set the key."""
+    return next((a.partition("=")[2] for a in reversed(command) if a.lstrip("+").partition("=")[0] == key), None)

@@ -30,6 +30,7 @@ names its process after it: ray::WorkerDict.actor_rollout_update_actor).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.job.ray_cluster import alive
-from launch.job.steps import RESUMED_AT, TOTAL_STEPS, is_training_step, parse_step_lines
+from launch.job.steps import RESUMED_AT, TOTAL_STEPS, is_training_step, override, parse_step_lines
 from launch.plan import deadline
 from launch.plan.deadline import StallError, positive_seconds, timeout_setting
 
@@ -62,14 +63,8 @@ def _seconds(env: Mapping[str, str], name: str) -> float:
 
 def _command_int(command: list[str], key: str, default: int) -> int:
     """The last `KEY=N` of the trainer command (a user's override after the settings' wins there too)."""
-    for arg in reversed(command):
-        name, _, value = arg.lstrip("+").partition("=")
-        if name == key:
-            try:
-                return int(value)
-            except ValueError:
-                return default
-    return default
+    value = override(command, key) or ""
+    return int(value) if value.lstrip("-").isdigit() else default
 
 
 @dataclass
@@ -239,28 +234,31 @@ def pyspy_stack(pid: int, pyspy: str) -> str | None:
     return run.stdout if run.returncode == 0 and run.stdout.strip() else None
 
 
+def read_from(path: Path, offset: int) -> bytes:
+    """What a file holds from byte `offset` on; nothing where it cannot be read (not written yet, gone)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return b""
+
+
 def faulthandler_stacks(pids: list[int], logs: Mapping[int, list[Path]], wait: float = 30.0) -> dict[int, str]:
     """Each process's Python stacks as faulthandler prints them on SIGABRT (which ends the process: the start is
     stopped right after), read from the end of its log (where its stderr goes). A Ray worker's own SIGABRT handler
     (Ray's C++ core: `*** SIGABRT received at ...`, then its C++ stack) runs first and hands over to faulthandler only
     after it: on a loaded node that took over 10 s (CI, 2 cores), hence the wait; it ends as soon as every dump is in."""
-    sizes = {pid: {p: p.stat().st_size for p in logs.get(pid, []) if p.exists()} for pid in pids}
+    sizes = {p: p.stat().st_size for pid in pids for p in logs.get(pid, []) if p.exists()}
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError):  # gone already
             os.kill(pid, signal.SIGABRT)
-        except OSError:
-            continue
     found: dict[int, str] = {}
     end = time.monotonic() + wait
     while time.monotonic() < end and len(found) < len(pids):
         for pid in pids:
             for path in logs.get(pid, []):
-                try:
-                    with open(path, errors="replace") as f:
-                        f.seek(sizes[pid].get(path, 0))
-                        text = f.read()
-                except OSError:
-                    continue
+                text = read_from(path, sizes.get(path, 0)).decode(errors="replace")
                 if "Fatal Python error" in text and frames(text):
                     found[pid] = text[text.index("Fatal Python error") :]
         time.sleep(0.5)
@@ -298,17 +296,12 @@ def dump(log_dir: Path, host: str, env: Mapping[str, str] | None = None) -> Path
         if not cmdline.startswith("ray::"):
             logs[pid] = [log_dir / "trainer.log"]
     pyspy = shutil.which("py-spy")
-    stacks: dict[int, str] = {}
-    how = "py-spy dump" if pyspy else "faulthandler (SIGABRT; no py-spy on PATH)"
-    if pyspy:
-        for pid, _ in processes:
-            if (stack := pyspy_stack(pid, pyspy)) is not None:
-                stacks[pid] = stack
+    stacks = {pid: stack for pid, _ in processes if pyspy and (stack := pyspy_stack(pid, pyspy))}
     missing = [pid for pid, _ in processes if pid not in stacks]
+    how = "py-spy dump" if pyspy else "faulthandler (SIGABRT; no py-spy on PATH)"
     if missing:
         stacks |= faulthandler_stacks(missing, logs)
-        if pyspy:
-            how += f"; faulthandler (SIGABRT) where py-spy could not: {missing}"
+        how += f"; faulthandler (SIGABRT) where py-spy could not: {missing}" if pyspy else ""
     parts = [f"# {host}: {len(processes)} process(es) of the job's Ray workers and driver; stacks by {how}\n"]
     for pid, cmdline in processes:
         parts.append(
@@ -381,14 +374,9 @@ def watch(log_dir: Path, trainer_pid: int, host: str, env: Mapping[str, str] | N
     since, offset, pending = time.time(), 0, ""
     print(f"watching {log} (pid {trainer_pid}): {clock.budget(since)[1]}", flush=True)
     while alive(trainer_pid):
-        try:
-            with open(log, errors="replace") as f:
-                f.seek(offset)
-                chunk = f.read()
-                offset = f.tell()
-        except OSError:
-            chunk = ""
-        pending += chunk
+        chunk = read_from(log, offset)
+        offset += len(chunk)
+        pending += chunk.decode(errors="replace")
         lines, _, pending = pending.rpartition("\n")
         if lines:
             if (m := TOTAL_STEPS.findall(lines)) and clock.total is None:

@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from launch.job.checkpoints import saved_step
-from launch.job.steps import ANSI, RESUMED_AT, is_training_step, parse_step_lines
+from launch.job.steps import ANSI, RESUMED_AT, is_training_step, override, parse_step_lines
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
 from launch.watch.health import value_clip_warnings
@@ -55,14 +55,13 @@ STAGES = {
     "merge": "3 merge the last checkpoint, verify",
 }
 
-_TOLD_THINK = re.compile(r"^\+custom_reward_function\.reward_kwargs\.prompt_opens_think=(\w+)$", re.M)
 _SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
 
 
 def agent_loop_workers(extra: list[str]) -> int:
     """rollout.agent.num_workers as verl will use it: the last override of it on the command line wins (Hydra)."""
-    value = next((a.split("=", 1)[1] for a in reversed(extra) if a.lstrip("+").startswith(AGENT_LOOP_KEY + "=")), None)
+    value = override(extra, AGENT_LOOP_KEY)
     try:
         return int(value) if value is not None else AGENT_LOOP_WORKERS
     except ValueError:
@@ -157,8 +156,8 @@ def trainer_command(log: Path) -> str:
 
 def told_opens_think(log: Path) -> bool | None:
     """What the stage's trainer command told the reward function."""
-    match = _TOLD_THINK.search(trainer_command(log))
-    return None if match is None else match.group(1) == "True"
+    told = override(trainer_command(log).splitlines(), "custom_reward_function.reward_kwargs.prompt_opens_think")
+    return None if told is None else told == "True"
 
 
 def value_clip_report(results: dict[str, dict]) -> list[str]:

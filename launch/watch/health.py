@@ -131,14 +131,9 @@ def finished_reason(job: Job) -> str:
         return s.how
     if s and s.kind == PREFLIGHT_ONLY:
         return "preflight only (PREFLIGHT_ONLY=1): every check passed; nothing was started"
-    if (
-        s
-        and s.kind == "canary"
-        and job.canary
-        and "canary: every stage passed" in read_text(job.canary / "summary.txt")
-    ):
-        return "the canary passed (CANARY=1): its table below"
     if s and s.kind == "canary":
+        if job.canary and "canary: every stage passed" in read_text(job.canary / "summary.txt"):
+            return "the canary passed (CANARY=1): its table below"
         return "exited 0, but no canary table says every stage passed: its stages below"
     if ckpt.get("training_done") or (s and s.trainer_finished):
         return "training finished (TRAINING_DONE)"

@@ -5,6 +5,7 @@ step lines are parsed in launch/job/steps.py. Also the times as text (duration, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.job.checkpoints import TRACKER, saved_step
-from launch.job.steps import ANSI, PROGRESS, RESUMED_AT, TOTAL_STEPS, is_training_step, parse_step_lines
+from launch.job.steps import ANSI, PROGRESS, RESUMED_AT, TOTAL_STEPS, is_training_step, override, parse_step_lines
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
@@ -149,8 +150,7 @@ def read_folder(folder: Path, restart: int) -> Start:
     s.failure = first_failure(text)
     s.trainer_started = mtime(folder / "trainer_command.txt")
     command = read_text(folder / "trainer_command.txt").splitlines()
-    s.ckpt_root = next((a.split("=", 1)[1] for a in reversed(command) if a.startswith("trainer.default_local_dir=")),
-                       None)  # fmt: skip
+    s.ckpt_root = override(command, "trainer.default_local_dir")
     s.critic_updates = critic_updates_per_step(command)
     s.kind = read_text(folder / "kind").strip()
     # The run script's own end (`exit`, every kind of start) over the trainer's (`done`, written by the helper)
@@ -267,7 +267,7 @@ def _run(argv: list[str]) -> str | None:
 
 def slurm_time(value: str | None) -> float | None:
     try:
-        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S")) if value else None
+        return stamp(value.replace("T", " ")) if value else None
     except ValueError:
         return None  # Unknown, None, N/A
 
@@ -322,29 +322,23 @@ def default_log_dir() -> Path:
     return Path(os.environ.get("CONFIG_LOG_DIR") or REPO / "logs")
 
 
+def start_folders(log_dir: Path) -> list[tuple[str, int, Path]]:
+    """(job id, restart count, folder) of every start's folder in log_dir."""
+    found = [(p, _FOLDER.match(p.name)) for p in log_dir.iterdir()] if log_dir.is_dir() else []
+    return [(m.group("id"), int(m.group("n") or 0), p) for p, m in found if m and p.is_dir()]
+
+
 def job_folders(log_dir: Path, job_id: str) -> list[tuple[int, Path]]:
     """(restart count, folder) of every start of the job, oldest first."""
-    found = []
-    if log_dir.is_dir():
-        for p in log_dir.iterdir():
-            m = _FOLDER.match(p.name)
-            if p.is_dir() and m and m.group("id") == job_id:
-                found.append((int(m.group("n") or 0), p))
-    return sorted(found)
+    return sorted((n, p) for id_, n, p in start_folders(log_dir) if id_ == job_id)
 
 
 def newest_job(log_dir: Path) -> str:
     """The job whose newest start folder changed last."""
-    best: tuple[float, str] | None = None
-    for p in log_dir.iterdir() if log_dir.is_dir() else []:
-        m = _FOLDER.match(p.name)
-        if p.is_dir() and m:
-            t = max([mtime(p) or 0.0] + [mtime(f) or 0.0 for f in p.iterdir()])
-            if best is None or t > best[0]:
-                best = (t, m.group("id"))
-    if best is None:
+    changed = [(max(mtime(f) or 0.0 for f in [p, *p.iterdir()]), id_) for id_, _, p in start_folders(log_dir)]
+    if not changed:
         raise StatusError(f"no job folders in {log_dir} (CONFIG_LOG_DIR): give a job id or a job's log folder")
-    return best[1]
+    return max(changed)[1]
 
 
 def find_output(job_id: str, log_dir: Path, slurm: dict | None) -> Path | None:
@@ -368,10 +362,8 @@ def checkpoint(root: str | None) -> dict | None:
     size = 0
     for dirpath, _, names in os.walk(folder):
         for name in names:
-            try:
+            with contextlib.suppress(OSError):  # pruned meanwhile
                 size += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                continue
     return out | {"step": step, "path": str(folder), "saved": mtime(base / TRACKER), "bytes": size}
 
 

@@ -3,7 +3,6 @@
     python -m launch.watch.status                      # the newest job in CONFIG_LOG_DIR (default: the repository's logs/)
     python -m launch.watch.status 24                   # job 24: its folders logs/24, logs/24-r1, ... and what Slurm says
     python -m launch.watch.status logs/24-r1           # the job that folder belongs to
-    python -m launch.watch.status 24 --png 24.png      # and its curves (reward, length, KL, entropy, step time)
     python -m launch.watch.status 24 --follow          # again every 60 s (--follow 10: every 10 s) until the job ends
     python -m launch.watch.status 24 --json            # all of it as one JSON object, for scripts
 
@@ -12,10 +11,10 @@ key:value - ...` from its console logger, verl/utils/logger/aggregate_logger.py;
 reward servers' logs with their restart markers), the job's Slurm output file (the run script's timestamped lines:
 each start, the time limit, requeues, exits and errors), the checkpoint folder the trainer command names, and Slurm
 itself where its programs are on PATH (scontrol, else sacct; either may be missing, or know the job
-no more). Nothing is written, except the --png file.
+no more). Nothing is written.
 """
 
-# This module renders (the text, --json, the --png picture) and runs the command; launch/watch/reading.py reads the
+# This module renders (the text, --json) and runs the command; launch/watch/reading.py reads the
 # job, launch/watch/health.py judges it. The docstring above is the command's --help.
 
 from __future__ import annotations
@@ -23,14 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-from launch.job.steps import is_training_step
-from launch.watch.health import FINAL, is_reward_part, merged_steps, report, series, state
-from launch.watch.reading import PREFLIGHT_ONLY, Job, StatusError, canary_results, clock, duration, load, read_text
+from launch.watch.health import FINAL, report
+from launch.watch.reading import PREFLIGHT_ONLY, StatusError, canary_results, clock, duration, load, read_text
 
 # --- as text ---------------------------------------------------------------------------------------------------------
 
@@ -138,89 +135,6 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
-# --- the picture -------------------------------------------------------------------------------------------------------
-
-PANELS = (
-    ("reward", ["critic/score/mean"], None),
-    ("response length", ["response_length/mean"], "response_length/clip_ratio"),
-    ("KL to the reference", ["actor/kl_loss"], None),
-    ("entropy", ["actor/entropy"], None),
-    ("PPO clip fraction", ["actor/pg_clipfrac"], None),
-    ("step time (s)", ["timing_s/step"], None),
-)
-
-
-def figure(job: Job):
-    """The curves of the metrics that matter over the steps, each requeue marked where the next start resumed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise StatusError(f"--png needs matplotlib ({exc}): pip install matplotlib where this runs") from None
-    steps = merged_steps(job)
-    train = {n: m for n, m in steps.items() if is_training_step(m)}
-    st, _ = state(job)
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
-    for ax, (title, keys, twin) in zip(axes.flat, PANELS, strict=True):
-        for key in keys:
-            points = series(train, key)
-            if points:
-                ax.plot(*zip(*points, strict=True), label=key, color="tab:blue", linewidth=1.2)
-        if title == "reward":
-            for key in sorted({k for m in steps.values() for k in m if k.startswith("val-core/") or is_reward_part(k)}):
-                points = series(steps, key)
-                core = key.startswith("val-core/")  # else a part of the reward (REWARD=rule, rm+rule)
-                ax.plot(*zip(*points, strict=True), "o--" if core else "s-.", label=key, markersize=3,
-                        color="tab:green" if core else None)  # fmt: skip
-        handles = list(ax.get_lines())
-        if twin and (points := series(train, twin)):
-            right = ax.twinx()
-            handles += right.plot(*zip(*points, strict=True), color="tab:red", linewidth=1, label=twin)
-            right.tick_params(labelsize=7, colors="tab:red")
-        for s in job.starts[1:]:
-            if s.resumed_from is not None:
-                mark = ax.axvline(s.resumed_from + 0.5, color="tab:orange", linestyle=":", linewidth=1.5,
-                                  label=f"{s.name} resumed at step {s.resumed_from}")  # fmt: skip
-                handles += [mark] if title == "reward" else []
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        if handles:
-            ax.legend(handles=handles, fontsize=7, loc="best")
-    requeues = [s.name for s in job.starts[1:] if s.resumed_from is not None]
-    fig.suptitle(
-        f"job {job.id}: {st}, step {max(train) if train else 0}"
-        + (f" of {job.starts[-1].total}" if job.starts and job.starts[-1].total else "")
-        + (f"; dotted: resumed after a requeue ({', '.join(requeues)})" if requeues else "")
-        + f"  ({clock(job.now)})",
-        fontsize=11,
-    )
-    return fig
-
-
-def no_picture(job: Job) -> str:
-    """Why there is nothing to draw yet ("" when there is): no training step in any start."""
-    if any(s.training_steps() for s in job.starts):
-        return ""
-    return f"not drawn: no steps yet in job {job.id}"  # a canary's steps are its stages' (reading.read_folder)
-
-
-def plot(job: Job, path: Path) -> None:
-    """figure() into a PNG file, written atomically (a viewer never sees half a picture)."""
-    fig = figure(job)  # StatusError naming the fix where matplotlib does not import
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        fig.savefig(tmp, dpi=80, format="png")
-    finally:
-        plt.close(fig)
-    os.replace(tmp, path)
-
-
 def plain(value):
     """JSON without NaN or Infinity (which strict parsers refuse): a non-finite number as its text."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -240,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("job", nargs="?", help="a job id, or a start's log folder (default: the newest job)")
     p.add_argument("--log-dir", type=Path, help="where the job folders are (default: CONFIG_LOG_DIR, else logs/)")
-    p.add_argument("--png", type=Path, help="also draw the curves into this PNG file")
     p.add_argument("--follow", nargs="?", type=float, const=60.0, metavar="SECONDS",
                    help="print again every SECONDS (default 60) until the job ends")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the text")
@@ -251,11 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             job = load(args.job, args.log_dir)
             r = report(job)
-            empty = no_picture(job) if args.png else ""
-            if args.png and not empty:
-                plot(job, args.png)
-            picture = f"\npicture: {empty or args.png}" if args.png else ""
-            print(json.dumps(plain(r)) if args.json else render(r) + picture, flush=True)
+            print(json.dumps(plain(r)) if args.json else render(r), flush=True)
             if args.follow is None or r["state"] in FINAL:
                 return 0
             args.job = job.id  # the same job on every refresh, even when a newer one starts
