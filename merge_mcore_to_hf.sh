@@ -203,9 +203,8 @@ merge() {
 container_wrap() {
   wrap=()
   mkdir -p "$(dirname "$TARGET_DIR")" # the merge writes beside TARGET_DIR; the image binds that folder
+  check_container
   [[ "$CONTAINER" != none ]] || return 0
-  [[ -f "$CONFIG_IMAGE_PATH" ]] || die "CONFIG_IMAGE_PATH=$CONFIG_IMAGE_PATH: no such image"
-  command -v "$CONTAINER" >/dev/null || die "CONTAINER=$CONTAINER is not on PATH (module load it, or CONTAINER=none)"
   wrap=("$CONTAINER" exec --nv --bind "$repo" --bind "$CKPT_ROOT" --bind "$(dirname "$TARGET_DIR")" --pwd "$repo"
     --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH")
 }

@@ -254,37 +254,19 @@ container_cmd() {
   local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME")
   [[ "$WANDB_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$WANDB_DIR")  # a WANDB_DIR set elsewhere
   [[ "$TENSORBOARD_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$TENSORBOARD_DIR")
-  binds+=(--bind "$CONFIG_MODEL_PATH" --bind "$(dirname "$CONFIG_TRAIN_FILE")" --bind "$(dirname "$CONFIG_TEST_FILE")")
-  [[ "$REWARD" == rule ]] || binds+=(--bind "$CONFIG_REWARD_MODEL_PATH")  # REWARD=rule: no reward model anywhere
-  [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || binds+=(--bind "$(dirname "$PREFLIGHT_REWARD_PAIRS")")
-  [[ -z "$REWARD_FUNCTION_PATH" ]] || binds+=(--bind "$(dirname "$REWARD_FUNCTION_PATH")")
+  local dir inputs=("$CONFIG_MODEL_PATH" "$(dirname "$CONFIG_TRAIN_FILE")" "$(dirname "$CONFIG_TEST_FILE")")
+  [[ "$REWARD" == rule ]] || inputs+=("$CONFIG_REWARD_MODEL_PATH")  # REWARD=rule: no reward model anywhere
+  [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || inputs+=("$(dirname "$PREFLIGHT_REWARD_PAIRS")")
+  [[ -z "$REWARD_FUNCTION_PATH" ]] || inputs+=("$(dirname "$REWARD_FUNCTION_PATH")")
+  # A missing one is not bound: the runtime's mount error would name no setting, the preflight's names it.
+  for dir in "${inputs[@]}"; do [[ ! -d "$dir" ]] || binds+=(--bind "$dir"); done
   printf '%s\0' "$CONTAINER" exec --nv "${binds[@]}" --pwd "$repo" --env "PYTHONPATH=$repo" "$CONFIG_IMAGE_PATH"
 }
 
 # preflight: what must be checked before Python runs in the image, then launch.plan.preflight in one container start.
 preflight() {
   log_phase "checks: settings, files, and the trainer config through verl's own code"
-  if [[ "$CONTAINER" != none && ! -f "$CONFIG_IMAGE_PATH" ]]; then
-    die "CONFIG_IMAGE_PATH=$CONFIG_IMAGE_PATH: no such image (sudo singularity build verl_app.sif verl_app.def)"
-  fi
-  if [[ "$CONTAINER" != none ]] && ! command -v "$CONTAINER" >/dev/null; then
-    die "CONTAINER=$CONTAINER but '$CONTAINER' is not on PATH (module load it, or CONTAINER=apptainer|none)"
-  fi
-  # The container binds these folders: a missing one would stop it with a mount error that names no setting.
-  local name missing=() models=(CONFIG_MODEL_PATH)
-  [[ "$REWARD" == rule ]] || models+=(CONFIG_REWARD_MODEL_PATH)
-  for name in "${models[@]}"; do
-    [[ "$CONTAINER" == none || -d "${!name}" ]] ||
-      missing+=("$name=${!name}: no config.json there (no such folder: point it at the model's folder)")
-  done
-  for name in CONFIG_TRAIN_FILE CONFIG_TEST_FILE; do
-    [[ "$CONTAINER" == none || -d "$(dirname "${!name}")" ]] ||
-      missing+=("$name=${!name}: no such file (no such folder; build it with python -m data_prep.build)")
-  done
-  if ((${#missing[@]})); then
-    for name in "${missing[@]}"; do err "setting error: $name"; done
-    die "fix the settings above (top of run_grpo_qwen3_4b_mega_verl.sh, or the environment); nothing was started"
-  fi
+  check_container
   local gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-}}  # salloc's shell has only the latter (e.g. gpu:4)
   gpus=${gpus##*:}
   if [[ -n "$gpus" && "$gpus" != "$CONFIG_GPUS_PER_NODE" ]]; then

@@ -50,13 +50,13 @@ def test_every_message_the_scripts_print_has_an_entry_in_operations_md_and_every
 
 
 def test_the_message_list_holds_each_kind_of_message_the_scripts_print():
-    """die/err in bash, a node's failure reason built over two lines, the run script's refused settings, each refusal
+    """die/err in bash, a node's failure reason built over two lines, each refusal
     (appended, returned, or one per key of a list comprehension), the preflight's stderr lines, a raised SettingError."""
     texts = {m.where.split(":")[0]: [] for m in reference.messages()}
     for m in reference.messages():
         texts[m.where.split(":")[0]].append(" ".join(m.pieces))
     expected = {
-        "run_grpo_qwen3_4b_mega_verl.sh": ["no config.json there (no such folder", "could not create the job's folders"],
+        "run_grpo_qwen3_4b_mega_verl.sh": ["GPUs per node but CONFIG_GPUS_PER_NODE=", "could not create the job's folders"],
         "helper_grpo_qwen3_4b.sh": ["death(s) within s, its REWARD_RESTARTS= restarts spent", "trainer exited with"],
         "merge_mcore_to_hf.sh": ["is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json)"],
         "launch/job/common.sh": ["which is not the repository"],

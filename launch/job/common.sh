@@ -165,6 +165,14 @@ exit_reason() {
   printf '%s%s\n' "$why" "${line:+; its log: $line}"
 }
 
+# check_container: CONTAINER and CONFIG_IMAGE_PATH name a program on PATH and an image that exists (none: no image).
+check_container() {
+  [[ "$CONTAINER" == none || -f "$CONFIG_IMAGE_PATH" ]] ||
+    die "CONFIG_IMAGE_PATH=$CONFIG_IMAGE_PATH: no such image (sudo singularity build verl_app.sif verl_app.def)"
+  [[ "$CONTAINER" == none ]] || command -v "$CONTAINER" >/dev/null ||
+    die "CONTAINER=$CONTAINER but '$CONTAINER' is not on PATH (module load it, or CONTAINER=apptainer|none)"
+}
+
 # not_the_repository: the error, and exit, of a job submitted from a folder that is not the repository. sbatch runs a
 # copy of the entry script from slurmd's spool folder, and the submit folder holds no launch/job/common.sh either: the
 # entry script sources this file from beside the script Slurm's record names, and the error names that script.
