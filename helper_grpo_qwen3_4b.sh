@@ -228,12 +228,6 @@ follow_restart() {
 # node_info ARGS...: launch/job/node.py (ports, reward GPUs, the node address) from the repository.
 node_info() { (cd "$here" && python3 -m launch.job.node "$@"); }
 
-# node_address: this node's address that the other nodes reach, into the caller's `address`.
-node_address() {
-  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
-    die "[rank $rank] no address for $host that the other nodes can reach (above)"
-}
-
 # launch_reward_servers ADDRESS INDICES: start one server per GPU index (or on the CPU) and set srv_urls, not waiting
 # (wait_reward_servers): the head starts Ray while they load. Until healthy, a death is a failed start.
 srv_urls=""
@@ -432,9 +426,9 @@ run_trainer() {
   tail_pid=$!
   pids+=("$tail_pid")
   if [[ "$STALL_TIMEOUT" != off ]]; then
-    # shellcheck disable=SC2016  # as the trainer's
-    start_bg "$job_log_dir/stall_watchdog.log" bash -c 'cd "$1" && shift && exec "$@"' watchdog "$here" \
-      python3 -m launch.job.watchdog watch --log-dir "$job_log_dir" --trainer-pid "$trainer_pid" --host "$host"
+    # The repository is on PYTHONPATH (export_worker_env), whatever the folder.
+    start_bg "$job_log_dir/stall_watchdog.log" python3 -m launch.job.watchdog watch --log-dir "$job_log_dir" \
+      --trainer-pid "$trainer_pid" --host "$host"
     stall_pid=$BG_PID
     pids+=("$stall_pid")
   fi
@@ -454,8 +448,6 @@ run_trainer() {
 }
 
 run_head() {
-  local address
-  node_address
   log_phase "[rank 0] head on $host ($address), $nnodes node(s), $train_nodes training"
   head_rewards "$address"
   collect_addresses "$address"
@@ -466,8 +458,6 @@ run_head() {
 }
 
 run_reward_node() {
-  local address
-  node_address
   log_phase "[rank $rank] reward node $host ($address): $REWARD_REPLICAS server(s), no training"
   launch_reward_servers "$address" "$(seq -s, 0 $((REWARD_REPLICAS - 1)))"
   wait_reward_servers
@@ -475,8 +465,6 @@ run_reward_node() {
 }
 
 run_worker() {
-  local address
-  node_address
   printf '%s\n' "$address" >"$job_log_dir/address.$rank.tmp"
   mv "$job_log_dir/address.$rank.tmp" "$job_log_dir/address.$rank"
   log_phase "[rank $rank] Ray worker on $host ($address): waiting for the head"
@@ -533,6 +521,9 @@ main() {
   trap 'on_signal 130' INT
   trap 'on_signal 143' TERM
   check_gpu_modes
+  # This node's address that the other nodes reach, for every role.
+  address=$(node_info address --interface "$CONFIG_NETWORK_INTERFACE" --nodes "$nnodes") ||
+    die "[rank $rank] no address for $host that the other nodes can reach (above)"
   if ((rank == 0)); then
     run_head "$@"
   elif ((rank == reward_rank)); then
