@@ -101,11 +101,11 @@ check_watched() {
   local i k f
   for i in "${!watch_pids[@]}"; do
     k=${watch_server[$i]}
-    if ((k >= 0)) && [[ -n "${srv_restarting[$k]}" ]]; then
-      follow_restart "$i" "$k"
-    elif ((k >= 0)) && ! alive "${watch_pids[$i]}"; then
-      restart_reward_server "$i" "$k"
-    elif ! alive "${watch_pids[$i]}"; then
+    if alive "${watch_pids[$i]}"; then
+      ((k < 0)) || [[ -z "${srv_restarting[$k]}" ]] || follow_restart "$i" "$k"
+    elif ((k >= 0)); then
+      restart_reward_server "$i" "$k"  # a restarted one that died again too: its restarts count on
+    else
       show_tail "${watch_logs[$i]}" 20
       die "[rank $rank] ${watch_names[$i]} on $host died (log: ${watch_logs[$i]}): stopping the job"
     fi
@@ -196,14 +196,9 @@ restart_reward_server() {
   srv_restarting[k]=$SECONDS
 }
 
-# follow_restart I K: one health poll of restarted reward server K (watched process I), with this job's token.
+# follow_restart I K: one health poll of restarted reward server K (watched process I, alive), with this job's token.
 follow_restart() {
   local i=$1 k=$2 url="http://127.0.0.1:${srv_port[$2]}/health" status
-  if ! alive "${watch_pids[$i]}"; then
-    srv_restarting[k]=""
-    restart_reward_server "$i" "$k"
-    return
-  fi
   status=$(http_probe "$url" "$REWARD_SERVER_TOKEN")
   case "$status" in
     ours)
