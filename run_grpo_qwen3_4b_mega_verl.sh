@@ -193,7 +193,7 @@ export_settings() {
 export_ray_cpus() {
   local cpus=${SLURM_JOB_CPUS_PER_NODE:-} header
   cpus=${cpus%%[(,]*}
-  header=$(sed -n 's/^#SBATCH --cpus-per-task=\([0-9]*\).*/\1/p' "${BASH_SOURCE[0]}" | head -n 1)
+  header=$(sbatch_value "${BASH_SOURCE[0]}" cpus-per-task)
   if [[ -n "${RAY_NUM_CPUS:-}" ]]; then
     RAY_NUM_CPUS_FROM=RAY_NUM_CPUS
   elif [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
@@ -237,8 +237,7 @@ export_checkpoint_deadline() {
     end=$(date -d "$end" +%s 2>/dev/null || true)
   fi
   # Slurm shows a job its --signal nowhere: one given to sbatch instead of this header needs JOB_SIGNAL_LEAD=N too.
-  [[ -n "${JOB_SIGNAL_LEAD:-}" ]] ||
-    JOB_SIGNAL_LEAD=$(sed -n 's/^#SBATCH --signal=[^@]*@\([0-9]*\).*/\1/p' "${BASH_SOURCE[0]}" | head -n 1)
+  [[ -n "${JOB_SIGNAL_LEAD:-}" ]] || JOB_SIGNAL_LEAD=$(sbatch_value "${BASH_SOURCE[0]}" signal | sed -n 's/.*@//p')
   export JOB_SIGNAL_LEAD=${JOB_SIGNAL_LEAD:-0}
   if [[ "$end" =~ ^[0-9]+$ ]]; then
     export JOB_END_TIME=$end MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP=$((end - CHECKPOINT_BEFORE_END))
