@@ -205,10 +205,6 @@ def split_value(key: bytes, seed: int) -> float:
     return int.from_bytes(h, "big") / 2**64
 
 
-def goes_to_test(key: bytes, seed: int, test_size: float) -> bool:
-    return split_value(key, seed) < test_size
-
-
 # --- readers: (row number as a person would count it, example) ------------------------------------------------
 
 

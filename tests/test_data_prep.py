@@ -15,7 +15,6 @@ from data_prep.build import (
     BadRow,
     RowSpec,
     chat_messages,
-    goes_to_test,
     make_row,
     prompt_key,
     split_value,
@@ -97,9 +96,9 @@ def test_bad_rows_name_the_field_and_the_problem(example, spec, needle):
 
 def test_the_split_is_deterministic_by_seed_and_keyed_by_prompt():
     keys = [prompt_key([{"role": "user", "content": f"p{i}"}]) for i in range(2000)]
-    a = [goes_to_test(k, 0, 0.1) for k in keys]
-    assert a == [goes_to_test(k, 0, 0.1) for k in keys]
-    assert a != [goes_to_test(k, 1, 0.1) for k in keys]
+    a = [split_value(k, 0) < 0.1 for k in keys]
+    assert a == [split_value(k, 0) < 0.1 for k in keys]
+    assert a != [split_value(k, 1) < 0.1 for k in keys]
     assert 150 < sum(a) < 250
 
 
@@ -204,7 +203,7 @@ def test_an_empty_test_split_is_refused_and_an_explicit_test_file_is_used(tmp_pa
 def none_under(test_size: float, n: int) -> list[dict]:
     """n prompts of which no hash falls under test_size with seed 0: a small file the split leaves no test row."""
     prompts = (f"How should I store household product {i}?" for i in range(10_000))
-    keep = (p for p in prompts if not goes_to_test(prompt_key([{"role": "user", "content": p}]), 0, test_size))
+    keep = (p for p in prompts if split_value(prompt_key([{"role": "user", "content": p}]), 0) >= test_size)
     return [{"prompt": next(keep)} for _ in range(n)]
 
 
@@ -233,7 +232,7 @@ def test_copies_of_the_nearest_prompt_go_to_test_together_and_a_split_that_has_t
     assert [r["prompt"][0]["content"] for r in test] == [nearest["prompt"]] * 2, "identical prompts never straddle"
     # a file whose hashes put rows in test keeps exactly those
     examples = [{"prompt": f"question {i}"} for i in range(60)]
-    under = [e for e in examples if goes_to_test(prompt_key([{"role": "user", "content": e["prompt"]}]), 0, 0.05)]
+    under = [e for e in examples if split_value(prompt_key([{"role": "user", "content": e["prompt"]}]), 0) < 0.05]
     assert under, "some of 60 prompts fall under 5%"
     big = write_jsonl(tmp_path / "big.jsonl", examples)
     assert build_main([str(big), "--out-dir", str(tmp_path / "big")]) == 0
