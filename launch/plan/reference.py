@@ -223,7 +223,7 @@ def _bash_pieces(rest: str) -> list[str]:
     return words
 
 
-_BASH_MESSAGE = re.compile(r"(?:\b(?:die|err)\s+|\bfailure\+?=|\bmissing\+=\(|printf '(?=ERROR))")
+_BASH_MESSAGE = re.compile(r"(?:\b(?:die|err)\s+|\bfailure\+?=|printf '(?=ERROR))")
 
 
 def _where(path: Path, line: int) -> str:
@@ -231,7 +231,7 @@ def _where(path: Path, line: int) -> str:
 
 
 def bash_messages(path: Path) -> list[Message]:
-    """die and err calls, the `failure` a node reports, the run script's `missing` settings, printf 'ERROR: ...'."""
+    """die and err calls, the `failure` a node reports, printf 'ERROR: ...'."""
     found, lines = [], path.read_text().splitlines()
     logical, start = "", 0
     for number, line in enumerate(lines, 1):
