@@ -403,7 +403,7 @@ def predictions(result: dict) -> dict:
     """What launch/plan/gpu_memory.py predicts for each case that ran, beside its measured peaks (GiB): the update's peak
     (stage1: the larger of the two updates; stage0: the forward-backward of the two micro-batches in flight), the
     log-prob pass's, and the activation bytes per token of one layer (the saved tensors, beside the formula's)."""
-    from launch.plan.gpu_memory import ModelDims, log_prob_peak, stage_memory
+    from launch.plan.gpu_memory import ModelDims, log_prob_stage, stage_memory
 
     policy = result["policy"]
     dims = ModelDims(policy["hidden_size"], policy["intermediate_size"],
@@ -428,8 +428,8 @@ def predictions(result: dict) -> dict:
             row["measured_update_gib"] = max(peaks)
             row["update_error"] = row["predicted_update_gib"] / row["measured_update_gib"] - 1
         if stage1:
-            row["predicted_log_prob_gib"] = log_prob_peak(dims, stage=0, stages=1, tp=1, tokens=tokens,
-                                                          fused_logits=fused) / GIB  # fmt: skip
+            row["predicted_log_prob_gib"] = log_prob_stage(dims, stage=0, stages=1, tp=1, tokens=tokens,
+                                                           fused_logits=fused).total / GIB  # fmt: skip
             if "peak_allocated_gib" in case.get("log_prob", {}):
                 row["measured_log_prob_gib"] = case["log_prob"]["peak_allocated_gib"]
                 row["log_prob_error"] = row["predicted_log_prob_gib"] / row["measured_log_prob_gib"] - 1

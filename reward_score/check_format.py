@@ -260,12 +260,9 @@ class FormatResult:
 
     @property
     def loss(self) -> float:
-        """Mean -log(sigmoid(chosen - rejected)), computed stably."""
-        total = 0.0
-        for c, r in zip(self.chosen, self.rejected, strict=True):
-            m = c - r
-            total += math.log1p(math.exp(-m)) if m > -30 else -m
-        return total / max(1, self.n)
+        """Mean -log(sigmoid(chosen - rejected)) = softplus(rejected - chosen), computed stably."""
+        pairs = zip(self.chosen, self.rejected, strict=True)
+        return sum(max(r - c, 0) + math.log1p(math.exp(-abs(c - r))) for c, r in pairs) / max(1, self.n)
 
     def matches(self, settings: dict[str, str]) -> bool:
         return settings == self.settings or settings in self.same_as

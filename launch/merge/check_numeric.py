@@ -234,7 +234,8 @@ def compare(ckpt: Path, hf: Path, tolerance: str = "auto") -> dict:
     auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
     # no dtype argument (its name changed in transformers 4.56): whatever it loads in, float32 here
     model = auto.from_pretrained(hf, attn_implementation="eager").float().to(device).eval()
-    weights = _to(weights, device)
+    weights = {k: v if v is None or k == "layers" else v.to(device) for k, v in weights.items()}
+    weights["layers"] = [{k: t.to(device) for k, t in layer.items()} for layer in weights["layers"]]
     diffs, flips, tokens, state_gaps = [], 0, 0, [0.0] * (config["num_hidden_layers"] + 1)
     with torch.no_grad():
         for ids in batch:
@@ -265,11 +266,6 @@ def _bias(model) -> float:
     """A value model's head bias (score.bias; 0 without one)."""
     bias = getattr(getattr(model, "score", None), "bias", None)
     return 0.0 if bias is None else float(bias.detach().reshape(-1)[0])
-
-
-def _to(w: dict, device: str) -> dict:
-    return {k: [_to(x, device) for x in v] if isinstance(v, list) else v if v is None else v.to(device)
-            for k, v in w.items()} if isinstance(w, dict) else w.to(device)  # fmt: skip
 
 
 def judge(figures: dict) -> list[str]:

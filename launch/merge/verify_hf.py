@@ -79,11 +79,12 @@ def value_model_problems(config) -> list[str]:
     return []
 
 
-def expected_tensors(target: Path, tied: bool, value_model: bool) -> dict[str, tuple[int, ...]]:
+def expected_tensors(config, tied: bool, value_model: bool) -> tuple[dict[str, tuple[int, ...]], str]:
+    """{name: shape} of every tensor the config's model stores, and the state-dict name of its input embedding
+    (model.embed_tokens.weight for Qwen3 and Llama)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    config = AutoConfig.from_pretrained(target)
     auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
     if not value_model:
         config.tie_word_embeddings = tied
@@ -93,18 +94,8 @@ def expected_tensors(target: Path, tied: bool, value_model: bool) -> dict[str, t
     if tied and not value_model:
         # save_pretrained stores a tied lm_head once, as the embedding
         shapes = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
-    return shapes
-
-
-def input_embedding_name(target: Path) -> str:
-    """The state-dict name of the model's input embedding (model.embed_tokens.weight for Qwen3 and Llama)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target))
     weight = model.get_input_embeddings().weight
-    return next(name for name, t in model.state_dict(keep_vars=True).items() if t is weight)
+    return shapes, next(name for name, t in model.state_dict(keep_vars=True).items() if t is weight)
 
 
 def read_tensor(target: Path, name: str):
@@ -114,14 +105,13 @@ def read_tensor(target: Path, name: str):
         return f.get_tensor(name)
 
 
-def tied_head_copy(target: Path, stored: dict) -> str | None:
+def tied_head_copy(target: Path, stored: dict, embedding: str) -> str | None:
     """A tied model's lm_head.weight stored beside its embedding: verl's FSDP merger writes both (its
     --tie-word-embedding is Megatron's only, verl/model_merger/base_model_merger.py:44-46), and transformers ties
     the head to the embedding on load. Harmless only when the two are the same tensor: a problem when they differ
     (the head the config would silently discard), None when they are equal."""
     import torch
 
-    embedding = input_embedding_name(target)
     if embedding not in stored or stored[embedding] != stored["lm_head.weight"]:
         return "unexpected tensor lm_head.weight {} (the config says the embeddings are tied)".format(
             list(stored["lm_head.weight"])
@@ -135,6 +125,8 @@ def tied_head_copy(target: Path, stored: dict) -> str | None:
 
 
 def verify(target: Path, tied: bool, value_model: bool = False, load: bool = False) -> tuple[list[str], str]:
+    from transformers import AutoConfig
+
     problems = []
     if not (target / "config.json").is_file():
         return [f"{target}/config.json is missing"], ""
@@ -146,16 +138,15 @@ def verify(target: Path, tied: bool, value_model: bool = False, load: bool = Fal
         )
     stored, shard_problems, shards = stored_tensors(target)
     problems += shard_problems
+    config = AutoConfig.from_pretrained(target)
     if value_model:
-        from transformers import AutoConfig
-
-        config_problems = value_model_problems(AutoConfig.from_pretrained(target))
+        config_problems = value_model_problems(config)
         if config_problems:
             return problems + config_problems, ""
-    expected = expected_tensors(target, tied, value_model)
+    expected, embedding = expected_tensors(config, tied, value_model)
     copy_of_embedding = ""
     if tied and not value_model and "lm_head.weight" in stored and not shard_problems:
-        problem = tied_head_copy(target, stored)
+        problem = tied_head_copy(target, stored, embedding)
         if problem:
             problems.append(problem)
         else:

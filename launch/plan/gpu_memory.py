@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from launch.plan.settings import Settings
 from launch.plan.trainer_command import megatron_reference_offloaded, token_budget
@@ -353,7 +353,8 @@ def _logits_bytes(dims: ModelDims, *, last: bool, fused: bool, tokens: int, tp: 
 
 @dataclass(frozen=True)
 class StageMemory:
-    """One pipeline stage's GPU memory at the peak of the actor's update, in bytes per GPU."""
+    """One pipeline stage's GPU memory at the peak of the actor's update (or of its log-prob pass, `log_prob`), in bytes
+    per GPU."""
 
     stage: int
     stages: int
@@ -368,6 +369,7 @@ class StageMemory:
     logits: int  # the last stage's logits path (the fused kernels' where `fused`)
     fused: bool = False
     process: int = 0  # outside torch's allocator (WORKER_OVERHEAD), where the plan counts it
+    log_prob: bool = False  # the log-prob pass: no optimizer, no activations kept, the logits with the entropy
 
     @property
     def total(self) -> int:
@@ -375,14 +377,17 @@ class StageMemory:
                 + self.process)  # fmt: skip
 
     def describe(self) -> str:
-        parts = [f"weights {self.weights / GIB:.1f}", f"grads {self.grads / GIB:.1f}",
-                 f"optimizer {self.optimizer / GIB:.1f}"]  # fmt: skip
+        parts = [f"weights {self.weights / GIB:.1f}", f"grads {self.grads / GIB:.1f}"]
+        if not self.log_prob:
+            parts.append(f"optimizer {self.optimizer / GIB:.1f}")
         if self.reference:
             parts.append(f"reference {self.reference / GIB:.1f}")
-        parts.append(f"activations {self.activations / GIB:.1f} ({self.layers} layers x {self.in_flight} "
-                     f"micro-batch(es) of {self.tokens} tokens)")  # fmt: skip
+        if not self.log_prob:
+            parts.append(f"activations {self.activations / GIB:.1f} ({self.layers} layers x {self.in_flight} "
+                         f"micro-batch(es) of {self.tokens} tokens)")  # fmt: skip
         if self.stage == self.stages - 1 and (self.logits or self.fused):
-            parts.append(f"{'fused log-probs' if self.fused else 'logits'} {self.logits / GIB:.1f}")
+            logits = "logits with the entropy" if self.log_prob else "logits"
+            parts.append(f"{'fused log-probs' if self.fused else logits} {self.logits / GIB:.1f}")
         if self.process:
             parts.append(f"process {self.process / GIB:.1f}")
         return f"stage {self.stage}: ~{self.total / GIB:.1f} GiB (" + ", ".join(parts) + ")"
@@ -410,14 +415,15 @@ def stage_memory(dims: ModelDims, *, stage: int, stages: int, tp: int, dp: int, 
     )  # fmt: skip
 
 
-def log_prob_peak(dims: ModelDims, *, stage: int, stages: int, tp: int, tokens: int, fused_logits: bool = False) -> int:
-    """The actor's log-prob pass on a stage (no_grad), in torch's allocator: its bf16 weights and float32 grad buffer
-    stay on the GPU (the optimizer is offloaded), and on the last stage the logits path of one micro-batch with the
-    entropy (the fused kernels' where `fused_logits`)."""
+def log_prob_stage(dims: ModelDims, *, stage: int, stages: int, tp: int, tokens: int, fused_logits: bool = False,
+                   reference_on_gpu: bool = False, process: int = 0) -> StageMemory:  # fmt: skip
+    """The actor's log-prob pass on a stage (no_grad): its bf16 weights and float32 grad buffer stay on the GPU (the
+    optimizer is offloaded), and on the last stage the logits path of one micro-batch with the entropy (the fused
+    kernels' where `fused_logits`); the reference's weights where `reference_on_gpu`, the process's where given."""
     s = stage_memory(dims, stage=stage, stages=stages, tp=tp, dp=1, tokens=tokens, recompute="full", micro_batches=1,
-                     reference_on_gpu=False)  # fmt: skip
-    last = stage == stages - 1
-    return s.weights + s.grads + _logits_bytes(dims, last=last, fused=fused_logits, tokens=tokens, tp=tp, log_prob=True)
+                     reference_on_gpu=reference_on_gpu, fused_logits=fused_logits, process=process)  # fmt: skip
+    logits = _logits_bytes(dims, last=stage == stages - 1, fused=fused_logits, tokens=tokens, tp=tp, log_prob=True)
+    return replace(s, optimizer=0, activations=0, logits=logits, log_prob=True)
 
 
 def update_plan(s: Settings, dims: ModelDims, fused: bool = False) -> list[StageMemory]:
@@ -437,17 +443,17 @@ def update_plan(s: Settings, dims: ModelDims, fused: bool = False) -> list[Stage
     ]  # fmt: skip
 
 
-def _refuse_over(s: Settings, total: int | None, reward: RewardPeak | None, peaks: list[tuple[int, int, str]],
-                 what: str, fix: str) -> None:  # fmt: skip
-    """UpdateMemoryError where the GPU's size is known and a stage's (stage, bytes, described) peak, with the reward
-    server on the head's first GPU (stage 0's) where it sits there, is over it."""
+def _refuse_over(s: Settings, total: int | None, reward: RewardPeak | None, plan: list[StageMemory], what: str,
+                 fix: str) -> None:  # fmt: skip
+    """UpdateMemoryError where the GPU's size is known and a stage's peak, with the reward server on the head's first
+    GPU (stage 0's) where it sits there, is over it."""
     shared = reward is not None and not s.separate_reward_node and total is not None
-    for stage, peak, described in peaks:
-        need = peak + (reward.total if shared and stage == 0 else 0)
+    for p in plan:
+        need = p.total + (reward.total if shared and p.stage == 0 else 0)
         if total is not None and need > total:
-            with_reward = f" with the reward server's {reward.total / GIB:.1f}" if shared and stage == 0 else ""
-            raise UpdateMemoryError(f"{what} needs ~{need / GIB:.1f} GiB on pipeline stage {stage}{with_reward}, over "
-                                    f"this GPU's {total / GIB:.1f} GiB ({described}): {fix}")  # fmt: skip
+            with_reward = f" with the reward server's {reward.total / GIB:.1f}" if shared and p.stage == 0 else ""
+            raise UpdateMemoryError(f"{what} needs ~{need / GIB:.1f} GiB on pipeline stage {p.stage}{with_reward}, "
+                                    f"over this GPU's {total / GIB:.1f} GiB ({p.describe()}): {fix}")  # fmt: skip
 
 
 def update_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardPeak | None, fused: bool = False) -> str:
@@ -457,7 +463,7 @@ def update_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardP
     plan = update_plan(s, dims, fused)
     logits = ("verl's fused log-probs keep no logits" if fused else
               f"the logits alone take {LOGITS_UPDATE_BYTES:g} bytes x tokens x {dims.vocab} vocabulary")  # fmt: skip
-    _refuse_over(s, total, reward, [(p.stage, p.total, p.describe()) for p in plan], "the actor's update",
+    _refuse_over(s, total, reward, plan, "the actor's update",
                  f"set MEGATRON_RECOMPUTE=full (now {s.megatron_recompute}), lower MICRO_BATCH_PER_GPU (the micro-batch "
                  f"is {plan[0].tokens} tokens; {logits}), or raise ACTOR_PP / ACTOR_TP (docs/training.md, the Megatron "
                  "update's memory)")  # fmt: skip
@@ -473,22 +479,13 @@ def log_prob_line(s: Settings, dims: ModelDims, total: int | None, reward: Rewar
     megatron_workers.py:722-723), the last stage holds one micro-batch's logits path with the entropy (the old
     log-probs', :752; the reference asks none, :730, so its path is at most that), and the process its
     WORKER_OVERHEAD. An upper bound of both passes; refused as update_line refuses."""
-    tokens, peaks = token_budget(s), []
-    for k in range(s.actor_pp):
-        m = stage_memory(dims, stage=k, stages=s.actor_pp, tp=s.actor_tp, dp=1, tokens=tokens, recompute="full",
-                         micro_batches=1, reference_on_gpu=True)  # fmt: skip
-        last = k == s.actor_pp - 1
-        logits = _logits_bytes(dims, last=last, fused=fused, tokens=tokens, tp=s.actor_tp, log_prob=True)
-        parts = [f"weights {m.weights / GIB:.1f}", f"grads {m.grads / GIB:.1f}", f"reference {m.reference / GIB:.1f}"]
-        if last:
-            parts.append(f"{'fused log-probs' if fused else 'logits with the entropy'} {logits / GIB:.1f}")
-        parts.append(f"process {WORKER_OVERHEAD / GIB:.1f}")
-        peak = m.weights + m.grads + m.reference + logits + WORKER_OVERHEAD
-        peaks.append((k, peak, f"stage {k}: ~{peak / GIB:.1f} GiB (" + ", ".join(parts) + ")"))
-    _refuse_over(s, total, reward, peaks, "the reference's log-prob pass",
+    tokens = token_budget(s)
+    plan = [log_prob_stage(dims, stage=k, stages=s.actor_pp, tp=s.actor_tp, tokens=tokens, fused_logits=fused,
+                           reference_on_gpu=True, process=WORKER_OVERHEAD) for k in range(s.actor_pp)]  # fmt: skip
+    _refuse_over(s, total, reward, plan, "the reference's log-prob pass",
                  f"lower MICRO_BATCH_PER_GPU (a micro-batch is {tokens} tokens) or raise ACTOR_PP / ACTOR_TP")  # fmt: skip
     return (f"Megatron log-prob passes per GPU (old log-probs with the entropy, the reference's weights loaded for "
-            f"its pass; {tokens}-token micro-batches): " + "; ".join(d for _, _, d in peaks))  # fmt: skip
+            f"its pass; {tokens}-token micro-batches): " + "; ".join(p.describe() for p in plan))  # fmt: skip
 
 
 class UpdateMemoryError(Exception):

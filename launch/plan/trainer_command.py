@@ -214,6 +214,7 @@ def _actor_overrides(s: Settings) -> list[str]:
 
 def _algorithm_overrides(s: Settings) -> list[str]:
     a = "actor_rollout_ref.actor"
+    kl_loss = [f"{a}.use_kl_loss=True", f"{a}.kl_loss_coef={s.kl_loss_coef}", f"{a}.kl_loss_type=low_var_kl"]
     if s.algorithm == "ppo":
         critic = [
             "algorithm.adv_estimator=gae",
@@ -242,7 +243,7 @@ def _algorithm_overrides(s: Settings) -> list[str]:
                 "critic.megatron.optimizer_offload=True",
                 "critic.megatron.param_offload=True",
             ]
-        return critic + [f"{a}.use_kl_loss=True", f"{a}.kl_loss_coef={s.kl_loss_coef}", f"{a}.kl_loss_type=low_var_kl"]
+        return critic + kl_loss
     if s.algorithm == "dapo":
         out = [
             "algorithm.adv_estimator=grpo",
@@ -272,12 +273,7 @@ def _algorithm_overrides(s: Settings) -> list[str]:
             "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
             f"+reward_model.reward_kwargs.max_resp_len={s.max_response_length}",
         ]
-    return [
-        "algorithm.adv_estimator=grpo",
-        f"{a}.use_kl_loss=True",
-        f"{a}.kl_loss_coef={s.kl_loss_coef}",
-        f"{a}.kl_loss_type=low_var_kl",
-    ]
+    return ["algorithm.adv_estimator=grpo", *kl_loss]
 
 
 # The trainer keys every job sets the same way, whatever the settings (the run script's header points here); the
