@@ -185,40 +185,6 @@ def saved_bytes_per_layer(model, forward) -> dict:
     return {"layers": per_layer, "outside": sum(n for n, w in seen.values() if w == "outside"), "output": out}
 
 
-def resident(worker) -> dict:
-    """GiB on the GPU by owner: the model's parameters (megatron-core's bf16 buffer), its float32 grad buffers, the
-    optimizer's float32 main weights and Adam moments, and all of torch's allocated memory."""
-    import torch
-
-    def on_gpu(tensors) -> float:
-        seen = {}
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(seen.values()) / GIB
-
-    if not torch.cuda.is_available():
-        return {}
-    try:
-        return _resident(worker, on_gpu)
-    except Exception as exc:  # a figure missing, not the run lost
-        return {"error": f"{type(exc).__name__}: {exc}", "allocated": torch.cuda.memory_allocated() / GIB}
-
-
-def _resident(worker, on_gpu) -> dict:
-    import torch
-
-    model = worker.actor_module[0]
-    opts = getattr(worker.actor_optimizer, "chained_optimizers", [worker.actor_optimizer])
-    main = [t for o in opts for g in getattr(o, "shard_fp32_from_float16_groups", []) for t in g]
-    moments = [t for o in opts if o.optimizer is not None for st in o.optimizer.state.values() for t in st.values()]
-    buffers = getattr(model, "buffers", [])  # megatron-core's DDP keeps its _ParamAndGradBuffer list there
-    grads = [b.grad_data for b in ([] if callable(buffers) else buffers)] + [p.main_grad for p in model.parameters()
-                                                                     if getattr(p, "main_grad", None) is not None]  # fmt: skip
-    return {"params": on_gpu(model.parameters()), "grad_buffers": on_gpu(grads), "main_weights": on_gpu(main),
-            "adam_moments": on_gpu(moments), "allocated": torch.cuda.memory_allocated() / GIB}  # fmt: skip
-
-
 def case_worker(cfg, on_gpu: bool, fused: bool):
     """verl's Megatron actor worker for one case, on this process's one rank, with the shims this machine needs."""
     from launch.plan.procs import free_port
@@ -294,7 +260,6 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, mi
     if stage == "stage0":
         gpt.post_process = False  # megatron-core's first-stage GPTModel: the decoder's hidden states out
     model.train()
-    result["resident_gib"] = {"after_init": resident(worker)}
     if not fused:  # verl's fused forward wants the labels it is given inside its own forward step
         saved = saved_bytes_per_layer(model, forward(0))
         output = saved.pop("output")
@@ -320,7 +285,6 @@ def measure_last_stage(worker, batch: dict, rows: int, device: str, result: dict
     with Meter(device) as m:
         old = worker.compute_log_prob(data).batch["old_log_probs"]
     result["log_prob"] = m.record
-    result["resident_gib"]["after_log_prob"] = resident(worker)
     write()
     sign = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None]
     tensors = batch | dict(old_log_probs=old, ref_log_prob=old, advantages=sign * batch["response_mask"].float())
@@ -335,7 +299,6 @@ def measure_last_stage(worker, batch: dict, rows: int, device: str, result: dict
         result["update"].append(m.record | {
             "verl_max_memory_allocated_gb": metrics.get("perf/max_memory_allocated_gb"),
             "grad_norm": metrics.get("actor/grad_norm")})  # fmt: skip
-        result["resident_gib"][f"after_update_{len(result['update'])}"] = resident(worker)
         write()
 
 
@@ -366,7 +329,6 @@ def measure_first_stage(worker, forwards: list, device: str, result: dict, write
             worker.actor_optimizer.zero_grad()
             model.zero_grad_buffer()
         result["stage0"].append(record | {"optimizer_step": m.record})
-        result["resident_gib"][f"after_step_{len(result['stage0'])}"] = resident(worker)
         write()
 
 
