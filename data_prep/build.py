@@ -39,10 +39,6 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 ROLES = {"system", "user", "assistant", "tool"}
 CHUNK_ROWS = 20_000
 MAX_REPORTED = 1000
-MAX_COLUMNS = 50  # columns remembered for the refusal of a file without the prompt's column
-# Column names that usually hold the prompt, in the order a suggestion prefers them.
-PROMPT_NAMES = ("prompt", "question", "query", "instruction", "input", "problem", "text", "content")
-MESSAGES_NAMES = ("messages", "conversations", "conversation", "chat", "dialog", "turns")
 # --preset: what verl 0.6.1's examples/data_preprocess/{gsm8k,math_dataset}.py write, from the public sets' columns.
 PRESETS = {
     "gsm8k": {"prompt_column": "question", "answer_column": "answer", "data_source": "openai/gsm8k",
@@ -270,57 +266,11 @@ class Report:
     bad: int = 0
     moved_to_test: int = 0  # rows of the prompt nearest to --test-size, when no row fell under it
     bad_rows: list = field(default_factory=list)
-    columns: dict = field(default_factory=dict)  # name -> "text", "list" or another type's name, as first seen
-    objects: int = 0  # rows that were objects (dicts)
-    without_column: int = 0  # of those, rows without the prompt's (or messages') column
-
-    def add_columns(self, example: dict, column: str | None) -> None:
-        self.objects += 1
-        self.without_column += example.get(column) is None
-        for name, value in example.items():
-            if value is not None and name not in self.columns and len(self.columns) < MAX_COLUMNS:
-                self.columns[name] = column_kind(value)
 
     def add_bad(self, where: str, row: int, why: str) -> None:
         self.bad += 1
         if len(self.bad_rows) < MAX_REPORTED:
             self.bad_rows.append({"file": where, "row": row, "error": why})
-
-
-def column_kind(value) -> str:
-    """What a column holds, as far as choosing a flag goes: text (a prompt, or a chat list written as JSON text in a
-    CSV cell) or a list (a chat list)."""
-    if isinstance(value, str):
-        return "list" if value.lstrip().startswith("[{") else "text"
-    if isinstance(value, list | tuple):
-        return "list"
-    return type(value).__name__
-
-
-def suggest_flag(columns: dict) -> str | None:
-    """The flag that names the prompt among `columns` (name -> column_kind): a chat list first, then text, each by the
-    usual names first; None where no column could be one."""
-    lists = [n for n, kind in columns.items() if kind == "list"]
-    texts = [n for n, kind in columns.items() if kind == "text"]
-    for flag, names, usual in (("--messages-column", lists, MESSAGES_NAMES), ("--prompt-column", texts, PROMPT_NAMES)):
-        if names:
-            best = min(names, key=lambda n: usual.index(n.lower()) if n.lower() in usual else len(usual))
-            return f"{flag} {best}"
-    return None
-
-
-def missing_column_hint(spec: RowSpec, report: Report) -> str:
-    """Why the train split is empty where no row holds the column the flags name: that column, the columns found and
-    the flag to pass; otherwise the generic hint."""
-    if not report.objects or report.without_column < report.objects:
-        return "check the column flags"
-    flag, column = (("--messages-column", spec.messages_column) if spec.messages_column
-                    else ("--prompt-column", spec.prompt_column))  # fmt: skip
-    found = ", ".join(f"{n} ({kind})" for n, kind in report.columns.items()) or "none"
-    suggestion = suggest_flag(report.columns)
-    fix = (f"pass {suggestion}" if suggestion
-           else "name the prompt's column with --prompt-column (text) or --messages-column (a chat list)")  # fmt: skip
-    return f"no row has the column '{column}' ({flag} {column}); the columns found: {found}: {fix}"
 
 
 class SplitWriter:
@@ -364,7 +314,6 @@ def good_rows(path: Path, fixed_split: str | None, args, spec: RowSpec, report: 
                 raise example
             if not isinstance(example, dict):
                 raise BadRow(f"expected an object, got {type(example).__name__}")
-            report.add_columns(example, spec.messages_column or spec.prompt_column)
             messages = chat_messages(example, spec)
             key = prompt_key(messages)
             if args.dedup:
@@ -383,11 +332,14 @@ def good_rows(path: Path, fixed_split: str | None, args, spec: RowSpec, report: 
         yield split, value, row
 
 
-def refuse_an_empty_split(report: Report, spec: RowSpec) -> None:
-    """SystemExit naming the split that would be empty and what to change."""
+def refuse_an_empty_split(report: Report) -> None:
+    """SystemExit naming the split that would be empty and what to change (for train, the first bad row's error:
+    a file without the prompt's column says so there)."""
     for split, n in report.written.items():
         if n == 0:
-            hint = "raise --test-size or give --test-file" if split == "test" else missing_column_hint(spec, report)
+            hint = "raise --test-size or give --test-file" if split == "test" else "check the column flags"
+            if split == "train" and report.bad_rows:
+                hint = f"row {report.bad_rows[0]['row']}: {report.bad_rows[0]['error']}: {hint}"
             raise SystemExit(f"the {split} split would be empty ({report.read} rows read, {report.bad} bad): {hint}")
 
 
@@ -438,7 +390,7 @@ def build(args: argparse.Namespace, spec: RowSpec) -> Report:
         for held in nearest[1]:
             place("test" if to_test else "train", held)
         report.moved_to_test = len(nearest[1]) if to_test else 0
-        refuse_an_empty_split(report, spec)
+        refuse_an_empty_split(report)
         for w in writers.values():
             w.commit()
     except BaseException:
