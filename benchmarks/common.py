@@ -8,6 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from demo.tiny_models import REWARD_CHAT_TEMPLATE, qwen3_config
+
 # The public Qwen3 configs' dimensions, and a tiny shape for the CPU
 _DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
          "head_dim", "vocab_size")  # fmt: skip
@@ -36,25 +38,12 @@ def build_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from demo.tiny_models import REWARD_CHAT_TEMPLATE
-
     vocab = {t: i for i, t in enumerate(SPECIALS + ["[UNK]"] + [f"w{i}" for i in range(words(vocab_size))])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=REWARD_CHAT_TEMPLATE,
-    )  # fmt: skip
-
-
-def qwen3_config(dims: dict, tokenizer, **extra):
-    """A Qwen3 config of `dims` as the small Qwen3 models have it (tied embeddings, RoPE theta 1e6) with the
-    tokenizer's special tokens."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        **dims, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **extra,
     )  # fmt: skip
 
 

@@ -75,27 +75,21 @@ def build_tokenizer(chat_template: str, vocab_size: int = 600, seed: int = 0):
     )
 
 
-def _qwen3_config(tokenizer, **extra):
+def qwen3_config(dims: dict, tokenizer, **extra):
+    """A Qwen3 config of `dims` as the small Qwen3 models have it (tied embeddings unless `extra` says otherwise, RoPE
+    theta 1e6) with the tokenizer's special tokens; the benchmarks' models too."""
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=8192,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=extra.pop("tie_word_embeddings", True),
-        # Wider than the default 0.02, so different texts get clearly different scores in tests.
-        initializer_range=0.2,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **extra,
-    )
+    settings = {"max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "tie_word_embeddings": True} | extra
+    return Qwen3Config(**dims, **settings, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                       bos_token_id=None)  # fmt: skip
+
+
+def _qwen3_config(tokenizer, **extra):
+    dims = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    # initializer_range wider than the default 0.02, so different texts get clearly different scores in tests.
+    return qwen3_config(dims, tokenizer, max_position_embeddings=8192, initializer_range=0.2, **extra)
 
 
 def build_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
