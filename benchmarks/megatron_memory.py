@@ -447,9 +447,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for result.json and each case's log")
     parser.add_argument("--work", type=Path, help="folder for the checkpoint and each case's own json (default: a "
                         "temporary one; the 4B-shaped half model is 4.4 GB)")  # fmt: skip
-    parser.add_argument(
-        "--layers", type=int, default=0, help="layers of the model (0: half the shape's, one PP=2 stage)"
-    )
     parser.add_argument("--cases", default="", help=f"comma-separated, of {', '.join(CASES)} (default: all; "
                         "on a CPU all but the fused)")  # fmt: skip
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per update (at least 2)")
@@ -477,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--cases: the fused cases need a GPU (verl's fused log-prob kernels are Triton)")
     if args.micro_batches < 2:
         parser.error("--micro-batches: at least 2 (stage 0 keeps two in flight)")
-    layers = args.layers or max(1, SHAPES[args.shape]["num_hidden_layers"] // 2)
+    layers = SHAPES[args.shape]["num_hidden_layers"] // 2  # one PP=2 stage
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"command": common.command_line("benchmarks.megatron_memory", argv), "shape": args.shape,
                     "layers": layers, "device": device, **common.machine_info(device), "cases": {}}  # fmt: skip

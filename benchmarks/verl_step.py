@@ -195,8 +195,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch", type=int, default=4, help="MICRO_BATCH_PER_GPU")
     parser.add_argument("--timeout", type=float, default=0, help="seconds for the whole run (0: none); at the limit "
                         "the trainer is stopped and result.json keeps what was measured")  # fmt: skip
-    parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
-                        help="a settings-block value for this run (e.g. MEGATRON_RECOMPUTE=off, FUSED_KERNELS=on); repeatable")  # fmt: skip
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override after the benchmark's own (they win); repeatable")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="run call N of each worker phase under "
@@ -323,13 +321,7 @@ def _services(run: Run, args, device, work, ray_tmp, logs, data, started, nvml):
 
     paths = {"policy": work / "policy", "reward_model": work / "reward_model", "data": data,
              "checkpoints": work / "checkpoints"}  # fmt: skip
-    env_settings = settings_env(args, paths)
-    for pair in args.setting:
-        name, sep, value = pair.partition("=")
-        if not sep or name not in env_settings:
-            raise SystemExit(f"--setting {pair!r}: NAME=VALUE with NAME a setting of the run script's block")
-        env_settings[name] = value
-    settings = Settings.from_env(env_settings)
+    settings = Settings.from_env(settings_env(args, paths))
     ports = plan_ports(f"verl_step-{os.getpid()}", 0, 1)
     url = f"http://127.0.0.1:{ports['reward_port']}"
     env = dict(os.environ)
