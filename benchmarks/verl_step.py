@@ -28,7 +28,6 @@ rewards.jsonl (the reward client's log).
 
     python -m benchmarks.verl_step --out verl_step_h200 --timeout 480        # one GPU: 0.6B policy, 1.7B reward model
     python -m benchmarks.verl_step --shape tiny --steps 2 --out verl_step_cpu # a CPU, tiny models (what the test runs)
-    python -m benchmarks.verl_step --out verl_step_h200 --reread              # that run's logs parsed again
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ from benchmarks.verl_step_parts import (
     Group,
     NvmlSampler,
     benchmark_overrides,
-    build_models_logged,
-    nvml_role,
+    build_models,
     settings_env,
     write_prompts,
 )
@@ -159,20 +157,6 @@ class Run:
         return offset + end
 
 
-def reread(out: Path) -> dict:
-    """A run's result.json with its steps, phases and summary parsed again from its logs/trainer.log by this module's
-    parsers, and its GPU processes labelled again: a parser's fix applies to a run already made."""
-    result = json.loads((out / "result.json").read_text())
-    steps, phases = read_console((out / "logs" / "trainer.log").read_text(errors="replace"))
-    result.update(steps=steps, phases=phases, **summarize(steps, phases))
-    for row in (result.get("nvml") or {}).get("processes", []):
-        row["role"] = nvml_role(row["pid"], row["cmdline"], result.get("reward_server_pid", -1))
-    result["reread"] = (
-        "python -m benchmarks.verl_step --out DIR --reread: steps, phases and summary from logs/trainer.log"
-    )
-    return result
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(POLICY_SHAPES), default="qwen3-0.6b",
@@ -199,19 +183,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="a Hydra override after the benchmark's own (they win); repeatable")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="run call N of each worker phase under "
                         "torch.profiler; its summary (GPU time by kernel kind, top kernels) in result.json's profiles")  # fmt: skip
-    parser.add_argument("--reread", action="store_true", help="run nothing: parse --out's logs/trainer.log again "
-                        "into its result.json (after a parser's fix)")  # fmt: skip
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.reread:
-        result = reread(args.out)
-        write_json(args.out / "result.json", result)
-        print(f"{len(result['steps'])} step(s), {len(result['phases'])} phase lines: {args.out / 'result.json'}")
-        return 0
     args.command = command_line("benchmarks.verl_step", argv)
     try:
         lo, hi = (int(x) for x in args.prompt_words.split("-"))
@@ -274,7 +251,7 @@ def _models(run: Run, args, device, work, logs) -> None:
     since = time.monotonic()
     info_file = work / "build.json"
     child = multiprocessing.get_context("spawn").Process(
-        target=build_models_logged, args=(args.shape, work, device, info_file, str(logs / "build.log"))
+        target=build_models, args=(args.shape, work, device, info_file, str(logs / "build.log"))
     )
     child.start()
     child.join(run.left(900))
