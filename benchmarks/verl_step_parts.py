@@ -24,18 +24,19 @@ REWARD_SHAPE = {"qwen3-0.6b": "qwen3-1.7b", "tiny": "tiny"}
 POLICY_SHAPES = {k: SHAPES[k] for k in REWARD_SHAPE}
 
 
-def build_models(shape: str, out: Path, device: str, result_file: Path) -> None:
+def build_models(shape: str, out: Path, device: str, result_file: Path, log: str) -> None:
     """The reward model (common.build_reward_model) and a policy of POLICY_SHAPES[shape] with the same tokenizer,
-    random weights, in bf16 on a GPU (float32 on a CPU); machine facts. Run in a child process, so that the
-    benchmark's own process holds no CUDA context beside the ones it measures."""
+    random weights, in bf16 on a GPU (float32 on a CPU); machine facts. Run in a child process, its stdout and stderr
+    in `log`, so that the benchmark's own process holds no CUDA context beside the ones it measures."""
     from transformers import AutoTokenizer, GenerationConfig
 
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
     began = time.monotonic()
     reward_dir, reward_params, words = build_reward_model(REWARD_SHAPE[shape], out / "reward_model", device)
     tokenizer = AutoTokenizer.from_pretrained(reward_dir)
-    dims = POLICY_SHAPES[shape]
-    if dims["vocab_size"] < len(tokenizer):
-        raise SystemExit(f"policy shape {shape}: vocab {dims['vocab_size']} below the tokenizer's {len(tokenizer)}")
+    dims = POLICY_SHAPES[shape]  # the vocabulary of REWARD_SHAPE[shape], whose tokenizer it shares
     policy = random_policy(dims, tokenizer, device)
     policy.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
@@ -179,11 +180,3 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace").strip()
     except OSError:
         return "?"
-
-
-def build_models_logged(shape: str, work: Path, device: str, info_file: Path, log: str) -> None:
-    """build_models with this process's stdout and stderr in `log`: the child process verl_step starts."""
-    with open(log, "w") as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        build_models(shape, work, device, info_file)
