@@ -12,6 +12,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,6 @@ def write_input(path: Path, rows: int, seed: int = 0) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="data_prep_bench_"))
     source = work / "input.jsonl"
@@ -49,13 +49,7 @@ def main(argv=None) -> int:
     sizes = {p.name: p.stat().st_size / 2**20 for p in (work / "out").glob("*.parquet")}
     print(f"build: {wall:.1f} s wall, {args.rows / wall:,.0f} rows/s, peak RSS {peak_gib:.2f} GiB, "
           f"{os.cpu_count()} CPUs; outputs {', '.join(f'{k} {v:.0f} MiB' for k, v in sorted(sizes.items()))}")  # fmt: skip
-    if args.json:
-        args.json.write_text(
-            json.dumps({"rows": args.rows, "wall_s": wall, "peak_rss_gib": peak_gib, "cpus": os.cpu_count()})
-        )
-    for p in work.rglob("*"):
-        if p.is_file():
-            p.unlink()
+    shutil.rmtree(work)
     return 0
 
 
