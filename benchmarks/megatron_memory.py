@@ -29,6 +29,7 @@ On a CPU (`--shape tiny`) all of demo/megatron_cpu.py's shims: the tests run it 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -107,50 +108,41 @@ def full_length_batch(rows: int, prompt: int, response: int, vocab: int, seed: i
                 responses=input_ids[:, prompt:], response_mask=attention_mask[:, prompt:])  # fmt: skip
 
 
-class Meter:
-    """Peak allocated and reserved over a phase (torch's counters reset at its start), and its seconds."""
+@contextlib.contextmanager
+def meter(device: str):
+    """A phase's seconds and, on a GPU, torch's peak allocated and reserved (its counters reset at the phase's start)
+    and the device's used memory (cudaMemGetInfo: this process's CUDA context, cuBLAS and NCCL workspaces and torch's
+    reserved pool together, as nvidia-smi counts it) sampled every 20 ms: the dict it yields, filled at the end."""
+    import torch
 
-    def __init__(self, device: str) -> None:
-        import torch
+    record, c, cuda = {}, torch.cuda, device == "cuda"
+    device_peak, stop = [0], threading.Event()
 
-        self.cuda = device == "cuda"
-        self.torch = torch
-
-    def __enter__(self):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-            self.torch.cuda.reset_peak_memory_stats()
-            self.before = self.torch.cuda.memory_allocated()
-            self.device_peak, self.stop = 0, threading.Event()
-            self.sampler = threading.Thread(target=self._sample, daemon=True)
-            self.sampler.start()
-        self.began = time.monotonic()
-        return self
-
-    def _sample(self) -> None:
-        """The device's used memory (cudaMemGetInfo: this process's CUDA context, cuBLAS and NCCL workspaces and
-        torch's reserved pool together, as nvidia-smi counts it), every 20 ms."""
+    def sample() -> None:
         while True:
-            free, total = self.torch.cuda.mem_get_info()
-            self.device_peak = max(self.device_peak, total - free)
-            if self.stop.wait(0.02):
+            free, total = c.mem_get_info()
+            device_peak[0] = max(device_peak[0], total - free)
+            if stop.wait(0.02):
                 return
 
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-            self.stop.set()
-            self.sampler.join()
-        self.record = {"seconds": round(time.monotonic() - self.began, 3)}
-        if self.cuda:
-            c = self.torch.cuda
-            self.record |= {"allocated_before_gib": c.memory_allocated() and self.before / GIB,
-                            "peak_allocated_gib": c.max_memory_allocated() / GIB,
-                            "peak_reserved_gib": c.max_memory_reserved() / GIB,
-                            "allocated_after_gib": c.memory_allocated() / GIB,
-                            "peak_device_used_gib": self.device_peak / GIB,
-                            "outside_torch_gib": (self.device_peak - c.max_memory_reserved()) / GIB}  # fmt: skip
-        return False
+    if cuda:
+        c.synchronize()
+        c.reset_peak_memory_stats()
+        before = c.memory_allocated()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+    began = time.monotonic()
+    yield record
+    if cuda:
+        c.synchronize()
+        stop.set()
+        sampler.join()
+    record["seconds"] = round(time.monotonic() - began, 3)
+    if cuda:
+        record |= {"allocated_before_gib": before / GIB, "peak_allocated_gib": c.max_memory_allocated() / GIB,
+                   "peak_reserved_gib": c.max_memory_reserved() / GIB, "allocated_after_gib": c.memory_allocated() / GIB,
+                   "peak_device_used_gib": device_peak[0] / GIB,
+                   "outside_torch_gib": (device_peak[0] - c.max_memory_reserved()) / GIB}  # fmt: skip
 
 
 def saved_bytes_per_layer(model, forward) -> dict:
@@ -178,11 +170,11 @@ def saved_bytes_per_layer(model, forward) -> dict:
         return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
+        forward()  # its output, and the graph the counted tensors belong to, freed on return
     for h in handles:
         h.remove()
     per_layer = [sum(n for n, w in seen.values() if w == i) for i in range(len(gpt.decoder.layers))]
-    return {"layers": per_layer, "outside": sum(n for n, w in seen.values() if w == "outside"), "output": out}
+    return {"layers": per_layer, "outside": sum(n for n, w in seen.values() if w == "outside")}
 
 
 def case_worker(cfg, on_gpu: bool, fused: bool):
@@ -238,9 +230,9 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, mi
     def write():
         out.write_text(json.dumps(result, indent=1))
 
-    with Meter(device) as m:
+    with meter(device) as m:
         worker.init_model()
-    result["init"] = m.record
+    result["init"] = m
     tf = worker.tf_config
     result["transformer_config"] = {k: str(getattr(tf, k, None)) for k in
                                     ("recompute_granularity", "recompute_method", "recompute_num_layers",
@@ -262,10 +254,8 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, mi
     model.train()
     if not fused:  # verl's fused forward wants the labels it is given inside its own forward step
         saved = saved_bytes_per_layer(model, forward(0))
-        output = saved.pop("output")
         result["saved_bytes_per_token"] = {"layers": [b / tokens for b in saved["layers"]],
                                            "outside": saved["outside"] / tokens}  # fmt: skip
-        del output
         model.zero_grad_buffer()
     write()
     if stage == "stage1":
@@ -282,9 +272,9 @@ def measure_last_stage(worker, batch: dict, rows: int, device: str, result: dict
     from verl import DataProto
 
     data = DataProto.from_dict(tensors=batch, meta_info={})
-    with Meter(device) as m:
+    with meter(device) as m:
         old = worker.compute_log_prob(data).batch["old_log_probs"]
-    result["log_prob"] = m.record
+    result["log_prob"] = m
     write()
     sign = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None]
     tensors = batch | dict(old_log_probs=old, ref_log_prob=old, advantages=sign * batch["response_mask"].float())
@@ -293,10 +283,10 @@ def measure_last_stage(worker, batch: dict, rows: int, device: str, result: dict
     result["update"] = []
     for _ in range(2):
         meta = {"temperature": 1.0, "global_token_num": tensors["attention_mask"].sum(-1).tolist()}
-        with Meter(device) as m:
+        with meter(device) as m:
             metrics = worker.update_actor(DataProto.from_dict(tensors=dict(tensors), meta_info=meta))
         metrics = metrics.meta_info["metrics"]
-        result["update"].append(m.record | {
+        result["update"].append(m | {
             "verl_max_memory_allocated_gb": metrics.get("perf/max_memory_allocated_gb"),
             "grad_norm": metrics.get("actor/grad_norm")})  # fmt: skip
         write()
@@ -313,7 +303,7 @@ def measure_first_stage(worker, forwards: list, device: str, result: dict, write
         load_megatron_optimizer(worker.actor_optimizer)
     result["stage0"] = []
     for _ in range(2):
-        with Meter(device) as m:
+        with meter(device) as m:
             outs = [f() for f in forwards[:2]]  # two in flight
             torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
             del outs[0]
@@ -323,12 +313,12 @@ def measure_first_stage(worker, forwards: list, device: str, result: dict, write
                 del outs[0]
             torch.autograd.backward(outs[0], torch.randn_like(outs[0]) * 1e-3)
             del outs
-        record = m.record
-        with Meter(device) as m:
+        record = m
+        with meter(device) as m:
             worker.actor_optimizer.step()
             worker.actor_optimizer.zero_grad()
             model.zero_grad_buffer()
-        result["stage0"].append(record | {"optimizer_step": m.record})
+        result["stage0"].append(record | {"optimizer_step": m})
         write()
 
 
