@@ -3,7 +3,7 @@ worker methods, to stand for a slow phase or a hung one (a collective that never
 
 STALL_TEST_PLAN="METHOD:ACTION:N[@H],...": at the N-th call of ActorRolloutRefWorker.METHOD in a process (counted per
 process, so a requeued start counts again), ACTION `sleep=S` sleeps S seconds first, `block` never returns; with @H only
-while STALL_TEST_MARKER holds H hangs (@0: the first start alone).
+while STALL_TEST_MARKER holds H hangs (@0: the first start alone). A method may have several items (one per start).
 STALL_TEST_MARKER: a file each block appends `<method> <epoch s>` to as it begins (the test's time of the hang).
 The job names it in CPU_RUN_THEN_HOOK, which demo.verl_cpu.install calls after its shims (tests/test_slurm_jobs.py).
 """
@@ -30,13 +30,13 @@ def stall_test_blocked_forever(method: str) -> None:
     threading.Event().wait()
 
 
-def plan(text: str) -> dict[str, tuple[str, int, int | None]]:
-    """{method: (action, call number, hangs or None)} of STALL_TEST_PLAN."""
+def plan(text: str) -> dict[str, list[tuple[str, int, int | None]]]:
+    """{method: [(action, call number, hangs or None), ...]} of STALL_TEST_PLAN."""
     out = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         method, action, nth = item.split(":")
         nth, _, hangs = nth.partition("@")
-        out[method] = (action, int(nth), int(hangs) if hangs else None)
+        out.setdefault(method, []).append((action, int(nth), int(hangs) if hangs else None))
     return out
 
 
@@ -48,17 +48,17 @@ def hangs_so_far() -> int:
         return 0
 
 
-def _wrap(cls, method: str, action: str, nth: int, hangs: int | None) -> None:
+def _wrap(cls, method: str, items: list[tuple[str, int, int | None]]) -> None:
     original = getattr(cls, method)
     calls = [0]
 
     @functools.wraps(original)  # keeps verl's @register attributes, which its dispatch reads
     def wrapper(*args, **kwargs):
         calls[0] += 1
-        if calls[0] == nth and (hangs is None or hangs_so_far() == hangs):
-            if action == "block":
-                stall_test_blocked_forever(method)
-            else:
+        for action, nth, hangs in items:
+            if calls[0] == nth and (hangs is None or hangs_so_far() == hangs):
+                if action == "block":
+                    stall_test_blocked_forever(method)
                 time.sleep(float(action.split("=", 1)[1]))
         return original(*args, **kwargs)
 
@@ -72,6 +72,6 @@ def install() -> None:
     verl_cpu.install()
     from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
-    for method, (action, nth, hangs) in plan(os.environ.get("STALL_TEST_PLAN", "")).items():
-        _wrap(ActorRolloutRefWorker, method, action, nth, hangs)
+    for method, items in plan(os.environ.get("STALL_TEST_PLAN", "")).items():
+        _wrap(ActorRolloutRefWorker, method, items)
     _installed = True

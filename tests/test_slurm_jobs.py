@@ -455,12 +455,13 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     never stopped), then update_actor blocks for ever at its 5th call (step 5), alive and silent as a collective that
     never returns. The head's watchdog keeps every worker's stack, says the step and phase, stops the start, and the
     job requeues once; the requeued start resumes from step 3's save (its hook counts again: its loading and step 6's
-    save are 35 s slower, neither stopped) and hangs again at its 5th update_actor (step 8): the
-    job ends failed. Nothing of either start is left. The generation's delay is the first start's alone: its 3rd call
+    save are 35 s slower, neither stopped) and hangs again at its 4th update_actor (step 7, which neither validates nor
+    saves: its budget is 3 x the longest step, not a validation's): the job ends failed. Nothing of either start is left. The generation's delay is the first start's alone: its 3rd call
     there is step 2's validation, in the requeued start step 5's rollout, a plain step whose budget is 3 x the longest
     step, the 30 s floor where steps take seconds: a stall by the rule (CI's unloaded run stopped it there)."""
     marker = tmp_path / "hangs"
-    plan = "init_model:sleep=35:1,generate_sequences:sleep=35:3@0,save_checkpoint:sleep=35:1,update_actor:block:5"
+    plan = "init_model:sleep=35:1,generate_sequences:sleep=35:3@0,save_checkpoint:sleep=35:1,update_actor:block:5@0,"
+    plan += "update_actor:block:4@1"
     env = job | FAST | REAL_TRAINER | {
         "STALL_TIMEOUT": "auto", "STALL_FLOOR": "30", "STALL_FIRST_STEP": "400", "STALL_REQUEUE": "1",
         "TEST_FREQ": "2", "SAVE_FREQ": "3", "TOTAL_EPOCHS": "10", "STALL_TEST_PLAN": plan,
@@ -512,14 +513,14 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("FAILED", "1:0", "1"), second[-5000:]
     assert "Setting global step to 3" in (Path(f"{logs}-r1") / "trainer.log").read_text()
     again = json.loads((Path(f"{logs}-r1") / "stall.json").read_text())
-    assert (again["step"], again["phase"]) == (8, "update_actor"), again
+    assert (again["step"], again["phase"]) == (7, "update_actor"), again
     assert f"the trainer stalled in two starts in a row ({logs}, then this one): not requeueing" in second, second[
         -3000:
     ]
     assert_everything_stopped(env, logs=Path(f"{logs}-r1"))
     shown = subprocess.run([sys.executable, "-m", "launch.watch.status", j.id, "--log-dir", env["CONFIG_LOG_DIR"]],
                            capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
-    assert "stalled" in shown.stdout and "hung in step 8, phase update_actor" in shown.stdout, shown.stdout
+    assert "stalled" in shown.stdout and "hung in step 7, phase update_actor" in shown.stdout, shown.stdout
 
     # from each hang (the hook's own time) to its start's end (the run script's last line)
     hangs = [float(line.split()[1]) for line in marker.read_text().splitlines()]
