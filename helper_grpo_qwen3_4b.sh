@@ -257,31 +257,17 @@ launch_reward_servers() {
 # wait_reward_servers: each server healthy with this job's token (another job's answers 401), then watched; writes
 # reward_urls.
 wait_reward_servers() {
-  local i p left slowest=0
+  local i p left
   for i in "${!srv_pid[@]}"; do
     p=${srv_port[i]} left=$((REWARD_START_TIMEOUT - (SECONDS - srv_started[i])))
     wait_for_http "http://127.0.0.1:${p}/health" "${srv_pid[i]}" "${srv_log[i]}" $((left > 1 ? left : 1)) \
       "$REWARD_SERVER_TOKEN" ||
       die "reward server on $host port $p did not become healthy within REWARD_START_TIMEOUT=${REWARD_START_TIMEOUT} s of its start (log: ${srv_log[i]})"
-    ((SECONDS - srv_started[i] <= slowest)) || slowest=$((SECONDS - srv_started[i]))
     watch "${srv_pid[i]}" "reward server (port $p)" "${srv_log[i]}" "$i"
   done
-  warn_restart_gap "${#srv_pid[@]}" "$slowest"
   printf '%s\n' "$srv_urls" >"$job_log_dir/reward_urls.tmp"
   mv "$job_log_dir/reward_urls.tmp" "$job_log_dir/reward_urls"
   log "[rank $rank] reward servers healthy: ${srv_urls//,/ }"
-}
-
-# warn_restart_gap COUNT SECONDS: a lone server that took longer to start than the reward function retries leaves a
-# restart uncovered: the step that meets it fails (and the trainer with it) before the server is back.
-warn_restart_gap() {
-  local retry
-  ((REWARD_RESTARTS > 0 && $1 == 1)) || return 0
-  retry=$(cd "$here" && python3 -c 'from reward_score.safe_hack_reward_request import load_config
-print(int(load_config().retry_seconds))' 2>/dev/null) || return 0
-  ((${2} <= retry)) ||
-    err "[rank $rank] the one reward server took $2 s to become healthy, longer than the reward function retries" \
-      "(REWARD_RETRY_SECONDS=$retry): a restart would not be covered; raise REWARD_RETRY_SECONDS or add a server"
 }
 
 # export_worker_env URLS RAY_ADDRESS ADDRESS ADDRESSES: what verl's Ray workers inherit, exported before `ray start`.
