@@ -257,31 +257,17 @@ launch_reward_servers() {
 # wait_reward_servers: each server healthy with this job's token (another job's answers 401), then watched; writes
 # reward_urls.
 wait_reward_servers() {
-  local i p left slowest=0
+  local i p left
   for i in "${!srv_pid[@]}"; do
     p=${srv_port[i]} left=$((REWARD_START_TIMEOUT - (SECONDS - srv_started[i])))
     wait_for_http "http://127.0.0.1:${p}/health" "${srv_pid[i]}" "${srv_log[i]}" $((left > 1 ? left : 1)) \
       "$REWARD_SERVER_TOKEN" ||
       die "reward server on $host port $p did not become healthy within REWARD_START_TIMEOUT=${REWARD_START_TIMEOUT} s of its start (log: ${srv_log[i]})"
-    ((SECONDS - srv_started[i] <= slowest)) || slowest=$((SECONDS - srv_started[i]))
     watch "${srv_pid[i]}" "reward server (port $p)" "${srv_log[i]}" "$i"
   done
-  warn_restart_gap "${#srv_pid[@]}" "$slowest"
   printf '%s\n' "$srv_urls" >"$job_log_dir/reward_urls.tmp"
   mv "$job_log_dir/reward_urls.tmp" "$job_log_dir/reward_urls"
   log "[rank $rank] reward servers healthy: ${srv_urls//,/ }"
-}
-
-# warn_restart_gap COUNT SECONDS: a lone server that took longer to start than the reward function retries leaves a
-# restart uncovered: the step that meets it fails (and the trainer with it) before the server is back.
-warn_restart_gap() {
-  local retry
-  ((REWARD_RESTARTS > 0 && $1 == 1)) || return 0
-  retry=$(cd "$here" && python3 -c 'from reward_score.safe_hack_reward_request import load_config
-print(int(load_config().retry_seconds))' 2>/dev/null) || return 0
-  ((${2} <= retry)) ||
-    err "[rank $rank] the one reward server took $2 s to become healthy, longer than the reward function retries" \
-      "(REWARD_RETRY_SECONDS=$retry): a restart would not be covered; raise REWARD_RETRY_SECONDS or add a server"
 }
 
 # export_worker_env URLS RAY_ADDRESS ADDRESS ADDRESSES: what verl's Ray workers inherit, exported before `ray start`.
@@ -312,13 +298,15 @@ export_worker_env() {
   fi
 }
 
-# start_ray LOG TIMEOUT ARGS...: `ray start --block ARGS` in the background until its log says it is up, in
+# start_ray LOG TIMEOUT ARGS...: `ray start ARGS` + ray_args in the background until its log says it is up, in
 # RAY_START_RETRIES attempts (Ray's fixed 30 s for the raylet runs out on a loaded node); sets ray_pid (empty: failed).
 start_ray() {
   local logfile=$1 timeout=$2 attempt
+  local -a common
   shift 2
+  mapfile -d '' -t common < <(ray_args)
   for attempt in $(seq 1 "$RAY_START_RETRIES"); do
-    START_BG_APPEND=$((attempt > 1)) start_bg "$logfile" ray start "$@"
+    START_BG_APPEND=$((attempt > 1)) start_bg "$logfile" ray start "$@" "${common[@]}"
     ray_pid=$BG_PID
     pids+=("$ray_pid") # a stop signal while it starts stops it too
     wait_for_log "$logfile" "Ray runtime started" "$ray_pid" "$timeout" && return 0
@@ -381,12 +369,10 @@ head_rewards() {
 # then every training node's GPUs in Ray.
 start_ray_head() {
   log_phase "[rank 0] Ray head on $2 (temp dir ${RAY_TMP_DIR}; worker ports ${port[min_worker_port]}-${port[max_worker_port]})"
-  local -a args
-  mapfile -d '' -t args < <(ray_args)
   # The dashboard's own process starts even with --include-dashboard=false: it gets this job's port too.
   start_ray "$job_log_dir/ray_head.log" 120 --head --node-ip-address="$1" --port="${port[ray_port]}" \
     --ray-client-server-port="${port[ray_client_server_port]}" --dashboard-port="${port[dashboard_port]}" \
-    --temp-dir="$RAY_TMP_DIR" --include-dashboard=false "${args[@]}"
+    --temp-dir="$RAY_TMP_DIR" --include-dashboard=false
   [[ -n "$ray_pid" ]] || die "[rank 0] could not start the Ray head (log: $job_log_dir/ray_head.log)"
   watch "$ray_pid" "the Ray head" "$job_log_dir/ray_head.log"
   [[ "$separate" == true || "$REWARD" == rule ]] || wait_reward_servers
@@ -477,9 +463,7 @@ run_worker() {
   addresses=$(sed -n 's/^NODE_ADDRESSES=//p' "$job_log_dir/cluster.env")
   plan_ports 0
   export_worker_env "$reward_urls" "$ray_address" "$address" "$addresses"
-  local -a args
-  mapfile -d '' -t args < <(ray_args)
-  start_ray "$logfile" 60 --address="$ray_address" --node-ip-address="$address" "${args[@]}"
+  start_ray "$logfile" 60 --address="$ray_address" --node-ip-address="$address"
   [[ -n "$ray_pid" ]] || die "[rank $rank] could not join the Ray head at $ray_address"
   watch "$ray_pid" "the Ray worker" "$logfile"
   log "[rank $rank] joined $ray_address"

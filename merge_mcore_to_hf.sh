@@ -37,7 +37,6 @@ CKPT_ROOT="${CKPT_ROOT:-$CONFIG_OUTPUT_DIR}"                     # the trainer's
 STEP="${STEP:-latest}"                                           # latest (the tracker file) or a step number
 ROLE="${ROLE:-actor}"                                            # actor | critic (needs hf_model saved: docs/merge.md)
 TARGET_DIR="${TARGET_DIR:-}"                                     # empty: $repo/hf_models/<run>-step<N>[-critic]
-TIE_WORD_EMBEDDINGS="${TIE_WORD_EMBEDDINGS:-auto}"               # auto (config.json, via transformers) | true | false
 VERIFY_LOAD="${VERIFY_LOAD:-0}"                                  # 1: also load the result with transformers (meta)
 NUMERIC_CHECK="${NUMERIC_CHECK:-1}"                              # 1: compare its log-probs with the checkpoint's; 0: skip
 # ------------------------------------------------------------------------------------------------------------------
@@ -84,29 +83,14 @@ resolve_step() {
 
 # decide_tie: the actor's tie_word_embeddings as transformers reads config.json (no key: the model type's default).
 decide_tie() {
-  case "$TIE_WORD_EMBEDDINGS" in
-    auto | true | false) ;;
-    *) die "TIE_WORD_EMBEDDINGS=$TIE_WORD_EMBEDDINGS: use auto, true or false" ;;
-  esac
+  tie=false
   if [[ "$ROLE" == critic ]]; then
-    tie=false
     log "critic: its output layer is the [1, hidden] value head, never tied (verl builds the critic untied)"
     return
   fi
-  local from_config
-  from_config=$(cd "$repo" && "${wrap[@]}" python3 -m launch.merge.verify_hf "$step_dir/huggingface" --show-tie) ||
-    from_config=unreadable
-  if [[ "$from_config" != true && "$from_config" != false ]]; then
-    [[ "$TIE_WORD_EMBEDDINGS" != auto ]] ||
-      die "transformers cannot read $step_dir/huggingface/config.json (output above): set TIE_WORD_EMBEDDINGS=true|false"
-    from_config=unreadable
-  fi
-  tie=$from_config
-  [[ "$TIE_WORD_EMBEDDINGS" == auto ]] || tie=$TIE_WORD_EMBEDDINGS
-  log "tied embeddings: $tie (config.json says $from_config, as transformers reads it;" \
-    "TIE_WORD_EMBEDDINGS=$TIE_WORD_EMBEDDINGS)"
-  [[ "$tie" == "$from_config" || "$from_config" == unreadable ]] ||
-    err "TIE_WORD_EMBEDDINGS=$tie overrides the checkpoint's config.json ($from_config): the result follows your setting"
+  tie=$(cd "$repo" && "${wrap[@]}" python3 -m launch.merge.verify_hf "$step_dir/huggingface" --show-tie) ||
+    die "transformers cannot read $step_dir/huggingface/config.json (output above): is it verl's save of this model?"
+  log "tied embeddings: $tie (config.json says so, as transformers reads it)"
 }
 
 # has_hf_weights: the checkpoint already holds full HF weights (mbridge, or `hf_model` in checkpoint.save_contents).

@@ -247,9 +247,7 @@ export_checkpoint_deadline() {
 
 # container_cmd: the prefix (NUL-separated) that runs a command the way every node will: in the image, or as is.
 container_cmd() {
-  if [[ "$CONTAINER" == none ]]; then
-    return
-  fi
+  [[ "$CONTAINER" != none ]] || return 0
   local -a binds=(--bind "$repo" --bind "$CONFIG_LOG_DIR" --bind "$CONFIG_OUTPUT_DIR" --bind "$HF_HOME")
   [[ "$WANDB_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$WANDB_DIR")  # a WANDB_DIR set elsewhere
   [[ "$TENSORBOARD_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$TENSORBOARD_DIR")
@@ -421,8 +419,6 @@ launch() {
     runner=(srun --nodes="${#nodes[@]}" --ntasks="${#nodes[@]}" --ntasks-per-node=1 --kill-on-bad-exit=1)
     [[ -z "$cpus" ]] || runner+=(--cpus-per-task="$cpus")
     ((!interactive)) || runner+=(--job-name="$step_name")
-  else
-    runner=()
   fi
   log_phase "launching on ${#nodes[@]} node(s): ${nodes[*]} (head ${nodes[0]})"
   # Background + wait, so the time-limit signal's trap runs while the job is still going.

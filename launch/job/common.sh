@@ -34,23 +34,19 @@ alive() {
   [[ -n "$state" && "$state" != Z ]]
 }
 
-# http_probe URL [TOKEN]: one GET with a 5 s limit; prints `ours` (200, and with TOKEN a server that checked it),
-# `theirs` (401 to this token: another job's server), `open` (200 from a server that checks no tokens) or the status
-# (`000` when nothing answers). With TOKEN the header goes through stdin, never the command line. Never through a
+# http_probe URL TOKEN: one GET with a 5 s limit, with this job's token; prints `ours` (200 from a server that checked
+# the token), `theirs` (401 to this token: another job's server), `open` (200 from a server that checks no tokens) or
+# the status (`000` when nothing answers). The header goes through stdin, never the command line. Never through a
 # proxy: curl would send even 127.0.0.1 to the one http_proxy or all_proxy names.
 http_probe() {
-  local url=$1 token=${2:-} answer status
+  local url=$1 token=$2 answer status
   # A failing probe is expected while a server loads: no -e here, the status is read.
-  if [[ -n "$token" ]]; then
-    answer=$(printf 'Authorization: Bearer %s\n' "$token" |
-      curl --silent --noproxy '*' --header @- --write-out '\n%{http_code}' --max-time 5 "$url" || true)
-  else
-    answer=$(curl --silent --noproxy '*' --write-out '\n%{http_code}' --max-time 5 "$url" || true)
-  fi
+  answer=$(printf 'Authorization: Bearer %s\n' "$token" |
+    curl --silent --noproxy '*' --header @- --write-out '\n%{http_code}' --max-time 5 "$url" || true)
   status=${answer##*$'\n'}
   if [[ "$status" == 401 ]]; then
     echo theirs
-  elif [[ "$status" == 200 && ( -z "$token" || "$answer" == *'"auth":true'* ) ]]; then
+  elif [[ "$status" == 200 && "$answer" == *'"auth":true'* ]]; then
     echo ours
   elif [[ "$status" == 200 ]]; then
     echo open
@@ -59,11 +55,11 @@ http_probe() {
   fi
 }
 
-# wait_for_http URL PID LOG TIMEOUT [TOKEN]: poll URL until it answers 200, failing fast if PID dies. With TOKEN the
-# probe authenticates and only a server that checks tokens and took this one counts: another job's server answers
-# 401 and fails the wait at once, naming the port.
+# wait_for_http URL PID LOG TIMEOUT TOKEN: poll URL until this job's server answers 200, failing fast if PID dies.
+# Only a server that checks tokens and took this one counts: another job's server answers 401 and fails the wait at
+# once, naming the port.
 wait_for_http() {
-  local url=$1 pid=$2 logfile=$3 timeout=$4 token=${5:-}
+  local url=$1 pid=$2 logfile=$3 timeout=$4 token=$5
   local deadline=$((SECONDS + timeout)) status=""
   while ((SECONDS < deadline)); do
     if ! alive "$pid"; then
