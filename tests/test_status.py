@@ -121,7 +121,7 @@ def test_a_folder_alone_gives_the_step_the_total_the_checkpoint_and_the_metrics(
     folder = start_folder(logs, "424242", training(1, 12, parts=True), ckpt=ckpt)  # a Slurm job id, without Slurm
     r = status_of(str(folder), capsys=capsys)
     assert (r["state"], r["slurm"]) == ("running", None)
-    assert "scontrol is not on PATH" in r["slurm_notes"] and "sacct is not on PATH" in r["slurm_notes"]
+    assert r["slurm_notes"] == ["scontrol is not on PATH"]
     p = r["progress"]
     assert (p["step"], p["total"], p["saved_step"], p["remaining_steps"]) == (12, 100, 10, 88)
     assert p["step_s"] == 100.0 and p["wall_per_step_s"] == pytest.approx(100 + 40 * 2 / 12)

@@ -79,8 +79,7 @@ def _state(job: Job) -> tuple[str, str]:
     if slurm:
         st, reason = slurm["state"] or "", slurm.get("reason") or ""
         if st == "PENDING":
-            restarts = slurm.get("restarts")
-            if (restarts or 0) > 0 or (restarts is None and job.starts):  # sacct does not say; folders do
+            if slurm["restarts"] > 0:
                 return "requeued", f"waiting to start again (Reason={reason}); it resumes from its newest checkpoint"
             return "pending", f"waiting in the queue (Reason={reason})"
         if st.startswith("REQUEUE"):
