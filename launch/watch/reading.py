@@ -297,7 +297,6 @@ def ask_slurm(job_id: str) -> tuple[dict | None, list[str]]:
         "restarts": int(f.get("Restarts") or 0), "start": slurm_time(f.get("StartTime")),
         "end": slurm_time(f.get("EndTime")), "time_limit": slurm_duration(f.get("TimeLimit")),
         "output": f.get("StdOut"), "nodes": f.get("NodeList"), "exit_code": f.get("ExitCode"),
-        "batch": f.get("BatchFlag") != "0",
     }, []  # fmt: skip
 
 
