@@ -189,19 +189,15 @@ def metric_summary(steps: dict[int, dict[str, float]]) -> dict[str, dict]:
 def value_clip_warnings(clipfracs: list[float], updates: int | None) -> list[str]:
     """A warning when PPO's value clip held nearly every prediction it could (critic/vf_clipfrac of recent steps
     against its ceiling 1 - 1/updates; 1 when the updates a step are not known); the canary's summary says it too."""
-    warnings: list[str] = []
     finite = [v for v in clipfracs if math.isfinite(v)]
     ceiling = 1.0 if updates is None else 1 - 1 / updates
     if not finite or ceiling <= 0 or statistics.mean(finite) < VF_CLIPFRAC_HIGH * ceiling:
-        return warnings
-    warnings.append(
+        return []
+    return [
         f"critic/vf_clipfrac averaged {statistics.mean(finite):.2f} over the last {len(finite)} steps (the most it can "
-        f"read is {ceiling:.2f}): the critic cannot follow the rewards. PPO's value clip holds each prediction within "
-        "CRITIC_CLIPRANGE_VALUE of its value at rollout time for the whole update, so the value head cannot reach the "
-        "rewards' scale and its advantages are the raw returns: PPO runs as REINFORCE. Raise CRITIC_CLIPRANGE_VALUE "
-        "(auto: half the reward range)"
-    )
-    return warnings
+        f"read is {ceiling:.2f}): the critic cannot follow the rewards, and PPO runs as REINFORCE (docs/training.md). "
+        "Raise CRITIC_CLIPRANGE_VALUE (auto: half the reward range)"
+    ]
 
 
 def metric_warnings(steps: dict[int, dict[str, float]], critic_updates: int | None = None) -> list[str]:
