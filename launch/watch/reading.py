@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -257,14 +256,6 @@ def read_output(text: str, starts: dict[str, Start]) -> dict:
 # --- Slurm ------------------------------------------------------------------------------------------------------------
 
 
-def _run(argv: list[str]) -> str | None:
-    try:
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return run.stdout if run.returncode == 0 else None
-
-
 def slurm_time(value: str | None) -> float | None:
     try:
         return stamp(value.replace("T", " ")) if value else None
@@ -286,12 +277,15 @@ def ask_slurm(job_id: str) -> tuple[dict | None, list[str]]:
     when it was not there or did not know it (it forgets ended jobs after MinJobAge: the folders are enough then)."""
     if not re.fullmatch(r"\d+", job_id):
         return None, [f"job {job_id} ran without Slurm"]
-    if not shutil.which("scontrol"):
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
         return None, ["scontrol is not on PATH"]
-    out = _run(["scontrol", "show", "job", "-o", job_id])
-    if not (out and "JobState=" in out):
+    except (OSError, subprocess.TimeoutExpired):
+        out = None
+    if not (out and out.returncode == 0 and "JobState=" in out.stdout):
         return None, ["scontrol does not know the job (it forgets ended jobs after MinJobAge)"]
-    f = dict(re.findall(r"(\S+?)=(\S*)", out))
+    f = dict(re.findall(r"(\S+?)=(\S*)", out.stdout))
     return {
         "source": "scontrol", "state": f.get("JobState"), "reason": f.get("Reason"),
         "restarts": int(f.get("Restarts") or 0), "start": slurm_time(f.get("StartTime")),
