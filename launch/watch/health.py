@@ -189,15 +189,16 @@ def metric_summary(steps: dict[int, dict[str, float]]) -> dict[str, dict]:
 def value_clip_warnings(clipfracs: list[float], updates: int | None) -> list[str]:
     """A warning when PPO's value clip held nearly every prediction it could (critic/vf_clipfrac of recent steps
     against its ceiling 1 - 1/updates; 1 when the updates a step are not known); the canary's summary says it too."""
+    warnings: list[str] = []  # the message catalogue (launch/plan/reference.py) reads warnings.append
     finite = [v for v in clipfracs if math.isfinite(v)]
     ceiling = 1.0 if updates is None else 1 - 1 / updates
-    if not finite or ceiling <= 0 or statistics.mean(finite) < VF_CLIPFRAC_HIGH * ceiling:
-        return []
-    return [
-        f"critic/vf_clipfrac averaged {statistics.mean(finite):.2f} over the last {len(finite)} steps (the most it can "
-        f"read is {ceiling:.2f}): the critic cannot follow the rewards, and PPO runs as REINFORCE (docs/training.md). "
-        "Raise CRITIC_CLIPRANGE_VALUE (auto: half the reward range)"
-    ]
+    if finite and ceiling > 0 and statistics.mean(finite) >= VF_CLIPFRAC_HIGH * ceiling:
+        warnings.append(
+            f"critic/vf_clipfrac averaged {statistics.mean(finite):.2f} over the last {len(finite)} steps (the most it "
+            f"can read is {ceiling:.2f}): the critic cannot follow the rewards, and PPO runs as REINFORCE "
+            "(docs/training.md). Raise CRITIC_CLIPRANGE_VALUE (auto: half the reward range)"
+        )
+    return warnings
 
 
 def metric_warnings(steps: dict[int, dict[str, float]], critic_updates: int | None = None) -> list[str]:
