@@ -178,17 +178,13 @@ def clip_line(step: int, ratio: str) -> str:
             f" - response_length_non_aborted/clip_ratio:0.0 - timing_s/step:41.0")  # fmt: skip
 
 
-def stage_entries(tmp_path: Path, opens: str | None, *ratios: str) -> dict[str, dict]:
+def stage_entries(tmp_path: Path, *ratios: str) -> dict[str, dict]:
     """The results of stages 1 and 2 as `check` records them, from step lines with these clip ratios."""
     (tmp_path / "train").mkdir()
     log = tmp_path / "train" / "launch.log"
     log.write_text("\n".join(clip_line(i + 1, r) for i, r in enumerate(ratios)))
-    if opens is not None:
-        (tmp_path / "train" / "trainer_command.txt").write_text(
-            f"python3\n-m\nverl.trainer.main_ppo\n+custom_reward_function.reward_kwargs.prompt_opens_think={opens}\n"
-        )
     results = tmp_path / "results.jsonl"
-    env = block_environment() | {"REWARD_PROMPT_OPENS_THINK": "true"}
+    env = block_environment()
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
@@ -198,25 +194,18 @@ def stage_entries(tmp_path: Path, opens: str | None, *ratios: str) -> dict[str, 
 
 
 def test_the_summary_reports_verls_clip_ratio_and_warns_when_responses_are_cut_naming_the_setting(tmp_path):
-    results = stage_entries(tmp_path, "True", "np.float64(0.625)", "0.75")
+    results = stage_entries(tmp_path, "np.float64(0.625)", "0.75")
     assert results["train"]["clip_ratio"] == {"1": 0.625, "2": 0.75}
     table, _ = canary.summary(results)
     assert ("response length: verl's response_length/clip_ratio at MAX_RESPONSE_LENGTH=4096: step 1 0.62, step 2 "
             "0.75 (the share of responses cut at the limit; 69% on average)") in table  # fmt: skip
     (warning,) = [line for line in table.splitlines() if line.startswith("WARNING:")]
     assert "69% of responses hit MAX_RESPONSE_LENGTH=4096" in warning and "raise MAX_RESPONSE_LENGTH" in warning
-    assert "scores the penalty" in warning and "whose 4 responses are all cut has zero advantage" in warning
-    assert "about 22% of groups carry no signal" in warning  # 0.6875 ** 4 = 0.22
-
-
-def test_a_policy_told_its_prompt_opens_no_think_block_is_warned_about_unfinished_answers_instead(tmp_path):
-    table, _ = canary.summary(stage_entries(tmp_path, "False", "0.5", "0.5"))
-    (warning,) = [line for line in table.splitlines() if line.startswith("WARNING:")]
-    assert "a cut answer is scored as it stands" in warning and "penalty" not in warning
+    assert "docs/training.md says what a cut response does to GRPO's signal" in warning
 
 
 def test_a_low_clip_ratio_is_reported_without_a_warning(tmp_path):
-    table, _ = canary.summary(stage_entries(tmp_path, "True", "0.0", "0.03125"))
+    table, _ = canary.summary(stage_entries(tmp_path, "0.0", "0.03125"))
     assert "2% on average" in table and "WARNING" not in table
 
 

@@ -121,7 +121,7 @@ def test_a_folder_alone_gives_the_step_the_total_the_checkpoint_and_the_metrics(
     folder = start_folder(logs, "424242", training(1, 12, parts=True), ckpt=ckpt)  # a Slurm job id, without Slurm
     r = status_of(str(folder), capsys=capsys)
     assert (r["state"], r["slurm"]) == ("running", None)
-    assert "scontrol is not on PATH" in r["slurm_notes"] and "sacct is not on PATH" in r["slurm_notes"]
+    assert r["slurm_notes"] == ["scontrol is not on PATH"]
     p = r["progress"]
     assert (p["step"], p["total"], p["saved_step"], p["remaining_steps"]) == (12, 100, 10, 88)
     assert p["step_s"] == 100.0 and p["wall_per_step_s"] == pytest.approx(100 + 40 * 2 / 12)
@@ -146,14 +146,13 @@ def test_a_folder_alone_gives_the_step_the_total_the_checkpoint_and_the_metrics(
         ({"critic/score/max": 0.0, "critic/score/min": 0.0}, "reward flat: every response of step 30 scored 0.0"),
         ({"critic/score/mean": 0.5}, "reward flat: critic/score/mean is 0.5 in each of the last 10 steps"),
         ({"critic/score/mean": float("nan")}, "critic/score/mean is nan at step 30"),
-        ({"actor/kl_loss": lambda n: 0.001 if n <= 20 else 0.05}, "KL climbing: actor/kl_loss averaged 0.05"),
         ({"actor/kl_loss": 2.5}, "KL climbing: actor/kl_loss is 2.5 (above 1.0)"),
         ({"actor/pg_clipfrac": 0.4}, "the updates are too large; lower ACTOR_LR"),
         ({"actor/entropy": lambda n: 0.6 if n < 25 else 0.01}, "actor/entropy fell to 0.01 (from 0.6)"),
         # PPO's critic held by its value clip; a command that does not say its updates a step: the ceiling is 1
         ({"critic/vf_clipfrac": 0.95}, "critic/vf_clipfrac averaged 0.95 over the last 5 steps"),
     ],
-    ids=["cut-off", "one-score", "flat-mean", "nan", "kl-rising", "kl-high", "clipfrac", "entropy", "vf-clipfrac"],
+    ids=["cut-off", "one-score", "flat-mean", "nan", "kl-high", "clipfrac", "entropy", "vf-clipfrac"],
 )
 def test_a_run_that_does_not_learn_is_named_with_the_metric_and_what_to_change(tmp_path, no_slurm, capsys, changes,
                                                                                 needle):  # fmt: skip
@@ -291,7 +290,7 @@ def test_the_eta_in_starts_counts_each_starts_startup_and_the_save_before_its_li
     )
     job = reading.load(str(folder), now=began + 1000)
     assert job.output == output and job.checkpoint_before_end == 1800
-    job.slurm = {"state": "RUNNING", "time_limit": 3600, "end": began + 3600, "batch": True}  # as scontrol says
+    job.slurm = {"state": "RUNNING", "time_limit": 3600, "end": began + 3600}  # as scontrol says
     p = health.progress(job)
     assert p["startup_s"] == pytest.approx(600, abs=2) and p["time_limit_s"] == 3600
     assert p["steps_per_start"] == 12

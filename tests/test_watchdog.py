@@ -176,11 +176,11 @@ def test_without_py_spy_the_node_dump_has_faulthandlers_stack_of_every_thread_an
     text = path.read_text()
     assert path == logs / "stall" / "stacks_n9.txt"
     assert f"=== process {proc.pid}: {sys.executable} {script} verl.trainer.main_ppo" in text, text
-    assert "stacks by faulthandler (SIGABRT; no py-spy on PATH)" in text
+    assert "stacks by py-spy dump; faulthandler (SIGABRT) where py-spy could not: " in text
     assert "in update_actor_collective" in text and "Fatal Python error: Aborted" in text, text
     assert watchdog.phase_of(text) == ("update_actor", f"{script}:19")
     assert f"--- last 30 lines of {logs / 'trainer.log'} ---" in text
-    assert "=== GPUs (nvidia-smi) ===\n(no nvidia-smi on this node)" in text
+    assert "=== GPUs (nvidia-smi) ===\n(nvidia-smi failed: [Errno 2] No such file or directory: 'nvidia-smi')" in text
     assert proc.wait(30) == -6, "SIGABRT ends it: the start is stopped right after"
 
 
@@ -238,7 +238,7 @@ def test_without_py_spy_a_ray_workers_stack_comes_from_faulthandler_in_its_own_l
         path = watchdog.dump(logs, "n1", env={"RAY_TMP_DIR": str(ray_tmp)})
         text = path.read_text()
         assert f"=== process {pid}: ray::Worker" in text, text[:3000]
-        assert "stacks by faulthandler (SIGABRT; no py-spy on PATH)" in text
+        assert "stacks by py-spy dump; faulthandler (SIGABRT) where py-spy could not: " in text
         section = text[text.index(f"=== process {pid}") :]
         assert "in update_actor_collective" in section, section[:3000]
     finally:

@@ -6,15 +6,15 @@ Exit 0 when ready; 1 on timeout ("1/2 nodes, 4/8 GPUs after 600 s") or when a wa
 
 `ray.init` can block with no limit (an address that accepts TCP and never answers; two jobs on one node sharing Ray's
 default ports hung past 240 s), so the connection and the counting run in a child process (`probe`), which reports
-one JSON line per poll; this process keeps the deadline and the watched PIDs, and kills the child when either ends.
-The timeout counts from when the probe has imported Ray (a few seconds, itself bounded by the timeout).
+one JSON line per attempt and poll; this process keeps the deadline and the watched PIDs, and kills the child when
+either ends. The timeout counts from when the probe has imported Ray (a few seconds, itself bounded by the timeout).
 """
 
 import argparse
 import importlib.util
 import json
 import os
-import select
+import queue
 import shutil
 import subprocess
 import sys
@@ -46,25 +46,27 @@ def emit(record: dict) -> None:
 
 
 def probe(args) -> int:
-    """The child: connect, then report the cluster's size every POLL_SECONDS until it is complete.
-
-    It ends itself when its parent is gone or its lifetime is over, in case a blocked ray.init ignores SIGTERM."""
-    parent, end = os.getppid(), time.monotonic() + args.timeout
+    """The child: connect (again after a failure: the head may still be starting), then report the cluster's size
+    every POLL_SECONDS until it is complete. It ends itself when its parent is gone, in case a blocked ray.init
+    ignores SIGTERM."""
+    parent = os.getppid()
 
     def guard() -> None:
-        while os.getppid() == parent and time.monotonic() < end:
+        while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(3)
 
     threading.Thread(target=guard, daemon=True).start()
     import ray
 
-    emit({"imported": True})
-    try:
-        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
-    except Exception as exc:  # the head may still be starting: the parent starts another probe
-        emit({"error": f"{type(exc).__name__}: {exc}"})
-        return 1
+    while True:
+        emit({"connecting": True})
+        try:
+            ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+            break
+        except Exception as exc:
+            emit({"error": f"{type(exc).__name__}: {exc}"})
+            time.sleep(POLL_SECONDS)
     while True:
         nodes, gpus = sum(1 for n in ray.nodes() if n.get("Alive")), float(ray.cluster_resources().get("GPU", 0))
         emit({"nodes": nodes, "gpus": gpus})
@@ -74,54 +76,49 @@ def probe(args) -> int:
         time.sleep(POLL_SECONDS)
 
 
-def probe_command(args, timeout: float) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "probe", "--address", args.address, "--nodes", str(args.nodes),
-            "--gpus", str(args.gpus), "--timeout", f"{timeout:.3f}"]  # fmt: skip
+def read_reports(proc: subprocess.Popen, reports: queue.Queue) -> None:
+    """The probe's report lines as they come, then None when it has ended."""
+    for line in proc.stdout:
+        if line.startswith(PROBE_PREFIX):
+            reports.put(json.loads(line[len(PROBE_PREFIX) :]))
+    reports.put(None)
 
 
 def wait(args) -> int:
-    """Poll through probe children until the cluster is complete, the deadline passes or a watched process dies."""
+    """Read the probe's reports until the cluster is complete, the deadline passes or a watched process dies."""
     if importlib.util.find_spec("ray") is None:
         print(f"ray_cluster: ray is not installed for {sys.executable}", file=sys.stderr)
         return 1
-    start = time.monotonic()
-    # The timeout counts from when the first probe has imported Ray (as it did when this process imported Ray itself
-    # before its clock started), and the import itself must finish within the timeout too.
-    deadline, clock_started = start + args.timeout, False
-    last, connected, last_error = (0, 0.0), False, None
-    proc, pending, since, next_start = None, b"", None, start  # since: when the running probe called ray.init
+    # The timeout counts from when the probe has imported Ray (its first attempt to connect), and the import itself
+    # must finish within the timeout too.
+    deadline, imported = time.monotonic() + args.timeout, False
+    last, connected, last_error, since = (0, 0.0), False, None, None  # since: when the running ray.init began
+    command = [sys.executable, os.path.abspath(__file__), "probe", "--address", args.address, "--nodes",
+               str(args.nodes), "--gpus", str(args.gpus)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    reports: queue.Queue = queue.Queue()
+    threading.Thread(target=read_reports, args=(proc, reports), daemon=True).start()
     try:
         while (now := time.monotonic()) < deadline:
             dead = [pid for pid in args.watch_pid if not alive(pid)]
             if dead:
                 print(f"ray_cluster: process {dead[0]} exited while waiting for the cluster", file=sys.stderr)
                 return 1
-            if proc is None:
-                if now < next_start:
-                    time.sleep(min(0.5, next_start - now, deadline - now))
-                    continue
-                lifetime = deadline - now + (0 if clock_started else args.timeout) + 5
-                proc = subprocess.Popen(probe_command(args, lifetime), stdout=subprocess.PIPE)
-                pending, since = b"", None
-            readable, _, _ = select.select([proc.stdout], [], [], max(0.0, min(0.5, deadline - now)))
-            if not readable:
+            try:
+                report = reports.get(timeout=min(0.5, deadline - now))
+            except queue.Empty:
                 continue
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                if not line.startswith(PROBE_PREFIX.encode()):
-                    continue
-                record = json.loads(line[len(PROBE_PREFIX) :])
-                if "imported" in record:
-                    since = time.monotonic()
-                    if not clock_started:
-                        deadline, clock_started = since + args.timeout, True
-                    continue
-                if "error" in record:
-                    last_error = record["error"]
-                    continue
-                connected, last = True, (record["nodes"], record["gpus"])
+            if report is None:
+                last_error = f"the probe exited with {proc.wait()}"
+                break
+            if "connecting" in report:
+                if not imported:  # the first attempt: Ray is imported, the timeout starts now
+                    deadline, imported = time.monotonic() + args.timeout, True
+                since = time.monotonic()
+            elif "error" in report:
+                since, last_error = None, report["error"]
+            else:
+                connected, last = True, (report["nodes"], report["gpus"])
                 if ready(*last, args):
                     # Without a GPU (make demo, the CPU tests) Ray's GPUs are CONFIG_GPUS_PER_NODE's placeholders
                     placeholders = " (placeholders: no GPU here, torch computes on the CPU)" if shutil.which(
@@ -134,23 +131,17 @@ def wait(args) -> int:
                     except subprocess.TimeoutExpired:
                         pass
                     return 0
-            if not chunk:  # the probe ended without a complete cluster: a failed connection, retried
-                if proc.wait() != 0 and last_error is None:
-                    last_error = f"the probe exited with {proc.returncode}"
-                proc, next_start = None, time.monotonic() + POLL_SECONDS
     finally:
-        if proc is not None and proc.poll() is None:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
     if connected:
         where = ""
-    elif proc is not None and since is None:
-        where = f" (could not connect: the probe had not even imported ray after {time.monotonic() - start:.0f} s)"
-    elif proc is not None and time.monotonic() - since > 1:
+    elif since is not None:
         where = f" (could not connect: ray.init(address={args.address!r}) had not returned after {time.monotonic() - since:.0f} s"
         where += f"; the attempt before it: {last_error})" if last_error else ")"
     else:
-        where = f" (could not connect: {last_error})"
+        where = f" (could not connect: {last_error or 'the probe had not even imported ray'})"
     print(
         f"ray cluster not complete: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs after "
         f"{args.timeout:.0f} s{where}",
@@ -165,7 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--address", required=True)
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus", type=float, default=0)
-    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--timeout", type=float, default=600)  # wait only
     p.add_argument("--watch-pid", type=int, action="append", default=[])
     args = p.parse_args(argv)
     return probe(args) if args.command == "probe" else wait(args)

@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -225,7 +224,7 @@ def worker_logs(ray_tmp: str, pid: int) -> list[Path]:
     return sorted(logs.glob(f"worker-*-{pid}.out")) + sorted(logs.glob(f"worker-*-{pid}.err"))
 
 
-def pyspy_stack(pid: int, pyspy: str) -> str | None:
+def pyspy_stack(pid: int, pyspy: str = "py-spy") -> str | None:
     try:
         run = subprocess.run([pyspy, "dump", "--full-filenames", "--pid", str(pid)], capture_output=True, text=True,
                              timeout=30)  # fmt: skip
@@ -266,8 +265,6 @@ def faulthandler_stacks(pids: list[int], logs: Mapping[int, list[Path]], wait: f
 
 
 def gpu_use() -> str:
-    if not shutil.which("nvidia-smi"):
-        return "(no nvidia-smi on this node)"
     try:
         run = subprocess.run(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total",
                               "--format=csv"], capture_output=True, text=True, timeout=30)  # fmt: skip
@@ -295,13 +292,10 @@ def dump(log_dir: Path, host: str, env: Mapping[str, str] | None = None) -> Path
     for pid, cmdline in processes:
         if not cmdline.startswith("ray::"):
             logs[pid] = [log_dir / "trainer.log"]
-    pyspy = shutil.which("py-spy")
-    stacks = {pid: stack for pid, _ in processes if pyspy and (stack := pyspy_stack(pid, pyspy))}
-    missing = [pid for pid, _ in processes if pid not in stacks]
-    how = "py-spy dump" if pyspy else "faulthandler (SIGABRT; no py-spy on PATH)"
-    if missing:
-        stacks |= faulthandler_stacks(missing, logs)
-        how += f"; faulthandler (SIGABRT) where py-spy could not: {missing}" if pyspy else ""
+    stacks = {pid: stack for pid, _ in processes if (stack := pyspy_stack(pid))}  # py-spy comes with ray[default]
+    missing = [pid for pid, _ in processes if pid not in stacks]  # no ptrace allowed, or py-spy missing after all
+    how = "py-spy dump" + (f"; faulthandler (SIGABRT) where py-spy could not: {missing}" if missing else "")
+    stacks |= faulthandler_stacks(missing, logs)
     parts = [f"# {host}: {len(processes)} process(es) of the job's Ray workers and driver; stacks by {how}\n"]
     for pid, cmdline in processes:
         parts.append(

@@ -154,12 +154,6 @@ def trainer_command(log: Path) -> str:
     return command.read_text() if command.is_file() else ""
 
 
-def told_opens_think(log: Path) -> bool | None:
-    """What the stage's trainer command told the reward function."""
-    told = override(trainer_command(log).splitlines(), "custom_reward_function.reward_kwargs.prompt_opens_think")
-    return None if told is None else told == "True"
-
-
 def value_clip_report(results: dict[str, dict]) -> list[str]:
     """PPO's critic/vf_clipfrac of every step the training stages logged, and launch.watch.status's warning on it."""
     entries = [results[s] for s in ("train", "resume") if results.get(s, {}).get("vf_clipfrac")]
@@ -174,14 +168,14 @@ def value_clip_report(results: dict[str, dict]) -> list[str]:
 
 
 def response_length_report(results: dict[str, dict]) -> list[str]:
-    """The clip ratio of every step the training stages logged, and what a high one does to GRPO's signal."""
+    """The clip ratio of every step the training stages logged, and a warning when it is high."""
     ratios = {
         int(k): v for stage in ("train", "resume") for k, v in results.get(stage, {}).get("clip_ratio", {}).items()
     }
     entry = next((results[s] for s in ("train", "resume") if "max_response_length" in results.get(s, {})), None)
     if entry is None:
         return []
-    length, n, opens = entry["max_response_length"], entry["rollout_n"], entry.get("prompt_opens_think")
+    length = entry["max_response_length"]
     if not ratios:
         return [f"response length: verl's step lines held no response_length/clip_ratio (MAX_RESPONSE_LENGTH={length})"]
     mean = sum(ratios.values()) / len(ratios)
@@ -190,15 +184,10 @@ def response_length_report(results: dict[str, dict]) -> list[str]:
              f"of responses cut at the limit; {mean:.0%} on average)"]  # fmt: skip
     if mean <= CLIP_RATIO_WARN:
         return lines
-    if opens is False:
-        why = "a cut answer is scored as it stands: the policy is rewarded for answers it never finished"
-    else:
-        why = (f"a response cut before </think> scores the penalty, and a GRPO group whose {n} responses are all cut "
-               f"has zero advantage: at this ratio about {mean**n:.0%} of groups carry no signal and most others "
-               "learn to think shorter rather than the reward model's preference")  # fmt: skip
     return lines + [
-        f"WARNING: {mean:.0%} of responses hit MAX_RESPONSE_LENGTH={length} (more than {CLIP_RATIO_WARN:.0%}): {why}; "
-        "raise MAX_RESPONSE_LENGTH (docs/training.md says what it costs), then run the canary again"
+        f"WARNING: {mean:.0%} of responses hit MAX_RESPONSE_LENGTH={length} (more than {CLIP_RATIO_WARN:.0%}): raise "
+        "MAX_RESPONSE_LENGTH (docs/training.md says what a cut response does to GRPO's signal and what a longer one "
+        "costs), then run the canary again"
     ]
 
 
@@ -346,9 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = evaluate(args.stage, args.rc, text, args.ckpt, args.target)
     entry = {"stage": args.stage, "status": "failed" if problems else "passed", "seconds": args.seconds}
     if s is not None:
-        entry |= {"clip_ratio": per_step(text, "response_length/clip_ratio"), "rollout_n": s.rollout_n,
-                  "max_response_length": s.max_response_length,
-                  "prompt_opens_think": told_opens_think(args.log)}  # fmt: skip
+        entry |= {"clip_ratio": per_step(text, "response_length/clip_ratio"),
+                  "max_response_length": s.max_response_length}  # fmt: skip
         if s.algorithm == "ppo":
             entry |= {"vf_clipfrac": per_step(text, "critic/vf_clipfrac"),
                       "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines())}  # fmt: skip

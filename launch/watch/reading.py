@@ -1,6 +1,6 @@
 """Reading a job, for launch/watch/status.py: every start's folder (trainer.log, trainer_command.txt, `done` and
 `exit`, the preflight's and the stall watchdog's records, the reward servers' logs), the job's Slurm output file, Slurm
-itself (scontrol, else sacct) and the checkpoint folder, into one Job (`load`); nothing is written. verl's
+itself (scontrol) and the checkpoint folder, into one Job (`load`); nothing is written. verl's
 step lines are parsed in launch/job/steps.py. Also the times as text (duration, clock) a start's description uses."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -257,14 +256,6 @@ def read_output(text: str, starts: dict[str, Start]) -> dict:
 # --- Slurm ------------------------------------------------------------------------------------------------------------
 
 
-def _run(argv: list[str]) -> str | None:
-    try:
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return run.stdout if run.returncode == 0 else None
-
-
 def slurm_time(value: str | None) -> float | None:
     try:
         return stamp(value.replace("T", " ")) if value else None
@@ -282,37 +273,25 @@ def slurm_duration(value: str | None) -> float | None:
 
 
 def ask_slurm(job_id: str) -> tuple[dict | None, list[str]]:
-    """What Slurm knows of the job (state, reason, restarts, times, time limit, output file, nodes), from scontrol, else
-    from sacct (squeue would say no more than scontrol: both ask slurmctld, which forgets ended jobs after MinJobAge);
-    and a note per program that was not there or did not know it."""
-    notes = []
+    """What scontrol knows of the job (state, reason, restarts, times, time limit, output file, nodes), and a note
+    when it was not there or did not know it (it forgets ended jobs after MinJobAge: the folders are enough then)."""
     if not re.fullmatch(r"\d+", job_id):
         return None, [f"job {job_id} ran without Slurm"]
-    if shutil.which("scontrol"):
-        out = _run(["scontrol", "show", "job", "-o", job_id])
-        if out and "JobState=" in out:
-            f = dict(re.findall(r"(\S+?)=(\S*)", out))
-            return {
-                "source": "scontrol", "state": f.get("JobState"), "reason": f.get("Reason"),
-                "restarts": int(f.get("Restarts") or 0), "start": slurm_time(f.get("StartTime")),
-                "end": slurm_time(f.get("EndTime")), "time_limit": slurm_duration(f.get("TimeLimit")),
-                "output": f.get("StdOut"), "nodes": f.get("NodeList"), "exit_code": f.get("ExitCode"),
-                "batch": f.get("BatchFlag") != "0",
-            }, notes  # fmt: skip
-        notes.append("scontrol does not know the job (it forgets ended jobs after MinJobAge)")
-    else:
-        notes.append("scontrol is not on PATH")
-    if shutil.which("sacct"):
-        out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,Start,End,Timelimit,NodeList"])
-        if out and out.strip():
-            state, code, start, end, limit, nodes = (out.strip().splitlines()[-1].split("|") + [""] * 6)[:6]
-            return {"source": "sacct", "state": state.split()[0], "reason": None, "restarts": None,
-                    "start": slurm_time(start), "end": slurm_time(end), "time_limit": slurm_duration(limit),
-                    "output": None, "nodes": nodes, "exit_code": code, "batch": None}, notes  # fmt: skip
-        notes.append("sacct does not know the job (no accounting database, or not kept)")
-    else:
-        notes.append("sacct is not on PATH")
-    return None, notes
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        return None, ["scontrol is not on PATH"]
+    except (OSError, subprocess.TimeoutExpired):
+        out = None
+    if not (out and out.returncode == 0 and "JobState=" in out.stdout):
+        return None, ["scontrol does not know the job (it forgets ended jobs after MinJobAge)"]
+    f = dict(re.findall(r"(\S+?)=(\S*)", out.stdout))
+    return {
+        "source": "scontrol", "state": f.get("JobState"), "reason": f.get("Reason"),
+        "restarts": int(f.get("Restarts") or 0), "start": slurm_time(f.get("StartTime")),
+        "end": slurm_time(f.get("EndTime")), "time_limit": slurm_duration(f.get("TimeLimit")),
+        "output": f.get("StdOut"), "nodes": f.get("NodeList"), "exit_code": f.get("ExitCode"),
+    }, []  # fmt: skip
 
 
 # --- the job ------------------------------------------------------------------------------------------------------
@@ -415,7 +394,7 @@ def load(target: str | None, log_dir: Path | None = None, now: float | None = No
     output = find_output(job_id, log_dir, slurm)
     job_lines = read_output(read_text(output), {s.name: s for s in starts}) if output else {}
     requeued = starts[:-1]  # a start of the same job id after it: Slurm requeued this one
-    if slurm and slurm["state"] == "PENDING" and starts and (slurm.get("restarts") or 0) >= len(starts):
+    if slurm and slurm["state"] == "PENDING" and starts and slurm["restarts"] >= len(starts):
         requeued = starts  # the newest too: its next start is waiting
     for s in requeued:
         if not s.how.startswith("requeued"):

@@ -10,8 +10,7 @@ What it reads: every start's folder (`<id>`, `<id>-r1`, ...: trainer.log with ve
 key:value - ...` from its console logger, verl/utils/logger/aggregate_logger.py; trainer_command.txt; `done`; the
 reward servers' logs with their restart markers), the job's Slurm output file (the run script's timestamped lines:
 each start, the time limit, requeues, exits and errors), the checkpoint folder the trainer command names, and Slurm
-itself where its programs are on PATH (scontrol, else sacct; either may be missing, or know the job
-no more). Nothing is written.
+itself where scontrol is on PATH (it may be missing, or know the job no more). Nothing is written.
 """
 
 # This module renders (the text, --json) and runs the command; launch/watch/reading.py reads the
