@@ -174,7 +174,7 @@ def stall_problems(s: Settings) -> list[str]:
 
 
 def path_problems(s: Settings) -> list[str]:
-    """The files the settings point at: the models, the data, the image."""
+    """The files the settings point at: the models and the data (the image is the run script's to refuse)."""
     problems: list[str] = []
     for name, path in (("CONFIG_MODEL_PATH", s.model_path), ("CONFIG_REWARD_MODEL_PATH", s.reward_model_path)):
         if not Path(path, "config.json").is_file() and (name == "CONFIG_MODEL_PATH" or s.uses_reward_model):
@@ -184,10 +184,6 @@ def path_problems(s: Settings) -> list[str]:
             problems.append(f"{name}={path}: no such file (build it with python -m data_prep.build)")
     if s.train_file and Path(s.train_file).resolve() == Path(s.test_file).resolve():
         problems.append("CONFIG_TRAIN_FILE and CONFIG_TEST_FILE are the same file")
-    if s.container != "none" and not Path(s.image).is_file():
-        problems.append(
-            f"CONFIG_IMAGE_PATH={s.image}: no such image (sudo singularity build verl_app.sif verl_app.def)"
-        )
     return problems
 
 
