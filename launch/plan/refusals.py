@@ -331,14 +331,6 @@ def combination_problems(s: Settings) -> list[str]:
             "DAPO_DYNAMIC_SAMPLING=true needs ROLLOUT_MODE=sync: recipe.dapo's trainer calls generate_sequences and "
             "computes rewards itself"
         )
-    if s.rollout_enforce_eager and s.rollout_engine == "sglang" and s.rollout_mode == "sync":
-        problems.append(
-            "ROLLOUT_ENFORCE_EAGER=true with ROLLOUT_ENGINE=sglang and ROLLOUT_MODE=sync: verl 0.6.1's sync SGLang "
-            "engine never reads it (its engine arguments hold no disable_cuda_graph and take nothing from engine_kwargs "
-            "but attention_backend: verl/workers/rollout/sglang_rollout/sglang_rollout.py:426-477), so CUDA graphs would "
-            "stay on; use ROLLOUT_MODE=async (its SGLang server sets disable_cuda_graph from it) or ROLLOUT_ENGINE=vllm "
-            "(enforce_eager), or set ROLLOUT_ENFORCE_EAGER=false"
-        )
     if s.algorithm == "ppo" and s.strategy == "megatron":
         for name, value, actor_name, actor in (
             ("CRITIC_PP", s.critic_pp, "ACTOR_PP", s.actor_pp),
