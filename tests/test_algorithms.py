@@ -184,7 +184,8 @@ def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes)
     s = settings(env, TRAINER_MODE="one_step_off", STRATEGY="fsdp2", ROLLOUT_MODE="sync", ROLLOUT_GPUS_PER_NODE=1,
                  ROLLOUT_ENGINE="vllm")  # fmt: skip
     assert s.training_gpus_per_node == 3
-    assert any("is not a multiple of data-parallel size 3" in p for p in check(s)), "the batch must split over 3 GPUs"
+    split = batch_problems(composed(s))
+    assert any("do not split evenly over the 3 training GPUs" in p for p in split), "the batch must split over 3 GPUs"
     argv = trainer_argv(s)
     assert "actor_rollout_ref.hybrid_engine=False" in argv and "rollout.n_gpus_per_node=1" in argv
     assert "trainer.n_gpus_per_node=3" in argv
@@ -791,8 +792,8 @@ def test_batches_need_not_be_multiples_of_the_micro_batch_since_both_strategies_
     cfg = composed(megatron)
     validate(cfg)
     assert batch_problems(cfg) == []
-    assert any("is not a multiple of data-parallel size 2" in p for p in check(settings(env, TRAIN_BATCH_SIZE=5,
-               ROLLOUT_N=1, PPO_MINI_BATCH_SIZE=5, ROLLOUT_MODE="sync")))  # fmt: skip
+    five = composed(settings(env, TRAIN_BATCH_SIZE=5, ROLLOUT_N=1, PPO_MINI_BATCH_SIZE=5, ROLLOUT_MODE="sync"))
+    assert any("= 5 sequences do not split evenly over the 4 training GPUs" in p for p in batch_problems(five))
 
 
 def test_the_ppo_canarys_second_critic_epoch_passes_verls_own_checks(env):

@@ -79,8 +79,7 @@ def job_problems(s: Settings) -> list[str]:
 
 
 def gpu_batch_problems(s: Settings) -> list[str]:
-    """GPU and batch arithmetic: the parallel sizes divide the GPUs, and each step splits evenly over the data-parallel
-    ranks."""
+    """GPU and batch arithmetic: the parallel sizes divide the GPUs, a step holds a mini-batch."""
     problems: list[str] = []
     if s.gpus_per_node < 1:
         problems.append(f"CONFIG_GPUS_PER_NODE={s.gpus_per_node}: training needs at least 1 GPU per node")
@@ -95,14 +94,7 @@ def gpu_batch_problems(s: Settings) -> list[str]:
         rollout_gpus = s.rollout_gpus_per_node if s.trainer_mode == "one_step_off" else s.gpus_per_node
         if rollout_gpus and rollout_gpus % s.rollout_tp:
             problems.append(f"ROLLOUT_TP={s.rollout_tp} does not divide the {rollout_gpus} rollout GPUs per node")
-        dp = world // model_parallel
-        # Both strategies batch by tokens (use_dynamic_bsz), so verl's validate_config asks nothing of the micro-batch:
-        # only the per-rank split of each step remains (the preflight checks the rest on the composed config).
-        if dp and (s.train_batch_size * s.rollout_n) % dp:
-            problems.append(
-                f"TRAIN_BATCH_SIZE x ROLLOUT_N = {s.train_batch_size * s.rollout_n} is not a multiple of data-parallel "
-                f"size {dp}"
-            )
+        # How each step splits over the GPUs and ranks is config_refusals.batch_problems', on the composed config.
     if s.train_batch_size < s.ppo_mini_batch_size:
         problems.append(
             f"TRAIN_BATCH_SIZE={s.train_batch_size} is smaller than PPO_MINI_BATCH_SIZE={s.ppo_mini_batch_size}"
