@@ -70,11 +70,9 @@ def job_problems(s: Settings) -> list[str]:
         problems.append("CONFIG_USE_SEPARATE_REWARD_NODE=true with REWARD=rule: that node would idle, since rule "
                         "rewards need no reward server; set it to false, or REWARD=rm+rule")  # fmt: skip
     if s.fp8:
-        problems.append(
-            "FP8=true: verl 0.6.1 cannot train in FP8 here. Its Megatron path resets config.fp8 to None unless "
-            "use_mbridge=True (the article's overrides were silently ignored), and the 'blockwise' recipe needs "
-            "TransformerEngine >= 2.3 while this image has 2.2.1. FP8 training arrived in verl 0.7.0: keep FP8=false"
-        )
+        problems.append("FP8=true: verl 0.6.1 cannot train in FP8 here (its Megatron path drops config.fp8 without "
+                        "use_mbridge; the blockwise recipe needs TransformerEngine >= 2.3, this image has 2.2.1). FP8 "
+                        "training arrived in verl 0.7.0: keep FP8=false")  # fmt: skip
     return problems
 
 
@@ -243,11 +241,8 @@ def context_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
     if policy is not None and sequence > policy:
         problems.append(
             f"MAX_PROMPT_LENGTH={s.max_prompt_length} + MAX_RESPONSE_LENGTH={s.max_response_length} = {sequence} "
-            f"tokens, but the policy has {policy} positions (max_position_embeddings in "
-            f"CONFIG_MODEL_PATH={s.model_path}/config.json): verl 0.6.1's rollout refuses it when the engine starts "
-            "on the GPUs, after the queue ('model context length should be greater than total sequence length'); "
-            f"lower MAX_PROMPT_LENGTH and/or MAX_RESPONSE_LENGTH until their sum is at most {policy}, or use a "
-            "policy with a longer context"
+            f"tokens, but the policy has {policy} positions (CONFIG_MODEL_PATH={s.model_path}/config.json), which "
+            f"verl's rollout asserts after the queue: lower them until their sum is at most {policy}"
         )
     raw = environ.get("REWARD_MAX_LENGTH", "")
     try:
@@ -257,12 +252,9 @@ def context_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
     reward = model_positions(s.reward_model_path) if s.uses_reward_model else None
     if reward is not None and reward_max > reward and sequence > reward:
         problems.append(
-            f"REWARD_MAX_LENGTH={reward_max} (the reward server keeps that many last tokens of a pair) is above the "
-            f"reward model's {reward} positions (max_position_embeddings in CONFIG_REWARD_MODEL_PATH="
-            f"{s.reward_model_path}/config.json), and MAX_PROMPT_LENGTH={s.max_prompt_length} + MAX_RESPONSE_LENGTH="
-            f"{s.max_response_length} = {sequence} tokens, before the chat template's, reach past them: those pairs "
-            f"would be scored at positions the model never learned; set REWARD_MAX_LENGTH={reward} (longer pairs "
-            "keep their last tokens), or shorten MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH to fit"
+            f"REWARD_MAX_LENGTH={reward_max} is above the reward model's {reward} positions (CONFIG_REWARD_MODEL_PATH="
+            f"{s.reward_model_path}/config.json), and prompt + response = {sequence} tokens reach past them, positions "
+            f"it never learned: set REWARD_MAX_LENGTH={reward} (longer pairs keep their last tokens)"
         )
     return problems
 
@@ -373,12 +365,9 @@ def reward_gpu_problems(s: Settings) -> list[str]:
         return []  # no server on a GPU, or one on each (an index beyond the job's GPUs is launch/job/node.py's to refuse)
     return [
         f"ROLLOUT_TP={s.rollout_tp} with reward servers on GPU {s.reward_gpus} of {s.gpus_per_node} "
-        "(CONFIG_REWARD_GPUS): SGLang refuses to start a tensor-parallel group whose GPUs' free memory differs by "
-        "over 10% (sglang model_runner.py: 'The memory capacity is unbalanced'), and a reward server's GPU has its "
-        f"peak less. Put a server on every GPU of the node (CONFIG_REWARD_GPUS={','.join(sorted(every, key=int))}), "
-        "give the servers their own node (CONFIG_USE_SEPARATE_REWARD_NODE=true), run them on the CPU "
-        "(CONFIG_REWARD_DEVICE=cpu), or use ROLLOUT_TP=1; SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK=true makes SGLang "
-        "size its cache from the GPU with the least free memory instead"
+        "(CONFIG_REWARD_GPUS): SGLang would stop with 'The memory capacity is unbalanced'. Put a server on every GPU "
+        f"(CONFIG_REWARD_GPUS={','.join(sorted(every, key=int))}), CONFIG_USE_SEPARATE_REWARD_NODE=true, "
+        "CONFIG_REWARD_DEVICE=cpu, ROLLOUT_TP=1 or SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK=true"
     ]
 
 
