@@ -38,8 +38,7 @@ from launch.plan.config_refusals import (
 )
 from launch.plan.deadline import plan
 from launch.plan.gpu_memory import (
-    RolloutMemoryError,
-    UpdateMemoryError,
+    GpuMemoryError,
     gpu_memory_line,
     megatron_update_lines,
     reward_peak,
@@ -389,7 +388,7 @@ def memory_fits(settings: Settings, extra: list[str], cfg) -> bool:
         return False
     try:
         print(f"preflight: {gpu_memory_line(settings, peak, cfg)}")
-    except RolloutMemoryError as exc:
+    except GpuMemoryError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
         return False
     except Exception as exc:
@@ -402,7 +401,7 @@ def memory_fits(settings: Settings, extra: list[str], cfg) -> bool:
     try:
         for line in megatron_update_lines(settings, peak, fused):
             print(f"preflight: {line}")
-    except UpdateMemoryError as exc:
+    except GpuMemoryError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
         return False
     except Exception as exc:
