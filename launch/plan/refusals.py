@@ -1,13 +1,7 @@
 """Every refusal of a setting, each naming the setting to change, with the rule of verl 0.6.1 (or the image) behind it;
 launch/plan/config_refusals.py refuses the trainer config composed from the settings. launch/plan/preflight.py runs
 both, cheapest first, on the login node (PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh) and again inside the
-allocation, and prints each problem here as `setting error: ...`:
-- check(settings): the settings block alone (launch.plan.settings.Settings): values, combinations verl 0.6.1 or the
-  image cannot run (combination_problems), GPU and batch arithmetic, the files the settings point at;
-- context_problems(settings, env): prompt + response against the positions in the models' config.json (and the
-  reward server's REWARD_MAX_LENGTH); header_problems: the run script's #SBATCH --gpus-per-node, on the login node;
-- save_deadline_problems(settings, env): CHECKPOINT_BEFORE_END against the job's own time-limit signal
-  (launch/plan/deadline.py says what verl will save, and warns).
+allocation, and prints each problem here as `setting error: ...`.
 
 Refused elsewhere, because only there is what they need:
 - run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
@@ -272,9 +266,8 @@ def validation_sampling_problems(s: Settings) -> list[str]:
         problems.append(f"VAL_TOP_K={s.val_top_k}: -1 (off) or 1 or more (SGLang and vLLM refuse 0)")
     if not s.val_do_sample and s.rollout_mode == "async" and s.val_temperature > 0:
         problems.append(
-            f"VAL_DO_SAMPLE=false with ROLLOUT_MODE=async: verl 0.6.1's agent loop never reads do_sample "
-            f"(agent_loop.py:341-343) and would sample at VAL_TEMPERATURE={s.val_temperature}; for greedy validation "
-            "set VAL_TEMPERATURE=0 as well (the Qwen3 cards advise against it: greedy decoding repeats endlessly)"
+            f"VAL_DO_SAMPLE=false with ROLLOUT_MODE=async: verl 0.6.1's agent loop never reads do_sample and would "
+            f"sample at VAL_TEMPERATURE={s.val_temperature}; for greedy validation set VAL_TEMPERATURE=0 as well"
         )
     if s.val_do_sample and s.val_temperature == 0:
         problems.append(
@@ -396,8 +389,7 @@ def save_deadline_problems(s: Settings, env: Mapping[str, str]) -> list[str]:
     lead = signal_lead(env)
     if lead is not None and s.checkpoint_before_end <= lead:
         problems.append(
-            f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end} is not above the time-limit signal's lead ({lead} s, "
-            "#SBATCH --signal=B:USR1@...): the job requeues itself at that signal, so verl's last save before the "
-            "limit would come after it; set CHECKPOINT_BEFORE_END above it by at least a save"
+            f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end} is not above the time-limit signal's lead ({lead} s), at "
+            "which the job requeues itself: set CHECKPOINT_BEFORE_END above it by at least a save"
         )
     return problems
