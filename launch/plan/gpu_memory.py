@@ -189,18 +189,15 @@ def _refuse_short(total: int | None, share: float, name: str, held: int, what: s
     fits, where the GPU's size is known and less than `share` of it is free."""
     if total is None or total - held >= share * total:
         return
-    fits = math.floor((total - held) / total * 100) / 100
+    fix = f"set ROLLOUT_GPU_MEMORY={math.floor((total - held) / total * 100) / 100:g} or less"
+    if shared:
+        fix += (", or cap the reward server (REWARD_GPU_MEMORY_GIB) or give it a node of its own "
+                "(CONFIG_USE_SEPARATE_REWARD_NODE=true)")  # fmt: skip
     raise GpuMemoryError(
         f"vLLM takes {name} of the whole GPU, {share * total / GIB:.1f} GiB, but {what} leaves "
         f"{(total - held) / GIB:.1f} GiB of this GPU's {total / GIB:.1f} free at its start: vLLM 0.10.0 refuses to "
         "start ('Free memory on device ... is less than desired GPU memory utilization', "
-        f"vllm/v1/worker/gpu_worker.py:166-176); set ROLLOUT_GPU_MEMORY={fits:g} or less"
-        + (
-            ", or cap the reward server (REWARD_GPU_MEMORY_GIB) or give it a node of its own "
-            "(CONFIG_USE_SEPARATE_REWARD_NODE=true)"
-            if shared
-            else ""
-        )  # fmt: skip
+        f"vllm/v1/worker/gpu_worker.py:166-176); {fix}"
     )
 
 
