@@ -184,7 +184,8 @@ def test_one_step_off_splits_the_gpus_between_training_and_rollout(env, recipes)
     s = settings(env, TRAINER_MODE="one_step_off", STRATEGY="fsdp2", ROLLOUT_MODE="sync", ROLLOUT_GPUS_PER_NODE=1,
                  ROLLOUT_ENGINE="vllm")  # fmt: skip
     assert s.training_gpus_per_node == 3
-    assert any("is not a multiple of data-parallel size 3" in p for p in check(s)), "the batch must split over 3 GPUs"
+    split = batch_problems(composed(s))
+    assert any("do not split evenly over the 3 training GPUs" in p for p in split), "the batch must split over 3 GPUs"
     argv = trainer_argv(s)
     assert "actor_rollout_ref.hybrid_engine=False" in argv and "rollout.n_gpus_per_node=1" in argv
     assert "trainer.n_gpus_per_node=3" in argv
@@ -256,11 +257,8 @@ def test_a_rollout_gpu_memory_that_is_no_share_is_refused_naming_auto(env, raw):
         ({"FP8": "true"}, "FP8 training arrived in verl 0.7.0"),
         ({"ALGORITHM": "reinforce"}, "ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         ({"STRATEGY": "fsdp"}, "STRATEGY='fsdp': use one of megatron, fsdp2"),
-        # sync SGLang never passes enforce_eager on (sglang_rollout.py:426-477); DAPO's recipe rolls out in sync too
         ({"REWARD_RESTARTS": "-1"}, "REWARD_RESTARTS=-1: restarts of a reward server that dies, 0 or more"),
         ({"REWARD_RESTART_WINDOW": "0"}, "REWARD_RESTART_WINDOW=0: the seconds REWARD_RESTARTS counts over"),
-        ({"ROLLOUT_ENFORCE_EAGER": "true", "ROLLOUT_MODE": "sync"}, "ROLLOUT_ENFORCE_EAGER=true with ROLLOUT_ENGINE=sglang and ROLLOUT_MODE=sync: verl 0.6.1's sync SGLang engine never reads it"),
-        ({"ROLLOUT_ENFORCE_EAGER": "true", "ROLLOUT_MODE": "sync", "ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true"}, "use ROLLOUT_MODE=async (its SGLang server sets disable_cuda_graph from it)"),
     ],
 )  # fmt: skip
 def test_refused_combinations_say_why(env, overrides, needle):
@@ -280,8 +278,11 @@ def test_enforce_eager_is_accepted_where_the_engine_reads_it(env, overrides):
     assert rollout_problems(cfg) == []
 
 
-def test_eager_or_sglang_engine_kwargs_through_overrides_are_refused_where_sync_sglang_drops_them(env):
+def test_eager_or_sglang_engine_kwargs_are_refused_where_sync_sglang_drops_them(env):
     s = settings(env, ROLLOUT_MODE="sync")
+    # sync SGLang never passes enforce_eager on (sglang_rollout.py:426-477): the setting, refused on the composed config
+    (eager,) = rollout_problems(composed(settings(env, ROLLOUT_MODE="sync", ROLLOUT_ENFORCE_EAGER="true")))
+    assert "actor_rollout_ref.rollout.enforce_eager=True (ROLLOUT_ENFORCE_EAGER) with sync SGLang rollout" in eager
     extra = [
         "actor_rollout_ref.rollout.enforce_eager=True",
         "+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_cuda_graph=True",
@@ -791,8 +792,8 @@ def test_batches_need_not_be_multiples_of_the_micro_batch_since_both_strategies_
     cfg = composed(megatron)
     validate(cfg)
     assert batch_problems(cfg) == []
-    assert any("is not a multiple of data-parallel size 2" in p for p in check(settings(env, TRAIN_BATCH_SIZE=5,
-               ROLLOUT_N=1, PPO_MINI_BATCH_SIZE=5, ROLLOUT_MODE="sync")))  # fmt: skip
+    five = composed(settings(env, TRAIN_BATCH_SIZE=5, ROLLOUT_N=1, PPO_MINI_BATCH_SIZE=5, ROLLOUT_MODE="sync"))
+    assert any("= 5 sequences do not split evenly over the 4 training GPUs" in p for p in batch_problems(five))
 
 
 def test_the_ppo_canarys_second_critic_epoch_passes_verls_own_checks(env):

@@ -14,8 +14,8 @@ from benchmarks import megatron_memory
 from launch.plan.gpu_memory import (
     GIB,
     WORKER_OVERHEAD,
+    GpuMemoryError,
     ModelDims,
-    UpdateMemoryError,
     log_prob_line,
     stage_memory,
     update_line,
@@ -90,7 +90,7 @@ def settings(**values) -> Settings:
 
 def test_the_preflight_refuses_a_plan_over_the_gpu_naming_the_settings_and_prints_each_stage_otherwise():
     on_80gb = int(79.2 * GIB)
-    with pytest.raises(UpdateMemoryError) as refused:
+    with pytest.raises(GpuMemoryError) as refused:
         update_line(settings(MEGATRON_RECOMPUTE="off"), QWEN3_4B, on_80gb, None)
     text = str(refused.value)
     for needle in ("pipeline stage 0", "MEGATRON_RECOMPUTE=full (now off)", "MICRO_BATCH_PER_GPU", "ACTOR_PP"):
@@ -112,7 +112,7 @@ def test_the_fused_plan_drops_the_logits_and_both_lines_count_the_process_outsid
     lines = [log_prob_line(settings(), QWEN3_4B, None, None, f) for f in (False, True)]
     assert "logits with the entropy 41.7" in lines[0] and "fused log-probs" in lines[1]
     assert all("reference 4.1" in x and f"process {WORKER_OVERHEAD / 2**30:.1f}" in x for x in lines)
-    with pytest.raises(UpdateMemoryError, match="the reference's log-prob pass needs"):
+    with pytest.raises(GpuMemoryError, match="the reference's log-prob pass needs"):
         log_prob_line(settings(), QWEN3_4B, int(50 * GIB), None)
 
 

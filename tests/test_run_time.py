@@ -27,10 +27,10 @@ from launch.job import node
 from launch.plan.gpu_memory import (
     GIB,
     WORKER_OVERHEAD,
+    GpuMemoryError,
     ModelDims,
     Resident,
     RewardPeak,
-    RolloutMemoryError,
     memory_line,
     reward_peak,
     reward_server_peak,
@@ -373,7 +373,7 @@ def test_vllms_share_is_of_the_whole_gpu_and_it_refuses_a_gpu_with_less_free():
     assert "vLLM takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the whole GPU (gpu_memory_utilization): 32.0 GiB on every " \
            "GPU; given back" in line  # fmt: skip
     full = [Resident((("actor weights", 50 * GIB),))]  # 80 - 50 - 6 = 24 GiB free on GPU 0, under 0.4 x 80
-    with pytest.raises(RolloutMemoryError) as refused:
+    with pytest.raises(GpuMemoryError) as refused:
         memory_line(_line_settings(ROLLOUT_ENGINE="vllm"), PEAK, 80 * GIB, full)
     assert str(refused.value).startswith(
         "vLLM takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the whole GPU, 32.0 GiB, but what the trainer keeps (50.0 GiB) "
@@ -405,7 +405,7 @@ def test_one_step_off_has_rollout_gpus_with_vllm_alone_and_trainer_gpus_without_
     if s.reward_device != "cpu":
         assert line.endswith("a rollout GPU with it has 74.0 GiB free at vLLM's start"), line
         # a share over what the server leaves there: vLLM refuses to start on that GPU
-        with pytest.raises(RolloutMemoryError, match=r"but the reward server on the head's GPU 0 \(a rollout GPU "
+        with pytest.raises(GpuMemoryError, match=r"but the reward server on the head's GPU 0 \(a rollout GPU "
                            r"where Ray gives it to the rollout's pool\) leaves 74.0 GiB .* ROLLOUT_GPU_MEMORY=0.92 "):  # fmt: skip
             memory_line(replace(s, rollout_gpu_memory_setting="0.95"), PEAK, 80 * GIB, [])
 

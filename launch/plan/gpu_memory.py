@@ -165,8 +165,8 @@ def trainer_resident(cfg, policy: ModelDims, critic: ModelDims | None = None) ->
     return [Resident((*parts, ("process", WORKER_OVERHEAD)))]
 
 
-class RolloutMemoryError(Exception):
-    pass
+class GpuMemoryError(Exception):
+    """A role's plan does not fit this GPU: the message names the setting that fits it."""
 
 
 def _gib(values: list[float]) -> str:
@@ -185,22 +185,19 @@ def _reward_servers(s: Settings, peak: RewardPeak | None, replicas: int, reward_
 
 
 def _refuse_short(total: int | None, share: float, name: str, held: int, what: str, shared: bool) -> None:
-    """vLLM's own check at its start, where `held` bytes of the GPU are taken: RolloutMemoryError naming the share that
+    """vLLM's own check at its start, where `held` bytes of the GPU are taken: GpuMemoryError naming the share that
     fits, where the GPU's size is known and less than `share` of it is free."""
     if total is None or total - held >= share * total:
         return
-    fits = math.floor((total - held) / total * 100) / 100
-    raise RolloutMemoryError(
+    fix = f"set ROLLOUT_GPU_MEMORY={math.floor((total - held) / total * 100) / 100:g} or less"
+    if shared:
+        fix += (", or cap the reward server (REWARD_GPU_MEMORY_GIB) or give it a node of its own "
+                "(CONFIG_USE_SEPARATE_REWARD_NODE=true)")  # fmt: skip
+    raise GpuMemoryError(
         f"vLLM takes {name} of the whole GPU, {share * total / GIB:.1f} GiB, but {what} leaves "
         f"{(total - held) / GIB:.1f} GiB of this GPU's {total / GIB:.1f} free at its start: vLLM 0.10.0 refuses to "
         "start ('Free memory on device ... is less than desired GPU memory utilization', "
-        f"vllm/v1/worker/gpu_worker.py:166-176); set ROLLOUT_GPU_MEMORY={fits:g} or less"
-        + (
-            ", or cap the reward server (REWARD_GPU_MEMORY_GIB) or give it a node of its own "
-            "(CONFIG_USE_SEPARATE_REWARD_NODE=true)"
-            if shared
-            else ""
-        )  # fmt: skip
+        f"vllm/v1/worker/gpu_worker.py:166-176); {fix}"
     )
 
 
@@ -219,7 +216,7 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
     update (free_cache_engine) and takes the same again for the next rollout. With one_step_off the rollout GPUs hold
     the engine alone (hybrid_engine=False, the recipe's own pool) and the trainer's GPUs no engine; the head's reward
     server sits on whichever of the two Ray gives its GPU to. Where the GPU's size is known and vLLM would refuse to
-    start, RolloutMemoryError names the share that fits."""
+    start, GpuMemoryError names the share that fits."""
     where = f"{total / GIB:.1f} GiB, measured here" if total is not None else "no GPU here: shares of one"
     share = s.rollout_gpu_memory
     name = f"ROLLOUT_GPU_MEMORY={share:g}" + (" (auto)" if s.rollout_gpu_memory_setting == "auto" else "")
@@ -445,19 +442,19 @@ def update_plan(s: Settings, dims: ModelDims, fused: bool = False) -> list[Stage
 
 def _refuse_over(s: Settings, total: int | None, reward: RewardPeak | None, plan: list[StageMemory], what: str,
                  fix: str) -> None:  # fmt: skip
-    """UpdateMemoryError where the GPU's size is known and a stage's peak, with the reward server on the head's first
+    """GpuMemoryError where the GPU's size is known and a stage's peak, with the reward server on the head's first
     GPU (stage 0's) where it sits there, is over it."""
     shared = reward is not None and not s.separate_reward_node and total is not None
     for p in plan:
         need = p.total + (reward.total if shared and p.stage == 0 else 0)
         if total is not None and need > total:
             with_reward = f" with the reward server's {reward.total / GIB:.1f}" if shared and p.stage == 0 else ""
-            raise UpdateMemoryError(f"{what} needs ~{need / GIB:.1f} GiB on pipeline stage {p.stage}{with_reward}, "
+            raise GpuMemoryError(f"{what} needs ~{need / GIB:.1f} GiB on pipeline stage {p.stage}{with_reward}, "
                                     f"over this GPU's {total / GIB:.1f} GiB ({p.describe()}): {fix}")  # fmt: skip
 
 
 def update_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardPeak | None, fused: bool = False) -> str:
-    """The preflight's line for the Megatron update, each stage's peak; refused (UpdateMemoryError) where the GPU's
+    """The preflight's line for the Megatron update, each stage's peak; refused (GpuMemoryError) where the GPU's
     size is known and a stage's peak, with the reward server on the head's first GPU (stage 0's) where it sits there,
     is over it. The rollout gives its memory back for the update (free_cache_engine)."""
     plan = update_plan(s, dims, fused)
@@ -486,10 +483,6 @@ def log_prob_line(s: Settings, dims: ModelDims, total: int | None, reward: Rewar
                  f"lower MICRO_BATCH_PER_GPU (a micro-batch is {tokens} tokens) or raise ACTOR_PP / ACTOR_TP")  # fmt: skip
     return (f"Megatron log-prob passes per GPU (old log-probs with the entropy, the reference's weights loaded for "
             f"its pass; {tokens}-token micro-batches): " + "; ".join(p.describe() for p in plan))  # fmt: skip
-
-
-class UpdateMemoryError(Exception):
-    pass
 
 
 # --- what the preflight prints (launch/plan/preflight.py), from the settings and the composed config ---------------

@@ -329,7 +329,6 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", choices=("auto", "sglang", "vllm", "none"), default="auto")
     parser.add_argument("--skip-recipes", action="store_true", help="a pip-installed verl: the wheel holds no recipes")
     parser.add_argument("--skip-megatron", action="store_true", help="no Megatron-core/TransformerEngine here")
-    parser.add_argument("--skip-round-trip", action="store_true", help="do not start the reward server")
     parser.add_argument("--record-base", type=Path, metavar="DIR", help="the build's first step: record the base")
     parser.add_argument("--base", type=Path, metavar="DIR", help="also check that nothing recorded there moved")
     args = parser.parse_args(argv)
@@ -349,9 +348,7 @@ def main(argv=None) -> int:
     if verl_version != "0.6.1":
         problems.append(f"verl is {verl_version}, the scripts are written for 0.6.1")
     if not problems:
-        problems += check_verl_server_pattern()
-        if not args.skip_round_trip:
-            problems += reward_round_trip()
+        problems += check_verl_server_pattern() + reward_round_trip()
     if args.base:
         problems += check_base_untouched(args.base)
     for p in problems:

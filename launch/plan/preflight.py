@@ -19,7 +19,7 @@ a fresh interpreter (launch.plan.trainer_imports) while the data and the reward 
    preference pairs with the job's CONFIG_REWARD_* format settings (stops when the model ranks them best in another
    format); with PREFLIGHT_REWARD=1 a reward server started for the check with those settings, and verl's reward
    manager calling our reward file by path on real validation rows with made-up responses, as after a rollout.
-On failure it prints verl's message and the settings that feed that key.
+On failure it prints verl's message (docs/trainer-command.md names the settings that feed each key).
 """
 
 import atexit
@@ -38,8 +38,7 @@ from launch.plan.config_refusals import (
 )
 from launch.plan.deadline import plan
 from launch.plan.gpu_memory import (
-    RolloutMemoryError,
-    UpdateMemoryError,
+    GpuMemoryError,
     gpu_memory_line,
     megatron_update_lines,
     reward_peak,
@@ -59,19 +58,6 @@ from launch.plan.settings import REPO, SettingError, Settings
 from launch.plan.thinking import TemplateError
 from launch.plan.trainer_command import fused_kernels, prompt_opens_think, trainer_argv
 from launch.plan.trainer_imports import import_problems, start_import_check, trainer_modules
-
-# Which of our settings feed which trainer keys, so an error from verl can name what to change.
-SETTING_OF_KEY = {
-    "data.train_batch_size": "TRAIN_BATCH_SIZE",
-    "ppo_mini_batch_size": "PPO_MINI_BATCH_SIZE",
-    "micro_batch_size": "MICRO_BATCH_PER_GPU",
-    "pipeline_model_parallel_size": "ACTOR_PP",
-    "tensor_model_parallel_size": "ACTOR_TP / ROLLOUT_TP",
-    "rollout.n": "ROLLOUT_N",
-    "n_gpus_per_node": "CONFIG_GPUS_PER_NODE",
-    "max_prompt_length": "MAX_PROMPT_LENGTH",
-    "max_response_length": "MAX_RESPONSE_LENGTH",
-}
 
 
 def split_command(argv: list[str]) -> tuple[str, str, str, list[str]]:
@@ -216,14 +202,6 @@ def validation_sampling(cfg) -> str:
     return f"samples at temperature {v.temperature}, top_p {v.top_p}, top_k {v.top_k}"
 
 
-def explain(exc: Exception) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    hints = sorted({setting for key, setting in SETTING_OF_KEY.items() if key in str(exc)})
-    if hints:
-        text += f"\n  settings that feed this: {', '.join(hints)}"
-    return text
-
-
 def check_rows(cfg, tokenizer) -> bool:
     """Row by row, as data_prep.validate does: the schema verl's dataset and reward managers read, and prompt lengths
     in the policy's tokens (over-long prompts are dropped by data.filter_overlong_prompts: counted, not fatal)."""
@@ -364,9 +342,8 @@ def checked_config(settings: Settings, extra: list[str]) -> tuple[str, str, list
         cfg = compose(name, overrides, path)
         validate(cfg)
     except Exception as exc:  # Hydra's and verl's own errors, reported as they are
-        print(
-            f"preflight: verl 0.6.1 rejects the trainer config ({module}, {name}):\n  {explain(exc)}", file=sys.stderr
-        )
+        print(f"preflight: verl 0.6.1 rejects the trainer config ({module}, {name}):\n  {type(exc).__name__}: {exc}\n"
+              "  docs/trainer-command.md names the settings that feed each key", file=sys.stderr)  # fmt: skip
         return None
     if refused(batch_problems(cfg) + parallel_problems(cfg) + rollout_problems(cfg), run_time=True):
         return None
@@ -411,7 +388,7 @@ def memory_fits(settings: Settings, extra: list[str], cfg) -> bool:
         return False
     try:
         print(f"preflight: {gpu_memory_line(settings, peak, cfg)}")
-    except RolloutMemoryError as exc:
+    except GpuMemoryError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
         return False
     except Exception as exc:
@@ -424,7 +401,7 @@ def memory_fits(settings: Settings, extra: list[str], cfg) -> bool:
     try:
         for line in megatron_update_lines(settings, peak, fused):
             print(f"preflight: {line}")
-    except UpdateMemoryError as exc:
+    except GpuMemoryError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
         return False
     except Exception as exc:
@@ -448,12 +425,6 @@ def report_imports(imports: subprocess.Popen | None, modules: list[str], cfg, ow
         print(f"preflight: the trainer cannot start here: {finding}", file=sys.stderr)
     if imports is not None and not findings and not unchecked:
         print(f"preflight: the trainer's modules import here: {', '.join(modules)}")
-    if findings and own_files_pass:
-        print(
-            f"preflight: the trainer cannot start where this ran ({len(findings)} import(s) above); every other check "
-            "that ran passed: run the preflight in the image (PREFLIGHT_ONLY=1 with CONTAINER set) for the trainer's imports",
-            file=sys.stderr,
-        )
     return not findings
 
 

@@ -1,13 +1,7 @@
 """Every refusal of a setting, each naming the setting to change, with the rule of verl 0.6.1 (or the image) behind it;
 launch/plan/config_refusals.py refuses the trainer config composed from the settings. launch/plan/preflight.py runs
 both, cheapest first, on the login node (PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh) and again inside the
-allocation, and prints each problem here as `setting error: ...`:
-- check(settings): the settings block alone (launch.plan.settings.Settings): values, combinations verl 0.6.1 or the
-  image cannot run (combination_problems), GPU and batch arithmetic, the files the settings point at;
-- context_problems(settings, env): prompt + response against the positions in the models' config.json (and the
-  reward server's REWARD_MAX_LENGTH); header_problems: the run script's #SBATCH --gpus-per-node, on the login node;
-- save_deadline_problems(settings, env): CHECKPOINT_BEFORE_END against the job's own time-limit signal
-  (launch/plan/deadline.py says what verl will save, and warns).
+allocation, and prints each problem here as `setting error: ...`.
 
 Refused elsewhere, because only there is what they need:
 - run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
@@ -70,17 +64,14 @@ def job_problems(s: Settings) -> list[str]:
         problems.append("CONFIG_USE_SEPARATE_REWARD_NODE=true with REWARD=rule: that node would idle, since rule "
                         "rewards need no reward server; set it to false, or REWARD=rm+rule")  # fmt: skip
     if s.fp8:
-        problems.append(
-            "FP8=true: verl 0.6.1 cannot train in FP8 here. Its Megatron path resets config.fp8 to None unless "
-            "use_mbridge=True (the article's overrides were silently ignored), and the 'blockwise' recipe needs "
-            "TransformerEngine >= 2.3 while this image has 2.2.1. FP8 training arrived in verl 0.7.0: keep FP8=false"
-        )
+        problems.append("FP8=true: verl 0.6.1 cannot train in FP8 here (its Megatron path drops config.fp8 without "
+                        "use_mbridge; the blockwise recipe needs TransformerEngine >= 2.3, this image has 2.2.1). FP8 "
+                        "training arrived in verl 0.7.0: keep FP8=false")  # fmt: skip
     return problems
 
 
 def gpu_batch_problems(s: Settings) -> list[str]:
-    """GPU and batch arithmetic: the parallel sizes divide the GPUs, and each step splits evenly over the data-parallel
-    ranks."""
+    """GPU and batch arithmetic: the parallel sizes divide the GPUs, a step holds a mini-batch."""
     problems: list[str] = []
     if s.gpus_per_node < 1:
         problems.append(f"CONFIG_GPUS_PER_NODE={s.gpus_per_node}: training needs at least 1 GPU per node")
@@ -95,14 +86,7 @@ def gpu_batch_problems(s: Settings) -> list[str]:
         rollout_gpus = s.rollout_gpus_per_node if s.trainer_mode == "one_step_off" else s.gpus_per_node
         if rollout_gpus and rollout_gpus % s.rollout_tp:
             problems.append(f"ROLLOUT_TP={s.rollout_tp} does not divide the {rollout_gpus} rollout GPUs per node")
-        dp = world // model_parallel
-        # Both strategies batch by tokens (use_dynamic_bsz), so verl's validate_config asks nothing of the micro-batch:
-        # only the per-rank split of each step remains (the preflight checks the rest on the composed config).
-        if dp and (s.train_batch_size * s.rollout_n) % dp:
-            problems.append(
-                f"TRAIN_BATCH_SIZE x ROLLOUT_N = {s.train_batch_size * s.rollout_n} is not a multiple of data-parallel "
-                f"size {dp}"
-            )
+        # How each step splits over the GPUs and ranks is config_refusals.batch_problems', on the composed config.
     if s.train_batch_size < s.ppo_mini_batch_size:
         problems.append(
             f"TRAIN_BATCH_SIZE={s.train_batch_size} is smaller than PPO_MINI_BATCH_SIZE={s.ppo_mini_batch_size}"
@@ -174,7 +158,7 @@ def stall_problems(s: Settings) -> list[str]:
 
 
 def path_problems(s: Settings) -> list[str]:
-    """The files the settings point at: the models, the data, the image."""
+    """The files the settings point at: the models and the data (the image is the run script's to refuse)."""
     problems: list[str] = []
     for name, path in (("CONFIG_MODEL_PATH", s.model_path), ("CONFIG_REWARD_MODEL_PATH", s.reward_model_path)):
         if not Path(path, "config.json").is_file() and (name == "CONFIG_MODEL_PATH" or s.uses_reward_model):
@@ -184,10 +168,6 @@ def path_problems(s: Settings) -> list[str]:
             problems.append(f"{name}={path}: no such file (build it with python -m data_prep.build)")
     if s.train_file and Path(s.train_file).resolve() == Path(s.test_file).resolve():
         problems.append("CONFIG_TRAIN_FILE and CONFIG_TEST_FILE are the same file")
-    if s.container != "none" and not Path(s.image).is_file():
-        problems.append(
-            f"CONFIG_IMAGE_PATH={s.image}: no such image (sudo singularity build verl_app.sif verl_app.def)"
-        )
     return problems
 
 
@@ -255,11 +235,8 @@ def context_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
     if policy is not None and sequence > policy:
         problems.append(
             f"MAX_PROMPT_LENGTH={s.max_prompt_length} + MAX_RESPONSE_LENGTH={s.max_response_length} = {sequence} "
-            f"tokens, but the policy has {policy} positions (max_position_embeddings in "
-            f"CONFIG_MODEL_PATH={s.model_path}/config.json): verl 0.6.1's rollout refuses it when the engine starts "
-            "on the GPUs, after the queue ('model context length should be greater than total sequence length'); "
-            f"lower MAX_PROMPT_LENGTH and/or MAX_RESPONSE_LENGTH until their sum is at most {policy}, or use a "
-            "policy with a longer context"
+            f"tokens, but the policy has {policy} positions (CONFIG_MODEL_PATH={s.model_path}/config.json), which "
+            f"verl's rollout asserts after the queue: lower them until their sum is at most {policy}"
         )
     raw = environ.get("REWARD_MAX_LENGTH", "")
     try:
@@ -269,12 +246,9 @@ def context_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
     reward = model_positions(s.reward_model_path) if s.uses_reward_model else None
     if reward is not None and reward_max > reward and sequence > reward:
         problems.append(
-            f"REWARD_MAX_LENGTH={reward_max} (the reward server keeps that many last tokens of a pair) is above the "
-            f"reward model's {reward} positions (max_position_embeddings in CONFIG_REWARD_MODEL_PATH="
-            f"{s.reward_model_path}/config.json), and MAX_PROMPT_LENGTH={s.max_prompt_length} + MAX_RESPONSE_LENGTH="
-            f"{s.max_response_length} = {sequence} tokens, before the chat template's, reach past them: those pairs "
-            f"would be scored at positions the model never learned; set REWARD_MAX_LENGTH={reward} (longer pairs "
-            "keep their last tokens), or shorten MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH to fit"
+            f"REWARD_MAX_LENGTH={reward_max} is above the reward model's {reward} positions (CONFIG_REWARD_MODEL_PATH="
+            f"{s.reward_model_path}/config.json), and prompt + response = {sequence} tokens reach past them, positions "
+            f"it never learned: set REWARD_MAX_LENGTH={reward} (longer pairs keep their last tokens)"
         )
     return problems
 
@@ -292,9 +266,8 @@ def validation_sampling_problems(s: Settings) -> list[str]:
         problems.append(f"VAL_TOP_K={s.val_top_k}: -1 (off) or 1 or more (SGLang and vLLM refuse 0)")
     if not s.val_do_sample and s.rollout_mode == "async" and s.val_temperature > 0:
         problems.append(
-            f"VAL_DO_SAMPLE=false with ROLLOUT_MODE=async: verl 0.6.1's agent loop never reads do_sample "
-            f"(agent_loop.py:341-343) and would sample at VAL_TEMPERATURE={s.val_temperature}; for greedy validation "
-            "set VAL_TEMPERATURE=0 as well (the Qwen3 cards advise against it: greedy decoding repeats endlessly)"
+            f"VAL_DO_SAMPLE=false with ROLLOUT_MODE=async: verl 0.6.1's agent loop never reads do_sample and would "
+            f"sample at VAL_TEMPERATURE={s.val_temperature}; for greedy validation set VAL_TEMPERATURE=0 as well"
         )
     if s.val_do_sample and s.val_temperature == 0:
         problems.append(
@@ -334,14 +307,6 @@ def combination_problems(s: Settings) -> list[str]:
         problems.append(
             "DAPO_DYNAMIC_SAMPLING=true needs ROLLOUT_MODE=sync: recipe.dapo's trainer calls generate_sequences and "
             "computes rewards itself"
-        )
-    if s.rollout_enforce_eager and s.rollout_engine == "sglang" and s.rollout_mode == "sync":
-        problems.append(
-            "ROLLOUT_ENFORCE_EAGER=true with ROLLOUT_ENGINE=sglang and ROLLOUT_MODE=sync: verl 0.6.1's sync SGLang "
-            "engine never reads it (its engine arguments hold no disable_cuda_graph and take nothing from engine_kwargs "
-            "but attention_backend: verl/workers/rollout/sglang_rollout/sglang_rollout.py:426-477), so CUDA graphs would "
-            "stay on; use ROLLOUT_MODE=async (its SGLang server sets disable_cuda_graph from it) or ROLLOUT_ENGINE=vllm "
-            "(enforce_eager), or set ROLLOUT_ENFORCE_EAGER=false"
         )
     if s.algorithm == "ppo" and s.strategy == "megatron":
         for name, value, actor_name, actor in (
@@ -393,12 +358,9 @@ def reward_gpu_problems(s: Settings) -> list[str]:
         return []  # no server on a GPU, or one on each (an index beyond the job's GPUs is launch/job/node.py's to refuse)
     return [
         f"ROLLOUT_TP={s.rollout_tp} with reward servers on GPU {s.reward_gpus} of {s.gpus_per_node} "
-        "(CONFIG_REWARD_GPUS): SGLang refuses to start a tensor-parallel group whose GPUs' free memory differs by "
-        "over 10% (sglang model_runner.py: 'The memory capacity is unbalanced'), and a reward server's GPU has its "
-        f"peak less. Put a server on every GPU of the node (CONFIG_REWARD_GPUS={','.join(sorted(every, key=int))}), "
-        "give the servers their own node (CONFIG_USE_SEPARATE_REWARD_NODE=true), run them on the CPU "
-        "(CONFIG_REWARD_DEVICE=cpu), or use ROLLOUT_TP=1; SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK=true makes SGLang "
-        "size its cache from the GPU with the least free memory instead"
+        "(CONFIG_REWARD_GPUS): SGLang would stop with 'The memory capacity is unbalanced'. Put a server on every GPU "
+        f"(CONFIG_REWARD_GPUS={','.join(sorted(every, key=int))}), CONFIG_USE_SEPARATE_REWARD_NODE=true, "
+        "CONFIG_REWARD_DEVICE=cpu, ROLLOUT_TP=1 or SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK=true"
     ]
 
 
@@ -427,8 +389,7 @@ def save_deadline_problems(s: Settings, env: Mapping[str, str]) -> list[str]:
     lead = signal_lead(env)
     if lead is not None and s.checkpoint_before_end <= lead:
         problems.append(
-            f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end} is not above the time-limit signal's lead ({lead} s, "
-            "#SBATCH --signal=B:USR1@...): the job requeues itself at that signal, so verl's last save before the "
-            "limit would come after it; set CHECKPOINT_BEFORE_END above it by at least a save"
+            f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end} is not above the time-limit signal's lead ({lead} s), at "
+            "which the job requeues itself: set CHECKPOINT_BEFORE_END above it by at least a save"
         )
     return problems
