@@ -52,6 +52,9 @@ def test_a_first_start_assumes_the_first_guess_and_a_number_set_by_hand_wins(tmp
     assert deadline.redundant_time(settings(), env)[0] == deadline.FIRST_GUESS
     assert deadline.redundant_time(settings(ESI_REDUNDANT_TIME=90), env) == (90, "ESI_REDUNDANT_TIME=90")
     assert "ESI_REDUNDANT_TIME='soon': auto or seconds, 0 or more" in check(settings(ESI_REDUNDANT_TIME="soon"), False)
+    for value in ("nan", "inf", "-1"):  # float() reads the first two: refused here, not as a ValueError in int() later
+        said = check(settings(ESI_REDUNDANT_TIME=value), False)
+        assert f"ESI_REDUNDANT_TIME='{value}': auto or seconds, 0 or more" in said
 
 
 def test_the_main_trainer_gets_the_window_key_and_the_recipes_which_never_check_the_limit_do_not():

@@ -17,6 +17,7 @@ docs/operations.md lists every message the scripts print, with what it means and
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -369,7 +370,7 @@ def save_deadline_setting_problems(s: Settings) -> list[str]:
     problems = []
     if s.esi_redundant_time_setting != "auto":
         try:
-            bad = float(s.esi_redundant_time_setting) < 0
+            bad = not 0 <= float(s.esi_redundant_time_setting) < math.inf  # nan and inf too
         except ValueError:
             bad = True
         if bad:
