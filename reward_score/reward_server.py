@@ -34,11 +34,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    for note in launch_names_not_read(settings):
+        log.warning("%s", note)
     if problem := check_model_path(settings.model_path):
         log.error("%s", problem)
         return 2
-    for note in launch_names_not_read(settings):
-        log.warning("%s", note)
     # Many batch shapes come and go: expandable segments keep the allocator from fragmenting (set before torch loads).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # Every waiting request is tokenized in one pass on all cores. TOKENIZERS_PARALLELISM=false, which training

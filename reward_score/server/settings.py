@@ -3,7 +3,7 @@
 Defaults, then the environment, then command-line flags (which win). Nothing else in the server reads the environment,
 and it reads only its own REWARD_* names: the launch scripts' CONFIG_* settings (CONFIG_REWARD_SERVER_PORT is the
 *first* port of several servers) reach a server as flags, never by being inherited (LAUNCH_NAMES). A server started
-by hand the article's way, with CONFIG_REWARD_MODEL_PATH / CONFIG_REWARD_DEVICE, says so instead of ignoring them.
+by hand the article's way, with CONFIG_REWARD_MODEL_PATH / CONFIG_REWARD_DEVICE, says so (launch_names_not_read).
 """
 
 import argparse
@@ -188,18 +188,10 @@ def launch_names_not_read(settings: Settings, environ: dict[str, str] | None = N
     return notes
 
 
-def check_model_path(path: str, environ: dict[str, str] | None = None) -> str | None:
+def check_model_path(path: str) -> str | None:
     """Why `path` cannot be a reward model folder, or None. Checked before anything starts."""
     if not path:
-        problem = "REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
-        if given := dict(os.environ if environ is None else environ).get("CONFIG_REWARD_MODEL_PATH"):
-            problem += (
-                f". CONFIG_REWARD_MODEL_PATH={given} is set, but this server reads only its own names (REWARD_MODEL_PATH,"
-                " REWARD_DEVICE, REWARD_PORT, ...: --help lists them all); run_grpo_qwen3_4b_mega_verl.sh passes"
-                " CONFIG_REWARD_MODEL_PATH as --model-path and CONFIG_REWARD_DEVICE as --device. By hand:"
-                f" REWARD_MODEL_PATH={given} REWARD_DEVICE=cuda python reward_score/reward_server.py"
-            )
-        return problem
+        return "REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
     folder = Path(path)
     if not folder.is_dir():
         return f"the reward model path {path} (--model-path, REWARD_MODEL_PATH): no such directory"
