@@ -491,7 +491,7 @@ def test_a_dead_server_with_a_6_s_budget_is_retried_until_the_deadline_not_less(
 
 
 class ScriptedServer:
-    """A stand-in server on loopback: every POST answers `status` (503 until told otherwise, 200 with a score of 1),
+    """A stand-in server on loopback: every POST answers `status` (503 until told otherwise, 200 with one score of 1),
     and the time of each attempt is recorded."""
 
     def __init__(self) -> None:
@@ -502,7 +502,7 @@ class ScriptedServer:
             def do_POST(self):
                 server.arrivals.append(time.monotonic())
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                body = json.dumps({"score": 1.0, "truncated": False}).encode() if server.status == 200 else b"busy"
+                body = json.dumps({"scores": [1.0], "truncated": [False]}).encode() if server.status == 200 else b"busy"
                 self.send_response(server.status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
