@@ -650,11 +650,11 @@ def test_the_server_killed_mid_run_fails_the_step_or_under_the_opt_in_policy_sco
 
 
 def test_a_4xx_is_never_retried_and_carries_the_servers_message(tiny_models, tmp_path, monkeypatch):
-    proc = start_server(tiny_models, tmp_path, "--max-chars", "50")
+    proc = start_server(tiny_models, tmp_path, "--auth-token", "s3cret")
     monkeypatch.setattr(client, "_session", None)
     try:
         start = time.monotonic()
-        with pytest.raises(RewardRequestRejected, match="REWARD_MAX_CHARS"):
+        with pytest.raises(RewardRequestRejected, match="REWARD_SERVER_TOKEN"):
             safe_hack_reward("s", "r</think>" + "long " * 40, "q", {}, server_urls=proc.url, on_failure="min_score")
         assert time.monotonic() - start < 2, "a 4xx must not be retried"
     finally:

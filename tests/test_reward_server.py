@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reward_score.server.app import create_app
+from reward_score.server.app import MAX_CHARS, MAX_ITEMS, create_app
 from reward_score.server.batcher import Batcher, Preparer, _Job
 from reward_score.server.inputs import ConversationRefused
 from reward_score.server.planner import (
@@ -730,9 +730,9 @@ def test_reject_mode_answers_413_naming_the_item_and_the_limit(tiny_models):
         ("/score_batch", {"items": []}, 422, "items"),  # nothing to score
         ("/score_batch", {"items": [{"prompt": "hi", "response": 3}]}, 422, "items.0.response"),
         ("/score_batch", {"items": "nope"}, 422, "items"),
-        ("/score_batch", {"items": [{"prompt": "a", "response": "b"}] * 9}, 413, "REWARD_MAX_ITEMS"),  # too many
-        ("/score", {"prompt": "x" * 2000, "response": "ok"}, 413, "prompt is 2000 characters"),  # string too long
-        ("/score_batch", {"items": [{"prompt": "a", "response": "y" * 1500}]}, 413, "items[0].response"),
+        ("/score_batch", {"items": [{"prompt": "a", "response": "b"}] * (MAX_ITEMS + 1)}, 422, "at most 4096 items"),
+        ("/score", {"prompt": "x" * (MAX_CHARS + 1), "response": "ok"}, 422, "prompt: String should have at most"),
+        ("/score_batch", {"items": [{"prompt": "a", "response": "y" * (MAX_CHARS + 1)}]}, 422, "items.0.response"),
     ],
 )
 def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_keeps_serving(limited, path, body, status, needle):
@@ -745,19 +745,19 @@ def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_keeps_serving(limi
 
 @pytest.fixture(scope="module")
 def limited(tiny_models):
-    with make_client(tiny_models, max_items=8, max_chars=1000, max_body_bytes=20_000) as c:
+    with make_client(tiny_models, max_body_bytes=400_000) as c:
         yield c
 
 
 def test_invalid_json_and_oversized_bodies_are_rejected(limited):
     r = limited.post("/score", content=b'{"prompt": "hi", ', headers={"content-type": "application/json"})
     assert r.status_code == 422 and "not valid JSON" in r.text
-    r = limited.post("/score", content=b"x" * 30_000, headers={"content-type": "application/json"})
+    r = limited.post("/score", content=b"x" * 500_000, headers={"content-type": "application/json"})
     assert r.status_code == 413 and "REWARD_MAX_BODY_BYTES" in r.text
 
     def chunks():  # no Content-Length: the limit must hold while the body streams in
-        for _ in range(30):
-            yield b"x" * 1000
+        for _ in range(50):
+            yield b"x" * 10_000
 
     r = limited.post("/score", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413
@@ -1086,6 +1086,7 @@ def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_report
         ({"REWARD_CUDNN_ATTENTION": "on"}, "REWARD_CUDNN_ATTENTION"),
         ({"REWARD_TOKEN_BUDGET": "65536"}, "REWARD_TOKEN_BUDGET is no longer a setting"),  # removed: never ignored
         ({"REWARD_MAX_WAIT_MS": "40"}, "REWARD_MAX_WAIT_MS is no longer a setting"),
+        ({"REWARD_MAX_CHARS": "50"}, "REWARD_MAX_CHARS is no longer a setting"),  # removed: pydantic's limit in app.py
     ],
 )
 def test_bad_settings_exit_naming_the_variable(env, needle, capsys):

@@ -36,8 +36,6 @@ class Settings:
     compile: Literal["auto", "layers", "off"] = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
     cudnn_attention: Literal["auto", "off"] = "auto"
-    max_items: int = 4096
-    max_chars: int = 262_144
     max_body_bytes: int = 64 * 1024 * 1024
     auth_token: str = ""
     log_level: str = "info"
@@ -70,8 +68,6 @@ SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, fl
                         "mem-efficient)"),
     "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no "
                        "cap)"),
-    "max_items": ("REWARD_MAX_ITEMS", "N", "items per /score_batch request at most"),
-    "max_chars": ("REWARD_MAX_CHARS", "N", "characters per prompt, message or response at most"),
     "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "BYTES", "request body size at most"),
 }  # fmt: skip
 # What `--help` shows (FIRST), in this order: the model, where it serves, the format it was trained in, what is scored.
@@ -94,9 +90,11 @@ EPILOG = """Batching, kernels, warm-up, logging and request limits: --help-all (
 CHOICES = {f.name: get_args(f.type) for f in fields(Settings) if get_origin(f.type) is Literal}
 
 
-# Settings removed for want of a measured gain (issue #61, benchmarks/README.md): one still set is refused, not ignored.
+# Settings removed in issue #61 (for want of a measured gain, benchmarks/README.md; the request limits, now app.py's
+# pydantic limits): one still set is refused, not ignored.
 REMOVED = ("REWARD_TOKEN_BUDGET", "REWARD_MAX_BATCH_ROWS", "REWARD_PAD_MULTIPLE", "REWARD_MAX_WAIT_MS",
-           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP", "REWARD_FUSE")  # fmt: skip
+           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP", "REWARD_FUSE", "REWARD_MAX_ITEMS",
+           "REWARD_MAX_CHARS")  # fmt: skip
 
 
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
@@ -136,7 +134,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     args = parser.parse_args(argv)
     values.update({k: v for k, v in vars(args).items() if v is not None})
     settings = replace(defaults, **values)
-    problems = [f"{name} is no longer a setting (its measured default is built in): unset it"
+    problems = [f"{name} is no longer a setting (its default is built in): unset it"
                 for name in REMOVED if environ.get(name)]  # fmt: skip
     for name, allowed in CHOICES.items():
         if getattr(settings, name) not in allowed:
@@ -148,7 +146,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         problems.append(f"REWARD_GPU_MEMORY_GIB must be 0 (no cap) or a size in GiB, got {settings.gpu_memory_gib}")
     if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):
         problems.append(f"REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
-    for name in ("max_length", "max_items", "max_chars", "max_body_bytes"):
+    for name in ("max_length", "max_body_bytes"):
         if getattr(settings, name) < 1:
             problems.append(f"{SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
     if problems:
