@@ -44,9 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Every waiting request is tokenized in one pass on all cores. TOKENIZERS_PARALLELISM=false, which training
     # scripts export to quiet the tokenizers fork warning, would leave the server one core: on an H200 0.8 s a
     # 1024-pair step instead of 0.15 s, 8 to 10 points of the matmul ceiling (benchmarks/HISTORY.md). No fork follows.
-    if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "no", "off"):
-        log.warning("TOKENIZERS_PARALLELISM=%s inherited: this server tokenizes on all cores regardless (set true)",
-                    os.environ["TOKENIZERS_PARALLELISM"])  # fmt: skip
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     shown = {k: ("(set)" if k == "auth_token" and v else v) for k, v in asdict(settings).items()}
     log.info("starting with %s", shown)

@@ -94,8 +94,6 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("reward_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)  # fmt: skip
-        self.samples = Counter("reward_samples", "pairs scored", registry=r)
-        self.tokens = Counter("reward_tokens", "real tokens scored", registry=r)
         self.padded = Counter("reward_padded_tokens", "tokens including padding", registry=r)
         self.truncated = Counter("reward_truncations", "pairs longer than max_length whose start was cut", registry=r)
         self.errors = Counter("reward_errors", "errors by kind", ["kind"], registry=r)
@@ -115,7 +113,6 @@ class Metrics:
     def on_forward(self, rows: int, width: int, tokens: int, seconds: float) -> None:
         self.batch.observe(rows)
         self.forward.observe(seconds)
-        self.tokens.inc(tokens)
         self.padded.inc(rows * width)
 
     def text(self) -> bytes:
@@ -235,7 +232,6 @@ class _Server:
         except InputTooLong as exc:
             raise self.fail(413, "too_long", str(exc), endpoint) from None
         truncated = [e.truncated for e in encoded]
-        self.metrics.samples.inc(len(items))
         self.metrics.truncated.inc(sum(truncated))
         self.metrics.requests.labels(endpoint, "200").inc()
         return scores, truncated
