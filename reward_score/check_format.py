@@ -307,7 +307,7 @@ def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | Non
             refused.append(FormatResult(values, fmt, refused=str(exc), trl=trl_versions(fmt, layout)))
             continue
         ids = scorer.tokenize(texts, fmt)
-        fitted = [scorer.fit(x, f"row {pairs[k // 2].row}") for k, x in enumerate(ids)]
+        fitted = [scorer.fit(x) for x in ids]
         # One result per distinct set of scored ids (fit drops trailing pad tokens, which the model reads past).
         key = tuple(tuple(e.ids) for e in fitted)
         if key in by_ids:

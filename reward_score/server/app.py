@@ -224,7 +224,7 @@ class _Server:
             raise self.fail(503, "not_ready", "the model is not loaded yet", endpoint)
         try:
             ids = await state["preparer"].ids([it.conversation() for it in items])
-            encoded = [state["scorer"].fit(x, f"item {i}") for i, x in enumerate(ids)]
+            encoded = [state["scorer"].fit(x) for x in ids]
             scores = await state["batcher"].score([e.ids for e in encoded])
         except ConversationRefused as exc:
             where = "messages" if endpoint == "/score" else "items[].messages"
@@ -245,7 +245,6 @@ def _health(settings: Settings, active: RewardScorer) -> dict[str, Any]:
         "device": active.device,
         "dtype": active.dtype,
         "max_length": settings.max_length,
-        "truncation": settings.truncation,
         "format": "chat_template" if active.format.chat_template else "plain_text",
         # The input format as resolved (REWARD_INPUT, REWARD_ADD_SPECIAL_TOKENS, REWARD_APPEND_EOS; `auto` decided)
         "input": active.format.input,

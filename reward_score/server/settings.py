@@ -25,7 +25,6 @@ class Settings:
     host: str = "0.0.0.0"
     port: int = 8000
     max_length: int = 4096
-    truncation: Literal["left", "reject"] = "left"
     # How a pair becomes token ids (inputs.InputFormat): which of the ways TRL's RewardTrainer built its inputs.
     input: Literal["conversation", "completion"] = "conversation"
     add_special_tokens: Literal["auto", "true", "false"] = "auto"
@@ -54,7 +53,6 @@ SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, fl
                       "rule (off)"),
     "append_eos": ("REWARD_APPEND_EOS", "auto|true|false", "plain text: append EOS (auto: for conversation)"),
     "max_length": ("REWARD_MAX_LENGTH", "TOKENS", "tokens scored per pair; longer input keeps its last tokens"),
-    "truncation": ("REWARD_TRUNCATION", "left|reject", "reject: answer 413 instead of keeping the last tokens"),
     "auth_token": ("REWARD_SERVER_TOKEN", "TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
     # --help-all only: logging, how the GPU thread batches, how the layers run, the warm-up, request limits
     "log_level": ("REWARD_LOG_LEVEL", "LEVEL", "debug | info | warning"),
@@ -75,7 +73,7 @@ _GROUPS = {
     "the model and where it serves": ("model_path", "device", "port", "host"),
     "the format it was trained in (python -m reward_score.check_format says which)": (
         "input", "add_special_tokens", "chat_template", "append_eos"),
-    "what is scored, who may ask": ("max_length", "truncation", "auth_token"),
+    "what is scored, who may ask": ("max_length", "auth_token"),
 }  # fmt: skip
 FIRST = tuple(name for names in _GROUPS.values() for name in names)
 USAGE = "reward_server --model-path DIR [--device DEVICE] [--port PORT] [--input WHAT] [options]"
@@ -91,10 +89,10 @@ CHOICES = {f.name: get_args(f.type) for f in fields(Settings) if get_origin(f.ty
 
 
 # Settings removed in issue #61 (for want of a measured gain, benchmarks/README.md; the request limits, now app.py's
-# pydantic limits): one still set is refused, not ignored.
+# pydantic limits; REWARD_TRUNCATION=reject, whose 413 failed the job's step): one still set is refused, not ignored.
 REMOVED = ("REWARD_TOKEN_BUDGET", "REWARD_MAX_BATCH_ROWS", "REWARD_PAD_MULTIPLE", "REWARD_MAX_WAIT_MS",
            "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP", "REWARD_FUSE", "REWARD_MAX_ITEMS",
-           "REWARD_MAX_CHARS")  # fmt: skip
+           "REWARD_MAX_CHARS", "REWARD_TRUNCATION")  # fmt: skip
 
 
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
