@@ -113,12 +113,11 @@ class PairEncoder:
 
     def tokenize(self, texts: list[str], fmt: InputFormat | None = None) -> list[list[int]]:
         """Token ids of each text, with or without the tokenizer's special tokens as `fmt` says; any thread. The
-        Rust tokenizer encodes a list on every core without holding the GIL; `encode_batch_fast` (tokenizers >= 0.21)
-        also skips the character offsets nobody reads here. Both are what `tokenizer(text)` calls."""
+        Rust tokenizer encodes a list on every core without holding the GIL; `encode_batch_fast` (tokenizers >= 0.21,
+        the oldest the image has: requirements/reward-oldest.txt) also skips the character offsets nobody reads here."""
         special = (fmt or self.format).add_special_tokens
         if self.backend is not None:
-            encode = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
-            return [e.ids for e in encode(texts, add_special_tokens=special)]
+            return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=special)]
         with self._slow_lock:
             return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
