@@ -249,13 +249,12 @@ def matmul_tflops(device: str, seconds: float = 4.0) -> dict | None:
     return {"burst": burst, "sustained": sustained}
 
 
-def summarize(runs: list[dict], params: float, ceiling: float | None, burst: float | None) -> dict:
+def summarize(runs: list[dict], params: float, ceiling: float | None) -> dict:
     """A row from its runs: the run of median tokens/s stands for it (wall, tokens, server profile), with the
     minimum, median and maximum share of the ceiling over all runs."""
     for r in runs:
         r["tflops"] = 2 * params * r["tokens"] / r["wall_s"] / 1e12
         r["pct_of_ceiling"] = 100 * r["tflops"] / ceiling if ceiling else None
-        r["pct_of_burst_rate"] = 100 * r["tflops"] / burst if burst else None
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
     row = dict(ordered[(len(ordered) - 1) // 2])
     row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
@@ -263,8 +262,7 @@ def summarize(runs: list[dict], params: float, ceiling: float | None, burst: flo
     row["repeats"] = len(runs)
     pct = [r["pct_of_ceiling"] for r in runs]
     low, middle, high = (min(pct), statistics.median(pct), max(pct)) if ceiling else (None, None, None)
-    row.update(pct_of_ceiling=middle, min_pct_of_ceiling=low, median_pct_of_ceiling=middle, max_pct_of_ceiling=high,
-               pct_of_burst_rate=100 * row["tflops"] / burst if burst else None)  # fmt: skip
+    row.update(pct_of_ceiling=middle, min_pct_of_ceiling=low, median_pct_of_ceiling=middle, max_pct_of_ceiling=high)
     row["runs"] = [{k: v for k, v in r.items() if k != "server"} for r in runs]
     return row
 
@@ -361,7 +359,7 @@ def assemble(args, params, rate_start, rate_end, ours, infos, failed, done=True)
     rows = []
     for r in ours:
         r = dict(r)
-        summary = summarize(copy.deepcopy(r.pop("runs")), params, ceiling, burst)
+        summary = summarize(copy.deepcopy(r.pop("runs")), params, ceiling)
         rows.append({**r, **{k: v for k, v in summary.items() if k not in r}})
     by_key = {(r["variant"], r["key"]): r for r in rows}
     for info in infos:
@@ -399,14 +397,13 @@ def print_summary(result: dict) -> None:
               + "".join(f", {k.replace('_over_', '/')} {info[k]:.2f}" for k in ("cold_over_warm", "cold_over_fresh")
                         if k in info))  # fmt: skip
     print(f"{'row':<70} {'variant':>10} {'wall s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'% ceil':>7} "
-          f"{'min-max':>11} {'% burst':>7} {'peak GiB':>8}")  # fmt: skip
+          f"{'min-max':>11} {'peak GiB':>8}")  # fmt: skip
     for r in rows:
         pct = f"{r['pct_of_ceiling']:.1f}" if r["pct_of_ceiling"] is not None else "-"
         spread = (f"{r['min_pct_of_ceiling']:.1f}-{r['max_pct_of_ceiling']:.1f}"
                   if r["min_pct_of_ceiling"] is not None else "-")  # fmt: skip
-        pct_burst = f"{r['pct_of_burst_rate']:.1f}" if r["pct_of_burst_rate"] is not None else "-"
         print(f"{r['row']:<70} {r['variant']:>10} {r['wall_s']:>8.2f} {r['tokens_per_s']:>10.0f} "
-              f"{r['tflops']:>8.1f} {pct:>7} {spread:>11} {pct_burst:>7} {r['peak_gib']:>8.2f}")  # fmt: skip
+              f"{r['tflops']:>8.1f} {pct:>7} {spread:>11} {r['peak_gib']:>8.2f}")  # fmt: skip
     print("\nserver side, per row: (the median run of each)")
     for r in rows:
         p = r["server"]

@@ -52,7 +52,7 @@ def test_the_benchmark_shapes_have_the_public_qwen3_sizes(shape, non_embedding):
 def test_a_row_reports_the_median_run_and_the_spread_of_its_repeats():
     runs = [{"wall_s": w, "tokens": 1000, "tokens_per_s": 1000 / w, "server": {"micro_batches": k}}
             for k, w in enumerate((2.0, 1.0, 4.0))]  # fmt: skip
-    row = summarize(runs, params=1e12, ceiling=2000.0, burst=2500.0)  # 2 TFLOP a token-thousand... per second
+    row = summarize(runs, params=1e12, ceiling=2000.0)  # 2 TFLOP a token-thousand... per second
     assert row["repeats"] == 3 and row["wall_s"] == 2.0 and row["server"] == {"micro_batches": 0}
     assert row["tokens_per_s"] == 500.0
     assert (row["min_pct_of_ceiling"], row["median_pct_of_ceiling"], row["max_pct_of_ceiling"]) == (25.0, 50.0, 100.0)
