@@ -672,18 +672,6 @@ def test_a_conversation_the_template_refuses_fails_only_its_own_request(tiny_mod
         assert metric(c, 'reward_errors_total{kind="template_refused"}') == 1
 
 
-def test_tokenizing_falls_back_to_encode_batch_where_encode_batch_fast_is_missing(cpu_scorer, monkeypatch):
-    texts = [cpu_scorer.render(*_conversation(i)) for i in range(5)]
-    fast = cpu_scorer.tokenize(texts)
-
-    class OldTokenizers:  # tokenizers < 0.21: no encode_batch_fast
-        def __init__(self, backend):
-            self.encode_batch = backend.encode_batch
-
-    monkeypatch.setattr(cpu_scorer, "backend", OldTokenizers(cpu_scorer.backend))
-    assert cpu_scorer.tokenize(texts) == fast
-
-
 # --- truncation ------------------------------------------------------------------------------------------------
 
 
