@@ -122,16 +122,13 @@ def profile_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
 class Server:
     """Our reward server on loopback with a variant's environment, returned once its /health answers 200."""
 
-    def __init__(self, model_dir: Path, device: str, env: dict, log: Path, pid_file: Path | None = None) -> None:
+    def __init__(self, model_dir: Path, device: str, env: dict, log: Path) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         began = time.monotonic()
         server_env = dict(env, REWARD_MODEL_PATH=str(model_dir), REWARD_DEVICE=device, REWARD_PORT=str(port),
                           REWARD_HOST="127.0.0.1")  # fmt: skip
         self.proc = start_process([sys.executable, str(REPO / "reward_score" / "reward_server.py")], log, server_env)
-        if pid_file is not None:  # --pid-file: every server started is listed there (to clean up after a kill)
-            with open(pid_file, "a") as f:
-                f.write(f"{self.proc.pid}\n")
         try:
             wait_for_http(self.proc, self.url + "/health", log, 900, name=f"the server ({log.name})")
         except BaseException:
@@ -153,8 +150,9 @@ class Bench:
 
     def run_variant(self, variant: dict, base_env: dict, work: Path) -> tuple[list[dict], dict]:
         args = self.args
-        server = Server(self.model_dir, args.device, dict(base_env, **variant["env"]),
-                        work / f"server_{variant['name']}.log", args.pid_file)  # fmt: skip
+        server = Server(
+            self.model_dir, args.device, dict(base_env, **variant["env"]), work / f"server_{variant['name']}.log"
+        )
         print(f"variant {variant['name']}: server healthy after {server.startup_s:.1f} s; {json.dumps(server.health)}",
               flush=True)  # fmt: skip
         os.environ.update(REWARD_SERVER_URLS=server.url, REWARD_PROMPT_OPENS_THINK="0", REWARD_LOG_PATH="")
@@ -251,13 +249,12 @@ def matmul_tflops(device: str, seconds: float = 4.0) -> dict | None:
     return {"burst": burst, "sustained": sustained}
 
 
-def summarize(runs: list[dict], params: float, ceiling: float | None, burst: float | None) -> dict:
+def summarize(runs: list[dict], params: float, ceiling: float | None) -> dict:
     """A row from its runs: the run of median tokens/s stands for it (wall, tokens, server profile), with the
     minimum, median and maximum share of the ceiling over all runs."""
     for r in runs:
         r["tflops"] = 2 * params * r["tokens"] / r["wall_s"] / 1e12
         r["pct_of_ceiling"] = 100 * r["tflops"] / ceiling if ceiling else None
-        r["pct_of_burst_rate"] = 100 * r["tflops"] / burst if burst else None
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
     row = dict(ordered[(len(ordered) - 1) // 2])
     row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
@@ -265,8 +262,7 @@ def summarize(runs: list[dict], params: float, ceiling: float | None, burst: flo
     row["repeats"] = len(runs)
     pct = [r["pct_of_ceiling"] for r in runs]
     low, middle, high = (min(pct), statistics.median(pct), max(pct)) if ceiling else (None, None, None)
-    row.update(pct_of_ceiling=middle, min_pct_of_ceiling=low, median_pct_of_ceiling=middle, max_pct_of_ceiling=high,
-               pct_of_burst_rate=100 * row["tflops"] / burst if burst else None)  # fmt: skip
+    row.update(pct_of_ceiling=middle, min_pct_of_ceiling=low, median_pct_of_ceiling=middle, max_pct_of_ceiling=high)
     row["runs"] = [{k: v for k, v in r.items() if k != "server"} for r in runs]
     return row
 
@@ -279,7 +275,6 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[dict]]:
     parser.add_argument("--samples", type=int, default=1024, help="pairs per step (default 1024 = 256 prompts x 4)")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--out", type=Path, required=True, help="JSON results")
-    parser.add_argument("--server-env", action="append", default=[], help="extra KEY=VALUE for our server")
     parser.add_argument("--rows", help=f"comma-separated rows (default all): {', '.join(ROWS)}")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each row (cold: 1); the median")
     parser.add_argument("--variant", action="append", default=[], help="NAME[:KEY=VALUE,...]; see above")
@@ -287,7 +282,6 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[dict]]:
                         help="without a cold row, the first measured row is the server's first step (no unmeasured "
                         "pass before it; saves a step on big models)")  # fmt: skip
     parser.add_argument("--model-dir", type=Path, help="where the random checkpoint goes (reused if it is there)")
-    parser.add_argument("--pid-file", type=Path, help="append the pid of every server started (for cleanup)")
     args = parser.parse_args(argv)
     args.command = command_line("benchmarks.reward_bench", argv)
     try:
@@ -330,7 +324,6 @@ def main(argv=None) -> int:
     rate_start = matmul_tflops(args.device)
     step = step_maker(model_dir, args.samples, words)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.update(kv.split("=", 1) for kv in args.server_env)
     bench = Bench(args, model_dir, step)
     ours, infos, failed = [], [], []
 
@@ -366,7 +359,7 @@ def assemble(args, params, rate_start, rate_end, ours, infos, failed, done=True)
     rows = []
     for r in ours:
         r = dict(r)
-        summary = summarize(copy.deepcopy(r.pop("runs")), params, ceiling, burst)
+        summary = summarize(copy.deepcopy(r.pop("runs")), params, ceiling)
         rows.append({**r, **{k: v for k, v in summary.items() if k not in r}})
     by_key = {(r["variant"], r["key"]): r for r in rows}
     for info in infos:
@@ -380,7 +373,7 @@ def assemble(args, params, rate_start, rate_end, ours, infos, failed, done=True)
         "shape": args.shape, "device": args.device, "samples": args.samples, "params_non_embedding": params,
         "matmul_tflops_start": rate_start, "matmul_tflops_end": rate_end, "ceiling_tflops": ceiling,
         "burst_tflops": burst, "server_startup_s": first.get("startup_s"), "repeat": args.repeat,
-        "server_env": args.server_env, "command": args.command, "partial": not done, "variants": infos,
+        "command": args.command, "partial": not done, "variants": infos,
         "failed_variants": failed, "rows": rows,
     }  # fmt: skip
     result.update(machine_info(args.device))
@@ -404,14 +397,13 @@ def print_summary(result: dict) -> None:
               + "".join(f", {k.replace('_over_', '/')} {info[k]:.2f}" for k in ("cold_over_warm", "cold_over_fresh")
                         if k in info))  # fmt: skip
     print(f"{'row':<70} {'variant':>10} {'wall s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'% ceil':>7} "
-          f"{'min-max':>11} {'% burst':>7} {'peak GiB':>8}")  # fmt: skip
+          f"{'min-max':>11} {'peak GiB':>8}")  # fmt: skip
     for r in rows:
         pct = f"{r['pct_of_ceiling']:.1f}" if r["pct_of_ceiling"] is not None else "-"
         spread = (f"{r['min_pct_of_ceiling']:.1f}-{r['max_pct_of_ceiling']:.1f}"
                   if r["min_pct_of_ceiling"] is not None else "-")  # fmt: skip
-        pct_burst = f"{r['pct_of_burst_rate']:.1f}" if r["pct_of_burst_rate"] is not None else "-"
         print(f"{r['row']:<70} {r['variant']:>10} {r['wall_s']:>8.2f} {r['tokens_per_s']:>10.0f} "
-              f"{r['tflops']:>8.1f} {pct:>7} {spread:>11} {pct_burst:>7} {r['peak_gib']:>8.2f}")  # fmt: skip
+              f"{r['tflops']:>8.1f} {pct:>7} {spread:>11} {r['peak_gib']:>8.2f}")  # fmt: skip
     print("\nserver side, per row: (the median run of each)")
     for r in rows:
         p = r["server"]

@@ -307,7 +307,7 @@ def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | Non
             refused.append(FormatResult(values, fmt, refused=str(exc), trl=trl_versions(fmt, layout)))
             continue
         ids = scorer.tokenize(texts, fmt)
-        fitted = [scorer.fit(x, f"row {pairs[k // 2].row}") for k, x in enumerate(ids)]
+        fitted = [scorer.fit(x) for x in ids]
         # One result per distinct set of scored ids (fit drops trailing pad tokens, which the model reads past).
         key = tuple(tuple(e.ids) for e in fitted)
         if key in by_ids:
@@ -342,27 +342,6 @@ def settings_line(settings: dict[str, str], launch: bool = False) -> str:
     return " ".join(changed) or "the defaults"
 
 
-def close_call(report: Report) -> str:
-    """A note when the recommendation and the runner-up rank nearly the same pairs right: a paired sign test on the
-    pairs the two rank differently (a lead of under two standard deviations is noise)."""
-    scored = [r for r in report.results if not r.refused]
-    if len(scored) < 2:
-        return ""
-    best, second = scored[0], scored[1]
-    both = zip(best.chosen, best.rejected, second.chosen, second.rejected, strict=True)
-    ranks = [(c1 > r1, c2 > r2) for c1, r1, c2, r2 in both]  # (best ranks it right, second does)
-    b, c = sum(one and not two for one, two in ranks), sum(two and not one for one, two in ranks)
-    if b > c and b - c > 2 * math.sqrt(b + c):
-        return ""
-    why = (
-        f"rank {b} and {c} of the {b + c} pairs on which they disagree right" if b + c else "rank the same pairs right"
-    )
-    return (
-        f"note: the first two formats {why}: the pick rests on the loss ({best.loss:.3g} against {second.loss:.3g}); "
-        "more held-out pairs would make it surer"
-    )
-
-
 def format_report(report: Report, model: str, pairs_path: str, device: str) -> str:
     lines = [
         f"check_format: {model} on {report.pairs} pairs of {pairs_path} ({LAYOUTS[report.layout]}), device {device}",
@@ -385,8 +364,6 @@ def format_report(report: Report, model: str, pairs_path: str, device: str) -> s
         return "\n".join(lines)
     lines.append(f"recommended: {settings_line(best.settings)}")
     lines.append(f"  in run_grpo_qwen3_4b_mega_verl.sh: {settings_line(best.settings, launch=True)}")
-    if note := close_call(report):
-        lines.append(note)
     if report.given is best:
         lines.append("the settings given score as recommended")
     else:
@@ -411,7 +388,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto [default auto]")
     parser.add_argument("--limit", type=int, default=0, help="score only the first N pairs (0: all)")
     parser.add_argument("--max-length", type=int, default=Settings().max_length, help="as REWARD_MAX_LENGTH")
-    parser.add_argument("--json", type=Path, help="also write the results here")
     defaults = Settings()
     for name, (env, launch) in FORMAT_SETTINGS.items():
         parser.add_argument(
@@ -432,25 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"check_format: {args.pairs}: {exc}", file=sys.stderr)
         return 2
     print(format_report(report, args.model, str(args.pairs), scorer.device))
-    if args.json:
-        args.json.write_text(json.dumps(report_json(report), indent=1) + "\n")
     if report.recommended.refused:
         return 2
     return 0 if report.given is report.recommended else 1
-
-
-def report_json(report: Report) -> dict:
-    return {
-        "layout": report.layout,
-        "pairs": report.pairs,
-        "recommended": report.recommended.settings,
-        "given_is_recommended": report.given is report.recommended,
-        "formats": [
-            {"settings": r.settings, "same_as": r.same_as, "describe": r.format.describe(), "trl": r.trl,
-             "right": r.right, "n": r.n, "mean_margin": r.mean_margin, "loss": r.loss, "refused": r.refused}
-            for r in report.results
-        ],
-    }  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """Summarise a reward log (REWARD_LOG_PATH, written by safe_hack_reward_request.py): counts, score distribution,
-penalty and error rates over time, as a table and optionally a PNG.
+penalty and error rates over time, as a table.
 
-    python -m reward_score.reward_report logs/1234/rewards.jsonl
-    python -m reward_score.reward_report logs/1234/rewards.jsonl --every 300 --png rewards.png
+    python -m reward_score.reward_report logs/1234/rewards.jsonl --every 300
 """
 
 import argparse
@@ -40,8 +39,6 @@ def read_log(path: Path) -> tuple[list[dict], int]:
 
 
 def percentiles(values: list[float], qs=(5, 25, 50, 75, 95)) -> dict[str, float]:
-    if not values:
-        return {}
     if len(values) == 1:
         return {f"p{q}": values[0] for q in qs}
     cuts = statistics.quantiles(values, n=100, method="inclusive")
@@ -94,38 +91,10 @@ def _clock(epoch: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
 
 
-def plot(records: list[dict], every: float, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bs = buckets(records, every)
-    t0 = bs[0].start
-    minutes = [(b.start - t0) / 60 for b in bs]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    low = [percentiles(b.scores, (10,)).get("p10", 0) for b in bs]
-    high = [percentiles(b.scores, (90,)).get("p90", 0) for b in bs]
-    top.fill_between(minutes, low, high, alpha=0.3, label="p10-p90")
-    top.plot(minutes, [statistics.fmean(b.scores) for b in bs], marker="o", label="mean")
-    top.set_ylabel("score")
-    top.legend()
-    bottom.plot(minutes, [b.penalties / b.n for b in bs], marker="o", label="penalty rate")
-    bottom.plot(minutes, [b.errors / b.n for b in bs], marker="x", label="error rate")
-    bottom.set_ylabel("share of samples")
-    bottom.set_xlabel(f"minutes since {_clock(t0)}")
-    bottom.legend()
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log", type=Path, help="the reward log (JSONL)")
     parser.add_argument("--every", type=float, default=600, help="seconds per row of the time table (default 600)")
-    parser.add_argument("--png", type=Path, help="also draw the scores and rates over time into this PNG")
     args = parser.parse_args(argv)
     if not args.log.is_file():
         print(f"no reward log at {args.log} (REWARD_LOG_PATH of the job)", file=sys.stderr)
@@ -134,9 +103,6 @@ def main(argv=None) -> int:
     print(report(records, args.every))
     if bad:
         print(f"\n{bad} line(s) could not be parsed", file=sys.stderr)
-    if args.png and records:
-        plot(records, args.every, args.png)
-        print(f"\nwrote {args.png}")
     return 0
 
 

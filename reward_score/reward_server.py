@@ -34,19 +34,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    for note in launch_names_not_read(settings):
+        log.warning("%s", note)
     if problem := check_model_path(settings.model_path):
         log.error("%s", problem)
         return 2
-    for note in launch_names_not_read(settings):
-        log.warning("%s", note)
     # Many batch shapes come and go: expandable segments keep the allocator from fragmenting (set before torch loads).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # Every waiting request is tokenized in one pass on all cores. TOKENIZERS_PARALLELISM=false, which training
     # scripts export to quiet the tokenizers fork warning, would leave the server one core: on an H200 0.8 s a
     # 1024-pair step instead of 0.15 s, 8 to 10 points of the matmul ceiling (benchmarks/HISTORY.md). No fork follows.
-    if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "no", "off"):
-        log.warning("TOKENIZERS_PARALLELISM=%s inherited: this server tokenizes on all cores regardless (set true)",
-                    os.environ["TOKENIZERS_PARALLELISM"])  # fmt: skip
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     shown = {k: ("(set)" if k == "auth_token" and v else v) for k, v in asdict(settings).items()}
     log.info("starting with %s", shown)

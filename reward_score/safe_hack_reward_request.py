@@ -376,7 +376,7 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
     else:
         prompts = [reward_prompt(ground_truths[i], extra_infos[i]) for i in range(n)]
         todo = [i for i, a in enumerate(answers) if not a.penalty_reason]
-    scored, failures = _score_on_servers(config, prompts, answers, todo, single=n == 1)
+    scored, failures = _score_on_servers(config, prompts, answers, todo)
     now = time.time()
     out, records = [], []
     for i, answer in enumerate(answers):
@@ -406,10 +406,10 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
     return out
 
 
-def _score_on_servers(config: Config, prompts: list[dict], answers: list[Answer], todo: list[int], single: bool):
+def _score_on_servers(config: Config, prompts: list[dict], answers: list[Answer], todo: list[int]):
     """The servers' scores of the samples `todo`: ({sample: (raw score, truncated)}, the outages REWARD_ON_FAILURE=
     min_score let through). One request per server when it fits (the server batches it best in one piece), else
-    batch_size items each; `single`: the article's per-sample /score."""
+    batch_size items each."""
     size = max(1, min(config.batch_size, math.ceil(len(todo) / len(config.server_urls))))
     chunks = [todo[k : k + size] for k in range(0, len(todo), size)]
     scored: dict[int, tuple[float, bool]] = {}
@@ -417,13 +417,9 @@ def _score_on_servers(config: Config, prompts: list[dict], answers: list[Answer]
 
     def post(chunk: list[int]) -> None:
         try:
-            if single:
-                body = post_json(config, "/score", {**prompts[chunk[0]], "response": answers[chunk[0]].text})
-                scores, truncated = [body["score"]], [body.get("truncated", False)]
-            else:
-                items = [{**prompts[i], "response": answers[i].text} for i in chunk]
-                body = post_json(config, "/score_batch", {"items": items})
-                scores, truncated = body["scores"], body.get("truncated", [False] * len(chunk))
+            items = [{**prompts[i], "response": answers[i].text} for i in chunk]
+            body = post_json(config, "/score_batch", {"items": items})
+            scores, truncated = body["scores"], body.get("truncated", [False] * len(chunk))
         except RewardServerError as exc:
             if config.on_failure == "raise" or isinstance(exc, RewardRequestRejected):  # a wrong request: never scored
                 raise

@@ -10,7 +10,7 @@ from reward_score.server.settings import Settings
 
 
 class InputTooLong(ValueError):
-    """An item is longer than max_length under REWARD_TRUNCATION=reject, or cannot fit in memory alone."""
+    """An item cannot fit in GPU memory alone."""
 
 
 class ConversationRefused(ValueError):
@@ -113,19 +113,18 @@ class PairEncoder:
 
     def tokenize(self, texts: list[str], fmt: InputFormat | None = None) -> list[list[int]]:
         """Token ids of each text, with or without the tokenizer's special tokens as `fmt` says; any thread. The
-        Rust tokenizer encodes a list on every core without holding the GIL; `encode_batch_fast` (tokenizers >= 0.21)
-        also skips the character offsets nobody reads here. Both are what `tokenizer(text)` calls."""
+        Rust tokenizer encodes a list on every core without holding the GIL; `encode_batch_fast` (tokenizers >= 0.21,
+        the oldest the image has: requirements/reward-oldest.txt) also skips the character offsets nobody reads here."""
         special = (fmt or self.format).add_special_tokens
         if self.backend is not None:
-            encode = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
-            return [e.ids for e in encode(texts, add_special_tokens=special)]
+            return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=special)]
         with self._slow_lock:
             return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
-    def fit(self, ids: list[int], where: str) -> Encoded:
+    def fit(self, ids: list[int]) -> Encoded:
         """`ids` as scored: without trailing pad tokens (the model's forward would read its score before them, and a
         causal model's score there does not depend on them), within max_length: over-long input keeps its last
-        tokens, or is refused under REWARD_TRUNCATION=reject."""
+        tokens."""
         end = len(ids)
         while end > 1 and ids[end - 1] == self.read_pad_id:
             end -= 1
@@ -133,9 +132,7 @@ class PairEncoder:
         limit = self.settings.max_length
         if len(ids) <= limit:
             return Encoded(ids, False)
-        if self.settings.truncation == "reject":
-            raise InputTooLong(f"{where} is {len(ids)} tokens; the limit is {limit} (REWARD_MAX_LENGTH)")
         return Encoded(ids[-limit:], True)
 
     def encode(self, texts: list[str]) -> list[Encoded]:
-        return [self.fit(ids, f"item {i}") for i, ids in enumerate(self.tokenize(texts))]
+        return [self.fit(ids) for ids in self.tokenize(texts)]

@@ -3,7 +3,7 @@
 Defaults, then the environment, then command-line flags (which win). Nothing else in the server reads the environment,
 and it reads only its own REWARD_* names: the launch scripts' CONFIG_* settings (CONFIG_REWARD_SERVER_PORT is the
 *first* port of several servers) reach a server as flags, never by being inherited (LAUNCH_NAMES). A server started
-by hand the article's way, with CONFIG_REWARD_MODEL_PATH / CONFIG_REWARD_DEVICE, says so instead of ignoring them.
+by hand the article's way, with CONFIG_REWARD_MODEL_PATH / CONFIG_REWARD_DEVICE, says so (launch_names_not_read).
 """
 
 import argparse
@@ -25,7 +25,6 @@ class Settings:
     host: str = "0.0.0.0"
     port: int = 8000
     max_length: int = 4096
-    truncation: Literal["left", "reject"] = "left"
     # How a pair becomes token ids (inputs.InputFormat): which of the ways TRL's RewardTrainer built its inputs.
     input: Literal["conversation", "completion"] = "conversation"
     add_special_tokens: Literal["auto", "true", "false"] = "auto"
@@ -36,8 +35,6 @@ class Settings:
     compile: Literal["auto", "layers", "off"] = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
     cudnn_attention: Literal["auto", "off"] = "auto"
-    max_items: int = 4096
-    max_chars: int = 262_144
     max_body_bytes: int = 64 * 1024 * 1024
     auth_token: str = ""
     log_level: str = "info"
@@ -56,7 +53,6 @@ SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, fl
                       "rule (off)"),
     "append_eos": ("REWARD_APPEND_EOS", "auto|true|false", "plain text: append EOS (auto: for conversation)"),
     "max_length": ("REWARD_MAX_LENGTH", "TOKENS", "tokens scored per pair; longer input keeps its last tokens"),
-    "truncation": ("REWARD_TRUNCATION", "left|reject", "reject: answer 413 instead of keeping the last tokens"),
     "auth_token": ("REWARD_SERVER_TOKEN", "TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
     # --help-all only: logging, how the GPU thread batches, how the layers run, the warm-up, request limits
     "log_level": ("REWARD_LOG_LEVEL", "LEVEL", "debug | info | warning"),
@@ -70,8 +66,6 @@ SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, fl
                         "mem-efficient)"),
     "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no "
                        "cap)"),
-    "max_items": ("REWARD_MAX_ITEMS", "N", "items per /score_batch request at most"),
-    "max_chars": ("REWARD_MAX_CHARS", "N", "characters per prompt, message or response at most"),
     "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "BYTES", "request body size at most"),
 }  # fmt: skip
 # What `--help` shows (FIRST), in this order: the model, where it serves, the format it was trained in, what is scored.
@@ -79,7 +73,7 @@ _GROUPS = {
     "the model and where it serves": ("model_path", "device", "port", "host"),
     "the format it was trained in (python -m reward_score.check_format says which)": (
         "input", "add_special_tokens", "chat_template", "append_eos"),
-    "what is scored, who may ask": ("max_length", "truncation", "auth_token"),
+    "what is scored, who may ask": ("max_length", "auth_token"),
 }  # fmt: skip
 FIRST = tuple(name for names in _GROUPS.values() for name in names)
 USAGE = "reward_server --model-path DIR [--device DEVICE] [--port PORT] [--input WHAT] [options]"
@@ -94,9 +88,11 @@ EPILOG = """Batching, kernels, warm-up, logging and request limits: --help-all (
 CHOICES = {f.name: get_args(f.type) for f in fields(Settings) if get_origin(f.type) is Literal}
 
 
-# Settings removed for want of a measured gain (issue #61, benchmarks/README.md): one still set is refused, not ignored.
+# Settings removed in issue #61 (for want of a measured gain, benchmarks/README.md; the request limits, now app.py's
+# pydantic limits; REWARD_TRUNCATION=reject, whose 413 failed the job's step): one still set is refused, not ignored.
 REMOVED = ("REWARD_TOKEN_BUDGET", "REWARD_MAX_BATCH_ROWS", "REWARD_PAD_MULTIPLE", "REWARD_MAX_WAIT_MS",
-           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP", "REWARD_FUSE")  # fmt: skip
+           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP", "REWARD_FUSE", "REWARD_MAX_ITEMS",
+           "REWARD_MAX_CHARS", "REWARD_TRUNCATION")  # fmt: skip
 
 
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
@@ -136,7 +132,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     args = parser.parse_args(argv)
     values.update({k: v for k, v in vars(args).items() if v is not None})
     settings = replace(defaults, **values)
-    problems = [f"{name} is no longer a setting (its measured default is built in): unset it"
+    problems = [f"{name} is no longer a setting (its default is built in): unset it"
                 for name in REMOVED if environ.get(name)]  # fmt: skip
     for name, allowed in CHOICES.items():
         if getattr(settings, name) not in allowed:
@@ -148,7 +144,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         problems.append(f"REWARD_GPU_MEMORY_GIB must be 0 (no cap) or a size in GiB, got {settings.gpu_memory_gib}")
     if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):
         problems.append(f"REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
-    for name in ("max_length", "max_items", "max_chars", "max_body_bytes"):
+    for name in ("max_length", "max_body_bytes"):
         if getattr(settings, name) < 1:
             problems.append(f"{SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
     if problems:
@@ -188,18 +184,10 @@ def launch_names_not_read(settings: Settings, environ: dict[str, str] | None = N
     return notes
 
 
-def check_model_path(path: str, environ: dict[str, str] | None = None) -> str | None:
+def check_model_path(path: str) -> str | None:
     """Why `path` cannot be a reward model folder, or None. Checked before anything starts."""
     if not path:
-        problem = "REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
-        if given := dict(os.environ if environ is None else environ).get("CONFIG_REWARD_MODEL_PATH"):
-            problem += (
-                f". CONFIG_REWARD_MODEL_PATH={given} is set, but this server reads only its own names (REWARD_MODEL_PATH,"
-                " REWARD_DEVICE, REWARD_PORT, ...: --help lists them all); run_grpo_qwen3_4b_mega_verl.sh passes"
-                " CONFIG_REWARD_MODEL_PATH as --model-path and CONFIG_REWARD_DEVICE as --device. By hand:"
-                f" REWARD_MODEL_PATH={given} REWARD_DEVICE=cuda python reward_score/reward_server.py"
-            )
-        return problem
+        return "REWARD_MODEL_PATH (or --model-path) is not set: point it at the reward model's folder"
     folder = Path(path)
     if not folder.is_dir():
         return f"the reward model path {path} (--model-path, REWARD_MODEL_PATH): no such directory"
