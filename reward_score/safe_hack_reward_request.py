@@ -53,6 +53,7 @@ REWARDS = ("rm", "rule", "rm+rule")
 # What a rule part may score, for the reward range the job sizes PPO's value clip and DAPO's penalty by: verl's GSM8K
 # and MATH scorers give 0 or 1, DAPO's math -1 or 1; a user's function is taken to stay within the same.
 RULE_RANGE = (-1.0, 1.0)
+SERVER_MAX_ITEMS = 4096  # reward_score/server/app.py's MAX_ITEMS: items a /score_batch request may hold
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,8 @@ def load_config(kwargs: dict | None = None, environ: dict | None = None) -> Conf
     for name, allowed in (("on_failure", ("raise", "min_score")), ("log_texts", ("full", "head", "none"))):
         if getattr(config, name) not in allowed:
             raise ValueError(f"REWARD_{name.upper()} must be {' or '.join(allowed)}, got {getattr(config, name)!r}")
+    if not 1 <= config.batch_size <= SERVER_MAX_ITEMS:
+        raise ValueError(f"REWARD_BATCH_SIZE={config.batch_size}: 1 to {SERVER_MAX_ITEMS}, a request's items at most")
     if config.min_score > config.max_score:
         raise ValueError(f"REWARD_MIN_SCORE ({config.min_score}) is above REWARD_MAX_SCORE ({config.max_score})")
     return config

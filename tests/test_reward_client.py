@@ -131,6 +131,12 @@ def test_reward_kwargs_override_the_environment_and_typos_are_refused():
         load_config({}, {"REWARD_SERVER_URLS": "a:1"})
     with pytest.raises(ValueError, match="REWARD_ON_FAILURE"):
         load_config({}, {"REWARD_ON_FAILURE": "zero"})
+    from reward_score.server.app import MAX_ITEMS  # the server refuses a longer request with a 422
+
+    assert client.SERVER_MAX_ITEMS == MAX_ITEMS
+    assert load_config({}, {"REWARD_BATCH_SIZE": str(MAX_ITEMS)}).batch_size == MAX_ITEMS
+    with pytest.raises(ValueError, match=f"REWARD_BATCH_SIZE={MAX_ITEMS + 1}: 1 to {MAX_ITEMS}"):
+        load_config({}, {"REWARD_BATCH_SIZE": str(MAX_ITEMS + 1)})
 
 
 # --- verl's own reward managers --------------------------------------------------------------------------------
