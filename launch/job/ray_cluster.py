@@ -11,6 +11,7 @@ either ends. The timeout counts from when the probe has imported Ray (a few seco
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -66,6 +67,8 @@ def probe(args) -> int:
             break
         except Exception as exc:
             emit({"error": f"{type(exc).__name__}: {exc}"})
+            with contextlib.suppress(Exception):  # a failure inside ray.init may leave it half connected
+                ray.shutdown()
             time.sleep(POLL_SECONDS)
     while True:
         nodes, gpus = sum(1 for n in ray.nodes() if n.get("Alive")), float(ray.cluster_resources().get("GPU", 0))
@@ -108,8 +111,8 @@ def wait(args) -> int:
                 report = reports.get(timeout=min(0.5, deadline - now))
             except queue.Empty:
                 continue
-            if report is None:
-                last_error = f"the probe exited with {proc.wait()}"
+            if report is None:  # the probe died (it retries every failure itself): no point waiting on
+                since, last_error = None, f"the probe exited with {proc.wait()}"
                 break
             if "connecting" in report:
                 if not imported:  # the first attempt: Ray is imported, the timeout starts now
@@ -144,7 +147,7 @@ def wait(args) -> int:
         where = f" (could not connect: {last_error or 'the probe had not even imported ray'})"
     print(
         f"ray cluster not complete: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs after "
-        f"{args.timeout:.0f} s{where}",
+        f"{time.monotonic() - deadline + args.timeout:.0f} s{where}",  # the time waited
         file=sys.stderr,
     )
     return 1
