@@ -31,12 +31,10 @@ import json
 import math
 import re
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from launch.job.checkpoints import saved_step
 from launch.job.steps import ANSI, RESUMED_AT, is_training_step, override, parse_step_lines
-from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
 from launch.watch.health import value_clip_warnings
 from launch.watch.reading import canary_results, critic_updates_per_step
@@ -71,7 +69,7 @@ def agent_loop_workers(extra: list[str]) -> int:
 def batch_size(s: Settings, agent_workers: int = AGENT_LOOP_WORKERS) -> int:
     """The fewest prompts per step that verl can split evenly with this layout: each step's B x ROLLOUT_N responses
     are cut into equal parts per training GPU (balance_batch), per agent-loop worker (async rollout, unpadded in
-    training), per rollout GPU (one_step_off), and per data-parallel rank x micro batch (the settings' own check)."""
+    training), per rollout GPU (one_step_off), and with FSDP2 per micro batch of each rank."""
     parts = [s.training_gpus_per_node * max(s.train_nodes, 1)]
     if s.rollout_mode == "async":
         parts.append(agent_workers)
@@ -82,13 +80,7 @@ def batch_size(s: Settings, agent_workers: int = AGENT_LOOP_WORKERS) -> int:
         # dynamic batch sizes or not; the preflight checks it on the composed config.
         parts.append(parts[0] * s.micro_batch_per_gpu)
     step = math.lcm(*(max(p, 1) for p in parts))  # 0 GPUs is the settings check's to report, by name
-    for b in range(1, 4097):
-        if (b * s.rollout_n) % step:
-            continue
-        problems = check(replace(s, train_batch_size=b, ppo_mini_batch_size=b), check_paths=False)
-        if not any("TRAIN_BATCH_SIZE" in p or "PPO_MINI_BATCH_SIZE" in p for p in problems):
-            return b
-    raise SettingError(f"no canary batch size up to 4096 prompts splits evenly over this layout ({parts} x ROLLOUT_N)")
+    return step // math.gcd(step, s.rollout_n)  # the fewest prompts whose B x ROLLOUT_N responses step divides
 
 
 def canary_settings(s: Settings, extra: list[str] | None = None) -> dict[str, str]:
