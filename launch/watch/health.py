@@ -108,10 +108,13 @@ def _state(job: Job) -> tuple[str, str]:
         what = "the preflight (PREFLIGHT_ONLY=1)" if s.kind == PREFLIGHT_ONLY else "the checks or the start-up"
         return "running", f"{what}, begun {duration(job.now - (s.began or job.now))} ago; no trainer yet"
     if quiet < STALL_MINUTES * 60:
-        return "running", f"no end recorded yet, and no Slurm to ask; the trainer last wrote {duration(quiet)} ago"
+        return "running", (
+            f"no end recorded yet, and Slurm does not know the job (or is not here); the trainer last wrote "
+            f"{duration(quiet)} ago"
+        )
     return "unknown", (
-        f"no end recorded, no Slurm to ask, and nothing written for {duration(quiet)}: killed (kill -9, a lost node, "
-        "the time limit)?"
+        f"no end recorded, Slurm does not know the job (or is not here), and nothing written for {duration(quiet)}: "
+        "killed (kill -9, a lost node, the time limit, out of memory)?"
     )
 
 
