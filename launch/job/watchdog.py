@@ -247,21 +247,25 @@ def faulthandler_stacks(pids: list[int], logs: Mapping[int, list[Path]], wait: f
     """Each process's Python stacks as faulthandler prints them on SIGABRT (which ends the process: the start is
     stopped right after), read from the end of its log (where its stderr goes). A Ray worker's own SIGABRT handler
     (Ray's C++ core: `*** SIGABRT received at ...`, then its C++ stack) runs first and hands over to faulthandler only
-    after it: on a loaded node that took over 10 s (CI, 2 cores), hence the wait; it ends as soon as every dump is in."""
+    after it: on a loaded node that took over 10 s (CI, 2 cores), hence the wait. A dump is whole once its process has
+    ended (faulthandler writes a thread at a time: a read before that missed the blocked main thread in CI), so the
+    wait ends when every process is gone with its dump read after that; at the deadline, what was read."""
     sizes = {p: p.stat().st_size for pid in pids for p in logs.get(pid, []) if p.exists()}
     for pid in pids:
         with contextlib.suppress(OSError):  # gone already
             os.kill(pid, signal.SIGABRT)
     found: dict[int, str] = {}
     end = time.monotonic() + wait
-    while time.monotonic() < end and len(found) < len(pids):
+    while True:
+        gone = not any(alive(pid) for pid in pids)  # before the read: a read after every end is whole
         for pid in pids:
             for path in logs.get(pid, []):
                 text = read_from(path, sizes.get(path, 0)).decode(errors="replace")
                 if "Fatal Python error" in text and frames(text):
                     found[pid] = text[text.index("Fatal Python error") :]
+        if (gone and len(found) == len(pids)) or time.monotonic() >= end:
+            return found
         time.sleep(0.5)
-    return found
 
 
 def gpu_use() -> str:
