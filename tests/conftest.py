@@ -28,7 +28,6 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "XDG_CACHE_HOME": home / ".cache",
         "HF_HOME": home / ".cache" / "huggingface",
         "HF_DATASETS_CACHE": home / ".cache" / "huggingface" / "datasets",
-        "MPLCONFIGDIR": home / ".config" / "matplotlib",
         "WANDB_DIR": tmp_path / "wandb",
         "WANDB_MODE": "offline",
         "HF_HUB_OFFLINE": "1",
