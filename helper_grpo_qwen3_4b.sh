@@ -479,20 +479,14 @@ wait_until_done() {
   log "[rank $rank] the head finished (exit code $(cat "$job_log_dir/done")); stopping"
 }
 
-# check_gpu_modes: before this node starts anything, refuse GPUs whose compute mode forbids the processes it puts on
-# them (launch/job/node.py gpu-modes); without nvidia-smi nothing to check, and where it fails the node goes on.
+# check_gpu_modes: before a training node starts anything, refuse its GPUs in a compute mode other than Default
+# (launch/job/node.py gpu-modes); without nvidia-smi (CPU runs), or where it fails, nothing is checked.
 check_gpu_modes() {
-  local role=train modes problem
-  command -v nvidia-smi >/dev/null 2>&1 || return 0
-  if ((rank == reward_rank)); then
-    [[ "$CONFIG_REWARD_DEVICE" != cpu ]] || return 0
-    role=reward
-  fi
-  if ! modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>&1); then
-    err "[rank $rank] nvidia-smi failed on $host (${modes##*$'\n'}): GPU compute modes not checked"
+  local modes problem
+  ((rank != reward_rank)) && modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>/dev/null) ||
     return 0
-  fi
-  problem=$(node_info gpu-modes --role "$role" <<<"$modes" 2>&1) || die "[rank $rank] GPU compute mode forbids this job's processes on $host: $problem"
+  problem=$(node_info gpu-modes <<<"$modes")
+  [[ -z "$problem" ]] || die "[rank $rank] GPU compute mode forbids this job's processes on $host: $problem"
 }
 
 main() {
