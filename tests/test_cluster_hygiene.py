@@ -339,7 +339,7 @@ def test_a_reward_server_killed_mid_training_comes_back_healthy_at_its_url_and_t
     assert rc == 0, out
     assert restarted != killed
     assert f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): killed by SIGKILL" in out
-    assert "restart 1/3 within 3600 s, same port and token" in out and "is back: healthy at the same URL" in out
+    assert "restart 1/3, same port and token" in out and "is back: healthy at the same URL" in out
     assert "restart 1 after: killed by SIGKILL" in log.read_text(), "the log keeps every life of the server"
     assert json.loads(Path(env["FAKE_TRAINER_LOG"] + ".end").read_text())["reward_health"] == [200]
     written = [p for p in job_dir(env).rglob("*") if p.is_file()] + [tmp_path / "job.out"]
@@ -369,7 +369,7 @@ def test_a_reward_server_that_keeps_dying_stops_the_job_naming_it_once_its_resta
     assert rc == 1, out
     assert "restart 1/2" in out and "restart 2/2" in out, out
     stop = f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): exited with "
-    assert stop in out and "3 death(s) within 3600 s, its REWARD_RESTARTS=2 restarts spent: stopping the job" in out
+    assert stop in out and "3 death(s), its REWARD_RESTARTS=2 restarts spent: stopping the job" in out
     reason = out.split(stop, 1)[1].split("\n", 1)[0]
     assert "; its log: " in reason and "config.json" in reason, f"the reason is the server's own: {reason}"
     assert_everything_stopped(env)
