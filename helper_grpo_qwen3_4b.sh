@@ -158,10 +158,7 @@ plan_ports() {
 # launch_reward_server K: start reward server K on its GPU and port (the token is in the environment); sets BG_PID.
 launch_reward_server() {
   local k=$1 device=cuda visible=${srv_gpu[$1]}
-  if [[ "$visible" == cpu ]]; then
-    device=cpu
-    visible=""
-  fi
+  [[ "$visible" != cpu ]] || device=cpu visible=""
   CUDA_VISIBLE_DEVICES=$visible start_bg "${srv_log[$k]}" python3 "$here/reward_score/reward_server.py" \
     --model-path "$CONFIG_REWARD_MODEL_PATH" --device "$device" --port "${srv_port[$k]}" --host 0.0.0.0 \
     --input "$CONFIG_REWARD_INPUT" --add-special-tokens "$CONFIG_REWARD_ADD_SPECIAL_TOKENS" \

@@ -144,12 +144,7 @@ def sglang_port(block_port: int, node_index: int, gpus_per_node: int) -> int:
     node's own. SGLang itself, once SGLANG_PORT is set, also takes the first free port from it upwards for the
     message queues of a tensor-parallel group (sglang/srt/utils.py:1995-2006, get_open_port): SGLANG_PORT is 2kG
     below the block's SGLang ports, in its Ray worker range for the first 448 / 2G nodes, so that scan finds a port of
-    this job's own block, never another job's."""
-    if gpus_per_node > SGLANG_MAX_GPUS:
-        raise NodeError(
-            f"CONFIG_GPUS_PER_NODE={gpus_per_node}: a job's port block holds SGLang's ports for at most "
-            f"{SGLANG_MAX_GPUS} GPUs per node"
-        )
+    this job's own block, never another job's. More than SGLANG_MAX_GPUS GPUs a node the preflight refuses."""
     return block_port - 2 * node_index * gpus_per_node
 
 

@@ -125,10 +125,9 @@ def wait(args) -> int:
                     print(
                         f"ray cluster ready: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs{placeholders}"
                     )
-                    try:  # the probe disconnects from Ray on its own (ray.shutdown); killed only if that hangs
+                    # the probe disconnects from Ray on its own (ray.shutdown); killed only if that hangs
+                    with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(5)
-                    except subprocess.TimeoutExpired:
-                        pass
                     return 0
     finally:
         if proc.poll() is None:
