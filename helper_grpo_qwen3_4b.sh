@@ -37,7 +37,7 @@ exit_code=0
 failure=""       # what went wrong on this node, for the head's message
 # What this node watches (watch): pid, name, log, and a reward server's index in srv_* (-1: any other part).
 watch_pids=() watch_names=() watch_logs=() watch_server=()
-# This node's reward servers: port, GPU (or cpu), log, recent deaths, when a pending restart began, first pid, start.
+# This node's reward servers: port, GPU (or cpu), log, deaths, when a pending restart began, first pid, start.
 srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_restarting=() srv_pid=() srv_started=()
 declare -A port  # this job's ports on this node (launch/job/node.py ports)
 
@@ -158,38 +158,29 @@ plan_ports() {
 # launch_reward_server K: start reward server K on its GPU and port (the token is in the environment); sets BG_PID.
 launch_reward_server() {
   local k=$1 device=cuda visible=${srv_gpu[$1]}
-  if [[ "$visible" == cpu ]]; then
-    device=cpu
-    visible=""
-  fi
+  [[ "$visible" != cpu ]] || device=cpu visible=""
   CUDA_VISIBLE_DEVICES=$visible start_bg "${srv_log[$k]}" python3 "$here/reward_score/reward_server.py" \
     --model-path "$CONFIG_REWARD_MODEL_PATH" --device "$device" --port "${srv_port[$k]}" --host 0.0.0.0 \
     --input "$CONFIG_REWARD_INPUT" --add-special-tokens "$CONFIG_REWARD_ADD_SPECIAL_TOKENS" \
     --chat-template "$CONFIG_REWARD_CHAT_TEMPLATE" --append-eos "$CONFIG_REWARD_APPEND_EOS"
 }
 
-# restart_reward_server I K: watched process I, reward server K, died: within REWARD_RESTARTS in any
-# REWARD_RESTART_WINDOW s start it again on the same GPU, port and token, logging why; past that, stop the job.
+# restart_reward_server I K: watched process I, reward server K, died: up to REWARD_RESTARTS times in the job start it
+# again on the same GPU, port and token, logging why; past that, stop the job.
 restart_reward_server() {
-  local i=$1 k=$2 reason now t rc=0
-  local -a recent=()
+  local i=$1 k=$2 reason rc=0
   wait "${watch_pids[$i]}" 2>/dev/null || rc=$?  # here, not in $(...): only this shell can wait for its child
   reason=$(exit_reason "$rc" "${srv_log[$k]}")
-  now=$(date +%s)
-  for t in ${srv_deaths[$k]}; do
-    ((now - t >= REWARD_RESTART_WINDOW)) || recent+=("$t")
-  done
-  recent+=("$now")
-  srv_deaths[k]="${recent[*]}"
-  if ((${#recent[@]} > REWARD_RESTARTS)); then
+  srv_deaths[k]=$((srv_deaths[k] + 1))
+  if ((srv_deaths[k] > REWARD_RESTARTS)); then
     show_tail "${srv_log[$k]}" 20
-    failure="${watch_names[$i]} on $host died (log: ${srv_log[$k]}): $reason; ${#recent[@]} death(s) within"
-    failure+=" ${REWARD_RESTART_WINDOW} s, its REWARD_RESTARTS=$REWARD_RESTARTS restarts spent"
+    failure="${watch_names[$i]} on $host died (log: ${srv_log[$k]}): $reason; ${srv_deaths[k]} death(s),"
+    failure+=" its REWARD_RESTARTS=$REWARD_RESTARTS restarts spent"
     die "[rank $rank] $failure: stopping the job"
   fi
   err "[rank $rank] ${watch_names[$i]} on $host died (log: ${srv_log[$k]}): $reason;" \
-    "restart ${#recent[@]}/$REWARD_RESTARTS within ${REWARD_RESTART_WINDOW} s, same port and token"
-  printf '=== %s restart %s after: %s ===\n' "$(date '+%F %T')" "${#recent[@]}" "$reason" >>"${srv_log[$k]}"
+    "restart ${srv_deaths[k]}/$REWARD_RESTARTS, same port and token"
+  printf '=== %s restart %s after: %s ===\n' "$(date '+%F %T')" "${srv_deaths[k]}" "$reason" >>"${srv_log[$k]}"
   START_BG_APPEND=1 launch_reward_server "$k"
   watch_pids[i]=$BG_PID
   pids+=("$BG_PID")
@@ -241,7 +232,7 @@ launch_reward_servers() {
   fi
   for gpu in "${gpus[@]}"; do
     p=$((port[reward_port] + i))
-    srv_port[i]=$p srv_gpu[i]=$gpu srv_log[i]="$job_log_dir/reward_server_${host}_${p}.log" srv_deaths[i]="" srv_restarting[i]=""
+    srv_port[i]=$p srv_gpu[i]=$gpu srv_log[i]="$job_log_dir/reward_server_${host}_${p}.log" srv_deaths[i]=0 srv_restarting[i]=""
     log "[rank $rank] reward server on ${gpu} port $p (log: ${srv_log[i]})"
     srv_started[i]=$SECONDS
     launch_reward_server "$i"
@@ -479,20 +470,14 @@ wait_until_done() {
   log "[rank $rank] the head finished (exit code $(cat "$job_log_dir/done")); stopping"
 }
 
-# check_gpu_modes: before this node starts anything, refuse GPUs whose compute mode forbids the processes it puts on
-# them (launch/job/node.py gpu-modes); without nvidia-smi nothing to check, and where it fails the node goes on.
+# check_gpu_modes: before a training node starts anything, refuse its GPUs in a compute mode other than Default
+# (launch/job/node.py gpu-modes); without nvidia-smi (CPU runs), or where it fails, nothing is checked.
 check_gpu_modes() {
-  local role=train modes problem
-  command -v nvidia-smi >/dev/null 2>&1 || return 0
-  if ((rank == reward_rank)); then
-    [[ "$CONFIG_REWARD_DEVICE" != cpu ]] || return 0
-    role=reward
-  fi
-  if ! modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>&1); then
-    err "[rank $rank] nvidia-smi failed on $host (${modes##*$'\n'}): GPU compute modes not checked"
+  local modes problem
+  ((rank != reward_rank)) && modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>/dev/null) ||
     return 0
-  fi
-  problem=$(node_info gpu-modes --role "$role" <<<"$modes" 2>&1) || die "[rank $rank] GPU compute mode forbids this job's processes on $host: $problem"
+  problem=$(node_info gpu-modes <<<"$modes")
+  [[ -z "$problem" ]] || die "[rank $rank] GPU compute mode forbids this job's processes on $host: $problem"
 }
 
 main() {

@@ -258,7 +258,6 @@ def test_a_rollout_gpu_memory_that_is_no_share_is_refused_naming_auto(env, raw):
         ({"ALGORITHM": "reinforce"}, "ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         ({"STRATEGY": "fsdp"}, "STRATEGY='fsdp': use one of megatron, fsdp2"),
         ({"REWARD_RESTARTS": "-1"}, "REWARD_RESTARTS=-1: restarts of a reward server that dies, 0 or more"),
-        ({"REWARD_RESTART_WINDOW": "0"}, "REWARD_RESTART_WINDOW=0: the seconds REWARD_RESTARTS counts over"),
     ],
 )  # fmt: skip
 def test_refused_combinations_say_why(env, overrides, needle):

@@ -140,8 +140,8 @@ def test_the_node_address_is_never_loopback_on_a_multi_node_job(interface, nodes
 
 
 def test_the_address_of_a_real_interface_is_read_from_the_kernel():
-    assert node.interface_ipv4("lo") == "127.0.0.1"
-    assert node.interface_ipv4("no-such-if0") is None
+    assert node.interfaces()["lo"] == "127.0.0.1"
+    assert "no-such-if0" not in node.interfaces()
     result = node_cli("address", "--interface", "no-such-if0", "--nodes", "2")
     assert result.returncode == 1 and "lo (127.0.0.1)" in result.stderr, "the error lists the interfaces there are"
 
@@ -150,38 +150,24 @@ def test_the_address_of_a_real_interface_is_read_from_the_kernel():
 
 
 @pytest.mark.parametrize(
-    "smi, visible, role, expected",
+    "smi, visible, expected",
     [
         # every GPU in Default mode: any number of processes, nothing to refuse
-        ("0, Default\n1, Default\n", None, "train", None),
-        # a training node in Exclusive_Process: verl's worker and SGLang's scheduler share each of its GPUs
-        ("0, Exclusive_Process\n1, Exclusive_Process\n", None, "train", "GPU 0, 1 in Exclusive_Process mode: Prohibited lets no process use a GPU, Exclusive_Process one at a time, and this job puts several on a GPU"),
+        ("0, Default\n1, Default\n", None, None),
+        # Exclusive_Process: verl's worker and SGLang's scheduler share each GPU; only the GPUs in it are named
+        ("0, Default\n1, Exclusive_Process\n", None, "GPU 1 in Exclusive_Process mode"),
+        # Prohibited lets no process at all on a GPU
+        ("0, Prohibited\n", None, "GPU 0 in Prohibited mode"),
         # the head with its reward servers: the GPUs as nvidia-smi numbers them
-        ("4, Exclusive_Process\n5, Exclusive_Process\n", "4,5", "train", "GPU 4, 5 in Exclusive_Process mode"),
-        # no placement avoids it, and the fix: Default mode, set as root
-        ("0, Exclusive_Process\n", None, "train", "so no placement avoids it"),
-        ("0, Exclusive_Process\n", None, "train", "`nvidia-smi -i 0 -c DEFAULT` as root"),
-        # the older drivers' one-process mode is refused as Exclusive_Process is
-        ("0, Exclusive_Thread\n", None, "train", "GPU 0 in Exclusive_Thread mode"),
-        # one GPU of the job's in the mode is enough; the others are not listed
-        ("0, Default\n1, Exclusive_Process\n", None, "train", "GPU 1 in Exclusive_Process mode"),
+        ("4, Exclusive_Process\n5, Exclusive_Process\n", "4,5", "GPU 4 in Exclusive_Process mode; GPU 5 in"),
         # a GPU of another job (no device cgroup: nvidia-smi lists the node's all) is not this job's concern
-        ("0, Exclusive_Process\n1, Default\n", "1", "train", None),
+        ("0, Exclusive_Process\n1, Default\n", "1", None),
         # with a device cgroup nvidia-smi lists only the job's GPUs, renumbered from 0: they are all the job's
-        ("0, Exclusive_Process\n", "3", "train", "GPU 0 in Exclusive_Process mode"),
-        # the separate reward node runs one server a GPU, which Exclusive_Process allows
-        ("0, Exclusive_Process\n1, Exclusive_Process\n", None, "reward", None),
-        # Prohibited lets no process at all on a GPU: refused on the reward node too
-        ("0, Prohibited\n", None, "reward", "GPU 0 in Prohibited mode: "),
-        # a line nvidia-smi's format never had is named, not guessed at
-        ("0 Default\n", None, "train", "cannot read '0 Default'"),
+        ("0, Exclusive_Process\n", "3", "GPU 0 in Exclusive_Process mode"),
     ],
 )  # fmt: skip
-def test_gpus_in_a_mode_that_forbids_sharing_are_refused_naming_them_the_mode_and_the_fix(smi, visible, role, expected):
-    try:
-        got = node.compute_mode_problem(node.parse_compute_modes(smi), visible, role)
-    except node.NodeError as exc:
-        got = str(exc)
+def test_gpus_in_a_compute_mode_other_than_default_are_refused_naming_them_and_the_mode(smi, visible, expected):
+    got = node.compute_mode_problem(smi, visible)
     if expected is None:
         assert got is None
     else:
@@ -203,7 +189,7 @@ def test_a_node_whose_gpus_are_in_exclusive_process_mode_stops_before_it_starts_
     out = result.stdout + result.stderr
     assert result.returncode == 1, out[-3000:]
     assert "GPU compute mode forbids this job's processes on" in result.stderr, out[-3000:]
-    assert "GPU 0 in Exclusive_Process mode" in result.stderr and "`nvidia-smi -i 0 -c DEFAULT` as root" in out
+    assert "GPU 0 in Exclusive_Process mode" in result.stderr, out[-3000:]
     assert calls.read_text().splitlines() == ["--query-gpu=index,compute_mode --format=csv,noheader"]
     logs = job_dir(job)
     names = {p.name for p in logs.iterdir()}
@@ -353,7 +339,7 @@ def test_a_reward_server_killed_mid_training_comes_back_healthy_at_its_url_and_t
     assert rc == 0, out
     assert restarted != killed
     assert f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): killed by SIGKILL" in out
-    assert "restart 1/3 within 3600 s, same port and token" in out and "is back: healthy at the same URL" in out
+    assert "restart 1/3, same port and token" in out and "is back: healthy at the same URL" in out
     assert "restart 1 after: killed by SIGKILL" in log.read_text(), "the log keeps every life of the server"
     assert json.loads(Path(env["FAKE_TRAINER_LOG"] + ".end").read_text())["reward_health"] == [200]
     written = [p for p in job_dir(env).rglob("*") if p.is_file()] + [tmp_path / "job.out"]
@@ -383,7 +369,7 @@ def test_a_reward_server_that_keeps_dying_stops_the_job_naming_it_once_its_resta
     assert rc == 1, out
     assert "restart 1/2" in out and "restart 2/2" in out, out
     stop = f"reward server (port {port}) on {socket.gethostname()} died (log: {log}): exited with "
-    assert stop in out and "3 death(s) within 3600 s, its REWARD_RESTARTS=2 restarts spent: stopping the job" in out
+    assert stop in out and "3 death(s), its REWARD_RESTARTS=2 restarts spent: stopping the job" in out
     reason = out.split(stop, 1)[1].split("\n", 1)[0]
     assert "; its log: " in reason and "config.json" in reason, f"the reason is the server's own: {reason}"
     assert_everything_stopped(env)

@@ -57,7 +57,7 @@ def test_the_message_list_holds_each_kind_of_message_the_scripts_print():
         texts[m.where.split(":")[0]].append(" ".join(m.pieces))
     expected = {
         "run_grpo_qwen3_4b_mega_verl.sh": ["GPUs per node but CONFIG_GPUS_PER_NODE=", "could not create the job's folders"],
-        "helper_grpo_qwen3_4b.sh": ["death(s) within s, its REWARD_RESTARTS= restarts spent", "trainer exited with"],
+        "helper_grpo_qwen3_4b.sh": ["death(s), its REWARD_RESTARTS= restarts spent", "trainer exited with"],
         "merge_mcore_to_hf.sh": ["is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json)"],
         "launch/job/common.sh": ["which is not the repository"],
         "launch/plan/refusals.py": ["FP8=true: verl 0.6.1 cannot train"],

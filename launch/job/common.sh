@@ -151,8 +151,6 @@ exit_reason() {
   if ((rc > 128)); then
     why="killed by SIG$(kill -l $((rc - 128)) 2>/dev/null || echo $((rc - 128)))"
     ((rc != 137)) || why+=" (kill -9, or the kernel's out-of-memory killer)"
-  elif ((rc == 127)); then
-    why="exited (status unknown)"
   else
     why="exited with $rc"
   fi

@@ -8,8 +8,8 @@ The helper runs this on every node (inside the container) and reads `NAME=VALUE`
     python -m launch.job.node sglang-port --block-port 20032 --gpus 4 --address A --addresses A,B   # SGLANG_PORT here
     python -m launch.job.node master-port --job-id 4243   # one free port of this job's own (the merge's MASTER_PORT)
     python -m launch.job.node no-proxy HOST...     # NO_PROXY: what the environment had, and the job's own hosts
-    nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader | python -m launch.job.node gpu-modes --role train
-                                               # refuses GPUs whose compute mode forbids what the node puts on them
+    nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader | python -m launch.job.node gpu-modes
+                                               # this job's GPUs in a compute mode other than Default
 
 Ports: every job takes one block of PORT_BLOCK ports between PORT_FIRST and PORT_LAST (below Linux's ephemeral range,
 so no outgoing connection takes them), chosen from the job id (and the node's rank, so two "nodes" of a test on one
@@ -22,15 +22,15 @@ verl's sync SGLang engines take their ports from SGLANG_PORT (see `sglang_port`)
 from __future__ import annotations
 
 import argparse
-import fcntl
 import ipaddress
 import os
 import socket
-import struct
 import sys
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
+
+import psutil
 
 from launch.plan.settings import SGLANG_MAX_GPUS
 
@@ -144,12 +144,7 @@ def sglang_port(block_port: int, node_index: int, gpus_per_node: int) -> int:
     node's own. SGLang itself, once SGLANG_PORT is set, also takes the first free port from it upwards for the
     message queues of a tensor-parallel group (sglang/srt/utils.py:1995-2006, get_open_port): SGLANG_PORT is 2kG
     below the block's SGLang ports, in its Ray worker range for the first 448 / 2G nodes, so that scan finds a port of
-    this job's own block, never another job's."""
-    if gpus_per_node > SGLANG_MAX_GPUS:
-        raise NodeError(
-            f"CONFIG_GPUS_PER_NODE={gpus_per_node}: a job's port block holds SGLang's ports for at most "
-            f"{SGLANG_MAX_GPUS} GPUs per node"
-        )
+    this job's own block, never another job's. More than SGLANG_MAX_GPUS GPUs a node the preflight refuses."""
     return block_port - 2 * node_index * gpus_per_node
 
 
@@ -198,73 +193,26 @@ def reward_gpus(indices: str, visible: str | None) -> list[str]:
     return out
 
 
-# nvidia-smi's compute modes (--query-gpu=compute_mode): Default lets any number of processes hold a GPU;
-# Exclusive_Process one at a time (Exclusive_Thread: its older drivers' form); Prohibited none.
-ONE_PROCESS_MODES = ("Exclusive_Process", "Exclusive_Thread")
-# What a node puts on its GPUs: `train` verl's workers (every node of the Ray cluster, and the head's reward servers
-# beside them), `reward` one reward server a GPU and nothing else (the separate reward node).
-GPU_ROLES = ("train", "reward")
-
-
-def parse_compute_modes(text: str) -> list[tuple[str, str]]:
-    """`nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader` as (index, mode) rows."""
-    rows = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        index, sep, mode = line.partition(",")
-        if not sep or not index.strip().isdigit():
-            raise NodeError(f"nvidia-smi's compute modes: cannot read {line.strip()!r} (expected 'INDEX, MODE')")
-        rows.append((index.strip(), mode.strip()))
-    return rows
-
-
-def job_rows(rows: list[tuple[str, str]], visible: str | None) -> list[tuple[str, str]]:
-    """This job's GPUs among nvidia-smi's, in CUDA_VISIBLE_DEVICES order (job GPU 0 first). Where Slurm confines
+def compute_mode_problem(smi: str, visible: str | None) -> str | None:
+    """This job's GPUs in a compute mode other than Default, from `nvidia-smi --query-gpu=index,compute_mode
+    --format=csv,noheader`, or None. Exclusive_Process lets one process hold a GPU (Prohibited none), and this job puts
+    several on each: verl's Ray worker and, with SGLang, its scheduler (verl's sglang_rollout.py:135, 489 in sync
+    mode, async_sglang_server.py:181 in async); on the head's reward GPUs the reward server too. Where Slurm confines
     the job's devices (cgroups), nvidia-smi lists only them, renumbered from 0: its rows are the job's as they are."""
-    own = [g for g in (visible or "").split(",") if g.strip()]
-    by_index = dict(rows)
-    if own and all(g in by_index for g in own):
-        return [(g, by_index[g]) for g in own]
-    return rows
+    modes = dict(map(str.strip, line.split(",", 1)) for line in smi.splitlines() if "," in line)
+    own = [g for g in (visible or "").split(",") if g]
+    if not own or not set(own) <= modes.keys():
+        own = list(modes)
+    return "; ".join(f"GPU {g} in {modes[g]} mode" for g in own if modes[g] != "Default") or None
 
 
-def compute_mode_problem(rows: list[tuple[str, str]], visible: str | None, role: str) -> str | None:
-    """Why this node's GPUs cannot run their part of the job, or None. A mode other than Default refuses the
-    processes this job puts beside each other: on every training GPU verl's Ray worker, and with SGLang its
-    scheduler, a second process (SGLang's Engine starts it: verl's sglang_rollout.py:135, 489 in sync mode,
-    async_sglang_server.py:181 in async); on the head's reward GPUs the reward server too. The reward node runs one
-    server a GPU, which Exclusive_Process allows."""
-    refused: dict[str, list[str]] = {}
-    for index, mode in job_rows(rows, visible):
-        if mode == "Prohibited" or (mode in ONE_PROCESS_MODES and role != "reward"):
-            refused.setdefault(mode, []).append(index)
-    if not refused:
-        return None
-    found = "; ".join(f"GPU {', '.join(indices)} in {mode} mode" for mode, indices in refused.items())
-    listed = ",".join(i for indices in refused.values() for i in indices)
-    return (
-        f"{found}: Prohibited lets no process use a GPU, Exclusive_Process one at a time, and this job puts several "
-        "on a GPU (verl's Ray worker and, with SGLang, its scheduler; on the head's reward GPUs the reward server "
-        "too), so no placement avoids it. Nothing was started. Fix: ask the cluster's admins for Default mode on "
-        f"them, e.g. `nvidia-smi -i {listed} -c DEFAULT` as root on this node (it lasts until the driver reloads), "
-        "or a partition whose GPUs are in Default mode"
-    )
-
-
-def interface_ipv4(name: str) -> str | None:
-    """The IPv4 address of a network interface, or None (no such interface, or no IPv4 on it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def interfaces() -> list[tuple[str, str]]:
-    """(name, IPv4) of every interface that has one, for the error message."""
-    return [(name, addr) for _, name in socket.if_nameindex() if (addr := interface_ipv4(name))]
+def interfaces() -> dict[str, str]:
+    """Each network interface that has an IPv4 address, with its first one."""
+    return {
+        name: ipv4[0].address
+        for name, addrs in psutil.net_if_addrs().items()
+        if (ipv4 := [a for a in addrs if a.family == socket.AF_INET])
+    }
 
 
 def host_addresses(hostname: str) -> list[str]:
@@ -318,8 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--addresses", required=True, help="every training node's address, comma-separated")
     m = sub.add_parser("master-port")
     m.add_argument("--job-id", required=True)
-    c = sub.add_parser("gpu-modes", help="nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader on stdin")
-    c.add_argument("--role", required=True, choices=GPU_ROLES)
+    sub.add_parser("gpu-modes", help="nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader on stdin")
     n = sub.add_parser("no-proxy")
     n.add_argument("hosts", nargs="*", help="hosts, addresses with a port, or URLs; comma-separated lists too")
     args = parser.parse_args(argv)
@@ -340,21 +287,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "master-port":
             print(master_port(args.job_id))
         elif args.command == "gpu-modes":
-            try:
-                problem = compute_mode_problem(
-                    parse_compute_modes(sys.stdin.read()), os.environ.get("CUDA_VISIBLE_DEVICES"), args.role
-                )
-            except NodeError as exc:  # nvidia-smi's own output, not a setting
-                problem = str(exc)
-            if problem:
-                print(problem, file=sys.stderr)
-                return 1
+            print(compute_mode_problem(sys.stdin.read(), os.environ.get("CUDA_VISIBLE_DEVICES")) or "")
         elif args.command == "no-proxy":
             hosts = [host_of(item) for raw in args.hosts for item in raw.split(",") if item.strip()]
             print(no_proxy(hosts, os.environ))
         else:
-            available = ", ".join(f"{n} ({ip})" for n, ip in interfaces()) or "none found"
-            iface_addr = interface_ipv4(args.interface) if args.interface else None
+            found = interfaces()
+            available = ", ".join(f"{n} ({ip})" for n, ip in found.items()) or "none found"
+            iface_addr = found.get(args.interface) if args.interface else None
             print(pick_address(args.interface, args.nodes, host_addresses(socket.gethostname()), iface_addr, available))
     except NodeError as exc:
         print(f"setting error: {exc}", file=sys.stderr)

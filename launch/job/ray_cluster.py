@@ -12,7 +12,6 @@ either ends. The timeout counts from when the probe has imported Ray (a few seco
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import queue
@@ -89,9 +88,6 @@ def read_reports(proc: subprocess.Popen, reports: queue.Queue) -> None:
 
 def wait(args) -> int:
     """Read the probe's reports until the cluster is complete, the deadline passes or a watched process dies."""
-    if importlib.util.find_spec("ray") is None:
-        print(f"ray_cluster: ray is not installed for {sys.executable}", file=sys.stderr)
-        return 1
     # The timeout counts from when the probe has imported Ray (its first attempt to connect), and the import itself
     # must finish within the timeout too.
     deadline, imported = time.monotonic() + args.timeout, False
@@ -129,10 +125,9 @@ def wait(args) -> int:
                     print(
                         f"ray cluster ready: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs{placeholders}"
                     )
-                    try:  # the probe disconnects from Ray on its own (ray.shutdown); killed only if that hangs
+                    # the probe disconnects from Ray on its own (ray.shutdown); killed only if that hangs
+                    with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(5)
-                    except subprocess.TimeoutExpired:
-                        pass
                     return 0
     finally:
         if proc.poll() is None:

@@ -34,8 +34,6 @@ def parse_step_lines(text: str) -> dict[int, dict[str, float]]:
     `step:0 - val-core/...` before training, included)."""
     steps: dict[int, dict[str, float]] = {}
     for raw in re.split(r"[\r\n]", ANSI.sub("", text)):
-        if "step:" not in raw:
-            continue
         m = _STEP_LINE.search(raw)
         if not m:
             continue

@@ -138,10 +138,6 @@ def reward_setting_problems(s: Settings) -> list[str]:
         )
     if s.reward_restarts < 0:
         problems.append(f"REWARD_RESTARTS={s.reward_restarts}: restarts of a reward server that dies, 0 or more")
-    if s.reward_restart_window < 1:
-        problems.append(
-            f"REWARD_RESTART_WINDOW={s.reward_restart_window}: the seconds REWARD_RESTARTS counts over, 1 or more"
-        )
     return problems
 
 

@@ -135,7 +135,6 @@ class Settings:
     stall_first_step: int = setting("STALL_FIRST_STEP")
     stall_requeue: bool = setting("STALL_REQUEUE", spelled=("1", "0"))
     reward_restarts: int = setting("REWARD_RESTARTS")
-    reward_restart_window: int = setting("REWARD_RESTART_WINDOW")
     # Not settings: Slurm's node count, the reward client's score range, two removed settings still read so that
     # a stale value is refused, not ignored, and SGLang's own switch for its memory-balance check.
     nnodes: int = 1
