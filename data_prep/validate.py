@@ -35,7 +35,6 @@ class FileReport:
     duplicates: int = 0
     lengths: list[int] = field(default_factory=list)
     over_limit: int = 0
-    longest_rows: list[int] = field(default_factory=list)
 
     def error(self, row: int, message: str) -> None:
         self.error_count += 1
@@ -99,7 +98,7 @@ def validate_file(path: Path, tokenizer=None, max_prompt_length: int | None = No
     seen: set[str] = set()
     for batch in pf.iter_batches(batch_size=10_000):
         rows = batch.to_pylist()
-        good_prompts, good_rows = [], []
+        good_prompts = []
         for row in rows:
             report.rows += 1
             problems = check_row(row)
@@ -111,16 +110,10 @@ def validate_file(path: Path, tokenizer=None, max_prompt_length: int | None = No
             report.duplicates += key in seen
             seen.add(key)
             good_prompts.append(row["prompt"])
-            good_rows.append(report.rows)
         if tokenizer is not None and good_prompts:
-            for row_number, n in zip(
-                good_rows, prompt_lengths(tokenizer, good_prompts, template_kwargs or {}), strict=True
-            ):
-                report.lengths.append(n)
-                if max_prompt_length is not None and n > max_prompt_length:
-                    report.over_limit += 1
-                    if len(report.longest_rows) < MAX_SHOWN:
-                        report.longest_rows.append(row_number)
+            report.lengths += prompt_lengths(tokenizer, good_prompts, template_kwargs or {})
+    if max_prompt_length is not None:
+        report.over_limit = sum(n > max_prompt_length for n in report.lengths)
     return report
 
 
@@ -137,8 +130,6 @@ def summary(report: FileReport, max_prompt_length: int | None) -> str:
         line = f"  prompt tokens: p50 {statistics.median(xs):.0f}, p95 {p95}, max {xs[-1]}"
         if max_prompt_length is not None:
             line += f"; {report.over_limit} over the limit of {max_prompt_length}"
-            if report.longest_rows:
-                line += f" (rows {', '.join(map(str, report.longest_rows))})"
         lines.append(line)
     return "\n".join(lines)
 
