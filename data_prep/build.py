@@ -213,10 +213,8 @@ def read_examples(path: Path) -> Iterator[tuple[int, object]]:
     elif fmt == "json":
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        if isinstance(data, dict) and isinstance(data.get("data"), list):
-            data = data["data"]
         if not isinstance(data, list):
-            raise SystemExit(f"{path}: a JSON file must hold a list of objects (or {{'data': [...]}})")
+            raise SystemExit(f"{path}: a JSON file must hold a list of objects (one a line: .jsonl)")
         yield from enumerate(data, 1)
     elif fmt == "csv":
         with open(path, encoding="utf-8", newline="") as f:
