@@ -166,13 +166,9 @@ def reference_answer(text: str, spec: RowSpec) -> str:
             raise BadRow(f"answer column '{spec.answer_column}' has no '#### <number>', GSM8K's final answer")
         return found.group(1).replace(",", "")
     if spec.answer_format == "math":
-        try:
-            from verl.utils.reward_score.math_reward import last_boxed_only_string, remove_boxed
-        except ImportError as exc:
-            raise SystemExit(
-                f"--preset math extracts the answer with verl's own code, which {sys.executable} cannot import "
-                f"({exc}): run it in the image (singularity exec verl_app.sif python3 -m data_prep.build ...)"
-            ) from None
+        # verl's own code: run --preset math where verl imports (the image; docs/data.md)
+        from verl.utils.reward_score.math_reward import last_boxed_only_string, remove_boxed
+
         boxed = last_boxed_only_string(text)
         try:
             return remove_boxed(boxed)
@@ -217,10 +213,8 @@ def read_examples(path: Path) -> Iterator[tuple[int, object]]:
     elif fmt == "json":
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        if isinstance(data, dict) and isinstance(data.get("data"), list):
-            data = data["data"]
         if not isinstance(data, list):
-            raise SystemExit(f"{path}: a JSON file must hold a list of objects (or {{'data': [...]}})")
+            raise SystemExit(f"{path}: a JSON file must hold a list of objects (one a line: .jsonl)")
         yield from enumerate(data, 1)
     elif fmt == "csv":
         with open(path, encoding="utf-8", newline="") as f:
@@ -229,13 +223,7 @@ def read_examples(path: Path) -> Iterator[tuple[int, object]]:
         batches = pq.ParquetFile(path).iter_batches(batch_size=CHUNK_ROWS)
         yield from enumerate((example for batch in batches for example in batch.to_pylist()), 1)
     else:
-        try:
-            import datasets
-        except ImportError as exc:
-            raise SystemExit(
-                f"{path} is a datasets folder, and reading it needs datasets, which {sys.executable} cannot import "
-                f"({exc}): pip install --user datasets, or run it in the image (singularity exec verl_app.sif ...)"
-            ) from None
+        import datasets  # only a save_to_disk folder needs it (docs/data.md)
 
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):

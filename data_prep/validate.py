@@ -4,16 +4,14 @@
     python -m data_prep.validate data/safety/train.parquet --tokenizer /models/Qwen3-4B-Thinking-2507 --max-prompt-length 2048
 
 With a tokenizer, each prompt is measured exactly as verl 0.6.1's RLHFDataset does: the chat template with the
-generation prompt, tokenized without adding special tokens again. Prompts over --max-prompt-length are errors
-(verl with data.truncation=error fails on them mid-training), or warnings with --overlong warn (when
-data.filter_overlong_prompts drops them). Exits 1 when any file has errors.
+generation prompt, tokenized without adding special tokens again. Prompts over --max-prompt-length are counted and
+warned of: every job sets data.filter_overlong_prompts, which drops them. Exits 1 when any file has errors.
 """
 
 import argparse
 import json
 import statistics
 import sys
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +35,6 @@ class FileReport:
     duplicates: int = 0
     lengths: list[int] = field(default_factory=list)
     over_limit: int = 0
-    longest_rows: list[int] = field(default_factory=list)
 
     def error(self, row: int, message: str) -> None:
         self.error_count += 1
@@ -101,7 +98,7 @@ def validate_file(path: Path, tokenizer=None, max_prompt_length: int | None = No
     seen: set[str] = set()
     for batch in pf.iter_batches(batch_size=10_000):
         rows = batch.to_pylist()
-        good_prompts, good_rows = [], []
+        good_prompts = []
         for row in rows:
             report.rows += 1
             problems = check_row(row)
@@ -113,16 +110,10 @@ def validate_file(path: Path, tokenizer=None, max_prompt_length: int | None = No
             report.duplicates += key in seen
             seen.add(key)
             good_prompts.append(row["prompt"])
-            good_rows.append(report.rows)
         if tokenizer is not None and good_prompts:
-            for row_number, n in zip(
-                good_rows, prompt_lengths(tokenizer, good_prompts, template_kwargs or {}), strict=True
-            ):
-                report.lengths.append(n)
-                if max_prompt_length is not None and n > max_prompt_length:
-                    report.over_limit += 1
-                    if len(report.longest_rows) < MAX_SHOWN:
-                        report.longest_rows.append(row_number)
+            report.lengths += prompt_lengths(tokenizer, good_prompts, template_kwargs or {})
+    if max_prompt_length is not None:
+        report.over_limit = sum(n > max_prompt_length for n in report.lengths)
     return report
 
 
@@ -139,8 +130,6 @@ def summary(report: FileReport, max_prompt_length: int | None) -> str:
         line = f"  prompt tokens: p50 {statistics.median(xs):.0f}, p95 {p95}, max {xs[-1]}"
         if max_prompt_length is not None:
             line += f"; {report.over_limit} over the limit of {max_prompt_length}"
-            if report.longest_rows:
-                line += f" (rows {', '.join(map(str, report.longest_rows))})"
         lines.append(line)
     return "\n".join(lines)
 
@@ -152,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("files", type=Path, nargs="+", help="parquet files to check")
     p.add_argument("--tokenizer", type=Path, help="the policy model folder: measure prompts as verl does")
     p.add_argument("--max-prompt-length", type=int, help="data.max_prompt_length of the run")
-    p.add_argument("--overlong", choices=["error", "warn"], default="error",
-                   help="error (default; verl with data.truncation=error fails on them) or warn (filter_overlong_prompts)")  # fmt: skip
     args = p.parse_args(argv)
     if args.max_prompt_length is not None and args.tokenizer is None:
         p.error("--max-prompt-length needs --tokenizer (lengths are in the policy's tokens)")
@@ -162,13 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    return 0 if validate_files(args.files, tokenizer, args.max_prompt_length, args.overlong) else 1
+    return 0 if validate_files(args.files, tokenizer, args.max_prompt_length) else 1
 
 
-def validate_files(paths, tokenizer=None, max_prompt_length=None, overlong="error", template_kwargs=None) -> bool:
-    """Check each file and print its summary; False when any has errors (or over-long prompts, with overlong=error)."""
-    failed = False
-    totals = Counter()
+def validate_files(paths, tokenizer=None, max_prompt_length=None, template_kwargs=None) -> bool:
+    """Check each file and print its summary; False when any has errors (over-long prompts are a warning)."""
+    failed, over = False, 0
     for path in map(Path, paths):
         if not path.is_file():
             print(f"{path}: no such file", file=sys.stderr)
@@ -176,14 +162,12 @@ def validate_files(paths, tokenizer=None, max_prompt_length=None, overlong="erro
             continue
         report = validate_file(path, tokenizer, max_prompt_length, template_kwargs)
         print(summary(report, max_prompt_length))
-        totals.update(rows=report.rows, errors=report.error_count, over=report.over_limit)
+        over += report.over_limit
         failed |= report.error_count > 0 or report.rows == 0
         if report.rows == 0:
             print(f"  {path} has no rows", file=sys.stderr)
-        if report.over_limit and overlong == "error":
-            failed = True
-    if totals["over"] and overlong == "warn":
-        print(f"warning: {totals['over']} prompts over the limit will be dropped by data.filter_overlong_prompts")
+    if over:
+        print(f"warning: {over} prompts over the limit will be dropped by data.filter_overlong_prompts")
     print("FAILED" if failed else "OK")
     return not failed
 

@@ -246,7 +246,7 @@ def test_a_rollout_gpu_memory_that_is_no_share_is_refused_naming_auto(env, raw):
         ({"ALGORITHM": "ppo", "CRITIC_PP": "1"}, "CRITIC_PP=1 differs from ACTOR_PP=2: verl 0.6.1 sets Megatron's parallel state once"),
         ({"ALGORITHM": "ppo", "CRITIC_TP": "2"}, "CRITIC_TP=2 differs from ACTOR_TP=1"),
         ({"ALGORITHM": "dapo", "OVERLONG_PENALTY_FACTOR": "big"}, "OVERLONG_PENALTY_FACTOR='big': use auto or a number"),
-        ({"ALGORITHM": "dapo", "OVERLONG_PENALTY_FACTOR": "-1"}, "OVERLONG_PENALTY_FACTOR=-1.0: a penalty size"),
+        ({"ALGORITHM": "dapo", "OVERLONG_PENALTY_FACTOR": "-1"}, "OVERLONG_PENALTY_FACTOR='-1': use auto or a number, 0 or more"),
         # PPO's value clip: a number above 0, or auto
         ({"ALGORITHM": "ppo", "CRITIC_CLIPRANGE_VALUE": "wide"}, "CRITIC_CLIPRANGE_VALUE='wide': use auto (half the reward range) or a number above 0"),
         ({"ALGORITHM": "ppo", "CRITIC_CLIPRANGE_VALUE": "0"}, "CRITIC_CLIPRANGE_VALUE='0': use auto"),

@@ -306,9 +306,7 @@ def test_an_unknown_megatron_recompute_is_refused_naming_the_setting_and_its_val
     )  # fmt: skip
     s = Settings.from_env(env)
     needle = "MEGATRON_RECOMPUTE='partial': use one of full, selective, off"
-    assert needle in check(s, check_paths=False)
-    with pytest.raises(SettingError, match=needle):
-        trainer_argv(s)
+    assert needle in check(s, check_paths=False)  # the preflight's, before any trainer command is built
 
 
 CPU = megatron_cpu.overrides()

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from launch.plan.settings import Settings
-from launch.plan.trainer_command import megatron_reference_offloaded, token_budget
+from launch.plan.trainer_command import token_budget
 
 GIB = 2**30
 
@@ -132,9 +132,7 @@ def trainer_resident(cfg, policy: ModelDims, critic: ModelDims | None = None) ->
     process's own WORKER_OVERHEAD."""
     actor, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref
     has_ref = bool(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)  # verl/trainer/main_ppo.py:231-232
-    has_critic = critic is not None and (  # need_critic, verl/trainer/ppo/utils.py:85-96
-        bool(cfg.critic.enable) if cfg.critic.get("enable") is not None else cfg.algorithm.adv_estimator == "gae"
-    )
+    has_critic = critic is not None  # given where verl builds one (gpu_memory_line: need_critic)
     gpus = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     if actor.strategy == "megatron":
         pp, tp = actor.megatron.pipeline_model_parallel_size, actor.megatron.tensor_model_parallel_size
@@ -427,15 +425,16 @@ def update_plan(s: Settings, dims: ModelDims, fused: bool = False) -> list[Stage
     """Every pipeline stage of the actor's update with this job's settings (`fused`: FUSED_KERNELS as
     trainer_command.fused_kernels resolves it), the worker process's own WORKER_OVERHEAD included. The reference's
     bf16 weights (2P) are not there: the job sets ref.megatron.param_offload (launch/plan/trainer_command.py,
-    REF_PARAM_OFFLOAD), and verl moves them to the GPU only for compute_ref_log_prob, back to host memory after it
+    _actor_overrides), and verl moves them to the GPU only for compute_ref_log_prob, back to host memory after it
     (verl/workers/megatron_workers.py:722-723, 733-734), before the update starts. Neither is PPO's critic's weights
     and gradients (critic.megatron.param_offload: loaded for compute_values and update_critic alone, :1078-1084,
-    :1092-1093, :1111-1112). Without the offload verl keeps the reference's weights resident, and they count."""
+    :1092-1093, :1111-1112). Without the offload verl keeps the reference's weights resident (stage_memory's
+    reference_on_gpu)."""
     dp = max(1, s.train_nodes * s.training_gpus_per_node // max(1, s.actor_pp * s.actor_tp))
     return [
         stage_memory(dims, stage=k, stages=s.actor_pp, tp=s.actor_tp, dp=dp, tokens=token_budget(s),
                      recompute=s.megatron_recompute, micro_batches=s.actor_pp,
-                     reference_on_gpu=not megatron_reference_offloaded(s), fused_logits=fused, process=WORKER_OVERHEAD)
+                     reference_on_gpu=False, fused_logits=fused, process=WORKER_OVERHEAD)
         for k in range(s.actor_pp)
     ]  # fmt: skip
 
@@ -472,7 +471,7 @@ def update_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardP
 def log_prob_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardPeak | None,
                   fused: bool = False) -> str:  # fmt: skip
     """The preflight's line for the Megatron log-prob passes, each stage's peak: the actor's weights and grad buffer
-    stay (log_prob_peak), the reference's bf16 weights come back from host memory for its own pass (REF_PARAM_OFFLOAD:
+    stay (log_prob_peak), the reference's bf16 weights come back from host memory for its own pass (ref.megatron.param_offload:
     megatron_workers.py:722-723), the last stage holds one micro-batch's logits path with the entropy (the old
     log-probs', :752; the reference asks none, :730, so its path is at most that), and the process its
     WORKER_OVERHEAD. An upper bound of both passes; refused as update_line refuses."""
@@ -499,13 +498,12 @@ def gpu_memory_line(settings: Settings, peak, cfg) -> str:
     """What each GPU holds when the rollout engine starts (memory_line): the trainer's resident parts by the composed
     config's offload settings (trainer_resident), the reward servers' peak, and what the engine takes."""
     from transformers import AutoConfig
+    from verl.trainer.ppo.utils import need_critic
 
     resident = []
     if settings.trainer_mode != "one_step_off":  # its rollout GPUs hold nothing of the trainer's
         policy = ModelDims.from_config(AutoConfig.from_pretrained(settings.model_path))
-        critic = None
-        if cfg.algorithm.adv_estimator == "gae" or cfg.critic.get("enable"):
-            critic = ModelDims.from_config(AutoConfig.from_pretrained(cfg.critic.model.path))
+        critic = ModelDims.from_config(AutoConfig.from_pretrained(cfg.critic.model.path)) if need_critic(cfg) else None
         resident = trainer_resident(cfg, policy, critic)
     return memory_line(settings, peak, gpu_total(), resident, settings.reward_replicas)
 

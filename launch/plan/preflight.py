@@ -213,7 +213,7 @@ def check_rows(cfg, tokenizer) -> bool:
         for f in ([split] if isinstance(split, str) else split)
     ]
     template_kwargs = dict(cfg.data.get("apply_chat_template_kwargs") or {})
-    return validate_files(files, tokenizer, cfg.data.max_prompt_length, "warn", template_kwargs)
+    return validate_files(files, tokenizer, cfg.data.max_prompt_length, template_kwargs)
 
 
 def report_steps(cfg, train_rows: int | None) -> bool:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from launch.plan import thinking
 from launch.plan.deadline import StallError, signal_lead, timeout_setting
-from launch.plan.settings import SGLANG_MAX_GPUS, SettingError, Settings
+from launch.plan.settings import SettingError, Settings
 from launch.plan.trainer_command import RECOMPUTE
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
 from reward_score.server.settings import Settings as RewardServerSettings
@@ -32,30 +32,15 @@ from reward_score.server.settings import Settings as RewardServerSettings
 
 def check(s: Settings, check_paths: bool = True) -> list[str]:
     """Every problem, each naming the setting to change. Empty when the job can start."""
-    problems = combination_problems(s) + reward_gpu_problems(s)
-    if s.rollout_engine == "sglang" and s.gpus_per_node > SGLANG_MAX_GPUS:
-        problems.append(
-            f"CONFIG_GPUS_PER_NODE={s.gpus_per_node} with ROLLOUT_ENGINE=sglang: a job's port block holds the ports "
-            f"verl's SGLang engines take (two per GPU) for at most {SGLANG_MAX_GPUS} GPUs per node (launch/job/node.py: each node's port block)"
-        )
-    problems += save_deadline_setting_problems(s) + job_problems(s) + gpu_batch_problems(s) + algorithm_problems(s)
-    problems += reward_setting_problems(s) + stall_problems(s) + validation_sampling_problems(s)
-    try:
-        _ = s.rollout_gpu_memory  # the property refuses anything but auto or a share in (0, 1)
-    except SettingError as exc:
-        problems.append(str(exc))
+    problems = combination_problems(s) + reward_gpu_problems(s) + save_deadline_setting_problems(s) + job_problems(s)
+    problems += gpu_batch_problems(s) + algorithm_problems(s) + reward_setting_problems(s) + stall_problems(s)
+    problems += validation_sampling_problems(s)
     return problems + (path_problems(s) if check_paths else [])
 
 
 def job_problems(s: Settings) -> list[str]:
-    """What runs the job and where: the container, the rollout mode, a separate reward node, FP8."""
+    """What runs the job and where: a separate reward node, FP8."""
     problems: list[str] = []
-    if s.container not in ("singularity", "apptainer", "none"):
-        problems.append(f"CONTAINER={s.container!r}: use singularity, apptainer or none")
-    if s.rollout_mode not in ("sync", "async"):
-        problems.append(
-            f"ROLLOUT_MODE={s.rollout_mode!r}: use sync (batch reward manager) or async (naive, per sample)"
-        )
     if s.separate_reward_node and s.nnodes < 2:
         problems.append(
             "CONFIG_USE_SEPARATE_REWARD_NODE=true needs at least 2 nodes (the last one runs only reward servers); "
@@ -96,22 +81,19 @@ def gpu_batch_problems(s: Settings) -> list[str]:
 
 
 def algorithm_problems(s: Settings) -> list[str]:
-    """The settings of one algorithm only: DAPO's overlong buffer and penalty, PPO's critic value clip."""
+    """The settings of one algorithm only (DAPO's overlong buffer and penalty, PPO's critic value clip), and
+    ROLLOUT_GPU_MEMORY."""
     problems: list[str] = []
     if s.algorithm == "dapo" and not 0 <= s.overlong_buffer_len <= s.max_response_length:
         problems.append(
             f"OVERLONG_BUFFER_LEN={s.overlong_buffer_len}: between 0 (a quarter of the response) and "
             f"MAX_RESPONSE_LENGTH={s.max_response_length} (verl's dapo manager asserts it when it starts)"
         )
-    if s.algorithm == "dapo":
+    # The numbers the properties read refuse what they cannot use (launch/plan/settings.py)
+    used = {"dapo": ["overlong_penalty_factor"], "ppo": ["critic_cliprange_value"]}.get(s.algorithm, [])
+    for name in ("rollout_gpu_memory", *used):
         try:
-            if s.overlong_penalty_factor < 0:
-                problems.append(f"OVERLONG_PENALTY_FACTOR={s.overlong_penalty_factor}: a penalty size, 0 or more")
-        except SettingError as exc:
-            problems.append(str(exc))
-    if s.algorithm == "ppo":
-        try:
-            _ = s.critic_cliprange_value  # the property refuses a non-number, or a value of 0 or less
+            getattr(s, name)
         except SettingError as exc:
             problems.append(str(exc))
     return problems
@@ -278,6 +260,8 @@ def combination_problems(s: Settings) -> list[str]:
     """Combinations verl 0.6.1 (or this image) cannot run, each refused with the reason."""
     problems = []
     for name, value, allowed in (
+        ("CONTAINER", s.container, ("singularity", "apptainer", "none")),
+        ("ROLLOUT_MODE", s.rollout_mode, ("sync", "async")),
         ("ALGORITHM", s.algorithm, ("grpo", "ppo", "dapo")),
         ("TRAINER_MODE", s.trainer_mode, ("sync", "one_step_off")),
         ("STRATEGY", s.strategy, ("megatron", "fsdp2")),
@@ -377,16 +361,13 @@ def save_deadline_setting_problems(s: Settings) -> list[str]:
 
 
 def save_deadline_problems(s: Settings, env: Mapping[str, str]) -> list[str]:
-    """The settings of the save before the time limit, then CHECKPOINT_BEFORE_END against the requeue signal: where
-    verl's last save would come after the job has requeued itself (the recipes and SAVE_FREQ<=0 never save before
-    the limit, so nothing to refuse there)."""
-    problems = save_deadline_setting_problems(s)
-    if problems or s.uses_recipe or s.save_freq <= 0:
-        return problems
+    """CHECKPOINT_BEFORE_END against the requeue signal, for settings `check` let through: where verl's last save
+    would come after the job has requeued itself (the recipes and SAVE_FREQ<=0 never save before the limit, so
+    nothing to refuse there)."""
     lead = signal_lead(env)
-    if lead is not None and s.checkpoint_before_end <= lead:
-        problems.append(
-            f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end} is not above the time-limit signal's lead ({lead} s), at "
-            "which the job requeues itself: set CHECKPOINT_BEFORE_END above it by at least a save"
-        )
-    return problems
+    if s.uses_recipe or s.save_freq <= 0 or lead is None or s.checkpoint_before_end > lead:
+        return []
+    return [
+        f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end} is not above the time-limit signal's lead ({lead} s), at "
+        "which the job requeues itself: set CHECKPOINT_BEFORE_END above it by at least a save"
+    ]

@@ -28,7 +28,7 @@ class SettingError(ValueError):
 ROLLOUT_GPU_MEMORY_HYBRID = 0.4
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 ROLLOUT_ROOM_FOR_REWARD = 0.25
-# SGLang engines per node the port block has room for (two ports each: launch/job/node.py), the refusal above it
+# SGLang engines per node the port block has room for (two ports each); launch/job/node.py refuses more
 SGLANG_MAX_GPUS = 16
 
 
@@ -214,15 +214,17 @@ class Settings:
     def overlong_penalty_factor(self) -> float:
         """DAPO's overlong penalty reaches this at MAX_RESPONSE_LENGTH. auto: half the reward range, as in DAPO
         (scores -1..1, factor 1.0); verl's default 1.0 would be about 1% of our -40..30."""
-        if self.overlong_penalty_factor_setting == "auto":
+        raw = self.overlong_penalty_factor_setting
+        if raw == "auto":
             low, high = self.reward_score_range
             return (high - low) / 2
         try:
-            return float(self.overlong_penalty_factor_setting)
+            value = float(raw)
         except ValueError:
-            raise SettingError(
-                f"OVERLONG_PENALTY_FACTOR={self.overlong_penalty_factor_setting!r}: use auto or a number"
-            ) from None
+            value = math.nan
+        if not value >= 0:
+            raise SettingError(f"OVERLONG_PENALTY_FACTOR={raw!r}: use auto or a number, 0 or more (a penalty size)")
+        return value
 
     @property
     def critic_cliprange_value(self) -> float:

@@ -110,8 +110,6 @@ def recompute_overrides(s: Settings, section: str) -> list[str]:
     reference inherits the actor's (ref.megatron.override_transformer_config is an oc.select of it, :170); its
     log-prob pass runs under no_grad, where the checkpointed forward saves nothing for a backward. The critic's block
     has its own nulls, not the actor's: it is set on its own."""
-    if s.megatron_recompute not in RECOMPUTE:
-        raise SettingError(f"MEGATRON_RECOMPUTE={s.megatron_recompute!r}: use one of {', '.join(RECOMPUTE)}")
     keys = RECOMPUTE[s.megatron_recompute]
     return [f"{section}.override_transformer_config.{key}={value}" for key, value in keys.items()]
 
@@ -149,8 +147,6 @@ def fused_kernels(s: Settings, extra: list[str] | None = None) -> tuple[bool, st
     import json
 
     setting = s.fused_kernels_setting
-    if setting not in ("auto", "on", "off"):
-        raise SettingError(f"FUSED_KERNELS={setting!r}: use one of auto, on, off")
     if setting == "off" or s.strategy != "megatron":
         return False, f"FUSED_KERNELS={setting}" + ("" if setting == "off" else ": STRATEGY=fsdp2 keeps verl's logits")
     try:
@@ -165,16 +161,6 @@ def fused_kernels(s: Settings, extra: list[str] | None = None) -> tuple[bool, st
     if setting == "auto":
         return False, f"FUSED_KERNELS=auto: {reason}"
     raise SettingError(f"FUSED_KERNELS=on, but {reason}: set FUSED_KERNELS=auto or off{fix}")
-
-
-# The Megatron reference's parameters in host memory between its log-prob passes (_actor_overrides); the update's
-# memory formula reads it (launch/plan/gpu_memory.py, update_plan).
-REF_PARAM_OFFLOAD = "actor_rollout_ref.ref.megatron.param_offload=True"
-
-
-def megatron_reference_offloaded(s: Settings) -> bool:
-    """Whether the command keeps the Megatron reference's weights off the GPU outside its log-prob pass."""
-    return s.strategy == "megatron" and REF_PARAM_OFFLOAD in _actor_overrides(s)
 
 
 def _actor_overrides(s: Settings) -> list[str]:
@@ -193,8 +179,9 @@ def _actor_overrides(s: Settings) -> list[str]:
             # do (ref.fsdp_config.param_offload below): verl's default keeps them on the GPU through the actor's
             # update. verl moves them back only for compute_ref_log_prob and out again after it
             # (megatron_workers.py:531-532 at init, :722-723 and :733-734 around the pass; megatron_utils.py:351-356,
-            # :377-383: the reference is not DDP-wrapped, each parameter's data moves).
-            REF_PARAM_OFFLOAD,
+            # :377-383: the reference is not DDP-wrapped, each parameter's data moves). gpu_memory.update_plan counts
+            # on it.
+            f"{a}.ref.megatron.param_offload=True",
             *_token_budgets(s),
         ]
     # verl's own FSDP examples (examples/*_trainer/*seq_balance*.sh, recipe/dapo): padding removed (flash-attention
