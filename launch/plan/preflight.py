@@ -466,27 +466,7 @@ def check_own_files(settings: Settings, cfg, reward_server) -> bool:
     )
 
 
-class _Tee:
-    """stderr that also goes to a file: the job's record of why its preflight failed (launch.watch.status reads it)."""
-
-    def __init__(self, stream, path: Path):
-        self.stream, self.file = stream, path.open("a", encoding="utf-8")
-
-    def write(self, text: str) -> int:
-        self.file.write(text)
-        self.file.flush()
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
 if __name__ == "__main__":
-    if os.environ.get("JOB_LOG_DIR") and Path(os.environ["JOB_LOG_DIR"]).is_dir():
-        sys.stderr = _Tee(sys.stderr, Path(os.environ["JOB_LOG_DIR"], "preflight.err"))
     code = main()
     # Python's own exit handlers, then the exit itself: the interpreter's teardown of what the checks imported (torch,
     # verl, megatron-core, transformers) takes seconds of native code after the last line, and frees nothing the OS
