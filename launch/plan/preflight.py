@@ -19,7 +19,7 @@ a fresh interpreter (launch.plan.trainer_imports) while the data and the reward 
    preference pairs with the job's CONFIG_REWARD_* format settings (stops when the model ranks them best in another
    format); with PREFLIGHT_REWARD=1 a reward server started for the check with those settings, and verl's reward
    manager calling our reward file by path on real validation rows with made-up responses, as after a rollout.
-On failure it prints verl's message (docs/trainer-command.md names the settings that feed each key).
+On failure it prints verl's message.
 """
 
 import atexit
@@ -343,7 +343,8 @@ def checked_config(settings: Settings, extra: list[str]) -> tuple[str, str, list
         validate(cfg)
     except Exception as exc:  # Hydra's and verl's own errors, reported as they are
         print(f"preflight: verl 0.6.1 rejects the trainer config ({module}, {name}):\n  {type(exc).__name__}: {exc}\n"
-              "  docs/trainer-command.md names the settings that feed each key", file=sys.stderr)  # fmt: skip
+              "  fix the override, or the setting that feeds the key (launch/plan/trainer_command.py builds each)",
+              file=sys.stderr)  # fmt: skip
         return None
     if refused(batch_problems(cfg) + parallel_problems(cfg) + rollout_problems(cfg), run_time=True):
         return None
