@@ -268,7 +268,10 @@ preflight() {
   if [[ -n "$gpus" && "$gpus" != "$CONFIG_GPUS_PER_NODE" ]]; then
     die "Slurm gave $gpus GPUs per node but CONFIG_GPUS_PER_NODE=$CONFIG_GPUS_PER_NODE: make #SBATCH --gpus-per-node match"
   fi
-  (cd "$repo" && "${wrap[@]}" python3 -m launch.plan.preflight "$@") ||
+  # Its stderr also goes to preflight.err, the job's record of why it failed (launch.watch.status reads it): through a
+  # pipe, complete when the pipeline ends (pipefail: the preflight's status); tee -i outlives a Ctrl-C to the preflight.
+  { (cd "$repo" && "${wrap[@]}" python3 -m launch.plan.preflight "$@") 2>&1 >&3 |
+    tee -ai "$job_log_dir/preflight.err" >&2; } 3>&1 ||
     die "the preflight failed (above: the settings, verl's config checks, the data or the reward check); nothing was started"
   # REWARD_PROMPT_OPENS_THINK=auto as the preflight read it from the chat template, for every node's trainer command.
   if [[ "$REWARD_PROMPT_OPENS_THINK" == auto && -f "$job_log_dir/prompt_opens_think" ]]; then

@@ -28,14 +28,10 @@ def test_the_settings_page_lists_every_setting_of_the_block_once_and_the_article
     assert all(s.section and s.comment for s in reference.block_settings()), "every setting has a section and a comment"
 
 
-def test_each_override_of_the_trainer_command_page_names_the_settings_that_move_it():
+def test_the_trainer_command_page_is_the_default_command_one_override_a_line_with_no_path_of_this_machine():
     lines = (REPO / "docs" / "trainer-command.md").read_text().split("```text\n", 1)[1].split("```", 1)[0].splitlines()
-    fed = {line.split("=", 1)[0]: line.split("# ", 1)[1] for line in lines[1:]}
     assert lines[0] == "python3 -m verl.trainer.main_ppo --config-path=config --config-name=ppo_megatron_trainer"
-    assert fed["data.train_batch_size"] == "TRAIN_BATCH_SIZE"
-    assert fed["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"] == "STRATEGY, ACTOR_PP"
-    assert fed["trainer.nnodes"] == "CONFIG_USE_SEPARATE_REWARD_NODE, #SBATCH --nodes"
-    assert fed["trainer.resume_mode"] == "every job (FIXED_OVERRIDES)"
+    assert "data.train_batch_size=256" in lines and "trainer.resume_mode=auto" in lines
     assert "/path/to/repo/reward_score/safe_hack_reward_request.py" in " ".join(lines), "no path of this machine"
     assert str(REPO) not in " ".join(lines)
 

@@ -3,7 +3,6 @@ launch.plan.settings that reads that same name with no default of its own."""
 
 import os
 import re
-from contextlib import ExitStack
 from dataclasses import MISSING, fields
 
 import pytest
@@ -214,7 +213,7 @@ def test_the_preflight_on_a_login_node_refuses_a_header_that_disagrees_with_the_
     monkeypatch.setattr(preflight, "REPO", tmp_path)
     env = block_environment() | {"CONFIG_GPUS_PER_NODE": "8", "PREFLIGHT_ONLY": "1", "PREFLIGHT_REWARD": "0"}
     login_environment(monkeypatch, env)
-    assert preflight.checks([], ExitStack()) == 1
+    assert preflight.main([]) == 1
     assert (
         "setting error: CONFIG_GPUS_PER_NODE=8, but line 7 of run_grpo_qwen3_4b_mega_verl.sh" in capsys.readouterr().err
     )
@@ -230,6 +229,6 @@ def test_the_login_node_check_plans_for_the_nodes_the_header_asks_for(tmp_path, 
     monkeypatch.setattr(preflight, "REPO", tmp_path)
     env = block_environment() | {"CONFIG_USE_SEPARATE_REWARD_NODE": "true", "PREFLIGHT_ONLY": "1"}
     login_environment(monkeypatch, env)
-    assert preflight.checks([], ExitStack()) == 1  # the block's model and data paths are not here
+    assert preflight.main([]) == 1  # the block's model and data paths are not here
     err = capsys.readouterr().err
     assert ("needs at least 2 nodes (the last one runs only reward servers); this job has 1" in err) == refused, err

@@ -108,10 +108,9 @@ def test_the_reward_function_follows_what_it_is_told_and_refuses_an_unresolved_a
     assert client.split_answer(response, told_true.opens_think).penalty_reason == "no_think_close"
 
 
-def test_the_trainer_command_page_shows_the_value_and_names_the_setting():
+def test_the_trainer_command_page_shows_the_value():
     lines = (REPO / "docs" / "trainer-command.md").read_text().splitlines()
-    (line,) = [x for x in lines if x.startswith(KEY + "=")]
-    assert line.startswith(KEY + "=True ") and line.endswith("# REWARD_PROMPT_OPENS_THINK")
+    assert KEY + "=True" in lines
 
 
 def test_the_command_the_helper_builds_on_the_head_node_carries_the_value(instruct_policy):

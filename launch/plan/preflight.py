@@ -19,7 +19,7 @@ a fresh interpreter (launch.plan.trainer_imports) while the data and the reward 
    preference pairs with the job's CONFIG_REWARD_* format settings (stops when the model ranks them best in another
    format); with PREFLIGHT_REWARD=1 a reward server started for the check with those settings, and verl's reward
    manager calling our reward file by path on real validation rows with made-up responses, as after a rollout.
-On failure it prints verl's message (docs/trainer-command.md names the settings that feed each key).
+On failure it prints verl's message.
 """
 
 import atexit
@@ -237,13 +237,6 @@ def report_steps(cfg, train_rows: int | None) -> bool:
     return not problems
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Every check, in the order that fails cheapest first; one line per problem, naming what to change. What runs in
-    the background (the check's reward server, the trainer's imports) is stopped whatever the outcome."""
-    with ExitStack() as background:
-        return checks(sys.argv[1:] if argv is None else argv, background)
-
-
 def refused(problems: list[str], run_time: bool = False) -> bool:
     """Print each problem, as a refused setting or (`run_time`) as what verl would stop at after the queue and the
     model load; True when there was any, and the caller returns 1."""
@@ -253,49 +246,52 @@ def refused(problems: list[str], run_time: bool = False) -> bool:
     return bool(problems)
 
 
-def checks(extra: list[str], background: ExitStack) -> int:
-    """main's checks; `background` stops the processes they start alongside."""
-    settings = checked_settings()
-    if settings is None:
-        return 1
-    # A requeued start skips what its first start's checks ran in full where nothing they read has changed
-    record, now = first_start_record(os.environ), fingerprint(settings, extra)
-    full = record is None or not skip_expensive(now, record, os.environ.get("SLURM_RESTART_COUNT", ""))
-    reward_server = None
-    if full and os.environ.get("PREFLIGHT_REWARD", "1") == "1" and settings.uses_reward_model:  # loads meanwhile
-        reward_server = begin_reward_server(settings)
-        background.callback(stop_process, reward_server.proc, 30)
-    lines, warnings = plan(settings, os.environ)
-    for line in lines:
-        print(f"preflight: save before the time limit: {line}")
-    for warning in warnings:
-        print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
-    composed = checked_config(settings, extra)
-    if composed is None:
-        return 1
-    module, name, overrides, cfg = composed
-    report_config(settings, extra, cfg, f"{module} --config-name={name} with {len(overrides)} overrides")
-    if not memory_fits(settings, extra, cfg):
-        return 1
-    imports, modules = None, []
-    if full and trainer_runs_verl():
-        if refused(ray_cpu_problems(cfg, os.environ), run_time=True):
+def main(argv: list[str] | None = None) -> int:
+    """Every check, in the order that fails cheapest first; one line per problem, naming what to change. What runs in
+    the background (the check's reward server, the trainer's imports) is stopped whatever the outcome."""
+    extra = sys.argv[1:] if argv is None else argv
+    with ExitStack() as background:
+        settings = checked_settings()
+        if settings is None:
             return 1
-        modules = trainer_modules(module, cfg)
-        imports = start_import_check(modules)  # alongside the checks of the user's own files below
-        background.callback(stop_process, imports, 5)
-    elif full:
-        print(
-            f"preflight: WARNING: TRAINER_IS_VERL=0: TRAINER_LAUNCHER={os.environ.get('TRAINER_LAUNCHER')} runs no verl "
-            "trainer, so verl's imports and the Ray CPUs verl holds are not checked",
-            file=sys.stderr,
-        )
-    own_files_pass = check_own_files(settings, cfg, reward_server)
-    if not (report_imports(imports, modules, cfg, own_files_pass) and own_files_pass):
-        return 1
-    if full:
-        keep(record, now)
-    return 0
+        # A requeued start skips what its first start's checks ran in full where nothing they read has changed
+        record, now = first_start_record(os.environ), fingerprint(settings, extra)
+        full = record is None or not skip_expensive(now, record, os.environ.get("SLURM_RESTART_COUNT", ""))
+        reward_server = None
+        if full and os.environ.get("PREFLIGHT_REWARD", "1") == "1" and settings.uses_reward_model:  # loads meanwhile
+            reward_server = begin_reward_server(settings)
+            background.callback(stop_process, reward_server.proc, 30)
+        lines, warnings = plan(settings, os.environ)
+        for line in lines:
+            print(f"preflight: save before the time limit: {line}")
+        for warning in warnings:
+            print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
+        composed = checked_config(settings, extra)
+        if composed is None:
+            return 1
+        module, name, overrides, cfg = composed
+        report_config(settings, extra, cfg, f"{module} --config-name={name} with {len(overrides)} overrides")
+        if not memory_fits(settings, extra, cfg):
+            return 1
+        imports, modules = None, []
+        if full and trainer_runs_verl():
+            if refused(ray_cpu_problems(cfg, os.environ), run_time=True):
+                return 1
+            modules = trainer_modules(module, cfg)
+            imports = start_import_check(modules)  # alongside the checks of the user's own files below
+            background.callback(stop_process, imports, 5)
+        elif full:
+            print(
+                f"preflight: WARNING: TRAINER_IS_VERL=0: TRAINER_LAUNCHER={os.environ.get('TRAINER_LAUNCHER')} runs "
+                "no verl trainer, so verl's imports and the Ray CPUs verl holds are not checked",
+                file=sys.stderr,
+            )
+        own_files_pass = check_own_files(settings, cfg, reward_server)
+        if not (report_imports(imports, modules, cfg, own_files_pass) and own_files_pass):
+            return 1
+        if full:
+            keep(record, now)
+        return 0
 
 
 def checked_settings() -> Settings | None:
@@ -343,7 +339,8 @@ def checked_config(settings: Settings, extra: list[str]) -> tuple[str, str, list
         validate(cfg)
     except Exception as exc:  # Hydra's and verl's own errors, reported as they are
         print(f"preflight: verl 0.6.1 rejects the trainer config ({module}, {name}):\n  {type(exc).__name__}: {exc}\n"
-              "  docs/trainer-command.md names the settings that feed each key", file=sys.stderr)  # fmt: skip
+              "  fix the override, or the setting that feeds the key (launch/plan/trainer_command.py builds each)",
+              file=sys.stderr)  # fmt: skip
         return None
     if refused(batch_problems(cfg) + parallel_problems(cfg) + rollout_problems(cfg), run_time=True):
         return None
@@ -363,12 +360,9 @@ def report_config(settings: Settings, extra: list[str], cfg, command: str) -> No
         # For the run script to hand on (run_grpo_qwen3_4b_mega_verl.sh, preflight): the head node then builds the
         # trainer command without reading the template again (transformers' import alone takes seconds).
         Path(os.environ["JOB_LOG_DIR"], "prompt_opens_think").write_text(str(opens).lower() + "\n")
-    print(
-        f"preflight: thinking: {source}; the reward function gets prompt_opens_think="
-        f"{cfg.custom_reward_function.reward_kwargs.prompt_opens_think} (a response without </think> "
-        + ("is cut off mid-reasoning: the penalty)" if cfg.custom_reward_function.reward_kwargs.prompt_opens_think
-           else "is all answer)")
-    )  # fmt: skip
+    told = cfg.custom_reward_function.reward_kwargs.prompt_opens_think
+    print(f"preflight: thinking: {source}; the reward function gets prompt_opens_think={told} (a response without "
+          f"</think> {'is cut off mid-reasoning: the penalty' if told else 'is all answer'})")  # fmt: skip
     print(
         f"preflight: {command} composes and passes verl's checks "
         f"(adv_estimator={cfg.algorithm.adv_estimator}, reward_manager={cfg.reward_model.reward_manager}, "
@@ -412,10 +406,13 @@ def memory_fits(settings: Settings, extra: list[str], cfg) -> bool:
 
 def report_imports(imports: subprocess.Popen | None, modules: list[str], cfg, own_files_pass: bool) -> bool:
     """What the trainer's imports (started alongside the user's files' checks) found, said after those checks; False
-    where they fail here. On the login node without the image they are listed as not checked: the job's own preflight
-    checks them on its node, in the image, before anything starts."""
+    where they fail here. On the login node without the image (the README's check: PREFLIGHT_ONLY=1 with CONTAINER=none
+    outside a Slurm job, where the engine and verl's recipes, which live in the image, need not import) they are listed
+    as not checked: the job's own preflight checks them on its node, in the image, before anything starts."""
     findings = [] if imports is None else import_problems(modules, cfg.actor_rollout_ref.rollout.name, started=imports)
-    unchecked, findings = (findings, []) if login_node_without_image(os.environ) else ([], findings)
+    env = os.environ
+    login = env.get("PREFLIGHT_ONLY") == "1" and env.get("CONTAINER") == "none" and not env.get("SLURM_JOB_ID")
+    unchecked, findings = (findings, []) if login else ([], findings)
     for finding in unchecked:
         print(f"preflight: not checked here (CONTAINER=none outside a job; the job's own preflight checks it on its "
               f"node before anything starts): the trainer's imports: {finding}")  # fmt: skip
@@ -426,12 +423,6 @@ def report_imports(imports: subprocess.Popen | None, modules: list[str], cfg, ow
     if imports is not None and not findings and not unchecked:
         print(f"preflight: the trainer's modules import here: {', '.join(modules)}")
     return not findings
-
-
-def login_node_without_image(env) -> bool:
-    """The README's login-node check: PREFLIGHT_ONLY=1 with CONTAINER=none outside a Slurm job, where the engine
-    (SGLang, vLLM) and verl's recipes, which live in the image, need not import."""
-    return env.get("PREFLIGHT_ONLY") == "1" and env.get("CONTAINER") == "none" and not env.get("SLURM_JOB_ID")
 
 
 def check_own_files(settings: Settings, cfg, reward_server) -> bool:
@@ -466,27 +457,7 @@ def check_own_files(settings: Settings, cfg, reward_server) -> bool:
     )
 
 
-class _Tee:
-    """stderr that also goes to a file: the job's record of why its preflight failed (launch.watch.status reads it)."""
-
-    def __init__(self, stream, path: Path):
-        self.stream, self.file = stream, path.open("a", encoding="utf-8")
-
-    def write(self, text: str) -> int:
-        self.file.write(text)
-        self.file.flush()
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
 if __name__ == "__main__":
-    if os.environ.get("JOB_LOG_DIR") and Path(os.environ["JOB_LOG_DIR"]).is_dir():
-        sys.stderr = _Tee(sys.stderr, Path(os.environ["JOB_LOG_DIR"], "preflight.err"))
     code = main()
     # Python's own exit handlers, then the exit itself: the interpreter's teardown of what the checks imported (torch,
     # verl, megatron-core, transformers) takes seconds of native code after the last line, and frees nothing the OS

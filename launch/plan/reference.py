@@ -6,8 +6,7 @@
 Each page's generated part sits between the GENERATED marker lines; its prose around them is written by hand and kept.
 docs/settings.md's part is the run script's settings block as tables: each setting's section, default and comment
 exactly as the block has them. docs/trainer-command.md's is the trainer command the defaults make, one override per
-line, each with the settings that feed it (found by changing one setting at a time and seeing which overrides move).
-tests/test_docs.py runs `check`.
+line. tests/test_docs.py runs `check`.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.plan.settings import REPO, SettingError, Settings
-from launch.plan.trainer_command import FIXED_OVERRIDES, trainer_argv
+from launch.plan.settings import REPO, Settings
+from launch.plan.trainer_command import trainer_argv
 
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
 SETTINGS_PAGE = REPO / "docs" / "settings.md"
@@ -95,87 +94,22 @@ def settings_page() -> str:
     return with_generated(SETTINGS_PAGE, "\n".join(lines) + "\n")
 
 
-# Values that change a setting without breaking the command: a number or path becomes another, an enumeration takes
-# another of its values. Settings with no entry (and those that need what this machine lacks) are not traced.
-_OTHER_VALUES = {"ALGORITHM": ["ppo", "dapo"], "STRATEGY": ["fsdp2"], "ROLLOUT_MODE": ["sync"],
-                 "ROLLOUT_ENGINE": ["vllm"], "REWARD_MANAGER": ["naive"], "TRAINER_LOGGER": ["[console]"],
-                 "ESI_REDUNDANT_TIME": ["77"], "MEGATRON_RECOMPUTE": ["selective"], "ROLLOUT_GPU_MEMORY": ["0.5"],
-                 "FUSED_KERNELS": ["off"]}  # fmt: skip
-# What moves a key besides the block: Slurm's node count (the #SBATCH line or sbatch --nodes).
-_OUTSIDE_THE_BLOCK = {"#SBATCH --nodes": {"SLURM_NNODES": "3"}}
-_NOT_A_SETTING = {
-    "custom_reward_function.path": "always this repository's reward function",
-    "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook": "every job: the save on preemption (operations.md)",
-} | {
-    key: "every job: micro-batches by token count (training.md)"
-    for key in ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "critic.use_dynamic_bsz")
-}  # fmt: skip
 DEFAULT_POLICY_OPENS_THINK = "true"  # what REWARD_PROMPT_OPENS_THINK=auto reads from Qwen3-4B-Thinking-2507's template
 # What FUSED_KERNELS=auto makes of Qwen3-4B's config.json (hidden 2560, tied) at the default ACTOR_PP=2
 # (trainer_command.fused_kernels); on keeps them where the config is not here.
 DEFAULT_POLICY_FUSED_KERNELS = "on"
 
 
-def _other_values(name: str, value: str) -> list[str]:
-    if name in _OTHER_VALUES:
-        return _OTHER_VALUES[name]
-    if re.fullmatch(r"-?[0-9]+", value):
-        return [str(int(value) + 7)]
-    if re.fullmatch(r"[0-9.e+-]+", value):
-        return ["0.123"]
-    if value in ("true", "false"):
-        return ["false" if value == "true" else "true"]
-    if value.startswith("/"):
-        return ["/elsewhere" + value]
-    return [value + "_other"] if value else []
-
-
-def _key_values(argv: list[str]) -> dict[str, str]:
-    return dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("--"))
-
-
-def _changed_by(defaults: dict[str, str]) -> dict[str, list[str]]:
-    """For each override key of the default command, the settings whose change moves it."""
-    base = _key_values(trainer_argv(Settings.from_env(defaults)))
-    fed: dict[str, list[str]] = {k: [] for k in base}
-    changes = [(s.name, {s.name: other}) for s in block_settings() for other in _other_values(s.name, defaults[s.name])]
-    for name, change in [*changes, *_OUTSIDE_THE_BLOCK.items()]:
-        try:
-            moved = _key_values(trainer_argv(Settings.from_env(defaults | change)))
-        except (SettingError, ValueError):
-            continue
-        for key, val in base.items():
-            if moved.get(key) != val and name not in fed[key]:
-                fed[key].append(name)
-    return fed
-
-
 def command_page() -> str:
-    """docs/trainer-command.md: the default GRPO command, one override per line, with what feeds each."""
+    """docs/trainer-command.md: the default GRPO command, one override per line."""
     placeholder = "/path/to/repo"
     # auto reads the policy's chat template, which is not here: the page shows what it reads from the default
     # policy's, Qwen3-4B-Thinking-2507's (its generation prompt ends in <think>).
     defaults = block_defaults(placeholder) | {"REWARD_PROMPT_OPENS_THINK": DEFAULT_POLICY_OPENS_THINK,
                                               "FUSED_KERNELS": DEFAULT_POLICY_FUSED_KERNELS}  # fmt: skip
     argv = [a.replace(str(REPO), placeholder) for a in trainer_argv(Settings.from_env(defaults))]  # the reward file
-    fed = _changed_by(defaults)
-    fixed = {a.split("=", 1)[0] for a in FIXED_OVERRIDES}
     entry = [a for a in argv if "=" not in a or a.startswith("--")]
-    overrides = [a for a in argv if a not in entry]
-    width = max(len(a) for a in overrides) + 2
-    body = [f"python3 {' '.join(entry)}"]  # TRAINER_LAUNCHER's default
-    for a in overrides:
-        key = a.split("=", 1)[0]
-        if fed.get(key):
-            why = ", ".join(fed[key])
-        elif key in _NOT_A_SETTING:
-            why = _NOT_A_SETTING[key]
-        elif key in fixed:
-            why = "every job (FIXED_OVERRIDES)"
-        else:
-            why = "the algorithm's own value (ALGORITHM)"
-        body.append(f"{a.ljust(width)}# {why}")
+    body = [f"python3 {' '.join(entry)}", *(a for a in argv if a not in entry)]  # TRAINER_LAUNCHER's default
     return with_generated(COMMAND_PAGE, "\n".join(["```text", *body, "```", ""]))
 
 
