@@ -197,14 +197,10 @@ def reward_round_trip(timeout: float = 180.0) -> list[str]:
     return []
 
 
-def read_pins(path: Path) -> dict[str, str]:
-    return read_pins_text(path.read_text())
-
-
-def read_pins_text(text: str) -> dict[str, str]:
-    """`name==version` lines (pip list --format=freeze) as {normalised name: version}."""
+def read_pins(source: Path | str) -> dict[str, str]:
+    """`name==version` lines (a file, or pip list --format=freeze's text) as {normalised name: version}."""
     pins = {}
-    for line in text.splitlines():
+    for line in (source.read_text() if isinstance(source, Path) else source).splitlines():
         line = line.split("#", 1)[0].strip()
         if "==" in line:
             name, version = line.split("==", 1)
@@ -264,7 +260,7 @@ def record_base(folder: Path) -> None:
 
 
 def check_base_untouched(folder: Path) -> list[str]:
-    after = read_pins_text(pip_listing())
+    after = read_pins(pip_listing())
     before = read_pins(folder / "base-packages.txt")
     problems = [f"the build changed a base package: {m}" for m in moved_packages(before, after)]
     added = sorted(set(after) - set(before))
