@@ -2,7 +2,7 @@
 see in which one the model ranks them best: a model scored as it was trained ranks its held-out pairs best.
 
     python -m reward_score.check_format MODEL PAIRS                    # PAIRS: .jsonl or .parquet
-    python -m reward_score.check_format MODEL PAIRS --device cuda --limit 300 --input completion
+    python -m reward_score.check_format MODEL PAIRS --device cuda --input completion
 
 PAIRS is a preference dataset in one of TRL's own layouts (a few hundred pairs the model was NOT trained on):
   {"chosen": [{"role": "user", ...}, {"role": "assistant", ...}], "rejected": [...]}      conversations
@@ -371,11 +371,11 @@ def format_report(report: Report, model: str, pairs_path: str, device: str) -> s
     return "\n".join(lines)
 
 
-def load_scorer(model: str, device: str, max_length: int):
+def load_scorer(model: str, device: str):
     from reward_score.server.runner import RewardScorer
 
     # No compile: one pass over a few hundred pairs does not pay for it.
-    return RewardScorer.load(Settings(model_path=model, device=device, max_length=max_length, compile="off"))
+    return RewardScorer.load(Settings(model_path=model, device=device, compile="off"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -386,8 +386,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("model", help="the reward model's folder (what the server's --model-path gets)")
     parser.add_argument("pairs", type=Path, help="preference pairs, .jsonl or .parquet, in TRL's layouts (above)")
     parser.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto [default auto]")
-    parser.add_argument("--limit", type=int, default=0, help="score only the first N pairs (0: all)")
-    parser.add_argument("--max-length", type=int, default=Settings().max_length, help="as REWARD_MAX_LENGTH")
     defaults = Settings()
     for name, (env, launch) in FORMAT_SETTINGS.items():
         parser.add_argument(
@@ -399,9 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"check_format: {problem.replace('REWARD_MODEL_PATH (or --model-path)', 'MODEL')}", file=sys.stderr)
         return 2
     try:
-        rows = read_rows(args.pairs)
-        layout, pairs = parse_pairs(rows[: args.limit] if args.limit > 0 else rows)
-        scorer = load_scorer(args.model, args.device, args.max_length)
+        layout, pairs = parse_pairs(read_rows(args.pairs))
+        scorer = load_scorer(args.model, args.device)
         given = {k: getattr(args, k) for k in FORMAT_SETTINGS}
         report = evaluate(scorer, layout, pairs, given)
     except PairsError as exc:

@@ -105,7 +105,7 @@ def labelled(tiny_models, tmp_path_factory):
 
 
 def test_the_format_the_pairs_were_ranked_in_is_recommended(tiny_models, labelled):
-    scorer = load_scorer(str(tiny_models.reward_model), "cpu", 4096)
+    scorer = load_scorer(str(tiny_models.reward_model), "cpu")
     report = evaluate(scorer, *parse_pairs(read_rows(labelled)))
     best, other = report.results
     assert best.settings["input"] == "completion" and best.right == best.n == 24

@@ -5,22 +5,28 @@ its async rollout servers stops working.
 REWARD_STACK=oldest and requirements/reward-oldest.txt installed first on PYTHONPATH (the base images' versions).
 """
 
+import asyncio
 import importlib.metadata
+import json
+import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from launch.plan.image_check import UVICORN_FIRST_BREAKING, read_pins, verl_style_server_listens
+from launch.plan.image_check import UVICORN_FIRST_BREAKING, read_pins
+from launch.plan.procs import http_get
 from tests.support import REPO
 
 REQ = REPO / "requirements"
 STACK = os.environ.get("REWARD_STACK", "newest")
 WEB_STACK = ("fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "prometheus-client", "requests")
 MODEL_STACK = ("transformers", "tokenizers", "huggingface-hub")  # the oldest set only: the newest is verl's pin
-LINE = Version(".".join(map(str, UVICORN_FIRST_BREAKING)))
+LINE = Version(UVICORN_FIRST_BREAKING)
 
 
 def declared(stack: str) -> dict[str, str]:
@@ -62,8 +68,50 @@ def test_the_two_stacks_lie_on_either_side_of_the_uvicorn_line():
         assert Version(read_pins(REQ / "base-images" / f"{base}.txt")["uvicorn"]) < LINE, base
 
 
+def verl_style_server_listens(timeout: float = 20.0) -> bool:
+    """Start a FastAPI app with verl's own run_unvicorn, as its async rollout servers are, and GET it once."""
+    from fastapi import FastAPI
+    from verl.workers.rollout.utils import run_unvicorn
+
+    app = FastAPI()
+
+    @app.get("/ping")
+    def ping() -> dict:
+        return {"pong": True}
+
+    started: dict = {}
+    stop = threading.Event()
+
+    def serve() -> None:
+        async def main() -> None:
+            port, _task = await run_unvicorn(app, None, "127.0.0.1")
+            started["port"] = port
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while "port" not in started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "port" in started, f"verl's run_unvicorn did not return within {timeout:.0f} s"
+    time.sleep(0.3)  # a server that shuts itself down does so right after start-up
+    try:
+        status, body = http_get(f"http://127.0.0.1:{started['port']}/ping", timeout=5)
+        return status == 200 and json.loads(body) == {"pong": True}
+    except OSError:
+        return False
+    finally:
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # its lifespan task is cancelled on stop
+        stop.set()
+        thread.join(timeout=5)
+
+
 def test_verl_run_unvicorn_keeps_listening_exactly_below_uvicorn_0_41():
-    """verl 0.6.1's own run_unvicorn (the installed verl) with this stack's uvicorn: listening or closed at once."""
+    """verl 0.6.1's own run_unvicorn (the installed verl) with this stack's uvicorn: listening or closed at once. The
+    image check compares the uvicorn version with this line, measured here on both sides of it."""
     uvicorn_version = Version(importlib.metadata.version("uvicorn"))
     assert verl_style_server_listens() == (uvicorn_version < LINE), f"uvicorn {uvicorn_version}"
 

@@ -143,7 +143,7 @@ def reports(trained):
     def report(case):
         if case not in cache:
             rows, model, _ = trained[case]
-            cache[case] = evaluate(load_scorer(str(model), "cpu", 4096), *parse_pairs(rows))
+            cache[case] = evaluate(load_scorer(str(model), "cpu"), *parse_pairs(rows))
         return cache[case]
 
     return report

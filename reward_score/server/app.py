@@ -125,39 +125,6 @@ def _peak_gpu_bytes(scorer) -> float:
     return float(scorer.torch.cuda.max_memory_reserved(scorer.device))
 
 
-class _BodyLimit:
-    """Pure ASGI middleware: 413 for a body over `limit` bytes, by Content-Length or while it streams in."""
-
-    def __init__(self, app, limit: int, on_reject=None):
-        self.app, self.limit, self.on_reject = app, limit, on_reject
-
-    def _error(self):
-        if self.on_reject:
-            self.on_reject()
-        return HTTPException(413, detail=f"request body over {self.limit} bytes (REWARD_MAX_BODY_BYTES)")
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            error = self._error()
-            return await JSONResponse({"detail": error.detail}, status_code=413)(scope, receive, send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    # An HTTPException passes through FastAPI's body parsing and becomes this 413.
-                    raise self._error()
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
 # --- the app -------------------------------------------------------------------------------------------------
 
 
@@ -323,11 +290,6 @@ def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAP
     """The FastAPI app. The model loads in the lifespan (or `scorer` is used as given, for tests)."""
     server = _Server(settings, scorer)
     app = FastAPI(title="reward model server", lifespan=server.lifespan)
-    app.add_middleware(
-        _BodyLimit,
-        limit=settings.max_body_bytes,
-        on_reject=lambda: server.metrics.errors.labels("body_too_large").inc(),
-    )
     _add_error_handlers(app, server.metrics)
     _add_routes(app, server)
     return app

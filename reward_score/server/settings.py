@@ -35,7 +35,6 @@ class Settings:
     compile: Literal["auto", "layers", "off"] = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
     cudnn_attention: Literal["auto", "off"] = "auto"
-    max_body_bytes: int = 64 * 1024 * 1024
     auth_token: str = ""
     log_level: str = "info"
 
@@ -54,7 +53,7 @@ SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, fl
     "append_eos": ("REWARD_APPEND_EOS", "auto|true|false", "plain text: append EOS (auto: for conversation)"),
     "max_length": ("REWARD_MAX_LENGTH", "TOKENS", "tokens scored per pair; longer input keeps its last tokens"),
     "auth_token": ("REWARD_SERVER_TOKEN", "TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
-    # --help-all only: logging, how the GPU thread batches, how the layers run, the warm-up, request limits
+    # --help-all only: logging, how the GPU thread batches, how the layers run, the warm-up
     "log_level": ("REWARD_LOG_LEVEL", "LEVEL", "debug | info | warning"),
     "pack": ("REWARD_PACK", "auto|off", "auto (models up to Qwen3-1.7B's size: several sequences to a padded row "
              "where that saves a fifth of the rows, each attending only to itself) | off"),
@@ -66,7 +65,6 @@ SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, fl
                         "mem-efficient)"),
     "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no "
                        "cap)"),
-    "max_body_bytes": ("REWARD_MAX_BODY_BYTES", "BYTES", "request body size at most"),
 }  # fmt: skip
 # What `--help` shows (FIRST), in this order: the model, where it serves, the format it was trained in, what is scored.
 _GROUPS = {
@@ -80,7 +78,7 @@ USAGE = "reward_server --model-path DIR [--device DEVICE] [--port PORT] [--input
 DESCRIPTION = """Scores (prompt, response) pairs over HTTP as TRL trained the reward model (docs/reward.md).
   python reward_score/reward_server.py --model-path /models/Unsafe-Reward-Qwen3-1.7B --device cuda:0
 Each flag has a REWARD_* environment variable (in brackets); the flag wins."""
-EPILOG = """Batching, kernels, warm-up, logging and request limits: --help-all (measured defaults; docs/reward.md)."""
+EPILOG = """Batching, kernels, warm-up and logging: --help-all (measured defaults; docs/reward.md)."""
 
 
 # The values of each setting of a few (a Literal in Settings), as load_settings checks them; the input format's are
@@ -89,10 +87,11 @@ CHOICES = {f.name: get_args(f.type) for f in fields(Settings) if get_origin(f.ty
 
 
 # Settings removed in issue #61 (for want of a measured gain, benchmarks/README.md; the request limits, now app.py's
-# pydantic limits; REWARD_TRUNCATION=reject, whose 413 failed the job's step): one still set is refused, not ignored.
+# pydantic limits; REWARD_TRUNCATION=reject and REWARD_MAX_BODY_BYTES, whose 413 failed the job's step): one still set
+# is refused, not ignored.
 REMOVED = ("REWARD_TOKEN_BUDGET", "REWARD_MAX_BATCH_ROWS", "REWARD_PAD_MULTIPLE", "REWARD_MAX_WAIT_MS",
            "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP", "REWARD_FUSE", "REWARD_MAX_ITEMS",
-           "REWARD_MAX_CHARS", "REWARD_TRUNCATION")  # fmt: skip
+           "REWARD_MAX_CHARS", "REWARD_TRUNCATION", "REWARD_MAX_BODY_BYTES")  # fmt: skip
 
 
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
@@ -144,9 +143,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         problems.append(f"REWARD_GPU_MEMORY_GIB must be 0 (no cap) or a size in GiB, got {settings.gpu_memory_gib}")
     if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):
         problems.append(f"REWARD_DEVICE must be cpu, cuda, cuda:N or auto, got {settings.device!r}")
-    for name in ("max_length", "max_body_bytes"):
-        if getattr(settings, name) < 1:
-            problems.append(f"{SETTINGS[name][0]} must be at least 1, got {getattr(settings, name)}")
+    if settings.max_length < 1:
+        problems.append(f"REWARD_MAX_LENGTH must be at least 1, got {settings.max_length}")
     if problems:
         parser.error("; ".join(problems))
     return settings
