@@ -83,10 +83,7 @@ run_canary() {
   if canary_train train "$@"; then
     canary_train resume "$@" || true
     canary_merge || true  # needs only a checkpoint: a failed resume still leaves step 2's to merge
-  else
-    canary_py skip resume --because "needs stage 1 (train), which failed" --results "$canary_logs/results.jsonl"
-    canary_py skip merge --because "needs stage 1 (train), which failed" --results "$canary_logs/results.jsonl"
-  fi
+  fi # else the summary shows resume and merge skipped
   canary_py summary --results "$canary_logs/results.jsonl" | tee "$canary_logs/summary.txt" || rc=$?
   if ((rc == 0)) && [[ "$CANARY_KEEP" != 1 ]]; then
     log "removing the canary's checkpoints and merged model ($(du -sh "$canary_dir" | cut -f1)): CANARY_KEEP=1 keeps them"
