@@ -66,12 +66,12 @@ canary_train() {
     --ckpt "$CONFIG_OUTPUT_DIR" --results "$canary_logs/results.jsonl"
 }
 
-# canary_merge: merge_mcore_to_hf.sh itself on the canary's latest checkpoint, with its verification (and a load).
+# canary_merge: merge_mcore_to_hf.sh itself on the canary's latest checkpoint, with its verification and numeric check.
 canary_merge() {
   local start=$SECONDS rc=0 target="$canary_dir/hf_model"
   log_phase "canary: stage merge, log in $canary_logs/merge.log"
   run_logged "$canary_logs/merge.log" env CKPT_ROOT="$CONFIG_OUTPUT_DIR" STEP=latest ROLE=actor \
-    TARGET_DIR="$target" VERIFY_LOAD=1 bash "$repo/merge_mcore_to_hf.sh" || rc=$?
+    TARGET_DIR="$target" bash "$repo/merge_mcore_to_hf.sh" || rc=$?
   canary_py check merge --rc "$rc" --seconds $((SECONDS - start)) --log "$canary_logs/merge.log" \
     --ckpt "$CONFIG_OUTPUT_DIR" --target "$target" --results "$canary_logs/results.jsonl"
 }
