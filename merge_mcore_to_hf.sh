@@ -37,7 +37,6 @@ CKPT_ROOT="${CKPT_ROOT:-$CONFIG_OUTPUT_DIR}"                     # the trainer's
 STEP="${STEP:-latest}"                                           # latest (the tracker file) or a step number
 ROLE="${ROLE:-actor}"                                            # actor | critic (needs hf_model saved: docs/merge.md)
 TARGET_DIR="${TARGET_DIR:-}"                                     # empty: $repo/hf_models/<run>-step<N>[-critic]
-VERIFY_LOAD="${VERIFY_LOAD:-0}"                                  # 1: also load the result with transformers (meta)
 NUMERIC_CHECK="${NUMERIC_CHECK:-1}"                              # 1: compare its log-probs with the checkpoint's; 0: skip
 # ------------------------------------------------------------------------------------------------------------------
 # Not a setting: what runs `-m verl.model_merger ...` (demo/megatron_merger on a CPU; the tests' stand-in).
@@ -84,10 +83,7 @@ resolve_step() {
 # decide_tie: the actor's tie_word_embeddings as transformers reads config.json (no key: the model type's default).
 decide_tie() {
   tie=false
-  if [[ "$ROLE" == critic ]]; then
-    log "critic: its output layer is the [1, hidden] value head, never tied (verl builds the critic untied)"
-    return
-  fi
+  [[ "$ROLE" == actor ]] || return 0 # a critic's output layer is its [1, hidden] value head: verl builds it untied
   tie=$(cd "$repo" && "${wrap[@]}" python3 -m launch.merge.verify_hf "$step_dir/huggingface" --show-tie) ||
     die "transformers cannot read $step_dir/huggingface/config.json (output above): is it verl's save of this model?"
   log "tied embeddings: $tie (config.json says so, as transformers reads it)"
@@ -106,10 +102,9 @@ checkpoint_backend() {
 # refuse_critic_merge: verl 0.6.1 cannot merge a Megatron critic's dist checkpoint into a value model (an FSDP one can).
 refuse_critic_merge() {
   [[ "$ROLE" == critic && "$(checkpoint_backend)" == megatron ]] && ! has_hf_weights || return 0
-  die "ROLE=critic: $step_dir is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json) with no Hugging Face" \
-    "weights, and verl/model_merger/megatron_model_merger.py always builds a causal LM (value=False): the value head" \
-    "would be lost (docs/merge.md). Resuming needs no merge; for a value model, train with the Hydra override" \
-    "'critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]' and merge a step saved with it. Nothing was written."
+  die "ROLE=critic: $step_dir is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json) without HF weights, and" \
+    "verl/model_merger/megatron_model_merger.py builds a causal LM (value=False), losing the value head: train with" \
+    "'critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]' and merge a step saved with it (docs/merge.md)"
 }
 
 # move_into_place SRC DEST: rename SRC to DEST only when nothing is there: mkdir claims the name, rename(2) replaces
@@ -144,21 +139,15 @@ merge() {
     log_phase "merging: ${cmd[*]}"
     "${wrap[@]}" "${cmd[@]}" || { rm -rf "$tmp"; die "the merger failed (output above); nothing was written to $TARGET_DIR"; }
   fi
-  local -a verify=(python3 -m launch.merge.verify_hf "$tmp")
+  local ok=1 model=(--tied "$tie")
   if [[ "$ROLE" == critic ]]; then
-    verify+=(--value-model)
-  else
-    verify+=(--tied "$tie")
-  fi
-  [[ "$VERIFY_LOAD" == 1 ]] && verify+=(--load)
-  local ok=1
-  if [[ "$ROLE" == critic ]]; then
+    model=(--value-model)
     log_phase "converting verl's critic save into a value model (launch/merge/critic_to_hf.py)"
     (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.critic_to_hf "$tmp") || ok=0
   fi
   if ((ok)); then
     log_phase "verifying"
-    (cd "$repo" && "${wrap[@]}" "${verify[@]}") || ok=0
+    (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.verify_hf "$tmp" "${model[@]}") || ok=0
   fi
   if ((ok)) && [[ "$NUMERIC_CHECK" == 1 ]]; then
     log_phase "numeric check: the merged model's log-probs (a critic: values) against the checkpoint's (check_numeric.py)"
@@ -198,8 +187,7 @@ refuse_without_gpu() {
   [[ "$(basename "$MERGER_LAUNCHER")" == python* ]] || return 0
   (cd "$repo" && "${wrap[@]}" python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())') && return 0
   die "verl's Megatron merger needs a GPU (CUDA and NCCL) and torch sees none here: submit it to a GPU node" \
-    "(sbatch merge_mcore_to_hf.sh), or take the CPU path on purpose, MERGER_LAUNCHER=demo/megatron_merger" \
-    "(docs/verl-on-cpu.md); nothing was written"
+    "(sbatch merge_mcore_to_hf.sh), or on purpose MERGER_LAUNCHER=demo/megatron_merger (docs/verl-on-cpu.md)"
 }
 
 main() {

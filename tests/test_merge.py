@@ -130,7 +130,7 @@ def test_a_megatron_merge_where_torch_sees_no_gpu_is_refused_before_verls_merger
 def test_an_untied_model_keeps_its_lm_head(merge_env, tiny_models, tmp_path):
     make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=False)
     target = tmp_path / "hf_models" / "ckpt-step10"  # not the repository's hf_models/: other tests run beside this one
-    result = run(merge_env, STEP="10", VERIFY_LOAD="1", TARGET_DIR=str(target))
+    result = run(merge_env, STEP="10", TARGET_DIR=str(target))
     assert result.returncode == 0, result.stdout + result.stderr
     (argv,) = merger_calls(merge_env)
     assert "--tie-word-embedding" not in argv and "global_step_10" in argv[argv.index("--local_dir") + 1]
@@ -194,7 +194,7 @@ def test_a_config_without_the_tie_key_is_read_as_transformers_reads_it(
 ):
     make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=tied, model_type=model_type)
     target = tmp_path / "hf"
-    result = run(merge_env, TARGET_DIR=str(target), VERIFY_LOAD="1")
+    result = run(merge_env, TARGET_DIR=str(target))
     assert result.returncode == 0, result.stdout + result.stderr
     (argv,) = merger_calls(merge_env)
     assert ("--tie-word-embedding" in argv) is flag
@@ -233,7 +233,7 @@ def test_an_fsdp2_critic_merges_through_verls_fsdp_merger_into_the_value_model_v
     assert json.loads((critic / "huggingface" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
     target = tmp_path / "critic_hf"
     env = merge_env | dict(CONTAINER="none", MERGER_LAUNCHER=sys.executable)  # verl's real merger, on this CPU
-    result = run(env, ROLE="critic", TARGET_DIR=str(target), VERIFY_LOAD="1", NUMERIC_CHECK="1")
+    result = run(env, ROLE="critic", TARGET_DIR=str(target), NUMERIC_CHECK="1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "-m verl.model_merger merge --backend fsdp" in result.stdout
     # the values against a forward of the FSDP2 shards themselves: bfloat16 stored from the float32 trained
@@ -286,7 +286,7 @@ def test_verl_s_critic_save_becomes_a_value_model_transformers_loads(merge_env, 
     save_critic_like_verl(saved, saved, head=True)
     (head,) = [t["lm_head.weight"] for f in saved.glob("*.safetensors") if "lm_head.weight" in (t := load_file(f))]
     target = tmp_path / "critic_hf"
-    result = run(merge_env, ROLE="critic", TARGET_DIR=str(target), VERIFY_LOAD="1")
+    result = run(merge_env, ROLE="critic", TARGET_DIR=str(target))
     assert result.returncode == 0, result.stdout + result.stderr
     assert merger_calls(merge_env) == [] and "already holds Hugging Face weights" in result.stdout
     hidden = json.loads((target / "config.json").read_text())["hidden_size"]
@@ -319,7 +319,7 @@ def test_verify_requires_the_value_head_of_a_critic(tiny_models, tmp_path, drop)
     model.save_pretrained(tmp_path / "critic", state_dict=state)
     for f in Path(tiny_models.policy).glob("tokenizer*"):
         shutil.copy(f, tmp_path / "critic")
-    problems, _ = verify_hf.verify(tmp_path / "critic", tied=False, value_model=True, load=True)
+    problems, _ = verify_hf.verify(tmp_path / "critic", tied=False, value_model=True)
     if drop:
         assert any("value head score.weight" in p and "is missing" in p for p in problems), problems
     else:

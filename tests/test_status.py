@@ -95,9 +95,8 @@ def no_slurm(tmp_path, monkeypatch):
     return bin_dir
 
 
-def status_of(target: str, *args: str, capsys=None) -> dict:
-    assert status.main([target, "--json", *args]) == 0
-    return json.loads(capsys.readouterr().out)
+def status_of(target: str) -> dict:
+    return health.report(reading.load(target))
 
 
 # --- reading verl's output ----------------------------------------------------------------------------------------
@@ -119,7 +118,7 @@ def test_a_folder_alone_gives_the_step_the_total_the_checkpoint_and_the_metrics(
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     saved(ckpt, 10, payload=4096)
     folder = start_folder(logs, "424242", training(1, 12, parts=True), ckpt=ckpt)  # a Slurm job id, without Slurm
-    r = status_of(str(folder), capsys=capsys)
+    r = status_of(str(folder))
     assert (r["state"], r["slurm"]) == ("running", None)
     assert r["slurm_notes"] == ["scontrol is not on PATH"]
     p = r["progress"]
@@ -157,7 +156,7 @@ def test_a_folder_alone_gives_the_step_the_total_the_checkpoint_and_the_metrics(
 def test_a_run_that_does_not_learn_is_named_with_the_metric_and_what_to_change(tmp_path, no_slurm, capsys, changes,
                                                                                 needle):  # fmt: skip
     folder = start_folder(tmp_path / "logs", LOCAL_ID, training(1, 30, **changes))
-    warnings = status_of(str(folder), capsys=capsys)["warnings"]
+    warnings = status_of(str(folder))["warnings"]
     assert any(needle in w for w in warnings), warnings
     assert len(warnings) == 1 or "nan" in needle, warnings
 
@@ -174,7 +173,7 @@ def test_a_ppo_critic_held_by_its_value_clip_is_named_with_the_setting_against_w
     # the first of a step's two critic updates predicts with the old weights: 0.5 is every prediction it could clip
     folder = start_folder(tmp_path / "logs", LOCAL_ID, training(1, 30, **{"critic/vf_clipfrac": clipfrac}),
                           overrides=PPO_COMMAND)  # fmt: skip
-    warnings = status_of(str(folder), capsys=capsys)["warnings"]
+    warnings = status_of(str(folder))["warnings"]
     if not warned:
         assert warnings == []
         return
@@ -226,7 +225,7 @@ def test_a_failed_start_says_why_from_the_first_failure_the_trainer_logged(tmp_p
     later = "Traceback (most recent call last):\nRuntimeError: NCCL communicator was aborted on rank 1\n"
     extra = f"{ACTOR} {line}\n" + ("" if what.startswith("NCCL") else later)  # what the other ranks say afterwards
     folder = start_folder(tmp_path / "logs", LOCAL_ID, training(1, 3), done=1, extra=extra)
-    r = status_of(str(folder), capsys=capsys)
+    r = status_of(str(folder))
     assert r["state"] == "failed"
     (failure,) = [s["failure"] for s in r["starts"]]
     assert failure["what"].startswith(what) and line[:60] in failure["line"], failure
@@ -328,7 +327,7 @@ def test_each_kind_of_start_is_shown_as_what_it_was_with_the_end_the_run_script_
         f.write(
             '{"stage": "resume", "status": "failed", "seconds": 98, "reason": "the training launch exited with 141"}\n'
         )
-    assert status_of(str(logs / "43"), capsys=capsys)["why"] == (
+    assert status_of(str(logs / "43"))["why"] == (
         "the canary's stage resume failed: the training launch exited with 141"
     )
     (logs / "43" / "exit").unlink()
@@ -339,10 +338,10 @@ def test_each_kind_of_start_is_shown_as_what_it_was_with_the_end_the_run_script_
         f"{logs / '43' / 'canary' / 'summary.txt'}):\n    train: passed in 95 s\n"
         f"    resume: running (log: {logs / '43' / 'canary' / 'resume'})\n    merge: not started\n"
     ) in capsys.readouterr().out
-    assert status_of(str(logs / "41"), capsys=capsys)["why"] == (
+    assert status_of(str(logs / "41"))["why"] == (
         "preflight only (PREFLIGHT_ONLY=1): every check passed; nothing was started"
     )
-    assert status_of(str(logs / "42"), capsys=capsys)["why"] == "the canary passed (CANARY=1): its table below"
+    assert status_of(str(logs / "42"))["why"] == "the canary passed (CANARY=1): its table below"
     assert status.main([str(logs / "42")]) == 0
     out = capsys.readouterr().out
     assert "progress: no steps yet\n" in out and "[canary]" in out, out
@@ -379,8 +378,7 @@ def test_a_failed_preflight_only_is_shown_failed_before_training_with_its_refusa
     result = run(job | {"PREFLIGHT_ONLY": "1", "FP8": "true"})
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     logs = Path(job["CONFIG_LOG_DIR"])
-    assert status.main(["--log-dir", str(logs), "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    r = health.report(reading.load(None, logs))
     assert r["state"] == "failed", r
     assert r["why"].startswith("before training, in the preflight: setting error: FP8=true: verl 0.6.1 cannot"), r
     (start,) = r["starts"]
@@ -468,7 +466,11 @@ def status_cmd(env, *args: str, timeout: float = 120) -> subprocess.CompletedPro
 
 
 def status_json(env, job_id: str) -> dict:
-    result = status_cmd(env, job_id, "--json", "--log-dir", env["CONFIG_LOG_DIR"])
+    """health.report as the login node's Python computes it, with Slurm's programs on PATH."""
+    code = ("import json, sys, pathlib; from launch.watch import health, reading; "
+            "print(json.dumps(health.report(reading.load(sys.argv[1], pathlib.Path(sys.argv[2])))))")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code, job_id, env["CONFIG_LOG_DIR"]], cwd=REPO, env=slurm_env(env),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

@@ -1,6 +1,6 @@
 """Prove numerically that a merged Hugging Face model computes what the checkpoint it came from computes.
 
-    python -m launch.merge.check_numeric --checkpoint CKPT/global_step_N/actor --hf MERGED_FOLDER [--tolerance auto]
+    python -m launch.merge.check_numeric --checkpoint CKPT/global_step_N/actor --hf MERGED_FOLDER
 
 The merged side: transformers' AutoModelForCausalLM (a critic: AutoModelForTokenClassification) from MERGED_FOLDER in
 float32, on the GPU when there is one. The reference side shares nothing with verl's merger: the checkpoint's tensors
@@ -210,7 +210,7 @@ def merged_dtype(hf: Path) -> str:
         return str(f.get_tensor(next(iter(f.keys()))).dtype).removeprefix("torch.")
 
 
-def compare(ckpt: Path, hf: Path, tolerance: str = "auto") -> dict:
+def compare(ckpt: Path, hf: Path) -> dict:
     """Both sides on the probe batch: the figures, the tolerance used, and the first diverging hidden state."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -223,8 +223,7 @@ def compare(ckpt: Path, hf: Path, tolerance: str = "auto") -> dict:
     if problem:
         raise BadInput(problem)
     batch, hf_dtype = probe_batch(hf), merged_dtype(hf)
-    if tolerance == "auto":
-        tolerance = "fp32" if hf_dtype == ckpt_dtype else "bf16"
+    tolerance = "fp32" if hf_dtype == ckpt_dtype else "bf16"
     # both copies in float32 on the GPU when they fit in 80% of it (Qwen3-4B: 32 GB), else on the CPU
     layer = sum(t.numel() for t in weights["layers"][0].values())
     size = 8 * (layer * config["num_hidden_layers"] + weights["embed"].numel() + weights["head"].numel())
@@ -309,12 +308,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, required=True, help="verl's global_step_N/actor (or critic) folder")
     p.add_argument("--hf", type=Path, required=True, help="the merged Hugging Face model folder")
-    p.add_argument("--tolerance", choices=["auto", *TOLERANCES], default="auto",
-                   help="auto: fp32 when the merged folder stores the checkpoint's dtype, else bf16")  # fmt: skip
     args = p.parse_args(argv)
     start = time.monotonic()
     try:
-        figures = compare(args.checkpoint, args.hf, args.tolerance)
+        figures = compare(args.checkpoint, args.hf)
     except BadInput as exc:
         print(f"check_numeric: {exc}", file=sys.stderr)
         return 2

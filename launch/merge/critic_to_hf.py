@@ -50,18 +50,12 @@ def to_value_model(folder: Path) -> str:
         raise NotACritic(f"{folder}: no model.safetensors and no model.safetensors.index.json")
     name = HEAD if HEAD in weight_map else SCORE if SCORE in weight_map else None
     if name is None:
-        raise NotACritic(
-            f"{folder} has no {HEAD} or {SCORE} [1, {hidden}]: the critic's value head was not saved (a headless "
-            "critic)"
-        )
+        raise NotACritic(f"{folder} has no {HEAD} or {SCORE} [1, {hidden}]: a headless critic, its value head unsaved")
     shard = folder / weight_map[name]
     tensors = load_file(str(shard))
     head = tensors[name]
     if tuple(head.shape) != (1, hidden):
-        raise NotACritic(
-            f"{name} in {folder} has shape {list(head.shape)}, a value head is [1, {hidden}]: is this an actor's "
-            "checkpoint (ROLE=actor)?"
-        )
+        raise NotACritic(f"{name} has shape {list(head.shape)}, a value head is [1, {hidden}]: an actor's checkpoint?")
     classes = AutoModelForTokenClassification._model_mapping
     if type(config) not in classes:
         raise NotACritic(f"transformers has no token-classification model for model_type={config.model_type}")

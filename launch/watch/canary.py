@@ -6,7 +6,6 @@ compute and check:
     python -m launch.watch.canary settings [EXTRA_OVERRIDES...]   # the tiny workload as NAME=VALUE, NUL-separated
     python -m launch.watch.canary overrides STAGE   # that training stage's extra Hydra overrides, NUL-separated
     python -m launch.watch.canary check STAGE --rc RC --seconds S --log LOG --ckpt DIR [--target DIR] --results FILE
-    python -m launch.watch.canary skip STAGE --because WHY --results FILE
     python -m launch.watch.canary summary --results FILE    # the table; exit 1 unless every stage passed
 
 Each check reads verl 0.6.1's own output: the line each training step prints through the console logger
@@ -265,16 +264,14 @@ def evaluate(stage: str, rc: int, text: str, ckpt: Path, target: Path | None) ->
     return check_merge(text, target or Path("/nonexistent"))
 
 
-def record(results: Path, entry: dict) -> None:
-    with open(results, "a", encoding="utf-8") as f:
-        f.write(json.dumps(entry) + "\n")
-
-
 def summary(results: dict[str, dict]) -> tuple[str, bool]:
     """The table of every stage (passed, FAILED, skipped, not run), with the reasons and log of each failure."""
     rows = [f"{'stage':<42} {'result':<8} {'time':>7}"]
+    missing = {"status": "not run", "reason": "the job stopped before this stage"}
+    if results.get("train", {}).get("status") == "failed":  # stages 2 and 3 need its checkpoint: never started
+        missing = {"status": "skipped", "reason": "needs stage 1 (train), which failed"}
     for stage, title in STAGES.items():
-        e = results.get(stage, {"status": "not run", "reason": "the job stopped before this stage"})
+        e = results.get(stage, missing)
         seconds = f"{e['seconds']} s" if "seconds" in e else "-"
         status = "FAILED" if e["status"] == "failed" else e["status"]
         rows.append(f"{title:<42} {status:<8} {seconds:>7}")
@@ -300,15 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("--log", "--ckpt", "--results"):
         c.add_argument(name, type=Path, required=True)
     c.add_argument("--target", type=Path)
-    k = sub.add_parser("skip")
-    k.add_argument("stage", choices=list(STAGES))
-    k.add_argument("--because", required=True)
-    k.add_argument("--results", type=Path, required=True)
     sub.add_parser("summary").add_argument("--results", type=Path, required=True)
     args = p.parse_args(argv)
-    if args.command == "skip":
-        record(args.results, {"stage": args.stage, "status": "skipped", "reason": args.because})
-        return 0
     if args.command == "summary":
         table, ok = summary(canary_results(args.results))
         print(table)
@@ -334,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                       "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines())}  # fmt: skip
     if problems:
         entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
-    record(args.results, entry)
+    with open(args.results, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
     print(f"canary: stage {STAGES[args.stage]}: {'FAILED: ' + entry['reason'] if problems else 'passed'}")
     return 1 if problems else 0
 

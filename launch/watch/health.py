@@ -348,7 +348,7 @@ def warnings_for(job: Job, st: str, prog: dict) -> list[str]:
 
 
 def report(job: Job) -> dict:
-    """Everything the status says, as data (--json prints it)."""
+    """Everything the status says, as data (launch/watch/status.py renders it)."""
     st, why = state(job)
     prog = progress(job)
     return {

@@ -4,7 +4,6 @@
     python -m launch.watch.status 24                   # job 24: its folders logs/24, logs/24-r1, ... and what Slurm says
     python -m launch.watch.status logs/24-r1           # the job that folder belongs to
     python -m launch.watch.status 24 --follow          # again every 60 s (--follow 10: every 10 s) until the job ends
-    python -m launch.watch.status 24 --json            # all of it as one JSON object, for scripts
 
 What it reads: every start's folder (`<id>`, `<id>-r1`, ...: trainer.log with verl's own step lines, `step:N -
 key:value - ...` from its console logger, verl/utils/logger/aggregate_logger.py; trainer_command.txt; `done`; the
@@ -13,14 +12,12 @@ each start, the time limit, requeues, exits and errors), the checkpoint folder t
 itself where scontrol is on PATH (it may be missing, or know the job no more). Nothing is written.
 """
 
-# This module renders (the text, --json) and runs the command; launch/watch/reading.py reads the
+# This module renders the text and runs the command; launch/watch/reading.py reads the
 # job, launch/watch/health.py judges it. The docstring above is the command's --help.
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -134,17 +131,6 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
-def plain(value):
-    """JSON without NaN or Infinity (which strict parsers refuse): a non-finite number as its text."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [plain(v) for v in value]
-    return value
-
-
 # --- main -------------------------------------------------------------------------------------------------------------
 
 
@@ -155,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, help="where the job folders are (default: CONFIG_LOG_DIR, else logs/)")
     p.add_argument("--follow", nargs="?", type=float, const=60.0, metavar="SECONDS",
                    help="print again every SECONDS (default 60) until the job ends")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the text")
     args = p.parse_args(argv)
     if args.follow is not None and args.follow <= 0:
         p.error("--follow: seconds between refreshes, more than 0")
@@ -163,13 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             job = load(args.job, args.log_dir)
             r = report(job)
-            print(json.dumps(plain(r)) if args.json else render(r), flush=True)
+            print(render(r), flush=True)
             if args.follow is None or r["state"] in FINAL:
                 return 0
             args.job = job.id  # the same job on every refresh, even when a newer one starts
             time.sleep(args.follow)
-            if not args.json:
-                print(f"--- {clock(time.time())} ---", flush=True)
+            print(f"--- {clock(time.time())} ---", flush=True)
     except StatusError as exc:
         print(f"status: {exc}", file=sys.stderr)
         return 1
