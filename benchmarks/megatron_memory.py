@@ -412,9 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cases = [
-        c for c in (args.cases or ",".join(c for c in CASES if device == "cuda" or "fused" not in c)).split(",") if c
-    ]
+    cases = list(filter(None, args.cases.split(","))) or [c for c in CASES if device == "cuda" or "fused" not in c]
     if unknown := [c for c in cases if c not in CASES]:
         parser.error(f"--cases: {', '.join(unknown)} unknown; use {', '.join(CASES)}")
     if device == "cpu" and any("fused" in c for c in cases):
