@@ -14,9 +14,8 @@ public config's dimensions, then:
   (preprocess_packed_seqs), then both backward with random gradients in place of the next stage's, then the optimizer
   step, after loading the optimizer back as update_actor does. One GPU holds one pipeline rank, so the stage is built
   alone, and what PP adds on the wire (p2p buffers of [tokens, hidden]) is not in it.
-For each phase: torch's peak allocated and reserved (reset at the phase's start) and seconds; and, for one
-micro-batch's forward, the bytes each transformer layer keeps for the backward (autograd's saved tensors, counted once
-per storage, parameters left out), per token: the term the preflight's formula has for it.
+For each phase: torch's peak allocated and reserved (reset at the phase's start) and seconds. (Each layer's saved
+tensors were counted until issue #61, commit c9c786a: docs/training.md quotes that count.)
 
 On a GPU without Transformer Engine (the H200 here) the layer spec is demo/megatron_cpu.py's TE-shaped one
 (install_without_te): TE's structure and names, torch's fused RMSNorm and SDPA (flash) in place of TE's kernels.
@@ -50,6 +49,7 @@ SHAPES = {k: common.SHAPES[k] for k in ("qwen3-4b", "tiny")}
 # verl/models/mcore/model_forward_fused.py: log-probs and entropy from the hidden states, no [tokens, vocab] logits;
 # Triton, so a GPU only)
 CASES = ("stage1-off", "stage1-full", "stage1-full-fused", "stage0-full", "stage0-off")
+MICRO_BATCHES = 2  # per update, full ones: stage 0 keeps two in flight
 
 
 # --- the model ----------------------------------------------------------------------------------------------------
@@ -145,38 +145,6 @@ def meter(device: str):
                    "outside_torch_gib": (device_peak[0] - c.max_memory_reserved()) / GIB}  # fmt: skip
 
 
-def saved_bytes_per_layer(model, forward) -> dict:
-    """Bytes autograd keeps for the backward during `forward()`, per transformer layer and outside them (embedding,
-    output layer, logits), each storage counted once, the parameters' storages left out."""
-    import torch
-    from verl.utils.megatron_utils import unwrap_model
-
-    gpt = unwrap_model(model)
-    where = ["outside"]
-    handles = []
-    for index, layer in enumerate(gpt.decoder.layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=index: where.__setitem__(0, i)))
-        handles.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, "outside")))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, tuple[int, object]] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in params and key not in seen:
-            seen[key] = (storage.nbytes(), where[0])
-        # detached: a saved output packed as itself refers to its own grad_fn, a cycle autograd never frees (it kept
-        # one micro-batch's activations, 60 GiB at Qwen3-4B's shape, alive through the rest of a case on the H200)
-        return t.detach()
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()  # its output, and the graph the counted tensors belong to, freed on return
-    for h in handles:
-        h.remove()
-    per_layer = [sum(n for n, w in seen.values() if w == i) for i in range(len(gpt.decoder.layers))]
-    return {"layers": per_layer, "outside": sum(n for n, w in seen.values() if w == "outside")}
-
-
 def case_worker(cfg, on_gpu: bool, fused: bool):
     """verl's Megatron actor worker for one case, on this process's one rank, with the shims this machine needs."""
     from launch.plan.procs import free_port
@@ -205,8 +173,8 @@ def case_worker(cfg, on_gpu: bool, fused: bool):
     return worker
 
 
-def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, micro: int = 0) -> None:
-    """One case in this process: build the worker (timed), count each layer's saved bytes, then the stage's phases;
+def run_case(case: str, policy: Path, out: Path, lengths, micro: int = 0) -> None:
+    """One case in this process: build the worker (timed), then the stage's phases;
     `out` is rewritten after each step, so a case that dies keeps what it measured."""
     stage, recompute, *fused = case.split("-")
     import torch
@@ -223,9 +191,9 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, mi
     tokens = token_budget(s)
     sequence = s.max_prompt_length + s.max_response_length
     per_micro = tokens // sequence
-    rows = per_micro * micro_batches
+    rows = per_micro * MICRO_BATCHES
     result: dict = {"case": case, "stage": stage, "recompute": recompute, "fused": bool(fused), "token_budget": tokens,
-                    "sequence": sequence, "rows": rows, "micro_batches": micro_batches}  # fmt: skip
+                    "sequence": sequence, "rows": rows, "micro_batches": MICRO_BATCHES}  # fmt: skip
 
     def write():
         out.write_text(json.dumps(result, indent=1))
@@ -252,16 +220,10 @@ def run_case(case: str, policy: Path, out: Path, micro_batches: int, lengths, mi
     if stage == "stage0":
         gpt.post_process = False  # megatron-core's first-stage GPTModel: the decoder's hidden states out
     model.train()
-    if not fused:  # verl's fused forward wants the labels it is given inside its own forward step
-        saved = saved_bytes_per_layer(model, forward(0))
-        result["saved_bytes_per_token"] = {"layers": [b / tokens for b in saved["layers"]],
-                                           "outside": saved["outside"] / tokens}  # fmt: skip
-        model.zero_grad_buffer()
-    write()
     if stage == "stage1":
         measure_last_stage(worker, batch, rows, device, result, write)
     else:
-        measure_first_stage(worker, [forward(i) for i in range(micro_batches)], device, result, write)
+        measure_first_stage(worker, [forward(i) for i in range(MICRO_BATCHES)], device, result, write)
     result["status"] = "ok"
     write()
 
@@ -353,8 +315,8 @@ def utilisation(result: dict) -> dict:
 
 def predictions(result: dict) -> dict:
     """What launch/plan/gpu_memory.py predicts for each case that ran, beside its measured peaks (GiB): the update's peak
-    (stage1: the larger of the two updates; stage0: the forward-backward of the two micro-batches in flight), the
-    log-prob pass's, and the activation bytes per token of one layer (the saved tensors, beside the formula's)."""
+    (stage1: the larger of the two updates; stage0: the forward-backward of the two micro-batches in flight) and the
+    log-prob pass's."""
     from launch.plan.gpu_memory import ModelDims, log_prob_stage, stage_memory
 
     policy = result["policy"]
@@ -372,8 +334,7 @@ def predictions(result: dict) -> dict:
         # the one-GPU model: every layer and the embedding (tied: one copy), DP=1, the stage's micro-batches in flight
         plan = stage_memory(dims, stage=0, stages=1, tp=1, dp=1, tokens=tokens, recompute=recompute, micro_batches=2,
                             reference_on_gpu=False, fused_logits=fused, in_flight=1 if stage1 else 2, last=stage1)  # fmt: skip
-        row = {"predicted_update_gib": plan.total / GIB, "predicted": plan.describe(),
-               "predicted_layer_bytes_per_token": dims.activation_bytes(recompute)}  # fmt: skip
+        row = {"predicted_update_gib": plan.total / GIB, "predicted": plan.describe()}
         updates = case.get("update") or case.get("stage0") or []
         peaks = [u["peak_allocated_gib"] for u in updates if "peak_allocated_gib" in u]
         if peaks:
@@ -385,9 +346,6 @@ def predictions(result: dict) -> dict:
             if "peak_allocated_gib" in case.get("log_prob", {}):
                 row["measured_log_prob_gib"] = case["log_prob"]["peak_allocated_gib"]
                 row["log_prob_error"] = row["predicted_log_prob_gib"] / row["measured_log_prob_gib"] - 1
-        layers = case.get("saved_bytes_per_token", {}).get("layers")
-        if layers and recompute == "off":
-            row["measured_layer_bytes_per_token"] = sum(layers) / len(layers)
         rows[name] = row
     return rows
 
@@ -413,7 +371,7 @@ def case_in_process(case: str, args, policy: Path, work: Path) -> dict:
     """One case in a process of its own (its log in --out): what it measured, its status and its wall seconds."""
     case_file, log = work / f"{case}.json", args.out / f"{case}.log"
     cmd = [sys.executable, "-m", "benchmarks.megatron_memory", "--case", case, "--policy", str(policy),
-           "--out", str(case_file), "--micro-batches", str(args.micro_batches)]  # fmt: skip
+           "--out", str(case_file)]  # fmt: skip
     cmd += ["--lengths", args.lengths] if args.lengths else []
     cmd += ["--micro-batch-per-gpu", str(args.micro_batch_per_gpu)] if args.micro_batch_per_gpu else []
     began = time.monotonic()
@@ -439,7 +397,6 @@ def main(argv: list[str] | None = None) -> int:
                         "temporary one; the 4B-shaped half model is 4.4 GB)")  # fmt: skip
     parser.add_argument("--cases", default="", help=f"comma-separated, of {', '.join(CASES)} (default: all; "
                         "on a CPU all but the fused)")  # fmt: skip
-    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per update (at least 2)")
     parser.add_argument("--case-timeout", type=float, default=300, help="seconds for each case's process")
     parser.add_argument("--lengths", default="", help="PROMPT,RESPONSE tokens (default: the settings block's)")
     parser.add_argument("--micro-batch-per-gpu", type=int, default=0, help="MICRO_BATCH_PER_GPU, the token budget's "
@@ -450,20 +407,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None
     if args.case:
-        run_case(args.case, args.policy, args.out, args.micro_batches, lengths, args.micro_batch_per_gpu)
+        run_case(args.case, args.policy, args.out, lengths, args.micro_batch_per_gpu)
         return 0
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cases = [
-        c for c in (args.cases or ",".join(c for c in CASES if device == "cuda" or "fused" not in c)).split(",") if c
-    ]
+    cases = list(filter(None, args.cases.split(","))) or [c for c in CASES if device == "cuda" or "fused" not in c]
     if unknown := [c for c in cases if c not in CASES]:
         parser.error(f"--cases: {', '.join(unknown)} unknown; use {', '.join(CASES)}")
     if device == "cpu" and any("fused" in c for c in cases):
         parser.error("--cases: the fused cases need a GPU (verl's fused log-prob kernels are Triton)")
-    if args.micro_batches < 2:
-        parser.error("--micro-batches: at least 2 (stage 0 keeps two in flight)")
     layers = SHAPES[args.shape]["num_hidden_layers"] // 2  # one PP=2 stage
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"command": common.command_line("benchmarks.megatron_memory", argv), "shape": args.shape,

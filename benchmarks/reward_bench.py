@@ -9,11 +9,11 @@ The workload and ceiling are those of docs/reward-benchmark.md:
 - the ceiling: the step's FLOP (2 x non-embedding parameters x tokens) at the bf16 matmul rate measured in this run.
 
 Rows (`--rows`, comma-separated; default all): our server called by our reward client's batch function (`cold`: the
-first step after the server starts, `warm`, `fresh`: fresh lengths), and by 64 concurrent per-sample callers
-(`callers-warm`, `callers-fresh`). The article's baseline, the verl-loop rows, the replicas and the killed server went
-in issue #61 (benchmarks/HISTORY.md says at which commit to rerun them).
+first step after the server starts, `fresh`: fresh lengths), and by 64 concurrent per-sample callers (`callers-fresh`).
+The article's baseline, the verl-loop rows, the replicas, the killed server and the warm rows (the same lengths again)
+went in issue #61 (benchmarks/HISTORY.md says at which commit to rerun them).
 
-`--repeat N` runs each row N times (fresh rows on fresh lengths each time) and reports the median, with the minimum,
+`--repeat N` runs each row N times (on fresh lengths each time) and reports the median, with the minimum,
 median and maximum share of the ceiling. `--variant NAME:KEY=VALUE,...` (repeatable) runs the rows once per variant
 on the same model and ceiling, each with its own server: upper-case keys are server environment (an A/B in one run),
 `rows=a+b` sets the rows for it.
@@ -40,19 +40,16 @@ import requests
 from benchmarks.common import SHAPES as ALL_SHAPES
 from benchmarks.common import build_reward_model, command_line, machine_info, write_json
 from benchmarks.reward_bench_workload import texts, workload
-from launch.plan.procs import free_port, start_process, stop_process, wait_for_http
+from launch.plan.procs import free_port, start_server, stop_process
 from reward_score import safe_hack_reward_request as client
 
 SHAPES = {k: ALL_SHAPES[k] for k in ("qwen3-1.7b", "qwen3-8b", "qwen3-14b", "tiny")}
 REPO = Path(__file__).resolve().parent.parent
 ROWS = {  # key -> (name, the seed of its lengths), in the order they run: cold first
     "cold": ("ours, reward client batch function, cold", 1234),
-    "warm": ("ours, reward client batch function, warm", 1234),
     "fresh": ("ours, reward client batch function, fresh lengths", 4321),
-    "callers-warm": ("ours, {c} concurrent per-sample callers, warm", 1234),
     "callers-fresh": ("ours, {c} concurrent per-sample callers, fresh lengths", 8765),
 }
-FRESH = {"fresh", "callers-fresh"}  # new lengths every repeat
 
 
 def check_rows(rows: list[str]) -> list[str]:
@@ -128,12 +125,8 @@ class Server:
         began = time.monotonic()
         server_env = dict(env, REWARD_MODEL_PATH=str(model_dir), REWARD_DEVICE=device, REWARD_PORT=str(port),
                           REWARD_HOST="127.0.0.1")  # fmt: skip
-        self.proc = start_process([sys.executable, str(REPO / "reward_score" / "reward_server.py")], log, server_env)
-        try:
-            wait_for_http(self.proc, self.url + "/health", log, 900, name=f"the server ({log.name})")
-        except BaseException:
-            stop_process(self.proc)
-            raise
+        self.proc = start_server([sys.executable, str(REPO / "reward_score" / "reward_server.py")], log,
+                                 self.url + "/health", 900, server_env, name=f"the server ({log.name})")  # fmt: skip
         self.startup_s = time.monotonic() - began
         self.health = requests.get(self.url + "/health", timeout=10).json()
 
@@ -144,9 +137,9 @@ class Server:
 class Bench:
     """Our rows for one variant: its server, the reward client pointed at it, each row run `repeat` times."""
 
-    def __init__(self, args, model_dir: Path, step) -> None:
+    def __init__(self, args, model_dir: Path, step, on_row) -> None:
         self.args, self.model_dir, self.step = args, model_dir, step
-        self.on_row = None  # (rows so far, variant, server): after each row, for partial results
+        self.on_row = on_row  # (rows so far, variant, server): after each row, for partial results
 
     def run_variant(self, variant: dict, base_env: dict, work: Path) -> tuple[list[dict], dict]:
         args = self.args
@@ -162,8 +155,7 @@ class Bench:
                 self.client_batch(self.step(ROWS["cold"][1])[0])  # the server's first pass, not measured
             for row in variant["rows"]:
                 rows.append(self.measure(row, server, variant))
-                if self.on_row:
-                    self.on_row(rows, variant, server)
+                self.on_row(rows, variant, server)
             peak = metrics(server.url).get("reward_gpu_memory_peak_bytes", 0.0) / 2**30
         finally:
             stop_process(server.proc, 30)
@@ -178,7 +170,7 @@ class Bench:
         call = self.concurrent if row.startswith("callers") else self.client_batch
         runs = []
         for k in range(1 if row == "cold" else self.args.repeat):
-            seed = first_seed + (1000 * k if row in FRESH else 0)
+            seed = first_seed + 1000 * k  # new lengths every repeat
             pairs, tokens = self.step(seed)
             before = counters(server.url)
             seconds = call(pairs)
@@ -324,7 +316,6 @@ def main(argv=None) -> int:
     rate_start = matmul_tflops(args.device)
     step = step_maker(model_dir, args.samples, words)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    bench = Bench(args, model_dir, step)
     ours, infos, failed = [], [], []
 
     def partial(rows, variant, server) -> None:
@@ -333,7 +324,7 @@ def main(argv=None) -> int:
                 "health": server.health, "in_progress": True}  # fmt: skip
         write_json(args.out, assemble(args, params, rate_start, None, ours + rows, infos + [info], failed, done=False))
 
-    bench.on_row = partial
+    bench = Bench(args, model_dir, step, partial)
     for variant in variants:
         try:
             rows, info = bench.run_variant(variant, env, work)
@@ -345,8 +336,7 @@ def main(argv=None) -> int:
         infos.append(info)
     result = assemble(args, params, rate_start, matmul_tflops(args.device), ours, infos, failed)
     write_json(args.out, result)
-    print_summary(result)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}: every row's share of the ceiling and the server's counters")
     return 1 if failed else 0
 
 
@@ -364,10 +354,9 @@ def assemble(args, params, rate_start, rate_end, ours, infos, failed, done=True)
     by_key = {(r["variant"], r["key"]): r for r in rows}
     for info in infos:
         cold = by_key.get((info["name"], "cold"))
-        for key, other in (("cold_over_warm", "warm"), ("cold_over_fresh", "fresh")):
-            other = by_key.get((info["name"], other))
-            if cold and other:  # the first step after start against the median of the later ones
-                info[key] = cold["tokens_per_s"] / other["tokens_per_s"]
+        fresh = by_key.get((info["name"], "fresh"))
+        if cold and fresh:  # the first step after start against the median of the later ones
+            info["cold_over_fresh"] = cold["tokens_per_s"] / fresh["tokens_per_s"]
     first = infos[0] if infos else {}
     result = {
         "shape": args.shape, "device": args.device, "samples": args.samples, "params_non_embedding": params,
@@ -378,41 +367,6 @@ def assemble(args, params, rate_start, rate_end, ours, infos, failed, done=True)
     }  # fmt: skip
     result.update(machine_info(args.device))
     return result
-
-
-def print_summary(result: dict) -> None:
-    rows = result["rows"]
-    ceiling, burst = result["ceiling_tflops"], result["burst_tflops"]
-    rate_start, rate_end = result["matmul_tflops_start"], result["matmul_tflops_end"]
-    if ceiling:
-        print(f"\nceiling: {ceiling:.0f} TFLOP/s sustained bf16 matmul (first burst {burst:.0f}); "
-              f"start {rate_start}, end {rate_end}")  # fmt: skip
-    else:
-        print("\n(no GPU: no ceiling)")
-    for info in result["variants"]:
-        health = info.get("health") or {}
-        print(f"variant {info['name']}: healthy after {info['startup_s']:.1f} s, "
-              f"peak {info['peak_gib']} GiB, env {info['env']}, compiled {health.get('compiled')}, "
-              f"first-layer checks {health.get('checks')}"
-              + "".join(f", {k.replace('_over_', '/')} {info[k]:.2f}" for k in ("cold_over_warm", "cold_over_fresh")
-                        if k in info))  # fmt: skip
-    print(f"{'row':<70} {'variant':>10} {'wall s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'% ceil':>7} "
-          f"{'min-max':>11} {'peak GiB':>8}")  # fmt: skip
-    for r in rows:
-        pct = f"{r['pct_of_ceiling']:.1f}" if r["pct_of_ceiling"] is not None else "-"
-        spread = (f"{r['min_pct_of_ceiling']:.1f}-{r['max_pct_of_ceiling']:.1f}"
-                  if r["min_pct_of_ceiling"] is not None else "-")  # fmt: skip
-        print(f"{r['row']:<70} {r['variant']:>10} {r['wall_s']:>8.2f} {r['tokens_per_s']:>10.0f} "
-              f"{r['tflops']:>8.1f} {pct:>7} {spread:>11} {r['peak_gib']:>8.2f}")  # fmt: skip
-    print("\nserver side, per row: (the median run of each)")
-    for r in rows:
-        p = r["server"]
-        print(f"  {r['row']:<68} {p['micro_batches']:5.0f} micro-batches ({p['packed_micro_batches']:.0f} packed) x "
-              f"{p['rows_per_micro_batch']:5.1f} rows, prepare {p['prepare_s_total']:6.2f} s in "
-              f"{p['prepare_passes']:4.0f} passes, launch {p['launch_s_total']:6.2f} s, queue wait "
-              f"{p['queue_wait_ms_mean']:6.1f} ms, GPU busy {100 * p['gpu_busy_share']:5.1f}% of the wall")  # fmt: skip
-    for f in result["failed_variants"]:
-        print(f"variant {f['name']} FAILED: {f['error'][:500]}")
 
 
 if __name__ == "__main__":

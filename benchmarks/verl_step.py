@@ -12,9 +12,10 @@ benchmarks/verl_step_hook.py), and the actor keeps its padding
 The models have random weights: a policy in Qwen3-0.6B's shape and a reward model in Qwen3-1.7B's
 (benchmarks/common.py builds both), sharing the benchmarks' word-level tokenizer, one word a token, its vocabulary
 as large as the models' (151936), so every token a random policy samples decodes to a word and the reward model
-scores as many tokens as were generated. A random policy seldom samples EOS: responses run to --response-length. The
-policy's chat template opens no <think> and the reward function is told so (REWARD_PROMPT_OPENS_THINK=false), so
-every response is scored by the reward model (none gets the cut-off penalty) and GRPO's advantages are not zero.
+scores as many tokens as were generated. A random policy seldom samples EOS: responses run to MAX_RESPONSE_LENGTH
+(the shape's workload: verl_step_parts.WORKLOADS). The policy's chat template opens no <think> and the reward function
+is told so (REWARD_PROMPT_OPENS_THINK=false), so every response is scored by the reward model (none gets the cut-off
+penalty) and GRPO's advantages are not zero.
 
 Memory per role: the hook wraps the hybrid worker's generate_sequences (the rollout, its weight sync included),
 compute_log_prob (the actor's old log-probs), compute_ref_log_prob (the reference policy) and update_actor, and
@@ -47,6 +48,7 @@ from benchmarks.reward_bench import metrics
 from benchmarks.verl_step_hook import PHASE_PREFIX, PROFILE_DIR_ENV, PROFILE_ENV
 from benchmarks.verl_step_parts import (
     POLICY_SHAPES,
+    WORKLOADS,
     Group,
     NvmlSampler,
     benchmark_overrides,
@@ -172,11 +174,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompts", type=int, default=16, help="prompts per step (TRAIN_BATCH_SIZE = PPO_MINI_BATCH_SIZE)"
     )
-    parser.add_argument("--n", type=int, default=4, help="responses per prompt (ROLLOUT_N)")
-    parser.add_argument("--prompt-words", default="100-400", help="prompt lengths in tokens, LO-HI (uniform)")
-    parser.add_argument("--max-prompt-length", type=int, default=512, help="MAX_PROMPT_LENGTH")
-    parser.add_argument("--response-length", type=int, default=512, help="MAX_RESPONSE_LENGTH")
-    parser.add_argument("--micro-batch", type=int, default=4, help="MICRO_BATCH_PER_GPU")
     parser.add_argument("--timeout", type=float, default=0, help="seconds for the whole run (0: none); at the limit "
                         "the trainer is stopped and result.json keeps what was measured")  # fmt: skip
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
@@ -190,15 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     args.command = command_line("benchmarks.verl_step", argv)
-    try:
-        lo, hi = (int(x) for x in args.prompt_words.split("-"))
-    except ValueError:
-        parser.error(f"--prompt-words {args.prompt_words!r}: LO-HI, e.g. 100-400")
-    if not 0 < lo <= hi or hi + 8 > args.max_prompt_length:
-        parser.error(f"--prompt-words {args.prompt_words}: 0 < LO <= HI and HI + 8 (the chat template) "
-                     f"<= --max-prompt-length {args.max_prompt_length}")  # fmt: skip
-    if args.steps < 1 or args.prompts < 1 or args.n < 2:
-        parser.error("--steps and --prompts at least 1, --n at least 2 (a GRPO group)")
+    if args.steps < 1 or args.prompts < 1:
+        parser.error("--steps and --prompts at least 1")
 
     import torch  # the device decides the rest; this process itself never touches the GPU
 
@@ -218,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, terminated)  # an outer `timeout` still gets result.json and a clean stop
     try:
-        rc = _run(run, args, device, work, ray_tmp, logs, lo, hi, started, nvml)
+        rc = _run(run, args, device, work, ray_tmp, logs, started, nvml)
     except BaseException as exc:
         run.result["status"] = f"failed: {type(exc).__name__}: {exc}"[:3000]
         print(f"[verl_step] FAILED: {type(exc).__name__}: {exc}", flush=True)
@@ -236,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def _run(run: Run, args, device, work, ray_tmp, logs, lo, hi, started, nvml) -> int:
+def _run(run: Run, args, device, work, ray_tmp, logs, started, nvml) -> int:
     """The run in its four steps: the models, the data, the reward server and Ray's head, then the trainer."""
     _models(run, args, device, work, logs)
-    data = _data(run, args, work, lo, hi)
+    data = _data(run, args, work)
     settings, url, ray_address, env = _services(run, args, device, work, ray_tmp, logs, data, started, nvml)
     return _train(run, args, device, work, logs, settings, url, ray_address, env, started)
 
@@ -264,14 +254,14 @@ def _models(run: Run, args, device, work, logs) -> None:
     run.mark("models", since)
 
 
-def _data(run: Run, args, work, lo, hi) -> Path:
+def _data(run: Run, args, work) -> Path:
     """The prompts through the project's own builder, as a user would run it: the data folder."""
     from data_prep import build as data_build
 
     data = work / "data"
     data.mkdir()
-    train_rows = args.prompts * args.steps
-    write_prompts(data / "prompts.jsonl", rows=2 * train_rows + 8, lo=lo, hi=hi, words=run.result["machine"]["words"])
+    train_rows, workload = args.prompts * args.steps, WORKLOADS[args.shape]
+    write_prompts(data / "prompts.jsonl", 2 * train_rows + 8, workload["prompt_words"], run.result["machine"]["words"])
     data_build.main([str(data / "prompts.jsonl"), "--out-dir", str(data), "--data-source", "verl_step",
                      "--ability", "benchmark", "--test-size", "0.1", "--overwrite"])  # fmt: skip
     import pyarrow.parquet as pq
@@ -279,12 +269,7 @@ def _data(run: Run, args, work, lo, hi) -> Path:
     have = pq.read_metadata(data / "train.parquet").num_rows
     if have < train_rows:
         raise RuntimeError(f"{have} training prompts, fewer than --prompts x --steps = {train_rows}")
-    run.result["workload"] = {
-        "steps": args.steps, "prompts_per_step": args.prompts, "responses_per_prompt": args.n,
-        "prompt_words": [lo, hi], "max_prompt_length": args.max_prompt_length,
-        "max_response_length": args.response_length, "micro_batch_per_gpu": args.micro_batch,
-        "train_rows": have,
-    }  # fmt: skip
+    run.result["workload"] = {"steps": args.steps, "prompts_per_step": args.prompts, **workload, "train_rows": have}
     return data
 
 
@@ -364,7 +349,7 @@ def _train(run: Run, args, device, work, logs, settings, url, ray_address, env, 
     trainer = Group(command, logs / "trainer.log", env, cwd=hydra_cwd)
     started.insert(0, trainer)  # stopped first, then Ray, then the reward server
     offset = 0
-    while trainer.alive():
+    while trainer.proc.poll() is None:
         offset = run.read_trainer(trainer.log, offset)
         if run.steps and "trainer_to_first_step" not in run.result["startup_s"]:
             run.mark("trainer_to_first_step", since)

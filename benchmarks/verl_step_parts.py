@@ -22,6 +22,14 @@ REPO = Path(__file__).resolve().parent.parent
 # The policy's shape (the public Qwen3-0.6B config's dimensions, or tiny) -> the reward model's
 REWARD_SHAPE = {"qwen3-0.6b": "qwen3-1.7b", "tiny": "tiny"}
 POLICY_SHAPES = {k: SHAPES[k] for k in REWARD_SHAPE}
+# Each policy shape's workload beside --prompts and --steps: ROLLOUT_N, the prompts' lengths in tokens (uniform; the
+# chat template adds 8), MAX_PROMPT_LENGTH, MAX_RESPONSE_LENGTH, MICRO_BATCH_PER_GPU; tiny's is a CPU's
+WORKLOADS = {
+    "qwen3-0.6b": {"responses_per_prompt": 4, "prompt_words": (100, 400), "max_prompt_length": 512,
+                   "max_response_length": 512, "micro_batch_per_gpu": 4},
+    "tiny": {"responses_per_prompt": 2, "prompt_words": (20, 60), "max_prompt_length": 128,
+             "max_response_length": 32, "micro_batch_per_gpu": 2},
+}  # fmt: skip
 
 
 def build_models(shape: str, out: Path, device: str, result_file: Path, log: str) -> None:
@@ -52,12 +60,12 @@ def build_models(shape: str, out: Path, device: str, result_file: Path, log: str
     result_file.write_text(json.dumps(info))
 
 
-def write_prompts(path: Path, rows: int, lo: int, hi: int, words: int, seed: int = 0) -> None:
-    """`rows` prompts of lo..hi random words of the shared tokenizer (one word, one token)."""
+def write_prompts(path: Path, rows: int, lengths: tuple[int, int], words: int, seed: int = 0) -> None:
+    """`rows` prompts of `lengths` (low, high) random words of the shared tokenizer (one word, one token)."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(rows):
-            text = " ".join(f"w{rng.randrange(words)}" for _ in range(rng.randint(lo, hi)))
+            text = " ".join(f"w{rng.randrange(words)}" for _ in range(rng.randint(*lengths)))
             f.write(json.dumps({"prompt": text}) + "\n")
 
 
@@ -65,14 +73,16 @@ def settings_env(args, paths: dict[str, Path]) -> dict[str, str]:
     """The run script's settings block as it exports its defaults, then this run's values: what Settings reads."""
     from launch.plan.reference import block_defaults
 
+    workload = WORKLOADS[args.shape]
     return block_defaults(str(REPO)) | {
         "CONFIG_MODEL_PATH": str(paths["policy"]), "CONFIG_REWARD_MODEL_PATH": str(paths["reward_model"]),
         "CONFIG_TRAIN_FILE": str(paths["data"] / "train.parquet"), "CONFIG_TEST_FILE": str(paths["data"] / "test.parquet"),
         "CONFIG_OUTPUT_DIR": str(paths["checkpoints"]), "CONFIG_GPUS_PER_NODE": "1", "ACTOR_PP": "1",
         "STRATEGY": args.strategy, "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": str(args.prompts),
-        "PPO_MINI_BATCH_SIZE": str(args.prompts), "ROLLOUT_N": str(args.n),
-        "MAX_PROMPT_LENGTH": str(args.max_prompt_length), "MAX_RESPONSE_LENGTH": str(args.response_length),
-        "MICRO_BATCH_PER_GPU": str(args.micro_batch), "TRAINER_LOGGER": "[console]",
+        "PPO_MINI_BATCH_SIZE": str(args.prompts), "ROLLOUT_N": str(workload["responses_per_prompt"]),
+        "MAX_PROMPT_LENGTH": str(workload["max_prompt_length"]),
+        "MAX_RESPONSE_LENGTH": str(workload["max_response_length"]),
+        "MICRO_BATCH_PER_GPU": str(workload["micro_batch_per_gpu"]), "TRAINER_LOGGER": "[console]",
         "SAVE_FREQ": "-1", "TEST_FREQ": "-1",  # no save, no validation: the steps alone are measured
         "ESI_REDUNDANT_TIME": "0", "EXPERIMENT_NAME": "verl_step",
     }  # fmt: skip
@@ -106,9 +116,6 @@ class Group:
 
         self.proc = start_process(cmd, log, env, cwd)
         self.pid, self.log = self.proc.pid, log
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     def _members(self) -> bool:
         self.proc.poll()  # reap the leader: a zombie still counts in its group

@@ -20,19 +20,18 @@ def test_the_reward_benchmark_runs_every_row_of_each_variant_against_its_own_ser
     result = json.loads(out.read_text())
     one, two = result["variants"]
     assert one["health"]["pack"] is False and two["health"]["pack"] is True  # the variant's own env
-    assert "cold_over_fresh" in one and "cold_over_warm" in two
+    assert "cold_over_fresh" in one and "cold_over_fresh" in two
     rows = {(r["variant"], r["key"]): r for r in result["rows"]}
     assert list(rows) == [("one", "cold"), ("one", "fresh"),
-                          *(("two", k) for k in ("cold", "warm", "fresh", "callers-warm", "callers-fresh"))]  # fmt: skip
+                          *(("two", k) for k in ("cold", "fresh", "callers-fresh"))]  # fmt: skip
     assert rows["two", "fresh"]["row"] == "ours, reward client batch function, fresh lengths"
     assert rows["two", "callers-fresh"]["row"] == "ours, 4 concurrent per-sample callers, fresh lengths"
     for key, row in rows.items():
         assert row["repeats"] == (1 if key[1] == "cold" else 2), key
         seeds = {r["seed"] for r in row["runs"]}
-        assert len(seeds) == (2 if "fresh" in key[1] else 1), f"{key}: fresh lengths every repeat, else the same"
+        assert len(seeds) == (2 if "fresh" in key[1] else 1), f"{key}: fresh lengths every repeat"
         assert row["samples"] == 48 and row["tokens"] > 48 * 100 and row["tokens_per_s"] > 0
         assert row["server"]["micro_batches"] >= 1 and row["server"]["padded_tokens"] >= row["tokens"], key
-    assert "server side, per row:" in run.stdout
 
 
 @pytest.mark.parametrize(
@@ -62,7 +61,7 @@ def test_a_row_reports_the_median_run_and_the_spread_of_its_repeats():
 def test_variants_and_rows_are_checked_before_anything_starts():
     v = parse_variant("unpacked:REWARD_PACK=off,rows=fresh+cold", ["fresh"])
     assert v == {"name": "unpacked", "env": {"REWARD_PACK": "off"}, "rows": ["cold", "fresh"]}
-    assert parse_variant("plain", ["warm"]) == {"name": "plain", "env": {}, "rows": ["warm"]}
+    assert parse_variant("plain", ["fresh"]) == {"name": "plain", "env": {}, "rows": ["fresh"]}
     for bad, needle in (("x:REWARD_PACK", "not KEY=VALUE"), ("x:pack=off", "neither"),
                         ("x:rows=hot", "unknown rows"), ("x:replicas=2", "neither")):  # fmt: skip
         with pytest.raises(ValueError, match=needle):

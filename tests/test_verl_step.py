@@ -115,8 +115,7 @@ def test_the_benchmark_takes_real_grpo_steps_through_verl_and_reports_timing_and
     line, the reward server's peak, the job's trainer command with the benchmark's overrides last, nothing left."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "benchmarks.verl_step", "--shape", "tiny", "--steps", "2", "--prompts", "4",
-           "--n", "2", "--prompt-words", "20-60", "--max-prompt-length", "128", "--response-length", "32",
-           "--micro-batch", "2", "--timeout", "840", "--out", str(out)]  # fmt: skip
+           "--timeout", "840", "--out", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
     result = json.loads((out / "result.json").read_text())
     assert run.returncode == 0 and result["status"] == "done", (result["status"], run.stdout[-3000:])
