@@ -471,11 +471,14 @@ wait_until_done() {
 }
 
 # check_gpu_modes: before a training node starts anything, refuse its GPUs in a compute mode other than Default
-# (launch/job/node.py gpu-modes); without nvidia-smi (CPU runs), or where it fails, nothing is checked.
+# (launch/job/node.py gpu-modes); without nvidia-smi (CPU runs) nothing is checked, where it fails the node says so.
 check_gpu_modes() {
   local modes problem
-  ((rank != reward_rank)) && modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>/dev/null) ||
+  ((rank != reward_rank)) && command -v nvidia-smi >/dev/null 2>&1 || return 0
+  if ! modes=$(nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader 2>&1); then
+    err "[rank $rank] nvidia-smi failed on $host (${modes##*$'\n'}): GPU compute modes not checked"
     return 0
+  fi
   problem=$(node_info gpu-modes <<<"$modes")
   [[ -z "$problem" ]] || die "[rank $rank] GPU compute mode forbids this job's processes on $host: $problem"
 }

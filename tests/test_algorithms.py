@@ -258,6 +258,7 @@ def test_a_rollout_gpu_memory_that_is_no_share_is_refused_naming_auto(env, raw):
         ({"ALGORITHM": "reinforce"}, "ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         ({"STRATEGY": "fsdp"}, "STRATEGY='fsdp': use one of megatron, fsdp2"),
         ({"REWARD_RESTARTS": "-1"}, "REWARD_RESTARTS=-1: restarts of a reward server that dies, 0 or more"),
+        ({"CONFIG_GPUS_PER_NODE": "17"}, "CONFIG_GPUS_PER_NODE=17 with ROLLOUT_ENGINE=sglang: a job's port block holds"),
     ],
 )  # fmt: skip
 def test_refused_combinations_say_why(env, overrides, needle):

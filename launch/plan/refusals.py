@@ -24,7 +24,7 @@ from pathlib import Path
 
 from launch.plan import thinking
 from launch.plan.deadline import StallError, signal_lead, timeout_setting
-from launch.plan.settings import SettingError, Settings
+from launch.plan.settings import SGLANG_MAX_GPUS, SettingError, Settings
 from launch.plan.trainer_command import RECOMPUTE
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
 from reward_score.server.settings import Settings as RewardServerSettings
@@ -39,8 +39,13 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
 
 
 def job_problems(s: Settings) -> list[str]:
-    """What runs the job and where: a separate reward node, FP8."""
+    """What runs the job and where: SGLang's ports on a node, a separate reward node, FP8."""
     problems: list[str] = []
+    if s.rollout_engine == "sglang" and s.gpus_per_node > SGLANG_MAX_GPUS:
+        problems.append(
+            f"CONFIG_GPUS_PER_NODE={s.gpus_per_node} with ROLLOUT_ENGINE=sglang: a job's port block holds the ports "
+            f"verl's SGLang engines take (two per GPU) for at most {SGLANG_MAX_GPUS} GPUs per node"
+        )
     if s.separate_reward_node and s.nnodes < 2:
         problems.append(
             "CONFIG_USE_SEPARATE_REWARD_NODE=true needs at least 2 nodes (the last one runs only reward servers); "

@@ -28,7 +28,7 @@ class SettingError(ValueError):
 ROLLOUT_GPU_MEMORY_HYBRID = 0.4
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 ROLLOUT_ROOM_FOR_REWARD = 0.25
-# SGLang engines per node the port block has room for (two ports each); launch/job/node.py refuses more
+# SGLang engines per node the port block has room for (two ports each: launch/job/node.py); refusals.py refuses more
 SGLANG_MAX_GPUS = 16
 
 
