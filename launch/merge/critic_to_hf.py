@@ -55,7 +55,7 @@ def to_value_model(folder: Path) -> str:
     tensors = load_file(str(shard))
     head = tensors[name]
     if tuple(head.shape) != (1, hidden):
-        raise NotACritic(f"{name} has shape {list(head.shape)}, a value head is [1, {hidden}]: an actor's checkpoint?")
+        raise NotACritic(f"{name} in {folder} has shape {list(head.shape)}, a value head is [1, {hidden}]: an actor's?")
     classes = AutoModelForTokenClassification._model_mapping
     if type(config) not in classes:
         raise NotACritic(f"transformers has no token-classification model for model_type={config.model_type}")
