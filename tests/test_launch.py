@@ -444,6 +444,41 @@ def test_a_requeued_start_skips_the_expensive_checks_only_while_nothing_they_rea
     assert not skip_expensive(fingerprint(Settings.from_env(env), []), tmp_path / "none.json", "1"), "no record"
 
 
+def test_a_requeued_start_sees_a_change_below_reward_score_and_no_function_file_stands_for_an_unset_one(
+    tmp_path, capsys, monkeypatch
+):
+    """The reward server's own package (reward_score/server/) is read as our reward code: an edit there between two
+    starts runs the reward server's check in full. With REWARD_FUNCTION_PATH unset (the default) nothing stands for
+    the user's function, not the current folder's files; a set one is read by its content."""
+    from launch.plan import requeue_record
+    from launch.plan.settings import Settings
+
+    repo = tmp_path / "repo"
+    (repo / "reward_score" / "server" / "__pycache__").mkdir(parents=True)
+    (repo / "reward_score" / "client.py").write_text("URL = 1\n")
+    server = repo / "reward_score" / "server" / "app.py"
+    server.write_text("BATCH = 8\n")
+    (repo / "reward_score" / "server" / "__pycache__" / "app.cpython-312.pyc").write_bytes(b"rewritten on every run")
+    (tmp_path / "notes.txt").write_text("the user's own file, in the folder the job was started from")
+    monkeypatch.setattr(requeue_record, "REPO", repo)
+    monkeypatch.chdir(tmp_path)
+    env = block_environment() | {"CONTAINER": "none", "REWARD_FUNCTION_PATH": ""}
+    monkeypatch.setattr(os, "environ", env)
+    settings = Settings.from_env(env)
+    before = requeue_record.fingerprint(settings, [])
+    names = [entry[0] for entry in before["reward_code"]]
+    assert names == [str(repo / "reward_score" / "client.py"), str(server)], "no .pyc, no file of the current folder"
+    record = tmp_path / "preflight_ok.json"
+    record.write_text(json.dumps(before))
+    server.write_text("BATCH = 16\n")  # same size: seen by its content
+    assert not requeue_record.skip_expensive(requeue_record.fingerprint(settings, []), record, "1")
+    assert "requeued start: reward_code changed since" in capsys.readouterr().out
+    user = tmp_path / "my_reward.py"
+    user.write_text("def score(*a): return 0\n")
+    env["REWARD_FUNCTION_PATH"] = str(user)
+    assert requeue_record.fingerprint(settings, [])["reward_code"][-1][0] == str(user)
+
+
 # --- the reward model's input format ------------------------------------------------------------------------------
 
 

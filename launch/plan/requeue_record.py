@@ -3,6 +3,7 @@ trainer's imports) read, recorded when they pass (`logs/<jobid>/preflight_ok.jso
 (SLURM_RESTART_COUNT above 0): equal, those checks are skipped; not, they run in full, naming what changed."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -13,10 +14,18 @@ from launch.plan.settings import REPO, Settings
 
 
 def stamps(path) -> list:
-    """[name, size, mtime_ns] of a file, or of each file in a folder (not below: __pycache__ changes on every run)."""
+    """[name, size, mtime_ns] of a file, or of each file in a folder (not below: a model's or the data's are flat)."""
     p = Path(path)
-    files = sorted(p.iterdir()) if p.is_dir() else [p] if path else []
+    files = [] if not path else sorted(p.iterdir()) if p.is_dir() else [p]  # Path("") is the current folder
     return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+
+
+def reward_code(env) -> list:
+    """[path, sha256] of each .py under reward_score/ (the server's package too; not __pycache__) and of the user's
+    function file (REWARD_FUNCTION_PATH), none where that is unset: verl's own scorer is the image's."""
+    files = sorted(REPO.glob("reward_score/**/*.py"))
+    files += [Path(env["REWARD_FUNCTION_PATH"])] if env.get("REWARD_FUNCTION_PATH") else []
+    return [[str(f), hashlib.sha256(f.read_bytes()).hexdigest()] for f in files if f.is_file()]
 
 
 # Settings the expensive checks do not read, which the run script may set anew for each start
@@ -26,7 +35,7 @@ UNREAD = ("checkpoint_before_end", "esi_redundant_time", "stall_", "reward_resta
 def fingerprint(settings: Settings, extra: list[str]) -> dict:
     """What the expensive checks (the reward server's load and round trip, the trainer's imports) read: the image (or,
     with CONTAINER=none, the packages installed here), the model folders, the data, our reward code, the settings,
-    the reward server's environment and the extra overrides; files by name, size and mtime."""
+    the reward server's environment and the extra overrides; files by name, size and mtime, our code by content."""
     env, packages = os.environ, Path(sysconfig.get_paths()["purelib"]).glob("*.dist-info")  # names carry versions
     image = sorted(p.name for p in packages) if settings.container == "none" else stamps(settings.image)
     values = {k: v for k, v in dataclasses.asdict(settings).items() if not k.startswith(UNREAD)}
@@ -34,7 +43,7 @@ def fingerprint(settings: Settings, extra: list[str]) -> dict:
         "image": image, "policy_model": stamps(settings.model_path),
         "reward_model": stamps(settings.reward_model_path) if settings.uses_reward_model else [],
         "data": stamps(settings.train_file) + stamps(settings.test_file),
-        "reward_code": stamps(REPO / "reward_score") + stamps(env.get("REWARD_FUNCTION_PATH", "")),
+        "reward_code": reward_code(env),
         "settings": values, "overrides": extra,
         "environment": {k: v for k, v in sorted(env.items())
                         if k.startswith(("PREFLIGHT_", "REWARD_", "TRAINER_IS_VERL")) and k != "REWARD_SERVER_TOKEN"},
@@ -54,8 +63,8 @@ def skip_expensive(now: dict, record: Path, restarts: str) -> bool:
         print(f"preflight: requeued start: {', '.join(changed)} changed since the first start's checks ({record}): "
               f"{what} run in full")  # fmt: skip
     else:
-        print(f"preflight: requeued start: {', '.join(now)} (files by name, size and mtime) are as at the first "
-              f"start's checks ({record}): {what} skipped")  # fmt: skip
+        print(f"preflight: requeued start: {', '.join(now)} (files by content or name, size and mtime) are as at "
+              f"the first start's checks ({record}): {what} skipped")  # fmt: skip
     return not changed
 
 
