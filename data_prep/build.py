@@ -88,9 +88,18 @@ class RowSpec:
         )
 
 
+def missing(example: dict, what: str, column: str) -> BadRow:
+    """A row without `column`: the columns it has, each with its type, and the flag that names the right one."""
+    found = ", ".join(f"{name} ({type(value).__name__})" for name, value in example.items()) or "none"
+    flag = f"--{what}-column"
+    if what in ("prompt", "messages"):
+        flag = "--prompt-column (a str) or --messages-column (a list of {role, content})"
+    return BadRow(f"{what} column '{column}' is missing; the row's columns: {found}: name the right one with {flag}")
+
+
 def _text(example: dict, column: str, what: str) -> str:
     if column not in example or example[column] is None:
-        raise BadRow(f"{what} column '{column}' is missing")
+        raise missing(example, what, column)
     value = example[column]
     if not isinstance(value, str):
         raise BadRow(f"{what} column '{column}' is a {type(value).__name__}, not text")
@@ -109,7 +118,7 @@ def chat_messages(example: dict, spec: RowSpec) -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise BadRow(f"messages column '{spec.messages_column}' is not valid JSON: {exc}") from None
         if raw is None:
-            raise BadRow(f"messages column '{spec.messages_column}' is missing")
+            raise missing(example, "messages", spec.messages_column)
         if not isinstance(raw, list | tuple) or not raw:
             raise BadRow(f"messages column '{spec.messages_column}' must be a non-empty list of {{role, content}}")
         messages = []
@@ -322,12 +331,12 @@ def good_rows(path: Path, fixed_split: str | None, args, spec: RowSpec, report: 
 
 def refuse_an_empty_split(report: Report) -> None:
     """SystemExit naming the split that would be empty and what to change (for train, the first bad row's error:
-    a file without the prompt's column says so there)."""
+    a file without the prompt's column names the columns found and the flag there)."""
     for split, n in report.written.items():
         if n == 0:
             hint = "raise --test-size or give --test-file" if split == "test" else "check the column flags"
             if split == "train" and report.bad_rows:
-                hint = f"row {report.bad_rows[0]['row']}: {report.bad_rows[0]['error']}: {hint}"
+                hint = f"row {report.bad_rows[0]['row']}: {report.bad_rows[0]['error']}"
             raise SystemExit(f"the {split} split would be empty ({report.read} rows read, {report.bad} bad): {hint}")
 
 

@@ -85,7 +85,8 @@ def test_source_and_kept_columns_land_where_verl_and_people_read_them():
         ({"m": [{"role": "robot", "content": "x"}]}, RowSpec(prompt_column=None, messages_column="m"), "m[0].role is 'robot'"),
         ({"m": [{"role": "user", "content": ""}]}, RowSpec(prompt_column=None, messages_column="m"), "m[0].content is empty"),
         ({"m": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, RowSpec(prompt_column=None, messages_column="m"), "must be the user's turn"),
-        ({"prompt": "x"}, RowSpec(reward_style="rule", answer_column="ans"), "answer column 'ans' is missing"),
+        ({"prompt": "x"}, RowSpec(prompt_column=None, messages_column="m"), "messages column 'm' is missing; the row's columns: prompt (str): name the right one with --prompt-column (a str) or --messages-column"),
+        ({"prompt": "x"}, RowSpec(reward_style="rule", answer_column="ans"), "answer column 'ans' is missing; the row's columns: prompt (str): name the right one with --answer-column"),
     ],
 )  # fmt: skip
 def test_bad_rows_name_the_field_and_the_problem(example, spec, needle):
@@ -246,24 +247,30 @@ def test_one_row_cannot_be_split_and_the_refusal_names_the_flags(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name, content, flag",
+    "name, content, found, flag",
     [
         # a JSONL of chat lists, built with the default --prompt-column prompt
         ("chats.jsonl", "".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
-                                for i in range(12)), "--messages-column messages"),
+                                for i in range(12)), "id (int), messages (list)", "--messages-column messages"),
         # a CSV whose prompts are in a "question" column
         ("qa.csv", "id,question,answer\n" + "".join(f"{i},q{i}?,a{i}\n" for i in range(12)),
-         "--prompt-column question"),
+         "id (str), question (str), answer (str)", "--prompt-column question"),
     ],
 )  # fmt: skip
-def test_a_file_without_the_prompt_column_names_it_and_creates_no_folder(tmp_path, name, content, flag):
+def test_a_file_without_the_prompt_column_names_the_columns_found_and_the_flags_and_creates_no_folder(
+    tmp_path, name, content, found, flag
+):
     src = tmp_path / name
     src.write_text(content, encoding="utf-8")
     with pytest.raises(SystemExit) as refused:
         build_main([str(src), "--out-dir", str(tmp_path / "data" / "out")])
     message = str(refused.value)
     assert "the train split would be empty (12 rows read, 12 bad)" in message
-    assert re.search(r"row [12]: prompt column 'prompt' is missing: check the column flags", message)
+    assert re.search(r"row [12]: prompt column 'prompt' is missing; the row's columns: ", message)
+    assert message.endswith(
+        f"columns: {found}: name the right one with --prompt-column (a str) or --messages-column (a list of "
+        "{role, content})"
+    ), message
     assert not (tmp_path / "data").exists(), "no empty output folder left behind"
     # a folder that was already there, with someone's files, is left as it was
     (tmp_path / "kept").mkdir()
