@@ -39,6 +39,7 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 ROLES = {"system", "user", "assistant", "tool"}
 CHUNK_ROWS = 20_000
 MAX_REPORTED = 1000
+PROMPT_FLAGS = "--prompt-column (a str) or --messages-column (a list of {role, content})"  # the prompt's column
 # --preset: what verl 0.6.1's examples/data_preprocess/{gsm8k,math_dataset}.py write, from the public sets' columns.
 PRESETS = {
     "gsm8k": {"prompt_column": "question", "answer_column": "answer", "data_source": "openai/gsm8k",
@@ -91,9 +92,7 @@ class RowSpec:
 def missing(example: dict, what: str, column: str) -> BadRow:
     """A row without `column`: the columns it has, each with its type, and the flag that names the right one."""
     found = ", ".join(f"{name} ({type(value).__name__})" for name, value in example.items()) or "none"
-    flag = f"--{what}-column"
-    if what in ("prompt", "messages"):
-        flag = "--prompt-column (a str) or --messages-column (a list of {role, content})"
+    flag = PROMPT_FLAGS if what in ("prompt", "messages") else f"--{what}-column"
     return BadRow(f"{what} column '{column}' is missing; the row's columns: {found}: name the right one with {flag}")
 
 

@@ -20,14 +20,6 @@ def stamps(path) -> list:
     return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
 
 
-def reward_code(env) -> list:
-    """[path, sha256] of each .py under reward_score/ (the server's package too; not __pycache__) and of the user's
-    function file (REWARD_FUNCTION_PATH), none where that is unset: verl's own scorer is the image's."""
-    files = sorted(REPO.glob("reward_score/**/*.py"))
-    files += [Path(env["REWARD_FUNCTION_PATH"])] if env.get("REWARD_FUNCTION_PATH") else []
-    return [[str(f), hashlib.sha256(f.read_bytes()).hexdigest()] for f in files if f.is_file()]
-
-
 # Settings the expensive checks do not read, which the run script may set anew for each start
 UNREAD = ("checkpoint_before_end", "esi_redundant_time", "stall_", "reward_restart")
 
@@ -39,11 +31,13 @@ def fingerprint(settings: Settings, extra: list[str]) -> dict:
     env, packages = os.environ, Path(sysconfig.get_paths()["purelib"]).glob("*.dist-info")  # names carry versions
     image = sorted(p.name for p in packages) if settings.container == "none" else stamps(settings.image)
     values = {k: v for k, v in dataclasses.asdict(settings).items() if not k.startswith(UNREAD)}
+    code = sorted(REPO.glob("reward_score/**/*.py"))  # the server's package too; no user function: nothing for it
+    code += [Path(env["REWARD_FUNCTION_PATH"])] if env.get("REWARD_FUNCTION_PATH") else []
     return json.loads(json.dumps(default=str, obj={
         "image": image, "policy_model": stamps(settings.model_path),
         "reward_model": stamps(settings.reward_model_path) if settings.uses_reward_model else [],
         "data": stamps(settings.train_file) + stamps(settings.test_file),
-        "reward_code": reward_code(env),
+        "reward_code": [[str(f), hashlib.sha256(f.read_bytes()).hexdigest()] for f in code if f.is_file()],
         "settings": values, "overrides": extra,
         "environment": {k: v for k, v in sorted(env.items())
                         if k.startswith(("PREFLIGHT_", "REWARD_", "TRAINER_IS_VERL")) and k != "REWARD_SERVER_TOKEN"},
