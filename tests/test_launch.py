@@ -352,6 +352,8 @@ def test_recipe_commands_pass_the_whole_preflight_with_verls_recipe_configs(job,
     assert f"preflight: {expected} with" in result.stdout and "composes and passes verl's checks" in result.stdout
     manager = "dapo" if "dapo" in expected else "batch"
     assert f"preflight: reward verl's {manager} reward manager scored 8 validation rows" in result.stdout
+    fsdp2 = "preflight: verl's fused log-prob kernels off (FUSED_KERNELS=auto: STRATEGY=fsdp2 keeps verl's logits)"
+    assert (fsdp2 in result.stdout) == (overrides.get("STRATEGY") == "fsdp2"), "the reason, under fsdp2 only"
     assert "=== launching on" not in result.stdout
 
 

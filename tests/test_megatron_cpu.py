@@ -352,11 +352,19 @@ def test_fused_kernels_run_where_verl_0_6_1_can_and_on_is_refused_where_it_canno
     assert want is True or want in why
 
 
-def test_fsdp2_keeps_its_logits_and_an_unknown_fused_kernels_is_refused_naming_its_values():
+def test_fsdp2_refuses_fused_kernels_on_and_auto_keeps_its_logits_saying_why():
+    """docs/training.md: under STRATEGY=fsdp2 the setting is Megatron's; on is refused in the preflight, naming the
+    fix, not turned off in silence; auto is off with the reason the preflight prints. An unknown value is refused."""
     env = block_environment() | dict(
         CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="t",
-        CONFIG_TEST_FILE="v", CONFIG_OUTPUT_DIR="o", REWARD_PROMPT_OPENS_THINK="true",
+        CONFIG_TEST_FILE="v", CONFIG_OUTPUT_DIR="o", REWARD_PROMPT_OPENS_THINK="true", STRATEGY="fsdp2",
     )  # fmt: skip
-    assert fused_kernels(Settings.from_env(env | {"STRATEGY": "fsdp2", "FUSED_KERNELS": "on"}))[0] is False
+    refused = check(Settings.from_env(env | {"FUSED_KERNELS": "on"}), check_paths=False)
+    assert [p for p in refused if p.startswith("FUSED_KERNELS")] == [
+        "FUSED_KERNELS=on, but STRATEGY=fsdp2 keeps verl's logits: set FUSED_KERNELS=auto or off, or STRATEGY=megatron"
+    ]
+    assert not [p for p in check(Settings.from_env(env), check_paths=False) if "FUSED_KERNELS" in p], "auto passes"
+    assert fused_kernels(Settings.from_env(env)) == (False, "FUSED_KERNELS=auto: STRATEGY=fsdp2 keeps verl's logits")
+    env["STRATEGY"] = "megatron"
     s = Settings.from_env(env | {"FUSED_KERNELS": "yes"})
     assert "FUSED_KERNELS='yes': use one of auto, on, off" in check(s, check_paths=False)

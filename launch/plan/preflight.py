@@ -388,10 +388,10 @@ def memory_fits(settings: Settings, extra: list[str], cfg) -> bool:
     except Exception as exc:
         print(f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
               f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how", file=sys.stderr)  # fmt: skip
+    fused, why = fused_kernels(settings, extra)  # under fsdp2 too: off, and why
+    print(f"preflight: verl's fused log-prob kernels {'on' if fused else 'off'} ({why})")
     if settings.strategy != "megatron":
         return True
-    fused, why = fused_kernels(settings, extra)
-    print(f"preflight: verl's fused log-prob kernels {'on' if fused else 'off'} ({why})")
     try:
         for line in megatron_update_lines(settings, peak, fused):
             print(f"preflight: {line}")

@@ -280,6 +280,10 @@ def combination_problems(s: Settings) -> list[str]:
             problems.append(f"{name}={value!r}: use one of {', '.join(allowed)}")
     if problems:
         return problems
+    if s.fused_kernels_setting == "on" and s.strategy == "fsdp2":
+        problems.append(
+            "FUSED_KERNELS=on, but STRATEGY=fsdp2 keeps verl's logits: set FUSED_KERNELS=auto or off, or STRATEGY=megatron"
+        )
     if s.reward_manager == "batch" and s.rollout_mode == "async":
         problems.append(
             "REWARD_MANAGER=batch with ROLLOUT_MODE=async: verl 0.6.1's async reward loop registers only naive and "

@@ -9,6 +9,7 @@ deadline (launch/plan/deadline.py); refusals, gpu_memory, preflight and referenc
 """
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -140,12 +141,10 @@ def _fused_blocker(s: Settings, config: dict, extra: list[str]) -> tuple[str, st
 def fused_kernels(s: Settings, extra: list[str] | None = None) -> tuple[bool, str]:
     """FUSED_KERNELS: whether verl's fused log-prob kernels run (log-probs and entropy from the last hidden states in
     chunks, never the [tokens x vocab] float32 logits), and why. auto runs them unless something blocks them
-    (_fused_blocker) and then says why not; on refuses a blocker. verl's FSDP path is left as it is: off.
+    (_fused_blocker) and then says why not; on refuses a blocker. fsdp2 keeps verl's logits (on: refusals.py).
     With them the reference's pass runs fused too: verl 0.6.1's MegatronPPOActor reads use_fused_kernels from its
     own config (megatron_actor.py:132-138), and the reference's (megatron_workers.py:523-530) has no such key: the
     `+` adds it, or the reference would build the logits."""
-    import json
-
     setting = s.fused_kernels_setting
     if setting == "off" or s.strategy != "megatron":
         return False, f"FUSED_KERNELS={setting}" + ("" if setting == "off" else ": STRATEGY=fsdp2 keeps verl's logits")
