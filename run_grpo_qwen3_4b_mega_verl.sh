@@ -143,9 +143,8 @@ STALL_REQUEUE="${STALL_REQUEUE:-1}"                             # 1: requeue onc
 set +a
 # ------------------------------------------------------------------------------------------------------------------
 # Not settings (docs/development.md): what runs `-m verl.trainer.main_ppo ...` (a site's wrapper, `nsys profile`);
-# TRAINER_IS_VERL=0 where that is no verl trainer (the tests' stand-in); the CPU runs' hook after their shims.
+# TRAINER_IS_VERL=0 where that is no verl trainer (the tests' stand-in).
 export TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}" TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"
-export CPU_RUN_THEN_HOOK="${CPU_RUN_THEN_HOOK:-launch.job.preempt.install}"
 
 # shellcheck source=launch/job/common.sh
 source "$repo/launch/job/common.sh"
@@ -299,15 +298,12 @@ preempt_time() {
 on_usr1() {
   local preempted
   preempted=$(preempt_time)
-  if [[ -n "$preempted" ]]; then
-    on_preempted "$preempted"
-  else
-    on_time_limit
-  fi
+  [[ -n "$preempted" ]] || { on_time_limit; return; }
+  on_preempted "$preempted"
 }
 
-# on_preempted TIME: where a step, a save and the stop fit in the grace left (launch/job/preempt.py), verl saves after
-# the step it is in; then the job requeues itself, and the next start resumes from that save.
+# on_preempted TIME: where a step, its validation, a save and the stop fit in the grace left (launch/job/preempt.py;
+# never in a recipe), verl saves after the step it is in; the job requeues itself (at once where no save can come).
 on_preempted() {
   local grace left line tracker="$CONFIG_OUTPUT_DIR/latest_checkpointed_iteration.txt" before="" deadline
   if [[ "$PREEMPT_SAVE" != 1 ]]; then

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.job.ray_cluster import alive
-from launch.job.steps import RESUMED_AT, TOTAL_STEPS, is_training_step, override, parse_step_lines
+from launch.job.steps import RESUMED_AT, TOTAL_STEPS, command_int, is_training_step, parse_step_lines
 from launch.plan import deadline
 from launch.plan.deadline import StallError, positive_seconds, timeout_setting
 
@@ -43,12 +43,6 @@ def _seconds(env: Mapping[str, str], name: str) -> float:
     if (value := positive_seconds(raw)) is None:
         raise StallError(f"{name}={raw!r}: seconds, more than 0")
     return value
-
-
-def _command_int(command: list[str], key: str, default: int) -> int:
-    """The last `KEY=N` of the trainer command (a user's override after the settings' wins there too)."""
-    value = override(command, key) or ""
-    return int(value) if value.lstrip("-").isdigit() else default
 
 
 @dataclass
@@ -74,8 +68,8 @@ class Clock:
             timeout=timeout,
             floor=_seconds(env, "STALL_FLOOR"),
             first=_seconds(env, "STALL_FIRST_STEP"),
-            test_freq=_command_int(command, "trainer.test_freq", -1),
-            save_freq=_command_int(command, "trainer.save_freq", -1),
+            test_freq=command_int(command, "trainer.test_freq", -1),
+            save_freq=command_int(command, "trainer.save_freq", -1),
         )
         expiry = env.get("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP", "")
         clock.expiry = float(expiry) if expiry.isdigit() else None

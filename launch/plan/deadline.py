@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the type only: at run time this module imports nothing of l
 
 FIRST_GUESS = 600  # s for a validation and a save before this job measured any (a 4B save with optimizer: minutes)
 VERL_SAVE_SECONDS = 60  # should_save_ckpt_esi's own save_ckpt_duration
+MARGIN = 15  # s between a preempted job's own stop and the grace's end, as the run script's cleanup gives the helpers
 # verl's console logger prints each number with pprint.pformat: a float as is, a numpy one as np.float64(...) (numpy 2)
 _TIMING = re.compile(r"(?:^|\s)timing_s/(step|testing|save_checkpoint):(?:np\.float\d+\()?([0-9.eE+-]+)")
 
@@ -161,3 +162,19 @@ def plan(s: Settings, env: Mapping[str, str], now: float | None = None) -> tuple
             + f", less than a save ({save:.0f} s measured or assumed) and a minute: the last save may be cut off"
         )
     return lines, warnings
+
+
+def decide(left: float, step: float | None, save: float | None, stop: float, validation: float | None = None):
+    """(whether to save after the current step with `left` s of grace, why): a whole step (the signal may come as one
+    starts), its validation (None: it validates not; verl validates, then asks should_save_ckpt_esi, then saves:
+    ray_trainer.py:1224-1254), the save and the stop must fit. No step measured yet (a first step): try."""
+    if step is None:
+        return True, f"grace {left:.0f} s; no step measured yet in this job, so trying: the grace's end is the bound"
+    need = step + (validation or 0) + (save or 0) + stop + MARGIN
+    validates = "" if validation is None else f", then its validation {_about(validation)}"
+    why = f"grace {left:.0f} s, a step takes ~{step:.0f} s{validates}, a save {_about(save)}, the stop {stop:.0f} s"
+    return need <= left, why if need <= left else f"{why}: {need:.0f} s do not fit"
+
+
+def _about(seconds: float | None) -> str:
+    return f"~{seconds:.0f} s" if seconds else "not measured yet"
