@@ -77,6 +77,12 @@ def test_a_users_own_ray_hook_is_chained_behind_the_jobs_never_dropped():
     assert f"+ray_kwargs.ray_init.runtime_env.env_vars.{USER_HOOK}=my_site.setup" in argv
 
 
+def test_save_freq_auto_is_the_default_and_outside_a_preemptible_partition_todays_25():
+    env = block_environment() | {"REWARD_PROMPT_OPENS_THINK": "true"}
+    assert env["SAVE_FREQ"] == "auto"
+    assert "trainer.save_freq=25" in trainer_argv(Settings.from_env(env))
+
+
 @pytest.mark.parametrize(
     "setting, resuming, validates",
     [

@@ -24,7 +24,7 @@ from launch.plan.config_refusals import (
     rollout_problems,
     thinking_problems,
 )
-from launch.plan.deadline import plan
+from launch.plan.deadline import plan, preemption
 from launch.plan.gpu_memory import (
     GpuMemoryError,
     gpu_memory_line,
@@ -254,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"preflight: save before the time limit: {line}")
         for warning in warnings:
             print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
+        _, lines, warnings = preemption(settings, os.environ)  # one line: what a preemption costs this job
+        for line in lines:
+            print(f"preflight: preemption: {line}")
+        for warning in warnings:
+            print(f"preflight: WARNING: preemption: {warning}", file=sys.stderr)
         composed = checked_config(settings, extra)
         if composed is None:
             return 1

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from launch.plan import thinking
-from launch.plan.deadline import redundant_time
+from launch.plan.deadline import preemption, redundant_time
 from launch.plan.settings import REPO, SettingError, Settings
 
 REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
@@ -361,7 +361,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"trainer.default_local_dir={Path(s.output_dir).resolve()}",
         f"trainer.n_gpus_per_node={s.training_gpus_per_node}",
         f"trainer.nnodes={s.train_nodes}",
-        f"trainer.save_freq={s.save_freq}",
+        f"trainer.save_freq={preemption(s, os.environ)[0]}",
         f"trainer.test_freq={s.test_freq}",
         f"trainer.val_before_train={s.val_before_train}",
         f"trainer.total_epochs={s.total_epochs}",
