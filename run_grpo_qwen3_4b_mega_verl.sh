@@ -105,7 +105,7 @@ VAL_TEMPERATURE="${VAL_TEMPERATURE:-0.6}"                       # Instruct-2507 
 VAL_TOP_P="${VAL_TOP_P:-0.95}"                                  # Instruct-2507 cards: 0.8
 VAL_TOP_K="${VAL_TOP_K:-20}"                                    # -1: off; sync rollout only (verl's agent loop drops it)
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-1}"                               # passes over the training prompts
-SAVE_FREQ="${SAVE_FREQ:-25}"                                    # save a checkpoint every N steps
+SAVE_FREQ="${SAVE_FREQ:-auto}"                                  # save every N steps; auto: 25, or every ~30 min where a preemption saves nothing
 TEST_FREQ="${TEST_FREQ:-5}"                                     # validate every N steps
 VAL_BEFORE_TRAIN="${VAL_BEFORE_TRAIN:-auto}"                    # validate before step 1: auto (not on a resume) | true | false
 MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"                       # actor and critic checkpoints kept (~56 GB each for 4B)
@@ -143,9 +143,8 @@ STALL_REQUEUE="${STALL_REQUEUE:-1}"                             # 1: requeue onc
 set +a
 # ------------------------------------------------------------------------------------------------------------------
 # Not settings (docs/development.md): what runs `-m verl.trainer.main_ppo ...` (a site's wrapper, `nsys profile`);
-# TRAINER_IS_VERL=0 where that is no verl trainer (the tests' stand-in); the CPU runs' hook after their shims.
+# TRAINER_IS_VERL=0 where that is no verl trainer (the tests' stand-in).
 export TRAINER_LAUNCHER="${TRAINER_LAUNCHER:-python3}" TRAINER_IS_VERL="${TRAINER_IS_VERL:-1}"
-export CPU_RUN_THEN_HOOK="${CPU_RUN_THEN_HOOK:-launch.job.preempt.install}"
 
 # shellcheck source=launch/job/common.sh
 source "$repo/launch/job/common.sh"
@@ -228,9 +227,14 @@ export_wandb_run() {
 }
 
 # export_checkpoint_deadline: the job's end (JOB_END_TIME) and verl's save-before-expiry time, CHECKPOINT_BEFORE_END
-# before it (launch/plan/deadline.py); JOB_SIGNAL_LEAD: this header's --signal=B:USR1@N.
+# before it (launch/plan/deadline.py); JOB_SIGNAL_LEAD: this header's --signal=B:USR1@N; for what a preemption costs,
+# the job's partition (JOB_PARTITION; empty: the default), every partition and Slurm's preemption settings.
 export_checkpoint_deadline() {
   local end=${SLURM_JOB_END_TIME:-}
+  JOB_PARTITION=${SLURM_JOB_PARTITION:-${SBATCH_PARTITION:-$(sbatch_value "${BASH_SOURCE[0]}" partition)}}
+  JOB_PARTITIONS=$(timeout 5 scontrol show partition -o 2>/dev/null || true)
+  JOB_SLURM_CONFIG=$(timeout 5 scontrol show config 2>/dev/null | grep -E '^(PreemptType|SlurmctldParameters) ' || true)
+  export JOB_PARTITION JOB_PARTITIONS JOB_SLURM_CONFIG
   if [[ -z "$end" && -n "${SLURM_JOB_ID:-}" ]]; then
     end=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'EndTime=[^ ]*' | cut -d= -f2 || true)
     end=$(date -d "$end" +%s 2>/dev/null || true)
@@ -299,15 +303,12 @@ preempt_time() {
 on_usr1() {
   local preempted
   preempted=$(preempt_time)
-  if [[ -n "$preempted" ]]; then
-    on_preempted "$preempted"
-  else
-    on_time_limit
-  fi
+  [[ -n "$preempted" ]] || { on_time_limit; return; }
+  on_preempted "$preempted"
 }
 
-# on_preempted TIME: where a step, a save and the stop fit in the grace left (launch/job/preempt.py), verl saves after
-# the step it is in; then the job requeues itself, and the next start resumes from that save.
+# on_preempted TIME: where a step, its validation, a save and the stop fit in the grace left (launch/job/preempt.py;
+# never in a recipe), verl saves after the step it is in; the job requeues itself (at once where no save can come).
 on_preempted() {
   local grace left line tracker="$CONFIG_OUTPUT_DIR/latest_checkpointed_iteration.txt" before="" deadline
   if [[ "$PREEMPT_SAVE" != 1 ]]; then

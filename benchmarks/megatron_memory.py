@@ -14,8 +14,7 @@ public config's dimensions, then:
   (preprocess_packed_seqs), then both backward with random gradients in place of the next stage's, then the optimizer
   step, after loading the optimizer back as update_actor does. One GPU holds one pipeline rank, so the stage is built
   alone, and what PP adds on the wire (p2p buffers of [tokens, hidden]) is not in it.
-For each phase: torch's peak allocated and reserved (reset at the phase's start) and seconds. (Each layer's saved
-tensors were counted until issue #61, commit c9c786a: docs/training.md quotes that count.)
+For each phase: torch's peak allocated and reserved (reset at the phase's start) and seconds.
 
 On a GPU without Transformer Engine (the H200 here) the layer spec is demo/megatron_cpu.py's TE-shaped one
 (install_without_te): TE's structure and names, torch's fused RMSNorm and SDPA (flash) in place of TE's kernels.

@@ -1,17 +1,11 @@
 """Reward scoring benchmark: one GRPO step (1024 pairs) through our reward server, over HTTP.
 
-The workload and ceiling are those of docs/reward-benchmark.md:
-- 1024 (prompt, response) pairs; prompt lengths uniform in [100, 600] tokens, response lengths lognormal (median 300,
-  sigma 0.8) clipped to [10, 1800], each pair clipped to 2048 tokens; seed 1234, fresh lengths from other seeds;
-- a Qwen3ForSequenceClassification of Qwen3-1.7B's shape (or `--shape qwen3-8b | qwen3-14b`, the public configs'
-  dimensions) with random weights (bf16 on GPU), and a word-level tokenizer built here, so one word is one token and
-  lengths are exact;
-- the ceiling: the step's FLOP (2 x non-embedding parameters x tokens) at the bf16 matmul rate measured in this run.
+The workload (1024 pairs of seeded lengths, random-weight models of the public configs' shapes, a word-level tokenizer)
+and the ceiling (the step's FLOP at the bf16 matmul rate measured in this run) are docs/reward-benchmark.md's.
 
 Rows (`--rows`, comma-separated; default all): our server called by our reward client's batch function (`cold`: the
-first step after the server starts, `fresh`: fresh lengths), and by 64 concurrent per-sample callers (`callers-fresh`).
-The article's baseline, the verl-loop rows, the replicas, the killed server and the warm rows (the same lengths again)
-went in issue #61 (benchmarks/HISTORY.md says at which commit to rerun them).
+first step after the server starts, `fresh`: fresh lengths), and by 64 concurrent per-sample callers (`callers-fresh`;
+rows removed in issue #61: benchmarks/HISTORY.md).
 
 `--repeat N` runs each row N times (on fresh lengths each time) and reports the median, with the minimum,
 median and maximum share of the ceiling. `--variant NAME:KEY=VALUE,...` (repeatable) runs the rows once per variant

@@ -9,13 +9,10 @@ interface (demo/verl_cpu.py's HFEngineRollout, registered by the hook in
 benchmarks/verl_step_hook.py), and the actor keeps its padding
 (sdpa attention): demo/verl_cpu.ENGINE_OVERRIDES. On a CPU (`--shape tiny`) its CPU shims and lean overrides come too.
 
-The models have random weights: a policy in Qwen3-0.6B's shape and a reward model in Qwen3-1.7B's
-(benchmarks/common.py builds both), sharing the benchmarks' word-level tokenizer, one word a token, its vocabulary
-as large as the models' (151936), so every token a random policy samples decodes to a word and the reward model
-scores as many tokens as were generated. A random policy seldom samples EOS: responses run to MAX_RESPONSE_LENGTH
-(the shape's workload: verl_step_parts.WORKLOADS). The policy's chat template opens no <think> and the reward function
-is told so (REWARD_PROMPT_OPENS_THINK=false), so every response is scored by the reward model (none gets the cut-off
-penalty) and GRPO's advantages are not zero.
+The models have random weights (benchmarks/common.py builds both: a policy in Qwen3-0.6B's shape, a reward model in
+Qwen3-1.7B's, one word-level tokenizer whose every token decodes to a word; benchmarks/README.md has the workload), and
+the policy's template opens no <think>, so every response is scored by the reward model and GRPO's advantages are not
+zero.
 
 Memory per role: the hook wraps the hybrid worker's generate_sequences (the rollout, its weight sync included),
 compute_log_prob (the actor's old log-probs), compute_ref_log_prob (the reference policy) and update_actor, and

@@ -10,19 +10,11 @@ PAIRS is a preference dataset in one of TRL's own layouts (a few hundred pairs t
   {"chosen": "text", "rejected": "text"}         plain text (the prompt is what the two share at the start)
   {"prompt": "text", "chosen": "text", "rejected": "text"}
 
-Why formats differ (TRL's RewardTrainer, reward_trainer.py): TRL >= 0.24 trained on prompt + completion, through the
-chat template without special tokens, or as plain text with the tokenizer's special tokens and an EOS appended.
-TRL <= 0.23 tokenized with the special tokens (a second BOS where the template has one), trained on the completion
-alone when the dataset had a `prompt` column, and appended no EOS to plain text. Conversations were always rendered
-with the chat template, plain text never: the layout of PAIRS decides that, and the rest is measured.
-
-Every format is scored through the server's own code (reward_score/server/inputs.py: render, tokenize, fit,
-score_ids); formats that score the same token ids for these pairs are one row. Printed per format: the pairs ranked
-right (chosen scores higher), the mean margin (chosen - rejected) and the mean Bradley-Terry loss (-log sigmoid of
-the margin, TRL's training loss). The recommendation is the format that ranks the most pairs right; between formats
-that rank as many, the lower loss. The settings the job gives the server (flags below, default: the server's
-defaults) are marked; the exit status is 0 when they score as the recommended format, 1 when another format is
-recommended, 2 for unusable input.
+TRL's versions trained on different token sequences (docs/reward.md, "Check the reward model's format").
+Every format is scored through the server's own code (formats that give the same token ids are one row): the pairs
+ranked right, the mean margin and the mean Bradley-Terry loss. The recommendation ranks the most pairs right (then the
+lower loss); exit 0 when the given settings (flags below) score as it, 1 when another format is recommended, 2 for
+unusable input.
 """
 
 from __future__ import annotations

@@ -9,23 +9,10 @@ processes), and does nothing at import time.
     custom_reward_function.name=safe_hack_reward_batch    # reward_model.reward_manager=batch (sync rollout only)
     custom_reward_function.name=safe_hack_reward_async    # naive and dapo managers, async rollout only (reward loop)
 
-What the reward model sees: the prompt stored by the data builder in `extra_info` (`reward_messages`, a chat list,
-or `reward_prompt`, a text), else `ground_truth` (the article's convention), and the answer: the response after its
-reasoning. Text after the last `</think>` is the answer. A response cut off mid-reasoning (an open `<think>` with no
-close, or no `</think>` at all when the policy's prompt opened one, as Qwen3-*-Thinking-2507's does), a stray tag in
-the answer, or an empty answer gets the penalty instead of a score.
-
-REWARD=rule scores by rule instead (verl's own scorers by data_source, `verl.utils.reward_score.default_compute_score`,
-or the user's function, REWARD_FUNCTION_PATH / REWARD_FUNCTION_NAME, with verl's custom_reward_function contract), and
-REWARD=rm+rule adds the weighted parts (REWARD_RM_WEIGHT, REWARD_RULE_WEIGHT): the result then holds each part
-(`rm_score`, `rule_score`) and `rule_failed`, 1 where the rule scorer raised and the part scored 0 (logged once).
-
-When the servers cannot be reached within the retry budget, the call raises: the step fails loudly instead of learning
-from invented scores. `REWARD_ON_FAILURE=min_score` opts into the article's behaviour (score = min), counting and
-logging every such sample.
-
-Settings come from the environment; each is overridable by `+custom_reward_function.reward_kwargs.<name>=...`
-(verl passes those as keyword arguments). See `Config` for the list.
+docs/reward.md says what the reward model sees (the answer after the reasoning; a cut-off or malformed one gets the
+penalty), the rule parts (REWARD=rule, rm+rule), and why a server out of reach raises (REWARD_ON_FAILURE=min_score:
+the article's min score). Settings come from the environment, each overridable by
+`+custom_reward_function.reward_kwargs.<name>=...`; see `Config`.
 """
 
 from __future__ import annotations

@@ -299,12 +299,12 @@ def test_the_settings_block_defaults_are_the_articles_grpo(env):
     assert (s.algorithm, s.strategy, s.trainer_mode, s.rollout_mode) == ("grpo", "megatron", "sync", "async")
     assert (s.rollout_engine, s.overlong_penalty_factor, s.critic_pp, s.critic_tp) == ("sglang", 35.0, None, None)
     assert (s.train_batch_size, s.max_prompt_length, s.max_response_length, s.rollout_n) == (256, 2048, 4096, 4)
-    assert (s.actor_pp, s.actor_tp, s.ppo_mini_batch_size, s.micro_batch_per_gpu, s.save_freq, s.test_freq) == (
+    assert (s.actor_pp, s.actor_tp, s.ppo_mini_batch_size, s.micro_batch_per_gpu, s.save_freq_setting, s.test_freq) == (
         2,
         1,
         128,
         4,
-        25,
+        "auto",
         5,
     )
 

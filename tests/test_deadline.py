@@ -100,5 +100,137 @@ def test_checkpoint_before_end_that_does_not_fit_the_job_is_refused_or_warned_ab
         assert warnings == [] and problems == []
 
 
+# `scontrol show partition -o` and the two lines of `scontrol show config` the run script keeps, as Slurm 22.05 prints
+# them for tests/slurm/local_slurm.sh's cluster (debug: never preempted; preemptible: a grace of 120 s; urgent: the top
+# PriorityTier, which preempts it)
+PARTITIONS = """\
+PartitionName=debug AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=ALL Default=YES QoS=N/A DefaultTime=NONE \
+DisableRootJobs=NO ExclusiveUser=NO GraceTime=0 Hidden=NO MaxNodes=UNLIMITED MaxTime=UNLIMITED MinNodes=0 LLN=NO \
+MaxCPUsPerNode=UNLIMITED Nodes=n[1-2] PriorityJobFactor=1 PriorityTier=1 RootOnly=NO ReqResv=NO OverSubscribe=YES:4 \
+OverTimeLimit=NONE PreemptMode=OFF State=UP TotalCPUs=16 TotalNodes=2 SelectTypeParameters=NONE JobDefaults=(null) \
+DefMemPerNode=UNLIMITED MaxMemPerNode=UNLIMITED TRES=cpu=16,mem=32000M,node=2,billing=16
+PartitionName=preemptible AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=ALL Default=NO QoS=N/A \
+DefaultTime=NONE DisableRootJobs=NO ExclusiveUser=NO GraceTime=120 Hidden=NO MaxNodes=UNLIMITED MaxTime=UNLIMITED \
+MinNodes=0 LLN=NO MaxCPUsPerNode=UNLIMITED Nodes=n3 PriorityJobFactor=1 PriorityTier=1 RootOnly=NO ReqResv=NO \
+OverSubscribe=NO OverTimeLimit=NONE PreemptMode=REQUEUE State=UP TotalCPUs=8 TotalNodes=1 SelectTypeParameters=NONE \
+JobDefaults=(null) DefMemPerNode=UNLIMITED MaxMemPerNode=UNLIMITED TRES=cpu=8,mem=16000M,node=1,billing=8
+PartitionName=urgent AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=ALL Default=NO QoS=N/A DefaultTime=NONE \
+DisableRootJobs=NO ExclusiveUser=NO GraceTime=0 Hidden=NO MaxNodes=UNLIMITED MaxTime=UNLIMITED MinNodes=0 LLN=NO \
+MaxCPUsPerNode=UNLIMITED Nodes=n3 PriorityJobFactor=1 PriorityTier=2 RootOnly=NO ReqResv=NO OverSubscribe=NO \
+OverTimeLimit=NONE PreemptMode=REQUEUE State=UP TotalCPUs=8 TotalNodes=1 SelectTypeParameters=NONE JobDefaults=(null) \
+DefMemPerNode=UNLIMITED MaxMemPerNode=UNLIMITED TRES=cpu=8,mem=16000M,node=1,billing=8
+"""
+SIGNAL = "PreemptType             = preempt/partition_prio\nSlurmctldParameters     = preempt_send_user_signal"
+NO_SIGNAL = "PreemptType             = preempt/partition_prio\nSlurmctldParameters     = enable_configless"
+
+
+def slurm(partition: str, config: str = SIGNAL, grace: int | None = None) -> dict[str, str]:
+    """What the run script exports for a job in `partition`, its GraceTime changed where `grace` is given."""
+    partitions = PARTITIONS if grace is None else PARTITIONS.replace("GraceTime=120", f"GraceTime={grace}")
+    return {"JOB_PARTITION": partition, "JOB_PARTITIONS": partitions, "JOB_SLURM_CONFIG": config}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "measured", "save_freq", "said"),
+    [
+        # never preempted: PreemptMode=OFF, or the top PriorityTier (no partition outranks it): today's 25
+        (
+            {},
+            slurm(""),
+            None,
+            25,
+            "partition debug (PreemptMode=OFF, GraceTime=0 s): no preemption requeues or "
+            "cancels this job here; SAVE_FREQ=auto: 25",
+        ),
+        ({}, slurm("urgent"), None, 25, "no preemption requeues or cancels this job here"),
+        ({}, {}, None, 25, "not known here (scontrol showed no partition marked default); SAVE_FREQ=auto: 25"),
+        # a grace, the signal, and a step that fits (earlier starts measured it): the save comes; 25
+        (
+            {},
+            slurm("preemptible"),
+            (9, 3, None),
+            25,
+            "partition preemptible (PreemptMode=REQUEUE, GraceTime=120 s): a "
+            "preemption saves the step it is in (grace 120 s, a step takes ~9 s, then its validation not measured yet, a "
+            "save ~3 s, the stop 20 s; measured by earlier starts); SAVE_FREQ=auto: 25",
+        ),
+        # a first start: the first guesses (a 600 s step, 600 s for a save) do not fit 120 s: every 2 steps
+        (
+            {},
+            slurm("preemptible"),
+            None,
+            2,
+            "nothing can be saved here: up to 2 steps (~20 min) lost (grace 120 s, a "
+            "step takes ~600 s, a save ~600 s, the stop 20 s: 1235 s do not fit; first guesses: nothing measured yet)",
+        ),
+        # Slurm's default: SIGTERM to every task at the grace's start; 200 s steps, 60 s saves: 8 steps (1660 s)
+        (
+            {},
+            slurm("preemptible", NO_SIGNAL),
+            (200, 60, None),
+            8,
+            "nothing can be saved here: up to 8 steps (~27 min) "
+            "lost (no preempt_send_user_signal: every task gets SIGTERM at once",
+        ),
+        (
+            {},
+            slurm("preemptible", grace=0),
+            (9, 3, None),
+            25,
+            "nothing can be saved here: up to 25 steps (~4 min) lost (GraceTime=0: Slurm stops the job at once",
+        ),
+        # issue 70: a 300 s grace, 200 s steps, 60 s saves and a 120 s validation every TEST_FREQ=5 steps
+        (
+            {},
+            slurm("preemptible", grace=300),
+            (200, 60, 120),
+            7,
+            "a preemption saves the step it is in unless that step "
+            "validates (every TEST_FREQ=5 steps: grace 300 s, a step takes ~200 s, then its validation ~120 s, a save ~60 "
+            "s, the stop 20 s: 415 s do not fit), then up to 7 steps (~26 min) lost",
+        ),
+        # the recipes never make verl's check; a SAVE_FREQ set by hand stays as set
+        (
+            DAPO,
+            slurm("preemptible"),
+            (9, 3, None),
+            25,
+            "nothing can be saved here: up to 25 steps (~4 min) lost (recipe.dapo never calls verl's save check",
+        ),
+        ({"SAVE_FREQ": 10}, slurm("preemptible", NO_SIGNAL), (200, 60, None), 10, "up to 10 steps (~33 min) lost"),
+        (
+            {"PREEMPT_SAVE": 0},
+            slurm("preemptible"),
+            (9, 3, None),
+            25,
+            "lost (PREEMPT_SAVE=0; measured by earlier starts)",
+        ),
+    ],
+)
+def test_the_preflight_says_in_one_line_what_a_preemption_costs_and_save_freq_auto_bounds_it(
+    tmp_path, overrides, env, measured, save_freq, said
+):
+    logs = tmp_path / "logs"
+    if measured:
+        step, save, testing = measured
+        timing = {"save_checkpoint": save} | ({"testing": testing} if testing else {})
+        steps = [step_line(1), step_line(2, **timing)]
+        earlier_start(logs, "777", *(line.replace("timing_s/step:300.0", f"timing_s/step:{step}") for line in steps))
+    env = env | {"JOB_LOG_DIR": str(logs / "777-r1"), "JOB_ID": "777", "STOP_TIMEOUT": "20"}
+    every, lines, warnings = deadline.preemption(settings(**overrides), env)
+    assert every == save_freq and len(lines + warnings) == 1, (lines, warnings)
+    assert said in (lines + warnings)[0], (lines + warnings)[0]
+    assert bool(warnings) == ("lost" in said), "a loss is a warning"
+
+
+def test_save_freq_auto_reaches_the_trainer_command_and_a_bad_value_is_refused(monkeypatch):
+    for name, value in slurm("preemptible", NO_SIGNAL).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("JOB_LOG_DIR", raising=False)  # a first start: the first guesses, every 2 steps
+    assert "trainer.save_freq=2" in trainer_argv(settings())
+    assert "trainer.save_freq=10" in trainer_argv(settings(SAVE_FREQ=10))
+    assert "SAVE_FREQ='often': auto or a number of steps (0 or less: no saves)" in check(settings(SAVE_FREQ="often"))
+
+
 # --- through the run script: tests/test_slurm_jobs.py (a requeued start's window from its first start's timings, and a
 # CHECKPOINT_BEFORE_END below the signal's lead refused inside the allocation)

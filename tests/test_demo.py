@@ -19,7 +19,7 @@ from demo.run import CLIP_NOTE, LOGIN_NODE_CHECK, NEXT_STEPS, shown
 from launch.plan.config_refusals import rollout_problems
 from launch.plan.preflight import compose, split_command, validate
 from launch.plan.settings import Settings
-from launch.plan.trainer_command import trainer_argv
+from launch.plan.trainer_command import USER_HOOK, trainer_argv
 from tests.support import AGENT_LOOP_TIMING, REPO, SHIM_OUTCOME, block_environment
 from tests.test_quickstart import quickstart_lines
 
@@ -70,7 +70,7 @@ def test_the_cpu_overrides_compose_with_the_fsdp2_command_and_hf_is_refused_with
     assert cfg.actor_rollout_ref.rollout.mode == mode
     assert cfg.trainer.device == "cuda", "verl's placement asks Ray for the GPUs it was told of, not for 'cpu'"
     assert rollout_problems(cfg) == []
-    without_hook = [o for o in overrides if "worker_process_setup_hook" not in o]
+    without_hook = [o for o in overrides if "worker_process_setup_hook" not in o and USER_HOOK not in o]
     (problem,) = rollout_problems(compose(name, without_hook, path))
     assert "actor_rollout_ref.rollout.name=hf: verl 0.6.1 registers no such engine" in problem
 

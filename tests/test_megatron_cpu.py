@@ -13,7 +13,7 @@ from launch.plan.config_refusals import rollout_problems
 from launch.plan.preflight import compose, split_command, validate
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
-from launch.plan.trainer_command import FUSED_OVERRIDES, fused_kernels, trainer_argv
+from launch.plan.trainer_command import FUSED_OVERRIDES, PREEMPT_HOOK, USER_HOOK, fused_kernels, trainer_argv
 from tests.support import REPO, SHIM_OUTCOME, block_environment
 
 
@@ -266,7 +266,8 @@ def test_the_megatron_cpu_overrides_compose_with_the_default_command_and_pass_ve
     assert name == "ppo_megatron_trainer" and cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.use_cpu_initialization is True
     assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.use_cpu_initialization is True
-    assert cfg.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == megatron_cpu.HOOK
+    runtime_env = cfg.ray_kwargs.ray_init.runtime_env  # the job's hook, which calls the CPU run's first
+    assert (runtime_env.worker_process_setup_hook, runtime_env.env_vars[USER_HOOK]) == (PREEMPT_HOOK, megatron_cpu.HOOK)
     assert rollout_problems(cfg) == []
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from launch.plan.refusals import header_problems
 from launch.plan.settings import SettingError, Settings
-from launch.plan.trainer_command import FIXED_OVERRIDES, trainer_argv
+from launch.plan.trainer_command import FIXED_OVERRIDES, HOOK_KEY, PREEMPT_HOOK, USER_HOOK, trainer_argv
 from tests.support import REPO, block_environment
 
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
@@ -64,6 +64,23 @@ def test_the_fixed_trainer_keys_are_in_every_command_and_no_key_is_set_twice(alg
     assert all(fixed in argv for fixed in FIXED_OVERRIDES)
     keys = [a.split("=", 1)[0].lstrip("+") for a in argv if "=" in a and not a.startswith("--")]
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+
+
+def test_a_users_own_ray_hook_is_chained_behind_the_jobs_never_dropped():
+    """The job's hook (the save on preemption) runs the user's first (launch/job/preempt.py install): a user's hook
+    used to replace it, and with it every save on preemption."""
+    env = block_environment() | {"REWARD_PROMPT_OPENS_THINK": "true"}
+    theirs = "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=my_site.setup"
+    argv = trainer_argv(Settings.from_env(env), extra=[theirs, "trainer.total_epochs=2"])
+    assert theirs not in argv and argv[-1] == "trainer.total_epochs=2", "the user's other overrides stay last"
+    assert f"+{HOOK_KEY}={PREEMPT_HOOK}" in argv
+    assert f"+ray_kwargs.ray_init.runtime_env.env_vars.{USER_HOOK}=my_site.setup" in argv
+
+
+def test_save_freq_auto_is_the_default_and_outside_a_preemptible_partition_todays_25():
+    env = block_environment() | {"REWARD_PROMPT_OPENS_THINK": "true"}
+    assert env["SAVE_FREQ"] == "auto"
+    assert "trainer.save_freq=25" in trainer_argv(Settings.from_env(env))
 
 
 @pytest.mark.parametrize(

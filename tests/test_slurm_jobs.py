@@ -38,6 +38,15 @@ from tests.support import (
 
 FAST = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight's data and reward checks are test_launch's
 TWO_NODES = ("--nodes=2", *NODE_SIZE)
+# recipe.dapo's entry point (verl 0.6.1's recipes, verbatim: PyPI has none), with the stand-in trainer outside the image
+RECIPES = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"
+DAPO_RECIPE = {
+    "ALGORITHM": "dapo",
+    "DAPO_DYNAMIC_SAMPLING": "true",
+    "ROLLOUT_MODE": "sync",
+    "CONTAINER": "none",
+    "PYTHONPATH": str(RECIPES),
+}
 
 
 def logs_of(env, job) -> Path:
@@ -165,27 +174,51 @@ def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_check
         assert_everything_stopped(env, logs=start)
 
 
-def test_a_preempted_job_saves_the_step_it_is_in_and_its_requeued_start_resumes_there(job, submit, tmp_path):
-    """verl's FSDP2 workers on the CPU in the partition 'preemptible' (PreemptMode=REQUEUE, GraceTime=120,
-    preempt_send_user_signal: tests/slurm/local_slurm.sh), with SAVE_FREQ out of reach: only the preemption's save can
-    explain where the second start resumes. Once two steps are done, an 'urgent' job that needs the whole node preempts
-    it: Slurm sends the script's --signal (USR1) to the batch script alone, the script finds a PreemptTime, sees a step
-    and a save fit in the grace, asks verl for a save after the step it is in (launch/job/preempt.py), waits for
-    verl's tracker file, and requeues the job; the second start resumes at that step and trains to the end."""
+def test_a_preempted_job_saves_the_step_it_is_in_and_resumes_there_and_a_recipe_beside_it_requeues_at_once(
+    job, submit, tmp_path
+):
+    """Two jobs in the partition 'preemptible' (PreemptMode=REQUEUE, GraceTime=120, preempt_send_user_signal:
+    tests/slurm/local_slurm.sh), preempted together by one 'urgent' job that needs the whole node:
+    - verl's FSDP2 workers on the CPU, SAVE_FREQ out of reach: only the preemption's save can explain where the second
+      start resumes. Slurm sends the script's --signal (USR1) to the batch script alone, the script finds a
+      PreemptTime, sees a step and a save fit in the grace, asks verl for a save after the step it is in
+      (launch/job/preempt.py), waits for verl's tracker file, and requeues the job; the second start resumes at that
+      step and trains to the end. The CPU run's own Ray hook (demo/verl_cpu.py's shims) is chained behind the job's,
+      not dropped: the trainer command names both, and verl both runs on the CPU and saves.
+    - the preflight reads the real partition (scontrol show partition, show config) and says in one line what a
+      preemption costs: the first start, with nothing measured, "nothing can be saved here" by the first guesses
+      (a 600 s step), SAVE_FREQ=auto every 2 steps; the requeued start, from the first start's measured steps, "a
+      preemption saves the step it is in", SAVE_FREQ=auto 25.
+    - the DAPO recipe (the stand-in trainer, recipe.dapo's entry point) never calls verl's check: its preflight says
+      nothing can be saved, and at the signal the job requeues at once instead of waiting out the grace."""
     env = job | FAST | REAL_TRAINER
     args = real_trainer_args("trainer.total_training_steps=10", "trainer.save_freq=1000", "trainer.test_freq=-1")
     options = (*NODE_SIZE, "--partition=preemptible", "--nodelist=n3")
+    # the stand-in trainer as recipe.dapo, on ports and folders of its own (CONTAINER=none: the recipes on PYTHONPATH)
+    recipe_env = job | FAST | DAPO_RECIPE | {"FAKE_TRAINER_STEP_SECONDS": "3", "CONFIG_REWARD_SERVER_PORT": ""}
+    recipe_env |= {"RAY_PORT": "", "RAY_TMP_DIR": f"{job['RAY_TMP_DIR']}/recipe"}
+    for name in ("CONFIG_LOG_DIR", "CONFIG_OUTPUT_DIR", "FAKE_TRAINER_LOG"):
+        recipe_env[name] = str(tmp_path / f"recipe_{name.lower()}")
     j = submit(env, *args, out=tmp_path / "job.out", options=options)
+    recipe_args = ("trainer.total_training_steps=1000", "trainer.save_freq=1000")
+    recipe = submit(recipe_env, *recipe_args, out=tmp_path / "recipe.out", options=options)
     log, tracker = logs_of(env, j) / "trainer.log", Path(env["CONFIG_OUTPUT_DIR"]) / "latest_checkpointed_iteration.txt"
+    recipe_log = logs_of(recipe_env, recipe) / "trainer.log"
     j.wait_for("step 2 of the first start", lambda: log.is_file() and " step:2 - " in log.read_text(), 600)
+    recipe.wait_for("the recipe's step 2", lambda: recipe_log.is_file() and " step:2 - " in recipe_log.read_text(), 300)
     urgent = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--nodelist=n3", "--cpus-per-task=8",
                              "--mem=500M", f"--output={tmp_path / 'urgent.out'}", "--wrap=sleep 1"],
                             env=slurm_env(env), capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    preempting = time.monotonic()
     try:
         # Slurm holds a requeued job a while (BeginTime): the test does not wait that out.
+        recipe.wait_until("requeued", lambda f: f.get("Restarts") == "1" and f["JobState"] == "PENDING", 300)
+        recipe_requeued = time.monotonic() - preempting
         j.wait_until("requeued", lambda f: f.get("Restarts") == "1" and f["JobState"] == "PENDING", 300)
     finally:
         subprocess.run(["scancel", urgent.stdout.strip()], env=slurm_env(env), timeout=30)
+    recipe_out = recipe.output()
+    recipe.scancel()
     j.scontrol("update", f"JobId={j.id}", "StartTime=now")
     first = j.output()
     preempted = re.search(r"preempted at step (\d+): saving after this step \(grace (\d+) s, a step takes", first)
@@ -195,6 +228,17 @@ def test_a_preempted_job_saves_the_step_it_is_in_and_its_requeued_start_resumes_
     assert int(saved.group(1)) == step >= 3 and 60 < int(preempted.group(2)) <= 120, first[-4000:]
     assert "Force saving checkpoint: ESI instance expiration approaching." in log.read_text()
     assert "stopping this start for the requeue" in first and "run_grpo_qwen3_4b_mega_verl.sh exiting" in first
+    command = (logs_of(env, j) / "trainer_command.txt").read_text().splitlines()
+    assert "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=launch.job.preempt.install" in command
+    assert "+ray_kwargs.ray_init.runtime_env.env_vars.JOB_USER_SETUP_HOOK=demo.verl_cpu.install" in command
+    where = "preflight: WARNING: preemption: partition preemptible (PreemptMode=REQUEUE, GraceTime=120 s): "
+    assert f"{where}nothing can be saved here: up to 2 steps (~20 min) lost (grace 120 s, a step takes ~600 s" in first
+    assert "trainer.save_freq=2" in command, "SAVE_FREQ=auto by the first guesses (the test's own 1000 after it wins)"
+    # the recipe: said by its preflight, and requeued at once (the grace is 120 s; waiting it out took 85 s and more)
+    said = f"{where}nothing can be saved here: up to 2 steps (~20 min) lost (recipe.dapo never calls verl's save check"
+    requeued = "stopping without a save (recipe.dapo.main_dapo never calls verl's save check"
+    assert said in recipe_out and requeued in recipe_out, recipe_out[-4000:]
+    assert "no save within the grace" not in recipe_out and recipe_requeued < 60, (recipe_requeued, recipe_out[-3000:])
     fields = j.wait(600)
     assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "1"), j.output()[-4000:]
     second = Path(f"{logs_of(env, j)}-r1") / "trainer.log"
@@ -203,6 +247,11 @@ def test_a_preempted_job_saves_the_step_it_is_in_and_its_requeued_start_resumes_
     saves = {p.name for p in Path(env["CONFIG_OUTPUT_DIR"]).glob("global_step_*")}
     assert saves == {f"global_step_{step}", "global_step_10"}, "the preemption's save and the last step's only"
     assert (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists() and tracker.read_text().strip() == "10"
+    resumed = j.output()[len(first) :]
+    saves_it = (
+        r"a preemption saves the step it is in \(grace 120 s, a step takes ~\d+ s, .*; measured by earlier starts\)"
+    )
+    assert re.search(rf"{re.escape(where[20:])}{saves_it}; SAVE_FREQ=auto: 25", resumed), resumed[:4000]
 
 
 def test_two_jobs_on_one_node_at_once_each_use_their_own_reward_server_and_ray(job, submit, tmp_path, tiny_models):

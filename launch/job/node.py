@@ -11,12 +11,8 @@ The helper runs this on every node (inside the container) and reads `NAME=VALUE`
     nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader | python -m launch.job.node gpu-modes
                                                # this job's GPUs in a compute mode other than Default
 
-Ports: every job takes one block of PORT_BLOCK ports between PORT_FIRST and PORT_LAST (below Linux's ephemeral range,
-so no outgoing connection takes them), chosen from the job id (and the node's rank, so two "nodes" of a test on one
-machine differ) and moved to the next block while any port of it is taken on this node. The range starts above Ray's
-default worker ports (10002-19999), which Ray clusters of other jobs take and free all the time. A port set by hand
-(RAY_PORT, CONFIG_REWARD_SERVER_PORT) is used as is, and refused, naming the setting, when something holds it.
-verl's sync SGLang engines take their ports from SGLANG_PORT (see `sglang_port`): the block holds those too.
+Ports: one block of PORT_BLOCK ports a job and node, between PORT_FIRST and PORT_LAST, from the job id
+(docs/training.md, "Sharing a node"); a port set by hand (RAY_PORT, CONFIG_REWARD_SERVER_PORT) is refused if taken.
 """
 
 from __future__ import annotations

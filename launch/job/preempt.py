@@ -1,62 +1,50 @@
-"""Preemption that loses nothing: the save after the current step when Slurm's grace allows it, then the requeue.
+"""Preemption that loses nothing: the save after the current step when Slurm's grace allows it, then the requeue
+(docs/operations.md#preemption: what Slurm sends, what the run script's USR1 trap does).
 
-Slurm 22.05 gives a preempted job the partition's GraceTime (PreemptMode=REQUEUE or CANCEL; without one it stops the job
-at once: SIGTERM to every process, srun kills its tasks, KillWait later SIGKILL), and at the grace's start it signals
-the batch script alone only with SlurmctldParameters=preempt_send_user_signal: then the job's own --signal (B:USR1)
-comes, and the processes of the nodes are left alone until the grace ends (src/slurmctld/preempt.c _preempt_signal;
-without that parameter every task gets SIGTERM at the grace's start, verl with it, and the batch script nothing). The run script's USR1 trap
-tells the preemption from the time limit by `scontrol show job`'s PreemptTime, asks this module whether a step and a
-save fit in the grace left (`python -m launch.job.preempt JOB_LOG_DIR GRACE_LEFT STOP_TIMEOUT`, exit 0: save), and
-then writes JOB_LOG_DIR/preempt_requested, waits for verl's tracker file to name a newer step, and requeues the job.
+    python -m launch.job.preempt JOB_LOG_DIR GRACE_LEFT STOP_TIMEOUT   # exit 0: a step, its validation and a save fit
 
 install() is the Ray worker_process_setup_hook that makes verl save: verl 0.6.1's trainer saves after a step when
-should_save_ckpt_esi() says the capacity block expires soon (ray_trainer.py:1236-1254, its save-before-the-time-limit
-path, launch/plan/deadline.py); the hook answers yes once, after the step in which the request appeared, the first
-step of a start too (verl's own check never saves then: no longest step yet). verl then trains on; the run script
-stops the job once the save is on disk.
+should_save_ckpt_esi() says the capacity block expires soon (ray_trainer.py:1236-1254, launch/plan/deadline.py); the
+hook answers yes once after the run script wrote JOB_LOG_DIR/preempt_requested, the first step of a start too (verl's
+own check never saves then: no longest step yet). The recipes never ask it: there, and in a verl without the check,
+no save can come and the job requeues at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import os
 import sys
 from pathlib import Path
 
-from launch.job.steps import is_training_step, parse_step_lines
-from launch.plan.deadline import earlier_starts, measured
+from launch.job.steps import TOTAL_STEPS, command_int, is_training_step, parse_step_lines
+from launch.plan.deadline import decide, earlier_starts, measured
+from launch.plan.trainer_command import USER_HOOK
 
 REQUEST = "preempt_requested"
-MARGIN = 15  # s between the job's own stop and the grace's end, as the run script's cleanup gives the helpers
+NO_CHECK = "preempt_no_check"  # written by the first worker whose verl has no should_save_ckpt_esi
 
 
-def decide(left: float, step: float | None, save: float | None, stop: float) -> tuple[bool, str]:
-    """Whether to save after the current step with `left` s of grace: a whole step (the signal may come as one
-    starts), the save and the job's stop must fit. No step measured yet (a first step): try; the grace is the bound."""
-    if step is None:
-        return True, f"grace {left:.0f} s; no step measured yet in this job, so trying: the grace's end is the bound"
-    need = step + (save or 0) + stop + MARGIN
-    saving = "not measured yet" if save is None else f"~{save:.0f} s"
-    why = f"grace {left:.0f} s, a step takes ~{step:.0f} s, a save {saving}, the stop {stop:.0f} s"
-    return need <= left, why if need <= left else f"{why}: {need:.0f} s do not fit"
-
-
-def lengths(log_dir: Path) -> tuple[int, float | None, float | None]:
-    """(the last step this start finished, the longest step and the longest save of this job's starts), from verl's
-    step lines in each start's trainer.log."""
+def lengths(log_dir: Path) -> tuple[int, int | None, dict[str, float]]:
+    """(the last step this start finished, verl's total steps if it said, the longest step, validation and save of
+    this job's starts by timing name), from verl's lines in each start's trainer.log."""
     env = {"JOB_LOG_DIR": str(log_dir), "JOB_ID": log_dir.name.split("-r")[0]}
-    longest = measured([*earlier_starts(env), log_dir])
     log = log_dir / "trainer.log"
-    steps = parse_step_lines(log.read_text(errors="replace")) if log.is_file() else {}
-    done = max((n for n, m in steps.items() if is_training_step(m)), default=0)
-    return done, longest.get("step"), longest.get("save_checkpoint")
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    done = max((n for n, m in parse_step_lines(text).items() if is_training_step(m)), default=0)
+    total = TOTAL_STEPS.findall(text)
+    return done, int(total[-1]) if total else None, measured([*earlier_starts(env), log_dir])
 
 
 def install() -> None:
-    """Ray's worker_process_setup_hook: verl's save-before-expiry check also says yes, once, when the run script has
-    asked for a save (JOB_LOG_DIR/preempt_requested). verl's module is patched as it is imported, not imported here:
+    """Ray's worker_process_setup_hook, after the run's own (USER_HOOK: the worker's first code, as Ray runs one alone;
+    what it patches of verl's, the job's patch wraps). verl's module is patched as it is imported, not imported here:
     its import asks torch for the GPUs (verl/utils/device.py), which must wait for Ray to give the worker its own."""
+    if user := os.environ.pop(USER_HOOK, ""):
+        module, _, name = user.rpartition(".")
+        getattr(importlib.import_module(module), name)()
     if CHECK_MODULE in sys.modules:
         _patch(sys.modules[CHECK_MODULE])
     else:
@@ -85,8 +73,14 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 def _patch(checkpoint_manager) -> None:
-    check = checkpoint_manager.should_save_ckpt_esi
-    request = Path(os.environ.get("JOB_LOG_DIR", "/nonexistent")) / REQUEST
+    check = getattr(checkpoint_manager, "should_save_ckpt_esi", None)
+    log_dir = Path(os.environ.get("JOB_LOG_DIR", "/nonexistent"))
+    if check is None:  # a verl without the check trains on; a preemption saves nothing (said by a start's first)
+        with contextlib.suppress(OSError):
+            (log_dir / NO_CHECK).touch(exist_ok=False)
+            print(f"preemption: {CHECK_MODULE} has no should_save_ckpt_esi: no save on preemption", flush=True)
+        return
+    request = log_dir / REQUEST
     answered = []
 
     def should_save_ckpt_esi(*args, **kwargs) -> bool:
@@ -108,8 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     log_dir, left, stop = Path(argv[0]), float(argv[1]), float(argv[2])
-    done, step, save = lengths(log_dir)
-    ok, why = decide(left, step, save, stop)
+    done, total, longest = lengths(log_dir)
+    command_file = log_dir / "trainer_command.txt"
+    command = command_file.read_text().splitlines() if command_file.is_file() else []
+    test_freq = command_int(command, "trainer.test_freq", -1)
+    validates = test_freq > 0 and ((done + 1) % test_freq == 0 or done + 1 == total)
+    recipe = next((a for a in command if a.startswith("recipe.")), None)  # the entry point: -m recipe.dapo.main_dapo
+    if recipe:
+        ok, why = False, f"{recipe} never calls verl's save check, so nothing saves on the signal"
+    elif (log_dir / NO_CHECK).exists():
+        ok, why = False, "this verl has no should_save_ckpt_esi, so nothing saves on the signal"
+    else:
+        validation = longest.get("testing", 0.0) if validates else None
+        ok, why = decide(left, longest.get("step"), longest.get("save_checkpoint"), stop, validation)
     print(f"preempted at step {done + 1}: {'saving after this step' if ok else 'stopping without a save'} ({why})")
     return 0 if ok else 1
 

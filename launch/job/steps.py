@@ -63,3 +63,9 @@ def override(command: Sequence[str], key: str) -> str | None:
     """The value of a trainer command's last `KEY=VALUE` (or `+KEY=VALUE`), one override an item: the last wins, as
     in Hydra; None where the command does not set the key."""
     return next((a.partition("=")[2] for a in reversed(command) if a.lstrip("+").partition("=")[0] == key), None)
+
+
+def command_int(command: Sequence[str], key: str, default: int) -> int:
+    """The last `KEY=N` of the trainer command (a user's override after the settings' wins there too)."""
+    value = override(command, key) or ""
+    return int(value) if value.lstrip("-").isdigit() else default

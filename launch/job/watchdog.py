@@ -1,27 +1,12 @@
 """The stall watchdog: a start whose trainer finishes no step for too long is hung; keep where, then stop it.
 
 On the head, beside the trainer (helper_grpo_qwen3_4b.sh starts `watch`): it reads verl's console lines in
-trainer.log as they come (`step:N - ... timing_s/step:...`) and gives the step in flight a budget (`Clock`):
-
-- STALL_TIMEOUT=auto: STALL_FACTOR times the longest training part of a step so far (timing_s/step, this start's or
-  an earlier start's of the job), never less than
-  STALL_FLOOR; plus, for a step that validates (TEST_FREQ, the last step) or saves (SAVE_FREQ, the last step, verl's
-  save before the time limit), STALL_FACTOR times the longest validation or save measured (by this start, or by an
-  earlier start of the job: launch/plan/deadline.py's `measured`), or STALL_FIRST_STEP before any was. The first step
-  of a start (loading, compiling, the validation before training) gets STALL_FIRST_STEP.
-- STALL_TIMEOUT=N: N seconds a step, once a step of this start has finished; STALL_FIRST_STEP before that.
-- STALL_TIMEOUT=off: no watchdog.
-
-Past the budget it keeps, in <start's log folder>/stall/, every Ray worker's Python stack (py-spy where it is on
-PATH, else faulthandler's dump on SIGABRT, which PYTHONFAULTHANDLER=1 turns on in every worker: the helper exports
-it), the last lines of each worker's log and nvidia-smi's per-GPU use, one file per node (`dump`: the other nodes'
-helpers run it when the head asks, through stall/request), writes stall.json (since when, which step, which phase,
-where the stacks are) and exits STALLED: the helper then stops the start as a stop signal does, and the run script
-requeues the job once (STALL_REQUEUE) or ends it failed.
-
-The phase is verl's own: the `marked_timer("...")` block of the trainer's fit that the driver's stack is in (gen,
-reward, old_log_prob, ref, adv, update_actor, testing, save_checkpoint, ...), and the Ray task each worker runs (Ray
-names its process after it: ray::WorkerDict.actor_rollout_update_actor).
+trainer.log as they come and gives the step in flight a budget (`Clock`: STALL_TIMEOUT, STALL_FLOOR, STALL_FIRST_STEP;
+docs/operations.md#a-hung-job says how). Past it, it keeps every Ray worker's Python stack (py-spy, else faulthandler's
+dump on SIGABRT, which the helper's PYTHONFAULTHANDLER=1 turns on), the ends of their logs and nvidia-smi's GPU use in
+<start's log folder>/stall/, one file per node (`dump`: the other nodes' helpers run it when the head asks, through
+stall/request), writes stall.json (the step, verl's phase: the `marked_timer` block the driver's stack is in, and the
+Ray task each worker runs) and exits STALLED: the helper stops the start and the run script requeues it once.
 
     python -m launch.job.watchdog watch --log-dir DIR --trainer-pid PID --host NAME
     python -m launch.job.watchdog dump --log-dir DIR --host NAME
@@ -43,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.job.ray_cluster import alive
-from launch.job.steps import RESUMED_AT, TOTAL_STEPS, is_training_step, override, parse_step_lines
+from launch.job.steps import RESUMED_AT, TOTAL_STEPS, command_int, is_training_step, parse_step_lines
 from launch.plan import deadline
 from launch.plan.deadline import StallError, positive_seconds, timeout_setting
 
@@ -58,12 +43,6 @@ def _seconds(env: Mapping[str, str], name: str) -> float:
     if (value := positive_seconds(raw)) is None:
         raise StallError(f"{name}={raw!r}: seconds, more than 0")
     return value
-
-
-def _command_int(command: list[str], key: str, default: int) -> int:
-    """The last `KEY=N` of the trainer command (a user's override after the settings' wins there too)."""
-    value = override(command, key) or ""
-    return int(value) if value.lstrip("-").isdigit() else default
 
 
 @dataclass
@@ -89,8 +68,8 @@ class Clock:
             timeout=timeout,
             floor=_seconds(env, "STALL_FLOOR"),
             first=_seconds(env, "STALL_FIRST_STEP"),
-            test_freq=_command_int(command, "trainer.test_freq", -1),
-            save_freq=_command_int(command, "trainer.save_freq", -1),
+            test_freq=command_int(command, "trainer.test_freq", -1),
+            save_freq=command_int(command, "trainer.save_freq", -1),
         )
         expiry = env.get("MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP", "")
         clock.expiry = float(expiry) if expiry.isdigit() else None

@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 
 from launch.plan import thinking
+from launch.plan.trainer_command import USER_HOOK
 
 
 def _dp_size(cfg, n_gpus: int) -> int:
@@ -178,8 +179,8 @@ def parallel_problems(cfg) -> list[str]:
     ]
 
 
-# The Ray hooks that register the HF rollout of the CPU runs (demo/verl_cpu.py; demo/megatron_cpu.py calls it). A run
-# that needs more in its workers (the stall watchdog's test) names its own in CPU_RUN_THEN_HOOK, which install calls.
+# The Ray hooks that register the HF rollout of the CPU runs (demo/verl_cpu.py; demo/megatron_cpu.py calls it), which
+# the job's own hook calls first (USER_HOOK); the stall test's own comes after them (CPU_RUN_THEN_HOOK).
 CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install")
 
 
@@ -190,7 +191,8 @@ def rollout_problems(cfg) -> list[str]:
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "hf":
         runtime_env = cfg.get("ray_kwargs", {}).get("ray_init", {}).get("runtime_env", {})
-        if runtime_env.get("worker_process_setup_hook") not in CPU_HOOKS:
+        hooks = {runtime_env.get("worker_process_setup_hook"), runtime_env.get("env_vars", {}).get(USER_HOOK)}
+        if not hooks & set(CPU_HOOKS):
             return [
                 "actor_rollout_ref.rollout.name=hf: verl 0.6.1 registers no such engine (verl/workers/rollout/base.py:81-86); "
                 "only the CPU runs of make demo and the tests have one, which demo/verl_cpu.py registers in every Ray "

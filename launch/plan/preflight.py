@@ -2,23 +2,11 @@
 
     python -m launch.plan.preflight [EXTRA_OVERRIDES...]     # reads the settings run_grpo_qwen3_4b_mega_verl.sh exports
 
-The job's one check, in one process (one container start; the policy tokenizer loaded once), with two helpers
-started alongside: the check's reward server loads its model from the start, and the trainer's imports are tried in
-a fresh interpreter (launch.plan.trainer_imports) while the data and the reward are checked, said after them:
-0. settings: launch.plan.refusals.check, context_problems (prompt + response against the models' positions) and
-   save_deadline_problems, one line per problem naming the setting;
-1. config: Hydra composition with every override (a misspelled key stops here), every interpolation resolved, then
-   verl's `validate_config` (batch and micro-batch arithmetic, parallel sizes) and its typed config dataclasses;
-   then what verl asserts or ignores only at run time (launch.plan.config_refusals: batches, parallel sizes, rollout
-   keys, and Ray's CPUs per node, RAY_NUM_CPUS, against what verl holds there); the GPU memory of the rollout's start
-   and of the Megatron update (launch.plan.gpu_memory);
-2. data (PREFLIGHT_DATA=1): every row's schema and prompt length (data_prep.validate), then the train and val
-   parquet through verl's own RLHFDataset with the policy tokenizer and its chat template, reporting how many prompts
-   verl will drop as longer than data.max_prompt_length;
-3. reward (launch.plan.reward_check): with PREFLIGHT_REWARD_PAIRS, python -m reward_score.check_format on those
-   preference pairs with the job's CONFIG_REWARD_* format settings (stops when the model ranks them best in another
-   format); with PREFLIGHT_REWARD=1 a reward server started for the check with those settings, and verl's reward
-   manager calling our reward file by path on real validation rows with made-up responses, as after a rollout.
+The job's one check, in one process (one container start; the policy tokenizer loaded once), cheapest first: the
+settings (launch.plan.refusals), the trainer config composed by Hydra and validated by verl's own code, then what verl
+asserts only at run time (launch.plan.config_refusals) and the GPU memory (launch.plan.gpu_memory), the data through
+verl's RLHFDataset (PREFLIGHT_DATA=1) and the reward (launch.plan.reward_check). The check's reward server and the
+trainer's imports (launch.plan.trainer_imports) start alongside; docs/operations.md#a-jobs-life lists every check.
 On failure it prints verl's message.
 """
 
@@ -36,7 +24,7 @@ from launch.plan.config_refusals import (
     rollout_problems,
     thinking_problems,
 )
-from launch.plan.deadline import plan
+from launch.plan.deadline import plan, preemption
 from launch.plan.gpu_memory import (
     GpuMemoryError,
     gpu_memory_line,
@@ -266,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"preflight: save before the time limit: {line}")
         for warning in warnings:
             print(f"preflight: WARNING: save before the time limit: {warning}", file=sys.stderr)
+        _, lines, warnings = preemption(settings, os.environ)  # one line: what a preemption costs this job
+        for line in lines:
+            print(f"preflight: preemption: {line}")
+        for warning in warnings:
+            print(f"preflight: WARNING: preemption: {warning}", file=sys.stderr)
         composed = checked_config(settings, extra)
         if composed is None:
             return 1

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from launch.plan import thinking
-from launch.plan.deadline import StallError, signal_lead, timeout_setting
+from launch.plan.deadline import StallError, preemption, signal_lead, timeout_setting
 from launch.plan.settings import SGLANG_MAX_GPUS, SettingError, Settings
 from launch.plan.trainer_command import RECOMPUTE
 from reward_score.server.settings import CHOICES as REWARD_FORMAT_CHOICES  # plain data: no torch
@@ -355,7 +355,7 @@ def reward_gpu_problems(s: Settings) -> list[str]:
 
 
 def save_deadline_setting_problems(s: Settings) -> list[str]:
-    """ESI_REDUNDANT_TIME and CHECKPOINT_BEFORE_END themselves."""
+    """SAVE_FREQ, ESI_REDUNDANT_TIME and CHECKPOINT_BEFORE_END themselves."""
     problems = []
     if s.esi_redundant_time_setting != "auto":
         try:
@@ -364,6 +364,8 @@ def save_deadline_setting_problems(s: Settings) -> list[str]:
             bad = True
         if bad:
             problems.append(f"ESI_REDUNDANT_TIME={s.esi_redundant_time_setting!r}: auto or seconds, 0 or more")
+    if s.save_freq_setting != "auto" and not s.save_freq_setting.lstrip("-").isdigit():
+        problems.append(f"SAVE_FREQ={s.save_freq_setting!r}: auto or a number of steps (0 or less: no saves)")
     if s.checkpoint_before_end < 0:
         problems.append(f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end}: seconds before the time limit, 0 or more")
     return problems
@@ -374,7 +376,7 @@ def save_deadline_problems(s: Settings, env: Mapping[str, str]) -> list[str]:
     would come after the job has requeued itself (the recipes and SAVE_FREQ<=0 never save before the limit, so
     nothing to refuse there)."""
     lead = signal_lead(env)
-    if s.uses_recipe or s.save_freq <= 0 or lead is None or s.checkpoint_before_end > lead:
+    if s.uses_recipe or preemption(s, env)[0] <= 0 or lead is None or s.checkpoint_before_end > lead:
         return []
     return [
         f"CHECKPOINT_BEFORE_END={s.checkpoint_before_end} is not above the time-limit signal's lead ({lead} s), at "

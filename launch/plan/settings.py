@@ -103,7 +103,7 @@ class Settings:
     val_top_k: int = setting("VAL_TOP_K")
     project_name: str = setting("PROJECT_NAME")
     experiment_name: str = setting("EXPERIMENT_NAME")
-    save_freq: int = setting("SAVE_FREQ")
+    save_freq_setting: str = setting("SAVE_FREQ")  # auto | steps (launch/plan/deadline.py preemption)
     test_freq: int = setting("TEST_FREQ")
     val_before_train_setting: str = setting("VAL_BEFORE_TRAIN")  # auto | true | false (val_before_train)
     total_epochs: int = setting("TOTAL_EPOCHS")
@@ -134,6 +134,7 @@ class Settings:
     stall_floor: int = setting("STALL_FLOOR")
     stall_first_step: int = setting("STALL_FIRST_STEP")
     stall_requeue: bool = setting("STALL_REQUEUE", spelled=("1", "0"))
+    preempt_save: bool = setting("PREEMPT_SAVE", spelled=("1", "0"))
     reward_restarts: int = setting("REWARD_RESTARTS")
     # Not settings: Slurm's node count, the reward client's score range, two removed settings still read so that
     # a stale value is refused, not ignored, and SGLang's own switch for its memory-balance check.

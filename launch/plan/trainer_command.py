@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from launch.plan import thinking
-from launch.plan.deadline import redundant_time
+from launch.plan.deadline import preemption, redundant_time
 from launch.plan.settings import REPO, SettingError, Settings
 
 REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
@@ -115,10 +115,12 @@ def recompute_overrides(s: Settings, section: str) -> list[str]:
     return [f"{section}.override_transformer_config.{key}={value}" for key, value in keys.items()]
 
 
+HOOK_KEY = "ray_kwargs.ray_init.runtime_env.worker_process_setup_hook"
 # The Ray hook of a Megatron run on a CPU (demo/megatron_cpu.py, HOOK): there verl's pure-torch FusedLinearForPPO,
 # which takes any hidden size, stands in for the Triton kernel.
-CPU_STAND_IN_HOOK = "ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=demo.megatron_cpu.install"
+CPU_STAND_IN_HOOK = f"{HOOK_KEY}=demo.megatron_cpu.install"
 PREEMPT_HOOK = "launch.job.preempt.install"
+USER_HOOK = "JOB_USER_SETUP_HOOK"  # the run's own hook (a user's, the CPU runs' shims), which PREEMPT_HOOK calls first
 FUSED_OVERRIDES = ["actor_rollout_ref.model.use_fused_kernels=True", "+actor_rollout_ref.ref.use_fused_kernels=True"]
 
 
@@ -358,7 +360,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"trainer.default_local_dir={Path(s.output_dir).resolve()}",
         f"trainer.n_gpus_per_node={s.training_gpus_per_node}",
         f"trainer.nnodes={s.train_nodes}",
-        f"trainer.save_freq={s.save_freq}",
+        f"trainer.save_freq={preemption(s, os.environ)[0]}",
         f"trainer.test_freq={s.test_freq}",
         f"trainer.val_before_train={s.val_before_train}",
         f"trainer.total_epochs={s.total_epochs}",
@@ -378,14 +380,16 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
             f"rollout.nnodes={s.train_nodes}",
             f"rollout.n_gpus_per_node={s.rollout_gpus_per_node}",
         ]
-    if not any("worker_process_setup_hook=" in o for o in extra or []):
-        # verl saves after the current step when the job is preempted (launch/job/preempt.py); the CPU runs' own
-        # hook calls it after theirs (CPU_RUN_THEN_HOOK).
-        argv.append(f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={PREEMPT_HOOK}")
+    # verl saves after the current step when the job is preempted (launch/job/preempt.py): the job's hook, which calls
+    # the run's own first (a user's hook is chained, never dropped: it may patch what the job's then wraps).
+    hooks = [o for o in extra or [] if o.lstrip("+").startswith(f"{HOOK_KEY}=")]
+    argv.append(f"+{HOOK_KEY}={PREEMPT_HOOK}")
+    if hooks:
+        argv.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.{USER_HOOK}={hooks[-1].partition('=')[2]}")
     if ray_address:
         # Connect to this job's Ray cluster explicitly, never to a stale one found through /tmp/ray.
         argv.append(f"+ray_kwargs.ray_init.address={ray_address}")
-    return argv + list(extra or [])
+    return argv + [o for o in extra or [] if o not in hooks]
 
 
 def main(argv: list[str] | None = None) -> int:

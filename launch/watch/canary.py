@@ -8,19 +8,11 @@ compute and check:
     python -m launch.watch.canary check STAGE --rc RC --seconds S --log LOG --ckpt DIR [--target DIR] --results FILE
     python -m launch.watch.canary summary --results FILE    # the table; exit 1 unless every stage passed
 
-Each check reads verl 0.6.1's own output: the line each training step prints through the console logger
-(`step:N - ...`, verl/utils/logger/aggregate_logger.py:26-51), what `_load_checkpoint` prints on a resume (`Setting
-global step to N`) or without one (`Training from scratch`), and the checkpoint folder `_save_checkpoint` writes
-(global_step_N/actor, latest_checkpointed_iteration.txt). A training step's line is told from a validation-only one
-(val_before_train logs `step:0 - val-core/...`) by `timing_s/step`, which every entry point times and logs: the main
-trainer (ray_trainer.py:1036, 1282), recipe.dapo (dapo_ray_trainer.py:164, 394; it logs no `training/global_step`)
-and the one-step-off recipe (ray_trainer.py:468, 663).
-
-It generates at the user's own MAX_RESPONSE_LENGTH, so that the share of responses cut at the limit, verl's
-`response_length/clip_ratio` on each step line (verl/trainer/ppo/metric_utils.py:192), is the real run's: the
-summary reports it and warns above CLIP_RATIO_WARN (docs/training.md: what a cut response does to GRPO's signal).
-With ALGORITHM=ppo it reads `critic/vf_clipfrac` the same way, and warns as launch.watch.status does when PPO's value clip
-(CRITIC_CLIPRANGE_VALUE) held nearly every prediction it could: the critic cannot follow the rewards.
+Each check reads verl 0.6.1's own output: the step lines (launch/job/steps.py), what `_load_checkpoint` prints (`Setting
+global step to N`, `Training from scratch`) and the checkpoint folder `_save_checkpoint` writes. It generates at the
+user's own MAX_RESPONSE_LENGTH, so that the share of responses cut there (`response_length/clip_ratio`) is the real
+run's, and warns above CLIP_RATIO_WARN; with ALGORITHM=ppo it warns as launch.watch.status does when PPO's value clip
+held nearly every prediction (docs/operations.md#the-three-dry-runs).
 """
 
 from __future__ import annotations
