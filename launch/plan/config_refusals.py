@@ -180,7 +180,7 @@ def parallel_problems(cfg) -> list[str]:
 
 # The Ray hooks that register the HF rollout of the CPU runs (demo/verl_cpu.py; demo/megatron_cpu.py calls it). A run
 # that needs more in its workers (the stall watchdog's test) names its own in CPU_RUN_THEN_HOOK, which install calls.
-CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install")
+CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install", "demo.megatron_cpu.install_gpu")
 
 
 def rollout_problems(cfg) -> list[str]:
