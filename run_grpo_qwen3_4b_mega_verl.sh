@@ -280,6 +280,11 @@ preflight() {
     REWARD_PROMPT_OPENS_THINK=$(<"$job_log_dir/prompt_opens_think")
     export REWARD_PROMPT_OPENS_THINK
   fi
+  # The Megatron plan's auto knobs as the preflight chose them (launch/plan/megatron_plan.py), likewise.
+  local pair
+  if [[ -f "$job_log_dir/megatron_plan" ]]; then
+    while IFS= read -r pair; do export "${pair?}"; done <"$job_log_dir/megatron_plan"
+  fi
   log "checks passed"
 }
 

@@ -222,12 +222,40 @@ def choose(
     return Choice(mine[0], mine[1] if len(mine) > 1 else None, auto[0], card, card_source, tuple(notes))
 
 
-def resolve(s: Settings, stand_in: bool = False) -> tuple[Settings, Choice | None]:
+KNOBS = {  # the plan's settings: their field and how the chosen plan spells them
+    "MEGATRON_RECOMPUTE": ("megatron_recompute_setting", lambda p: p.recompute),
+    "FUSED_KERNELS": ("fused_kernels_setting", lambda p: "on" if p.fused else "off"),
+    "OPTIMIZER_OFFLOAD": ("optimizer_offload_setting", lambda p: "on" if p.offload else "off"),
+    "MICRO_BATCH_PER_GPU": ("micro_batch_setting", lambda p: str(p.sequences)),
+}
+
+
+def handed_on(s: Settings, choice: Choice) -> str:
+    """NAME=VALUE lines of the knobs auto chose, for the run script to export: every node's trainer command is then
+    built from them as the preflight chose them, without transformers (launch/plan/trainer_command.py)."""
+    return "".join(
+        f"{name}={spell(choice.plan)}\n" for name, (field, spell) in KNOBS.items() if getattr(s, field) == "auto"
+    )
+
+
+def resolve(s: Settings, stand_in: bool = False, explain: bool = False) -> tuple[Settings, Choice | None]:
     """The settings with every auto knob of the Megatron plan replaced by its choice, and the choice (None with
-    STRATEGY=fsdp2, whose plan is MICRO_BATCH_PER_GPU alone: auto gives the article's 4). The knobs' own settings stay
-    as they were, so resolving resolved settings gives them again."""
+    STRATEGY=fsdp2, whose plan is MICRO_BATCH_PER_GPU alone: auto gives the article's 4; None where every knob is set
+    and no `explain` is asked: then nothing but the policy's config.json is read). The knobs' own settings stay as
+    they were, so resolving resolved settings gives them again."""
     if s.strategy != "megatron":
         return replace(s, micro_batch_per_gpu=s.micro_batch_per_gpu or 4), None
+    if not explain and all(getattr(s, field) != "auto" for field, _ in KNOBS.values()):
+        fused = s.fused_kernels_setting == "on"
+        if fused:
+            try:
+                config = json.loads((Path(s.model_path) / "config.json").read_text())
+            except (OSError, ValueError):
+                config = None  # the preflight refuses a missing CONFIG_MODEL_PATH itself
+            blocker = fused_blocker(s, config, stand_in) if config is not None else None
+            if blocker is not None:
+                raise SettingError(f"FUSED_KERNELS=on, but {blocker[0]}: set FUSED_KERNELS=auto or off{blocker[1]}")
+        return replace(s, plan_fused=fused, plan_offload=s.optimizer_offload_setting == "on"), None
     config_file = Path(s.model_path) / "config.json"
     try:
         stamp = config_file.stat().st_mtime_ns
@@ -247,8 +275,14 @@ def _choice(s: Settings, stand_in: bool, stamp: int | None) -> Choice:
     """resolve's choice, once a process for the same settings and policy config (the reward server's size and the
     card are read here too). A policy config that cannot be read gets the reference job's plan, said in its notes:
     the preflight refuses a missing CONFIG_MODEL_PATH itself."""
-    from transformers import AutoConfig
-
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:
+        raise SettingError(
+            f"MEGATRON_RECOMPUTE, FUSED_KERNELS, OPTIMIZER_OFFLOAD or MICRO_BATCH_PER_GPU=auto reads the policy's "
+            f"config.json with transformers, which this Python lacks ({exc}): run it in the image, pip install "
+            "transformers, or set the four"
+        ) from None
     from launch.plan.gpu_memory import reward_peak
 
     card, source = card_bytes(s)

@@ -43,6 +43,7 @@ from launch.plan.gpu_memory import (
     megatron_update_lines,
     reward_peak,
 )
+from launch.plan.megatron_plan import handed_on
 from launch.plan.procs import stop_process
 from launch.plan.refusals import check, context_problems, header_problems, save_deadline_problems, sbatch_header
 from launch.plan.requeue_record import fingerprint, first_start_record, keep, skip_expensive
@@ -255,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         if settings is None:
             return 1
         try:  # the Megatron plan's auto knobs, chosen once for every check below (launch/plan/megatron_plan.py)
-            settings, choice = megatron_plan(settings, extra)
+            settings, choice = megatron_plan(settings, extra, explain=True)
         except SettingError as exc:
             print(f"preflight: {exc}", file=sys.stderr)
             return 1
+        if choice is not None and os.environ.get("JOB_LOG_DIR"):  # for every node's trainer command (run script)
+            Path(os.environ["JOB_LOG_DIR"], "megatron_plan").write_text(handed_on(settings, choice))
         # A requeued start skips what its first start's checks ran in full where nothing they read has changed
         record, now = first_start_record(os.environ), fingerprint(settings, extra)
         full = record is None or not skip_expensive(now, record, os.environ.get("SLURM_RESTART_COUNT", ""))
@@ -398,7 +401,7 @@ def memory_fits(settings: Settings, extra: list[str], cfg, choice=None) -> bool:
     if choice is not None:
         print(f"preflight: {choice.line(settings)}")
         if slower := choice.slower_line():
-            print(f"preflight: WARNING: {slower}", file=sys.stderr)
+            print(f"preflight: WARNING: Megatron plan: {slower}", file=sys.stderr)
     fused, why = fused_kernels(settings, extra)
     print(f"preflight: verl's fused log-prob kernels {'on' if fused else 'off'} ({why})")
     try:

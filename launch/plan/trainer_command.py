@@ -105,13 +105,13 @@ PREEMPT_HOOK = "launch.job.preempt.install"
 FUSED_OVERRIDES = ["actor_rollout_ref.model.use_fused_kernels=True", "+actor_rollout_ref.ref.use_fused_kernels=True"]
 
 
-def megatron_plan(s: Settings, extra: list[str] | None = None):
+def megatron_plan(s: Settings, extra: list[str] | None = None, explain: bool = False):
     """The settings with the Megatron plan's auto knobs resolved, and the choice (launch/plan/megatron_plan.py); on
     the CPU stand-in (CPU_STAND_IN_HOOK) verl's pure-torch fused path takes any hidden size."""
     from launch.plan import megatron_plan as plan
 
     stand_in = any(o.lstrip("+") == CPU_STAND_IN_HOOK for o in extra or [])
-    return plan.resolve(s, stand_in)
+    return plan.resolve(s, stand_in, explain)
 
 
 def fused_kernels(s: Settings, extra: list[str] | None = None) -> tuple[bool, str]:
@@ -127,7 +127,9 @@ def fused_kernels(s: Settings, extra: list[str] | None = None) -> tuple[bool, st
     resolved, choice = megatron_plan(s, extra)
     if setting == "on":
         return True, "FUSED_KERNELS=on"
-    blocked = [note for note in choice.notes if note.startswith("no fused kernels")] if choice else []
+    if choice is None:  # every knob set: FUSED_KERNELS itself said which
+        return bool(resolved.plan_fused), f"FUSED_KERNELS={setting}"
+    blocked = [note for note in choice.notes if note.startswith("no fused kernels")]
     why = blocked[0] if blocked else ("the plan's: " + ("only they fit" if resolved.plan_fused else "faster per token"))
     return bool(resolved.plan_fused), f"FUSED_KERNELS=auto: {why}"
 
@@ -285,9 +287,9 @@ def reward_function(s: Settings) -> str:
 
 def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = None) -> list[str]:
     """The exact trainer command for this algorithm, mode and strategy; the user's overrides last."""
+    opens_think, _ = prompt_opens_think(s, extra)
     s = megatron_plan(s, extra)[0]
     reward_fn = reward_function(s)
-    opens_think, _ = prompt_opens_think(s, extra)
     a = "actor_rollout_ref"
     argv = [
         *_entry(s),
