@@ -89,11 +89,13 @@ MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"                  # tokens; longer
 MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-4096}"              # tokens generated per response at most
 ACTOR_LR="${ACTOR_LR:-1e-6}"                                    # the policy's learning rate
 PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-128}"               # prompts per policy update
-MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-4}"                 # micro-batches of this x 6144 tokens per GPU (>= 1 sequence)
+MICRO_BATCH_PER_GPU="${MICRO_BATCH_PER_GPU:-auto}"              # auto | N: micro-batches of N x 6144 tokens per GPU (>= 1 sequence); auto: the Megatron plan's, fsdp2 4
 ACTOR_PP="${ACTOR_PP:-2}"                                       # Megatron pipeline parallel (actor, ref and critic)
 ACTOR_TP="${ACTOR_TP:-1}"                                       # Megatron tensor parallel (actor, ref and critic)
-MEGATRON_RECOMPUTE="${MEGATRON_RECOMPUTE:-full}"                # full | selective | off: Megatron activation recompute (training.md)
+MEGATRON_RECOMPUTE="${MEGATRON_RECOMPUTE:-auto}"                # auto | full | selective | off: Megatron activation recompute (training.md)
 FUSED_KERNELS="${FUSED_KERNELS:-auto}"                          # auto | on | off: verl's fused log-prob kernels, no [tokens x vocab] logits (Megatron; training.md)
+OPTIMIZER_OFFLOAD="${OPTIMIZER_OFFLOAD:-auto}"                  # auto | on | off: the Megatron optimizer in host memory between updates
+CONFIG_GPU_MEMORY_GIB="${CONFIG_GPU_MEMORY_GIB:-auto}"          # auto | GiB: the card the Megatron plan is for (auto: the GPU seen; none: 80 GB)
 ROLLOUT_TP="${ROLLOUT_TP:-1}"                                   # rollout engine tensor parallel
 ROLLOUT_N="${ROLLOUT_N:-4}"                                     # responses per prompt (the GRPO group)
 ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-auto}"                # rollout engine's share (SGLang: of the GPU's free memory); auto: 0.4, one_step_off 0.65-0.9
@@ -281,6 +283,11 @@ preflight() {
   if [[ "$REWARD_PROMPT_OPENS_THINK" == auto && -f "$job_log_dir/prompt_opens_think" ]]; then
     REWARD_PROMPT_OPENS_THINK=$(<"$job_log_dir/prompt_opens_think")
     export REWARD_PROMPT_OPENS_THINK
+  fi
+  # The Megatron plan's auto knobs as the preflight chose them (launch/plan/megatron_plan.py), likewise.
+  local pair
+  if [[ -f "$job_log_dir/megatron_plan" ]]; then
+    while IFS= read -r pair; do export "${pair?}"; done <"$job_log_dir/megatron_plan"
   fi
   log "checks passed"
 }

@@ -3,7 +3,7 @@ pipeline stage, measured through verl's own worker, beside what the preflight pr
 
 Each case runs in its own process: verl's `ActorRolloutRefWorker(role="actor")` built from the job's own trainer
 config (launch.plan.trainer_command.trainer_argv for the settings block's defaults: bf16, optimizer offload, micro-batches of
-token_budget() tokens, MEGATRON_RECOMPUTE as the case says), `init_model` on a random-weight Qwen3 checkpoint of the
+Settings.token_budget tokens, MEGATRON_RECOMPUTE as the case says), `init_model` on a random-weight Qwen3 checkpoint of the
 public config's dimensions, then:
 - `stage1` (the last stage of the default PP=2: half the layers, the output layer and the logits, one micro-batch in
   flight under 1F1B): `compute_log_prob` (entropy on, as the worker asks) and `update_actor` twice, on full-length
@@ -77,9 +77,9 @@ def case_settings(policy: Path, recompute: str, lengths: tuple[int, int] | None,
         "CONTAINER": "none", "CONFIG_MODEL_PATH": str(policy), "CONFIG_REWARD_MODEL_PATH": str(policy),
         "CONFIG_TRAIN_FILE": "train.parquet", "CONFIG_TEST_FILE": "test.parquet", "CONFIG_OUTPUT_DIR": "ckpt",
         "CONFIG_GPUS_PER_NODE": "1", "STRATEGY": "megatron", "ACTOR_PP": "1", "ACTOR_TP": "1",
-        "MEGATRON_RECOMPUTE": recompute,
+        "MEGATRON_RECOMPUTE": recompute, "FUSED_KERNELS": "off", "OPTIMIZER_OFFLOAD": "on",
     } | ({"MAX_PROMPT_LENGTH": str(lengths[0]), "MAX_RESPONSE_LENGTH": str(lengths[1])} if lengths else {}) | (
-        {"MICRO_BATCH_PER_GPU": str(micro)} if micro else {})  # fmt: skip
+        {"MICRO_BATCH_PER_GPU": str(micro or 4)})  # fmt: skip
 
 
 def worker_config(policy: Path, recompute: str, fused: bool, lengths, on_gpu: bool, micro: int = 0):
@@ -181,13 +181,11 @@ def run_case(case: str, policy: Path, out: Path, lengths, micro: int = 0) -> Non
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     cfg, s = worker_config(policy, recompute, bool(fused), lengths, on_gpu, micro)
-    from launch.plan.trainer_command import token_budget
-
     worker = case_worker(cfg, on_gpu, bool(fused))
     from verl.models.mcore.util import preprocess_packed_seqs
     from verl.utils.megatron_utils import unwrap_model
 
-    tokens = token_budget(s)
+    tokens = s.token_budget
     sequence = s.max_prompt_length + s.max_response_length
     per_micro = tokens // sequence
     rows = per_micro * MICRO_BATCHES

@@ -13,6 +13,7 @@ merger see what a TE run writes. Each adaptation, and what a CPU run does not pr
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import itertools
 import sys
@@ -40,7 +41,62 @@ def overrides() -> list[str]:
     return [verl_cpu.ENGINE_OVERRIDES[0][0], *(o for o, _ in verl_cpu.LEAN_OVERRIDES), *(o for o, _ in OVERRIDES)]
 
 
+# A Megatron run on GPUs without SGLang and Transformer Engine (benchmarks/gpu_canary.py): HF generation stands in
+# for SGLang, the one component replaced; the layers are the TE-free spec below; everything else is the job's own.
+GPU_HOOK = "demo.megatron_cpu.install_gpu"
+GPU_OVERRIDES = [
+    (verl_cpu.ENGINE_OVERRIDES[0][0], "SGLang's stand-in: verl's HF rollout (HF generate), which SGLang's GPUs need none of"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=1", "one HF engine per worker: it has no tensor parallelism"),
+    (f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={GPU_HOOK}",
+     "the HF rollout's registration and the TE-free layers in every Ray worker process of the job"),
+]  # fmt: skip
+
+
 # --- the layer spec: megatron-core's own TE spec, built from TE-free modules with TE's names ----------------------
+
+
+@functools.cache
+def varlen_attention():
+    """torch's variable-length flash attention (torch.nn.attention.varlen, torch 2.10 and later) as
+    `attend(q, k, v, cu_seqlens, max_seqlen, scale)` over a [tokens, heads, dim] pack, causal within each sequence and
+    grouped key/value heads unrepeated; None where this torch has none. Its keyword for causal masking changed
+    between releases (is_causal, then window_size), so it is read from the signature; the first use on a GPU checks
+    it against one SDPA per sequence and says in one line which attention the layers use."""
+    import inspect
+
+    import torch
+    import torch.nn.functional as F
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        print("TE-free layer spec: attention is one SDPA per packed sequence (this torch has no varlen_attn)")
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+
+    def attend(q, k, v, cu_seqlens, max_seqlen, scale):
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **causal, **gqa)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(48, h, 64, device="cuda", dtype=torch.bfloat16, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0, 16, 48], device="cuda", dtype=torch.int32)
+    per_sequence = []
+    for a, b in ((0, 16), (16, 48)):
+        one = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+        per_sequence.append(F.scaled_dot_product_attention(*one, is_causal=True, enable_gqa=True)[0].transpose(0, 1))
+    try:
+        error = (attend(q, k, v, cu, 32, 64**-0.5) - torch.cat(per_sequence)).abs().max().item()
+    except RuntimeError as exc:
+        error, why = float("inf"), f"{type(exc).__name__}: {exc}"
+    else:
+        why = f"it differs from SDPA per sequence by {error:.3g}"
+    if error > 0.02:
+        print(f"TE-free layer spec: one SDPA per packed sequence (torch's varlen_attn failed its check: {why})")
+        return None
+    print(f"TE-free layer spec: attention is torch's varlen_attn, one call a pack (checked against SDPA: {error:.1g})")
+    return attend
 
 
 def _te_shaped_modules():
@@ -66,17 +122,32 @@ def _te_shaped_modules():
 
     class PackedSDPAttention(MegatronModule):
         """TE's DotProductAttention for verl's packed (THD) input, which megatron-core's local one refuses
-        (dot_product_attention.py:120): causal SDPA within each packed sequence; `_extra_state` keeps TE's keys."""
+        (dot_product_attention.py:120): causal attention within each packed sequence; `_extra_state` keeps TE's keys.
+        On a GPU, one call of torch's varlen flash attention over the whole pack (varlen_attention); on a CPU, and
+        where torch has none, one SDPA per sequence."""
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **_):
             super().__init__(config=config)
             self.scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):  # fmt: skip
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+        ):
             if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
                 raise NotImplementedError("PackedSDPAttention takes verl's packed (thd) sequences only")
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            params = packed_seq_params
+            varlen = varlen_attention() if query.is_cuda else None
+            if varlen is not None:
+                out = varlen(query, key, value, params.cu_seqlens_q, params.max_seqlen_q, self.scale)
+                return out.reshape(query.shape[0], -1)
+            bounds = params.cu_seqlens_q.tolist()
             pieces = []
             for start, end in itertools.pairwise(bounds):
                 # 4-D: SDPA's flash kernel takes no 3-D input; grouped key/value heads unrepeated (enable_gqa)
@@ -373,6 +444,14 @@ def install_without_te() -> None:
     _installed = True
 
 
+def install_gpu() -> None:
+    """Ray's worker_process_setup_hook for a Megatron run on GPUs without SGLang or TE (GPU_OVERRIDES): verl's HF
+    rollout registered in SGLang's place, the TE-free layers, then the run's own further hook."""
+    verl_cpu.register_rollout()
+    install_without_te()
+    verl_cpu.run_then_hook()
+
+
 def install() -> None:
     """Ray's worker_process_setup_hook for a Megatron run: demo/verl_cpu.py's shims, then these, once a process."""
     global _installed
@@ -389,7 +468,9 @@ def run_merger(argv: list[str]) -> None:
     (demo/megatron_merger, the CPU's MERGER_LAUNCHER)."""
     import runpy
 
-    install()
+    import torch
+
+    install_without_te() if torch.cuda.is_available() else install()  # on a GPU: verl's own merger, NCCL and all
     sys.argv = ["verl.model_merger", *argv]
     runpy.run_module("verl.model_merger", run_name="__main__", alter_sys=True)
 

@@ -174,8 +174,13 @@ def install() -> None:
     for shim in SHIMS:
         shim()
     _installed = True
+    run_then_hook()
+
+
+def run_then_hook() -> None:
+    """The run's own further hook (THEN_HOOK: the job's preemption save, a test's delays in verl's worker methods)."""
     then = os.environ.get(THEN_HOOK, "")
-    if then:  # a further hook of the run's own, after the shims (a test's delays in verl's worker methods)
+    if then:
         module, _, name = then.rpartition(".")
         getattr(importlib.import_module(module), name)()
 

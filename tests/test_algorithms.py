@@ -299,14 +299,10 @@ def test_the_settings_block_defaults_are_the_articles_grpo(env):
     assert (s.algorithm, s.strategy, s.trainer_mode, s.rollout_mode) == ("grpo", "megatron", "sync", "async")
     assert (s.rollout_engine, s.overlong_penalty_factor, s.critic_pp, s.critic_tp) == ("sglang", 35.0, None, None)
     assert (s.train_batch_size, s.max_prompt_length, s.max_response_length, s.rollout_n) == (256, 2048, 4096, 4)
-    assert (s.actor_pp, s.actor_tp, s.ppo_mini_batch_size, s.micro_batch_per_gpu, s.save_freq_setting, s.test_freq) == (
-        2,
-        1,
-        128,
-        4,
-        "auto",
-        5,
-    )
+    assert (s.actor_pp, s.actor_tp, s.ppo_mini_batch_size, s.save_freq_setting, s.test_freq) == (2, 1, 128, "auto", 5)
+    # the Megatron update's plan is chosen for the card (launch/plan/megatron_plan.py), each knob auto
+    knobs = (s.micro_batch_setting, s.megatron_recompute_setting, s.fused_kernels_setting, s.optimizer_offload_setting)
+    assert knobs == ("auto", "auto", "auto", "auto")
 
 
 def test_an_equal_critic_size_is_accepted_and_the_critic_gets_the_actors_sizes(env):
@@ -523,7 +519,7 @@ def test_fsdp2_carries_verls_padding_removal_and_dynamic_batches(env):
     budgets = {arr.actor.ppo_max_token_len_per_gpu, arr.ref.log_prob_max_token_len_per_gpu,
                arr.rollout.log_prob_max_token_len_per_gpu, cfg.critic.ppo_max_token_len_per_gpu,
                cfg.critic.forward_max_token_len_per_gpu}  # fmt: skip
-    assert budgets == {s.micro_batch_per_gpu * seq}, "at the article's lengths: its fixed micro-batches' tokens"
+    assert budgets == {4 * seq}, "at the article's lengths: MICRO_BATCH_PER_GPU=auto's 4 fixed micro-batches' tokens"
     # Megatron batches by the same token budget and packs without padding on its own: no use_remove_padding there.
     megatron = trainer_argv(settings(env))
     assert "actor_rollout_ref.actor.use_dynamic_bsz=True" in megatron

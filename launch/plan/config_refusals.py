@@ -181,7 +181,7 @@ def parallel_problems(cfg) -> list[str]:
 
 # The Ray hooks that register the HF rollout of the CPU runs (demo/verl_cpu.py; demo/megatron_cpu.py calls it), which
 # the job's own hook calls first (USER_HOOK); the stall test's own comes after them (CPU_RUN_THEN_HOOK).
-CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install")
+CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install", "demo.megatron_cpu.install_gpu")
 
 
 def rollout_problems(cfg) -> list[str]:

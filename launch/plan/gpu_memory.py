@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from launch.plan.settings import Settings
-from launch.plan.trainer_command import token_budget
 
 GIB = 2**30
 
@@ -432,7 +431,7 @@ def update_plan(s: Settings, dims: ModelDims, fused: bool = False) -> list[Stage
     reference_on_gpu)."""
     dp = max(1, s.train_nodes * s.training_gpus_per_node // max(1, s.actor_pp * s.actor_tp))
     return [
-        stage_memory(dims, stage=k, stages=s.actor_pp, tp=s.actor_tp, dp=dp, tokens=token_budget(s),
+        stage_memory(dims, stage=k, stages=s.actor_pp, tp=s.actor_tp, dp=dp, tokens=s.token_budget,
                      recompute=s.megatron_recompute, micro_batches=s.actor_pp,
                      reference_on_gpu=False, fused_logits=fused, process=WORKER_OVERHEAD)
         for k in range(s.actor_pp)
@@ -475,7 +474,7 @@ def log_prob_line(s: Settings, dims: ModelDims, total: int | None, reward: Rewar
     megatron_workers.py:722-723), the last stage holds one micro-batch's logits path with the entropy (the old
     log-probs', :752; the reference asks none, :730, so its path is at most that), and the process its
     WORKER_OVERHEAD. An upper bound of both passes; refused as update_line refuses."""
-    tokens = token_budget(s)
+    tokens = s.token_budget
     plan = [log_prob_stage(dims, stage=k, stages=s.actor_pp, tp=s.actor_tp, tokens=tokens, fused_logits=fused,
                            reference_on_gpu=True, process=WORKER_OVERHEAD) for k in range(s.actor_pp)]  # fmt: skip
     _refuse_over(s, total, reward, plan, "the reference's log-prob pass",

@@ -31,6 +31,7 @@ from launch.plan.gpu_memory import (
     megatron_update_lines,
     reward_peak,
 )
+from launch.plan.megatron_plan import handed_on
 from launch.plan.procs import stop_process
 from launch.plan.refusals import check, context_problems, header_problems, save_deadline_problems, sbatch_header
 from launch.plan.requeue_record import fingerprint, first_start_record, keep, skip_expensive
@@ -44,7 +45,7 @@ from launch.plan.reward_check import (
 )
 from launch.plan.settings import REPO, SettingError, Settings
 from launch.plan.thinking import TemplateError
-from launch.plan.trainer_command import fused_kernels, prompt_opens_think, trainer_argv
+from launch.plan.trainer_command import fused_kernels, megatron_plan, prompt_opens_think, trainer_argv
 from launch.plan.trainer_imports import import_problems, start_import_check, trainer_modules
 
 
@@ -242,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         settings = checked_settings()
         if settings is None:
             return 1
+        try:  # the Megatron plan's auto knobs, chosen once for every check below (launch/plan/megatron_plan.py)
+            settings, choice = megatron_plan(settings, extra, explain=True)
+        except SettingError as exc:
+            print(f"preflight: {exc}", file=sys.stderr)
+            return 1
+        if choice is not None and os.environ.get("JOB_LOG_DIR"):  # for every node's trainer command (run script)
+            Path(os.environ["JOB_LOG_DIR"], "megatron_plan").write_text(handed_on(settings, choice))
         # A requeued start skips what its first start's checks ran in full where nothing they read has changed
         record, now = first_start_record(os.environ), fingerprint(settings, extra)
         full = record is None or not skip_expensive(now, record, os.environ.get("SLURM_RESTART_COUNT", ""))
@@ -264,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         module, name, overrides, cfg = composed
         report_config(settings, extra, cfg, f"{module} --config-name={name} with {len(overrides)} overrides")
-        if not memory_fits(settings, extra, cfg):
+        if not memory_fits(settings, extra, cfg, choice):
             return 1
         imports, modules = None, []
         if full and trainer_runs_verl():
@@ -363,7 +371,7 @@ def report_config(settings: Settings, extra: list[str], cfg, command: str) -> No
     )
 
 
-def memory_fits(settings: Settings, extra: list[str], cfg) -> bool:
+def memory_fits(settings: Settings, extra: list[str], cfg, choice=None) -> bool:
     """Print the GPU memory of the rollout's start (beside the reward server) and, with Megatron, of the update; False
     once a refusal is printed. A config the dense formulas cannot read (an MoE, no intermediate_size) is a warning."""
     try:
@@ -381,6 +389,10 @@ def memory_fits(settings: Settings, extra: list[str], cfg) -> bool:
     except Exception as exc:
         print(f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
               f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how", file=sys.stderr)  # fmt: skip
+    if choice is not None:
+        print(f"preflight: {choice.line(settings)}")
+        if slower := choice.slower_line():
+            print(f"preflight: WARNING: Megatron plan: {slower}", file=sys.stderr)
     fused, why = fused_kernels(settings, extra)  # under fsdp2 too: off, and why
     print(f"preflight: verl's fused log-prob kernels {'on' if fused else 'off'} ({why})")
     if settings.strategy != "megatron":

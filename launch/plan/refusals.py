@@ -54,6 +54,16 @@ def job_problems(s: Settings) -> list[str]:
     if s.separate_reward_node and not s.uses_reward_model:
         problems.append("CONFIG_USE_SEPARATE_REWARD_NODE=true with REWARD=rule: that node would idle, since rule "
                         "rewards need no reward server; set it to false, or REWARD=rm+rule")  # fmt: skip
+    if s.gpu_memory_gib_setting != "auto":
+        try:
+            gib = float(s.gpu_memory_gib_setting)
+        except ValueError:
+            gib = 0.0
+        if not gib > 0:
+            problems.append(
+                f"CONFIG_GPU_MEMORY_GIB={s.gpu_memory_gib_setting!r}: use auto (the GPU the preflight sees) or the "
+                "card's memory in GiB, as torch reports it (an 80 GB H100: 79.2)"
+            )
     if s.fp8:
         problems.append("FP8=true: verl 0.6.1 cannot train in FP8 here (its Megatron path drops config.fp8 without "
                         "use_mbridge; the blockwise recipe needs TransformerEngine >= 2.3, this image has 2.2.1). FP8 "
@@ -272,7 +282,8 @@ def combination_problems(s: Settings) -> list[str]:
         ("STRATEGY", s.strategy, ("megatron", "fsdp2")),
         ("REWARD_MANAGER", s.reward_manager_setting, ("auto", "batch", "naive", "dapo")),
         ("ROLLOUT_ENGINE", s.rollout_engine, ("sglang", "vllm")),
-        ("MEGATRON_RECOMPUTE", s.megatron_recompute, tuple(RECOMPUTE)),
+        ("MEGATRON_RECOMPUTE", s.megatron_recompute_setting, ("auto", *RECOMPUTE)),
+        ("OPTIMIZER_OFFLOAD", s.optimizer_offload_setting, ("auto", "on", "off")),
         ("VAL_BEFORE_TRAIN", s.val_before_train_setting, ("auto", "true", "false")),
         ("FUSED_KERNELS", s.fused_kernels_setting, ("auto", "on", "off")),
     ):

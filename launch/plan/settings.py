@@ -28,6 +28,9 @@ class SettingError(ValueError):
 ROLLOUT_GPU_MEMORY_HYBRID = 0.4
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 ROLLOUT_ROOM_FOR_REWARD = 0.25
+# The article's sequence: MAX_PROMPT_LENGTH 2048 + MAX_RESPONSE_LENGTH 4096 tokens. Its fixed micro-batches of
+# MICRO_BATCH_PER_GPU such sequences are the most tokens a micro-batch ever held there (Settings.token_budget).
+ARTICLE_SEQUENCE_TOKENS = 2048 + 4096
 # SGLang engines per node the port block has room for (two ports each: launch/job/node.py); refusals.py refuses more
 SGLANG_MAX_GPUS = 16
 
@@ -88,11 +91,14 @@ class Settings:
     max_response_length: int = setting("MAX_RESPONSE_LENGTH")
     actor_lr: float = setting("ACTOR_LR")
     ppo_mini_batch_size: int = setting("PPO_MINI_BATCH_SIZE")
-    micro_batch_per_gpu: int = setting("MICRO_BATCH_PER_GPU")
+    # The Megatron update's plan, each auto | a value (launch/plan/megatron_plan.py resolves auto into the fields below)
+    micro_batch_setting: str = setting("MICRO_BATCH_PER_GPU")  # auto | sequences of 6144 tokens
+    megatron_recompute_setting: str = setting("MEGATRON_RECOMPUTE")  # auto | full | selective | off
+    fused_kernels_setting: str = setting("FUSED_KERNELS")  # auto | on | off (trainer_command.fused_kernels)
+    optimizer_offload_setting: str = setting("OPTIMIZER_OFFLOAD")  # auto | on | off
+    gpu_memory_gib_setting: str = setting("CONFIG_GPU_MEMORY_GIB")  # auto | GiB: the card auto plans for
     actor_pp: int = setting("ACTOR_PP")
     actor_tp: int = setting("ACTOR_TP")
-    megatron_recompute: str = setting("MEGATRON_RECOMPUTE")  # full | selective | off (trainer_command.RECOMPUTE)
-    fused_kernels_setting: str = setting("FUSED_KERNELS")  # auto | on | off (trainer_command.fused_kernels)
     rollout_tp: int = setting("ROLLOUT_TP")
     rollout_n: int = setting("ROLLOUT_N")
     rollout_gpu_memory_setting: str = setting("ROLLOUT_GPU_MEMORY")  # auto | a share (rollout_gpu_memory)
@@ -143,6 +149,12 @@ class Settings:
     critic_pp: int | None = None
     critic_tp: int | None = None
     sglang_memory_check_off: bool = False
+    # The plan's values: what the user set, or auto's choice once resolved (launch/plan/megatron_plan.resolve); until
+    # then an auto knob reads 0, "" or None here.
+    micro_batch_per_gpu: int = 0
+    megatron_recompute: str = ""
+    plan_fused: bool | None = None
+    plan_offload: bool | None = None
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -159,6 +171,17 @@ class Settings:
         values["critic_model_path"] = values["critic_model_path"] or values["model_path"]
         for field_name, name in (("critic_pp", "CRITIC_PP"), ("critic_tp", "CRITIC_TP")):
             values[field_name] = _parse(int, name, env[name]) if env.get(name) else None
+        if values["micro_batch_setting"] != "auto":
+            try:
+                values["micro_batch_per_gpu"] = int(values["micro_batch_setting"])
+            except ValueError:
+                raise SettingError(
+                    f"MICRO_BATCH_PER_GPU={values['micro_batch_setting']!r}: use auto or a whole number (sequences of "
+                    f"{ARTICLE_SEQUENCE_TOKENS} tokens a micro-batch)"
+                ) from None
+        if values["megatron_recompute_setting"] != "auto":
+            values["megatron_recompute"] = values["megatron_recompute_setting"]
+        values["plan_offload"] = {"on": True, "off": False}.get(values["optimizer_offload_setting"])
         return cls(
             **values,
             nnodes=int(env.get("SLURM_NNODES") or env.get("CONFIG_NUM_NODES") or 1),
@@ -274,6 +297,17 @@ class Settings:
                 f"ROLLOUT_GPU_MEMORY={raw!r}: use auto or a share of GPU memory in (0, 1) (docs/training.md: GPU memory)"
             )
         return value
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens per micro-batch on each GPU (actor update, rollout and ref log-probs, critic): as many whole sequences
+        of this job's length as fit in MICRO_BATCH_PER_GPU sequences of the article's, and at least one (verl asserts a
+        budget holds one: seqlen_balancing.rearrange_micro_batches). A micro-batch's memory goes with its tokens (both
+        strategies pack the sequences without padding), so a longer MAX_RESPONSE_LENGTH packs fewer sequences into
+        each, not more tokens. verl cuts a rank's share into ceil(tokens / budget) micro-batches balanced by tokens: full-
+        length ones hold the budget exactly, mixed lengths about it (part of a sequence more at most, measured)."""
+        sequence = self.max_prompt_length + self.max_response_length
+        return max(1, self.micro_batch_per_gpu * ARTICLE_SEQUENCE_TOKENS // sequence) * sequence
 
     @property
     def training_gpus_per_node(self) -> int:

@@ -9,7 +9,6 @@ deadline (launch/plan/deadline.py); refusals, gpu_memory, preflight and referenc
 """
 
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -57,29 +56,13 @@ def _entry(s: Settings) -> list[str]:
             "hydra.searchpath=[pkg://verl.trainer.config]"]  # fmt: skip
 
 
-# The article's sequence: MAX_PROMPT_LENGTH 2048 + MAX_RESPONSE_LENGTH 4096 tokens. Its fixed micro-batches of
-# MICRO_BATCH_PER_GPU such sequences are the most tokens a micro-batch ever held there.
-ARTICLE_SEQUENCE_TOKENS = 2048 + 4096
-
-
-def token_budget(s: Settings) -> int:
-    """Tokens per micro-batch on each GPU (actor update, rollout and ref log-probs, critic): as many whole sequences
-    of this job's length as fit in MICRO_BATCH_PER_GPU sequences of the article's, and at least one (verl asserts a
-    budget holds one: seqlen_balancing.rearrange_micro_batches). A micro-batch's memory goes with its tokens (both
-    strategies pack the sequences without padding), so a longer MAX_RESPONSE_LENGTH packs fewer sequences into
-    each, not more tokens. verl cuts a rank's share into ceil(tokens / budget) micro-batches balanced by tokens: full-
-    length ones hold the budget exactly, mixed lengths about it (part of a sequence more at most, measured)."""
-    sequence = s.max_prompt_length + s.max_response_length
-    return max(1, s.micro_batch_per_gpu * ARTICLE_SEQUENCE_TOKENS // sequence) * sequence
-
-
 def _token_budgets(s: Settings) -> list[str]:
     """Micro-batches by token count (use_dynamic_bsz), as verl's own long-response examples run them
     (examples/grpo_trainer/*seq_balance*.sh, *megatron_96gb.sh). verl 0.6.1 reads them on both strategies: the
     Megatron actor's update (megatron_actor.py:682-690) and log-probs (megatron_workers.py:727-728, 749-750, read at
     megatron_actor.py:186-191), the Megatron critic (megatron_workers.py:1075-1076, megatron_critic.py:306-314);
     the micro-batch sizes then go unused (validate_config skips them)."""
-    a, tokens = "actor_rollout_ref", token_budget(s)
+    a, tokens = "actor_rollout_ref", s.token_budget
     return [
         f"{a}.actor.use_dynamic_bsz=True",
         f"{a}.actor.ppo_max_token_len_per_gpu={tokens}",
@@ -124,44 +107,33 @@ USER_HOOK = "JOB_USER_SETUP_HOOK"  # the run's own hook (a user's, the CPU runs'
 FUSED_OVERRIDES = ["actor_rollout_ref.model.use_fused_kernels=True", "+actor_rollout_ref.ref.use_fused_kernels=True"]
 
 
-def _fused_blocker(s: Settings, config: dict, extra: list[str]) -> tuple[str, str] | None:
-    """Why verl 0.6.1's fused log-prob kernels cannot run on this Megatron plan and policy (its config.json), and the
-    fix beyond FUSED_KERNELS=auto or off; None where they run."""
-    # transformers' own default ties them (PretrainedConfig: tie_word_embeddings=True)
-    if s.actor_pp == 1 and config.get("tie_word_embeddings", True):
-        return ("the policy ties its output layer to the embedding (tie_word_embeddings), and at ACTOR_PP=1 "
-                "megatron-core keeps no output_layer.weight, which verl 0.6.1's fused forward reads "
-                "(verl/models/mcore/model_forward_fused.py:201; verl 0.7.0 falls back to the embedding's)",
-                ", or ACTOR_PP=2 or more (the last stage holds its own copy of the tied weight)")  # fmt: skip
-    cpu_stand_in = any(o.lstrip("+") == CPU_STAND_IN_HOOK for o in extra)
-    if config.get("hidden_size", 0) % 128 and not cpu_stand_in:
-        return (f"hidden_size {config.get('hidden_size')} is not a multiple of 128, which verl's Triton kernel "
-                "asserts (verl/utils/kernel/kernels.py:537)", "")  # fmt: skip
-    return None
+def megatron_plan(s: Settings, extra: list[str] | None = None, explain: bool = False):
+    """The settings with the Megatron plan's auto knobs resolved, and the choice (launch/plan/megatron_plan.py); on
+    the CPU stand-in (CPU_STAND_IN_HOOK) verl's pure-torch fused path takes any hidden size."""
+    from launch.plan import megatron_plan as plan
+
+    stand_in = any(o.lstrip("+") == CPU_STAND_IN_HOOK for o in extra or [])
+    return plan.resolve(s, stand_in, explain)
 
 
 def fused_kernels(s: Settings, extra: list[str] | None = None) -> tuple[bool, str]:
     """FUSED_KERNELS: whether verl's fused log-prob kernels run (log-probs and entropy from the last hidden states in
-    chunks, never the [tokens x vocab] float32 logits), and why. auto runs them unless something blocks them
-    (_fused_blocker) and then says why not; on refuses a blocker. fsdp2 keeps verl's logits (on: refusals.py).
-    With them the reference's pass runs fused too: verl 0.6.1's MegatronPPOActor reads use_fused_kernels from its
-    own config (megatron_actor.py:132-138), and the reference's (megatron_workers.py:523-530) has no such key: the
-    `+` adds it, or the reference would build the logits."""
+    chunks, never the [tokens x vocab] float32 logits), and why. auto takes the Megatron plan's choice (faster per token
+    or the only plan that fits); on refuses what blocks them (megatron_plan.fused_blocker). fsdp2 keeps verl's
+    logits (on: refusals.py). With them the reference's pass runs fused too: verl 0.6.1's MegatronPPOActor reads
+    use_fused_kernels from its own config (megatron_actor.py:132-138), and the reference's (megatron_workers.py:523-530)
+    has no such key: the `+` adds it, or the reference would build the logits."""
     setting = s.fused_kernels_setting
     if setting == "off" or s.strategy != "megatron":
         return False, f"FUSED_KERNELS={setting}" + ("" if setting == "off" else ": STRATEGY=fsdp2 keeps verl's logits")
-    try:
-        config = json.loads((Path(s.model_path) / "config.json").read_text())
-    except (OSError, ValueError) as exc:  # on stays on: the preflight refuses a missing CONFIG_MODEL_PATH itself
-        unread = f"CONFIG_MODEL_PATH's config.json is not readable here ({type(exc).__name__})"
-        return setting == "on", f"FUSED_KERNELS={setting}" + ("" if setting == "on" else f": {unread}")
-    blocker = _fused_blocker(s, config, extra or [])
-    if blocker is None:
-        return True, f"FUSED_KERNELS={setting}"
-    reason, fix = blocker
-    if setting == "auto":
-        return False, f"FUSED_KERNELS=auto: {reason}"
-    raise SettingError(f"FUSED_KERNELS=on, but {reason}: set FUSED_KERNELS=auto or off{fix}")
+    resolved, choice = megatron_plan(s, extra)
+    if setting == "on":
+        return True, "FUSED_KERNELS=on"
+    if choice is None:  # every knob set: FUSED_KERNELS itself said which
+        return bool(resolved.plan_fused), f"FUSED_KERNELS={setting}"
+    blocked = [note for note in choice.notes if note.startswith("no fused kernels")]
+    why = blocked[0] if blocked else "the Megatron plan's (above)"
+    return bool(resolved.plan_fused), f"FUSED_KERNELS=auto: {why}"
 
 
 def _actor_overrides(s: Settings) -> list[str]:
@@ -170,7 +142,7 @@ def _actor_overrides(s: Settings) -> list[str]:
         # Megatron packs each micro-batch's sequences without padding (verl/models/mcore/model_forward.py,
         # preprocess_packed_seqs), whatever use_remove_padding says.
         return [
-            f"{a}.actor.megatron.optimizer_offload=True",
+            f"{a}.actor.megatron.optimizer_offload={s.plan_offload}",
             f"{a}.actor.megatron.pipeline_model_parallel_size={s.actor_pp}",
             f"{a}.actor.megatron.tensor_model_parallel_size={s.actor_tp}",
             *recompute_overrides(s, f"{a}.actor.megatron"),
@@ -317,8 +289,9 @@ def reward_function(s: Settings) -> str:
 
 def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = None) -> list[str]:
     """The exact trainer command for this algorithm, mode and strategy; the user's overrides last."""
-    reward_fn = reward_function(s)
     opens_think, _ = prompt_opens_think(s, extra)
+    s = megatron_plan(s, extra)[0]
+    reward_fn = reward_function(s)
     a = "actor_rollout_ref"
     argv = [
         *_entry(s),
