@@ -48,19 +48,17 @@ SETTINGS = {
     "EXPERIMENT_NAME": "gpu_canary",
     "ACTOR_LR": "1e-3",  # a random policy's bf16 weights move in 3 steps: the merge's check tells one step from another
     "MERGER_LAUNCHER": str(REPO / "demo" / "megatron_merger"),  # verl's merger with the TE-free layers
-    "CPU_RUN_THEN_HOOK": "benchmarks.gpu_canary.measure_then_preempt",
+    "CPU_RUN_THEN_HOOK": "benchmarks.gpu_canary.measure_phases",
 }
 MEMORY_LINE = re.compile(r"^preflight: (GPU memory per GPU|Megatron update per GPU|Megatron log-prob passes per GPU).*")
 
 
-def measure_then_preempt() -> None:
-    """The Ray workers' further hook: each verl phase's peak memory printed (benchmarks/verl_step_hook.py), then the
-    job's own (launch/job/preempt.py), which the run script names by default."""
+def measure_phases() -> None:
+    """The Ray workers' further hook (CPU_RUN_THEN_HOOK, after the GPU hook's registration): each verl phase's peak
+    memory printed (benchmarks/verl_step_hook.py); the job's own hook (launch/job/preempt.py) runs around both."""
     from benchmarks.verl_step_hook import _measure_phases
-    from launch.job import preempt
 
     _measure_phases("megatron_workers")
-    preempt.install()
 
 
 def build_models(work: Path, device: str) -> dict:
