@@ -88,9 +88,13 @@ def build_models(work: Path, device: str) -> dict:
     return out
 
 
+DEADLINE = [float("inf")]  # --budget: monotonic seconds by which every command has ended
+
+
 def run(cmd: list[str], env: dict, log: Path, timeout: float) -> dict:
-    """A user's command, its whole output in `log`: exit code and seconds."""
+    """A user's command, its whole output in `log`: exit code and seconds (cut at the run's --budget)."""
     began = time.monotonic()
+    timeout = max(1.0, min(timeout, DEADLINE[0] - began))
     with log.open("w") as f:
         try:
             rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
@@ -118,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="result.json and the logs")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_canary"), help="models, data, checkpoints")
     parser.add_argument("--timeout", type=float, default=420, help="seconds for the canary")
+    parser.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: no limit)")
     args = parser.parse_args(argv)
+    if args.budget:
+        DEADLINE[0] = time.monotonic() + args.budget
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -49,6 +49,8 @@ PLANS = {
     "stage1-fused": [("full", (4, 8), ()), ("selective", (2, 4), ()), ("off", (1, 2, 3), (2,))],
     "stage0": [("full", (1, 2, 3, 4), (4,)), ("selective", (1, 2, 3, 4), ()), ("off", (1, 2, 3), ())],
 }
+# --quick: the last stage's plans of one short run (the first stage and the fused kernels left out)
+QUICK = {"stage1": [("full", (1, 2, 4), (4,)), ("selective", (2, 4), ()), ("off", (1, 2), ())]}
 # The plans the profile runs (--profile): the default's, on verl's logits and on its fused kernels.
 PROFILED = {("stage1", "full", 4, True), ("stage1-fused", "full", 4, True)}
 UPDATE_SEQUENCES = 8  # sequences per measured update (9 where a micro-batch holds 3, so that each is full)
@@ -63,11 +65,11 @@ class Plan:
     micro_batch_tokens: int
 
 
-def group_plans(group: str, sequence: int, on_gpu: bool) -> list[tuple[str, list[Plan]]]:
+def group_plans(group: str, sequence: int, on_gpu: bool, quick: bool = False) -> list[tuple[str, list[Plan]]]:
     """The group's plans, one list per recompute family (on a CPU, micro-batches of one and two sequences)."""
     stage, fused = group.split("-")[0], group.endswith("fused")
     families = []
-    for recompute, sizes, on_gpu_sizes in PLANS[group]:
+    for recompute, sizes, on_gpu_sizes in (QUICK if quick else PLANS)[group]:
         sizes = sizes if on_gpu else tuple(k for k in sizes if k <= 2)
         plans = []
         for k in sizes:
@@ -238,7 +240,7 @@ def profiled(update, device: str) -> dict:
 # --- one group, in its own process ----------------------------------------------------------------------------------
 
 
-def run_group(group: str, policy: Path, out: Path, lengths, profile: bool) -> None:
+def run_group(group: str, policy: Path, out: Path, lengths, profile: bool, quick: bool = False) -> None:
     """Every plan of `group` on one worker; `out` (JSON lines) gets a record as each plan ends."""
     import torch
 
@@ -261,7 +263,7 @@ def run_group(group: str, policy: Path, out: Path, lengths, profile: bool) -> No
     with out.open("a") as f:
         f.write(json.dumps({"group": group, "init": m, "sequence": sequence}) + "\n")
     warm = True
-    families = group_plans(group, sequence, on_gpu)
+    families = group_plans(group, sequence, on_gpu, quick)
     if group == "stage1":  # the first plan again with Python's heap frozen (gc.freeze): what gc.collect costs an update
         families.append(("gc.freeze", [families[0][1][0]]))
     for family, plans in families:
@@ -370,7 +372,7 @@ def run_group_process(group: str, args, policy: Path, work: Path) -> list[dict]:
     lines = work / f"{group}.jsonl"
     lines.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.megatron_plan", "--group", group, "--policy", str(policy)]
-    cmd += ["--group-out", str(lines)] + (["--profile"] if args.profile else [])
+    cmd += ["--group-out", str(lines)] + (["--profile"] if args.profile else []) + (["--quick"] if args.quick else [])
     cmd += ["--lengths", args.lengths] if args.lengths else []
     with open(args.out / f"{group}.log", "w") as log:
         try:
@@ -433,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="", help="PROMPT,RESPONSE tokens (default: the settings block's)")
     parser.add_argument("--profile", action="store_true", help="profile the default plan's update, logits and fused")
     parser.add_argument("--group-timeout", type=float, default=400)
+    parser.add_argument("--quick", action="store_true", help="the last stage's logits plans alone, fewer sizes")
     parser.add_argument("--reuse-policy", action="store_true", help="keep --work's policy when it is there")
     parser.add_argument("--group", help=argparse.SUPPRESS)
     parser.add_argument("--group-out", type=Path, help=argparse.SUPPRESS)
@@ -440,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None
     if args.group:
-        run_group(args.group, args.policy, args.group_out, lengths, args.profile)
+        run_group(args.group, args.policy, args.group_out, lengths, args.profile, args.quick)
         return 0
     if args.out is None:
         parser.error("--out is required")
@@ -448,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     groups = list(filter(None, args.groups.split(","))) or [g for g in GROUPS if device == "cuda" or "fused" not in g]
+    groups = [g for g in groups if g in QUICK] if args.quick else groups
     if unknown := [g for g in groups if g not in GROUPS]:
         parser.error(f"--groups: {', '.join(unknown)} unknown; use {', '.join(GROUPS)}")
     args.out.mkdir(parents=True, exist_ok=True)
