@@ -24,7 +24,7 @@
 #   python -m launch.watch.status [JOB_ID] [--follow]                      # where a job is, when it ends, how it learns
 #
 # Edit the settings below, or override them from the environment (docs/settings.md; the trainer command they make:
-# docs/trainer-command.md). Keep #SBATCH --gpus-per-node = CONFIG_GPUS_PER_NODE and --nodes = the nodes you want (2+
+# logs/<job id>/trainer_command.txt). Keep #SBATCH --gpus-per-node = CONFIG_GPUS_PER_NODE and --nodes = the nodes you want (2+
 # for a separate reward node). Submit from the repository root. merge_mcore_to_hf.sh reads this block too.
 set -euo pipefail
 
