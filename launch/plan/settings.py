@@ -5,8 +5,8 @@ them; this module reads them from the environment and never invents its own. Wha
 launch/plan/refusals.py (the settings) and launch/plan/config_refusals.py (the composed trainer config); the trainer
 command built from them is launch/plan/trainer_command.py.
 
-launch/plan's imports go one way: deadline, thinking and settings (bottom) <- trainer_command <- refusals <- preflight,
-reference. This module imports nothing of launch/ (tests/test_settings.py checks the order).
+launch/plan's imports go one way: deadline, thinking and settings (bottom) <- trainer_command <- refusals <- preflight.
+This module imports nothing of launch/ (tests/test_settings.py checks the order).
 """
 
 import math
@@ -56,6 +56,17 @@ def _parse(kind: type, name: str, raw: str, spelled: tuple[str, str] | None = No
     except ValueError:
         what = "a whole number" if kind is int else "a number"
         raise SettingError(f"{name}={raw!r} is not {what}") from None
+
+
+def _number(name: str, raw: str, accepts, wanted: str) -> float:
+    """A setting's number; a value that is not one, or one `accepts` refuses, names the setting and what it wants."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not accepts(value):
+        raise SettingError(f"{name}={raw!r}: use {wanted}")
+    return value
 
 
 def setting(name: str, spelled: tuple[str, str] | None = None):
@@ -235,20 +246,18 @@ class Settings:
         return None
 
     @property
+    def half_reward_range(self) -> float:
+        low, high = self.reward_score_range
+        return (high - low) / 2
+
+    @property
     def overlong_penalty_factor(self) -> float:
         """DAPO's overlong penalty reaches this at MAX_RESPONSE_LENGTH. auto: half the reward range, as in DAPO
         (scores -1..1, factor 1.0); verl's default 1.0 would be about 1% of our -40..30."""
         raw = self.overlong_penalty_factor_setting
         if raw == "auto":
-            low, high = self.reward_score_range
-            return (high - low) / 2
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not value >= 0:
-            raise SettingError(f"OVERLONG_PENALTY_FACTOR={raw!r}: use auto or a number, 0 or more (a penalty size)")
-        return value
+            return self.half_reward_range
+        return _number("OVERLONG_PENALTY_FACTOR", raw, lambda v: v >= 0, "auto or a number, 0 or more (a penalty size)")
 
     @property
     def critic_cliprange_value(self) -> float:
@@ -261,18 +270,9 @@ class Settings:
         the range in two updates and the clip still stops a single update from overshooting it."""
         raw = self.critic_cliprange_value_setting
         if raw == "auto":
-            low, high = self.reward_score_range
-            return (high - low) / 2
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise SettingError(
-                f"CRITIC_CLIPRANGE_VALUE={raw!r}: use auto (half the reward range) or a number above 0, the most an "
-                "update may move the critic's prediction"
-            )
-        return value
+            return self.half_reward_range
+        wanted = "auto (half the reward range) or a number above 0, the most an update may move the critic's prediction"
+        return _number("CRITIC_CLIPRANGE_VALUE", raw, lambda v: math.isfinite(v) and v > 0, wanted)
 
     @property
     def rollout_gpu_memory(self) -> float:
@@ -288,15 +288,8 @@ class Settings:
                 return ROLLOUT_GPU_MEMORY_HYBRID
             shared = not self.separate_reward_node and self.reward_device != "cpu" and self.uses_reward_model
             return round(VLLM_GPU_MEMORY_UTILIZATION - (ROLLOUT_ROOM_FOR_REWARD if shared else 0), 2)
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not 0 < value < 1:
-            raise SettingError(
-                f"ROLLOUT_GPU_MEMORY={raw!r}: use auto or a share of GPU memory in (0, 1) (docs/training.md: GPU memory)"
-            )
-        return value
+        wanted = "auto or a share of GPU memory in (0, 1) (docs/training.md: GPU memory)"
+        return _number("ROLLOUT_GPU_MEMORY", raw, lambda v: 0 < v < 1, wanted)
 
     @property
     def token_budget(self) -> int:
