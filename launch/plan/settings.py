@@ -21,10 +21,7 @@ class SettingError(ValueError):
     pass
 
 
-# ROLLOUT_GPU_MEMORY=auto (Settings.rollout_gpu_memory). Sharing the GPU with the update: the share the reference job
-# was measured with. Alone on it: vLLM's own default (EngineArgs/CacheConfig gpu_memory_utilization=0.9), less room
-# for a reward server: the 8B reward shape peaks at 17.8 GiB on an H200 (launch/plan/gpu_memory.py), under a quarter of an
-# 80 GB card.
+# ROLLOUT_GPU_MEMORY=auto (Settings.rollout_gpu_memory; why these: docs/training.md, one-step-off's rollout GPUs)
 ROLLOUT_GPU_MEMORY_HYBRID = 0.4
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 ROLLOUT_ROOM_FOR_REWARD = 0.25
@@ -252,8 +249,7 @@ class Settings:
 
     @property
     def overlong_penalty_factor(self) -> float:
-        """DAPO's overlong penalty reaches this at MAX_RESPONSE_LENGTH. auto: half the reward range, as in DAPO
-        (scores -1..1, factor 1.0); verl's default 1.0 would be about 1% of our -40..30."""
+        """DAPO's overlong penalty at MAX_RESPONSE_LENGTH; auto: half the reward range, as DAPO's 1.0 of -1..1."""
         raw = self.overlong_penalty_factor_setting
         if raw == "auto":
             return self.half_reward_range
@@ -261,13 +257,8 @@ class Settings:
 
     @property
     def critic_cliprange_value(self) -> float:
-        """PPO's value clip: each update may move the critic's prediction at most this far from the value it gave
-        at rollout time (verl 0.6.1 core_algos.py:1403-1406, compute_value_loss; past it the gradient is zero). With
-        gamma = lam = 1 the value target is the final score (core_algos.py:258), anywhere in the reward range.
-        verl's 0.5 (_generated_ppo_trainer.yaml:386) is half the 0..1 range of its own examples' rule rewards
-        (gsm8k: 0 or 1); at -40..30 it is 0.7% of the range and the value head needs ~60 steps to reach the scale,
-        PPO running as REINFORCE meanwhile. auto keeps verl's proportion: half the range, so a prediction crosses
-        the range in two updates and the clip still stops a single update from overshooting it."""
+        """PPO's value clip (critic.cliprange_value); auto: half the reward range (docs/training.md, PPO's value
+        clip)."""
         raw = self.critic_cliprange_value_setting
         if raw == "auto":
             return self.half_reward_range
@@ -276,12 +267,8 @@ class Settings:
 
     @property
     def rollout_gpu_memory(self) -> float:
-        """The rollout engine's share of each of its GPUs (rollout.gpu_memory_utilization: vLLM's
-        gpu_memory_utilization, SGLang's mem_fraction_static). auto: ROLLOUT_GPU_MEMORY_HYBRID where the rollout
-        shares its GPUs with the update (TRAINER_MODE=sync, verl's hybrid engine, which frees the cache for the
-        update); with one_step_off its GPUs hold the rollout alone (hybrid_engine=False, the recipe's own pool), so
-        vLLM's own default, less ROLLOUT_ROOM_FOR_REWARD where a reward server may sit on one of them (shared
-        placement on the GPU: Ray, not this job, picks which of the head's GPUs the rollout pool gets)."""
+        """The rollout engine's share of each of its GPUs (rollout.gpu_memory_utilization); auto: the hybrid
+        engine's share, or one-step-off's own GPUs less room for a reward server (docs/training.md)."""
         raw = self.rollout_gpu_memory_setting
         if raw == "auto":
             if self.trainer_mode != "one_step_off":
@@ -293,12 +280,8 @@ class Settings:
 
     @property
     def token_budget(self) -> int:
-        """Tokens per micro-batch on each GPU (actor update, rollout and ref log-probs, critic): as many whole sequences
-        of this job's length as fit in MICRO_BATCH_PER_GPU sequences of the article's, and at least one (verl asserts a
-        budget holds one: seqlen_balancing.rearrange_micro_batches). A micro-batch's memory goes with its tokens (both
-        strategies pack the sequences without padding), so a longer MAX_RESPONSE_LENGTH packs fewer sequences into
-        each, not more tokens. verl cuts a rank's share into ceil(tokens / budget) micro-batches balanced by tokens: full-
-        length ones hold the budget exactly, mixed lengths about it (part of a sequence more at most, measured)."""
+        """Tokens per micro-batch on each GPU: as many whole sequences of this job's length as fit in
+        MICRO_BATCH_PER_GPU sequences of the article's, at least one (docs/training.md, micro-batches)."""
         sequence = self.max_prompt_length + self.max_response_length
         return max(1, self.micro_batch_per_gpu * ARTICLE_SEQUENCE_TOKENS // sequence) * sequence
 
