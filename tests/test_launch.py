@@ -436,39 +436,6 @@ def test_a_reward_format_setting_the_server_does_not_know_stops_the_job_naming_i
     assert "=== launching on" not in result.stdout
 
 
-def test_preference_pairs_the_reward_model_ranks_best_in_another_format_stop_the_job_before_it_starts(job, tmp_path):
-    """PREFLIGHT_REWARD_PAIRS: check_format with the job's CONFIG_REWARD_* settings, before anything starts."""
-    import json
-
-    from tests.trl_cases import pairs_ranked_by
-
-    pairs = tmp_path / "pairs" / "heldout.jsonl"  # ranked right by the reward model only as REWARD_INPUT=completion
-    pairs.parent.mkdir()
-    rows = pairs_ranked_by(Path(job["CONFIG_REWARD_MODEL_PATH"]), input="completion")
-    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # Only this check: the data and the reward round trip have tests of their own.
-    check = job | {"PREFLIGHT_ONLY": "1", "PREFLIGHT_REWARD_PAIRS": str(pairs), "PREFLIGHT_DATA": "0",
-                   "PREFLIGHT_REWARD": "0"}  # fmt: skip
-    wrong = run(check)
-    assert wrong.returncode == 1
-    assert "preflight: reward format recommended: REWARD_INPUT=completion" in wrong.stdout
-    assert "in run_grpo_qwen3_4b_mega_verl.sh: CONFIG_REWARD_INPUT=completion" in wrong.stdout
-    assert "ranks PREFLIGHT_REWARD_PAIRS best in another input format than this job's settings" in wrong.stderr
-    ok = run(check | {"CONFIG_REWARD_INPUT": "completion"})
-    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
-    assert "preflight: reward format the settings given score as recommended" in ok.stdout
-    assert "=== launching on" not in wrong.stdout + ok.stdout
-
-
-def test_unusable_preference_pairs_fail_the_preflight_naming_the_setting_and_the_file(job, tmp_path, capsys):
-    from launch.plan.reward_check import check_reward_format
-    from launch.plan.settings import Settings
-
-    assert not check_reward_format(Settings.from_env(block_environment() | job), str(tmp_path / "missing.jsonl"))
-    err = capsys.readouterr().err
-    assert "PREFLIGHT_REWARD_PAIRS" in err and "missing.jsonl: no such file" in err
-
-
 # --- REWARD=rule and rm+rule: the rows and the scorers, before the queue -----------------------------------------
 
 

@@ -37,7 +37,6 @@ from launch.plan.refusals import check, context_problems, header_problems, save_
 from launch.plan.reward_check import (
     begin_reward_server,
     check_reward_data,
-    check_reward_format,
     check_rule_round_trip,
     reward_head_problems,
     server_round_trip,
@@ -446,11 +445,9 @@ def check_own_files(settings: Settings, cfg, reward_server) -> bool:
         except Exception as exc:  # verl's own dataset code, reported as it is
             print(f"preflight: verl's RLHFDataset cannot read the data: {type(exc).__name__}: {exc}", file=sys.stderr)
             return False
-    pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
     return (  # each step says why it fails, and the first that fails stops the rest
         report_steps(cfg, train_rows)
         and (not data or check_reward_data(cfg))
-        and (not pairs or check_reward_format(settings, pairs))
         and (reward_server is None or server_round_trip(cfg, tokenizer, reward_server))
         and (os.environ.get("PREFLIGHT_REWARD", "1") != "1" or check_rule_round_trip(cfg, tokenizer))
     )

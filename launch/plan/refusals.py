@@ -7,7 +7,7 @@ Refused elsewhere, because only there is what they need:
 - run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
   the container program (CONTAINER), the folders the container binds, Slurm's GPUs per node vs CONFIG_GPUS_PER_NODE.
 - launch/plan/preflight.py: verl's own validate_config and Hydra errors, the trainer's imports in the image, the data,
-  the reward check (launch/plan/reward_check.py: PREFLIGHT_REWARD, PREFLIGHT_REWARD_PAIRS), the GPU memory
+  the reward check (launch/plan/reward_check.py: PREFLIGHT_REWARD), the GPU memory
   (launch/plan/gpu_memory.py).
 - launch/job/node.py, on each node once the job runs: a hand-set port that is taken there, CONFIG_REWARD_GPUS beyond the
   job's GPUs on that node, CONFIG_NETWORK_INTERFACE.
