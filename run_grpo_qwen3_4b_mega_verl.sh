@@ -24,7 +24,7 @@
 #   python -m launch.watch.status [JOB_ID] [--follow]                      # where a job is, when it ends, how it learns
 #
 # Edit the settings below, or override them from the environment (docs/settings.md; the trainer command they make:
-# docs/trainer-command.md). Keep #SBATCH --gpus-per-node = CONFIG_GPUS_PER_NODE and --nodes = the nodes you want (2+
+# logs/<job id>/trainer_command.txt). Keep #SBATCH --gpus-per-node = CONFIG_GPUS_PER_NODE and --nodes = the nodes you want (2+
 # for a separate reward node). Submit from the repository root. merge_mcore_to_hf.sh reads this block too.
 set -euo pipefail
 
@@ -121,7 +121,6 @@ CANARY="${CANARY:-0}"                                           # 1: train 2 ste
 CANARY_KEEP="${CANARY_KEEP:-0}"                                 # 1: keep the canary's checkpoints when it passes
 PREFLIGHT_DATA="${PREFLIGHT_DATA:-1}"                           # check every row, then read train/val through verl's RLHFDataset
 PREFLIGHT_REWARD="${PREFLIGHT_REWARD:-1}"                       # score a few rows through a reward server first
-PREFLIGHT_REWARD_PAIRS="${PREFLIGHT_REWARD_PAIRS:-}"            # preference pairs (TRL's format): check_format first
 PREFLIGHT_REWARD_DEVICE="${PREFLIGHT_REWARD_DEVICE:-auto}"      # the preflight's reward server: auto | cpu | cuda
 CHECKPOINT_BEFORE_END="${CHECKPOINT_BEFORE_END:-1800}"          # s before the time limit verl saves (> --signal's 900)
 ESI_REDUNDANT_TIME="${ESI_REDUNDANT_TIME:-auto}"                # s that window adds for validation + save; auto: measured
@@ -167,7 +166,7 @@ wrap=()  # container_cmd's prefix, once the settings are final (main)
 export_settings() {
   local name
   for name in CONFIG_IMAGE_PATH CONFIG_MODEL_PATH CONFIG_REWARD_MODEL_PATH CONFIG_TRAIN_FILE CONFIG_TEST_FILE \
-    CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME PREFLIGHT_REWARD_PAIRS REWARD_FUNCTION_PATH; do
+    CONFIG_OUTPUT_DIR CONFIG_LOG_DIR HF_HOME REWARD_FUNCTION_PATH; do
     [[ -z "${!name}" ]] || printf -v "$name" '%s' "$(realpath -m "${!name}")"
   done
   export JOB_LOG_DIR=$job_log_dir JOB_ID=$job_id
@@ -258,7 +257,6 @@ container_cmd() {
   [[ "$TENSORBOARD_DIR/" == "$CONFIG_LOG_DIR/"* ]] || binds+=(--bind "$TENSORBOARD_DIR")
   local dir inputs=("$CONFIG_MODEL_PATH" "$(dirname "$CONFIG_TRAIN_FILE")" "$(dirname "$CONFIG_TEST_FILE")")
   [[ "$REWARD" == rule ]] || inputs+=("$CONFIG_REWARD_MODEL_PATH")  # REWARD=rule: no reward model anywhere
-  [[ -z "$PREFLIGHT_REWARD_PAIRS" ]] || inputs+=("$(dirname "$PREFLIGHT_REWARD_PAIRS")")
   [[ -z "$REWARD_FUNCTION_PATH" ]] || inputs+=("$(dirname "$REWARD_FUNCTION_PATH")")
   # A missing one is not bound: the runtime's mount error would name no setting, the preflight's names it.
   for dir in "${inputs[@]}"; do [[ ! -d "$dir" ]] || binds+=(--bind "$dir"); done

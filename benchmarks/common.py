@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ SHAPES = {
         "tiny": (64, 128, 2, 4, 2, 16, 4096),
     }.items()
 }
+REPO = Path(__file__).resolve().parent.parent
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
 
 
@@ -118,3 +120,13 @@ def write_json(path: Path, result: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, path)
+
+
+def block_defaults(repo: str = str(REPO)) -> dict[str, str]:
+    """The run script's settings block as it exports its defaults, with `repo` as the repository folder."""
+    script = f'repo={repo}; source <(sed -n "/^# ---- settings/,/^# ------------/p" run_grpo_qwen3_4b_mega_verl.sh)'
+    env = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        ["bash", "-c", f"{script}; env -0"], capture_output=True, text=True, check=True, cwd=REPO, env=env
+    )
+    return dict(kv.split("=", 1) for kv in out.stdout.split("\0") if "=" in kv)

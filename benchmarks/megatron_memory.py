@@ -71,7 +71,7 @@ def build_policy(shape: str, layers: int, out: Path, device: str) -> dict:
 def case_settings(policy: Path, recompute: str, lengths: tuple[int, int] | None, micro: int = 0) -> dict[str, str]:
     """The settings block's defaults, with this machine's one GPU, the case's recompute and, where given, lengths and
     MICRO_BATCH_PER_GPU (the token budget)."""
-    from launch.plan.reference import block_defaults
+    from benchmarks.common import block_defaults
 
     return block_defaults(str(REPO)) | {
         "CONTAINER": "none", "CONFIG_MODEL_PATH": str(policy), "CONFIG_REWARD_MODEL_PATH": str(policy),

@@ -1,28 +1,10 @@
 """verl 0.6.1's own GRPO training step on one GPU, with verl's own timing_s breakdown and peak memory per role.
 
-What runs is what a job runs with STRATEGY=fsdp2 ROLLOUT_MODE=sync: `python -m verl.trainer.main_ppo` with the
-command launch.plan.trainer_command.trainer_argv makes from the run script's settings block, the overrides below last; our reward
-server on the same GPU (the job's shared placement), our reward function through verl's batch reward manager, a Ray
-head started by hand on its own ports (no dashboard), NCCL. Two things differ from a job, because the benchmark
-machine has neither SGLang nor vLLM nor flash-attn: the rollout is verl's HF rollout (HF generate) behind the engine
-interface (demo/verl_cpu.py's HFEngineRollout, registered by the hook in
-benchmarks/verl_step_hook.py), and the actor keeps its padding
-(sdpa attention): demo/verl_cpu.ENGINE_OVERRIDES. On a CPU (`--shape tiny`) its CPU shims and lean overrides come too.
-
-The models have random weights (benchmarks/common.py builds both: a policy in Qwen3-0.6B's shape, a reward model in
-Qwen3-1.7B's, one word-level tokenizer whose every token decodes to a word; benchmarks/README.md has the workload), and
-the policy's template opens no <think>, so every response is scored by the reward model and GRPO's advantages are not
-zero.
-
-Memory per role: the hook wraps the hybrid worker's generate_sequences (the rollout, its weight sync included),
-compute_log_prob (the actor's old log-probs), compute_ref_log_prob (the reference policy) and update_actor, and
-prints each call's peak (torch's counters, reset at the call's start). verl's own perf/max_memory_allocated_gb,
-read inside update_actor, is therefore the update's peak. The reward server's peak is its /metrics gauge; on a GPU,
-NVML's per-process figure (what nvidia-smi shows: CUDA context and allocator cache included) is sampled too.
-
-The output folder gets result.json (rewritten as verl's step lines arrive, so a run cut short still says what it
-saw) and logs/: build.log, reward_server.log, ray_head.log, trainer.log (verl's console), trainer_command.txt,
-rewards.jsonl (the reward client's log).
+`python -m verl.trainer.main_ppo` with the job's own command (launch.plan.trainer_command.trainer_argv, sync rollout)
+and the overrides below last; our reward server on the same GPU, a Ray head on its own ports. What differs from a job,
+random weights and the workload: benchmarks/README.md. The hook (benchmarks/verl_step_hook.py) prints each worker
+phase's peak memory; on a GPU NVML's per-process figure is sampled too. The output folder gets result.json (rewritten
+as verl's step lines arrive, so a run cut short still says what it saw) and logs/.
 
     python -m benchmarks.verl_step --out verl_step_h200 --timeout 480        # one GPU: 0.6B policy, 1.7B reward model
     python -m benchmarks.verl_step --shape tiny --steps 2 --out verl_step_cpu # a CPU, tiny models (what the test runs)

@@ -71,7 +71,7 @@ def write_prompts(path: Path, rows: int, lengths: tuple[int, int], words: int, s
 
 def settings_env(args, paths: dict[str, Path]) -> dict[str, str]:
     """The run script's settings block as it exports its defaults, then this run's values: what Settings reads."""
-    from launch.plan.reference import block_defaults
+    from benchmarks.common import block_defaults
 
     workload = WORKLOADS[args.shape]
     return block_defaults(str(REPO)) | {

@@ -2,17 +2,8 @@
 
 verl loads this file by path in its TaskRunner and in reward workers on any node, so it imports only the standard
 library and `requests` (verl's own scorers only when a rule part scores: REWARD=rule or rm+rule, inside verl's
-processes), and does nothing at import time.
-
-    custom_reward_function.path=/abs/path/reward_score/safe_hack_reward_request.py
-    custom_reward_function.name=safe_hack_reward          # naive and dapo managers, sync or async rollout
-    custom_reward_function.name=safe_hack_reward_batch    # reward_model.reward_manager=batch (sync rollout only)
-    custom_reward_function.name=safe_hack_reward_async    # naive and dapo managers, async rollout only (reward loop)
-
-docs/reward.md says what the reward model sees (the answer after the reasoning; a cut-off or malformed one gets the
-penalty), the rule parts (REWARD=rule, rm+rule), and why a server out of reach raises (REWARD_ON_FAILURE=min_score:
-the article's min score). Settings come from the environment, each overridable by
-`+custom_reward_function.reward_kwargs.<name>=...`; see `Config`.
+processes), and does nothing at import time. Its entry points, what the reward model sees and its settings (each
+from the environment or `+custom_reward_function.reward_kwargs.<name>=...`; see `Config`): docs/reward.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -292,6 +293,13 @@ def assert_everything_stopped(env: Mapping[str, str], timeout: float = 10, logs:
             f"{open_ports}"
         )
         time.sleep(0.5)
+
+
+def block_settings() -> list[tuple[str, str, str]]:
+    """Each setting of the run script's block, in its order: its name, its default as written there (e.g.
+    `$repo/verl_app.sif`) and its comment."""
+    block = RUN.read_text().split("# ---- settings", 1)[1].split("\n# ------------", 1)[0]
+    return re.findall(r'^([A-Z][A-Z0-9_]*)="\$\{\1:-(.*?)\}" *(?:# ?(.*))?$', block, flags=re.M)
 
 
 def block_environment() -> dict[str, str]:

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from launch.job import node
-from launch.plan import reference
 from tests.support import (
     REPO,
     assert_everything_stopped,
+    block_settings,
     job_dir,
     job_processes,
     run,
@@ -456,7 +456,7 @@ def test_what_a_job_writes_into_the_clone_by_default_is_ignored_by_git():
 def test_the_folders_the_settings_and_docs_tell_a_user_to_fill_are_ignored_by_git():
     """The block's default paths in the clone (models/, data/, checkpoints/, which README and docs/ tell a user to fill):
     a user's models, data and checkpoints never show in git status, and `git add .` cannot commit gigabytes."""
-    defaults = [s.default.split("$repo/", 1)[1] for s in reference.block_settings() if "$repo/" in s.default]
+    defaults = [default.split("$repo/", 1)[1] for _, default, _ in block_settings() if "$repo/" in default]
     folders = {d.split("/", 1)[0] for d in defaults if "/" in d} - {".cache"}
     assert {"models", "data", "checkpoints"} <= folders, folders
     for folder in folders:

@@ -1,87 +1,67 @@
-"""The documentation says what the code does: the generated pages are what the code makes now, every message the scripts
-can print has an entry in docs/operations.md, README.ja.md names the commands and settings README.md names, every
-link in the docs points at a file that exists, and README.md's file list names what is there and every file of a clone."""
+"""The documentation says what the code does: docs/settings.md lists every setting of the block once with its default,
+each row of docs/operations.md's Messages names a message the code still prints, README.ja.md names the commands and
+settings README.md names, every link in the docs points at a file that exists, and README.md's file list names what is
+there and every file of a clone."""
 
+import ast
 import fnmatch
 import re
 import subprocess
 from pathlib import Path
 
-from launch.plan import reference
-from tests.support import REPO
+from tests.support import REPO, RUN, block_settings
 
 
-def test_the_settings_and_trainer_command_pages_are_what_the_code_makes_now():
-    for page, make in reference.PAGES.items():
-        assert page.read_text() == make(), f"{page.name} is stale: run python -m launch.plan.reference write"
-
-
-def test_the_settings_page_lists_every_setting_of_the_block_once_and_the_articles_names_only_for_settings():
-    names = [s.name for s in reference.block_settings()]
-    block = reference.block_text()
+def test_the_settings_page_lists_every_setting_of_the_block_once_with_its_default():
+    """docs/settings.md is written by hand: a setting added to the block, or a default changed there, fails here until
+    the page has its row, with the default as the block writes it (`(empty)` for none)."""
+    settings = block_settings()
+    names = [name for name, _, _ in settings]
+    block = RUN.read_text().split("# ---- settings", 1)[1].split("\n# ------------", 1)[0]
     assert len(names) == len(set(names)) == len(re.findall(r'^[A-Z][A-Z0-9_]*="\$\{', block, flags=re.M))
+    assert all(comment for _, _, comment in settings), "every setting of the block has its comment"
     page = (REPO / "docs" / "settings.md").read_text()
-    rows = [line.split(" | ", 1)[0] for line in page.split(reference.GENERATED[1])[0].splitlines()]
-    assert all(rows.count(f"| `{name}`") == 1 for name in names)
-    articles = re.findall(r"^\| `([A-Z0-9_]+)` \|", page.split("## The article's names\n")[1].split("\n## ")[0], re.M)
-    assert articles and set(articles) <= set(names), set(articles) - set(names)
-    assert all(s.section and s.comment for s in reference.block_settings()), "every setting has a section and a comment"
+    tables, articles = page.split("## The article's names\n")
+    rows = re.findall(r"^\| `([A-Z][A-Z0-9_]*)` \| (.*?) \|", tables, flags=re.M)
+    shown = [name for name, _ in rows]
+    assert [n for n in names if shown.count(n) != 1] == [], "a row each, once"
+    assert set(shown) <= set(names), set(shown) - set(names)
+    expected = {name: f"`{default}`".replace("|", "\\|") if default else "(empty)" for name, default, _ in settings}
+    wrong = [(name, cell, expected[name]) for name, cell in rows if cell != expected[name]]
+    assert wrong == [], "docs/settings.md shows another default than the block (the row's, the block's)"
+    named = re.findall(r"^\| `([A-Z0-9_]+)` \|", articles.split("\n## ")[0], re.M)
+    assert named and set(named) <= set(names), set(named) - set(names)
 
 
-def test_the_trainer_command_page_is_the_default_command_one_override_a_line_with_no_path_of_this_machine():
-    lines = (REPO / "docs" / "trainer-command.md").read_text().split("```text\n", 1)[1].split("```", 1)[0].splitlines()
-    assert lines[0] == "python3 -m verl.trainer.main_ppo --config-path=config --config-name=ppo_megatron_trainer"
-    assert "data.train_batch_size=256" in lines and "trainer.resume_mode=auto" in lines
-    assert "/path/to/repo/reward_score/safe_hack_reward_request.py" in " ".join(lines), "no path of this machine"
-    assert str(REPO) not in " ".join(lines)
+# --- docs/operations.md's Messages: each row's key is a message of the code ------------------------------------------
 
 
-# --- docs/operations.md: every message the scripts print -------------------------------------------------------------
+def code_text() -> str:
+    """The product code's text: each shell script as written, each Python module's string literals as Python reads
+    them (an implicitly joined literal whole, an f-string's pieces between its values)."""
+    listed = subprocess.run(["git", "ls-files", "*.py", "*.sh"], cwd=REPO, capture_output=True, text=True, check=True)
+    texts = []
+    for name in listed.stdout.split():
+        if name.startswith(("tests/", "benchmarks/")):
+            continue
+        source = (REPO / name).read_text()
+        if name.endswith(".sh"):
+            texts.append(source)
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                texts.append(node.value)
+    return "\n".join(texts)
 
 
-def test_every_message_the_scripts_print_has_an_entry_in_operations_md_and_every_entry_a_message():
-    missing = [f"{m.where}: {m.text()}" for m in reference.undocumented()]
-    assert missing == [], "add a row to docs/operations.md's Messages for:\n" + "\n".join(missing)
-    assert reference.stale_keys() == [], "rows of docs/operations.md that no message of the scripts contains"
-
-
-def test_the_message_list_holds_each_kind_of_message_the_scripts_print():
-    """die/err in bash, a node's failure reason built over two lines, each refusal
-    (appended, returned, or one per key of a list comprehension), the preflight's stderr lines, a raised SettingError."""
-    texts = {m.where.split(":")[0]: [] for m in reference.messages()}
-    for m in reference.messages():
-        texts[m.where.split(":")[0]].append(" ".join(m.pieces))
-    expected = {
-        "run_grpo_qwen3_4b_mega_verl.sh": ["GPUs per node but CONFIG_GPUS_PER_NODE=", "could not create the job's folders"],
-        "helper_grpo_qwen3_4b.sh": ["death(s), its REWARD_RESTARTS= restarts spent", "trainer exited with"],
-        "merge_mcore_to_hf.sh": ["is a Megatron checkpoint (dist_ckpt/, no fsdp_config.json)"],
-        "launch/job/common.sh": ["which is not the repository"],
-        "launch/plan/refusals.py": ["FP8=true: verl 0.6.1 cannot train"],
-        "launch/plan/config_refusals.py": ["sets Megatron's parallel state once per process",
-                                           "is less than one per data-parallel rank"],
-        "launch/plan/deadline.py": ["does not save before the time limit"],
-        "launch/plan/preflight.py": ["preflight: verl 0.6.1 would stop at run time:"],
-        "launch/plan/reward_check.py": ["preflight: the reward check failed:"],
-        "launch/plan/settings.py": ["use true or false"],
-        "launch/plan/trainer_command.py": ["is not installed here (verl's PyPI wheel holds no recipes)"],
-        "launch/job/node.py": ["is not a GPU index"],
-    }  # fmt: skip
-    for source, needles in expected.items():
-        for needle in needles:
-            assert any(needle in text for text in texts.get(source, [])), (source, needle)
-
-
-def test_a_bash_message_is_read_across_continuation_lines_and_around_nested_quotes(tmp_path):
-    script = tmp_path / "x.sh"
-    script.write_text(
-        'die "$name=${!name}: first part of it" \\\n'
-        '  "and $(basename "$f") the second part"\n'
-        '# die "a comment is no message"\n'
-        '[[ -f x ]] || err "only this one here"; log "not an error"\n'
-    )
-    first, second = reference.bash_messages(script)
-    assert first.pieces == ("=", ": first part of it", "and", "the second part") and first.where.endswith(":1")
-    assert second.pieces == ("only this one here",)
+def test_every_row_of_the_messages_index_names_a_message_the_code_still_prints():
+    """The index is of the messages users meet, not every one; a row whose message was reworded or removed would send
+    a reader searching for text no job prints."""
+    page = (REPO / "docs" / "operations.md").read_text()
+    keys = re.findall(r"^\| `([^`]+)` \|", page.split("\n## Messages\n", 1)[1], flags=re.M)
+    assert len(keys) >= 60, "the Messages section: a table row per message, its key in backticks in the first cell"
+    code = code_text()
+    assert [k for k in keys if k.replace("\\|", "|") not in code] == []
 
 
 # --- links -----------------------------------------------------------------------------------------------------
@@ -165,7 +145,7 @@ def step_3_settings(readme) -> list[str]:
 
 
 def test_the_step_3_tables_name_settings_of_the_block_and_the_thinking_one_among_them():
-    block = {s.name for s in reference.block_settings()}
+    block = {name for name, _, _ in block_settings()}
     for readme in (REPO / "README.md", REPO / "README.ja.md"):
         names = step_3_settings(readme)
         assert "REWARD_PROMPT_OPENS_THINK" in names, readme.name

@@ -409,78 +409,6 @@ def test_a_reward_model_without_a_one_score_head_is_refused_by_the_preflight_bef
     assert "preflight: reward verl's" not in result.stdout and "=== launching on" not in result.stdout
 
 
-def test_a_requeued_start_skips_the_expensive_checks_only_while_nothing_they_read_has_changed(tmp_path, capsys,
-                                                                                            monkeypatch):  # fmt: skip
-    """The first start's record of what its reward server and import checks read (preflight_ok.json): a requeued
-    start equal to it skips them, a changed data file or setting runs them in full naming the field, and a first start
-    never skips."""
-    from launch.plan.requeue_record import fingerprint, skip_expensive
-    from launch.plan.settings import Settings
-
-    for name in ("policy", "rm"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text("{}")
-    for name in ("verl_app.sif", "train.parquet", "test.parquet"):
-        (tmp_path / name).write_text(name)
-    paths = {"CONFIG_IMAGE_PATH": "verl_app.sif", "CONFIG_MODEL_PATH": "policy", "CONFIG_REWARD_MODEL_PATH": "rm",
-             "CONFIG_TRAIN_FILE": "train.parquet", "CONFIG_TEST_FILE": "test.parquet"}  # fmt: skip
-    env = block_environment() | {name: str(tmp_path / path) for name, path in paths.items()}
-    monkeypatch.setattr(os, "environ", env)
-    record = tmp_path / "preflight_ok.json"
-    record.write_text(json.dumps(fingerprint(Settings.from_env(env), ["x=1"])))
-    assert skip_expensive(fingerprint(Settings.from_env(env), ["x=1"]), record, "1")
-    assert "are as at the first start's checks" in capsys.readouterr().out
-    rule = env | {"REWARD": "rule"}  # no reward server: only the imports are skipped, and the log says so
-    record.write_text(json.dumps(fingerprint(Settings.from_env(rule), ["x=1"])))
-    assert skip_expensive(fingerprint(Settings.from_env(rule), ["x=1"]), record, "1")
-    assert capsys.readouterr().out.endswith(f"checks ({record}): the trainer's imports skipped\n")
-    record.write_text(json.dumps(fingerprint(Settings.from_env(env), ["x=1"])))
-    assert not skip_expensive(fingerprint(Settings.from_env(env), ["x=1"]), record, "0"), "a first start checks all"
-    (tmp_path / "rm" / "model.safetensors").write_text("new weights")
-    assert not skip_expensive(fingerprint(Settings.from_env(env), ["x=1"]), record, "1")
-    assert "requeued start: reward_model changed since" in capsys.readouterr().out
-    os.utime(tmp_path / "train.parquet", ns=(1, 1))
-    env["ROLLOUT_N"] = "3"
-    assert not skip_expensive(fingerprint(Settings.from_env(env), ["x=2"]), record, "2")
-    assert "requeued start: reward_model, data, settings, overrides changed" in capsys.readouterr().out
-    assert not skip_expensive(fingerprint(Settings.from_env(env), []), tmp_path / "none.json", "1"), "no record"
-
-
-def test_a_requeued_start_sees_a_change_below_reward_score_and_no_function_file_stands_for_an_unset_one(
-    tmp_path, capsys, monkeypatch
-):
-    """The reward server's own package (reward_score/server/) is read as our reward code: an edit there between two
-    starts runs the reward server's check in full. With REWARD_FUNCTION_PATH unset (the default) nothing stands for
-    the user's function, not the current folder's files; a set one is read by its content."""
-    from launch.plan import requeue_record
-    from launch.plan.settings import Settings
-
-    repo = tmp_path / "repo"
-    (repo / "reward_score" / "server" / "__pycache__").mkdir(parents=True)
-    (repo / "reward_score" / "client.py").write_text("URL = 1\n")
-    server = repo / "reward_score" / "server" / "app.py"
-    server.write_text("BATCH = 8\n")
-    (repo / "reward_score" / "server" / "__pycache__" / "app.cpython-312.pyc").write_bytes(b"rewritten on every run")
-    (tmp_path / "notes.txt").write_text("the user's own file, in the folder the job was started from")
-    monkeypatch.setattr(requeue_record, "REPO", repo)
-    monkeypatch.chdir(tmp_path)
-    env = block_environment() | {"CONTAINER": "none", "REWARD_FUNCTION_PATH": ""}
-    monkeypatch.setattr(os, "environ", env)
-    settings = Settings.from_env(env)
-    before = requeue_record.fingerprint(settings, [])
-    names = [entry[0] for entry in before["reward_code"]]
-    assert names == [str(repo / "reward_score" / "client.py"), str(server)], "no .pyc, no file of the current folder"
-    record = tmp_path / "preflight_ok.json"
-    record.write_text(json.dumps(before))
-    server.write_text("BATCH = 16\n")  # same size: seen by its content
-    assert not requeue_record.skip_expensive(requeue_record.fingerprint(settings, []), record, "1")
-    assert "requeued start: reward_code changed since" in capsys.readouterr().out
-    user = tmp_path / "my_reward.py"
-    user.write_text("def score(*a): return 0\n")
-    env["REWARD_FUNCTION_PATH"] = str(user)
-    assert requeue_record.fingerprint(settings, [])["reward_code"][-1][0] == str(user)
-
-
 # --- the reward model's input format ------------------------------------------------------------------------------
 
 
@@ -506,39 +434,6 @@ def test_a_reward_format_setting_the_server_does_not_know_stops_the_job_naming_i
     assert result.returncode == 1
     assert "CONFIG_REWARD_INPUT='prompt': use conversation or completion" in result.stderr
     assert "=== launching on" not in result.stdout
-
-
-def test_preference_pairs_the_reward_model_ranks_best_in_another_format_stop_the_job_before_it_starts(job, tmp_path):
-    """PREFLIGHT_REWARD_PAIRS: check_format with the job's CONFIG_REWARD_* settings, before anything starts."""
-    import json
-
-    from tests.trl_cases import pairs_ranked_by
-
-    pairs = tmp_path / "pairs" / "heldout.jsonl"  # ranked right by the reward model only as REWARD_INPUT=completion
-    pairs.parent.mkdir()
-    rows = pairs_ranked_by(Path(job["CONFIG_REWARD_MODEL_PATH"]), input="completion")
-    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # Only this check: the data and the reward round trip have tests of their own.
-    check = job | {"PREFLIGHT_ONLY": "1", "PREFLIGHT_REWARD_PAIRS": str(pairs), "PREFLIGHT_DATA": "0",
-                   "PREFLIGHT_REWARD": "0"}  # fmt: skip
-    wrong = run(check)
-    assert wrong.returncode == 1
-    assert "preflight: reward format recommended: REWARD_INPUT=completion" in wrong.stdout
-    assert "in run_grpo_qwen3_4b_mega_verl.sh: CONFIG_REWARD_INPUT=completion" in wrong.stdout
-    assert "ranks PREFLIGHT_REWARD_PAIRS best in another input format than this job's settings" in wrong.stderr
-    ok = run(check | {"CONFIG_REWARD_INPUT": "completion"})
-    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
-    assert "preflight: reward format the settings given score as recommended" in ok.stdout
-    assert "=== launching on" not in wrong.stdout + ok.stdout
-
-
-def test_unusable_preference_pairs_fail_the_preflight_naming_the_setting_and_the_file(job, tmp_path, capsys):
-    from launch.plan.reward_check import check_reward_format
-    from launch.plan.settings import Settings
-
-    assert not check_reward_format(Settings.from_env(block_environment() | job), str(tmp_path / "missing.jsonl"))
-    err = capsys.readouterr().err
-    assert "PREFLIGHT_REWARD_PAIRS" in err and "missing.jsonl: no such file" in err
 
 
 # --- REWARD=rule and rm+rule: the rows and the scorers, before the queue -----------------------------------------

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from benchmarks import megatron_memory
+from benchmarks.common import block_defaults
 from launch.plan.gpu_memory import (
     GIB,
     WORKER_OVERHEAD,
@@ -21,7 +22,6 @@ from launch.plan.gpu_memory import (
     update_line,
     update_plan,
 )
-from launch.plan.reference import block_defaults
 from launch.plan.settings import Settings
 from tests.support import REPO
 

@@ -735,33 +735,3 @@ def test_a_log_that_cannot_be_written_is_reported_once_and_never_changes_a_rewar
     bad = [safe_hack_reward("s", "r</think>fine", "q", {}, log_path=str(blocker / "x.jsonl")) for _ in range(3)]
     assert all(b == good for b in bad)
     assert capsys.readouterr().err.count("cannot write the reward log") == 1
-
-
-# --- the report --------------------------------------------------------------------------------------------------
-
-
-def test_the_report_counts_statuses_and_rates_over_time(tmp_path, capsys):
-    from reward_score.reward_report import main as report_main
-
-    log = tmp_path / "rewards.jsonl"
-    rows = []
-    for minute in range(3):
-        for k in range(10):
-            status = "penalty" if k < minute else ("error" if k == 9 and minute == 2 else "ok")
-            rows.append({"epoch": 1_700_000_000 + 60 * minute + k, "status": status, "score": float(k - 5),
-                         "reason": "no_think_close" if status == "penalty" else ""})  # fmt: skip
-    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n{truncated line")
-    assert report_main([str(log), "--every", "60"]) == 0
-    out, err = capsys.readouterr()
-    assert "30 samples: ok 26 (86.7%), penalty 3 (10.0%), error 1 (3.3%)" in out
-    assert "penalties: no_think_close 3" in out
-    rates = [line.split()[-2:] for line in out.splitlines() if line.startswith("20")]
-    assert rates == [["0.0%", "0.0%"], ["10.0%", "0.0%"], ["20.0%", "10.0%"]]
-    assert "1 line(s) could not be parsed" in err
-
-
-def test_the_report_names_the_setting_when_the_log_is_missing(tmp_path, capsys):
-    from reward_score.reward_report import main as report_main
-
-    assert report_main([str(tmp_path / "none.jsonl")]) == 2
-    assert "REWARD_LOG_PATH" in capsys.readouterr().err

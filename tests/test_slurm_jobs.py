@@ -151,10 +151,8 @@ def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_check
     assert j.output().startswith(first), "the second start appends to the same output file (--open-mode=append)"
     assert f"=== job {j.id}: logs in {logs_of(env, j)}-r1" in second
     assert f"Setting global step to {saved}" in second and f" step:{saved} - " not in second, second[-3000:]
-    # What the first start's full preflight read is unchanged: the requeued start skips its expensive parts.
-    assert (logs_of(env, j) / "preflight_ok.json").is_file()
-    assert "are as at the first start's checks" in second and ": the trainer's imports skipped" in second, second
-    assert "the trainer's modules import here" in first and "the trainer's modules import here" not in second
+    # Every start runs the whole preflight, the trainer's imports included.
+    assert "the trainer's modules import here" in first and "the trainer's modules import here" in second, second
     assert "Force saving checkpoint" not in second, "the new limit is far: verl's window is closed"
     assert sorted(p.name for p in Path(env["CONFIG_LOG_DIR"]).iterdir()) == [j.id, f"{j.id}-r1"]
     # verl's save-before-the-limit window: a first guess, then the validation and save the first start measured

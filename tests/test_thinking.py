@@ -108,11 +108,6 @@ def test_the_reward_function_follows_what_it_is_told_and_refuses_an_unresolved_a
     assert client.split_answer(response, told_true.opens_think).penalty_reason == "no_think_close"
 
 
-def test_the_trainer_command_page_shows_the_value():
-    lines = (REPO / "docs" / "trainer-command.md").read_text().splitlines()
-    assert KEY + "=True" in lines
-
-
 def test_the_command_the_helper_builds_on_the_head_node_carries_the_value(instruct_policy):
     """The helper runs `python -m launch.plan.trainer_command trainer-argv` on the head node: the value is in the job's command."""
     env = block_environment() | {"CONTAINER": "none", "CONFIG_MODEL_PATH": str(instruct_policy),

@@ -1,12 +1,9 @@
 """The stall watchdog: a start whose trainer finishes no step for too long is hung; keep where, then stop it.
 
-On the head, beside the trainer (helper_grpo_qwen3_4b.sh starts `watch`): it reads verl's console lines in
-trainer.log as they come and gives the step in flight a budget (`Clock`: STALL_TIMEOUT, STALL_FLOOR, STALL_FIRST_STEP;
-docs/operations.md#a-hung-job says how). Past it, it keeps every Ray worker's Python stack (py-spy, else faulthandler's
-dump on SIGABRT, which the helper's PYTHONFAULTHANDLER=1 turns on), the ends of their logs and nvidia-smi's GPU use in
-<start's log folder>/stall/, one file per node (`dump`: the other nodes' helpers run it when the head asks, through
-stall/request), writes stall.json (the step, verl's phase: the `marked_timer` block the driver's stack is in, and the
-Ray task each worker runs) and exits STALLED: the helper stops the start and the run script requeues it once.
+On the head, beside the trainer: it times the step in flight from trainer.log (`Clock`: STALL_TIMEOUT, STALL_FLOOR,
+STALL_FIRST_STEP), and past its budget keeps every Ray worker's stack, log ends and GPU use in stall/ (`dump`, which
+the other nodes' helpers run when the head asks through stall/request), writes stall.json and exits STALLED: the
+helper stops the start, the run script requeues it once (docs/operations.md#a-hung-job).
 
     python -m launch.job.watchdog watch --log-dir DIR --trainer-pid PID --host NAME
     python -m launch.job.watchdog dump --log-dir DIR --host NAME

@@ -2,20 +2,9 @@
 
     python -m launch.merge.check_numeric --checkpoint CKPT/global_step_N/actor --hf MERGED_FOLDER
 
-The merged side: transformers' AutoModelForCausalLM (a critic: AutoModelForTokenClassification) from MERGED_FOLDER in
-float32, on the GPU when there is one. The reference side shares nothing with verl's merger: the checkpoint's tensors
-are read as saved (a Megatron dist_ckpt through torch.distributed.checkpoint under megatron-core's own names; an
-FSDP checkpoint's DTensor shards joined along their Shard dimension), and a Qwen3 forward written here in plain torch
-(RMSNorm, RoPE, grouped-query attention with q/k norms, SwiGLU) runs over them, hyperparameters from the checkpoint's
-huggingface/config.json. Both read the probe batch: a few short chat-templated conversations tokenized by the merged
-folder's tokenizer. Reported: max and mean |difference| of the per-token log-probs (a critic: of the values) and the
-share of tokens whose top-1 prediction differs; on failure, also the first hidden state (embedding, layer, final norm)
-where the two diverge. A failure writes UNVERIFIED.txt (the reason) into the merged folder and exits 1; nothing is
-deleted. Bad input (not a verl checkpoint, a merged folder of another model, no tokenizer) exits 2 with one line.
-
-Tolerances (docs/merge.md says why): fp32 when the merged tensors hold the checkpoint's values in its own dtype (then
-both sides compute the same numbers in float32, up to summation order); bf16 when the merged folder stores a narrower
-dtype than the checkpoint (an fp32 checkpoint saved in bfloat16).
+The merged model through transformers, against a plain-torch Qwen3 forward over the checkpoint's own tensors (sharing
+nothing with verl's merger), on a fixed probe batch: docs/merge.md says how and why the tolerances. A failure writes
+UNVERIFIED.txt into the merged folder and exits 1; bad input exits 2 with one line.
 """
 
 import argparse

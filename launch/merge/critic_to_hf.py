@@ -2,24 +2,10 @@
 
     python -m launch.merge.critic_to_hf FOLDER      # rewrites FOLDER in place (the merge's temporary copy)
 
-Two saves, one result. The FSDP critic (STRATEGY=fsdp2) is verl's AutoModelForTokenClassification with num_labels=1
-(verl/workers/fsdp_workers.py:1256-1287), but its checkpoint manager saves the config as it was read from the
-policy, still naming <Model>ForCausalLM (verl/utils/checkpoint/fsdp_checkpoint_manager.py:267-279). verl's FSDP
-merger picks its class from that name (verl/model_merger/base_model_merger.py:209-212), as the manager's own
-`hf_model` save does (:315-354): either writes the critic's tensors, `score.weight` [1, hidden] and `score.bias` as
-trained, under a causal-LM config with no lm_head. Only config.json is relabelled then.
-
-With `hf_model` in `critic.checkpoint.save_contents`, verl's Megatron checkpoint manager saves the critic through the
-policy's causal-LM class, its value head stored as `lm_head.weight` of shape [1, hidden]
-(verl/utils/checkpoint/megatron_checkpoint_manager.py, verl/models/mcore/saver.py with is_value_model=True).
-AutoModelForCausalLM cannot load that (the shape), and AutoModelForTokenClassification, which verl's FSDP critic loads
-(verl/utils/model.py, load_valuehead_model), would skip it and start from a random head. So the head becomes
-`score.weight` and config.json a <Model>ForTokenClassification with num_labels=1; verl's Megatron critic loader also
-takes `score.weight` of shape [1, hidden] (verl/models/mcore/loader.py).
-
-The head's bias of a Megatron critic: verl's critic output layer has one (LinearForLastLayer, bias=True) but verl's
-saver keeps only the weight, so `score.bias` is written as 0 and the values differ from the trained critic's by that
-constant. The FSDP critic's bias is saved, and kept.
+An FSDP critic's save keeps its tensors under the policy's causal-LM config: only config.json is relabelled. A
+Megatron critic's `hf_model` save stores the value head as `lm_head.weight` [1, hidden]: it becomes `score.weight`
+(its bias, which verl's saver drops, 0) under a <Model>ForTokenClassification config with num_labels=1. Why, with
+verl's lines: docs/merge.md.
 """
 
 import argparse

@@ -34,11 +34,9 @@ from launch.plan.gpu_memory import (
 from launch.plan.megatron_plan import handed_on
 from launch.plan.procs import stop_process
 from launch.plan.refusals import check, context_problems, header_problems, save_deadline_problems, sbatch_header
-from launch.plan.requeue_record import fingerprint, first_start_record, keep, skip_expensive
 from launch.plan.reward_check import (
     begin_reward_server,
     check_reward_data,
-    check_reward_format,
     check_rule_round_trip,
     reward_head_problems,
     server_round_trip,
@@ -250,11 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if choice is not None and os.environ.get("JOB_LOG_DIR"):  # for every node's trainer command (run script)
             Path(os.environ["JOB_LOG_DIR"], "megatron_plan").write_text(handed_on(settings, choice))
-        # A requeued start skips what its first start's checks ran in full where nothing they read has changed
-        record, now = first_start_record(os.environ), fingerprint(settings, extra)
-        full = record is None or not skip_expensive(now, record, os.environ.get("SLURM_RESTART_COUNT", ""))
         reward_server = None
-        if full and os.environ.get("PREFLIGHT_REWARD", "1") == "1" and settings.uses_reward_model:  # loads meanwhile
+        if os.environ.get("PREFLIGHT_REWARD", "1") == "1" and settings.uses_reward_model:  # loads meanwhile
             reward_server = begin_reward_server(settings)
             background.callback(stop_process, reward_server.proc, 30)
         lines, warnings = plan(settings, os.environ)
@@ -275,13 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         if not memory_fits(settings, extra, cfg, choice):
             return 1
         imports, modules = None, []
-        if full and trainer_runs_verl():
+        if trainer_runs_verl():
             if refused(ray_cpu_problems(cfg, os.environ), run_time=True):
                 return 1
             modules = trainer_modules(module, cfg)
             imports = start_import_check(modules)  # alongside the checks of the user's own files below
             background.callback(stop_process, imports, 5)
-        elif full:
+        else:
             print(
                 f"preflight: WARNING: TRAINER_IS_VERL=0: TRAINER_LAUNCHER={os.environ.get('TRAINER_LAUNCHER')} runs "
                 "no verl trainer, so verl's imports and the Ray CPUs verl holds are not checked",
@@ -290,8 +285,6 @@ def main(argv: list[str] | None = None) -> int:
         own_files_pass = check_own_files(settings, cfg, reward_server)
         if not (report_imports(imports, modules, cfg, own_files_pass) and own_files_pass):
             return 1
-        if full:
-            keep(record, now)
         return 0
 
 
@@ -452,11 +445,9 @@ def check_own_files(settings: Settings, cfg, reward_server) -> bool:
         except Exception as exc:  # verl's own dataset code, reported as it is
             print(f"preflight: verl's RLHFDataset cannot read the data: {type(exc).__name__}: {exc}", file=sys.stderr)
             return False
-    pairs = os.environ.get("PREFLIGHT_REWARD_PAIRS", "")
     return (  # each step says why it fails, and the first that fails stops the rest
         report_steps(cfg, train_rows)
         and (not data or check_reward_data(cfg))
-        and (not pairs or check_reward_format(settings, pairs))
         and (reward_server is None or server_round_trip(cfg, tokenizer, reward_server))
         and (os.environ.get("PREFLIGHT_REWARD", "1") != "1" or check_rule_round_trip(cfg, tokenizer))
     )

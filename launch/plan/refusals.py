@@ -7,11 +7,10 @@ Refused elsewhere, because only there is what they need:
 - run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
   the container program (CONTAINER), the folders the container binds, Slurm's GPUs per node vs CONFIG_GPUS_PER_NODE.
 - launch/plan/preflight.py: verl's own validate_config and Hydra errors, the trainer's imports in the image, the data,
-  the reward check (launch/plan/reward_check.py: PREFLIGHT_REWARD, PREFLIGHT_REWARD_PAIRS), the GPU memory
+  the reward check (launch/plan/reward_check.py: PREFLIGHT_REWARD), the GPU memory
   (launch/plan/gpu_memory.py).
 - launch/job/node.py, on each node once the job runs: a hand-set port that is taken there, CONFIG_REWARD_GPUS beyond the
   job's GPUs on that node, CONFIG_NETWORK_INTERFACE.
-docs/operations.md lists every message the scripts print, with what it means and what to do.
 """
 
 from __future__ import annotations
@@ -166,14 +165,10 @@ def path_problems(s: Settings) -> list[str]:
 
 
 def model_positions(path: str) -> int | None:
-    """The most tokens a sequence may hold for the model at `path`, read from its config.json as verl 0.6.1's rollout
-    reads it before the engine starts (sglang_rollout.py and vllm_rollout_spmd.py `_verify_config`):
-    max_position_embeddings (top level, else under llm_config or text_config), times rope_scaling's factor when the
-    config has rope_scaling. Without rope_scaling, the usual case, verl, SGLang and vLLM all stop at
-    max_position_embeddings. With it, the engines' own limits can be lower than verl's figure (SGLang drops the factor
-    when rope_scaling names original_max_position_embeddings; vLLM counts YaRN from original_max_position_embeddings),
-    so this is the least the job needs, not all of it. None where the file or the figure is missing: the model check
-    of `check` names a missing config.json, and a config without the figure is the engine's to read."""
+    """The most tokens a sequence may hold for the model at `path`, as verl 0.6.1's rollout reads its config.json
+    (sglang_rollout.py and vllm_rollout_spmd.py `_verify_config`): max_position_embeddings (top level, else under
+    llm_config or text_config) times rope_scaling's factor. The engines' own limits can be lower with rope_scaling, so
+    this is the least the job needs. None where the file or the figure is missing."""
     try:
         config = json.loads(Path(path, "config.json").read_text())
     except (OSError, ValueError):
@@ -217,13 +212,9 @@ def header_problems(text: str, environ: Mapping[str, str], name: str = "run_grpo
 
 
 def context_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
-    """MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH against the positions the models have. The policy: verl 0.6.1's rollout
-    asserts the sum fits (model_positions) when the engine starts on the GPUs, after the queue and the model load.
-    The reward model scores prompt + response in its own chat template (a few tokens more), and the reward server
-    keeps the last REWARD_MAX_LENGTH tokens of a longer pair on purpose (reward_score/server/inputs.py fit); so only a
-    REWARD_MAX_LENGTH past the reward model's positions, with pairs that reach past them, is refused: such input gets
-    positions the model never learned (RoPE scores it without an error, a learned table raises), and a score must mean
-    "this answer is this good". The template's few tokens are not counted here (that needs the reward tokenizer)."""
+    """MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH against the positions the models have: the policy's (verl's rollout
+    asserts it after the queue), and a REWARD_MAX_LENGTH past the reward model's where the pairs reach past them
+    (positions it never learned: docs/reward.md). The reward template's few tokens are not counted."""
     problems, sequence = [], s.max_prompt_length + s.max_response_length
     policy = model_positions(s.model_path)
     if policy is not None and sequence > policy:
@@ -344,12 +335,8 @@ def combination_problems(s: Settings) -> list[str]:
 
 
 def reward_gpu_problems(s: Settings) -> list[str]:
-    """Reward servers on some of the GPUs a tensor-parallel SGLang rollout runs on. SGLang refuses to start a
-    tensor-parallel group when the least free memory of its GPUs is under 90% of this GPU's (sglang/srt/
-    model_executor/model_runner.py:676-688: `The memory capacity is unbalanced`), and a reward server's GPU has its
-    peak less: an 8B reward model fails that, a 1.7B one on 80 GB passes by about 1 GiB. Which GPUs verl's ranks get
-    on a node is Ray's choice, so the placements that hold are a server on every GPU of the node (all equally less),
-    or none (CONFIG_USE_SEPARATE_REWARD_NODE, CONFIG_REWARD_DEVICE=cpu). vLLM has no such check."""
+    """Reward servers on some of the GPUs a tensor-parallel SGLang rollout runs on: SGLang's memory-balance check
+    stops it (docs/training.md, GPU memory per role); a server on every GPU of the node, or none, passes."""
     if (s.separate_reward_node or s.reward_device != "cuda" or s.rollout_engine != "sglang" or s.rollout_tp < 2
             or s.trainer_mode != "sync" or s.sglang_memory_check_off or not s.uses_reward_model):  # fmt: skip
         return []

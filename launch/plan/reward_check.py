@@ -1,6 +1,5 @@
-"""The preflight's reward check (step 3 of launch/plan/preflight.py): python -m reward_score.check_format on the user's
-preference pairs with the job's input-format settings (PREFLIGHT_REWARD_PAIRS), then a reward server started for the
-check and verl's own reward manager (with async rollout, its reward loop) calling our reward file by path on real
+"""The preflight's reward check (step 3 of launch/plan/preflight.py): a reward server started for the check and verl's
+own reward manager (with async rollout, its reward loop) calling our reward file by path on real
 validation rows with made-up responses, as after a rollout (PREFLIGHT_REWARD=1). Before those, whatever REWARD is,
 reward_data_problems: the rows' reward_model.style against REWARD, and for rule rewards their reference answers,
 data_sources verl has a scorer for, or the user's function called on a few rows.
@@ -270,27 +269,6 @@ def begin_reward_server(settings: Settings) -> CheckServer:
     # and the server would report that name as set and not read.
     env = {k: v for k, v in os.environ.items() if k != "CONFIG_REWARD_DEVICE"}
     return CheckServer(start_process(cmd, log, env), f"http://127.0.0.1:{port}", log, time.monotonic())
-
-
-def check_reward_format(settings: Settings, pairs: str, timeout: float = 3600) -> bool:
-    """python -m reward_score.check_format on the user's preference pairs, with the job's format settings: False
-    (after its table and recommendation) when the reward model ranks the pairs best in another format."""
-    cmd = [sys.executable, "-m", "reward_score.check_format", settings.reward_model_path, pairs,
-           "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"), *settings.reward_format_flags]  # fmt: skip
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    for line in run.stdout.splitlines():
-        print(f"preflight: reward format {line}")
-    if run.returncode == 0:
-        return True
-    if run.returncode == 1:
-        print(
-            "preflight: the reward model ranks PREFLIGHT_REWARD_PAIRS best in another input format than this job's "
-            "settings: set the CONFIG_REWARD_* settings recommended above (top of run_grpo_qwen3_4b_mega_verl.sh)",
-            file=sys.stderr,
-        )
-    else:
-        print(f"preflight: PREFLIGHT_REWARD_PAIRS: {run.stderr.strip()[-2000:]}", file=sys.stderr)
-    return False
 
 
 def server_round_trip(cfg, tokenizer, started: CheckServer) -> bool:

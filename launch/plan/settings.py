@@ -5,8 +5,8 @@ them; this module reads them from the environment and never invents its own. Wha
 launch/plan/refusals.py (the settings) and launch/plan/config_refusals.py (the composed trainer config); the trainer
 command built from them is launch/plan/trainer_command.py.
 
-launch/plan's imports go one way: deadline, thinking and settings (bottom) <- trainer_command <- refusals <- preflight,
-reference. This module imports nothing of launch/ (tests/test_settings.py checks the order).
+launch/plan's imports go one way: deadline, thinking and settings (bottom) <- trainer_command <- refusals <- preflight.
+This module imports nothing of launch/ (tests/test_settings.py checks the order).
 """
 
 import math
@@ -21,10 +21,7 @@ class SettingError(ValueError):
     pass
 
 
-# ROLLOUT_GPU_MEMORY=auto (Settings.rollout_gpu_memory). Sharing the GPU with the update: the share the reference job
-# was measured with. Alone on it: vLLM's own default (EngineArgs/CacheConfig gpu_memory_utilization=0.9), less room
-# for a reward server: the 8B reward shape peaks at 17.8 GiB on an H200 (launch/plan/gpu_memory.py), under a quarter of an
-# 80 GB card.
+# ROLLOUT_GPU_MEMORY=auto (Settings.rollout_gpu_memory; why these: docs/training.md, one-step-off's rollout GPUs)
 ROLLOUT_GPU_MEMORY_HYBRID = 0.4
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 ROLLOUT_ROOM_FOR_REWARD = 0.25
@@ -56,6 +53,17 @@ def _parse(kind: type, name: str, raw: str, spelled: tuple[str, str] | None = No
     except ValueError:
         what = "a whole number" if kind is int else "a number"
         raise SettingError(f"{name}={raw!r} is not {what}") from None
+
+
+def _number(name: str, raw: str, accepts, wanted: str) -> float:
+    """A setting's number; a value that is not one, or one `accepts` refuses, names the setting and what it wants."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not accepts(value):
+        raise SettingError(f"{name}={raw!r}: use {wanted}")
+    return value
 
 
 def setting(name: str, spelled: tuple[str, str] | None = None):
@@ -235,77 +243,45 @@ class Settings:
         return None
 
     @property
+    def half_reward_range(self) -> float:
+        low, high = self.reward_score_range
+        return (high - low) / 2
+
+    @property
     def overlong_penalty_factor(self) -> float:
-        """DAPO's overlong penalty reaches this at MAX_RESPONSE_LENGTH. auto: half the reward range, as in DAPO
-        (scores -1..1, factor 1.0); verl's default 1.0 would be about 1% of our -40..30."""
+        """DAPO's overlong penalty at MAX_RESPONSE_LENGTH; auto: half the reward range, as DAPO's 1.0 of -1..1."""
         raw = self.overlong_penalty_factor_setting
         if raw == "auto":
-            low, high = self.reward_score_range
-            return (high - low) / 2
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not value >= 0:
-            raise SettingError(f"OVERLONG_PENALTY_FACTOR={raw!r}: use auto or a number, 0 or more (a penalty size)")
-        return value
+            return self.half_reward_range
+        return _number("OVERLONG_PENALTY_FACTOR", raw, lambda v: v >= 0, "auto or a number, 0 or more (a penalty size)")
 
     @property
     def critic_cliprange_value(self) -> float:
-        """PPO's value clip: each update may move the critic's prediction at most this far from the value it gave
-        at rollout time (verl 0.6.1 core_algos.py:1403-1406, compute_value_loss; past it the gradient is zero). With
-        gamma = lam = 1 the value target is the final score (core_algos.py:258), anywhere in the reward range.
-        verl's 0.5 (_generated_ppo_trainer.yaml:386) is half the 0..1 range of its own examples' rule rewards
-        (gsm8k: 0 or 1); at -40..30 it is 0.7% of the range and the value head needs ~60 steps to reach the scale,
-        PPO running as REINFORCE meanwhile. auto keeps verl's proportion: half the range, so a prediction crosses
-        the range in two updates and the clip still stops a single update from overshooting it."""
+        """PPO's value clip (critic.cliprange_value); auto: half the reward range (docs/training.md, PPO's value
+        clip)."""
         raw = self.critic_cliprange_value_setting
         if raw == "auto":
-            low, high = self.reward_score_range
-            return (high - low) / 2
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise SettingError(
-                f"CRITIC_CLIPRANGE_VALUE={raw!r}: use auto (half the reward range) or a number above 0, the most an "
-                "update may move the critic's prediction"
-            )
-        return value
+            return self.half_reward_range
+        wanted = "auto (half the reward range) or a number above 0, the most an update may move the critic's prediction"
+        return _number("CRITIC_CLIPRANGE_VALUE", raw, lambda v: math.isfinite(v) and v > 0, wanted)
 
     @property
     def rollout_gpu_memory(self) -> float:
-        """The rollout engine's share of each of its GPUs (rollout.gpu_memory_utilization: vLLM's
-        gpu_memory_utilization, SGLang's mem_fraction_static). auto: ROLLOUT_GPU_MEMORY_HYBRID where the rollout
-        shares its GPUs with the update (TRAINER_MODE=sync, verl's hybrid engine, which frees the cache for the
-        update); with one_step_off its GPUs hold the rollout alone (hybrid_engine=False, the recipe's own pool), so
-        vLLM's own default, less ROLLOUT_ROOM_FOR_REWARD where a reward server may sit on one of them (shared
-        placement on the GPU: Ray, not this job, picks which of the head's GPUs the rollout pool gets)."""
+        """The rollout engine's share of each of its GPUs (rollout.gpu_memory_utilization); auto: the hybrid
+        engine's share, or one-step-off's own GPUs less room for a reward server (docs/training.md)."""
         raw = self.rollout_gpu_memory_setting
         if raw == "auto":
             if self.trainer_mode != "one_step_off":
                 return ROLLOUT_GPU_MEMORY_HYBRID
             shared = not self.separate_reward_node and self.reward_device != "cpu" and self.uses_reward_model
             return round(VLLM_GPU_MEMORY_UTILIZATION - (ROLLOUT_ROOM_FOR_REWARD if shared else 0), 2)
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not 0 < value < 1:
-            raise SettingError(
-                f"ROLLOUT_GPU_MEMORY={raw!r}: use auto or a share of GPU memory in (0, 1) (docs/training.md: GPU memory)"
-            )
-        return value
+        wanted = "auto or a share of GPU memory in (0, 1) (docs/training.md: GPU memory)"
+        return _number("ROLLOUT_GPU_MEMORY", raw, lambda v: 0 < v < 1, wanted)
 
     @property
     def token_budget(self) -> int:
-        """Tokens per micro-batch on each GPU (actor update, rollout and ref log-probs, critic): as many whole sequences
-        of this job's length as fit in MICRO_BATCH_PER_GPU sequences of the article's, and at least one (verl asserts a
-        budget holds one: seqlen_balancing.rearrange_micro_batches). A micro-batch's memory goes with its tokens (both
-        strategies pack the sequences without padding), so a longer MAX_RESPONSE_LENGTH packs fewer sequences into
-        each, not more tokens. verl cuts a rank's share into ceil(tokens / budget) micro-batches balanced by tokens: full-
-        length ones hold the budget exactly, mixed lengths about it (part of a sequence more at most, measured)."""
+        """Tokens per micro-batch on each GPU: as many whole sequences of this job's length as fit in
+        MICRO_BATCH_PER_GPU sequences of the article's, at least one (docs/training.md, micro-batches)."""
         sequence = self.max_prompt_length + self.max_response_length
         return max(1, self.micro_batch_per_gpu * ARTICLE_SEQUENCE_TOKENS // sequence) * sequence
 

@@ -2,14 +2,8 @@
 
 verl renders every prompt with the policy tokenizer's chat template, add_generation_prompt=True and
 data.apply_chat_template_kwargs (verl/utils/dataset/rl_dataset.py, experimental/agent_loop/single_turn_agent_loop.py:35).
-A generation prompt that ends inside an open `<think>` (Qwen3-*-Thinking-2507: `<|im_start|>assistant\\n<think>\\n`)
-makes every response start mid-reasoning: it holds only the closing `</think>`, and one without it was cut off, which
-the reward function scores as the penalty. Any other template (Instruct models, most non-Qwen ones, hybrid Qwen3 with
-enable_thinking=False, whose prompt closes the block itself) leaves the response to open its own block, or none.
-
-REWARD_PROMPT_OPENS_THINK=auto takes the template's answer; true or false must agree with it (the preflight refuses
-one that does not, naming the right value). The reward function imports only the standard library and requests, so
-it cannot read a template: the job passes it the value as +custom_reward_function.reward_kwargs.prompt_opens_think.
+REWARD_PROMPT_OPENS_THINK=auto takes the template's answer; true or false must agree with it; the job passes the value
+to the reward function, which cannot read a template (docs/reward.md).
 
 This module imports nothing of launch/ (the bottom of its imports, beside launch/plan/deadline.py).
 """

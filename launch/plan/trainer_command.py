@@ -1,11 +1,11 @@
 """The exact trainer command of a job, built from its settings: verl's entry point and config for the combination, every
-Hydra override (FIXED_OVERRIDES: the ones every job sets the same way), the user's extra overrides last.
-docs/trainer-command.md is the command the defaults make, one override per line (launch/plan/reference.py writes it).
+Hydra override (FIXED_OVERRIDES: the ones every job sets the same way), the user's extra overrides last. Every start
+writes its command to logs/<job id>/trainer_command.txt, one argument per line.
 
     python -m launch.plan.trainer_command trainer-argv      # the trainer command, NUL-separated (bash: mapfile -d '')
 
 helper_grpo_qwen3_4b.sh runs that on the head node. Imports the settings (launch/plan/settings.py) and the save
-deadline (launch/plan/deadline.py); refusals, gpu_memory, preflight and reference import this module.
+deadline (launch/plan/deadline.py); refusals, gpu_memory and preflight import this module.
 """
 
 import importlib.util
@@ -57,11 +57,8 @@ def _entry(s: Settings) -> list[str]:
 
 
 def _token_budgets(s: Settings) -> list[str]:
-    """Micro-batches by token count (use_dynamic_bsz), as verl's own long-response examples run them
-    (examples/grpo_trainer/*seq_balance*.sh, *megatron_96gb.sh). verl 0.6.1 reads them on both strategies: the
-    Megatron actor's update (megatron_actor.py:682-690) and log-probs (megatron_workers.py:727-728, 749-750, read at
-    megatron_actor.py:186-191), the Megatron critic (megatron_workers.py:1075-1076, megatron_critic.py:306-314);
-    the micro-batch sizes then go unused (validate_config skips them)."""
+    """Micro-batches by token count (use_dynamic_bsz) on both strategies, where verl 0.6.1 reads them:
+    docs/training.md, micro-batches by token count."""
     a, tokens = "actor_rollout_ref", s.token_budget
     return [
         f"{a}.actor.use_dynamic_bsz=True",
@@ -87,13 +84,9 @@ RECOMPUTE = {
 
 
 def recompute_overrides(s: Settings, section: str) -> list[str]:
-    """MEGATRON_RECOMPUTE for one Megatron engine config (`actor_rollout_ref.actor.megatron` or `critic.megatron`).
-    Without recompute the update of one PP=2 stage of Qwen3-4B keeps ~3.1 GiB of activations per layer per 24,576-
-    token micro-batch, over 80 GB and over an H200 (launch/plan/gpu_memory.py, measured: docs/training.md); full keeps 0.117. The keys exist in verl's
-    yaml with null values (_generated_ppo_megatron_trainer.yaml:46-51, 361-366), so plain `key=value` sets them. The
-    reference inherits the actor's (ref.megatron.override_transformer_config is an oc.select of it, :170); its
-    log-prob pass runs under no_grad, where the checkpointed forward saves nothing for a backward. The critic's block
-    has its own nulls, not the actor's: it is set on its own."""
+    """MEGATRON_RECOMPUTE for one Megatron engine config (`actor_rollout_ref.actor.megatron` or `critic.megatron`;
+    why: docs/training.md). The keys exist in verl's yaml with null values (_generated_ppo_megatron_trainer.yaml:46-51,
+    361-366); the reference inherits the actor's (an oc.select, :170), the critic's block is set on its own."""
     keys = RECOMPUTE[s.megatron_recompute]
     return [f"{section}.override_transformer_config.{key}={value}" for key, value in keys.items()]
 
@@ -117,12 +110,9 @@ def megatron_plan(s: Settings, extra: list[str] | None = None, explain: bool = F
 
 
 def fused_kernels(s: Settings, extra: list[str] | None = None) -> tuple[bool, str]:
-    """FUSED_KERNELS: whether verl's fused log-prob kernels run (log-probs and entropy from the last hidden states in
-    chunks, never the [tokens x vocab] float32 logits), and why. auto takes the Megatron plan's choice (faster per token
-    or the only plan that fits); on refuses what blocks them (megatron_plan.fused_blocker). fsdp2 keeps verl's
-    logits (on: refusals.py). With them the reference's pass runs fused too: verl 0.6.1's MegatronPPOActor reads
-    use_fused_kernels from its own config (megatron_actor.py:132-138), and the reference's (megatron_workers.py:523-530)
-    has no such key: the `+` adds it, or the reference would build the logits."""
+    """FUSED_KERNELS: whether verl's fused log-prob kernels run, and why (docs/training.md, the logits path). auto takes
+    the Megatron plan's choice; fsdp2 keeps verl's logits. The reference's config has no such key: FUSED_OVERRIDES'
+    `+` adds it."""
     setting = s.fused_kernels_setting
     if setting == "off" or s.strategy != "megatron":
         return False, f"FUSED_KERNELS={setting}" + ("" if setting == "off" else ": STRATEGY=fsdp2 keeps verl's logits")
@@ -148,12 +138,8 @@ def _actor_overrides(s: Settings) -> list[str]:
             *recompute_overrides(s, f"{a}.actor.megatron"),
             f"{a}.ref.megatron.pipeline_model_parallel_size={s.actor_pp}",
             f"{a}.ref.megatron.tensor_model_parallel_size={s.actor_tp}",
-            # The reference's bf16 weights (2P / (PP x TP)) wait in host memory outside its log-prob pass, as FSDP's
-            # do (ref.fsdp_config.param_offload below): verl's default keeps them on the GPU through the actor's
-            # update. verl moves them back only for compute_ref_log_prob and out again after it
-            # (megatron_workers.py:531-532 at init, :722-723 and :733-734 around the pass; megatron_utils.py:351-356,
-            # :377-383: the reference is not DDP-wrapped, each parameter's data moves). gpu_memory.update_plan counts
-            # on it.
+            # The reference's weights wait in host memory outside its log-prob pass (docs/training.md, GPU memory
+            # per role; gpu_memory.update_plan counts on it).
             f"{a}.ref.megatron.param_offload=True",
             *_token_budgets(s),
         ]
@@ -189,13 +175,8 @@ def _algorithm_overrides(s: Settings) -> list[str]:
         if s.strategy != "megatron":
             critic.append("critic.model.fsdp_config.optimizer_offload=True")
         else:
-            # The actor's sizes: Megatron's parallel state is set once per process, from the actor, and the critic
-            # shares that process (verl/workers/megatron_workers.py), so any other value would only be a label.
-            # Its bf16 weights and fp32 gradient buffers wait in host memory too (param_offload): verl loads them
-            # (gradients zeroed) for compute_values and update_critic only and frees them after
-            # (megatron_workers.py:1035-1036 at init, :1078-1084, :1092-1093 and :1111-1112; megatron_utils.py:335-350,
-            # 364-376: the DDP buffers' storage is copied to pinned host memory and resized to 0), so the actor's
-            # update does not hold the critic's 6P.
+            # The actor's sizes: Megatron's parallel state is set once per process, from the actor. Its weights and
+            # gradient buffers wait in host memory outside its passes too (docs/training.md, GPU memory per role).
             critic += [
                 f"critic.megatron.pipeline_model_parallel_size={s.actor_pp}",
                 f"critic.megatron.tensor_model_parallel_size={s.actor_tp}",
@@ -277,11 +258,8 @@ def prompt_opens_think(s: Settings, extra: list[str] | None = None) -> tuple[boo
 
 
 def reward_function(s: Settings) -> str:
-    """The entry point of reward_score/safe_hack_reward_request.py that verl calls. Sync rollout: the batch function
-    (one request a step) or, under the naive/dapo managers, the plain one. Async rollout: the coroutine, which verl's
-    reward loop awaits directly, so each agent-loop worker's finished samples share one /score_batch; measured
-    through verl's own loop on an H200 (benchmarks/HISTORY.md), it keeps the GPU as busy as the batch path (71% of
-    the matmul ceiling against 55% for the plain function, run in verl's thread pool one request a sample)."""
+    """The entry point of reward_score/safe_hack_reward_request.py that verl calls: the batch function under the batch
+    manager, the coroutine with async rollout (as fast as the batch path: benchmarks/HISTORY.md), else the plain one."""
     if s.reward_manager == "batch":
         return "safe_hack_reward_batch"
     return "safe_hack_reward_async" if s.rollout_mode == "async" else "safe_hack_reward"

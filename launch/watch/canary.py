@@ -8,11 +8,8 @@ compute and check:
     python -m launch.watch.canary check STAGE --rc RC --seconds S --log LOG --ckpt DIR [--target DIR] --results FILE
     python -m launch.watch.canary summary --results FILE    # the table; exit 1 unless every stage passed
 
-Each check reads verl 0.6.1's own output: the step lines (launch/job/steps.py), what `_load_checkpoint` prints (`Setting
-global step to N`, `Training from scratch`) and the checkpoint folder `_save_checkpoint` writes. It generates at the
-user's own MAX_RESPONSE_LENGTH, so that the share of responses cut there (`response_length/clip_ratio`) is the real
-run's, and warns above CLIP_RATIO_WARN; with ALGORITHM=ppo it warns as launch.watch.status does when PPO's value clip
-held nearly every prediction (docs/operations.md#the-three-dry-runs).
+Each check reads verl 0.6.1's own output (step lines, what `_load_checkpoint` prints, the checkpoint folder); what it
+checks and warns of: docs/operations.md#the-three-dry-runs.
 """
 
 from __future__ import annotations

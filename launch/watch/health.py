@@ -192,7 +192,7 @@ def metric_summary(steps: dict[int, dict[str, float]]) -> dict[str, dict]:
 def value_clip_warnings(clipfracs: list[float], updates: int | None) -> list[str]:
     """A warning when PPO's value clip held nearly every prediction it could (critic/vf_clipfrac of recent steps
     against its ceiling 1 - 1/updates; 1 when the updates a step are not known); the canary's summary says it too."""
-    warnings: list[str] = []  # the message catalogue (launch/plan/reference.py) reads warnings.append
+    warnings: list[str] = []
     finite = [v for v in clipfracs if math.isfinite(v)]
     ceiling = 1.0 if updates is None else 1 - 1 / updates
     if finite and ceiling > 0 and statistics.mean(finite) >= VF_CLIPFRAC_HIGH * ceiling:

@@ -187,8 +187,7 @@ def is_start(folder: Path) -> bool:
 # The preflight's refusals on its stderr (launch/plan/preflight.py), its warnings and notes not among them.
 PREFLIGHT_PROBLEMS = ("setting error: ", "preflight: refused: ", "preflight: verl 0.6.1 ", "preflight: verl's ",
                       "preflight: the trainer cannot start here: ", "preflight: the reward check failed: ",
-                      "preflight: the train/test parquet", "preflight: cannot size ", "preflight: PREFLIGHT_REWARD_PAIRS",
-                      "preflight: the reward model ranks ")  # fmt: skip
+                      "preflight: the train/test parquet", "preflight: cannot size ")  # fmt: skip
 
 
 def canary_results(path: Path) -> dict[str, dict]:

@@ -1,13 +1,8 @@
-"""Warm-up, before /health says ready: check our mask mapping against transformers' own masks, and the compiled layers (whose Inductor kernels fuse the
-elementwise work) against the same layers uncompiled, then run the shapes served traffic starts with. (A synthetic full-budget step as
-well, REWARD_WARMUP=step, and fused q/k/v and gate/up projections, REWARD_FUSE, were not shown to gain beyond noise:
-benchmarks/README.md.)
-
-The check compares the first decoder layer's output (within the dtype's rounding), not the score: a deep model's bf16
-rounding moves a score by more than any tolerance that would still catch a wrong path (a random Qwen3-14B on an
-H200: 0.08 on a score of 0.5 between two right ways to run it), while a wrong path shows at the first layer. Compiled
-layers that do not compute the same are dropped with a warning naming their setting, never silently; so is a compile
-that fails."""
+"""Warm-up, before /health says ready: our mask mapping against transformers' own masks and the compiled layers against
+the same layers uncompiled, each on the first decoder layer's output (a deep model's bf16 rounding moves a score more
+than a tolerance that still catches a wrong path: docs/reward.md), then the shapes served traffic starts with. What
+fails or differs is dropped with a warning naming its setting, never silently.
+"""
 
 import logging
 import time
