@@ -82,9 +82,19 @@ def test_without_recompute_the_h200_ran_out_of_memory_where_the_formula_says_it_
 
 
 def settings(**values) -> Settings:
-    env = block_defaults(str(REPO)) | {"CONFIG_MODEL_PATH": "m", "CONFIG_REWARD_MODEL_PATH": "r",
-                                       "CONFIG_TRAIN_FILE": "t", "CONFIG_TEST_FILE": "v", "CONFIG_OUTPUT_DIR": "o",
-                                       "CONFIG_GPUS_PER_NODE": "4", "STRATEGY": "megatron"}  # fmt: skip
+    """The block's settings with the reference job's plan set (full recompute, 4 x 6144-token micro-batches): the
+    formula's figures, which auto's choice (tests/test_megatron_plan.py) does not move."""
+    env = block_defaults(str(REPO)) | {
+        "CONFIG_MODEL_PATH": "m",
+        "CONFIG_REWARD_MODEL_PATH": "r",
+        "CONFIG_TRAIN_FILE": "t",
+        "CONFIG_TEST_FILE": "v",
+        "CONFIG_OUTPUT_DIR": "o",
+        "CONFIG_GPUS_PER_NODE": "4",
+        "STRATEGY": "megatron",
+        "MEGATRON_RECOMPUTE": "full",
+        "MICRO_BATCH_PER_GPU": "4",
+    }
     return Settings.from_env(env | values)
 
 

@@ -43,11 +43,15 @@ RECOMPUTES = ("off", "selective", "full")
 TABLE_CARD = "one H100 80GB HBM3"
 # (fused, recompute, sequences of 6,144 tokens a micro-batch) -> seconds per 1,000 tokens on the last stage (its half
 # of the layers, the output layer and the logits or verl's fused kernels); stage 0 (the other half, the embedding)
-# by (recompute, sequences). Measured on TABLE_CARD, the optimizer offloaded (its copies are per update, not per token:
-# OFFLOAD_SECONDS).
-LAST_STAGE: dict[tuple[bool, str, int], float] = {}
-FIRST_STAGE: dict[tuple[str, int], float] = {}
-OFFLOAD_SECONDS = 0.0  # the optimizer's copies to the GPU and back, per update_actor call, at Qwen3-4B's stage
+# by (recompute, sequences). Measured on TABLE_CARD through verl 0.6.1's own worker, Qwen3-4B's stage shapes
+# (benchmarks/results/megatron_memory_h100_qwen3_4b_fused.json and _fused_2x.json, `python -m
+# benchmarks.megatron_memory` at 07cac6f): the second update_actor call of two full micro-batches, its optimizer loaded
+# from host memory and stepped; stage 0 its micro-batches and the step. tests/test_megatron_plan.py reads them back.
+LAST_STAGE = {(False, "full", 4): 0.0902, (True, "full", 4): 0.1266, (True, "full", 8): 0.1117}
+FIRST_STAGE = {("full", 4): 0.043}
+OFFLOAD_SECONDS = (
+    0.96  # the optimizer's copies each update_actor call at that stage: 26.5 GB each way (one H100, issue #68)
+)
 
 
 @dataclass(frozen=True)
@@ -70,10 +74,13 @@ class Plan:
 
 
 def seconds_per_1k(fused: bool, recompute: str, sequences: int, stages: int) -> float | None:
-    """The table's cost of a plan per 1,000 tokens: both stages' with PP=1, the slower stage's with more."""
-    last, first = LAST_STAGE.get((fused, recompute, sequences)), FIRST_STAGE.get((recompute, sequences))
-    if last is None or first is None:
+    """The table's cost of a plan per 1,000 tokens: both stages' with PP=1, the slower stage's with more. Stage 0,
+    which has no logits, at the nearest size the table has for the recompute (its cost per token barely moves)."""
+    last = LAST_STAGE.get((fused, recompute, sequences))
+    firsts = sorted((abs(k - sequences), v) for (rc, k), v in FIRST_STAGE.items() if rc == recompute)
+    if last is None or not firsts:
         return None
+    first = firsts[0][1]
     return last + first if stages == 1 else max(last, first)
 
 
@@ -197,6 +204,9 @@ def choose(
     measured = sorted({k for _, _, k in LAST_STAGE}) or [4]
     sizes = measured if s.micro_batch_setting == "auto" else [int(s.micro_batch_setting)]
 
+    dp = max(1, s.train_nodes * s.training_gpus_per_node // max(1, s.actor_pp * s.actor_tp))
+    update_tokens = s.train_batch_size * s.rollout_n * (s.max_prompt_length + s.max_response_length) // dp
+
     def plans(fused_set, recompute_set, size_set, offload_set) -> list[Plan]:
         out = []
         for fused in fused_set:
@@ -206,6 +216,8 @@ def choose(
                         planned = replace(s, micro_batch_per_gpu=k)
                         need = plan_need(s, dims, (fused, recompute, k, offload), reward)
                         speed = seconds_per_1k(fused, recompute, k, s.actor_pp)
+                        if speed is not None and offload:  # its copies, once an update, over the update's tokens
+                            speed += 1000 * OFFLOAD_SECONDS / update_tokens
                         out.append(Plan(fused, recompute, k, offload, planned.token_budget, speed, need))
         return out
 

@@ -121,7 +121,7 @@ def fused_kernels(s: Settings, extra: list[str] | None = None) -> tuple[bool, st
         return True, "FUSED_KERNELS=on"
     if choice is None:  # every knob set: FUSED_KERNELS itself said which
         return bool(resolved.plan_fused), f"FUSED_KERNELS={setting}"
-    blocked = [note for note in choice.notes if note.startswith("no fused kernels")]
+    blocked = [note.removeprefix("no fused kernels: ") for note in choice.notes if note.startswith("no fused")]
     why = blocked[0] if blocked else "the Megatron plan's (above)"
     return bool(resolved.plan_fused), f"FUSED_KERNELS=auto: {why}"
 
