@@ -5,8 +5,8 @@ with --profile, where one warm update's GPU time goes, by kind. launch/plan/mega
 result; `auto` chooses from it.
 
 One process per group (stage1: the last stage of the default PP=2, the output layer and the logits; stage1-fused: the
-same with verl's fused kernels; stage0: the first stage, two micro-batches in flight under 1F1B, as
-benchmarks/megatron_memory.py builds them). Each builds verl's worker once and runs its plans in order, changing only
+same with verl's fused kernels; stage0: the first stage, two micro-batches in flight under 1F1B, its GPTModel
+without post_process as megatron-core builds a first stage). Each builds verl's worker once and runs its plans in order, changing only
 what the plan changes: megatron-core's recompute (TransformerConfig.recompute_granularity, read at each forward, and
 each attention's checkpoint_core_attention for selective), the actor's token budget (ppo_max_token_len_per_gpu), and
 whether the optimizer goes back to host memory after the update (the worker's offload flag). A plan over the card is
@@ -28,15 +28,16 @@ import contextlib
 import functools
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.megatron_memory import DENSE_BF16_TFLOPS, SHAPES, case_worker, full_length_batch, meter, worker_config
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -54,6 +55,169 @@ QUICK = {"stage1": [("full", (1, 2, 4), (4,)), ("selective", (2, 4), ()), ("off"
 # The plans the profile runs (--profile): the default's, on verl's logits and on its fused kernels.
 PROFILED = {("stage1", "full", 4, True), ("stage1-fused", "full", 4, True)}
 UPDATE_SEQUENCES = 8  # sequences per measured update (9 where a micro-batch holds 3, so that each is full)
+
+
+# The public Qwen3-4B config's dimensions; the tiny shape for the CPU.
+SHAPES = {k: common.SHAPES[k] for k in ("qwen3-4b", "tiny")}
+# Dense bf16 peak of the cards the benchmarks ran on, TFLOP/s (NVIDIA's data sheets, without sparsity): H100 SXM and
+# H200 share the H100's tensor cores and clocks.
+DENSE_BF16_TFLOPS = {"H100 80GB HBM3": 989.4, "H100": 989.4, "H200": 989.4}
+
+
+# --- the model ----------------------------------------------------------------------------------------------------
+
+
+def build_policy(shape: str, layers: int, out: Path, device: str) -> dict:
+    """A Qwen3 checkpoint of SHAPES[shape] with `layers` layers, random weights (bf16 on a GPU), tied embeddings as
+    Qwen3-4B's, and the benchmarks' word-level tokenizer padded to the vocabulary."""
+    tokenizer = common.build_tokenizer(SHAPES[shape]["vocab_size"])
+    dims = SHAPES[shape] | {"num_hidden_layers": layers}
+    model = common.random_policy(dims, tokenizer, device)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return {"params": sum(p.numel() for p in model.parameters()), **dims}
+
+
+# --- the worker, the job's own -----------------------------------------------------------------------------------
+
+
+def worker_config(policy: Path, fused: bool, lengths: tuple[int, int] | None, on_gpu: bool):
+    """verl's trainer config as the job composes it (launch/plan/trainer_command.py) for the settings block's defaults
+    on this machine's one GPU, one pipeline stage, the reference plan (full recompute, 4 x 6144 tokens, the optimizer
+    offloaded; run_group changes them plan by plan) and, where given, the lengths."""
+    from benchmarks.common import block_defaults
+    from launch.plan.preflight import compose, split_command
+    from launch.plan.settings import Settings
+    from launch.plan.trainer_command import trainer_argv
+
+    env = block_defaults(str(REPO)) | {
+        "CONTAINER": "none",
+        "CONFIG_MODEL_PATH": str(policy),
+        "CONFIG_REWARD_MODEL_PATH": str(policy),
+        "CONFIG_TRAIN_FILE": "train.parquet",
+        "CONFIG_TEST_FILE": "test.parquet",
+        "CONFIG_OUTPUT_DIR": "ckpt",
+        "CONFIG_GPUS_PER_NODE": "1",
+        "STRATEGY": "megatron",
+        "ACTOR_PP": "1",
+        "ACTOR_TP": "1",
+        "MEGATRON_RECOMPUTE": "full",
+        "FUSED_KERNELS": "off",  # the fused group adds verl's own key below: a tied one-stage policy blocks the knob
+        "OPTIMIZER_OFFLOAD": "on",
+        "MICRO_BATCH_PER_GPU": "4",
+    }
+    if lengths:
+        env |= {"MAX_PROMPT_LENGTH": str(lengths[0]), "MAX_RESPONSE_LENGTH": str(lengths[1])}
+    extra = [] if on_gpu else __import__("demo.megatron_cpu", fromlist=["overrides"]).overrides()
+    extra += ["actor_rollout_ref.model.use_fused_kernels=True"] if fused else []
+    s = Settings.from_env(env)
+    _, path, name, overrides = split_command(trainer_argv(s, extra=extra))
+    cfg = compose(name, [*overrides, "actor_rollout_ref.actor.optim.total_training_steps=1"], path)
+    return cfg, s
+
+
+def full_length_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> dict:
+    """Rows of prompt + response tokens with no padding: each micro-batch holds exactly the token budget."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(10, vocab, (rows, prompt + response), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    position_ids = torch.arange(prompt + response).expand(rows, -1).clone()
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        responses=input_ids[:, prompt:],
+        response_mask=attention_mask[:, prompt:],
+    )
+
+
+@contextlib.contextmanager
+def meter(device: str):
+    """A phase's seconds and, on a GPU, torch's peak allocated and reserved (its counters reset at the phase's start)
+    and the device's used memory (cudaMemGetInfo: this process's CUDA context, cuBLAS and NCCL workspaces and torch's
+    reserved pool together, as nvidia-smi counts it) sampled every 20 ms: the dict it yields, filled at the end."""
+    import torch
+
+    record, c, cuda = {}, torch.cuda, device == "cuda"
+    device_peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while True:
+            free, total = c.mem_get_info()
+            device_peak[0] = max(device_peak[0], total - free)
+            if stop.wait(0.02):
+                return
+
+    if cuda:
+        c.synchronize()
+        c.reset_peak_memory_stats()
+        before = c.memory_allocated()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+    began = time.monotonic()
+    yield record
+    if cuda:
+        c.synchronize()
+        stop.set()
+        sampler.join()
+    record["seconds"] = round(time.monotonic() - began, 3)
+    if cuda:
+        record |= {
+            "allocated_before_gib": before / GIB,
+            "peak_allocated_gib": c.max_memory_allocated() / GIB,
+            "peak_reserved_gib": c.max_memory_reserved() / GIB,
+            "allocated_after_gib": c.memory_allocated() / GIB,
+            "peak_device_used_gib": device_peak[0] / GIB,
+            "outside_torch_gib": (device_peak[0] - c.max_memory_reserved()) / GIB,
+        }
+
+
+def case_worker(cfg, on_gpu: bool, fused: bool):
+    """verl's Megatron actor worker for one case, on this process's one rank, with the shims this machine needs."""
+    from launch.plan.procs import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    from demo import megatron_cpu
+
+    megatron_cpu.install_without_te() if on_gpu else megatron_cpu.install()
+    if on_gpu and fused:  # one stage with tied embeddings: the kernel gets the weight a PP=2 last stage holds
+        from benchmarks.verl_step_hook import fused_forward_reads_the_tied_weight
+
+        fused_forward_reads_the_tied_weight()
+    if on_gpu:  # the flash kernel or an error: a silent fall back to SDPA's math kernel would keep every score
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa_kernel([SDPBackend.FLASH_ATTENTION]).__enter__()
+    from verl.workers.megatron_workers import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+    # A job's worker is the hybrid actor_rollout, which alone reads the offload settings (megatron_workers.py:272-283:
+    # role "actor" keeps everything on the GPU); this one holds no rollout engine, so they are set as that branch does
+    megatron = worker.config.actor.megatron
+    worker._is_offload_param = megatron.get("param_offload", False)
+    worker._is_offload_grad = megatron.get("grad_offload", False)
+    worker._is_offload_optimizer = megatron.get("optimizer_offload", False)
+    return worker
+
+
+def policy_once(shape: str, reuse: bool, policy: Path, layers: int, device: str) -> dict:
+    """The random-weight policy, built in a process of its own (or kept from --work with --reuse-policy): its shape."""
+    began = time.monotonic()
+    build = [
+        sys.executable,
+        "-c",
+        f"import json, sys; from pathlib import Path; from benchmarks.megatron_plan import build_policy; "
+        f"print(json.dumps(build_policy({shape!r}, {layers}, Path({str(policy)!r}), {device!r})))",
+    ]
+    built_json = policy.parent / "policy.json"
+    if not (reuse and built_json.exists()):
+        built = subprocess.run(build, cwd=REPO, capture_output=True, text=True, check=False)
+        if built.returncode:
+            raise SystemExit(f"building the policy failed:\n{built.stderr[-3000:]}")
+        built_json.write_text(built.stdout.strip().splitlines()[-1])
+    return json.loads(built_json.read_text()) | {"build_s": round(time.monotonic() - began, 1)}
 
 
 @dataclass(frozen=True)
@@ -165,7 +329,7 @@ def stage1_update(worker, batch: dict, rows: int):
 
 def stage0_update(worker, batch: dict, rows: int, plan: Plan, device: str):
     """The first stage's update as 1F1B runs it (two micro-batches in flight, random gradients for the next stage's,
-    benchmarks/megatron_memory.measure_first_stage), then verl's optimizer handling as update_actor does it."""
+    benchmarks/megatron_memory.py until 07cac6f), then verl's optimizer handling as update_actor does it."""
     import torch
     from verl.models.mcore.util import preprocess_packed_seqs
     from verl.workers import megatron_workers
@@ -247,7 +411,7 @@ def run_group(group: str, policy: Path, out: Path, lengths, profile: bool, quick
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     fused = group.endswith("fused")
-    cfg, s = worker_config(policy, "full", fused, lengths, on_gpu)
+    cfg, s = worker_config(policy, fused, lengths, on_gpu)
     worker = case_worker(cfg, on_gpu, fused)
     with meter(device) as m:
         worker.init_model()
@@ -425,8 +589,6 @@ def product_table(result: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.megatron_memory import policy_once
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
     parser.add_argument("--out", type=Path, help="folder for megatron_plan.json and each group's log")
@@ -457,14 +619,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="megatron_plan_"))
     work.mkdir(parents=True, exist_ok=True)
-    policy_args = argparse.Namespace(shape=args.shape, reuse_policy=args.reuse_policy)
     layers = SHAPES[args.shape]["num_hidden_layers"] // 2  # one PP=2 stage
     result = {
         "command": common.command_line("benchmarks.megatron_plan", argv),
         "shape": args.shape,
         "layers": layers,
         **common.machine_info(device),
-        "policy": policy_once(policy_args, work / "policy", layers, device),
+        "policy": policy_once(args.shape, args.reuse_policy, work / "policy", layers, device),
         "plans": [],
         "groups": {},
     }

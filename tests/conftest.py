@@ -191,7 +191,7 @@ LONGEST_FIRST = (  # by the slow tier's --durations in CI (2026-12-06, 2 cores)
     "tests/test_canary.py::test_the_canary_passes_whatever_the_entry_point_logs",
     "tests/test_slurm_jobs.py::test_two_jobs_on_one_node_at_once",
     "tests/test_verl_step.py::test_the_benchmark_takes_real_grpo_steps",
-    "tests/test_megatron_memory.py::test_the_benchmark_runs",
+    "tests/test_megatron_memory.py::test_the_plan_benchmark_runs",
     "tests/test_run_time.py::test_two_sync_rollout_jobs_on_one_node",
     "tests/test_merge.py::test_an_fsdp2_critic_merges",
 )

@@ -1,6 +1,7 @@
 """The Megatron update's memory: launch/plan/gpu_memory.py's per-stage formula against what verl's own Megatron worker held
-on an H100 and an H200 at Qwen3-4B's shape (benchmarks/results/megatron_memory_h*_qwen3_4b*.json, benchmarks/megatron_memory.py),
-the preflight's refusal of a plan over the GPU, and the benchmark itself on a CPU."""
+on an H100 and an H200 at Qwen3-4B's shape (benchmarks/results/megatron_memory_h*_qwen3_4b*.json, written by
+benchmarks/megatron_memory.py until 07cac6f), the preflight's refusal of a plan over the GPU, and the plan benchmark
+(benchmarks/megatron_plan.py) itself on a CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import sys
 
 import pytest
 
-from benchmarks import megatron_memory
 from benchmarks.common import block_defaults
 from launch.plan.gpu_memory import (
     GIB,
@@ -18,6 +18,7 @@ from launch.plan.gpu_memory import (
     GpuMemoryError,
     ModelDims,
     log_prob_line,
+    log_prob_stage,
     stage_memory,
     update_line,
     update_plan,
@@ -30,6 +31,37 @@ QWEN3_4B = ModelDims(hidden=2560, ffn=9728, q=4096, kv=1024, head_dim=128, layer
 H200 = int(139.8 * GIB)
 
 
+def predictions(result: dict) -> dict:
+    """The formula's peaks (GiB) for each case a megatron_memory result holds, beside its measured ones: the update's
+    (stage1: the larger of its two updates; stage0: the two micro-batches in flight) and the log-prob pass's; each
+    error is predicted / measured - 1. The one-GPU stage: every layer of the half model and the output, DP=1."""
+    p = result["policy"]
+    dims = ModelDims(p["hidden_size"], p["intermediate_size"], p["num_attention_heads"] * p["head_dim"],
+                     p["num_key_value_heads"] * p["head_dim"], p["head_dim"], p["num_hidden_layers"], p["vocab_size"],
+                     True)  # fmt: skip
+    rows = {}
+    for name, case in result["cases"].items():
+        if "token_budget" not in case:
+            continue
+        stage1, fused, tokens = case["stage"] == "stage1", case["fused"], case["token_budget"]
+        update = stage_memory(dims, stage=0, stages=1, tp=1, dp=1, tokens=tokens, recompute=case["recompute"],
+                              micro_batches=2, reference_on_gpu=False, fused_logits=fused, in_flight=1 if stage1 else 2,
+                              last=stage1)  # fmt: skip
+        row = {"predicted_update_gib": update.total / GIB}
+        peaks = [
+            u["peak_allocated_gib"] for u in case.get("update") or case.get("stage0") or [] if "peak_allocated_gib" in u
+        ]
+        if peaks:
+            row["measured_update_gib"] = max(peaks)
+            row["update_error"] = row["predicted_update_gib"] / row["measured_update_gib"] - 1
+        if stage1 and "peak_allocated_gib" in case.get("log_prob", {}):
+            log_prob = log_prob_stage(dims, stage=0, stages=1, tp=1, tokens=tokens, fused_logits=fused)
+            row["measured_log_prob_gib"] = case["log_prob"]["peak_allocated_gib"]
+            row["log_prob_error"] = log_prob.total / GIB / row["measured_log_prob_gib"] - 1
+        rows[name] = row
+    return rows
+
+
 def committed() -> dict:
     return json.loads((RESULTS / "megatron_memory_h200_qwen3_4b.json").read_text())
 
@@ -40,7 +72,7 @@ def test_the_formula_is_within_ten_percent_of_each_phase_measured_on_the_h200():
     of what verl's worker held; the predictions are recomputed here from the formula, not read from the file."""
     result = committed()
     assert result["gpu"] == "NVIDIA H200" and result["policy"]["num_hidden_layers"] == 18
-    rows = megatron_memory.predictions(result)
+    rows = predictions(result)
     for case, keys in {"stage1-full": ("update", "log_prob"), "stage0-full": ("update",)}.items():
         assert result["cases"][case]["status"] == "ok"
         for key in keys:
@@ -57,7 +89,7 @@ def test_the_formula_is_within_ten_percent_of_each_phase_measured_on_the_h100(na
     tokens a micro-batch), update and log-prob pass, and stage 0's update; predicted from today's formula."""
     result = json.loads((RESULTS / name).read_text())
     assert result["gpu"] == "NVIDIA H100 80GB HBM3" and result["policy"]["num_hidden_layers"] == 18
-    rows = megatron_memory.predictions(result)
+    rows = predictions(result)
     checked = {(case, key) for case in rows for key in ("update", "log_prob") if f"measured_{key}_gib" in rows[case]}
     assert {("stage1-full-fused", "update"), ("stage1-full-fused", "log_prob")} <= checked, checked
     for case, key in checked:
@@ -144,16 +176,26 @@ def test_the_default_plan_leaves_the_offloaded_reference_out_and_the_docs_table_
 
 
 @pytest.mark.slow
-def test_the_benchmark_runs_verls_megatron_worker_on_a_cpu_through_each_stages_phases(tmp_path):
+def test_the_plan_benchmark_runs_verls_megatron_worker_on_a_cpu_through_each_stages_plans(tmp_path):
+    """benchmarks/megatron_plan.py on the tiny shape: both stages' plans (recompute full, selective and off; the
+    optimizer offloaded and on the device) through verl's own worker, each with its phases and a positive rate, and
+    the table the product's planner would take from it."""
+    from benchmarks.megatron_plan import product_table
+
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "benchmarks.megatron_memory", "--shape", "tiny", "--out", str(out), "--work",
-           str(tmp_path / "work"), "--cases", "stage1-off,stage0-full", "--lengths", "48,48", "--case-timeout", "400"]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+    cmd = [sys.executable, "-m", "benchmarks.megatron_plan", "--shape", "tiny", "--out", str(out), "--work",
+           str(tmp_path / "work"), "--lengths", "48,48", "--group-timeout", "600"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1500)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads((out / "result.json").read_text())
-    stage1, stage0 = result["cases"]["stage1-off"], result["cases"]["stage0-full"]
-    assert stage1["status"] == "ok" and stage0["status"] == "ok", (stage1.get("status"), stage0.get("status"))
-    assert stage1["transformer_config"]["recompute_granularity"] == "None"
-    assert stage0["transformer_config"]["recompute_granularity"] == "full"
-    assert all(u["grad_norm"][0] > 0 for u in stage1["update"]) and len(stage0["stage0"]) == 2
-    assert set(result["predicted_vs_measured"]) == {"stage1-off", "stage0-full"}
+    result = json.loads((out / "megatron_plan.json").read_text())
+    plans = result["plans"]
+    assert {(p["stage"], p["recompute"], p["optimizer_offload"]) for p in plans} == {
+        (stage, rc, offload) for stage in ("stage1", "stage0") for rc in ("full", "selective", "off") for offload in (True, False)
+    }  # fmt: skip
+    assert all(p["status"] == "ok" and p["seconds_per_1k_tokens"] > 0 for p in plans), [p["status"] for p in plans]
+    assert all({"optimizer step", "empty cache"} <= set(p["phases"]) for p in plans)
+    offloaded = [p for p in plans if p["optimizer_offload"]]
+    assert all("optimizer load" in p["phases"] and "optimizer offload" in p["phases"] for p in offloaded)
+    table = product_table(result)
+    assert set(table["LAST_STAGE"]) == {(False, rc, k) for rc in ("full", "selective", "off") for k in (1, 2)}
+    assert set(table["FIRST_STAGE"]) == {(rc, k) for rc in ("full", "selective", "off") for k in (1, 2)}
