@@ -14,7 +14,7 @@
 #   sbatch merge_mcore_to_hf.sh                                  # the latest step of the reference job's actor
 #   sbatch --export=ALL,STEP=50,ROLE=critic merge_mcore_to_hf.sh
 #   CONTAINER=none bash merge_mcore_to_hf.sh                     # on a GPU workstation, verl installed locally
-#   CONTAINER=none MERGER_LAUNCHER=demo/megatron_merger bash merge_mcore_to_hf.sh  # no GPU: docs/verl-on-cpu.md
+#   CONTAINER=none MERGER_LAUNCHER=cpu/megatron_merger bash merge_mcore_to_hf.sh  # no GPU: docs/verl-on-cpu.md
 #   python -m launch.merge.check_numeric --checkpoint CKPT/global_step_N/actor --hf hf_models/RUN-stepN  # alone
 #
 # The result is verified for its structure, then numerically against the checkpoint's own tensors (NUMERIC_CHECK);
@@ -39,7 +39,7 @@ ROLE="${ROLE:-actor}"                                            # actor | criti
 TARGET_DIR="${TARGET_DIR:-}"                                     # empty: $repo/hf_models/<run>-step<N>[-critic]
 NUMERIC_CHECK="${NUMERIC_CHECK:-1}"                              # 1: compare its log-probs with the checkpoint's; 0: skip
 # ------------------------------------------------------------------------------------------------------------------
-# Not a setting: what runs `-m verl.model_merger ...` (demo/megatron_merger on a CPU; the tests' stand-in).
+# Not a setting: what runs `-m verl.model_merger ...` (cpu/megatron_merger on a CPU; the tests' stand-in).
 MERGER_LAUNCHER="${MERGER_LAUNCHER:-python3}"
 
 # check_run_header: a merge without the run script's --partition or --account stops, naming the command that has them.
@@ -187,7 +187,7 @@ refuse_without_gpu() {
   [[ "$(basename "$MERGER_LAUNCHER")" == python* ]] || return 0
   (cd "$repo" && "${wrap[@]}" python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())') && return 0
   die "verl's Megatron merger needs a GPU (CUDA and NCCL) and torch sees none here: submit it to a GPU node" \
-    "(sbatch merge_mcore_to_hf.sh), or on purpose MERGER_LAUNCHER=demo/megatron_merger (docs/verl-on-cpu.md)"
+    "(sbatch merge_mcore_to_hf.sh), or on purpose MERGER_LAUNCHER=cpu/megatron_merger (docs/verl-on-cpu.md)"
 }
 
 main() {

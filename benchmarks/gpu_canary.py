@@ -13,7 +13,7 @@ What runs is what a user types, on a machine without Slurm (README.md, step 5 an
 The models have random weights and the benchmarks' word-level tokenizer (benchmarks/common.py): a Qwen3-shaped
 policy (Qwen3-0.6B's dimensions, POLICY_LAYERS layers, untied) and a Qwen3-0.6B-shaped sequence-classification reward
 model; the data comes from `python -m data_prep.build`. One component cannot travel to a machine without network
-access: SGLang. verl's HF rollout stands in for it (demo/megatron_cpu.py GPU_OVERRIDES, the one place), and the layers
+access: SGLang. verl's HF rollout stands in for it (cpu/megatron_shims.py GPU_OVERRIDES, the one place), and the layers
 are the TE-free spec the machine's missing Transformer Engine asks for. Nothing else is stood in.
 
 The output folder gets result.json: the canary's summary table, the trainer command it ran, the merge's numeric
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     result["data"] = run(build, dict(os.environ), out / "data_prep.log", 300)
     result["assets_s"] = round(time.monotonic() - began, 1)
     write_json(out / "result.json", result)
-    from demo.megatron_cpu import GPU_OVERRIDES
+    from cpu.megatron_shims import GPU_OVERRIDES
 
     env = dict(os.environ, **SETTINGS)
     env |= {

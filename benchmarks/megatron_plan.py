@@ -108,7 +108,7 @@ def worker_config(policy: Path, fused: bool, lengths: tuple[int, int] | None, on
     }
     if lengths:
         env |= {"MAX_PROMPT_LENGTH": str(lengths[0]), "MAX_RESPONSE_LENGTH": str(lengths[1])}
-    extra = [] if on_gpu else __import__("demo.megatron_cpu", fromlist=["overrides"]).overrides()
+    extra = [] if on_gpu else __import__("cpu.megatron_shims", fromlist=["overrides"]).overrides()
     extra += ["actor_rollout_ref.model.use_fused_kernels=True"] if fused else []
     s = Settings.from_env(env)
     _, path, name, overrides = split_command(trainer_argv(s, extra=extra))
@@ -179,9 +179,9 @@ def case_worker(cfg, on_gpu: bool, fused: bool):
     from launch.plan.procs import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    from demo import megatron_cpu
+    from cpu import megatron_shims
 
-    megatron_cpu.install_without_te() if on_gpu else megatron_cpu.install()
+    megatron_shims.install_without_te() if on_gpu else megatron_shims.install()
     if on_gpu and fused:  # one stage with tied embeddings: the kernel gets the weight a PP=2 last stage holds
         from benchmarks.verl_step_hook import fused_forward_reads_the_tied_weight
 

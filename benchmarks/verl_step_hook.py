@@ -1,5 +1,5 @@
 """The hook benchmarks/verl_step.py gives Ray's workers (runtime_env.worker_process_setup_hook=HOOK): it runs in
-every Ray worker process of verl's trainer, registers the HF rollout (on a CPU demo/verl_cpu.py's shims too) and
+every Ray worker process of verl's trainer, registers the HF rollout (on a CPU cpu/verl_shims.py's shims too) and
 wraps the hybrid worker's phases so that each call prints its peak memory, one line a call (PHASE_PREFIX and JSON),
 which benchmarks/verl_step.py reads back from verl's console. Ray imports it by the module path in HOOK."""
 
@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from demo import verl_cpu
+from cpu import verl_shims
 
 HOOK = "benchmarks.verl_step_hook.install"
 MEGATRON_HOOK = "benchmarks.verl_step_hook.install_megatron"
@@ -22,14 +22,14 @@ _installed = False
 
 
 def install() -> None:
-    """Ray's worker_process_setup_hook. With CUDA: only the HF rollout's registration (verl_cpu.register_rollout),
-    none of the CPU shims (NCCL, torch.cuda and pinned offload stay verl's own); without: all of demo/verl_cpu.py's.
+    """Ray's worker_process_setup_hook. With CUDA: only the HF rollout's registration (verl_shims.register_rollout),
+    none of the CPU shims (NCCL, torch.cuda and pinned offload stay verl's own); without: all of cpu/verl_shims.py's.
     Then the per-phase memory measurement (after the shims: they must precede verl's worker module)."""
     _install("fsdp_workers")
 
 
 def install_megatron() -> None:
-    """The same for STRATEGY=megatron: on CUDA without Transformer Engine demo/megatron_cpu.py's TE-shaped layer spec
+    """The same for STRATEGY=megatron: on CUDA without Transformer Engine cpu/megatron_shims.py's TE-shaped layer spec
     and optimizer state (install_without_te) beside the HF rollout; without CUDA all its CPU shims."""
     _install("megatron_workers")
 
@@ -40,16 +40,16 @@ def _install(module: str) -> None:
         return
     import torch
 
-    from demo import megatron_cpu
+    from cpu import megatron_shims
 
     megatron = module == "megatron_workers"
     if torch.cuda.is_available():
-        verl_cpu.register_rollout()
+        verl_shims.register_rollout()
         if megatron:
-            megatron_cpu.install_without_te()
+            megatron_shims.install_without_te()
             fused_forward_reads_the_tied_weight()
     else:
-        megatron_cpu.install() if megatron else verl_cpu.install()
+        megatron_shims.install() if megatron else verl_shims.install()
     _measure_phases(module)
     _installed = True
 

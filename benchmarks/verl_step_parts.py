@@ -15,7 +15,7 @@ from pathlib import Path
 
 from benchmarks.common import SHAPES, build_reward_model, machine_info, non_embedding_params, random_policy
 from benchmarks.verl_step_hook import HOOK, MEGATRON_HOOK
-from demo import verl_cpu
+from cpu import verl_shims
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -92,16 +92,16 @@ def benchmark_overrides(steps: int, on_cpu: bool, strategy: str = "fsdp2") -> li
     """What this run adds after the job's own overrides (so they win): the engine-less overrides, on a CPU also the
     lean ones, this module's hook instead of the CPU one, N steps and no validation before them. Megatron: the HF
     rollout alone of the engine overrides (the others are the FSDP workers' attention), one rollout rank, and on a
-    CPU demo/megatron_cpu.py's overrides."""
+    CPU cpu/megatron_shims.py's overrides."""
     if strategy == "megatron":
-        from demo import megatron_cpu
+        from cpu import megatron_shims
 
-        engine = [verl_cpu.ENGINE_OVERRIDES[0][0], "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
+        engine = [verl_shims.ENGINE_OVERRIDES[0][0], "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
         if on_cpu:
-            engine = [o for o in megatron_cpu.overrides() if "worker_process_setup_hook" not in o]
+            engine = [o for o in megatron_shims.overrides() if "worker_process_setup_hook" not in o]
         hook = MEGATRON_HOOK
     else:
-        engine = [o for o, _ in verl_cpu.ENGINE_OVERRIDES] + ([o for o, _ in verl_cpu.LEAN_OVERRIDES] if on_cpu else [])
+        engine = [o for o, _ in verl_shims.ENGINE_OVERRIDES] + ([o for o, _ in verl_shims.LEAN_OVERRIDES] if on_cpu else [])
         hook = HOOK
     return [*engine, f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={hook}",
             f"trainer.total_training_steps={steps}", "trainer.val_before_train=False"]  # fmt: skip

@@ -3,8 +3,8 @@
 Builds a tiny policy and reward model and the demo dataset under demo_out/, then runs the real
 run_grpo_qwen3_4b_mega_verl.sh here (no container) as the canary (CANARY=1, docs/operations.md): the preflight, 2 GRPO
 steps saved, a resume to step 3, then merge_mcore_to_hf.sh's merge and its numeric check, with a CPU reward server
-and a real Ray head. verl's Megatron workers and merger run through demo/megatron_cpu.py, its HF rollout through
-demo/verl_cpu.py (docs/verl-on-cpu.md). Exits with the job's code.
+and a real Ray head. verl's Megatron workers and merger run through cpu/megatron_shims.py, its HF rollout through
+cpu/verl_shims.py (docs/verl-on-cpu.md). Exits with the job's code.
 
     python -m demo.run [--out demo_out]        # what `make demo` runs
 """
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from demo import megatron_cpu, verl_cpu
+from cpu import megatron_shims, verl_shims
 from demo.data import write_demo
 from demo.tiny_models import build_policy_model, build_reward_model
 from launch.plan.procs import free_port
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(
         os.environ,
         **SETTINGS,
-        **verl_cpu.ENVIRONMENT,
+        **verl_shims.ENVIRONMENT,
         CONTAINER="none",
         CANARY="1",
         CANARY_KEEP="1",  # the checkpoints and the merged model stay in demo_out/ to look at
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     script = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
     env["MERGER_LAUNCHER"] = str(REPO / "demo" / "megatron_merger")  # verl's merger with the shims
-    rc = run_quietly(["bash", str(script), *megatron_cpu.overrides()], env, out / "demo.log")
+    rc = run_quietly(["bash", str(script), *megatron_shims.overrides()], env, out / "demo.log")
     verdict = "every stage passed" if rc == 0 else f"FAILED (exit {rc})"
     summaries = sorted((out / "logs").glob("*/canary/summary.txt"), key=lambda p: p.stat().st_mtime)
     if summaries and "hit MAX_RESPONSE_LENGTH" in summaries[-1].read_text():

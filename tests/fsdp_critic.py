@@ -3,8 +3,8 @@ saves it, without a job.
 
     python -m tests.fsdp_critic CKPT_ROOT POLICY_DIR OUT.json
 
-Composes the job's trainer config (ALGORITHM=ppo STRATEGY=fsdp2, demo/verl_cpu.py's overrides, as the CPU job runs
-it), builds verl's `CriticWorker` from its critic block in a one-process gloo group (demo/verl_cpu.install first, as
+Composes the job's trainer config (ALGORITHM=ppo STRATEGY=fsdp2, cpu/verl_shims.py's overrides, as the CPU job runs
+it), builds verl's `CriticWorker` from its critic block in a one-process gloo group (demo/verl_shims.install first, as
 Ray's hook does in a job), runs `init_model`, and saves through the worker's own `save_checkpoint` (verl's
 FSDPCheckpointManager) to CKPT_ROOT/global_step_1/critic, with the tracker file the trainer writes beside it. OUT.json
 gets the worker's value head and its values for two texts, to compare a merge with.
@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from demo import verl_cpu
+from cpu import verl_shims
 from launch.plan.preflight import compose, split_command
 from launch.plan.procs import free_port
 from launch.plan.settings import Settings
@@ -33,7 +33,7 @@ def critic_config(policy: Path):
         CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
         STRATEGY="fsdp2", ALGORITHM="ppo", ROLLOUT_MODE="sync", REWARD_PROMPT_OPENS_THINK="true",
     )  # fmt: skip
-    _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=verl_cpu.overrides()))
+    _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=verl_shims.overrides()))
     # what RayPPOTrainer sets from the data before it builds the workers (ray_trainer.py, _create_dataloader)
     return compose(name, [*overrides, "critic.optim.total_training_steps=1"], path).critic
 
@@ -41,7 +41,7 @@ def critic_config(policy: Path):
 def main(root: Path, policy: Path, out: Path) -> None:
     cfg = critic_config(policy)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    verl_cpu.install()
+    verl_shims.install()
     import torch
     from transformers import AutoTokenizer
     from verl.workers.fsdp_workers import CriticWorker

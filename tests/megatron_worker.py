@@ -3,8 +3,8 @@
     python -m tests.megatron_worker OUT.json POLICY_DIR [KEY=VALUE ...]
 
 Composes the job's trainer config from the settings block's defaults with KEY=VALUE settings on top
-(launch.plan.trainer_command.trainer_argv, with demo/megatron_cpu.py's overrides, as make demo runs it), builds verl's
-`ActorRolloutRefWorker(role="actor_rollout")` (the hybrid worker of a job, its HF rollout included) from it in a one-process gloo group (demo/megatron_cpu.install first, as Ray's
+(launch.plan.trainer_command.trainer_argv, with cpu/megatron_shims.py's overrides, as make demo runs it), builds verl's
+`ActorRolloutRefWorker(role="actor_rollout")` (the hybrid worker of a job, its HF rollout included) from it in a one-process gloo group (demo/megatron_shims.install first, as Ray's
 hook does in a job), runs `init_model` and `compute_log_prob` on two texts of different lengths, and writes what the
 running worker holds: its TransformerConfig, whether its parameters and optimizer are offloaded, the parameter
 names of its layers, and its log-probs beside the HF model's (float32 and bfloat16) for the same tokens; then one
@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from demo import megatron_cpu
+from cpu import megatron_shims
 from launch.plan.preflight import compose, split_command
 from launch.plan.procs import free_port
 from launch.plan.settings import Settings
@@ -44,7 +44,7 @@ def worker_config(policy: Path, settings: dict[str, str]):
         CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
         STRATEGY="megatron", ROLLOUT_MODE="sync", REWARD_PROMPT_OPENS_THINK="true", ACTOR_PP="1", ACTOR_TP="1",
     ) | settings  # fmt: skip
-    _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_cpu.overrides()))
+    _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_shims.overrides()))
     # what RayPPOTrainer sets from the data before it builds the workers (ray_trainer.py, _create_dataloader)
     steps = ["actor_rollout_ref.actor.optim.total_training_steps=1", "critic.optim.total_training_steps=1"]
     return compose(name, [*overrides, *steps], path)
@@ -154,7 +154,7 @@ def reference_and_critic(policy: Path, settings: dict[str, str], cfg, data, move
 def main(out: Path, policy: Path, settings: dict[str, str]) -> None:
     cfg = worker_config(policy, settings)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    megatron_cpu.install()
+    megatron_shims.install()
     import torch
     from transformers import AutoTokenizer
     from verl import DataProto

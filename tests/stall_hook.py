@@ -1,11 +1,11 @@
-"""A test-only hook in every Ray worker of a CPU run, after demo.verl_cpu's shims: STALL_TEST_PLAN's delays inside verl's own
+"""A test-only hook in every Ray worker of a CPU run, after cpu.verl_shims's shims: STALL_TEST_PLAN's delays inside verl's own
 worker methods, to stand for a slow phase or a hung one (a collective that never returns: alive and silent).
 
 STALL_TEST_PLAN="METHOD:ACTION:N[@H],...": at the N-th call of ActorRolloutRefWorker.METHOD in a process (counted per
 process, so a requeued start counts again), ACTION `sleep=S` sleeps S seconds first, `block` never returns; with @H only
 while STALL_TEST_MARKER holds H hangs (@0: the first start alone). A method may have several items (one per start).
 STALL_TEST_MARKER: a file each block appends `<method> <epoch s>` to as it begins (the test's time of the hang).
-The job names it in CPU_RUN_THEN_HOOK, which demo.verl_cpu.install calls after its shims (tests/test_slurm_jobs.py).
+The job names it in CPU_RUN_THEN_HOOK, which cpu.verl_shims.install calls after its shims (tests/test_slurm_jobs.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import threading
 import time
 
-from demo import verl_cpu
+from cpu import verl_shims
 
 HOOK = "tests.stall_hook.install"
 _installed = False
@@ -69,7 +69,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    verl_cpu.install()
+    verl_shims.install()
     from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
     for method, items in plan(os.environ.get("STALL_TEST_PLAN", "")).items():

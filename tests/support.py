@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from demo import megatron_cpu, verl_cpu
+from cpu import megatron_shims, verl_shims
 from launch.plan import procs
 from launch.plan.procs import free_port, http_get, tail  # noqa: F401  (the tests import them from here)
 
@@ -134,13 +134,13 @@ class FakeContainer:
 # --- the launch tests' job (conftest.job gives its environment) -------------------------------------------------
 
 
-# verl 0.6.1's own trainer on the CPU (demo/verl_cpu.py) in a test job, sized for a test node's 2 cores: one prompt of
+# verl 0.6.1's own trainer on the CPU (cpu/verl_shims.py) in a test job, sized for a test node's 2 cores: one prompt of
 # two responses a step, short texts, no wandb; add real_trainer_args() after the job's own Hydra overrides. Ray gets
 # both cores: verl's TaskRunner takes one and its worker's placement bundle another (with one, verl waits for ever).
 REAL_TRAINER = {
     "TRAINER_LAUNCHER": "python3", "TRAINER_IS_VERL": "1", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": "1",
     "PPO_MINI_BATCH_SIZE": "1", "ROLLOUT_N": "2", "MICRO_BATCH_PER_GPU": "2", "MAX_PROMPT_LENGTH": "128",
-    "MAX_RESPONSE_LENGTH": "16", "TRAINER_LOGGER": "[console]", "RAY_NUM_CPUS": "2", **verl_cpu.ENVIRONMENT,
+    "MAX_RESPONSE_LENGTH": "16", "TRAINER_LOGGER": "[console]", "RAY_NUM_CPUS": "2", **verl_shims.ENVIRONMENT,
 }  # fmt: skip
 
 
@@ -148,15 +148,15 @@ REAL_TRAINER = {
 AGENT_LOOP_TIMING = "timing_s/agent_loop/generate_sequences/mean:"
 
 
-# The same with the settings block's default strategy, verl's Megatron workers (demo/megatron_cpu.py), and verl's
+# The same with the settings block's default strategy, verl's Megatron workers (cpu/megatron_shims.py), and verl's
 # Megatron merger with the same adaptations; pass real_trainer_args(..., strategy="megatron").
 MEGATRON_TRAINER = {**REAL_TRAINER, "STRATEGY": "megatron", "MERGER_LAUNCHER": str(REPO / "demo" / "megatron_merger")}
 
 
 def real_trainer_args(*args: str, strategy: str = "fsdp2") -> list[str]:
     """`args`, then what every CPU run adds: no validation before training, two validation prompts, and the CPU
-    overrides of the strategy (demo/verl_cpu.py; demo/megatron_cpu.py for Megatron)."""
-    cpu = megatron_cpu.overrides() if strategy == "megatron" else verl_cpu.overrides()
+    overrides of the strategy (cpu/verl_shims.py; cpu/megatron_shims.py for Megatron)."""
+    cpu = megatron_shims.overrides() if strategy == "megatron" else verl_shims.overrides()
     return [*args, "trainer.val_before_train=False", "data.val_max_samples=2", *cpu]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import launch.plan.trainer_command as trainer_command_module
-from demo import verl_cpu
+from cpu import verl_shims
 from launch.plan.config_refusals import (
     batch_problems,
     parallel_problems,
@@ -738,7 +738,7 @@ def test_async_rollout_is_refused_where_verls_agent_loop_does_not_import_as_with
                  "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "python3", "RAY_NUM_CPUS": "2"}  # fmt: skip
 
     def preflight(pythonpath):
-        return subprocess.run([sys.executable, "-m", "launch.plan.preflight", *verl_cpu.overrides()], cwd=REPO,
+        return subprocess.run([sys.executable, "-m", "launch.plan.preflight", *verl_shims.overrides()], cwd=REPO,
                               capture_output=True, text=True, env=job | {"PYTHONPATH": pythonpath})  # fmt: skip
 
     refused = preflight(f"{missing}:{REPO}")

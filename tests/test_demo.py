@@ -1,5 +1,5 @@
 """`make demo` (demo/run.py): verl 0.6.1's own trainer on the CPU through the real run script, as the canary runs it,
-and the CPU adaptations it needs (demo/verl_cpu.py, demo/megatron_cpu.py).
+and the CPU adaptations it needs (cpu/verl_shims.py, cpu/megatron_shims.py).
 
 Nothing here is a stand-in: the run script, the preflight, reward servers on the CPU, Ray, `python -m
 verl.trainer.main_ppo` (RayPPOTrainer.fit with verl's Megatron workers and its HF rollout), verl's checkpoint manager,
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from demo import verl_cpu
+from cpu import verl_shims
 from demo.run import CLIP_NOTE, LOGIN_NODE_CHECK, NEXT_STEPS, shown
 from launch.plan.config_refusals import rollout_problems
 from launch.plan.preflight import compose, split_command, validate
@@ -63,7 +63,7 @@ def test_the_cpu_overrides_compose_with_the_fsdp2_command_and_hf_is_refused_with
         CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", STRATEGY="fsdp2", ROLLOUT_MODE=mode,
         REWARD_PROMPT_OPENS_THINK="true",  # no model at "m" to read a chat template from
     )  # fmt: skip
-    module, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=verl_cpu.overrides()))
+    module, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=verl_shims.overrides()))
     cfg = compose(name, overrides, path)
     validate(cfg)
     assert cfg.actor_rollout_ref.rollout.name == "hf" and not cfg.actor_rollout_ref.model.use_remove_padding
@@ -102,7 +102,7 @@ def test_make_demo_trains_verls_megatron_workers_on_the_cpu_saves_resumes_and_me
     assert "Training from scratch" in (canary / "train" / "trainer.log").read_text()
     assert "Setting global step to 2" in resume_log and "Training from scratch" not in resume_log
     (root,) = (out / "checkpoints_canary").iterdir()
-    assert "ppo_megatron_trainer" in " ".join(command) and "demo.megatron_cpu.install" in " ".join(command)
+    assert "ppo_megatron_trainer" in " ".join(command) and "cpu.megatron_shims.install" in " ".join(command)
     for step in (1, 2, 3):  # verl's Megatron checkpoint manager's files: megatron-core's dist checkpoint
         actor = root / "checkpoints" / f"global_step_{step}" / "actor"
         assert (actor / "dist_ckpt" / "metadata.json").is_file() and (actor / "transformer_config.json").is_file()
@@ -158,7 +158,7 @@ SHIMS_CHECK = (
     SHIM_OUTCOME
     + r"""
 import sys, torch, torch.distributed as dist
-from demo import verl_cpu
+from cpu import verl_shims
 
 def verl_calls(address):
     from verl.utils.device import get_torch_device
@@ -176,7 +176,7 @@ def verl_calls(address):
                                      device.memory_reserved(), device.max_memory_allocated()))
 
 print("before", *verl_calls(sys.argv[1]), sep="|")
-verl_cpu.install()
+verl_shims.install()
 from verl.utils.fsdp_utils import CPUOffloadPolicy
 from verl.workers.rollout.replica import get_rollout_replica_class
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
@@ -188,14 +188,14 @@ print("after", *verl_calls(sys.argv[2]), f"pinned: {CPUOffloadPolicy(pin_memory=
 
 
 def test_without_the_shims_verl_stops_where_they_say_and_with_them_it_goes_on(tmp_path):
-    """Each shim of demo/verl_cpu.py on its own, in a fresh interpreter (as a Ray worker gets them): the verl call it
+    """Each shim of cpu/verl_shims.py on its own, in a fresh interpreter (as a Ray worker gets them): the verl call it
     names fails before install() and works after; then the hook a run names in CPU_RUN_THEN_HOOK (the stall test's,
     which wraps verl's update_actor)."""
     from tests import stall_hook
     from tests.support import free_port
 
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    env = os.environ | {verl_cpu.THEN_HOOK: stall_hook.HOOK, "STALL_TEST_PLAN": "update_actor:sleep=1:1"}
+    env = os.environ | {verl_shims.THEN_HOOK: stall_hook.HOOK, "STALL_TEST_PLAN": "update_actor:sleep=1:1"}
     run = subprocess.run([sys.executable, "-c", SHIMS_CHECK, *addresses], cwd=REPO, capture_output=True, text=True,
                          env=env, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

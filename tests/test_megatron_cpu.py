@@ -1,4 +1,4 @@
-"""verl 0.6.1's own Megatron workers on the CPU (demo/megatron_cpu.py): the worker's model against the HF model, the
+"""verl 0.6.1's own Megatron workers on the CPU (cpu/megatron_shims.py): the worker's model against the HF model, the
 names a Transformer Engine run writes, each shim against the megatron-core or verl call it works around, and the
 overrides through verl's config checks. `make demo` (tests/test_demo.py) runs all of it inside verl's trainer."""
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from demo import megatron_cpu
+from cpu import megatron_shims
 from launch.plan.config_refusals import rollout_problems
 from launch.plan.preflight import compose, split_command, validate
 from launch.plan.refusals import check
@@ -101,7 +101,7 @@ def test_ppos_critic_frees_its_weights_and_gradients_between_passes_and_gives_th
 ):
     """PPO's critic, built by verl's CriticWorker from the job's ALGORITHM=ppo command: critic.megatron.param_offload
     is on, verl frees its DDP buffers' storage (weights and gradients) after init_model and after each compute_values
-    (megatron_workers.py:1035-1036, :1078-1084; megatron_utils.py:341-350), through demo/megatron_cpu.py's host copy on
+    (megatron_workers.py:1035-1036, :1078-1084; megatron_utils.py:341-350), through cpu/megatron_shims.py's host copy on
     the CPU. Its values, both passes, are those of the same critic built with param_offload=False, whose buffers stay.
     A host copy that shared the freed storage would give whatever the resized memory holds."""
     critic, resident = worker_report["critic"], worker_report["critic_resident"]
@@ -128,7 +128,7 @@ def test_the_update_recomputes_each_layer_and_gets_the_gradient_it_gets_keeping_
 ):
     """verl's update_actor on the running worker, with the default full recompute and with MEGATRON_RECOMPUTE=off:
     megatron-core re-runs each of the 2 layers' forward in the backward (CheckpointFunction.backward, counted), through
-    demo/megatron_cpu.py's RNG tracker on the CPU, and the step's losses and grad norm are the same as without it.
+    cpu/megatron_shims.py's RNG tracker on the CPU, and the step's losses and grad norm are the same as without it.
     Recompute trades compute for memory; it never changes the update."""
     off = run_worker(tmp_path, tiny_policy, "MEGATRON_RECOMPUTE=off")
     assert off["transformer_config"]["recompute_granularity"] == "None"
@@ -144,7 +144,7 @@ def test_the_update_recomputes_each_layer_and_gets_the_gradient_it_gets_keeping_
 def test_fused_log_probs_reach_the_actor_and_the_reference_and_agree_with_the_logits_path(tmp_path_factory):
     """FUSED_KERNELS on an untied tiny policy at PP=1 (where a tied one keeps verl 0.6.1's fused forward off): verl's
     running actor and reference both take the fused path (the `+` key reaches the reference), through
-    demo/megatron_cpu.py's FusedLinearForPPO in place of the Triton kernel (its line in the worker's output), and give
+    cpu/megatron_shims.py's FusedLinearForPPO in place of the Triton kernel (its line in the worker's output), and give
     the unfused path's log-probs within bf16 rounding: the worker runs in bf16, the logits path rounds the logits to
     bf16 before its float32 log-softmax while the fused one computes them in float32 as the kernel does, 0.013 apart
     here, under HF's own bf16-against-float32 gap (0.016); a wrong weight, label shift or temperature puts them whole
@@ -162,7 +162,7 @@ def test_fused_log_probs_reach_the_actor_and_the_reference_and_agree_with_the_lo
     off, on = runs["off"], runs["on"]
     assert (on["use_fused_kernels"], on["ref"]["use_fused_kernels"]) == (True, True)
     assert (off["use_fused_kernels"], off["ref"]["use_fused_kernels"]) == (False, False)
-    assert megatron_cpu.FUSED_STAND_IN_LINE in on["stdout"] and megatron_cpu.FUSED_STAND_IN_LINE not in off["stdout"]
+    assert megatron_shims.FUSED_STAND_IN_LINE in on["stdout"] and megatron_shims.FUSED_STAND_IN_LINE not in off["stdout"]
     scale = largest_gap({**off, "megatron": off["hf_bfloat16"]}, "hf_float32")
     assert largest_gap({**on, "logits": off["megatron"]}, "logits") < max(0.05, 2 * scale)
     for fused, logits in zip(on["ref"]["log_probs"], off["ref"]["log_probs"], strict=True):
@@ -174,8 +174,8 @@ def test_fused_log_probs_reach_the_actor_and_the_reference_and_agree_with_the_lo
 
 ADAM_CHECK = r"""
 import torch
-from demo import megatron_cpu
-megatron_cpu._adam_with_the_step_in_the_group()
+from cpu import megatron_shims
+megatron_shims._adam_with_the_step_in_the_group()
 from megatron.core import optimizer
 torch.manual_seed(0)
 params = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
@@ -210,7 +210,7 @@ SHIMS_CHECK = (
     SHIM_OUTCOME
     + r"""
 import sys
-from demo import megatron_cpu
+from cpu import megatron_shims
 
 def calls():
     import torch
@@ -232,7 +232,7 @@ def calls():
     yield outcome("param offload", offload)
 
 print("before", *calls(), sep="|")
-megatron_cpu.install()
+megatron_shims.install()
 print("after", *calls(), sep="|")
 print("qkv", __import__("megatron.core.models.gpt.gpt_layer_specs", fromlist=["x"])
       .get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True).submodules.self_attention.submodules.linear_qkv.__name__)
@@ -260,14 +260,14 @@ def test_the_megatron_cpu_overrides_compose_with_the_default_command_and_pass_ve
         CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", ROLLOUT_MODE=mode, REWARD_PROMPT_OPENS_THINK="true",
     )  # fmt: skip
     assert env["STRATEGY"] == "megatron", "the settings block's default"
-    module, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_cpu.overrides()))
+    module, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_shims.overrides()))
     cfg = compose(name, overrides, path)
     validate(cfg)
     assert name == "ppo_megatron_trainer" and cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.use_cpu_initialization is True
     assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.use_cpu_initialization is True
     runtime_env = cfg.ray_kwargs.ray_init.runtime_env  # the job's hook, which calls the CPU run's first
-    assert (runtime_env.worker_process_setup_hook, runtime_env.env_vars[USER_HOOK]) == (PREEMPT_HOOK, megatron_cpu.HOOK)
+    assert (runtime_env.worker_process_setup_hook, runtime_env.env_vars[USER_HOOK]) == (PREEMPT_HOOK, megatron_shims.HOOK)
     assert rollout_problems(cfg) == []
 
 
@@ -290,7 +290,7 @@ def test_megatron_recompute_reaches_the_actor_the_reference_and_the_critic_throu
         CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
         CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", REWARD_PROMPT_OPENS_THINK="true", ALGORITHM="ppo",
     ) | ({"MEGATRON_RECOMPUTE": recompute} if recompute else {})  # fmt: skip
-    _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_cpu.overrides()))
+    _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_shims.overrides()))
     cfg = compose(name, overrides, path)
     validate(cfg)
     for engine in (cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.ref.megatron, cfg.critic.megatron):
@@ -310,7 +310,7 @@ def test_an_unknown_megatron_recompute_is_refused_naming_the_setting_and_its_val
     assert needle in check(s, check_paths=False)  # the preflight's, before any trainer command is built
 
 
-CPU = megatron_cpu.overrides()
+CPU = megatron_shims.overrides()
 
 
 @pytest.mark.parametrize(

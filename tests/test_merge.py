@@ -123,7 +123,7 @@ def test_a_megatron_merge_where_torch_sees_no_gpu_is_refused_before_verls_merger
     result = run(env, TARGET_DIR=str(target))
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "verl's Megatron merger needs a GPU (CUDA and NCCL) and torch sees none here" in result.stderr
-    assert "(sbatch merge_mcore_to_hf.sh)" in result.stderr and "MERGER_LAUNCHER=demo/megatron_merger" in result.stderr
+    assert "(sbatch merge_mcore_to_hf.sh)" in result.stderr and "MERGER_LAUNCHER=cpu/megatron_merger" in result.stderr
     assert "merging:" not in result.stdout and not list(target.parent.glob("hf*")), "verl's merger never started"
 
 

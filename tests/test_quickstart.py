@@ -8,8 +8,8 @@ image build (no Singularity: a file stands in for the image at the path the line
 it) and the editor (the edits a user makes for this machine are environment variables, which the block reads the same
 way: one GPU per node, the reward model on the CPU, the block's default strategy and rollout, Megatron and async, with
 a tiny workload). Everything else is real, verl 0.6.1's own Megatron workers and merger included, on the CPU: each line
-that runs the job gets demo/megatron_cpu.py's Hydra overrides after it (as the README says extra overrides may
-follow), the merge verl's merger with the same adaptations (MERGER_LAUNCHER=demo/megatron_merger), and the training
+that runs the job gets cpu/megatron_shims.py's Hydra overrides after it (as the README says extra overrides may
+follow), the merge verl's merger with the same adaptations (MERGER_LAUNCHER=cpu/megatron_merger), and the training
 line a step count (2, for what verl would compute from the data).
 """
 
@@ -139,7 +139,7 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
         assert override in command, command
     steps = [line for line in out[train].splitlines() if "training/global_step:" in line]
     assert len(steps) == 2 and all(AGENT_LOOP_TIMING in s for s in steps), steps
-    assert "ppo_megatron_trainer" in " ".join(command) and "demo.megatron_cpu.install" in " ".join(command)
+    assert "ppo_megatron_trainer" in " ".join(command) and "cpu.megatron_shims.install" in " ".join(command)
     assert (checkpoints := repo / "checkpoints" / "qwen3_4b_grpo_megatron" / "global_step_2" / "actor").is_dir()
     assert (checkpoints / "dist_ckpt" / "metadata.json").is_file(), "verl's Megatron checkpoint (megatron-core's)"
     assert "-m verl.model_merger merge --backend megatron" in out[merge], "verl's Megatron merger on what verl saved"

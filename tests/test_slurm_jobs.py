@@ -2,7 +2,7 @@
 of the repository to the local two-node cluster (tests/slurm/local_slurm.sh), stopped with scancel, requeued by its
 time-limit signal, on one node or two, with real reward servers on the CPU, a real Ray cluster on loopback, the fake
 container (no Singularity here), and the stand-in trainer or, for the requeue, verl's own on the CPU
-(demo/verl_cpu.py). Every job state is read from `scontrol show job` and waited for with a deadline; the test's node
+(cpu/verl_shims.py). Every job state is read from `scontrol show job` and waited for with a deadline; the test's node
 sizes go on the sbatch command line, as a user's would."""
 
 import json
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from demo import megatron_cpu, verl_cpu
+from cpu import megatron_shims, verl_shims
 from launch.job import node
 from launch.job.steps import is_training_step, parse_step_lines
 from tests import stall_hook
@@ -104,7 +104,7 @@ def test_scancel_mid_training_ends_the_job_cancelled_with_nothing_of_it_left(job
 
 def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_checkpoint_at_that_step(job, submit,
                                                                                                  tmp_path):  # fmt: skip
-    """verl's own Megatron workers on the CPU (demo/megatron_cpu.py), the settings block's default. No regular saves (trainer.save_freq=1000): every checkpoint
+    """verl's own Megatron workers on the CPU (cpu/megatron_shims.py), the settings block's default. No regular saves (trainer.save_freq=1000): every checkpoint
     is verl's save before the expiry (should_save_ckpt_esi: within 60 s + its longest step + trainer.esi_redundant_time
     of MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP, the job's end minus CHECKPOINT_BEFORE_END). Once it has
     saved, the test shortens the time limit (as an admin could), so that Slurm's time-limit signal comes (--signal
@@ -181,7 +181,7 @@ def test_a_preempted_job_saves_the_step_it_is_in_and_resumes_there_and_a_recipe_
       start resumes. Slurm sends the script's --signal (USR1) to the batch script alone, the script finds a
       PreemptTime, sees a step and a save fit in the grace, asks verl for a save after the step it is in
       (launch/job/preempt.py), waits for verl's tracker file, and requeues the job; the second start resumes at that
-      step and trains to the end. The CPU run's own Ray hook (demo/verl_cpu.py's shims) is chained behind the job's,
+      step and trains to the end. The CPU run's own Ray hook (cpu/verl_shims.py's shims) is chained behind the job's,
       not dropped: the trainer command names both, and verl both runs on the CPU and saves.
     - the preflight reads the real partition (scontrol show partition, show config) and says in one line what a
       preemption costs: the first start, with nothing measured, "nothing can be saved here" by the first guesses
@@ -228,7 +228,7 @@ def test_a_preempted_job_saves_the_step_it_is_in_and_resumes_there_and_a_recipe_
     assert "stopping this start for the requeue" in first and "run_grpo_qwen3_4b_mega_verl.sh exiting" in first
     command = (logs_of(env, j) / "trainer_command.txt").read_text().splitlines()
     assert "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=launch.job.preempt.install" in command
-    assert "+ray_kwargs.ray_init.runtime_env.env_vars.JOB_USER_SETUP_HOOK=demo.verl_cpu.install" in command
+    assert "+ray_kwargs.ray_init.runtime_env.env_vars.JOB_USER_SETUP_HOOK=cpu.verl_shims.install" in command
     where = "preflight: WARNING: preemption: partition preemptible (PreemptMode=REQUEUE, GraceTime=120 s): "
     assert f"{where}nothing can be saved here: up to 2 steps (~20 min) lost (grace 120 s, a step takes ~600 s" in first
     assert "trainer.save_freq=2" in command, "SAVE_FREQ=auto by the first guesses (the test's own 1000 after it wins)"
@@ -433,7 +433,7 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     job, submit, tmp_path
 ):
     """The article's backend across the local Slurm's two nodes: PPO (GAE with verl's Megatron critic) with ACTOR_PP=2,
-    so each node's Ray worker holds one pipeline stage of the actor, the reference and the critic (demo/megatron_cpu.py;
+    so each node's Ray worker holds one pipeline stage of the actor, the reference and the critic (cpu/megatron_shims.py;
     gloo where NCCL would be). Two steps with a save each; then `sbatch merge_mcore_to_hf.sh` twice: the actor's PP=2
     dist checkpoint through verl's Megatron merger, and the critic's own Hugging Face save (critic.checkpoint
     .save_contents with hf_model, docs/merge.md) into a value model by launch/merge/critic_to_hf.py."""
@@ -455,14 +455,14 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     logs = logs_of(env, j)
     command = (logs / "trainer_command.txt").read_text().splitlines()
     # FUSED_KERNELS=auto at PP=2 with the tied tiny policy: on, for the actor and the reference (its `+` key), each
-    # pipeline stage's last through demo/megatron_cpu.py's stand-in for verl's Triton kernel
+    # pipeline stage's last through cpu/megatron_shims.py's stand-in for verl's Triton kernel
     for override in ("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
                      "critic.megatron.pipeline_model_parallel_size=2", "trainer.nnodes=2",
                      "actor_rollout_ref.model.use_fused_kernels=True", "+actor_rollout_ref.ref.use_fused_kernels=True"):  # fmt: skip
         assert override in command, command
     assert "preflight: verl's fused log-prob kernels on (FUSED_KERNELS=auto)" in out, out[-5000:]
     trainer_log = (logs / "trainer.log").read_text()
-    assert megatron_cpu.FUSED_STAND_IN_LINE in trainer_log, trainer_log[-3000:]
+    assert megatron_shims.FUSED_STAND_IN_LINE in trainer_log, trainer_log[-3000:]
     steps = {int(n): line for n, line in re.findall(r" step:(\d+) - (.*)", trainer_log) if "timing_s/step:" in line}
     assert sorted(steps) == [1, 2], trainer_log[-3000:]
     for line in steps.values():
@@ -512,7 +512,7 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     env = job | FAST | REAL_TRAINER | {
         "STALL_TIMEOUT": "auto", "STALL_FLOOR": "30", "STALL_FIRST_STEP": "400", "STALL_REQUEUE": "1",
         "TEST_FREQ": "2", "SAVE_FREQ": "3", "TOTAL_EPOCHS": "10", "STALL_TEST_PLAN": plan,
-        "STALL_TEST_MARKER": str(marker), verl_cpu.THEN_HOOK: stall_hook.HOOK,
+        "STALL_TEST_MARKER": str(marker), verl_shims.THEN_HOOK: stall_hook.HOOK,
         "REWARD": "rm+rule", "REWARD_RULE_WEIGHT": "2", **dapo_rule_data(tmp_path),  # issue 59: both judges, mixed
     }  # fmt: skip
     args = real_trainer_args("trainer.total_training_steps=20")

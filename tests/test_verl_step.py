@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from benchmarks import verl_step, verl_step_hook, verl_step_parts
-from demo import megatron_cpu, verl_cpu
+from cpu import megatron_shims, verl_shims
 from tests.support import REPO
 
 
@@ -60,12 +60,12 @@ def test_phase_lines_give_each_phases_peak_over_the_steps():
 
 def test_a_gpu_run_passes_the_engine_overrides_and_its_own_hook_but_not_the_cpu_ones():
     gpu, cpu = verl_step_parts.benchmark_overrides(3, on_cpu=False), verl_step_parts.benchmark_overrides(3, on_cpu=True)
-    engine = [o for o, _ in verl_cpu.ENGINE_OVERRIDES]
-    lean = [o for o, _ in verl_cpu.LEAN_OVERRIDES]
+    engine = [o for o, _ in verl_shims.ENGINE_OVERRIDES]
+    lean = [o for o, _ in verl_shims.LEAN_OVERRIDES]
     hook = f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={verl_step_hook.HOOK}"
     assert gpu[: len(engine)] == engine and hook in gpu and not set(lean) & set(gpu)
     assert set(lean) <= set(cpu) and hook in cpu
-    assert not any(verl_cpu.HOOK in o for o in gpu + cpu), "the CPU hook would refuse a GPU"
+    assert not any(verl_shims.HOOK in o for o in gpu + cpu), "the CPU hook would refuse a GPU"
     assert "trainer.total_training_steps=3" in gpu
     # Ray imports the hook by this path in each worker
     assert verl_step_hook.HOOK == f"{verl_step_hook.__name__}.{verl_step_hook.install.__name__}"
@@ -101,7 +101,7 @@ def test_the_hook_registers_the_hf_rollout_and_installs_the_cpu_shims_only_witho
                          timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen["rollout"] == verl_cpu.ROLLOUT_CLASS
+    assert seen["rollout"] == verl_shims.ROLLOUT_CLASS
     assert seen["phases_wrapped"] == {p: "measured" for p in verl_step_hook.PHASES} and seen["dispatch_kept"]
     on_cpu = device == "cpu"
     assert seen["nccl_kept"] is not on_cpu
@@ -144,11 +144,11 @@ def test_a_megatron_run_takes_the_hf_rollout_and_the_megatron_hook_and_on_a_cpu_
     gpu = verl_step_parts.benchmark_overrides(3, on_cpu=False, strategy="megatron")
     cpu = verl_step_parts.benchmark_overrides(3, on_cpu=True, strategy="megatron")
     hook = f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={verl_step_hook.MEGATRON_HOOK}"
-    assert verl_cpu.ENGINE_OVERRIDES[0][0] in gpu and "actor_rollout_ref.rollout.tensor_model_parallel_size=1" in gpu
+    assert verl_shims.ENGINE_OVERRIDES[0][0] in gpu and "actor_rollout_ref.rollout.tensor_model_parallel_size=1" in gpu
     assert hook in gpu and hook in cpu
     assert not any("use_cpu_initialization" in o for o in gpu), "a GPU builds its weights on the GPU"
     assert any("use_cpu_initialization" in o for o in cpu)
-    assert not any(megatron_cpu.HOOK in o or verl_cpu.HOOK in o for o in gpu + cpu), "the CPU hooks refuse a GPU"
+    assert not any(megatron_shims.HOOK in o or verl_shims.HOOK in o for o in gpu + cpu), "the CPU hooks refuse a GPU"
 
 
 @pytest.mark.parametrize("name", ["verl_step_h100_qwen3_0p6b_1p7b_profile", "verl_step_h100_megatron_qwen3_0p6b_1p7b"])

@@ -179,9 +179,9 @@ def parallel_problems(cfg) -> list[str]:
     ]
 
 
-# The Ray hooks that register the HF rollout of the CPU runs (demo/verl_cpu.py; demo/megatron_cpu.py calls it), which
+# The Ray hooks that register the HF rollout of the CPU runs (cpu/verl_shims.py; cpu/megatron_shims.py calls it), which
 # the job's own hook calls first (USER_HOOK); the stall test's own comes after them (CPU_RUN_THEN_HOOK).
-CPU_HOOKS = ("demo.verl_cpu.install", "demo.megatron_cpu.install", "demo.megatron_cpu.install_gpu")
+CPU_HOOKS = ("cpu.verl_shims.install", "cpu.megatron_shims.install", "cpu.megatron_shims.install_gpu")
 
 
 def rollout_problems(cfg) -> list[str]:
@@ -195,8 +195,8 @@ def rollout_problems(cfg) -> list[str]:
         if not hooks & set(CPU_HOOKS):
             return [
                 "actor_rollout_ref.rollout.name=hf: verl 0.6.1 registers no such engine (verl/workers/rollout/base.py:81-86); "
-                "only the CPU runs of make demo and the tests have one, which demo/verl_cpu.py registers in every Ray "
-                "worker: pass all of its overrides (python -m demo.verl_cpu lists them; python -m demo.megatron_cpu "
+                "only the CPU runs of make demo and the tests have one, which cpu/verl_shims.py registers in every Ray "
+                "worker: pass all of its overrides (python -m cpu.verl_shims lists them; python -m cpu.megatron_shims "
                 "for STRATEGY=megatron), or on GPUs ROLLOUT_ENGINE=sglang|vllm"
             ]
         return []
@@ -246,7 +246,7 @@ def thinking_problems(cfg, setting: str) -> list[str]:
 
 # verl 0.6.1's rollout servers for async rollout: one Ray actor of num_cpus=1 per node of each replica, pinned to that
 # node (async_sglang_server.py:50, 300-306; vllm_async_server.py:444, 520-525). The CPU runs' `hf` replica serves
-# from the hybrid worker itself (demo/verl_cpu.py) and starts none.
+# from the hybrid worker itself (cpu/verl_shims.py) and starts none.
 SERVER_ENGINES = ("sglang", "vllm")
 
 

@@ -92,9 +92,9 @@ def recompute_overrides(s: Settings, section: str) -> list[str]:
 
 
 HOOK_KEY = "ray_kwargs.ray_init.runtime_env.worker_process_setup_hook"
-# The Ray hook of a Megatron run on a CPU (demo/megatron_cpu.py, HOOK): there verl's pure-torch FusedLinearForPPO,
+# The Ray hook of a Megatron run on a CPU (cpu/megatron_shims.py, HOOK): there verl's pure-torch FusedLinearForPPO,
 # which takes any hidden size, stands in for the Triton kernel.
-CPU_STAND_IN_HOOK = f"{HOOK_KEY}=demo.megatron_cpu.install"
+CPU_STAND_IN_HOOK = f"{HOOK_KEY}=cpu.megatron_shims.install"
 PREEMPT_HOOK = "launch.job.preempt.install"
 USER_HOOK = "JOB_USER_SETUP_HOOK"  # the run's own hook (a user's, the CPU runs' shims), which PREEMPT_HOOK calls first
 FUSED_OVERRIDES = ["actor_rollout_ref.model.use_fused_kernels=True", "+actor_rollout_ref.ref.use_fused_kernels=True"]

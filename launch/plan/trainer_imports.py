@@ -23,7 +23,7 @@ TENSORBOARD_WRITER = "torch.utils.tensorboard"
 AGENT_LOOP = "verl.experimental.agent_loop"
 
 # The engine a rollout name needs, where that is not a package of its own name: `hf` is verl's own HF generate, which
-# only the CPU runs of make demo and the tests register (demo/verl_cpu.py; config_refusals.rollout_problems).
+# only the CPU runs of make demo and the tests register (cpu/verl_shims.py; config_refusals.rollout_problems).
 ENGINE_MODULES = {"hf": "verl.workers.rollout.hf_rollout"}
 
 

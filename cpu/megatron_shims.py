@@ -2,12 +2,12 @@
 
 `make demo` and the Megatron job tests run STRATEGY=megatron through verl's own `ppo_megatron_trainer` (megatron-core
 0.13.0) and verl's Megatron merger. Nothing of verl or megatron-core is copied or edited; what a CPU and the lack of
-Transformer Engine (TE) stop is adapted below, as in demo/verl_cpu.py (whose shims `install` runs first): Hydra
+Transformer Engine (TE) stop is adapted below, as in cpu/verl_shims.py (whose shims `install` runs first): Hydra
 overrides (OVERRIDES) and shims (SHIMS), some process-wide, so installed only for Megatron runs without CUDA. The
 layer spec keeps TE's parameter names and checkpoint keys, so the loader, the weight sync, the dist checkpoint and the
 merger see what a TE run writes. Each adaptation, and what a CPU run does not prove: docs/verl-on-cpu.md.
 
-    python -m demo.megatron_cpu          # the overrides, one a line, each with its reason
+    python -m cpu.megatron_shims          # the overrides, one a line, each with its reason
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import itertools
 import sys
 import types
 
-from demo import verl_cpu
+from cpu import verl_shims
 
-HOOK = "demo.megatron_cpu.install"
+HOOK = "cpu.megatron_shims.install"
 
 OVERRIDES = [
     ("++actor_rollout_ref.actor.megatron.override_transformer_config.use_cpu_initialization=True",
@@ -31,21 +31,21 @@ OVERRIDES = [
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=1",
      "one HF engine per worker: the HF rollout has no tensor parallelism"),
     (f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}",
-     "the shims below and demo/verl_cpu.py's, in every Ray worker process of the job"),
+     "the shims below and cpu/verl_shims.py's, in every Ray worker process of the job"),
 ]  # fmt: skip
 
 
 def overrides() -> list[str]:
-    """The Hydra overrides of a Megatron run on a CPU: demo/verl_cpu.py's HF rollout and lean settings (its other
+    """The Hydra overrides of a Megatron run on a CPU: cpu/verl_shims.py's HF rollout and lean settings (its other
     engine overrides are the FSDP workers' attention: Megatron packs sequences whatever they say), then these."""
-    return [verl_cpu.ENGINE_OVERRIDES[0][0], *(o for o, _ in verl_cpu.LEAN_OVERRIDES), *(o for o, _ in OVERRIDES)]
+    return [verl_shims.ENGINE_OVERRIDES[0][0], *(o for o, _ in verl_shims.LEAN_OVERRIDES), *(o for o, _ in OVERRIDES)]
 
 
 # A Megatron run on GPUs without SGLang and Transformer Engine (benchmarks/gpu_canary.py): HF generation stands in
 # for SGLang, the one component replaced; the layers are the TE-free spec below; everything else is the job's own.
-GPU_HOOK = "demo.megatron_cpu.install_gpu"
+GPU_HOOK = "cpu.megatron_shims.install_gpu"
 GPU_OVERRIDES = [
-    (verl_cpu.ENGINE_OVERRIDES[0][0], "SGLang's stand-in: verl's HF rollout (HF generate), which SGLang's GPUs need none of"),
+    (verl_shims.ENGINE_OVERRIDES[0][0], "SGLang's stand-in: verl's HF rollout (HF generate), which SGLang's GPUs need none of"),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=1", "one HF engine per worker: it has no tensor parallelism"),
     (f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={GPU_HOOK}",
      "the HF rollout's registration and the TE-free layers in every Ray worker process of the job"),
@@ -447,17 +447,17 @@ def install_without_te() -> None:
 def install_gpu() -> None:
     """Ray's worker_process_setup_hook for a Megatron run on GPUs without SGLang or TE (GPU_OVERRIDES): verl's HF
     rollout registered in SGLang's place, the TE-free layers, then the run's own further hook."""
-    verl_cpu.register_rollout()
+    verl_shims.register_rollout()
     install_without_te()
-    verl_cpu.run_then_hook()
+    verl_shims.run_then_hook()
 
 
 def install() -> None:
-    """Ray's worker_process_setup_hook for a Megatron run: demo/verl_cpu.py's shims, then these, once a process."""
+    """Ray's worker_process_setup_hook for a Megatron run: cpu/verl_shims.py's shims, then these, once a process."""
     global _installed
     if _installed:
         return
-    verl_cpu.install()
+    verl_shims.install()
     for shim in SHIMS:
         shim()
     _installed = True
@@ -465,7 +465,7 @@ def install() -> None:
 
 def run_merger(argv: list[str]) -> None:
     """`python -m verl.model_merger ARGS` with the shims: the merger builds the same model as the workers
-    (demo/megatron_merger, the CPU's MERGER_LAUNCHER)."""
+    (cpu/megatron_merger, the CPU's MERGER_LAUNCHER)."""
     import runpy
 
     import torch

@@ -1,6 +1,6 @@
 """verl 0.6.1's own trainer on a machine without a GPU: every adaptation it needs, in this one module.
 
-The CPU job tests, and `make demo` through demo/megatron_cpu.py, run the real `python -m verl.trainer.main_ppo`.
+The CPU job tests, and `make demo` through cpu/megatron_shims.py, run the real `python -m verl.trainer.main_ppo`.
 Two kinds of adaptation (docs/verl-on-cpu.md: each one, and where verl stopped without it):
 - Hydra overrides (OVERRIDES): settings verl already has, chosen for a CPU, passed after the job's own as a user's
   are, so the preflight checks, and trainer_command.txt records, the command that runs.
@@ -9,7 +9,7 @@ Two kinds of adaptation (docs/verl-on-cpu.md: each one, and where verl stopped w
   worker_process_setup_hook, which one of the overrides sets.
 The HF rollout (HFEngineRollout) also serves benchmarks/verl_step.py on a GPU, with ENGINE_OVERRIDES alone.
 
-    python -m demo.verl_cpu          # the overrides, one a line, each with its reason
+    python -m cpu.verl_shims          # the overrides, one a line, each with its reason
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import importlib
 import os
 import sys
 
-HOOK = "demo.verl_cpu.install"
+HOOK = "cpu.verl_shims.install"
 THEN_HOOK = "CPU_RUN_THEN_HOOK"  # `module.function` that install calls in every Ray worker after the shims, if set
 ROLLOUT = "hf"  # the name verl's FSDP worker already gives its HF rollout (fsdp_workers.py:479, 600)
-ROLLOUT_CLASS = "demo.verl_cpu.HFEngineRollout"  # what get_rollout_class imports for ROLLOUT, sync or async
+ROLLOUT_CLASS = "cpu.verl_shims.HFEngineRollout"  # what get_rollout_class imports for ROLLOUT, sync or async
 
 # (override, why). They go after the job's own overrides, so they win. ENGINE_OVERRIDES are what any run without
 # SGLang, vLLM and flash-attn needs (benchmarks/verl_step.py passes them on a GPU too); LEAN_OVERRIDES and the hook
@@ -169,7 +169,7 @@ def install() -> None:
 
     if torch.cuda.is_available():
         raise RuntimeError(
-            f"{HOOK} adapts verl for a machine without CUDA; this one has GPUs: drop the overrides of demo/verl_cpu.py"
+            f"{HOOK} adapts verl for a machine without CUDA; this one has GPUs: drop the overrides of cpu/verl_shims.py"
         )
     for shim in SHIMS:
         shim()
