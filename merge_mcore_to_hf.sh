@@ -143,7 +143,7 @@ merge() {
   if [[ "$ROLE" == critic ]]; then
     model=(--value-model)
     log_phase "converting verl's critic save into a value model (launch/merge/critic_to_hf.py)"
-    (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.critic_to_hf "$tmp") || ok=0
+    (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.critic_to_hf "$tmp" --checkpoint "$step_dir") || ok=0
   fi
   if ((ok)); then
     log_phase "verifying"

@@ -271,13 +271,14 @@ def test_an_actor_s_lm_head_is_not_taken_for_a_value_head(tiny_models, tmp_path)
     config = AutoConfig.from_pretrained(tiny_models.policy, tie_word_embeddings=False)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "actor")
     with pytest.raises(NotACritic, match=r"lm_head.weight in .* has shape \[\d+, \d+\], a value head is \[1, "):
-        to_value_model(tmp_path / "actor")
+        to_value_model(tmp_path / "actor", tmp_path)
     assert "ForTokenClassification" not in (tmp_path / "actor" / "config.json").read_text(), "nothing rewritten"
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_verl_s_critic_save_becomes_a_value_model_transformers_loads(merge_env, tiny_models, tmp_path, tied):
     import torch
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
     from transformers import AutoModelForTokenClassification
 
@@ -285,6 +286,8 @@ def test_verl_s_critic_save_becomes_a_value_model_transformers_loads(merge_env, 
     saved = root / "global_step_20" / "critic" / "huggingface"
     save_critic_like_verl(saved, saved, head=True)
     (head,) = [t["lm_head.weight"] for f in saved.glob("*.safetensors") if "lm_head.weight" in (t := load_file(f))]
+    # the head's bias, which verl's saver drops, in the dist checkpoint beside it under megatron-core's key
+    dcp.save({"output_layer.bias": torch.tensor([-0.375])}, checkpoint_id=saved.parent / "dist_ckpt", no_dist=True)
     target = tmp_path / "critic_hf"
     result = run(merge_env, ROLE="critic", TARGET_DIR=str(target))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -295,6 +298,7 @@ def test_verl_s_critic_save_becomes_a_value_model_transformers_loads(merge_env, 
     assert type(model).__name__ == "Qwen3ForTokenClassification" and model.config.num_labels == 1
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert torch.equal(model.score.weight.detach(), head), "the trained head, not a fresh one"
+    assert model.score.bias.item() == -0.375, "its trained bias, not 0"
 
 
 def test_a_headless_critic_save_is_rejected_and_kept_aside(merge_env, tiny_models, tmp_path):
