@@ -9,7 +9,8 @@ run as verl does (a child process on the CPU, through demo/megatron_cpu.py), an 
 transformers model verl's FSDP workers train. Reported: max and mean |difference| of the per-token log-probs (a critic:
 values), the share of changed top-1 predictions and, on failure, the first hidden state where the two diverge.
 Exit 0: they agree; 1: they differ (UNVERIFIED.txt, the reason, is written into the merged folder; nothing deleted);
-2: nothing could be compared (one line, its cause); 3: this model cannot be compared here (one line, why). docs/merge.md
+2: nothing could be compared (one line, its cause); 3: this model cannot be compared here (one line, why).
+docs/merge.md says why each side is built so, and the tolerances.
 """
 
 import argparse
@@ -57,7 +58,7 @@ def read_checkpoint(ckpt: Path) -> tuple:
         if arch not in DENSE:
             raise NotComparable(f"{arch}: the check builds verl 0.6.1's dense Megatron models only: {', '.join(DENSE)}")
         if rope != "linear":  # verl: seq_len_interpolation_factor whatever the type (model_initializer.py:44-47)
-            raise NotComparable(f"rope_scaling {rope}: verl 0.6.1 trains it as linear interpolation, transformers not")
+            raise NotComparable(f"rope_scaling {rope}: verl 0.6.1 trains any as linear interpolation, not {rope}")
         import torch.distributed.checkpoint as dcp
 
         meta = dcp.FileSystemReader(str(ckpt / "dist_ckpt")).read_metadata().state_dict_metadata
