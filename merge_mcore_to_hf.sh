@@ -143,7 +143,7 @@ merge() {
   if [[ "$ROLE" == critic ]]; then
     model=(--value-model)
     log_phase "converting verl's critic save into a value model (launch/merge/critic_to_hf.py)"
-    (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.critic_to_hf "$tmp") || ok=0
+    (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.critic_to_hf "$tmp" --checkpoint "$step_dir") || ok=0
   fi
   if ((ok)); then
     log_phase "verifying"
@@ -151,9 +151,9 @@ merge() {
   fi
   if ((ok)) && [[ "$NUMERIC_CHECK" == 1 ]]; then
     log_phase "numeric check: the merged model's log-probs (a critic: values) against the checkpoint's (check_numeric.py)"
-    local rc=0 # check_numeric: 1 the numbers differ, 2 it could not read one side (bad input)
+    local rc=0 # check_numeric: 1 + UNVERIFIED.txt: they differ; 3: a model it cannot build (kept); else: no comparison
     (cd "$repo" && "${wrap[@]}" python3 -m launch.merge.check_numeric --checkpoint "$step_dir" --hf "$tmp") || rc=$?
-    ((rc == 0)) || ok=$((rc == 1 ? 2 : 3))
+    if ((rc == 1)) && [[ -f "$tmp/UNVERIFIED.txt" ]]; then ok=2; elif ((rc != 0 && rc != 3)); then ok=3; fi
   elif ((ok)); then
     log "numeric check skipped (NUMERIC_CHECK=$NUMERIC_CHECK): the result is verified for its structure only"
   fi

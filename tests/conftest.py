@@ -187,6 +187,7 @@ LONGEST_FIRST = (  # by the slow tier's --durations in CI (2026-12-06, 2 cores)
     "tests/test_canary.py::test_a_merged_model_that_fails_verification",
     "tests/test_canary.py::test_a_trainer_that_does_not_resume",
     "tests/test_megatron_cpu.py::test_fused_log_probs_reach_the_actor",
+    "tests/test_check_numeric.py::test_every_dense_family",  # 1.5-3 min a case: verl's save, then the merge
     "tests/test_launch.py::test_a_policy_whose_template_opens_no_think_block",
     "tests/test_canary.py::test_the_canary_passes_whatever_the_entry_point_logs",
     "tests/test_slurm_jobs.py::test_two_jobs_on_one_node_at_once",
@@ -202,10 +203,11 @@ def _longest_first(item) -> int:
 
 
 # `make test-fast` runs what is left without the `slow` marker; the tests below get it here rather than by hand. A test
-# is slow when it takes a fixture that starts a job, a Slurm cluster or Ray; lives in a module whose tests launch a
-# trainer, a job, a benchmark or the merge script; or took over 5 s in the unit tier's run (`--durations`, 2026-12-05:
-# a preflight, an import check in a scratch environment, a server's start, a client's retry budget).
-SLOW_FIXTURES = {"submit", "clone", "slurm_cluster", "job", "ray_tmp"}
+# is slow when it takes a fixture that starts a job, a Slurm cluster, Ray or verl's workers (megatron_merges: their
+# saves and merges); lives in a module whose tests launch a trainer, a job, a benchmark or the merge script; or took
+# over 5 s in the unit tier's run (`--durations`, 2026-12-05: a preflight, an import check in a scratch environment, a
+# server's start, a client's retry budget).
+SLOW_FIXTURES = {"submit", "clone", "slurm_cluster", "job", "ray_tmp", "megatron_merges"}
 SLOW_MODULES = {
     "test_canary.py", "test_demo.py", "test_quickstart.py", "test_verl_step.py", "test_megatron_cpu.py",
     "test_megatron_memory.py", "test_trl_formats.py", "test_slurm_jobs.py", "test_ray_cluster.py", "test_run_time.py",

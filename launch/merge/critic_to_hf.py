@@ -1,10 +1,10 @@
 """verl 0.6.1's Hugging Face save of a critic -> a value model that transformers and verl's critics load.
 
-    python -m launch.merge.critic_to_hf FOLDER      # rewrites FOLDER in place (the merge's temporary copy)
+    python -m launch.merge.critic_to_hf FOLDER --checkpoint CKPT/global_step_N/critic   # rewrites FOLDER in place
 
 An FSDP critic's save keeps its tensors under the policy's causal-LM config: only config.json is relabelled. A
 Megatron critic's `hf_model` save stores the value head as `lm_head.weight` [1, hidden]: it becomes `score.weight`
-(its bias, which verl's saver drops, 0) under a <Model>ForTokenClassification config with num_labels=1. Why, with
+(its bias, which verl's saver drops, from the dist checkpoint's `output_layer.bias`) under a <Model>ForTokenClassification config with num_labels=1. Why, with
 verl's lines: docs/merge.md.
 """
 
@@ -23,9 +23,24 @@ class NotACritic(ValueError):
     """The folder does not hold verl's save of a critic (no [1, hidden] head, or a full lm_head)."""
 
 
-def to_value_model(folder: Path) -> str:
-    """Rewrite verl's critic save in `folder` as a token-classification value model; returns what was done."""
+def value_head_bias(ckpt: Path):
+    """The Megatron critic's `output_layer.bias` [1] from its dist checkpoint (megatron-core's key), read alone."""
     import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder, bias = ckpt / "dist_ckpt", {"output_layer.bias": torch.empty(1)}
+    missing = f"{folder} holds no output_layer.bias, the value head's bias of verl's Megatron critic"
+    if not (folder / ".metadata").is_file():
+        raise NotACritic(missing)
+    try:
+        dcp.load(bias, checkpoint_id=folder, no_dist=True)  # warns that one process reads it: meant
+    except dcp.CheckpointException:  # no such key (a BaseException)
+        raise NotACritic(missing) from None
+    return bias["output_layer.bias"]
+
+
+def to_value_model(folder: Path, checkpoint: Path) -> str:
+    """Rewrite verl's critic save in `folder` (from the `checkpoint` folder) as a value model; returns what was done."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForTokenClassification
 
@@ -45,10 +60,11 @@ def to_value_model(folder: Path) -> str:
     classes = AutoModelForTokenClassification._model_mapping
     if type(config) not in classes:
         raise NotACritic(f"transformers has no token-classification model for model_type={config.model_type}")
-    if name == HEAD:  # verl's Megatron save: the head under the causal LM's name, its bias not saved
+    if name == HEAD:  # verl's Megatron save: the head under the causal LM's name, its bias in the dist checkpoint
+        bias = value_head_bias(checkpoint)
         del tensors[HEAD]
         tensors["score.weight"] = head
-        tensors["score.bias"] = torch.zeros(1, dtype=head.dtype)
+        tensors["score.bias"] = bias.reshape(1).to(head.dtype)
         save_file(tensors, str(shard), metadata={"format": "pt"})
         if index.exists():
             data = json.loads(index.read_text())
@@ -56,7 +72,7 @@ def to_value_model(folder: Path) -> str:
             data["weight_map"].update({"score.weight": shard.name, "score.bias": shard.name})
             data.get("metadata", {}).pop("total_size", None)  # no longer exact; transformers does not need it
             index.write_text(json.dumps(data, indent=2))
-        done = f"{HEAD} {list(head.shape)} -> score.weight (score.bias = 0)"
+        done = f"{HEAD} {list(head.shape)} -> score.weight, score.bias {float(bias):.4g} from {checkpoint}/dist_ckpt"
     else:  # verl's FSDP critic: the token-classification model's own tensors, bias included
         done = f"{SCORE} {list(head.shape)} kept as verl's FSDP critic trained it"
     config.architectures = [classes[type(config)].__name__]
@@ -69,9 +85,10 @@ def to_value_model(folder: Path) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path)
+    p.add_argument("--checkpoint", type=Path, required=True, help="the global_step_N/critic folder it was saved in")
     args = p.parse_args(argv)
     try:
-        done = to_value_model(args.folder)
+        done = to_value_model(args.folder, args.checkpoint)
     except NotACritic as exc:
         print(f"critic_to_hf: {exc}", file=sys.stderr)
         return 1
