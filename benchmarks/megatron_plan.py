@@ -1,21 +1,12 @@
-"""The Megatron update's plans on one GPU, measured through verl 0.6.1's own worker at Qwen3-4B's shape: for each plan
-(pipeline stage, verl's fused log-prob kernels or its logits, MEGATRON_RECOMPUTE, the optimizer offloaded or kept on
-the GPU, the micro-batch's tokens) its peak memory, its seconds per 1,000 tokens and its model-FLOPs utilisation;
-with --profile, where one warm update's GPU time goes, by kind. launch/plan/megatron_plan.py's table is this file's
-result; `auto` chooses from it.
-
-One process per group (stage1: the last stage of the default PP=2, the output layer and the logits; stage1-fused: the
-same with verl's fused kernels; stage0: the first stage, two micro-batches in flight under 1F1B, its GPTModel
-without post_process as megatron-core builds a first stage). Each builds verl's worker once and runs its plans in order, changing only
-what the plan changes: megatron-core's recompute (TransformerConfig.recompute_granularity, read at each forward, and
-each attention's checkpoint_core_attention for selective), the actor's token budget (ppo_max_token_len_per_gpu), and
-whether the optimizer goes back to host memory after the update (the worker's offload flag). A plan over the card is
-recorded as out of memory and the larger micro-batches of its family are skipped.
-
-Each plan runs one update of full-length sequences (the group's first, one more before it); its record splits the update_actor call
-into the micro-batches' forward and backward (seconds_per_1k_tokens, mfu: the rate a job's update runs at, whose
-many micro-batches a step amortise the rest) and what each call pays once (fixed_seconds: the optimizer's loading and
-offload, its step, verl's aggressive_empty_cache and gc.collect at the end).
+"""The Megatron update's plans on one GPU through verl 0.6.1's own worker at Qwen3-4B's PP=2 stage shapes: each plan's
+(stage, fused kernels or logits, MEGATRON_RECOMPUTE, the optimizer offloaded or not, micro-batch tokens) peak memory,
+seconds per 1,000 tokens, MFU and status; --profile: a warm update's GPU time by kernel kind. launch/plan/
+megatron_plan.py's table is its result (product_table). One process per group (stage1: the last stage, its logits;
+stage1-fused; stage0: the first stage, two micro-batches in flight under 1F1B) builds verl's worker once and changes
+plan by plan only what the plan changes: megatron-core's recompute (read at each forward; checkpoint_core_attention for
+selective), the token budget, the worker's offload flag. A plan out of memory ends its recompute's larger sizes. Each
+record splits the update_actor call into its micro-batches' rate (seconds_per_1k_tokens, mfu: what a job's many
+micro-batches run at) and what the call pays once (fixed_seconds: the optimizer's copies and step, verl's cleanup).
 
     python -m benchmarks.megatron_plan --out DIR --profile     # one GPU: Qwen3-4B's shape, every plan (~8 min)
     python -m benchmarks.megatron_plan --shape tiny --out DIR  # a CPU, tiny model (what the test runs)
@@ -61,7 +52,7 @@ UPDATE_SEQUENCES = 8  # sequences per measured update (9 where a micro-batch hol
 SHAPES = {k: common.SHAPES[k] for k in ("qwen3-4b", "tiny")}
 # Dense bf16 peak of the cards the benchmarks ran on, TFLOP/s (NVIDIA's data sheets, without sparsity): H100 SXM and
 # H200 share the H100's tensor cores and clocks.
-DENSE_BF16_TFLOPS = {"H100 80GB HBM3": 989.4, "H100": 989.4, "H200": 989.4}
+DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}
 
 
 # --- the model ----------------------------------------------------------------------------------------------------
@@ -186,10 +177,6 @@ def case_worker(cfg, on_gpu: bool, fused: bool):
         from benchmarks.verl_step_hook import fused_forward_reads_the_tied_weight
 
         fused_forward_reads_the_tied_weight()
-    if on_gpu:  # the flash kernel or an error: a silent fall back to SDPA's math kernel would keep every score
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        sdpa_kernel([SDPBackend.FLASH_ATTENTION]).__enter__()
     from verl.workers.megatron_workers import ActorRolloutRefWorker
 
     worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
@@ -366,39 +353,20 @@ def stage0_update(worker, batch: dict, rows: int, plan: Plan, device: str):
 
 
 def profiled(update, device: str) -> dict:
-    """One update under torch.profiler: its GPU time by kernel kind (benchmarks/verl_step_hook.kernel_kind), and the
-    GPU's idle time, the update's wall less the union of its kernels, copies and memsets. Read from the profiler's raw
-    events (a table of ~10^6 events takes minutes to build otherwise). The recompute's share is not a kernel kind: the
-    table has it as the difference between the recompute plans at one micro-batch size."""
+    """One update under torch.profiler: its GPU time by kernel kind and the GPU's idle time (the wall less the union of
+    its kernels), benchmarks/verl_step_hook.profile_summary. Recompute is no kernel kind: the table has it as the
+    difference between the recompute plans at one micro-batch size."""
     import torch
-    from torch._C._autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.verl_step_hook import kernel_kind
+    from benchmarks.verl_step_hook import profile_summary
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         began = time.perf_counter()
         update()
         torch.cuda.synchronize() if device == "cuda" else None
         wall = time.perf_counter() - began
-    kinds: dict[str, float] = {}
-    spans = []
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type() == DeviceType.CPU:
-            continue
-        kinds[kernel_kind(e.name())] = kinds.get(kernel_kind(e.name()), 0.0) + e.duration_ns() / 1e9
-        spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
-    covered, last = 0, None
-    for start, end in sorted(spans):
-        if last is None or start > last:
-            covered, last = covered + end - start, end
-        elif end > last:
-            covered, last = covered + end - last, end
-    kinds["GPU idle"] = max(0.0, wall - covered / 1e9)
-    return {
-        "wall_seconds": round(wall, 3),
-        "seconds": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-    }
+    return profile_summary(prof, wall)
 
 
 # --- one group, in its own process ----------------------------------------------------------------------------------
@@ -473,14 +441,12 @@ def run_group(group: str, policy: Path, out: Path, lengths, profile: bool, quick
 # --- the driver -----------------------------------------------------------------------------------------------------
 
 
-def stage_params(policy: dict, stage: str) -> int:
+def stage_params(dims, stage: str) -> int:
     """The stage's matmul weights: its layers, and on stage 1 the output layer (the logits' matmul)."""
-    h, f, layers, vocab = (policy[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
-    q, kv = policy["num_attention_heads"] * policy["head_dim"], policy["num_key_value_heads"] * policy["head_dim"]
-    return layers * (h * (q + 2 * kv) + q * h + 3 * h * f) + (vocab * h if stage == "stage1" else 0)
+    return dims.layers * dims.layer_params + (dims.vocab * dims.hidden if stage == "stage1" else 0)
 
 
-def finish(record: dict, policy: dict, peak_tflops: float | None) -> dict:
+def finish(record: dict, dims, peak_tflops: float | None) -> dict:
     """A plan's figures: its peak, the forward-backward rate (the update less what it pays once), and utilisation."""
     if record.get("status") != "ok":
         return record
@@ -488,7 +454,7 @@ def finish(record: dict, policy: dict, peak_tflops: float | None) -> dict:
     fixed = sum(v for k, v in phases.items() if k in FIXED)
     compute = m["seconds"] - fixed
     tokens = record["tokens_per_update"]
-    flops = 6 * stage_params(policy, record["stage"]) * tokens
+    flops = 6 * stage_params(dims, record["stage"]) * tokens
     record |= {
         "peak_allocated_gib": round(m.get("peak_allocated_gib", 0.0), 2),
         "update_seconds": m["seconds"],
@@ -500,35 +466,14 @@ def finish(record: dict, policy: dict, peak_tflops: float | None) -> dict:
     return record
 
 
-def predicted_gib(record: dict, policy: dict) -> float:
+def predicted_gib(record: dict, dims) -> float:
     """launch/plan/gpu_memory.py's peak for the plan's one-GPU stage (every layer of the half model, DP=1)."""
-    from launch.plan.gpu_memory import ModelDims, stage_memory
+    from launch.plan.gpu_memory import stage_memory
 
-    dims = ModelDims(
-        policy["hidden_size"],
-        policy["intermediate_size"],
-        policy["num_attention_heads"] * policy["head_dim"],
-        policy["num_key_value_heads"] * policy["head_dim"],
-        policy["head_dim"],
-        policy["num_hidden_layers"],
-        policy["vocab_size"],
-        True,
-    )
     last = record["stage"] == "stage1"
-    plan = stage_memory(
-        dims,
-        stage=0,
-        stages=1,
-        tp=1,
-        dp=1,
-        tokens=record["micro_batch_tokens"],
-        recompute=record["recompute"],
-        micro_batches=2,
-        reference_on_gpu=False,
-        fused_logits=record["fused"],
-        in_flight=1 if last else 2,
-        last=last,
-    )
+    kwargs = dict(stage=0, stages=1, tp=1, dp=1, micro_batches=2, reference_on_gpu=False, in_flight=1 if last else 2)
+    tokens, recompute, fused = record["micro_batch_tokens"], record["recompute"], record["fused"]
+    plan = stage_memory(dims, tokens=tokens, recompute=recompute, fused_logits=fused, last=last, **kwargs)
     return round(plan.total / GIB, 2)
 
 
@@ -551,18 +496,10 @@ def run_group_process(group: str, args, policy: Path, work: Path) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    head = f"{'stage':7}{'fused':>6} {'recompute':10}{'offload':>8}{'tokens':>8}{'GiB':>7}{'s/1k':>8}{'mfu':>6}  status"
-    lines = [head]
-    for r in records:
-        if "stage" not in r:
-            continue
-        s, mfu = r.get("seconds_per_1k_tokens"), r.get("mfu")
-        lines.append(
-            f"{r['stage']:7}{str(r['fused']):>6} {r['recompute']:10}{str(r['optimizer_offload']):>8}"
-            f"{r['micro_batch_tokens']:>8}{r.get('peak_allocated_gib', float('nan')):>7.1f}"
-            f"{s if s is not None else float('nan'):>8.4f}{mfu if mfu is not None else float('nan'):>6.3f}  {r['status']}"
-        )
-    return "\n".join(lines)
+    """One line a plan: stage, fused, recompute, offloaded, micro-batch tokens, peak GiB, s per 1k tokens, MFU, status."""
+    keys = ("stage", "fused", "recompute", "optimizer_offload", "micro_batch_tokens", "peak_allocated_gib")
+    keys += ("seconds_per_1k_tokens", "mfu", "status")
+    return "\n".join("  ".join(str(r.get(k, "-")) for k in keys) for r in records)
 
 
 def product_table(result: dict) -> dict:
@@ -632,11 +569,16 @@ def main(argv: list[str] | None = None) -> int:
     peak = next((v for k, v in DENSE_BF16_TFLOPS.items() if k in (result.get("gpu") or "")), None)
     result["dense_bf16_peak_tflops"] = peak
     out_file = args.out / "megatron_plan.json"
+    from transformers import AutoConfig
+
+    from launch.plan.gpu_memory import ModelDims
+
+    dims = ModelDims.from_config(AutoConfig.from_pretrained(work / "policy"))
     for group in groups:
         for record in run_group_process(group, args, work / "policy", work):
             if "stage" in record:
-                record = finish(record, result["policy"], peak)
-                record["predicted_gib"] = predicted_gib(record, result["policy"])
+                record = finish(record, dims, peak)
+                record["predicted_gib"] = predicted_gib(record, dims)
                 result["plans"].append(record)
             else:
                 result["groups"].setdefault(group, []).append(record)
@@ -644,9 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result["plans"]))
     for r in result["plans"]:
         if "profile" in r:
-            rows = ", ".join(f"{k} {v:.3f}" for k, v in r["profile"]["seconds"].items())
-            wall = r["profile"]["wall_seconds"]
-            print(f"[megatron_plan] profile {r['stage']} fused={r['fused']}: {wall:.2f} s: {rows}")
+            p = r["profile"]
+            rows = ", ".join(f"{k} {v:.3f}" for k, v in (p["by_kind_s"] | {"GPU idle": p["gpu_idle_s"]}).items())
+            print(f"[megatron_plan] profile {r['stage']} fused={r['fused']}: {p['wall_s']:.2f} s: {rows}")
     print(f"[megatron_plan] wrote {out_file}")
     return 0
 

@@ -111,11 +111,18 @@ def profile_summary(prof, wall: float) -> dict:
 
     kernels: dict[str, list] = {}
     cpu: dict[str, list] = {}
+    spans = []  # the GPU's busy intervals (ns): its idle time is the wall less their union
     for e in prof.profiler.kineto_results.events():
         into = cpu if e.device_type() == DeviceType.CPU else kernels
         entry = into.setdefault(e.name(), [0.0, 0])
         entry[0] += e.duration_ns() / 1e9
         entry[1] += 1
+        if into is kernels:
+            spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    covered, last = 0, 0
+    for start, end in sorted(spans):
+        covered += max(0, end - max(start, last))
+        last = max(last, end)
     kinds: dict[str, float] = {}
     for name, (s, _) in kernels.items():
         kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + s
@@ -123,6 +130,7 @@ def profile_summary(prof, wall: float) -> dict:
     top = sorted(kernels.items(), key=lambda k: -k[1][0])[:25]
     top_cpu = sorted(cpu.items(), key=lambda k: -k[1][0])[:15]
     return {"wall_s": round(wall, 3), "gpu_kernel_s": round(busy, 3), "gpu_busy_share": round(busy / wall, 3),
+            "gpu_idle_s": round(max(0.0, wall - covered / 1e9), 3),
             "by_kind_s": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top_kernels": [{"name": n[:160], "s": round(s, 4), "calls": c, "kind": kernel_kind(n)}
                             for n, (s, c) in top],
