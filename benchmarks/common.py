@@ -12,8 +12,15 @@ from pathlib import Path
 from demo.tiny_models import REWARD_CHAT_TEMPLATE, qwen3_config
 
 # The public Qwen3 configs' dimensions, and a tiny shape for the CPU
-_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-         "head_dim", "vocab_size")  # fmt: skip
+_DIMS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
 SHAPES = {
     name: dict(zip(_DIMS, dims, strict=True))
     for name, dims in {
@@ -44,9 +51,12 @@ def build_tokenizer(vocab_size: int):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=REWARD_CHAT_TEMPLATE,
-    )  # fmt: skip
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=REWARD_CHAT_TEMPLATE,
+    )
 
 
 def random_model(auto_class, config, device: str, seed: int):
@@ -101,12 +111,20 @@ def machine_info(device: str) -> dict:
     import torch
     import transformers
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cpus": os.cpu_count()}  # fmt: skip
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpus": os.cpu_count(),
+    }
     if device.startswith("cuda"):
-        info.update(gpu=torch.cuda.get_device_name(), gpus_visible=torch.cuda.device_count(),
-                    gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
-                    cuda=torch.version.cuda, nccl=str(torch.cuda.nccl.version()))  # fmt: skip
+        info.update(
+            gpu=torch.cuda.get_device_name(),
+            gpus_visible=torch.cuda.device_count(),
+            gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
+            cuda=torch.version.cuda,
+            nccl=str(torch.cuda.nccl.version()),
+        )
     return info
 
 

@@ -40,15 +40,28 @@ def main(argv=None) -> int:
     t = time.monotonic()
     write_input(source, args.rows)
     print(f"wrote {args.rows:,} rows ({source.stat().st_size / 2**20:.0f} MiB) in {time.monotonic() - t:.1f} s")
-    cmd = [sys.executable, "-m", "data_prep.build", str(source), "--out-dir", str(work / "out"), "--keep-columns", "id",
-           "--system-prompt", "You are careful.", "--dedup"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "data_prep.build",
+        str(source),
+        "--out-dir",
+        str(work / "out"),
+        "--keep-columns",
+        "id",
+        "--system-prompt",
+        "You are careful.",
+        "--dedup",
+    ]
     t = time.monotonic()
     subprocess.run(cmd, cwd=REPO, check=True)
     wall = time.monotonic() - t
     peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
     sizes = {p.name: p.stat().st_size / 2**20 for p in (work / "out").glob("*.parquet")}
-    print(f"build: {wall:.1f} s wall, {args.rows / wall:,.0f} rows/s, peak RSS {peak_gib:.2f} GiB, "
-          f"{os.cpu_count()} CPUs; outputs {', '.join(f'{k} {v:.0f} MiB' for k, v in sorted(sizes.items()))}")  # fmt: skip
+    print(
+        f"build: {wall:.1f} s wall, {args.rows / wall:,.0f} rows/s, peak RSS {peak_gib:.2f} GiB, "
+        f"{os.cpu_count()} CPUs; outputs {', '.join(f'{k} {v:.0f} MiB' for k, v in sorted(sizes.items()))}"
+    )
     shutil.rmtree(work)
     return 0
 

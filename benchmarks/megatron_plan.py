@@ -496,7 +496,7 @@ def run_group_process(group: str, args, policy: Path, work: Path) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    """One line a plan: stage, fused, recompute, offloaded, micro-batch tokens, peak GiB, s per 1k tokens, MFU, status."""
+    """One line a plan: stage, fused, recompute, offloaded, micro-batch tokens, GiB, s per 1k tokens, MFU, status."""
     keys = ("stage", "fused", "recompute", "optimizer_offload", "micro_batch_tokens", "peak_allocated_gib")
     keys += ("seconds_per_1k_tokens", "mfu", "status")
     return "\n".join("  ".join(str(r.get(k, "-")) for k in keys) for r in records)

@@ -102,12 +102,16 @@ def profile_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     d = {k: after[k] - before[k] for k in before}
     forwards = max(d["forwards"], 1)
     return {
-        "micro_batches": d["forwards"], "rows_per_micro_batch": d["rows"] / forwards,
-        "padded_tokens": d["padded_tokens"], "launch_s_total": d["forward_launch_s"],
-        "prepare_s_total": d["prepare_s"], "prepare_passes": d["prepare_passes"],
+        "micro_batches": d["forwards"],
+        "rows_per_micro_batch": d["rows"] / forwards,
+        "padded_tokens": d["padded_tokens"],
+        "launch_s_total": d["forward_launch_s"],
+        "prepare_s_total": d["prepare_s"],
+        "prepare_passes": d["prepare_passes"],
         "queue_wait_ms_mean": 1000 * d["queue_wait_s"] / max(d["requests"], 1),
-        "gpu_busy_s_total": d["gpu_busy_s"], "packed_micro_batches": d["packed"],
-    }  # fmt: skip
+        "gpu_busy_s_total": d["gpu_busy_s"],
+        "packed_micro_batches": d["packed"],
+    }
 
 
 class Server:
@@ -117,10 +121,17 @@ class Server:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         began = time.monotonic()
-        server_env = dict(env, REWARD_MODEL_PATH=str(model_dir), REWARD_DEVICE=device, REWARD_PORT=str(port),
-                          REWARD_HOST="127.0.0.1")  # fmt: skip
-        self.proc = start_server([sys.executable, str(REPO / "reward_score" / "reward_server.py")], log,
-                                 self.url + "/health", 900, server_env, name=f"the server ({log.name})")  # fmt: skip
+        server_env = dict(
+            env, REWARD_MODEL_PATH=str(model_dir), REWARD_DEVICE=device, REWARD_PORT=str(port), REWARD_HOST="127.0.0.1"
+        )
+        self.proc = start_server(
+            [sys.executable, str(REPO / "reward_score" / "reward_server.py")],
+            log,
+            self.url + "/health",
+            900,
+            server_env,
+            name=f"the server ({log.name})",
+        )
         self.startup_s = time.monotonic() - began
         self.health = requests.get(self.url + "/health", timeout=10).json()
 
@@ -140,8 +151,10 @@ class Bench:
         server = Server(
             self.model_dir, args.device, dict(base_env, **variant["env"]), work / f"server_{variant['name']}.log"
         )
-        print(f"variant {variant['name']}: server healthy after {server.startup_s:.1f} s; {json.dumps(server.health)}",
-              flush=True)  # fmt: skip
+        print(
+            f"variant {variant['name']}: server healthy after {server.startup_s:.1f} s; {json.dumps(server.health)}",
+            flush=True,
+        )
         os.environ.update(REWARD_SERVER_URLS=server.url, REWARD_PROMPT_OPENS_THINK="0", REWARD_LOG_PATH="")
         rows = []
         try:
@@ -153,8 +166,14 @@ class Bench:
             peak = metrics(server.url).get("reward_gpu_memory_peak_bytes", 0.0) / 2**30
         finally:
             stop_process(server.proc, 30)
-        info = {"name": variant["name"], "env": variant["env"], "rows": variant["rows"],
-                "startup_s": server.startup_s, "health": server.health, "peak_gib": peak}  # fmt: skip
+        info = {
+            "name": variant["name"],
+            "env": variant["env"],
+            "rows": variant["rows"],
+            "startup_s": server.startup_s,
+            "health": server.health,
+            "peak_gib": peak,
+        }
         for r in rows:
             r["peak_gib"] = peak
         return rows, info
@@ -172,9 +191,17 @@ class Bench:
             # The share of the wall the server's GPU ran a micro-batch (from its first kernel to its last): the rest
             # is the GPU idle, waiting on HTTP, tokenizing, planning or the callers (0 on the CPU: not timed).
             profile["gpu_busy_share"] = profile["gpu_busy_s_total"] / seconds
-            runs.append({"wall_s": seconds, "samples": len(pairs), "tokens": tokens, "seed": seed,
-                         "samples_per_s": len(pairs) / seconds, "tokens_per_s": tokens / seconds,
-                         "server": profile})  # fmt: skip
+            runs.append(
+                {
+                    "wall_s": seconds,
+                    "samples": len(pairs),
+                    "tokens": tokens,
+                    "seed": seed,
+                    "samples_per_s": len(pairs) / seconds,
+                    "tokens_per_s": tokens / seconds,
+                    "server": profile,
+                }
+            )
         name = name.format(c=self.args.concurrency)
         walls = ", ".join(f"{r['wall_s']:.2f}" for r in runs)
         print(f"  {name:<70} {walls} s  ({variant['name']})", flush=True)
@@ -264,9 +291,12 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[dict]]:
     parser.add_argument("--rows", help=f"comma-separated rows (default all): {', '.join(ROWS)}")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each row (cold: 1); the median")
     parser.add_argument("--variant", action="append", default=[], help="NAME[:KEY=VALUE,...]; see above")
-    parser.add_argument("--no-first-pass", action="store_true",
-                        help="without a cold row, the first measured row is the server's first step (no unmeasured "
-                        "pass before it; saves a step on big models)")  # fmt: skip
+    parser.add_argument(
+        "--no-first-pass",
+        action="store_true",
+        help="without a cold row, the first measured row is the server's first step (no unmeasured "
+        "pass before it; saves a step on big models)",
+    )
     parser.add_argument("--model-dir", type=Path, help="where the random checkpoint goes (reused if it is there)")
     args = parser.parse_args(argv)
     args.command = command_line("benchmarks.reward_bench", argv)
@@ -314,8 +344,13 @@ def main(argv=None) -> int:
 
     def partial(rows, variant, server) -> None:
         """What is measured so far, against the first ceiling measurement (a later kill loses nothing)."""
-        info = {"name": variant["name"], "env": variant["env"], "startup_s": server.startup_s,
-                "health": server.health, "in_progress": True}  # fmt: skip
+        info = {
+            "name": variant["name"],
+            "env": variant["env"],
+            "startup_s": server.startup_s,
+            "health": server.health,
+            "in_progress": True,
+        }
         write_json(args.out, assemble(args, params, rate_start, None, ours + rows, infos + [info], failed, done=False))
 
     bench = Bench(args, model_dir, step, partial)
@@ -353,12 +388,22 @@ def assemble(args, params, rate_start, rate_end, ours, infos, failed, done=True)
             info["cold_over_fresh"] = cold["tokens_per_s"] / fresh["tokens_per_s"]
     first = infos[0] if infos else {}
     result = {
-        "shape": args.shape, "device": args.device, "samples": args.samples, "params_non_embedding": params,
-        "matmul_tflops_start": rate_start, "matmul_tflops_end": rate_end, "ceiling_tflops": ceiling,
-        "burst_tflops": burst, "server_startup_s": first.get("startup_s"), "repeat": args.repeat,
-        "command": args.command, "partial": not done, "variants": infos,
-        "failed_variants": failed, "rows": rows,
-    }  # fmt: skip
+        "shape": args.shape,
+        "device": args.device,
+        "samples": args.samples,
+        "params_non_embedding": params,
+        "matmul_tflops_start": rate_start,
+        "matmul_tflops_end": rate_end,
+        "ceiling_tflops": ceiling,
+        "burst_tflops": burst,
+        "server_startup_s": first.get("startup_s"),
+        "repeat": args.repeat,
+        "command": args.command,
+        "partial": not done,
+        "variants": infos,
+        "failed_variants": failed,
+        "rows": rows,
+    }
     result.update(machine_info(args.device))
     return result
 

@@ -110,15 +110,21 @@ class Run:
 
     def mark(self, name: str, since: float) -> None:
         self.result["startup_s"][name] = round(time.monotonic() - since, 2)
-        print(f"[verl_step +{time.monotonic() - self.began:.0f}s] {name} ready in {time.monotonic() - since:.1f} s",
-              flush=True)  # fmt: skip
+        print(
+            f"[verl_step +{time.monotonic() - self.began:.0f}s] {name} ready in {time.monotonic() - since:.1f} s",
+            flush=True,
+        )
 
     def write(self) -> None:
         profiles = sorted((self.out / "logs" / "profiles").glob("*.json"))
         if profiles:
             self.result["profiles"] = [json.loads(f.read_text()) for f in profiles]
-        self.result.update(steps=self.steps, phases=self.phases, **summarize(self.steps, self.phases),
-                           wall_s=round(time.monotonic() - self.began, 1))  # fmt: skip
+        self.result.update(
+            steps=self.steps,
+            phases=self.phases,
+            **summarize(self.steps, self.phases),
+            wall_s=round(time.monotonic() - self.began, 1),
+        )
         write_json(self.out / "result.json", self.result)
 
     def read_trainer(self, log: Path, offset: int) -> int:
@@ -131,8 +137,11 @@ class Run:
         self.phases += phases
         for step in steps:
             self.steps.append(step)
-            timing = {k.split("/", 1)[1]: round(v, 2) for k, v in step["metrics"].items()
-                      if k.startswith("timing_s/") and "/" not in k.split("/", 1)[1]}  # fmt: skip
+            timing = {
+                k.split("/", 1)[1]: round(v, 2)
+                for k, v in step["metrics"].items()
+                if k.startswith("timing_s/") and "/" not in k.split("/", 1)[1]
+            }
             print(f"[verl_step +{time.monotonic() - self.began:.0f}s] step {step['step']}: {timing}", flush=True)
             self.write()
         return offset + end
@@ -140,8 +149,12 @@ class Run:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(POLICY_SHAPES), default="qwen3-0.6b",
-                        help="the policy's shape; the reward model's follows (qwen3-0.6b: Qwen3-1.7B's)")  # fmt: skip
+    parser.add_argument(
+        "--shape",
+        choices=sorted(POLICY_SHAPES),
+        default="qwen3-0.6b",
+        help="the policy's shape; the reward model's follows (qwen3-0.6b: Qwen3-1.7B's)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for result.json and logs/")
     parser.add_argument(
         "--strategy",
@@ -153,12 +166,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompts", type=int, default=16, help="prompts per step (TRAIN_BATCH_SIZE = PPO_MINI_BATCH_SIZE)"
     )
-    parser.add_argument("--timeout", type=float, default=0, help="seconds for the whole run (0: none); at the limit "
-                        "the trainer is stopped and result.json keeps what was measured")  # fmt: skip
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a Hydra override after the benchmark's own (they win); repeatable")  # fmt: skip
-    parser.add_argument("--profile", type=int, default=0, metavar="N", help="run call N of each worker phase under "
-                        "torch.profiler; its summary (GPU time by kernel kind, top kernels) in result.json's profiles")  # fmt: skip
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=0,
+        help="seconds for the whole run (0: none); at the limit "
+        "the trainer is stopped and result.json keeps what was measured",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Hydra override after the benchmark's own (they win); repeatable",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run call N of each worker phase under "
+        "torch.profiler; its summary (GPU time by kernel kind, top kernels) in result.json's profiles",
+    )
     return parser
 
 
@@ -241,8 +270,20 @@ def _data(run: Run, args, work) -> Path:
     data.mkdir()
     train_rows, workload = args.prompts * args.steps, WORKLOADS[args.shape]
     write_prompts(data / "prompts.jsonl", 2 * train_rows + 8, workload["prompt_words"], run.result["machine"]["words"])
-    data_build.main([str(data / "prompts.jsonl"), "--out-dir", str(data), "--data-source", "verl_step",
-                     "--ability", "benchmark", "--test-size", "0.1", "--overwrite"])  # fmt: skip
+    data_build.main(
+        [
+            str(data / "prompts.jsonl"),
+            "--out-dir",
+            str(data),
+            "--data-source",
+            "verl_step",
+            "--ability",
+            "benchmark",
+            "--test-size",
+            "0.1",
+            "--overwrite",
+        ]
+    )
     import pyarrow.parquet as pq
 
     have = pq.read_metadata(data / "train.parquet").num_rows
@@ -260,8 +301,12 @@ def _services(run: Run, args, device, work, ray_tmp, logs, data, started, nvml):
     from launch.plan.procs import wait_for_http
     from launch.plan.settings import Settings
 
-    paths = {"policy": work / "policy", "reward_model": work / "reward_model", "data": data,
-             "checkpoints": work / "checkpoints"}  # fmt: skip
+    paths = {
+        "policy": work / "policy",
+        "reward_model": work / "reward_model",
+        "data": data,
+        "checkpoints": work / "checkpoints",
+    }
     settings = Settings.from_env(settings_env(args, paths))
     ports = plan_ports(f"verl_step-{os.getpid()}", 0, 1)
     url = f"http://127.0.0.1:{ports['reward_port']}"
@@ -269,42 +314,103 @@ def _services(run: Run, args, device, work, ray_tmp, logs, data, started, nvml):
     env.pop("RAY_ADDRESS", None)
     env.update(
         PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline", RAY_DEDUP_LOGS="0",
-        RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", HF_HOME=str(work / "hf"),
-        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-        REWARD_SERVER_URLS=url, REWARD_SERVER_LOG=str(logs / "reward_server.log"),
-        REWARD_LOG_PATH=str(logs / "rewards.jsonl"), REWARD_PROMPT_OPENS_THINK="false",
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_MODE="offline",
+        RAY_DEDUP_LOGS="0",
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+        HF_HOME=str(work / "hf"),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        REWARD_SERVER_URLS=url,
+        REWARD_SERVER_LOG=str(logs / "reward_server.log"),
+        REWARD_LOG_PATH=str(logs / "rewards.jsonl"),
+        REWARD_PROMPT_OPENS_THINK="false",
         # one host: what the job exports for CONFIG_NETWORK_INTERFACE=lo (helper_grpo_qwen3_4b.sh, export_worker_env)
-        NCCL_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo", TP_SOCKET_IFNAME="lo",
-    )  # fmt: skip
+        NCCL_SOCKET_IFNAME="lo",
+        GLOO_SOCKET_IFNAME="lo",
+        TP_SOCKET_IFNAME="lo",
+    )
     if args.profile:  # Ray's workers inherit the head's environment (benchmarks/verl_step_hook.py reads these)
         env.update({PROFILE_ENV: str(args.profile), PROFILE_DIR_ENV: str(logs / "profiles")})
     since = time.monotonic()
-    server_cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path",
-                  str(paths["reward_model"]), "--device", device, "--port", str(ports["reward_port"]),
-                  "--host", "127.0.0.1", *settings.reward_format_flags]  # fmt: skip
+    server_cmd = [
+        sys.executable,
+        str(REPO / "reward_score" / "reward_server.py"),
+        "--model-path",
+        str(paths["reward_model"]),
+        "--device",
+        device,
+        "--port",
+        str(ports["reward_port"]),
+        "--host",
+        "127.0.0.1",
+        *settings.reward_format_flags,
+    ]
     server = Group(server_cmd, logs / "reward_server.log", env)
     started.append(server)
     run.result["reward_server_pid"] = server.pid
     if nvml is not None:
         nvml.start()
-    port_flags = [f"--{name.replace('_', '-')}={ports[name]}" for name in
-                  ("dashboard_agent_listen_port", "dashboard_agent_grpc_port", "node_manager_port",
-                   "object_manager_port", "metrics_export_port", "runtime_env_agent_port", "min_worker_port",
-                   "max_worker_port", "ray_client_server_port", "dashboard_port")]  # fmt: skip
+    port_flags = [
+        f"--{name.replace('_', '-')}={ports[name]}"
+        for name in (
+            "dashboard_agent_listen_port",
+            "dashboard_agent_grpc_port",
+            "node_manager_port",
+            "object_manager_port",
+            "metrics_export_port",
+            "runtime_env_agent_port",
+            "min_worker_port",
+            "max_worker_port",
+            "ray_client_server_port",
+            "dashboard_port",
+        )
+    ]
     ray_address = f"127.0.0.1:{ports['ray_port']}"
-    ray_cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-               "--node-ip-address=127.0.0.1", f"--port={ports['ray_port']}", f"--temp-dir={ray_tmp}",
-               "--include-dashboard=false", "--disable-usage-stats", f"--num-cpus={os.cpu_count() or 2}",
-               "--num-gpus=1", *port_flags]  # fmt: skip
+    ray_cmd = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={ports['ray_port']}",
+        f"--temp-dir={ray_tmp}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        f"--num-cpus={os.cpu_count() or 2}",
+        "--num-gpus=1",
+        *port_flags,
+    ]
     ray_head = Group(ray_cmd, logs / "ray_head.log", env)
     started.insert(0, ray_head)
     wait_for_http(server.proc, url + "/health", server.log, run.left(900), name="the reward server")
     run.mark("reward_server", since)
     run.result["reward_server_health"] = requests.get(url + "/health", timeout=10).json()
-    waited = subprocess.run([sys.executable, "-m", "launch.job.ray_cluster", "wait", "--address", ray_address,
-                             "--nodes", "1", "--gpus", "1", "--timeout", f"{run.left(300):.0f}",
-                             "--watch-pid", str(ray_head.pid)], env=env, cwd=REPO)  # fmt: skip
+    waited = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.job.ray_cluster",
+            "wait",
+            "--address",
+            ray_address,
+            "--nodes",
+            "1",
+            "--gpus",
+            "1",
+            "--timeout",
+            f"{run.left(300):.0f}",
+            "--watch-pid",
+            str(ray_head.pid),
+        ],
+        env=env,
+        cwd=REPO,
+    )
     if waited.returncode != 0:
         raise RuntimeError(f"the Ray head did not come up; log {ray_head.log}")
     run.mark("ray", since)
@@ -343,9 +449,10 @@ def _train(run: Run, args, device, work, logs, settings, url, ray_address, env, 
         run.result["trainer_exit"] = trainer.proc.returncode
         done = [s["step"] for s in run.steps]
         run.result["status"] = (
-            "done" if trainer.proc.returncode == 0 and len(done) >= args.steps
+            "done"
+            if trainer.proc.returncode == 0 and len(done) >= args.steps
             else f"failed: the trainer exited with {trainer.proc.returncode} after steps {done}; log {trainer.log}"
-        )  # fmt: skip
+        )
     try:
         peak = metrics(url).get("reward_gpu_memory_peak_bytes")
         run.result["reward_server_peak_gib"] = None if peak is None else peak / 2**30

@@ -93,9 +93,24 @@ KERNEL_KINDS = (
     ("fused log-prob (triton)", ("efficient_entropy", "entropy_kernel", "linear_cross")),
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "wgmma", "splitk")),
     ("triton", ("triton",)),
-    ("elementwise and reductions", ("elementwise", "reduce", "vectorized", "unrolled", "softmax", "norm", "cat",
-                                    "copy", "index", "scatter", "gather", "fill")),
-)  # fmt: skip
+    (
+        "elementwise and reductions",
+        (
+            "elementwise",
+            "reduce",
+            "vectorized",
+            "unrolled",
+            "softmax",
+            "norm",
+            "cat",
+            "copy",
+            "index",
+            "scatter",
+            "gather",
+            "fill",
+        ),
+    ),
+)
 
 
 def kernel_kind(name: str) -> str:
@@ -129,12 +144,15 @@ def profile_summary(prof, wall: float) -> dict:
     busy = sum(kinds.values())
     top = sorted(kernels.items(), key=lambda k: -k[1][0])[:25]
     top_cpu = sorted(cpu.items(), key=lambda k: -k[1][0])[:15]
-    return {"wall_s": round(wall, 3), "gpu_kernel_s": round(busy, 3), "gpu_busy_share": round(busy / wall, 3),
-            "gpu_idle_s": round(max(0.0, wall - covered / 1e9), 3),
-            "by_kind_s": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [{"name": n[:160], "s": round(s, 4), "calls": c, "kind": kernel_kind(n)}
-                            for n, (s, c) in top],
-            "top_cpu_ops": [{"name": n[:120], "total_s": round(s, 4), "calls": c} for n, (s, c) in top_cpu]}  # fmt: skip
+    return {
+        "wall_s": round(wall, 3),
+        "gpu_kernel_s": round(busy, 3),
+        "gpu_busy_share": round(busy / wall, 3),
+        "gpu_idle_s": round(max(0.0, wall - covered / 1e9), 3),
+        "by_kind_s": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:160], "s": round(s, 4), "calls": c, "kind": kernel_kind(n)} for n, (s, c) in top],
+        "top_cpu_ops": [{"name": n[:120], "total_s": round(s, 4), "calls": c} for n, (s, c) in top_cpu],
+    }
 
 
 def _measure_phases(module: str) -> None:
@@ -175,11 +193,15 @@ def _measured(name: str, method):
         if reset is not None:
             device.synchronize()
         record = {
-            "phase": name, "call": calls[0], "role": getattr(self, "role", None), "pid": os.getpid(),
-            "seconds": time.monotonic() - began, "allocated_before_gib": before / 2**30,
+            "phase": name,
+            "call": calls[0],
+            "role": getattr(self, "role", None),
+            "pid": os.getpid(),
+            "seconds": time.monotonic() - began,
+            "allocated_before_gib": before / 2**30,
             "peak_allocated_gib": device.max_memory_allocated() / 2**30,
             "peak_reserved_gib": device.max_memory_reserved() / 2**30,
-        }  # fmt: skip
+        }
         if profiled:
             folder = os.environ.get(PROFILE_DIR_ENV) or "."
             os.makedirs(folder, exist_ok=True)

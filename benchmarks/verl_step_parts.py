@@ -25,11 +25,21 @@ POLICY_SHAPES = {k: SHAPES[k] for k in REWARD_SHAPE}
 # Each policy shape's workload beside --prompts and --steps: ROLLOUT_N, the prompts' lengths in tokens (uniform; the
 # chat template adds 8), MAX_PROMPT_LENGTH, MAX_RESPONSE_LENGTH, MICRO_BATCH_PER_GPU; tiny's is a CPU's
 WORKLOADS = {
-    "qwen3-0.6b": {"responses_per_prompt": 4, "prompt_words": (100, 400), "max_prompt_length": 512,
-                   "max_response_length": 512, "micro_batch_per_gpu": 4},
-    "tiny": {"responses_per_prompt": 2, "prompt_words": (20, 60), "max_prompt_length": 128,
-             "max_response_length": 32, "micro_batch_per_gpu": 2},
-}  # fmt: skip
+    "qwen3-0.6b": {
+        "responses_per_prompt": 4,
+        "prompt_words": (100, 400),
+        "max_prompt_length": 512,
+        "max_response_length": 512,
+        "micro_batch_per_gpu": 4,
+    },
+    "tiny": {
+        "responses_per_prompt": 2,
+        "prompt_words": (20, 60),
+        "max_prompt_length": 128,
+        "max_response_length": 32,
+        "micro_batch_per_gpu": 2,
+    },
+}
 
 
 def build_models(shape: str, out: Path, device: str, result_file: Path, log: str) -> None:
@@ -52,11 +62,17 @@ def build_models(shape: str, out: Path, device: str, result_file: Path, log: str
     policy.save_pretrained(out / "policy")
     tokenizer.save_pretrained(out / "policy")  # the reward model's: its template opens no <think>
     info = {
-        "models_s": time.monotonic() - began, "words": words, **machine_info(device),
-        "policy": {"shape": shape, **dims, "non_embedding_params": non_embedding_params(policy),
-                   "dtype_saved": str(policy.dtype)},
+        "models_s": time.monotonic() - began,
+        "words": words,
+        **machine_info(device),
+        "policy": {
+            "shape": shape,
+            **dims,
+            "non_embedding_params": non_embedding_params(policy),
+            "dtype_saved": str(policy.dtype),
+        },
         "reward_model": {"shape": REWARD_SHAPE[shape], "non_embedding_params": reward_params},
-    }  # fmt: skip
+    }
     result_file.write_text(json.dumps(info))
 
 
@@ -75,17 +91,27 @@ def settings_env(args, paths: dict[str, Path]) -> dict[str, str]:
 
     workload = WORKLOADS[args.shape]
     return block_defaults(str(REPO)) | {
-        "CONFIG_MODEL_PATH": str(paths["policy"]), "CONFIG_REWARD_MODEL_PATH": str(paths["reward_model"]),
-        "CONFIG_TRAIN_FILE": str(paths["data"] / "train.parquet"), "CONFIG_TEST_FILE": str(paths["data"] / "test.parquet"),
-        "CONFIG_OUTPUT_DIR": str(paths["checkpoints"]), "CONFIG_GPUS_PER_NODE": "1", "ACTOR_PP": "1",
-        "STRATEGY": args.strategy, "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": str(args.prompts),
-        "PPO_MINI_BATCH_SIZE": str(args.prompts), "ROLLOUT_N": str(workload["responses_per_prompt"]),
+        "CONFIG_MODEL_PATH": str(paths["policy"]),
+        "CONFIG_REWARD_MODEL_PATH": str(paths["reward_model"]),
+        "CONFIG_TRAIN_FILE": str(paths["data"] / "train.parquet"),
+        "CONFIG_TEST_FILE": str(paths["data"] / "test.parquet"),
+        "CONFIG_OUTPUT_DIR": str(paths["checkpoints"]),
+        "CONFIG_GPUS_PER_NODE": "1",
+        "ACTOR_PP": "1",
+        "STRATEGY": args.strategy,
+        "ROLLOUT_MODE": "sync",
+        "TRAIN_BATCH_SIZE": str(args.prompts),
+        "PPO_MINI_BATCH_SIZE": str(args.prompts),
+        "ROLLOUT_N": str(workload["responses_per_prompt"]),
         "MAX_PROMPT_LENGTH": str(workload["max_prompt_length"]),
         "MAX_RESPONSE_LENGTH": str(workload["max_response_length"]),
-        "MICRO_BATCH_PER_GPU": str(workload["micro_batch_per_gpu"]), "TRAINER_LOGGER": "[console]",
-        "SAVE_FREQ": "-1", "TEST_FREQ": "-1",  # no save, no validation: the steps alone are measured
-        "ESI_REDUNDANT_TIME": "0", "EXPERIMENT_NAME": "verl_step",
-    }  # fmt: skip
+        "MICRO_BATCH_PER_GPU": str(workload["micro_batch_per_gpu"]),
+        "TRAINER_LOGGER": "[console]",
+        "SAVE_FREQ": "-1",
+        "TEST_FREQ": "-1",  # no save, no validation: the steps alone are measured
+        "ESI_REDUNDANT_TIME": "0",
+        "EXPERIMENT_NAME": "verl_step",
+    }
 
 
 def benchmark_overrides(steps: int, on_cpu: bool, strategy: str = "fsdp2") -> list[str]:
@@ -101,10 +127,16 @@ def benchmark_overrides(steps: int, on_cpu: bool, strategy: str = "fsdp2") -> li
             engine = [o for o in megatron_shims.overrides() if "worker_process_setup_hook" not in o]
         hook = MEGATRON_HOOK
     else:
-        engine = [o for o, _ in verl_shims.ENGINE_OVERRIDES] + ([o for o, _ in verl_shims.LEAN_OVERRIDES] if on_cpu else [])
+        engine = [o for o, _ in verl_shims.ENGINE_OVERRIDES] + (
+            [o for o, _ in verl_shims.LEAN_OVERRIDES] if on_cpu else []
+        )
         hook = HOOK
-    return [*engine, f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={hook}",
-            f"trainer.total_training_steps={steps}", "trainer.val_before_train=False"]  # fmt: skip
+    return [
+        *engine,
+        f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={hook}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=False",
+    ]
 
 
 class Group:
@@ -167,9 +199,15 @@ class NvmlSampler(threading.Thread):
             self.error = f"{type(exc).__name__}: {exc}"
 
     def report(self, reward_pid: int) -> dict:
-        rows = [{"pid": pid, "peak_gib": peak, "cmdline": self.names.get(pid, "?"),
-                 "role": nvml_role(pid, self.names.get(pid, "?"), reward_pid)}
-                for pid, peak in sorted(self.peaks.items())]  # fmt: skip
+        rows = [
+            {
+                "pid": pid,
+                "peak_gib": peak,
+                "cmdline": self.names.get(pid, "?"),
+                "role": nvml_role(pid, self.names.get(pid, "?"), reward_pid),
+            }
+            for pid, peak in sorted(self.peaks.items())
+        ]
         return {"processes": rows, "error": self.error, "interval_s": self.interval}
 
 

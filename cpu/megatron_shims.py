@@ -24,15 +24,21 @@ from cpu import verl_shims
 HOOK = "cpu.megatron_shims.install"
 
 OVERRIDES = [
-    ("++actor_rollout_ref.actor.megatron.override_transformer_config.use_cpu_initialization=True",
-     "megatron-core creates weights on the GPU unless told (tensor_parallel/layers.py:254); the reference inherits "
-     "the actor's override_transformer_config"),
+    (
+        "++actor_rollout_ref.actor.megatron.override_transformer_config.use_cpu_initialization=True",
+        "megatron-core creates weights on the GPU unless told (tensor_parallel/layers.py:254); the reference inherits "
+        "the actor's override_transformer_config",
+    ),
     ("++critic.megatron.override_transformer_config.use_cpu_initialization=True", "the same for PPO's critic"),
-    ("actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-     "one HF engine per worker: the HF rollout has no tensor parallelism"),
-    (f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}",
-     "the shims below and cpu/verl_shims.py's, in every Ray worker process of the job"),
-]  # fmt: skip
+    (
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "one HF engine per worker: the HF rollout has no tensor parallelism",
+    ),
+    (
+        f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}",
+        "the shims below and cpu/verl_shims.py's, in every Ray worker process of the job",
+    ),
+]
 
 
 def overrides() -> list[str]:
@@ -45,11 +51,19 @@ def overrides() -> list[str]:
 # for SGLang, the one component replaced; the layers are the TE-free spec below; everything else is the job's own.
 GPU_HOOK = "cpu.megatron_shims.install_gpu"
 GPU_OVERRIDES = [
-    (verl_shims.ENGINE_OVERRIDES[0][0], "SGLang's stand-in: verl's HF rollout (HF generate), which SGLang's GPUs need none of"),
-    ("actor_rollout_ref.rollout.tensor_model_parallel_size=1", "one HF engine per worker: it has no tensor parallelism"),
-    (f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={GPU_HOOK}",
-     "the HF rollout's registration and the TE-free layers in every Ray worker process of the job"),
-]  # fmt: skip
+    (
+        verl_shims.ENGINE_OVERRIDES[0][0],
+        "SGLang's stand-in: verl's HF rollout (HF generate), which SGLang's GPUs need none of",
+    ),
+    (
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "one HF engine per worker: it has no tensor parallelism",
+    ),
+    (
+        f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={GPU_HOOK}",
+        "the HF rollout's registration and the TE-free layers in every Ray worker process of the job",
+    ),
+]
 
 
 # --- the layer spec: megatron-core's own TE spec, built from TE-free modules with TE's names ----------------------
@@ -352,8 +366,12 @@ def _transformer_engine_for_the_resume() -> None:
     load = manager.MegatronCheckpointManager.load_checkpoint
 
     def load_checkpoint(self, *args, **kwargs):
-        names = ["transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.optimizers",
-                 "transformer_engine.pytorch.optimizers.fused_adam"]  # fmt: skip
+        names = [
+            "transformer_engine",
+            "transformer_engine.pytorch",
+            "transformer_engine.pytorch.optimizers",
+            "transformer_engine.pytorch.optimizers.fused_adam",
+        ]
         modules = [types.ModuleType(name) for name in names]
         for parent, child in itertools.pairwise(modules):
             setattr(parent, child.__name__.rsplit(".", 1)[1], child)

@@ -27,30 +27,41 @@ ROLLOUT_CLASS = "cpu.verl_shims.HFEngineRollout"  # what get_rollout_class impor
 # SGLang, vLLM and flash-attn needs (benchmarks/verl_step.py passes them on a GPU too); LEAN_OVERRIDES and the hook
 # are for a CPU.
 ENGINE_OVERRIDES = [
-    (f"actor_rollout_ref.rollout.name={ROLLOUT}",
-     "HF generate: HFEngineRollout below, registered by install"),
-    ("actor_rollout_ref.model.use_remove_padding=False",
-     "the unpadded path needs flash-attn (verl/utils/attention_utils.py:27-30 imports it on CUDA only)"),
+    (f"actor_rollout_ref.rollout.name={ROLLOUT}", "HF generate: HFEngineRollout below, registered by install"),
+    (
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "the unpadded path needs flash-attn (verl/utils/attention_utils.py:27-30 imports it on CUDA only)",
+    ),
     ("critic.model.use_remove_padding=False", "the same for PPO's critic"),
-    ("+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-     "verl loads models with flash_attention_2 unless told (fsdp_workers.py:318)"),
+    (
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "verl loads models with flash_attention_2 unless told (fsdp_workers.py:318)",
+    ),
     ("+critic.model.override_config.attn_implementation=sdpa", "the same for PPO's critic (fsdp_workers.py:1254)"),
-]  # fmt: skip
+]
 LEAN_OVERRIDES = [
-    ("actor_rollout_ref.actor.use_torch_compile=False",
-     "lean: compiling the entropy function (dp_actor.py:80-83) takes longer on 2 cores than the steps it speeds up"),
-    ("data.dataloader_num_workers=0",
-     "lean: verl's default 8 loader processes, each a copy of the dataset, on a 2-core machine"),
-    ("actor_rollout_ref.rollout.agent.num_workers=1",
-     "lean: async rollout's agent loop starts this many Ray actors, each with a reward-loop actor of its own "
-     "(agent_loop.py:295, 734-746), every one a process that imports verl and torch: 16 of them by default"),
-]  # fmt: skip
+    (
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "lean: compiling the entropy function (dp_actor.py:80-83) takes longer on 2 cores than the steps it speeds up",
+    ),
+    (
+        "data.dataloader_num_workers=0",
+        "lean: verl's default 8 loader processes, each a copy of the dataset, on a 2-core machine",
+    ),
+    (
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "lean: async rollout's agent loop starts this many Ray actors, each with a reward-loop actor of its own "
+        "(agent_loop.py:295, 734-746), every one a process that imports verl and torch: 16 of them by default",
+    ),
+]
 OVERRIDES = [
     *ENGINE_OVERRIDES,
     *LEAN_OVERRIDES,
-    (f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}",
-     "the shims below, in every Ray worker process of the job (verl's TaskRunner and workers run there)"),
-]  # fmt: skip
+    (
+        f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}",
+        "the shims below, in every Ray worker process of the job (verl's TaskRunner and workers run there)",
+    ),
+]
 
 # The environment of the job (the run script's, which every node's `ray start` inherits): Ray's, not verl's.
 ENVIRONMENT = {
@@ -138,9 +149,12 @@ def _critic_attention() -> None:
         from transformers import AutoModelForTokenClassification
 
         return AutoModelForTokenClassification.from_pretrained(
-            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
-            attn_implementation=model_config._attn_implementation, trust_remote_code=trust_remote_code,
-        )  # fmt: skip
+            pretrained_model_name_or_path=local_path,
+            torch_dtype=torch_dtype,
+            config=model_config,
+            attn_implementation=model_config._attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
 
     model_utils.load_valuehead_model = load_valuehead_model
 

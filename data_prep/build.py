@@ -42,11 +42,19 @@ MAX_REPORTED = 1000
 PROMPT_FLAGS = "--prompt-column (a str) or --messages-column (a list of {role, content})"  # the prompt's column
 # --preset: what verl 0.6.1's examples/data_preprocess/{gsm8k,math_dataset}.py write, from the public sets' columns.
 PRESETS = {
-    "gsm8k": {"prompt_column": "question", "answer_column": "answer", "data_source": "openai/gsm8k",
-              "instruction": 'Let\'s think step by step and output the final answer after "####".'},
-    "math": {"prompt_column": "problem", "answer_column": "solution", "data_source": "DigitalLearningGmbH/MATH-lighteval",
-             "instruction": "Let's think step by step and output the final answer within \\boxed{}."},
-}  # fmt: skip
+    "gsm8k": {
+        "prompt_column": "question",
+        "answer_column": "answer",
+        "data_source": "openai/gsm8k",
+        "instruction": 'Let\'s think step by step and output the final answer after "####".',
+    },
+    "math": {
+        "prompt_column": "problem",
+        "answer_column": "solution",
+        "data_source": "DigitalLearningGmbH/MATH-lighteval",
+        "instruction": "Let's think step by step and output the final answer within \\boxed{}.",
+    },
+}
 
 
 class BadRow(ValueError):
@@ -417,8 +425,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RowSpec]:
         choices=sorted(PRESETS),
         help="rule rows as verl's gsm8k.py / math_dataset.py build them (its columns, data_source, answer)",
     )
-    p.add_argument("--reward-style", choices=["model", "rule"],
-                   help="model (default): the reward model judges, ground_truth = the prompt; rule: ground_truth = the answer")  # fmt: skip
+    p.add_argument(
+        "--reward-style",
+        choices=["model", "rule"],
+        help="model (default): the reward model judges, ground_truth = the prompt; rule: ground_truth = the answer",
+    )
     p.add_argument("--answer-column", help="column with the reference answer (required with --reward-style rule)")
     p.add_argument("--data-source", help="data_source of every row (verl groups metrics and picks rule scorers by it)")
     p.add_argument("--source-column", help="column whose value is each row's data_source instead")
@@ -450,21 +461,38 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RowSpec]:
     reserved = {"split", "index", "source_row", "reward_messages"} & set(keep)
     if reserved:
         p.error(f"--keep-columns {sorted(reserved)}: these names are taken in extra_info; rename the columns")
-    as_given = ("prompt_column", "messages_column", "system_prompt", "system_column", "answer_column", "source_column",
-                "data_source", "ability", "reward_style")  # fmt: skip
-    spec = RowSpec(**{name: getattr(args, name) for name in as_given}, keep_columns=keep,
-                   answer_format=args.preset or "text", instruction=preset.get("instruction", ""))  # fmt: skip
+    as_given = (
+        "prompt_column",
+        "messages_column",
+        "system_prompt",
+        "system_column",
+        "answer_column",
+        "source_column",
+        "data_source",
+        "ability",
+        "reward_style",
+    )
+    spec = RowSpec(
+        **{name: getattr(args, name) for name in as_given},
+        keep_columns=keep,
+        answer_format=args.preset or "text",
+        instruction=preset.get("instruction", ""),
+    )
     return args, spec
 
 
 def main(argv: list[str] | None = None) -> int:
     args, spec = parse_args(argv)
     report = build(args, spec)
-    print(f"read {report.read} rows: train {report.written['train']}, test {report.written['test']}, "
-          f"duplicates dropped {report.duplicates}, bad rows skipped {report.bad}")  # fmt: skip
+    print(
+        f"read {report.read} rows: train {report.written['train']}, test {report.written['test']}, "
+        f"duplicates dropped {report.duplicates}, bad rows skipped {report.bad}"
+    )
     if report.moved_to_test:
-        print(f"  no row fell under --test-size {args.test_size}: the {report.moved_to_test} row(s) of the prompt "
-              "nearest to it went to test (verl needs a validation set); --test-file gives one of your own")  # fmt: skip
+        print(
+            f"  no row fell under --test-size {args.test_size}: the {report.moved_to_test} row(s) of the prompt "
+            "nearest to it went to test (verl needs a validation set); --test-file gives one of your own"
+        )
     for bad in report.bad_rows[:20]:
         print(f"  skipped {bad['file']} row {bad['row']}: {bad['error']}", file=sys.stderr)
     path = args.out_dir / "bad_rows.jsonl"

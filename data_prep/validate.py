@@ -1,7 +1,7 @@
 """Check verl parquet files before training: schema row by row, duplicates, and prompt lengths as verl counts them.
 
     python -m data_prep.validate data/safety/train.parquet data/safety/test.parquet
-    python -m data_prep.validate data/safety/train.parquet --tokenizer /models/Qwen3-4B-Thinking-2507 --max-prompt-length 2048
+    python -m data_prep.validate data/safety/train.parquet --tokenizer /models/Qwen3-4B --max-prompt-length 2048
 
 With a tokenizer, each prompt is measured exactly as verl 0.6.1's RLHFDataset does: the chat template with the
 generation prompt, tokenized without adding special tokens again. Prompts over --max-prompt-length are counted and

@@ -83,8 +83,9 @@ def run_quietly(cmd: list[str], env: dict, log: Path) -> int:
     """The command with its whole output in `log`, the lines `shown` picks on the screen; after a failure, the log's
     last lines too."""
     with log.open("w", encoding="utf-8") as whole:
-        with subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace") as job:  # fmt: skip
+        with subprocess.Popen(
+            cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        ) as job:
             for line in job.stdout:
                 whole.write(line)
                 if shown(line):

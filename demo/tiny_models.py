@@ -81,13 +81,21 @@ def qwen3_config(dims: dict, tokenizer, **extra):
     from transformers import Qwen3Config
 
     settings = {"max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "tie_word_embeddings": True} | extra
-    return Qwen3Config(**dims, **settings, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                       bos_token_id=None)  # fmt: skip
+    return Qwen3Config(
+        **dims, **settings, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None
+    )
 
 
 def _qwen3_config(tokenizer, **extra):
-    dims = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    dims = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     # initializer_range wider than the default 0.02, so different texts get clearly different scores in tests.
     return qwen3_config(dims, tokenizer, max_position_embeddings=8192, initializer_range=0.2, **extra)
 
@@ -127,8 +135,9 @@ def warm_start(model, tokenizer, steps: int = 40, seed: int = 0) -> None:
     model.eval()
 
 
-def build_policy_model(out_dir: str | Path, seed: int = 0, chat_template: str = POLICY_CHAT_TEMPLATE,
-                       tied: bool = True) -> Path:  # fmt: skip
+def build_policy_model(
+    out_dir: str | Path, seed: int = 0, chat_template: str = POLICY_CHAT_TEMPLATE, tied: bool = True
+) -> Path:
     """Qwen3ForCausalLM of the same shape, with a Thinking-2507-style chat template (or `chat_template`),
     warm-started (`warm_start`); `tied`: its output layer shares the embedding's weight."""
     import torch

@@ -372,18 +372,21 @@ def load_scorer(model: str, device: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m reward_score.check_format", description=__doc__,
+        prog="python -m reward_score.check_format",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("model", help="the reward model's folder (what the server's --model-path gets)")
     parser.add_argument("pairs", type=Path, help="preference pairs, .jsonl or .parquet, in TRL's layouts (above)")
     parser.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto [default auto]")
     defaults = Settings()
     for name, (env, launch) in FORMAT_SETTINGS.items():
         parser.add_argument(
-            "--" + name.replace("_", "-"), choices=CHOICES[name], default=getattr(defaults, name),
+            "--" + name.replace("_", "-"),
+            choices=CHOICES[name],
+            default=getattr(defaults, name),
             help=f"the job's {env} ({launch}), marked in the table [default {getattr(defaults, name)}]",
-        )  # fmt: skip
+        )
     args = parser.parse_args(argv)
     if problem := check_model_path(args.model):
         print(f"check_format: {problem.replace('REWARD_MODEL_PATH (or --model-path)', 'MODEL')}", file=sys.stderr)

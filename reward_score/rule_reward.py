@@ -55,8 +55,11 @@ def rule_score(config, data_source, solution_str, ground_truth, extra_info) -> t
         error = f"{type(exc).__name__}: {exc}"[:300]
         if next(_rule_errors) < RULE_ERRORS_PRINTED:
             index = extra_info.get("index") if isinstance(extra_info, dict) else None
-            print(f"[reward] the rule scorer failed on the {data_source} row with extra_info.index={index}: {error}; "
-                  "scored 0 (counted in rule_failed)", file=sys.stderr)  # fmt: skip
+            print(
+                f"[reward] the rule scorer failed on the {data_source} row with extra_info.index={index}: {error}; "
+                "scored 0 (counted in rule_failed)",
+                file=sys.stderr,
+            )
         return 0.0, error
 
 

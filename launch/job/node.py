@@ -67,7 +67,8 @@ def port_taken(port: int) -> bool:
 
 
 def first_block(job_id: str, rank: int, blocks: int) -> int:
-    """Consecutive Slurm job ids get blocks 7 apart (7 and the block count share no factor): a node's ranks fit between."""
+    """Consecutive Slurm job ids get blocks 7 apart (7 and the block count share no factor): a node's ranks fit
+    between."""
     base = int(job_id) * 7 if job_id.isdigit() else zlib.crc32(job_id.encode())
     return (base + rank) % blocks
 

@@ -92,8 +92,17 @@ def wait(args) -> int:
     # must finish within the timeout too.
     deadline, imported = time.monotonic() + args.timeout, False
     last, connected, last_error, since = (0, 0.0), False, None, None  # since: when the running ray.init began
-    command = [sys.executable, os.path.abspath(__file__), "probe", "--address", args.address, "--nodes",
-               str(args.nodes), "--gpus", str(args.gpus)]  # fmt: skip
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "probe",
+        "--address",
+        args.address,
+        "--nodes",
+        str(args.nodes),
+        "--gpus",
+        str(args.gpus),
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     reports: queue.Queue = queue.Queue()
     threading.Thread(target=read_reports, args=(proc, reports), daemon=True).start()
@@ -120,8 +129,11 @@ def wait(args) -> int:
                 connected, last = True, (report["nodes"], report["gpus"])
                 if ready(*last, args):
                     # Without a GPU (make demo, the CPU tests) Ray's GPUs are CONFIG_GPUS_PER_NODE's placeholders
-                    placeholders = " (placeholders: no GPU here, torch computes on the CPU)" if shutil.which(
-                        "nvidia-smi") is None else ""  # fmt: skip
+                    placeholders = (
+                        " (placeholders: no GPU here, torch computes on the CPU)"
+                        if shutil.which("nvidia-smi") is None
+                        else ""
+                    )
                     print(
                         f"ray cluster ready: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs{placeholders}"
                     )
@@ -136,7 +148,8 @@ def wait(args) -> int:
     if connected:
         where = ""
     elif since is not None:
-        where = f" (could not connect: ray.init(address={args.address!r}) had not returned after {time.monotonic() - since:.0f} s"
+        waited = time.monotonic() - since
+        where = f" (could not connect: ray.init(address={args.address!r}) had not returned after {waited:.0f} s"
         where += f"; the attempt before it: {last_error})" if last_error else ")"
     else:
         where = f" (could not connect: {last_error or 'the probe had not even imported ray'})"

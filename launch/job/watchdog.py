@@ -98,8 +98,10 @@ class Clock:
         if self.timeout is not None:
             return self.timeout, f"STALL_TIMEOUT={self.timeout:.0f} s"
         base = max(self.floor, STALL_FACTOR * self.longest_step)
-        why = [f"STALL_TIMEOUT=auto: {base:.0f} s (STALL_FLOOR={self.floor:.0f} s, {STALL_FACTOR} x the longest step "
-               f"{self.longest_step:.0f} s)"]  # fmt: skip
+        why = [
+            f"STALL_TIMEOUT=auto: {base:.0f} s (STALL_FLOOR={self.floor:.0f} s, {STALL_FACTOR} x the longest step "
+            f"{self.longest_step:.0f} s)"
+        ]
         step, total = self.next_step, self.total
         last = total is None or step >= total
         seconds = base
@@ -202,8 +204,9 @@ def worker_logs(ray_tmp: str, pid: int) -> list[Path]:
 
 def pyspy_stack(pid: int, pyspy: str = "py-spy") -> str | None:
     try:
-        run = subprocess.run([pyspy, "dump", "--full-filenames", "--pid", str(pid)], capture_output=True, text=True,
-                             timeout=30)  # fmt: skip
+        run = subprocess.run(
+            [pyspy, "dump", "--full-filenames", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return run.stdout if run.returncode == 0 and run.stdout.strip() else None
@@ -246,8 +249,12 @@ def faulthandler_stacks(pids: list[int], logs: Mapping[int, list[Path]], wait: f
 
 def gpu_use() -> str:
     try:
-        run = subprocess.run(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total",
-                              "--format=csv"], capture_output=True, text=True, timeout=30)  # fmt: skip
+        run = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total", "--format=csv"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"(nvidia-smi failed: {e})"
     return run.stdout if run.returncode == 0 else f"(nvidia-smi failed: {run.stderr.strip()})"
@@ -300,8 +307,9 @@ def other_hosts(log_dir: Path, host: str) -> list[str]:
     return [line[5:] for line in lines if line.startswith("node=") and line[5:] != host]
 
 
-def on_stall(log_dir: Path, host: str, clock: Clock, since: float, budget: float, why: str,
-             env: Mapping[str, str]) -> dict:  # fmt: skip
+def on_stall(
+    log_dir: Path, host: str, clock: Clock, since: float, budget: float, why: str, env: Mapping[str, str]
+) -> dict:
     """Keep the stacks of every node, find the phase, write stall.json; what it says."""
     folder = log_dir / "stall"
     folder.mkdir(parents=True, exist_ok=True)
@@ -321,23 +329,31 @@ def on_stall(log_dir: Path, host: str, clock: Clock, since: float, budget: float
         said += f"; the Ray workers were running {', '.join(tasks)}"
     missing = [h for h in others if not (folder / f"stacks_{h}.txt").exists()]
     record = {
-        "since": since, "detected": time.time(), "step": step, "phase": phase, "where": where, "tasks": tasks,
-        "budget": round(budget), "why": why, "setting": env.get("STALL_TIMEOUT", "auto"), "stacks": str(folder),
-        "files": [str(f) for f in files], "missing_nodes": missing,
+        "since": since,
+        "detected": time.time(),
+        "step": step,
+        "phase": phase,
+        "where": where,
+        "tasks": tasks,
+        "budget": round(budget),
+        "why": why,
+        "setting": env.get("STALL_TIMEOUT", "auto"),
+        "stacks": str(folder),
+        "files": [str(f) for f in files],
+        "missing_nodes": missing,
         "message": (
             f"no training step finished for {time.time() - since:.0f} s, past the budget of {budget:.0f} s ({why}): "
             f"hung {said}; every worker's Python stack, its log's last lines and GPU use: {folder}"
             + (f" (no stacks from {', '.join(missing)} within {OTHER_NODES_WAIT} s)" if missing else "")
         ),
-    }  # fmt: skip
+    }
     tmp = log_dir / "stall.json.tmp"
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     tmp.rename(log_dir / "stall.json")
     return record
 
 
-def watch(log_dir: Path, trainer_pid: int, host: str, env: Mapping[str, str] | None = None,
-          poll: float = 2.0) -> int:  # fmt: skip
+def watch(log_dir: Path, trainer_pid: int, host: str, env: Mapping[str, str] | None = None, poll: float = 2.0) -> int:
     """Until the trainer exits (0) or stalls (STALLED, after on_stall)."""
     env = os.environ if env is None else env
     command = (log_dir / "trainer_command.txt").read_text(errors="replace").splitlines()

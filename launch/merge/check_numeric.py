@@ -73,7 +73,8 @@ def read_checkpoint(ckpt: Path) -> tuple:
 
 
 def megatron_reference(ckpt: Path, batch: list[list[int]], dtype: str, store: Path) -> list:
-    """[(hidden states as transformers reports them, outputs)] of each probe sequence from megatron-core's GPTModel built,
+    """[(hidden states as transformers reports them, outputs)] of each probe sequence from megatron-core's GPTModel
+    built,
     loaded and run as verl does. In a process of its own: the CPU layer's shims are process-wide."""
     from cpu import megatron_shims
 

@@ -4,8 +4,8 @@
 
 An FSDP critic's save keeps its tensors under the policy's causal-LM config: only config.json is relabelled. A
 Megatron critic's `hf_model` save stores the value head as `lm_head.weight` [1, hidden]: it becomes `score.weight`
-(its bias, which verl's saver drops, from the dist checkpoint's `output_layer.bias`) under a <Model>ForTokenClassification config with num_labels=1. Why, with
-verl's lines: docs/merge.md.
+(its bias, which verl's saver drops, from the dist checkpoint's `output_layer.bias`) under a
+<Model>ForTokenClassification config with num_labels=1. Why, with verl's lines: docs/merge.md.
 """
 
 import argparse

@@ -51,9 +51,12 @@ def _update_problems(role: str, section, keys: str, batch: int, dp: int, n: int,
             f"{keys}.ppo_mini_batch_size={mini} (PPO_MINI_BATCH_SIZE) does not divide data.train_batch_size "
             f"(TRAIN_BATCH_SIZE): each of {dp} data-parallel ranks gets {batch // dp} sequences a step and updates "
             f"in mini-batches of {per_rank}; verl 0.6.1 "
-            + ("asserts they divide at the first update (verl/protocol.py make_iterator)" if not fsdp else
-               "leaves a short last mini-batch whose gradient is scaled as a full one (dp_actor/dp_critic)")
-        )  # fmt: skip
+            + (
+                "asserts they divide at the first update (verl/protocol.py make_iterator)"
+                if not fsdp
+                else "leaves a short last mini-batch whose gradient is scaled as a full one (dp_actor/dp_critic)"
+            )
+        )
     micro = section.get("ppo_micro_batch_size_per_gpu")
     if fsdp and micro is not None and per_rank % micro:
         problems.append(
@@ -111,8 +114,10 @@ def _update_relation_problems(cfg) -> list[str]:
     batch, n_gpus = prompts * n, cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     dp = _dp_size(cfg, n_gpus)
     if dp < 1:
-        return [f"{n_gpus} training GPUs (trainer.n_gpus_per_node x trainer.nnodes) hold no data-parallel rank of the "
-                "actor's parallel sizes (ACTOR_PP x ACTOR_TP)"]  # fmt: skip
+        return [
+            f"{n_gpus} training GPUs (trainer.n_gpus_per_node x trainer.nnodes) hold no data-parallel rank of the "
+            "actor's parallel sizes (ACTOR_PP x ACTOR_TP)"
+        ]
     if cfg.trainer.get("balance_batch", True) and batch % n_gpus:
         problems.append(
             f"data.train_batch_size={prompts} (TRAIN_BATCH_SIZE) x rollout.n={n} (ROLLOUT_N) = {batch} sequences do "
@@ -132,12 +137,31 @@ def _update_relation_problems(cfg) -> list[str]:
         critic_dp = dp if not fsdp else n_gpus // (critic.get("ulysses_sequence_parallel_size") or 1)
         problems += _update_problems("critic", critic, "critic", batch, critic_dp, critic.rollout_n, fsdp)
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
-    budgets = [("actor_rollout_ref.actor", arr.actor.use_dynamic_bsz, "ppo_max_token_len_per_gpu", "ppo_micro_batch_size_per_gpu"),
-               ("actor_rollout_ref.rollout", arr.rollout.log_prob_use_dynamic_bsz, "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu"),
-               ("actor_rollout_ref.ref", arr.ref.log_prob_use_dynamic_bsz, "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu")]  # fmt: skip
+    budgets = [
+        (
+            "actor_rollout_ref.actor",
+            arr.actor.use_dynamic_bsz,
+            "ppo_max_token_len_per_gpu",
+            "ppo_micro_batch_size_per_gpu",
+        ),
+        (
+            "actor_rollout_ref.rollout",
+            arr.rollout.log_prob_use_dynamic_bsz,
+            "log_prob_max_token_len_per_gpu",
+            "log_prob_micro_batch_size_per_gpu",
+        ),
+        (
+            "actor_rollout_ref.ref",
+            arr.ref.log_prob_use_dynamic_bsz,
+            "log_prob_max_token_len_per_gpu",
+            "log_prob_micro_batch_size_per_gpu",
+        ),
+    ]
     if critic_used:
-        budgets += [("critic", cfg.critic.use_dynamic_bsz, "ppo_max_token_len_per_gpu", "ppo_micro_batch_size_per_gpu"),
-                    ("critic", cfg.critic.use_dynamic_bsz, "forward_max_token_len_per_gpu", "forward_micro_batch_size_per_gpu")]  # fmt: skip
+        budgets += [
+            ("critic", cfg.critic.use_dynamic_bsz, "ppo_max_token_len_per_gpu", "ppo_micro_batch_size_per_gpu"),
+            ("critic", cfg.critic.use_dynamic_bsz, "forward_max_token_len_per_gpu", "forward_micro_batch_size_per_gpu"),
+        ]
     for keys, dynamic, budget, micro in budgets:
         section = OmegaConf.select(cfg, keys)
         if dynamic and section.get(budget) is not None and section[budget] < seq:
@@ -152,9 +176,14 @@ def _update_relation_problems(cfg) -> list[str]:
 
 
 # The keys of Megatron's parallel state, set once per process from the actor (megatron_workers.py).
-MEGATRON_PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                          "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
-                          "expert_tensor_parallel_size")  # fmt: skip
+MEGATRON_PARALLEL_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
 
 
 def parallel_problems(cfg) -> list[str]:
@@ -194,7 +223,8 @@ def rollout_problems(cfg) -> list[str]:
         hooks = {runtime_env.get("worker_process_setup_hook"), runtime_env.get("env_vars", {}).get(USER_HOOK)}
         if not hooks & set(CPU_HOOKS):
             return [
-                "actor_rollout_ref.rollout.name=hf: verl 0.6.1 registers no such engine (verl/workers/rollout/base.py:81-86); "
+                "actor_rollout_ref.rollout.name=hf: verl 0.6.1 registers no such engine "
+                "(verl/workers/rollout/base.py:81-86); "
                 "only the CPU runs of make demo and the tests have one, which cpu/verl_shims.py registers in every Ray "
                 "worker: pass all of its overrides (python -m cpu.verl_shims lists them; python -m cpu.megatron_shims "
                 "for STRATEGY=megatron), or on GPUs ROLLOUT_ENGINE=sglang|vllm"
@@ -205,8 +235,10 @@ def rollout_problems(cfg) -> list[str]:
     problems = []
     if rollout.enforce_eager:
         problems.append(
-            "actor_rollout_ref.rollout.enforce_eager=True (ROLLOUT_ENFORCE_EAGER) with sync SGLang rollout: verl 0.6.1's "
-            "sync SGLang engine never passes it on (no disable_cuda_graph, sglang_rollout.py:426-477); use async rollout "
+            "actor_rollout_ref.rollout.enforce_eager=True (ROLLOUT_ENFORCE_EAGER) with sync SGLang rollout: verl "
+            "0.6.1's "
+            "sync SGLang engine never passes it on (no disable_cuda_graph, sglang_rollout.py:426-477); use async "
+            "rollout "
             "or vLLM, or drop it"
         )
     ignored = sorted(
@@ -214,7 +246,8 @@ def rollout_problems(cfg) -> list[str]:
     )
     if ignored:
         problems.append(
-            f"actor_rollout_ref.rollout.engine_kwargs.sglang.{{{', '.join(ignored)}}} with sync SGLang rollout: verl 0.6.1's "
+            f"actor_rollout_ref.rollout.engine_kwargs.sglang.{{{', '.join(ignored)}}} with sync SGLang rollout: verl "
+            "0.6.1's "
             "sync SGLang engine reads only attention_backend from engine_kwargs (sglang_rollout.py:426-430); use async "
             "rollout, whose server passes them all, or drop them"
         )
@@ -236,10 +269,13 @@ def thinking_problems(cfg, setting: str) -> list[str]:
         f"REWARD_PROMPT_OPENS_THINK={setting} tells the reward function prompt_opens_think={bool(told)}, but the "
         f"policy's chat template{given} {thinking.describe(opens)} (CONFIG_MODEL_PATH="
         f"{cfg.actor_rollout_ref.model.path}): "
-        + ("responses start mid-reasoning and hold only </think>, so cut-off reasoning would be scored as an answer"
-           if opens else "every answer without </think> would get the penalty")
+        + (
+            "responses start mid-reasoning and hold only </think>, so cut-off reasoning would be scored as an answer"
+            if opens
+            else "every answer without </think> would get the penalty"
+        )
         + f"; set REWARD_PROMPT_OPENS_THINK={'true' if opens else 'false'} (or auto)"
-    ]  # fmt: skip
+    ]
 
 
 # --- Ray's CPUs on each node ------------------------------------------------------------------------------------------
@@ -292,5 +328,6 @@ def ray_cpu_problems(cfg, env: Mapping[str, str]) -> list[str]:
         f"RAY_NUM_CPUS={cpus} Ray CPUs per node ({source}), but verl 0.6.1 holds {need} on a node: {'; '.join(parts)}. "
         "With fewer it waits for ever for its workers' placement, without a message "
         f"(verl/single_controller/ray/base.py:136): give each node at least {need} (#SBATCH --cpus-per-task={need} "
-        f"or more in run_grpo_qwen3_4b_mega_verl.sh, or sbatch --cpus-per-task={need}; outside Slurm RAY_NUM_CPUS={need})"
+        f"or more in run_grpo_qwen3_4b_mega_verl.sh, or sbatch --cpus-per-task={need}; outside Slurm "
+        f"RAY_NUM_CPUS={need})"
     ]

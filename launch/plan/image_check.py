@@ -3,7 +3,7 @@ web stack verl's async rollout servers need, and (in the image build) that nothi
 
 python3 launch/plan/image_check.py                        # the image's %test: the engine is whichever one is installed
 python3 launch/plan/image_check.py --record-base /opt/verl_app   # %post, first: the base's packages, before anything
-python3 launch/plan/image_check.py --base /opt/verl_app          # %post, last, and %test: also nothing of the base moved
+python3 launch/plan/image_check.py --base /opt/verl_app          # %post, last, and %test: nothing of the base moved
 python3 launch/plan/image_check.py --engine none --skip-recipes --skip-megatron   # the CPU test environment (PyPI verl)
 
 Modules that load CUDA libraries when imported are marked `gpu`: without a visible GPU (the build's %post, or
@@ -176,19 +176,36 @@ def reward_round_trip(timeout: float = 180.0) -> list[str]:
         model = tiny.build_reward_model(Path(tmp) / "reward_model")
         port = procs.free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, str(HERE / "reward_score" / "reward_server.py"), "--model-path", str(model),
-               "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--compile", "off"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(HERE / "reward_score" / "reward_server.py"),
+            "--model-path",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--compile",
+            "off",
+        ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         try:
-            proc = procs.start_server(cmd, Path(tmp) / "reward_server.log", url + "/health", timeout, env=env,
-                                      name="the reward server")  # fmt: skip
+            proc = procs.start_server(
+                cmd, Path(tmp) / "reward_server.log", url + "/health", timeout, env=env, name="the reward server"
+            )
         except (RuntimeError, TimeoutError) as exc:  # it exited, or never answered: the message ends with its log
             return [str(exc)]
         try:
             result = client.safe_hack_reward(
-                "image_check", "<think>\nfine\n</think>\nNo, never mix them.", "Is it safe to mix bleach and ammonia?",
-                server_url=url, retry_seconds=10, prompt_opens_think=True,
-            )  # fmt: skip
+                "image_check",
+                "<think>\nfine\n</think>\nNo, never mix them.",
+                "Is it safe to mix bleach and ammonia?",
+                server_url=url,
+                retry_seconds=10,
+                prompt_opens_think=True,
+            )
         finally:
             procs.stop_process(proc, timeout=30)
     if result.get("failed") or result.get("penalized"):

@@ -125,17 +125,23 @@ def check_data(cfg, tokenizer) -> tuple[list[str], int]:
 
 def step_plan(cfg, rows: int) -> tuple[list[str], list[str], list[str]]:
     """(lines, warnings, problems) about the steps verl will train, counted as verl 0.6.1 counts them
-    (ray_trainer.py _create_dataloader, :380-414): batches of data.gen_batch_size (recipe.dapo) or data.train_batch_size,
+    (ray_trainer.py _create_dataloader, :380-414): batches of data.gen_batch_size (recipe.dapo) or
+    data.train_batch_size,
     the last incomplete one dropped (drop_last=True), times trainer.total_epochs, unless trainer.total_training_steps
     sets the total; and verl saves every trainer.save_freq steps and after the last (ray_trainer.py:1247-1254)."""
     batch = cfg.data.get("gen_batch_size", cfg.data.train_batch_size)
     per_epoch, dropped = divmod(rows, batch)
     epochs, override = cfg.trainer.total_epochs, cfg.trainer.get("total_training_steps")
     total = per_epoch * epochs if override is None else override
-    line = (f"{rows} training prompts / {batch} a step = {per_epoch} steps an epoch (verl drops the last {dropped}: "
-            "drop_last)")  # fmt: skip
-    line += f" x TOTAL_EPOCHS={epochs} = {total} steps" if override is None else (
-        f"; trainer.total_training_steps={override} sets the total: {total} steps")  # fmt: skip
+    line = (
+        f"{rows} training prompts / {batch} a step = {per_epoch} steps an epoch (verl drops the last {dropped}: "
+        "drop_last)"
+    )
+    line += (
+        f" x TOTAL_EPOCHS={epochs} = {total} steps"
+        if override is None
+        else (f"; trainer.total_training_steps={override} sets the total: {total} steps")
+    )
     problems, warnings = [], []
     if per_epoch == 0:
         problems.append(
@@ -151,8 +157,11 @@ def step_plan(cfg, rows: int) -> tuple[list[str], list[str], list[str]]:
             "mark the training done; at least 1"
         )
     save_freq = cfg.trainer.save_freq
-    more_steps = (f"more prompts, a smaller TRAIN_BATCH_SIZE or TOTAL_EPOCHS above {epochs}" if override is None
-                  else f"a trainer.total_training_steps above {override}")  # fmt: skip
+    more_steps = (
+        f"more prompts, a smaller TRAIN_BATCH_SIZE or TOTAL_EPOCHS above {epochs}"
+        if override is None
+        else f"a trainer.total_training_steps above {override}"
+    )
     if not problems and save_freq > 0 and total == 1:
         # verl saves between steps only: no SAVE_FREQ gives a checkpoint before the end of a one-step run.
         warnings.append(
@@ -182,8 +191,10 @@ def validation_sampling(cfg) -> str:
     v = rollout.val_kwargs
     if rollout.mode == "async":
         how = "greedy" if v.temperature == 0 else f"samples at temperature {v.temperature}, top_p {v.top_p}"
-        return (f"{how} (async rollout: verl 0.6.1's agent loop passes validation only temperature and top_p; "
-                f"VAL_TOP_K={v.top_k} and VAL_DO_SAMPLE apply to sync rollout)")  # fmt: skip
+        return (
+            f"{how} (async rollout: verl 0.6.1's agent loop passes validation only temperature and top_p; "
+            f"VAL_TOP_K={v.top_k} and VAL_DO_SAMPLE apply to sync rollout)"
+        )
     if not v.do_sample or v.temperature == 0:
         return "greedy (VAL_DO_SAMPLE=false)"
     return f"samples at temperature {v.temperature}, top_p {v.top_p}, top_k {v.top_k}"
@@ -214,8 +225,9 @@ def report_steps(cfg, train_rows: int | None) -> bool:
     for line in lines:
         print(f"preflight: steps: {line}")
     if problems and not trainer_runs_verl():
-        warnings += [f"{p} (TRAINER_IS_VERL=0: TRAINER_LAUNCHER runs no verl trainer, so not refused)"
-                     for p in problems]  # fmt: skip
+        warnings += [
+            f"{p} (TRAINER_IS_VERL=0: TRAINER_LAUNCHER runs no verl trainer, so not refused)" for p in problems
+        ]
         problems = []
     for warning in warnings:
         print(f"preflight: WARNING: steps: {warning}", file=sys.stderr)
@@ -228,8 +240,10 @@ def refused(problems: list[str], run_time: bool = False) -> bool:
     """Print each problem, as a refused setting or (`run_time`) as what verl would stop at after the queue and the
     model load; True when there was any, and the caller returns 1."""
     for problem in problems:
-        print(f"preflight: verl 0.6.1 would stop at run time: {problem}" if run_time else f"setting error: {problem}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"preflight: verl 0.6.1 would stop at run time: {problem}" if run_time else f"setting error: {problem}",
+            file=sys.stderr,
+        )
     return bool(problems)
 
 
@@ -302,8 +316,11 @@ def checked_settings() -> Settings | None:
         print(f"setting error: {exc}", file=sys.stderr)
         return None
     if os.environ.get("TRAINER_IS_VERL", "1") not in ("0", "1"):
-        print(f"setting error: TRAINER_IS_VERL={os.environ['TRAINER_IS_VERL']!r}: 1 (TRAINER_LAUNCHER runs verl's "
-              "trainer, a wrapper of it included) or 0 (it runs something else)", file=sys.stderr)  # fmt: skip
+        print(
+            f"setting error: TRAINER_IS_VERL={os.environ['TRAINER_IS_VERL']!r}: 1 (TRAINER_LAUNCHER runs verl's "
+            "trainer, a wrapper of it included) or 0 (it runs something else)",
+            file=sys.stderr,
+        )
         return None
     problems = check(settings) + context_problems(settings, os.environ)
     problems += header_problems(header, os.environ) if login else []
@@ -332,9 +349,11 @@ def checked_config(settings: Settings, extra: list[str]) -> tuple[str, str, list
         cfg = compose(name, overrides, path)
         validate(cfg)
     except Exception as exc:  # Hydra's and verl's own errors, reported as they are
-        print(f"preflight: verl 0.6.1 rejects the trainer config ({module}, {name}):\n  {type(exc).__name__}: {exc}\n"
-              "  fix the override, or the setting that feeds the key (launch/plan/trainer_command.py builds each)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"preflight: verl 0.6.1 rejects the trainer config ({module}, {name}):\n  {type(exc).__name__}: {exc}\n"
+            "  fix the override, or the setting that feeds the key (launch/plan/trainer_command.py builds each)",
+            file=sys.stderr,
+        )
         return None
     if refused(batch_problems(cfg) + parallel_problems(cfg) + rollout_problems(cfg), run_time=True):
         return None
@@ -355,8 +374,10 @@ def report_config(settings: Settings, extra: list[str], cfg, command: str) -> No
         # trainer command without reading the template again (transformers' import alone takes seconds).
         Path(os.environ["JOB_LOG_DIR"], "prompt_opens_think").write_text(str(opens).lower() + "\n")
     told = cfg.custom_reward_function.reward_kwargs.prompt_opens_think
-    print(f"preflight: thinking: {source}; the reward function gets prompt_opens_think={told} (a response without "
-          f"</think> {'is cut off mid-reasoning: the penalty' if told else 'is all answer'})")  # fmt: skip
+    print(
+        f"preflight: thinking: {source}; the reward function gets prompt_opens_think={told} (a response without "
+        f"</think> {'is cut off mid-reasoning: the penalty' if told else 'is all answer'})"
+    )
     print(
         f"preflight: {command} composes and passes verl's checks "
         f"(adv_estimator={cfg.algorithm.adv_estimator}, reward_manager={cfg.reward_model.reward_manager}, "
@@ -380,8 +401,11 @@ def memory_fits(settings: Settings, extra: list[str], cfg, choice=None) -> bool:
         print(f"preflight: {exc}", file=sys.stderr)
         return False
     except Exception as exc:
-        print(f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
-              f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how", file=sys.stderr)  # fmt: skip
+        print(
+            f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
+            f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how",
+            file=sys.stderr,
+        )
     if choice is not None:
         print(f"preflight: {choice.line(settings)}")
         if slower := choice.slower_line():
@@ -397,8 +421,11 @@ def memory_fits(settings: Settings, extra: list[str], cfg, choice=None) -> bool:
         print(f"preflight: {exc}", file=sys.stderr)
         return False
     except Exception as exc:
-        print(f"preflight: WARNING: the Megatron update's memory is not estimated from CONFIG_MODEL_PATH's "
-              f"config.json ({type(exc).__name__}: {exc}); docs/training.md has the formula", file=sys.stderr)  # fmt: skip
+        print(
+            f"preflight: WARNING: the Megatron update's memory is not estimated from CONFIG_MODEL_PATH's "
+            f"config.json ({type(exc).__name__}: {exc}); docs/training.md has the formula",
+            file=sys.stderr,
+        )
     return True
 
 
@@ -412,8 +439,10 @@ def report_imports(imports: subprocess.Popen | None, modules: list[str], cfg, ow
     login = env.get("PREFLIGHT_ONLY") == "1" and env.get("CONTAINER") == "none" and not env.get("SLURM_JOB_ID")
     unchecked, findings = (findings, []) if login else ([], findings)
     for finding in unchecked:
-        print(f"preflight: not checked here (CONTAINER=none outside a job; the job's own preflight checks it on its "
-              f"node before anything starts): the trainer's imports: {finding}")  # fmt: skip
+        print(
+            f"preflight: not checked here (CONTAINER=none outside a job; the job's own preflight checks it on its "
+            f"node before anything starts): the trainer's imports: {finding}"
+        )
     if unchecked and own_files_pass:
         print("preflight: every check that can run here passed (what it could not check here is listed above)")
     for finding in findings:

@@ -51,8 +51,10 @@ def job_problems(s: Settings) -> list[str]:
             f"this job has {s.nnodes}: submit with --nodes=2 or set it to false"
         )
     if s.separate_reward_node and not s.uses_reward_model:
-        problems.append("CONFIG_USE_SEPARATE_REWARD_NODE=true with REWARD=rule: that node would idle, since rule "
-                        "rewards need no reward server; set it to false, or REWARD=rm+rule")  # fmt: skip
+        problems.append(
+            "CONFIG_USE_SEPARATE_REWARD_NODE=true with REWARD=rule: that node would idle, since rule "
+            "rewards need no reward server; set it to false, or REWARD=rm+rule"
+        )
     if s.gpu_memory_gib_setting != "auto":
         try:
             gib = float(s.gpu_memory_gib_setting)
@@ -64,9 +66,11 @@ def job_problems(s: Settings) -> list[str]:
                 "card's memory in GiB, as torch reports it (an 80 GB H100: 79.2)"
             )
     if s.fp8:
-        problems.append("FP8=true: verl 0.6.1 cannot train in FP8 here (its Megatron path drops config.fp8 without "
-                        "use_mbridge; the blockwise recipe needs TransformerEngine >= 2.3, this image has 2.2.1). FP8 "
-                        "training arrived in verl 0.7.0: keep FP8=false")  # fmt: skip
+        problems.append(
+            "FP8=true: verl 0.6.1 cannot train in FP8 here (its Megatron path drops config.fp8 without "
+            "use_mbridge; the blockwise recipe needs TransformerEngine >= 2.3, this image has 2.2.1). FP8 "
+            "training arrived in verl 0.7.0: keep FP8=false"
+        )
     return problems
 
 
@@ -176,10 +180,13 @@ def model_positions(path: str) -> int | None:
     if not isinstance(config, dict):
         return None
     positions = next(
-        (c.get("max_position_embeddings") for c in (config, config.get("llm_config"), config.get("text_config"))
-         if isinstance(c, dict) and isinstance(c.get("max_position_embeddings"), int)),
+        (
+            c.get("max_position_embeddings")
+            for c in (config, config.get("llm_config"), config.get("text_config"))
+            if isinstance(c, dict) and isinstance(c.get("max_position_embeddings"), int)
+        ),
         None,
-    )  # fmt: skip
+    )
     if positions is None:
         return None
     rope = config.get("rope_scaling")
@@ -206,9 +213,11 @@ def header_problems(text: str, environ: Mapping[str, str], name: str = "run_grpo
     gpus = value.rsplit(":", 1)[-1]  # gpu:4 or h100:4 too
     if not (block and setting == block.group(1) and gpus.isdigit()) or gpus == setting:
         return []
-    return [f"CONFIG_GPUS_PER_NODE={setting}, but line {line} of {name}, #SBATCH --gpus-per-node={value}, gives each "
-            f"node {gpus}: change line {line} to #SBATCH --gpus-per-node={setting} (or CONFIG_GPUS_PER_NODE to "
-            f"{gpus}); the job would be refused only after its wait in the queue"]  # fmt: skip
+    return [
+        f"CONFIG_GPUS_PER_NODE={setting}, but line {line} of {name}, #SBATCH --gpus-per-node={value}, gives each "
+        f"node {gpus}: change line {line} to #SBATCH --gpus-per-node={setting} (or CONFIG_GPUS_PER_NODE to "
+        f"{gpus}); the job would be refused only after its wait in the queue"
+    ]
 
 
 def context_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
@@ -284,7 +293,8 @@ def combination_problems(s: Settings) -> list[str]:
         return problems
     if s.fused_kernels_setting == "on" and s.strategy == "fsdp2":
         problems.append(
-            "FUSED_KERNELS=on, but STRATEGY=fsdp2 keeps verl's logits: set FUSED_KERNELS=auto or off, or STRATEGY=megatron"
+            "FUSED_KERNELS=on, but STRATEGY=fsdp2 keeps verl's logits: set FUSED_KERNELS=auto or off, or "
+            "STRATEGY=megatron"
         )
     if s.reward_manager == "batch" and s.rollout_mode == "async":
         problems.append(
@@ -293,7 +303,8 @@ def combination_problems(s: Settings) -> list[str]:
         )
     if s.algorithm == "dapo" and s.reward_manager != "dapo":
         problems.append(
-            f"ALGORITHM=dapo needs the dapo reward manager (its overlong penalty), not REWARD_MANAGER={s.reward_manager}"
+            "ALGORITHM=dapo needs the dapo reward manager (its overlong penalty), not "
+            f"REWARD_MANAGER={s.reward_manager}"
         )
     if s.algorithm == "dapo" and s.dapo_dynamic_sampling and s.rollout_mode != "sync":
         problems.append(
@@ -307,7 +318,8 @@ def combination_problems(s: Settings) -> list[str]:
         ):
             if value is not None and value != actor:
                 problems.append(
-                    f"{name}={value} differs from {actor_name}={actor}: verl 0.6.1 sets Megatron's parallel state once, "
+                    f"{name}={value} differs from {actor_name}={actor}: verl 0.6.1 sets Megatron's parallel state "
+                    "once, "
                     "from the actor (verl/workers/megatron_workers.py; actor, ref and critic share one process per "
                     f"GPU), so the critic runs with the actor's sizes whatever it says; unset {name}"
                 )
@@ -321,7 +333,8 @@ def combination_problems(s: Settings) -> list[str]:
             )
         if s.rollout_mode != "sync":
             problems.append(
-                "TRAINER_MODE=one_step_off needs ROLLOUT_MODE=sync: its async rollout worker raises NotImplementedError "
+                "TRAINER_MODE=one_step_off needs ROLLOUT_MODE=sync: its async rollout worker raises "
+                "NotImplementedError "
                 "in verl 0.6.1 (and its Megatron rollout worker asserts rollout.mode == 'sync')"
             )
         if s.algorithm == "dapo" and s.dapo_dynamic_sampling:
@@ -337,13 +350,20 @@ def combination_problems(s: Settings) -> list[str]:
 def reward_gpu_problems(s: Settings) -> list[str]:
     """Reward servers on some of the GPUs a tensor-parallel SGLang rollout runs on: SGLang's memory-balance check
     stops it (docs/training.md, GPU memory per role); a server on every GPU of the node, or none, passes."""
-    if (s.separate_reward_node or s.reward_device != "cuda" or s.rollout_engine != "sglang" or s.rollout_tp < 2
-            or s.trainer_mode != "sync" or s.sglang_memory_check_off or not s.uses_reward_model):  # fmt: skip
+    if (
+        s.separate_reward_node
+        or s.reward_device != "cuda"
+        or s.rollout_engine != "sglang"
+        or s.rollout_tp < 2
+        or s.trainer_mode != "sync"
+        or s.sglang_memory_check_off
+        or not s.uses_reward_model
+    ):
         return []
     indices = {g.strip() for g in s.reward_gpus.split(",") if g.strip()}
     every = {str(g) for g in range(s.gpus_per_node)}
     if not indices or indices == every:
-        return []  # no server on a GPU, or one on each (an index beyond the job's GPUs is launch/job/node.py's to refuse)
+        return []  # no server on a GPU, or one on each (an index beyond the job's GPUs: launch/job/node.py refuses)
     return [
         f"ROLLOUT_TP={s.rollout_tp} with reward servers on GPU {s.reward_gpus} of {s.gpus_per_node} "
         "(CONFIG_REWARD_GPUS): SGLang would stop with 'The memory capacity is unbalanced'. Put a server on every GPU "

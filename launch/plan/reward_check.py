@@ -47,13 +47,18 @@ def rollout_batch(tokenizer, rows: list[dict], responses: list[str] | None = Non
         [[0] * (pl - len(p)) + [1] * (len(p) + len(r)) + [0] * (rl - len(r)) for p, r in zip(p_ids, r_ids, strict=True)]
     )
     data = DataProto.from_dict(
-        tensors={"prompts": prompt_t, "responses": resp_t, "input_ids": torch.cat([prompt_t, resp_t], 1), "attention_mask": mask},
+        tensors={
+            "prompts": prompt_t,
+            "responses": resp_t,
+            "input_ids": torch.cat([prompt_t, resp_t], 1),
+            "attention_mask": mask,
+        },
         non_tensors={
             "data_source": np.array([r["data_source"] for r in rows], dtype=object),
             "reward_model": np.array([dict(r["reward_model"]) for r in rows], dtype=object),
             "extra_info": np.array([dict(r["extra_info"] or {}) for r in rows], dtype=object),
         },
-    )  # fmt: skip
+    )
     return data, responses, [len(r) for r in r_ids]
 
 
@@ -101,8 +106,10 @@ def rule_round_trip(cfg, tokenizer) -> list[str]:
             f"{wrong!r} {wrong_score}: it cannot tell them apart, so training would learn nothing from it; check "
             "the rows' ground_truth (data_prep.build --preset) and data_source"
         )
-    return [f"{what} scored a right answer to a {row['data_source']} row {right_score:g} by rule, a wrong one "
-            f"{wrong_score:g}"]  # fmt: skip
+    return [
+        f"{what} scored a right answer to a {row['data_source']} row {right_score:g} by rule, a wrong one "
+        f"{wrong_score:g}"
+    ]
 
 
 def reward_round_trip(cfg, tokenizer, rows: int = 8) -> list[str]:
@@ -189,9 +196,11 @@ def function_problems(path: str, name: str, rows: list[tuple[str, int, dict]]) -
                 return [f"{what} returned {value!r} for {file} row {i}: return a number, or a dict with a 'score'"]
             values.append(float(value))
     if len(set(values)) == 1:
-        return [f"{what} returned {values[0]} for all {len(values)} responses to {len(rows)} rows (made-up ones, and "
-                "the reference answer bare, after '####' and in \\boxed{}): a reward that never varies teaches "
-                "nothing; check that it scores solution_str"]  # fmt: skip
+        return [
+            f"{what} returned {values[0]} for all {len(values)} responses to {len(rows)} rows (made-up ones, and "
+            "the reference answer bare, after '####' and in \\boxed{}): a reward that never varies teaches "
+            "nothing; check that it scores solution_str"
+        ]
     return []
 
 
@@ -216,18 +225,25 @@ def reward_data_problems(reward: str, function_path: str, function_name: str, fi
     problems = []
     if wrong:
         file, i, style = wrong[0]
-        fit = ("REWARD=rule or rm+rule (rule rows carry the reference answer, which the reward model never reads)"
-               if want == "model" else "REWARD=rm (model rows carry the prompt as ground_truth: no rule can check "
-               "it), or rebuild them with python -m data_prep.build --reward-style rule --answer-column "
-               "(or --preset gsm8k|math)")  # fmt: skip
-        problems.append(f"{len(wrong)} rows have a reward_model.style other than {want!r}, which REWARD={reward} "
-                        f"scores (first: {file} row {i}, style {style!r}): {fit}")  # fmt: skip
+        fit = (
+            "REWARD=rule or rm+rule (rule rows carry the reference answer, which the reward model never reads)"
+            if want == "model"
+            else "REWARD=rm (model rows carry the prompt as ground_truth: no rule can check "
+            "it), or rebuild them with python -m data_prep.build --reward-style rule --answer-column "
+            "(or --preset gsm8k|math)"
+        )
+        problems.append(
+            f"{len(wrong)} rows have a reward_model.style other than {want!r}, which REWARD={reward} "
+            f"scores (first: {file} row {i}, style {style!r}): {fit}"
+        )
     if reward == "rm" or wrong:  # rows for another judge: their sources and answers are beside the point
         return problems
     if no_truth:
         file, i = no_truth[0]
-        problems.append(f"{len(no_truth)} rows have no reward_model.ground_truth for REWARD={reward}'s rule to "
-                        f"compare with (first: {file} row {i}): rebuild them with --answer-column")  # fmt: skip
+        problems.append(
+            f"{len(no_truth)} rows have no reward_model.ground_truth for REWARD={reward}'s rule to "
+            f"compare with (first: {file} row {i}): rebuild them with --answer-column"
+        )
     if function_path:
         return problems + function_problems(function_path, function_name, sample)
     names, prefixes = verl_sources()
@@ -262,9 +278,19 @@ def begin_reward_server(settings: Settings) -> CheckServer:
     preflight checks the config and the data, and server_round_trip waits for its health."""
     log = Path(os.environ.get("JOB_LOG_DIR") or tempfile.mkdtemp()) / "preflight_reward_server.log"
     port = free_port()
-    cmd = [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", settings.reward_model_path,
-           "--host", "127.0.0.1", "--port", str(port), "--device", os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"),
-           *settings.reward_format_flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "reward_score" / "reward_server.py"),
+        "--model-path",
+        settings.reward_model_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        os.environ.get("PREFLIGHT_REWARD_DEVICE", "auto"),
+        *settings.reward_format_flags,
+    ]
     # Its device is PREFLIGHT_REWARD_DEVICE's (a login node has no GPU): the job's CONFIG_REWARD_DEVICE is not for it,
     # and the server would report that name as set and not read.
     env = {k: v for k, v in os.environ.items() if k != "CONFIG_REWARD_DEVICE"}
@@ -291,17 +317,23 @@ def server_round_trip(cfg, tokenizer, started: CheckServer) -> bool:
 
 
 def check_reward_data(cfg) -> bool:
-    """The rows against REWARD, and a rule reward's scorers (reward_check.reward_data_problems); False after saying why."""
+    """The rows against REWARD, and a rule reward's scorers (reward_check.reward_data_problems); False after saying
+    why."""
     from reward_score.safe_hack_reward_request import load_config
 
     config = load_config(environ=os.environ)
-    files = [f for split in (cfg.data.train_files, cfg.data.val_files)
-             for f in ([split] if isinstance(split, str) else split)]  # fmt: skip
+    files = [
+        f
+        for split in (cfg.data.train_files, cfg.data.val_files)
+        for f in ([split] if isinstance(split, str) else split)
+    ]
     try:
         problems = reward_data_problems(config.reward, config.function_path, config.function_name, files)
     except Exception as exc:  # the row check above passed: a file it could read, but not these columns
-        problems = [f"the rows' reward_model cannot be read ({type(exc).__name__}: {exc}): check them with "
-                    "python -m data_prep.validate"]  # fmt: skip
+        problems = [
+            f"the rows' reward_model cannot be read ({type(exc).__name__}: {exc}): check them with "
+            "python -m data_prep.validate"
+        ]
     for problem in problems:
         print(f"preflight: refused: {problem}", file=sys.stderr)
     if not problems and config.reward != "rm":
@@ -311,7 +343,8 @@ def check_reward_data(cfg) -> bool:
 
 
 def check_rule_round_trip(cfg, tokenizer) -> bool:
-    """REWARD=rule or rm+rule with verl's scorers: a right and a wrong answer scored apart (reward_check.rule_round_trip,
+    """REWARD=rule or rm+rule with verl's scorers: a right and a wrong answer scored apart
+    (reward_check.rule_round_trip,
     the rule part alone: REWARD=rule for the check); False after saying why."""
     from reward_score.safe_hack_reward_request import load_config
 

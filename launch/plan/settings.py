@@ -201,8 +201,12 @@ class Settings:
     @property
     def reward_format_flags(self) -> list[str]:
         """The reward server's (and check_format's) input-format flags, from CONFIG_REWARD_INPUT and the rest."""
-        values = (("--input", self.reward_input), ("--add-special-tokens", self.reward_add_special_tokens),
-                  ("--chat-template", self.reward_chat_template), ("--append-eos", self.reward_append_eos))  # fmt: skip
+        values = (
+            ("--input", self.reward_input),
+            ("--add-special-tokens", self.reward_add_special_tokens),
+            ("--chat-template", self.reward_chat_template),
+            ("--append-eos", self.reward_append_eos),
+        )
         return [x for pair in values for x in pair]
 
     @property

@@ -1,7 +1,7 @@
 """Whether the policy's prompt opens a reasoning block, read from the policy's own chat template as verl renders it.
 
 verl renders every prompt with the policy tokenizer's chat template, add_generation_prompt=True and
-data.apply_chat_template_kwargs (verl/utils/dataset/rl_dataset.py, experimental/agent_loop/single_turn_agent_loop.py:35).
+data.apply_chat_template_kwargs (verl/utils/dataset/rl_dataset.py, single_turn_agent_loop.py:35).
 REWARD_PROMPT_OPENS_THINK=auto takes the template's answer; true or false must agree with it; the job passes the value
 to the reward function, which cannot read a template (docs/reward.md).
 

@@ -32,9 +32,11 @@ def find_recipe(name: str):
 RECIPE_ENTRIES = {
     "recipe.dapo": ("recipe.dapo.main_dapo", "dapo_megatron_trainer", "dapo_trainer"),
     "recipe.one_step_off_policy": (
-        "recipe.one_step_off_policy.main_ppo", "one_step_off_ppo_megatron_trainer", "one_step_off_ppo_trainer"
+        "recipe.one_step_off_policy.main_ppo",
+        "one_step_off_ppo_megatron_trainer",
+        "one_step_off_ppo_trainer",
     ),
-}  # fmt: skip
+}
 
 
 def _entry(s: Settings) -> list[str]:
@@ -52,8 +54,13 @@ def _entry(s: Settings) -> list[str]:
     # The recipe YAML's searchpath is relative to the current folder: make it absolute, so any folder works.
     config_dir = Path(next(iter(spec.submodule_search_locations))) / "config"
     name = megatron if s.strategy == "megatron" else fsdp
-    return ["-m", module, f"--config-path={config_dir}", f"--config-name={name}",
-            "hydra.searchpath=[pkg://verl.trainer.config]"]  # fmt: skip
+    return [
+        "-m",
+        module,
+        f"--config-path={config_dir}",
+        f"--config-name={name}",
+        "hydra.searchpath=[pkg://verl.trainer.config]",
+    ]
 
 
 def _token_budgets(s: Settings) -> list[str]:
@@ -75,7 +82,8 @@ def _token_budgets(s: Settings) -> list[str]:
 # MEGATRON_RECOMPUTE's values and the keys of megatron-core 0.13's TransformerConfig each sets
 # (transformer/transformer_config.py:261-298, checked at :774-814).
 RECOMPUTE = {
-    # Every layer's forward again in the backward, from its saved input (transformer_block.py:562, _checkpointed_forward)
+    # Every layer's forward again in the backward, from its saved input (transformer_block.py:562,
+    # _checkpointed_forward)
     "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": "1"},
     # Only recompute_modules (verl's yaml and megatron-core's default: core_attn, the attention's softmax part)
     "selective": {"recompute_granularity": "selective"},
@@ -319,7 +327,7 @@ def trainer_argv(s: Settings, ray_address: str = "", extra: list[str] | None = N
         f"trainer.max_actor_ckpt_to_keep={s.max_ckpt_to_keep}",
         f"trainer.max_critic_ckpt_to_keep={s.max_ckpt_to_keep}",
         *FIXED_OVERRIDES,
-    ]  # fmt: skip
+    ]
     if not s.uses_recipe:
         # Room in verl's save-before-the-limit window for the validation and the save its longest step leaves out
         # (launch/plan/deadline.py); the recipes never make that check.

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import tempfile
 
-# What the one-step-off recipe's weight sync imports whatever the engine (recipe/one_step_off_policy/distributed_util.py,
-# inside stateless_init_process_group, so importing the recipe module alone does not show it).
+# What the one-step-off recipe's weight sync imports whatever the engine (recipe/one_step_off_policy/
+# distributed_util.py, inside stateless_init_process_group, so importing the recipe module alone does not show it).
 ONE_STEP_OFF_VLLM = ("vllm.distributed.device_communicators.pynccl", "vllm.distributed.utils")
 
 
@@ -92,13 +92,17 @@ def import_problems(
     for line in stdout.splitlines():
         name, _, error = line.partition("\t")
         if name.split(".")[0] == engine or name.startswith("vllm."):
-            fix = (f"ROLLOUT_ENGINE={engine} needs {engine} where the trainer runs: use the {engine} image "
-                   f"(CONFIG_IMAGE_PATH), or the engine that image has")  # fmt: skip
+            fix = (
+                f"ROLLOUT_ENGINE={engine} needs {engine} where the trainer runs: use the {engine} image "
+                f"(CONFIG_IMAGE_PATH), or the engine that image has"
+            )
         elif name.startswith("recipe."):
             fix = "verl's recipes come from its git tag (the image built from verl_app.def has them; PyPI has none)"
         elif name == AGENT_LOOP:
-            fix = ("ROLLOUT_MODE=async runs verl's agent loop, which imports cachetools (undeclared by verl 0.6.1; the "
-                   "SGLang and vLLM images hold it): install it there, or ROLLOUT_MODE=sync")  # fmt: skip
+            fix = (
+                "ROLLOUT_MODE=async runs verl's agent loop, which imports cachetools (undeclared by verl 0.6.1; the "
+                "SGLang and vLLM images hold it): install it there, or ROLLOUT_MODE=sync"
+            )
         elif name == TENSORBOARD_WRITER:
             fix = "TRAINER_LOGGER has tensorboard, which needs the tensorboard package there: drop it from it"
         else:

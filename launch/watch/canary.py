@@ -141,8 +141,10 @@ def value_clip_report(results: dict[str, dict]) -> list[str]:
         return []
     fracs = {int(k): v for e in entries for k, v in e["vf_clipfrac"].items()}
     steps = ", ".join(f"step {k} {v:.2f}" for k, v in sorted(fracs.items()))
-    lines = [f"value clip: verl's critic/vf_clipfrac (the share of the critic's predictions PPO's value clip held, "
-             f"CRITIC_CLIPRANGE_VALUE): {steps}"]  # fmt: skip
+    lines = [
+        f"value clip: verl's critic/vf_clipfrac (the share of the critic's predictions PPO's value clip held, "
+        f"CRITIC_CLIPRANGE_VALUE): {steps}"
+    ]
     updates = entries[0].get("critic_updates")
     return lines + [f"WARNING: {w}" for w in value_clip_warnings(list(fracs.values()), updates)]
 
@@ -160,8 +162,10 @@ def response_length_report(results: dict[str, dict]) -> list[str]:
         return [f"response length: verl's step lines held no response_length/clip_ratio (MAX_RESPONSE_LENGTH={length})"]
     mean = sum(ratios.values()) / len(ratios)
     steps = ", ".join(f"step {k} {v:.2f}" for k, v in sorted(ratios.items()))
-    lines = [f"response length: verl's response_length/clip_ratio at MAX_RESPONSE_LENGTH={length}: {steps} (the share "
-             f"of responses cut at the limit; {mean:.0%} on average)"]  # fmt: skip
+    lines = [
+        f"response length: verl's response_length/clip_ratio at MAX_RESPONSE_LENGTH={length}: {steps} (the share "
+        f"of responses cut at the limit; {mean:.0%} on average)"
+    ]
     if mean <= CLIP_RATIO_WARN:
         return lines
     return lines + [
@@ -172,8 +176,11 @@ def response_length_report(results: dict[str, dict]) -> list[str]:
 
 
 def _checkpoint_problems(ckpt: Path, steps: range) -> list[str]:
-    problems = [f"no checkpoint of step {n}: {ckpt}/global_step_{n}/actor is missing" for n in steps
-                if not (ckpt / f"global_step_{n}" / "actor").is_dir()]  # fmt: skip
+    problems = [
+        f"no checkpoint of step {n}: {ckpt}/global_step_{n}/actor is missing"
+        for n in steps
+        if not (ckpt / f"global_step_{n}" / "actor").is_dir()
+    ]
     tracked = saved_step(ckpt)
     if tracked != steps[-1]:
         problems.append(f"{ckpt}/latest_checkpointed_iteration.txt says {tracked}, expected {steps[-1]}")
@@ -295,8 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     try:  # every other command reads the settings, but the merge's check
         s = None if args.command == "check" and args.stage == "merge" else Settings.from_env()
         if args.command in ("settings", "overrides"):
-            items = ([f"{k}={v}" for k, v in canary_settings(s, args.extra).items()] if args.command == "settings"
-                     else stage_overrides(args.stage, s))  # fmt: skip
+            items = (
+                [f"{k}={v}" for k, v in canary_settings(s, args.extra).items()]
+                if args.command == "settings"
+                else stage_overrides(args.stage, s)
+            )
             sys.stdout.write("\0".join(items) + "\0")
             return 0
     except SettingError as exc:
@@ -306,11 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     problems = evaluate(args.stage, args.rc, text, args.ckpt, args.target)
     entry = {"stage": args.stage, "status": "failed" if problems else "passed", "seconds": args.seconds}
     if s is not None:
-        entry |= {"clip_ratio": per_step(text, "response_length/clip_ratio"),
-                  "max_response_length": s.max_response_length}  # fmt: skip
+        entry |= {
+            "clip_ratio": per_step(text, "response_length/clip_ratio"),
+            "max_response_length": s.max_response_length,
+        }
         if s.algorithm == "ppo":
-            entry |= {"vf_clipfrac": per_step(text, "critic/vf_clipfrac"),
-                      "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines())}  # fmt: skip
+            entry |= {
+                "vf_clipfrac": per_step(text, "critic/vf_clipfrac"),
+                "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines()),
+            }
     if problems:
         entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
     with open(args.results, "a", encoding="utf-8") as f:

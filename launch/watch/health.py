@@ -36,7 +36,8 @@ METRICS = {
     "actor/entropy": "falls slowly; near 0 the policy has collapsed onto a few answers",
     "timing_s/step": "steady; a jump: the rollout, the reward servers or a slow node",
     "val-core/": "rises with critic/score/mean; falling while the score rises: the policy games the reward model",
-    "val-aux/": "REWARD=rule or rm+rule: each part's mean at validation (rule_score, rm_score); the rule's rising: more right answers",
+    "val-aux/": "REWARD=rule or rm+rule: each part's mean at validation (rule_score, rm_score); "
+    "the rule's rising: more right answers",
 }
 # The reward's parts verl 0.6.1 logs from reward_extra_info, at validation only (ray_trainer.py:639-660).
 REWARD_PARTS = ("/rule_score/mean@", "/rm_score/mean@")
@@ -184,8 +185,13 @@ def metric_summary(steps: dict[int, dict[str, float]]) -> dict[str, dict]:
             continue
         finite = [v for _, v in points[-WINDOW:] if math.isfinite(v)]
         healthy = METRICS.get(key) or METRICS[key.split("/", 1)[0] + "/"]
-        out[key] = {"step": points[-1][0], "value": points[-1][1], "change": fit_change(finite),
-                    "over": len(finite), "healthy": healthy}  # fmt: skip
+        out[key] = {
+            "step": points[-1][0],
+            "value": points[-1][1],
+            "change": fit_change(finite),
+            "over": len(finite),
+            "healthy": healthy,
+        }
     return out
 
 
@@ -215,8 +221,10 @@ def metric_warnings(steps: dict[int, dict[str, float]], critic_updates: int | No
     for key in [k for k in METRICS if not k.endswith("/")]:
         value = train[last].get(key)
         if value is not None and not math.isfinite(value):
-            warnings.append(f"{key} is {value} at step {last}: a NaN or inf in the reward or the update; "
-                            "rewards.jsonl and the reward servers' logs say whether the reward is")  # fmt: skip
+            warnings.append(
+                f"{key} is {value} at step {last}: a NaN or inf in the reward or the update; "
+                "rewards.jsonl and the reward servers' logs say whether the reward is"
+            )
     clip = [v for _, v in series(train, "response_length/clip_ratio")[-5:] if math.isfinite(v)]
     if clip and statistics.mean(clip) > CLIP_HIGH:
         warnings.append(
@@ -236,17 +244,23 @@ def metric_warnings(steps: dict[int, dict[str, float]], critic_updates: int | No
         warnings.append(f"reward flat: critic/score/mean is {scores[-1]} in each of the last 10 steps")
     kl = [v for _, v in series(train, "actor/kl_loss") if math.isfinite(v)]
     if kl and kl[-1] > KL_HIGH:
-        warnings.append(f"KL climbing: actor/kl_loss is {kl[-1]:.3g} (above {KL_HIGH}): the policy is far from the "
-                        "reference; lower ACTOR_LR or raise KL_LOSS_COEF")  # fmt: skip
+        warnings.append(
+            f"KL climbing: actor/kl_loss is {kl[-1]:.3g} (above {KL_HIGH}): the policy is far from the "
+            "reference; lower ACTOR_LR or raise KL_LOSS_COEF"
+        )
     clipfrac = [v for _, v in series(train, "actor/pg_clipfrac")[-5:] if math.isfinite(v)]
     if clipfrac and statistics.mean(clipfrac) > PG_CLIPFRAC_HIGH:
-        warnings.append(f"actor/pg_clipfrac averaged {statistics.mean(clipfrac):.2f} over the last {len(clipfrac)} "
-                        f"steps (above {PG_CLIPFRAC_HIGH}): the updates are too large; lower ACTOR_LR")  # fmt: skip
+        warnings.append(
+            f"actor/pg_clipfrac averaged {statistics.mean(clipfrac):.2f} over the last {len(clipfrac)} "
+            f"steps (above {PG_CLIPFRAC_HIGH}): the updates are too large; lower ACTOR_LR"
+        )
     warnings += value_clip_warnings([v for _, v in series(train, "critic/vf_clipfrac")[-5:]], critic_updates)
     entropy = [v for _, v in series(train, "actor/entropy") if math.isfinite(v)]
     if entropy and entropy[-1] < ENTROPY_FLOOR:
-        warnings.append(f"actor/entropy fell to {entropy[-1]:.3g} (from {entropy[0]:.3g}): the policy has collapsed "
-                        "onto a few answers; lower ACTOR_LR, and look for a shortcut the reward model pays for")  # fmt: skip
+        warnings.append(
+            f"actor/entropy fell to {entropy[-1]:.3g} (from {entropy[0]:.3g}): the policy has collapsed "
+            "onto a few answers; lower ACTOR_LR, and look for a shortcut the reward model pays for"
+        )
     return warnings
 
 
@@ -336,8 +350,10 @@ def warnings_for(job: Job, st: str, prog: dict) -> list[str]:
     restarts = [r for start in job.starts for r in start.reward_restarts]
     if restarts:
         latest = restarts[-1]
-        warnings.append(f"reward servers restarted {len(restarts)} time(s) in this job, the last at "
-                        f"{clock(latest['when'])} after: {latest['reason']} (log: {latest['log']})")  # fmt: skip
+        warnings.append(
+            f"reward servers restarted {len(restarts)} time(s) in this job, the last at "
+            f"{clock(latest['when'])} after: {latest['reason']} (log: {latest['log']})"
+        )
     if prog.get("total") and prog.get("time_limit_s") and prog.get("steps_per_start") == 0:
         warnings.append(
             f"a start of {duration(prog['time_limit_s'])} saves no step: its startup "

@@ -27,25 +27,43 @@ CHECKPOINT_BEFORE_END = 1800  # the settings block's default, when the job's out
 # of trainer.log is the likely cause (later ranks fail on what the first one did), and the section of
 # docs/operations.md that says what to do.
 FAILURES = (
-    ("the trainer ran out of GPU memory", "cuda-out-of-memory",
-     r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory"),
-    ("SGLang failed to start", "sglang-or-vllm-failed-to-start",
-     r"scheduler is dead|Not enough memory\. Please try to increase --mem-fraction-static|Initialization failed\. "
-     r"warmup error|Server process terminated unexpectedly during startup|Server failed to become healthy"),
-    ("vLLM failed to start", "sglang-or-vllm-failed-to-start",
-     r"No available memory for the cache blocks|Engine core initialization failed|is less than desired GPU memory "
-     r"utilization"),
-    ("NCCL timed out or failed", "nccl-timeouts-and-hangs",
-     r"Watchdog caught collective operation timeout|ncclSystemError|ncclInternalError|ncclUnhandledCudaError|"
-     r"ncclRemoteError|NCCL error|DistBackendError|NCCL communicator was aborted"),
-    ("a node was lost", "a-node-lost",
-     r"has been marked dead because the detector has missed too many heartbeats|ActorDiedError|The actor died "
-     r"unexpectedly|RaySystemError|raylet.*died|node_failure"),
+    (
+        "the trainer ran out of GPU memory",
+        "cuda-out-of-memory",
+        r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory",
+    ),
+    (
+        "SGLang failed to start",
+        "sglang-or-vllm-failed-to-start",
+        r"scheduler is dead|Not enough memory\. Please try to increase --mem-fraction-static|Initialization failed\. "
+        r"warmup error|Server process terminated unexpectedly during startup|Server failed to become healthy",
+    ),
+    (
+        "vLLM failed to start",
+        "sglang-or-vllm-failed-to-start",
+        r"No available memory for the cache blocks|Engine core initialization failed|is less than desired GPU memory "
+        r"utilization",
+    ),
+    (
+        "NCCL timed out or failed",
+        "nccl-timeouts-and-hangs",
+        r"Watchdog caught collective operation timeout|ncclSystemError|ncclInternalError|ncclUnhandledCudaError|"
+        r"ncclRemoteError|NCCL error|DistBackendError|NCCL communicator was aborted",
+    ),
+    (
+        "a node was lost",
+        "a-node-lost",
+        r"has been marked dead because the detector has missed too many heartbeats|ActorDiedError|The actor died "
+        r"unexpectedly|RaySystemError|raylet.*died|node_failure",
+    ),
     # the reward function's client (reward_score/safe_hack_reward_request.py): every server failed for
     # REWARD_RETRY_SECONDS, or one refused a request (4xx)
-    ("the reward servers did not score", "the-reward-servers-did-not-score",
-     r"RewardServerError|did not score within \d+ s|RewardRequestRejected|refused the request with 4\d\d"),
-)  # fmt: skip
+    (
+        "the reward servers did not score",
+        "the-reward-servers-did-not-score",
+        r"RewardServerError|did not score within \d+ s|RewardRequestRejected|refused the request with 4\d\d",
+    ),
+)
 
 _STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] "
 _START = re.compile(_STAMP + r"=== job (\S+): logs in (.+) \(\+\d+s\)$")
@@ -185,9 +203,16 @@ def is_start(folder: Path) -> bool:
 
 
 # The preflight's refusals on its stderr (launch/plan/preflight.py), its warnings and notes not among them.
-PREFLIGHT_PROBLEMS = ("setting error: ", "preflight: refused: ", "preflight: verl 0.6.1 ", "preflight: verl's ",
-                      "preflight: the trainer cannot start here: ", "preflight: the reward check failed: ",
-                      "preflight: the train/test parquet", "preflight: cannot size ")  # fmt: skip
+PREFLIGHT_PROBLEMS = (
+    "setting error: ",
+    "preflight: refused: ",
+    "preflight: verl 0.6.1 ",
+    "preflight: verl's ",
+    "preflight: the trainer cannot start here: ",
+    "preflight: the reward check failed: ",
+    "preflight: the train/test parquet",
+    "preflight: cannot size ",
+)
 
 
 def canary_results(path: Path) -> dict[str, dict]:
@@ -286,11 +311,17 @@ def ask_slurm(job_id: str) -> tuple[dict | None, list[str]]:
         return None, ["scontrol does not know the job (it forgets ended jobs after MinJobAge)"]
     f = dict(re.findall(r"(\S+?)=(\S*)", out.stdout))
     return {
-        "source": "scontrol", "state": f.get("JobState"), "reason": f.get("Reason"),
-        "restarts": int(f.get("Restarts") or 0), "start": slurm_time(f.get("StartTime")),
-        "end": slurm_time(f.get("EndTime")), "time_limit": slurm_duration(f.get("TimeLimit")),
-        "output": f.get("StdOut"), "nodes": f.get("NodeList"), "exit_code": f.get("ExitCode"),
-    }, []  # fmt: skip
+        "source": "scontrol",
+        "state": f.get("JobState"),
+        "reason": f.get("Reason"),
+        "restarts": int(f.get("Restarts") or 0),
+        "start": slurm_time(f.get("StartTime")),
+        "end": slurm_time(f.get("EndTime")),
+        "time_limit": slurm_duration(f.get("TimeLimit")),
+        "output": f.get("StdOut"),
+        "nodes": f.get("NodeList"),
+        "exit_code": f.get("ExitCode"),
+    }, []
 
 
 # --- the job ------------------------------------------------------------------------------------------------------
@@ -405,10 +436,21 @@ def load(target: str | None, log_dir: Path | None = None, now: float | None = No
             s.how = f"stalled ({stall_text(s.stall)})" + ("; requeued" if s in requeued else "")
     root = next((s.ckpt_root for s in reversed(starts) if s.ckpt_root), None)
     canary = next((f / "canary" for _, f in folders if (f / "canary").is_dir()), None)
-    before_end = job_lines.get("checkpoint_before_end") or int(os.environ.get("CHECKPOINT_BEFORE_END") or
-                                                                 CHECKPOINT_BEFORE_END)  # fmt: skip
-    return Job(job_id, log_dir, starts, slurm, notes, output, checkpoint(root), before_end, canary,
-               time.time() if now is None else now)  # fmt: skip
+    before_end = job_lines.get("checkpoint_before_end") or int(
+        os.environ.get("CHECKPOINT_BEFORE_END") or CHECKPOINT_BEFORE_END
+    )
+    return Job(
+        job_id,
+        log_dir,
+        starts,
+        slurm,
+        notes,
+        output,
+        checkpoint(root),
+        before_end,
+        canary,
+        time.time() if now is None else now,
+    )
 
 
 # --- times as text -------------------------------------------------------------------------------------------------
@@ -419,7 +461,8 @@ def stall_text(stall: dict) -> str:
     phase = f", phase {stall['phase']}" if stall.get("phase") else ""
     return (
         f"no step finished since {clock(stall.get('since'))} (budget {duration(stall.get('budget') or 0)}, "
-        f"STALL_TIMEOUT={stall.get('setting')}): hung in step {stall.get('step')}{phase}; stacks in {stall.get('stacks')}"
+        f"STALL_TIMEOUT={stall.get('setting')}): hung in step {stall.get('step')}{phase}; stacks in "
+        f"{stall.get('stacks')}"
     )
 
 

@@ -1,7 +1,7 @@
 """Where a job is, when it ends and whether it learns, in one command; read-only, for a running job or an ended one.
 
-    python -m launch.watch.status                      # the newest job in CONFIG_LOG_DIR (default: the repository's logs/)
-    python -m launch.watch.status 24                   # job 24: its folders logs/24, logs/24-r1, ... and what Slurm says
+    python -m launch.watch.status                      # the newest job in CONFIG_LOG_DIR (default: logs/)
+    python -m launch.watch.status 24                   # job 24: logs/24, logs/24-r1, ... and what Slurm says
     python -m launch.watch.status logs/24-r1           # the job that folder belongs to
     python -m launch.watch.status 24 --follow          # again every 60 s (--follow 10: every 10 s) until the job ends
 
@@ -44,7 +44,8 @@ CANARY_STAGES = {"train": "train", "resume": "resume", "merge": "merge.log"}  # 
 
 
 def canary_stages(canary: Path) -> list[str]:
-    """The canary's stages so far, from the results.jsonl its checks append (launch/watch/canary.py), and the one running."""
+    """The canary's stages so far, from the results.jsonl its checks append (launch/watch/canary.py), and the one
+    running."""
     results, lines = canary_results(canary / "results.jsonl"), []
     for stage, log in CANARY_STAGES.items():
         e = results.get(stage)
@@ -53,8 +54,11 @@ def canary_stages(canary: Path) -> list[str]:
             lines.append(f"{stage}: running (log: {canary / log})" if running else f"{stage}: not started")
             continue
         result = "FAILED" if e.get("status") == "failed" else e.get("status", "?")
-        lines.append(f"{stage}: {result}" + (f" in {e['seconds']} s" if "seconds" in e else "")
-                     + (f": {e['reason']}" if e.get("reason") and result != "passed" else ""))  # fmt: skip
+        lines.append(
+            f"{stage}: {result}"
+            + (f" in {e['seconds']} s" if "seconds" in e else "")
+            + (f": {e['reason']}" if e.get("reason") and result != "passed" else "")
+        )
     return lines
 
 
@@ -62,9 +66,14 @@ def render(r: dict) -> str:
     lines = [f"job {r['job']}: {r['state'].upper()}" + (f": {r['why']}" if r["why"] else "")]
     slurm = r["slurm"]
     local = r["job"].startswith("local-")  # the run script's id outside Slurm (CONTAINER=none, make demo)
-    lines.append(f"  Slurm ({slurm['source']}): {slurm['state']}" + (f", Restarts={slurm['restarts']}"
-                 if slurm.get("restarts") else "") if slurm else "  a local run, outside Slurm" if local
-                 else f"  Slurm: {'; '.join(r['slurm_notes'])}")  # fmt: skip
+    lines.append(
+        f"  Slurm ({slurm['source']}): {slurm['state']}"
+        + (f", Restarts={slurm['restarts']}" if slurm.get("restarts") else "")
+        if slurm
+        else "  a local run, outside Slurm"
+        if local
+        else f"  Slurm: {'; '.join(r['slurm_notes'])}"
+    )
     if r["canary"]:
         summary = Path(r["canary"]) / "summary.txt"
         if summary.is_file():
@@ -78,35 +87,55 @@ def render(r: dict) -> str:
         resumed = {None: "", 0: " from scratch"}.get(s["resumed_from"], f" resumed at step {s['resumed_from']}")
         end = clock(s["ended"]) if s["ended"] else "now" if s is r["starts"][-1] and r["state"] == "running" else "?"
         how = s["how"] or (f"exit code {s['exit_code']}" if s["exit_code"] is not None else "")
-        lines.append(f"  {s['name']:<12} {clock(s['began'])} - {end:<16}  "
-                     + (f"[{s['kind']}] " if s["kind"] else "") + f"{steps_text(s['steps'])}{resumed}"
-                     + (f"; {how}" if how else ""))  # fmt: skip
+        lines.append(
+            f"  {s['name']:<12} {clock(s['began'])} - {end:<16}  "
+            + (f"[{s['kind']}] " if s["kind"] else "")
+            + f"{steps_text(s['steps'])}{resumed}"
+            + (f"; {how}" if how else "")
+        )
     p = r["progress"]
     if p.get("total"):
-        lines.append(f"progress: step {p['step']} of {p['total']} ({p['step'] / p['total']:.0%})"
-                     + (f", {p['remaining_steps']} to go" if p.get("remaining_steps") else ""))  # fmt: skip
+        lines.append(
+            f"progress: step {p['step']} of {p['total']} ({p['step'] / p['total']:.0%})"
+            + (f", {p['remaining_steps']} to go" if p.get("remaining_steps") else "")
+        )
     elif not any(s["steps"] for s in r["starts"]):
-        lines.append("progress: no steps yet" + (" (a preflight only: it trains none)" if r["starts"] and
-                                                  r["starts"][-1]["kind"] == PREFLIGHT_ONLY else ""))  # fmt: skip
+        lines.append(
+            "progress: no steps yet"
+            + (
+                " (a preflight only: it trains none)"
+                if r["starts"] and r["starts"][-1]["kind"] == PREFLIGHT_ONLY
+                else ""
+            )
+        )
     else:
         lines.append(f"progress: step {p['step']} (the total is unknown until verl prints 'Total training steps')")
     if p.get("step_s") is not None:
-        lines.append(f"  a step takes {p['step_s']:.1f} s (timing_s/step, median of the last 10), "
-                     f"{p['wall_per_step_s']:.1f} s with validations and saves")  # fmt: skip
+        lines.append(
+            f"  a step takes {p['step_s']:.1f} s (timing_s/step, median of the last 10), "
+            f"{p['wall_per_step_s']:.1f} s with validations and saves"
+        )
     if p.get("eta"):
         starts = p.get("starts_left")
         running = r["state"] == "running"
-        more = ("in this start" if running and starts == 1 else f"in {starts} starts, this one included" if running
-                else f"in {starts} start(s)")  # fmt: skip
-        lines.append(f"  ETA {clock(p['eta'])} ({duration(p['remaining_s'])} of training {more}"
-                     + (", queue waits not counted" if starts and starts > 1 else "") + ")")  # fmt: skip
+        more = (
+            "in this start"
+            if running and starts == 1
+            else f"in {starts} starts, this one included"
+            if running
+            else f"in {starts} start(s)"
+        )
+        lines.append(
+            f"  ETA {clock(p['eta'])} ({duration(p['remaining_s'])} of training {more}"
+            + (", queue waits not counted" if starts and starts > 1 else "")
+            + ")"
+        )
         if p.get("time_limit_s"):
             lines.append(
                 f"  per start: {duration(p['time_limit_s'])} limit, startup ~{duration(p.get('startup_s') or 0)}, "
                 f"saves ~{p.get('steps_per_start')} steps (CHECKPOINT_BEFORE_END={p['checkpoint_before_end_s']} s)"
-                + (f"; this start saves ~{p['this_start_saves']} more" if p.get("this_start_saves") is not None
-                   else "")
-            )  # fmt: skip
+                + (f"; this start saves ~{p['this_start_saves']} more" if p.get("this_start_saves") is not None else "")
+            )
     ckpt = r["checkpoint"]
     if ckpt and ckpt.get("step") is not None:
         age = r["now"] - ckpt["saved"] if ckpt.get("saved") else None
@@ -121,8 +150,9 @@ def render(r: dict) -> str:
     if r["metrics"]:
         lines.append("metrics: newest value (its step; change over the last steps)  healthy:")
         for key, m in r["metrics"].items():
-            lines.append(f"  {key:<34} {m['value']:>9.4g} ({m['step']}; {m['change']:+.3g} over {m['over']})"
-                         f"  {m['healthy']}")  # fmt: skip
+            lines.append(
+                f"  {key:<34} {m['value']:>9.4g} ({m['step']}; {m['change']:+.3g} over {m['over']})  {m['healthy']}"
+            )
     for w in r["warnings"]:
         lines.append(f"WARNING: {w}")
     newest = r["starts"][-1] if r["starts"] else None
@@ -135,12 +165,19 @@ def render(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.watch.status", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m launch.watch.status", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("job", nargs="?", help="a job id, or a start's log folder (default: the newest job)")
     p.add_argument("--log-dir", type=Path, help="where the job folders are (default: CONFIG_LOG_DIR, else logs/)")
-    p.add_argument("--follow", nargs="?", type=float, const=60.0, metavar="SECONDS",
-                   help="print again every SECONDS (default 60) until the job ends")  # fmt: skip
+    p.add_argument(
+        "--follow",
+        nargs="?",
+        type=float,
+        const=60.0,
+        metavar="SECONDS",
+        help="print again every SECONDS (default 60) until the job ends",
+    )
     args = p.parse_args(argv)
     if args.follow is not None and args.follow <= 0:
         p.error("--follow: seconds between refreshes, more than 0")

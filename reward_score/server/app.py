@@ -92,21 +92,28 @@ class Metrics:
 
     def __init__(self, peak_gpu_bytes):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("reward_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=r)  # fmt: skip
+        self.requests = Counter(
+            "reward_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
         self.padded = Counter("reward_padded_tokens", "tokens including padding", registry=r)
         self.truncated = Counter("reward_truncations", "pairs longer than max_length whose start was cut", registry=r)
         self.errors = Counter("reward_errors", "errors by kind", ["kind"], registry=r)
-        self.batch = Histogram("reward_batch_rows", "rows per forward", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
-                               registry=r)  # fmt: skip
+        self.batch = Histogram(
+            "reward_batch_rows", "rows per forward", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r
+        )
         self.wait = Histogram("reward_queue_wait_seconds", "time a request waited for the GPU thread", registry=r)
         self.forward = Histogram("reward_forward_seconds", "time to launch one micro-batch forward", registry=r)
-        self.packed = Counter("reward_packed_forwards", "micro-batches run packed (several sequences to a row)",
-                              registry=r)  # fmt: skip
-        self.gpu = Counter("reward_gpu_busy_seconds", "GPU time of the micro-batches served (CUDA events, start to "
-                           "finish of each)", registry=r)  # fmt: skip
-        self.prepare = Histogram("reward_prepare_seconds", "time of one render-and-tokenize pass (all requests waiting)",
-                                 registry=r)  # fmt: skip
+        self.packed = Counter(
+            "reward_packed_forwards", "micro-batches run packed (several sequences to a row)", registry=r
+        )
+        self.gpu = Counter(
+            "reward_gpu_busy_seconds",
+            "GPU time of the micro-batches served (CUDA events, start to finish of each)",
+            registry=r,
+        )
+        self.prepare = Histogram(
+            "reward_prepare_seconds", "time of one render-and-tokenize pass (all requests waiting)", registry=r
+        )
         peak = Gauge("reward_gpu_memory_peak_bytes", "peak GPU memory reserved by this server", registry=r)
         peak.set_function(peak_gpu_bytes)
 

@@ -107,8 +107,9 @@ class PairEncoder:
                 f"REWARD_INPUT=completion needs the prompt's last message from the user or the assistant, as TRL did "
                 f"(it raised 'Invalid role in the last message'); got {last!r}"
             )
-        prompt = apply(messages, tokenize=False, add_generation_prompt=last == "user",
-                       continue_final_message=last == "assistant")  # fmt: skip
+        prompt = apply(
+            messages, tokenize=False, add_generation_prompt=last == "user", continue_final_message=last == "assistant"
+        )
         return full[len(os.path.commonprefix([prompt, full])) :]
 
     def tokenize(self, texts: list[str], fmt: InputFormat | None = None) -> list[list[int]]:

@@ -36,13 +36,17 @@ def head_problem(path: str) -> str | None:
     where = f"the reward model {path} (CONFIG_REWARD_MODEL_PATH, --model-path) has in its config.json"
     archs = getattr(config, "architectures", None) or []
     if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
-        return (f"{where} architectures={archs}: a reward model is a *ForSequenceClassification checkpoint with a "
-                "one-output score head (as TRL's RewardTrainer saves it), not a causal LM or policy: point "
-                "CONFIG_REWARD_MODEL_PATH at one")  # fmt: skip
+        return (
+            f"{where} architectures={archs}: a reward model is a *ForSequenceClassification checkpoint with a "
+            "one-output score head (as TRL's RewardTrainer saves it), not a causal LM or policy: point "
+            "CONFIG_REWARD_MODEL_PATH at one"
+        )
     if config.num_labels != 1:
-        return (f"{where} num_labels={config.num_labels} (a classifier's head): a reward model scores with one output; "
-                "save it with num_labels=1 and a one-row score head (for two labels, score.weight[1] - "
-                "score.weight[0] scores their margin), or point CONFIG_REWARD_MODEL_PATH at a reward model")  # fmt: skip
+        return (
+            f"{where} num_labels={config.num_labels} (a classifier's head): a reward model scores with one output; "
+            "save it with num_labels=1 and a one-row score head (for two labels, score.weight[1] - "
+            "score.weight[0] scores their margin), or point CONFIG_REWARD_MODEL_PATH at a reward model"
+        )
     return None
 
 
@@ -72,7 +76,8 @@ class LayerKernels:
         self.compiled = False
 
     def compile(self) -> bool:
-        """torch.compile each decoder layer (dynamic shapes): fused kernels, far fewer launches. False if unavailable."""
+        """torch.compile each decoder layer (dynamic shapes): fused kernels, far fewer launches. False if
+        unavailable."""
         torch = self.torch
         if not self.layers or not hasattr(torch, "compile") or not hasattr(self.layers[0], "compile"):
             log.warning(
@@ -123,12 +128,18 @@ class RewardScorer(PairEncoder):
         # REWARD_PACK=auto only models small enough for it to pay (planner.PACK_UP_TO_PARAMS).
         attention = getattr(model.config, "_attn_implementation", None)
         self.non_embedding_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-        self.can_pack = (self.base is not None and self.head is not None and attention == "sdpa"
-                         and settings.pack == "auto" and model_packs(self.non_embedding_params))  # fmt: skip
+        self.can_pack = (
+            self.base is not None
+            and self.head is not None
+            and attention == "sdpa"
+            and settings.pack == "auto"
+            and model_packs(self.non_embedding_params)
+        )
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model_budget = None
         if device.startswith("cuda") and (per_token := self.activation_bytes_per_token()):
-            # planner.MemoryTooSmall (a ValueError) when REWARD_GPU_MEMORY_GIB leaves no room: the server exits naming it
+            # planner.MemoryTooSmall (a ValueError) when REWARD_GPU_MEMORY_GIB leaves no room: the server exits
+            # naming it
             self.model_budget = model_token_budget(per_token, self.weight_bytes, int(settings.gpu_memory_gib * 2**30))
         # A bigger model's token takes longer, so one more forward costs fewer of its tokens: narrower micro-batches
         # with less padding pay (on the CPU the cost stays MICRO_BATCH_COST).
@@ -138,8 +149,12 @@ class RewardScorer(PairEncoder):
         )
         # Hand the model its per-layer mask mapping ourselves (warm-up checks the model takes it and scores the same)?
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-        self.can_map_mask = (self.base is not None and self.head is not None and layer_types == {"full_attention"}
-                             and bool(getattr(self.base, "layers", None)))  # fmt: skip
+        self.can_map_mask = (
+            self.base is not None
+            and self.head is not None
+            and layer_types == {"full_attention"}
+            and bool(getattr(self.base, "layers", None))
+        )
         self.mask_mapping = False
         # Inputs go to the GPU from pinned memory: a copy from pageable memory waits for the GPU to finish what is
         # queued before it, so launching the next micro-batch would wait for the running one.
@@ -196,7 +211,8 @@ class RewardScorer(PairEncoder):
             )
         model.to(device).eval()
         if device.startswith("cuda") and settings.cudnn_attention == "off":
-            # Flash and mem-efficient attention only; torch's choice (cuDNN on Hopper) gains 4.2% (benchmarks/README.md).
+            # Flash and mem-efficient attention only; torch's choice (cuDNN on Hopper) gains 4.2%
+            # (benchmarks/README.md).
             torch.backends.cuda.enable_cudnn_sdp(False)
         if device.startswith("cuda") and settings.gpu_memory_gib:
             # The caching allocator stays under the cap; a micro-batch that would cross it is split (as on any OOM).
@@ -254,7 +270,8 @@ class RewardScorer(PairEncoder):
         except torch.cuda.OutOfMemoryError:
             if len(rows) == 1:
                 raise InputTooLong(
-                    f"a single sequence of {lengths[rows[0]]} tokens does not fit in GPU memory; lower REWARD_MAX_LENGTH"
+                    f"a single sequence of {lengths[rows[0]]} tokens does not fit in GPU memory; lower "
+                    "REWARD_MAX_LENGTH"
                 ) from None
             torch.cuda.empty_cache()  # a no-op where CUDA never started
             half = len(rows) // 2

@@ -44,35 +44,58 @@ SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, fl
     "device": ("REWARD_DEVICE", "DEVICE", "cpu | cuda | cuda:N | auto"),
     "port": ("REWARD_PORT", "PORT", "port to listen on"),
     "host": ("REWARD_HOST", "ADDRESS", "address to bind (0.0.0.0: every interface)"),
-    "input": ("REWARD_INPUT", "WHAT", "conversation (prompt + response) | completion (the response alone: TRL <= "
-              "0.23 with a 'prompt' column)"),
-    "add_special_tokens": ("REWARD_ADD_SPECIAL_TOKENS", "auto|true|false", "add the tokenizer's special tokens "
-                           "(auto: as TRL did for the input)"),
-    "chat_template": ("REWARD_CHAT_TEMPLATE", "auto|off", "the tokenizer's chat template (auto) or TRL's plain-text "
-                      "rule (off)"),
+    "input": (
+        "REWARD_INPUT",
+        "WHAT",
+        "conversation (prompt + response) | completion (the response alone: TRL <= 0.23 with a 'prompt' column)",
+    ),
+    "add_special_tokens": (
+        "REWARD_ADD_SPECIAL_TOKENS",
+        "auto|true|false",
+        "add the tokenizer's special tokens (auto: as TRL did for the input)",
+    ),
+    "chat_template": (
+        "REWARD_CHAT_TEMPLATE",
+        "auto|off",
+        "the tokenizer's chat template (auto) or TRL's plain-text rule (off)",
+    ),
     "append_eos": ("REWARD_APPEND_EOS", "auto|true|false", "plain text: append EOS (auto: for conversation)"),
     "max_length": ("REWARD_MAX_LENGTH", "TOKENS", "tokens scored per pair; longer input keeps its last tokens"),
     "auth_token": ("REWARD_SERVER_TOKEN", "TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
     # --help-all only: logging, how the GPU thread batches, how the layers run, the warm-up
     "log_level": ("REWARD_LOG_LEVEL", "LEVEL", "debug | info | warning"),
-    "pack": ("REWARD_PACK", "auto|off", "auto (models up to Qwen3-1.7B's size: several sequences to a padded row "
-             "where that saves a fifth of the rows, each attending only to itself) | off"),
-    "micro_batch_cost": ("REWARD_MICRO_BATCH_COST", "TOKENS", "what one more forward costs, in tokens, when rows are "
-                         "split into micro-batches (0: from the model on a GPU: 1024 up to Qwen3-1.7B's size, fewer "
-                         "for bigger models, whose tokens take longer)"),
+    "pack": (
+        "REWARD_PACK",
+        "auto|off",
+        "auto (models up to Qwen3-1.7B's size: several sequences to a padded row "
+        "where that saves a fifth of the rows, each attending only to itself) | off",
+    ),
+    "micro_batch_cost": (
+        "REWARD_MICRO_BATCH_COST",
+        "TOKENS",
+        "what one more forward costs, in tokens, when rows are "
+        "split into micro-batches (0: from the model on a GPU: 1024 up to Qwen3-1.7B's size, fewer "
+        "for bigger models, whose tokens take longer)",
+    ),
     "compile": ("REWARD_COMPILE", "auto|layers|off", "auto (per-layer torch.compile on GPU) | layers | off"),
-    "cudnn_attention": ("REWARD_CUDNN_ATTENTION", "auto|off", "auto (torch's choice: cuDNN on Hopper) | off (flash, "
-                        "mem-efficient)"),
-    "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no "
-                       "cap)"),
-}  # fmt: skip
+    "cudnn_attention": (
+        "REWARD_CUDNN_ATTENTION",
+        "auto|off",
+        "auto (torch's choice: cuDNN on Hopper) | off (flash, mem-efficient)",
+    ),
+    "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no cap)"),
+}
 # What `--help` shows (FIRST), in this order: the model, where it serves, the format it was trained in, what is scored.
 _GROUPS = {
     "the model and where it serves": ("model_path", "device", "port", "host"),
     "the format it was trained in (python -m reward_score.check_format says which)": (
-        "input", "add_special_tokens", "chat_template", "append_eos"),
+        "input",
+        "add_special_tokens",
+        "chat_template",
+        "append_eos",
+    ),
     "what is scored, who may ask": ("max_length", "auth_token"),
-}  # fmt: skip
+}
 FIRST = tuple(name for names in _GROUPS.values() for name in names)
 USAGE = "reward_server --model-path DIR [--device DEVICE] [--port PORT] [--input WHAT] [options]"
 DESCRIPTION = """Scores (prompt, response) pairs over HTTP as TRL trained the reward model (docs/reward.md).
@@ -89,9 +112,21 @@ CHOICES = {f.name: get_args(f.type) for f in fields(Settings) if get_origin(f.ty
 # Settings removed in issue #61 (for want of a measured gain, benchmarks/README.md; the request limits, now app.py's
 # pydantic limits; REWARD_TRUNCATION=reject and REWARD_MAX_BODY_BYTES, whose 413 failed the job's step): one still set
 # is refused, not ignored.
-REMOVED = ("REWARD_TOKEN_BUDGET", "REWARD_MAX_BATCH_ROWS", "REWARD_PAD_MULTIPLE", "REWARD_MAX_WAIT_MS",
-           "REWARD_QUIET_MS", "REWARD_LIGER", "REWARD_NEXT_LAUNCH", "REWARD_WARMUP", "REWARD_FUSE", "REWARD_MAX_ITEMS",
-           "REWARD_MAX_CHARS", "REWARD_TRUNCATION", "REWARD_MAX_BODY_BYTES")  # fmt: skip
+REMOVED = (
+    "REWARD_TOKEN_BUDGET",
+    "REWARD_MAX_BATCH_ROWS",
+    "REWARD_PAD_MULTIPLE",
+    "REWARD_MAX_WAIT_MS",
+    "REWARD_QUIET_MS",
+    "REWARD_LIGER",
+    "REWARD_NEXT_LAUNCH",
+    "REWARD_WARMUP",
+    "REWARD_FUSE",
+    "REWARD_MAX_ITEMS",
+    "REWARD_MAX_CHARS",
+    "REWARD_TRUNCATION",
+    "REWARD_MAX_BODY_BYTES",
+)
 
 
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
@@ -102,9 +137,12 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     every = "--help-all" in argv
     width = min(118, shutil.get_terminal_size().columns - 2)
     parser = argparse.ArgumentParser(
-        prog="reward_server", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
+        prog="reward_server",
+        usage=USAGE,
+        description=DESCRIPTION,
+        epilog=EPILOG,
         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=width, max_help_position=32),
-    )  # fmt: skip
+    )
     parser.add_argument("--help-all", action="help", help="show every setting and exit")
     groups = {}
     for title, names in _GROUPS.items():
@@ -126,19 +164,26 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         default = "required" if name == "model_path" else f"default {'none' if default == '' else default}"
         shown = f"{help_text} [{env_name}, {default}]"
         group = groups.get(name, tuning)
-        group.add_argument(_flag(name), type=kind, default=None, metavar=metavar,
-                           help=shown if name in groups or every else argparse.SUPPRESS)  # fmt: skip
+        group.add_argument(
+            _flag(name),
+            type=kind,
+            default=None,
+            metavar=metavar,
+            help=shown if name in groups or every else argparse.SUPPRESS,
+        )
     args = parser.parse_args(argv)
     values.update({k: v for k, v in vars(args).items() if v is not None})
     settings = replace(defaults, **values)
-    problems = [f"{name} is no longer a setting (its default is built in): unset it"
-                for name in REMOVED if environ.get(name)]  # fmt: skip
+    problems = [
+        f"{name} is no longer a setting (its default is built in): unset it" for name in REMOVED if environ.get(name)
+    ]
     for name, allowed in CHOICES.items():
         if getattr(settings, name) not in allowed:
             problems.append(f"{SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
     if settings.micro_batch_cost < 0:
-        problems.append(f"REWARD_MICRO_BATCH_COST must be 0 (from the model) or a number of tokens, got "
-                        f"{settings.micro_batch_cost}")  # fmt: skip
+        problems.append(
+            f"REWARD_MICRO_BATCH_COST must be 0 (from the model) or a number of tokens, got {settings.micro_batch_cost}"
+        )
     if settings.gpu_memory_gib < 0:
         problems.append(f"REWARD_GPU_MEMORY_GIB must be 0 (no cap) or a size in GiB, got {settings.gpu_memory_gib}")
     if not (settings.device in ("auto", "cpu", "cuda") or settings.device.startswith("cuda:")):

@@ -23,8 +23,14 @@ def warm_up(scorer: RewardScorer) -> None:
     check_compiled(scorer, [ids, ids[: len(ids) // 2], ids[:37]])
     scorer.warm_up_s["checks"] = time.perf_counter() - started
     # Padded: one row, two rows, three equal rows. Packed (two or more sequences to a row): one row, two rows.
-    shapes = [[ids], [ids, ids[: len(ids) // 2]], [ids[:100]] * 3, [ids[:37]], [ids[:150], ids[:40]],
-              [ids[:200], ids[:50], ids[:37]]]  # fmt: skip
+    shapes = [
+        [ids],
+        [ids, ids[: len(ids) // 2]],
+        [ids[:100]] * 3,
+        [ids[:37]],
+        [ids[:150], ids[:40]],
+        [ids[:200], ids[:50], ids[:37]],
+    ]
     started = time.perf_counter()
     try:
         for seqs in shapes:
