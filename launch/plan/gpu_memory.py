@@ -325,23 +325,74 @@ class ModelDims:
 LOGITS_UPDATE_BYTES = 8.0
 # The log-prob pass (no_grad) with the entropy verl's worker always asks for (megatron_workers.py:752).
 LOGITS_LOG_PROB_BYTES = 12.0
-# With verl's fused kernels (FUSED_KERNELS, launch/plan/trainer_command.fused_kernels) no [tokens x vocab] logits are
-# kept: what the kernel holds on the last stage beside its input, bytes per token of a micro-batch, in the update and
-# in the log-prob pass. Measured on one H100 through verl's worker at Qwen3-4B's stage-1 shape, at 24,576 and 49,152
-# tokens a micro-batch (benchmarks/results/megatron_memory_h100_qwen3_4b_fused.json, _fused_2x.json): the log-prob
-# pass held 2.16 and 4.30 GiB above its resident weights and grads (94,400 and 93,900 bytes a token: a layer's
-# activations while the no-grad recompute runs, and the kernel's chunk); the update's peak is the formula's plus 3.1 and
-# 3.3 GiB, fitted within 4% at both by 67,000 bytes a token (the formula without it: -6.8% and -6.5%).
-FUSED_UPDATE_BYTES_PER_TOKEN = 67_000.0
-FUSED_LOG_PROB_BYTES_PER_TOKEN = 94_000.0
+# verl's fused kernels (FUSED_KERNELS, launch/plan/trainer_command.fused_kernels) keep no [tokens x vocab] logits; their
+# Triton kernel works through the vocabulary in chunks (verl/utils/kernel/kernels.py): the forward's splits (:561) and
+# the backward's d_logits chunk (:1525, its default BackwardEnum._Split_Dlogits_N, :138), in columns.
+FUSED_FORWARD_SPLIT = 1024
+FUSED_BACKWARD_CHUNK = 9504
+# Bytes a token per query column that the TE-free layer spec keeps beside TE's where its attention is one SDPA per
+# packed sequence, as in every measurement here (demo/megatron_cpu.py; ModelDims.activation_bytes): the attention's
+# output a third time. The layer's, not the kernel's, but the fused update's peak holds it (fused_path_bytes), where
+# verl's logits rise above it. TE's spec, or the varlen attention, would keep 0; the plan counts it.
+TE_FREE_ATTENTION_BYTES = 2
 
 
-def _logits_bytes(dims: ModelDims, *, last: bool, fused: bool, tokens: int, tp: int, log_prob: bool) -> int:
-    """The last stage's logits path of one micro-batch: verl's logits (LOGITS_*), or the fused kernels' (FUSED_*)."""
+def fused_path_bytes(
+    dims: ModelDims, *, tokens: int, tp: int, log_prob: bool, recompute: str = "full", tied_here: bool = False
+) -> int:
+    """What the last stage holds with verl 0.6.1's fused kernels beside the formula's weights, gradients, optimizer and
+    activations, for one micro-batch of `tokens`, in bytes a token and bf16 where not said; h the hidden size,
+    V = vocab / TP. The fused forward hands the final norm's output, gathered where TP > 1 (sequence parallel), to the
+    kernel (verl/models/mcore/model_forward_fused.py:199-208), which keeps it for the backward beside the int64 label
+    and three float32 (verl/utils/kernel/linear_cross_entropy.py:77-81). The kernel (verl/utils/kernel/kernels.py):
+    - forward: each split of FUSED_FORWARD_SPLIT columns' max, sum and entropy term, float32 (:561-567; TP adds a copy
+      of the max, :644), freed at its end: 2h + 4 x 3 (4) x splits;
+    - backward: d_hidden (2h, :1426), d_weight (2 x V x h bytes in all, :1427), one d_logits chunk of
+      FUSED_BACKWARD_CHUNK columns (:1525-1528) and beside it the last chunk's narrower copy (:1567-1569) or the 2h
+      product d_hidden adds (:1576-1578); with the last layer's output and the final norm's (2h / TP each) and, where
+      TP > 1, the gathered copy: 2h (4h) + 4h / TP + 2 x chunk + max(2 x last, 2h), while no layer is recomputed.
+    At TP=1 neither is the peak at Qwen3's shapes (TP does not shrink the chunk: from TP=2 or 4 the backward is): a
+    layer's own transients are, which verl's logits hide and the formula does not count otherwise (/ TP as the
+    activations):
+    - the log-prob pass (no_grad) peaks in a layer's MLP (megatron-core transformer/mlp.py:166-170): the input the
+      block keeps, the attention block's output, the norm's (h each), the up-projection (2 ffn), SiLU's output and the
+      product (ffn each): 2 x (3h + 4ffn);
+    - the update peaks in the recomputed layer's MLP backward: its output and the output's gradient (h each), the
+      gradients of the product, of SiLU's output and of the up-projection's second half less the product freed by
+      then (2 ffn): 2 x (2h + 2ffn), with TE_FREE_ATTENTION_BYTES x q. d_weight is still held there where the output
+      layer reads the embedding's weight on the one stage (`tied_here`, the benchmarks: autograd adds the embedding's
+      gradient to it at the backward's end); else megatron-core's hook moves it into main_grad at once
+      (distributed/distributed_data_parallel.py:486-507)."""
+    h, ffn, vocab = dims.hidden, dims.ffn, -(-dims.vocab // tp)
+    if log_prob:
+        kernel = 2 * h + 4 * (3 + (tp > 1)) * -(-vocab // FUSED_FORWARD_SPLIT)
+        return int(max(2 * (3 * h + 4 * ffn) / tp, kernel) * tokens)
+    last = vocab - (-(-vocab // FUSED_BACKWARD_CHUNK) - 1) * FUSED_BACKWARD_CHUNK
+    copy = 2 * last if last < FUSED_BACKWARD_CHUNK else 0
+    kernel = 2 * h * (1 + (tp > 1)) + 4 * h / tp + 2 * FUSED_BACKWARD_CHUNK + max(copy, 2 * h)
+    recomputed = dims.activation_bytes("off") / tp if recompute != "off" else 0  # counted, but not held by then
+    layer = (4 * h + 4 * ffn + TE_FREE_ATTENTION_BYTES * dims.q) / tp
+    d_weight = 2 * vocab * h
+    return int(max(layer * tokens + (d_weight if tied_here else 0), (kernel - recomputed) * tokens + d_weight))
+
+
+def _logits_bytes(
+    dims: ModelDims,
+    *,
+    last: bool,
+    fused: bool,
+    tokens: int,
+    tp: int,
+    log_prob: bool,
+    recompute: str = "full",
+    tied_here: bool = False,
+) -> int:
+    """The last stage's logits path of one micro-batch: verl's logits (LOGITS_*), or the fused kernels'
+    (fused_path_bytes)."""
     if not last:
         return 0
     if fused:
-        return int((FUSED_LOG_PROB_BYTES_PER_TOKEN if log_prob else FUSED_UPDATE_BYTES_PER_TOKEN) * tokens)
+        return fused_path_bytes(dims, tokens=tokens, tp=tp, log_prob=log_prob, recompute=recompute, tied_here=tied_here)
     return int((LOGITS_LOG_PROB_BYTES if log_prob else LOGITS_UPDATE_BYTES) * tokens * dims.vocab / tp)
 
 
@@ -400,7 +451,10 @@ def stage_memory(dims: ModelDims, *, stage: int, stages: int, tp: int, dp: int, 
     per_token = dims.activation_bytes(recompute) * layers * in_flight
     if recompute != "off":
         per_token += dims.activation_bytes("off")
-    logits = _logits_bytes(dims, last=last, fused=fused_logits, tokens=tokens, tp=tp, log_prob=False)
+    tied = dims.tied and stages == 1  # the output layer reads the embedding's weight
+    logits = _logits_bytes(
+        dims, last=last, fused=fused_logits, tokens=tokens, tp=tp, log_prob=False, recompute=recompute, tied_here=tied
+    )
     return StageMemory(
         stage=stage, stages=stages, layers=layers, in_flight=in_flight, tokens=tokens,
         weights=2 * params // tp, grads=4 * params // tp, optimizer=12 * params // tp // max(1, dp),
