@@ -6,8 +6,8 @@ preflight prints the rollout's as one line:
     a reward server ...; SGLang takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the memory free at its start ...
 
 The engines read the one setting differently (memory_line says how). A reward server holds its weights in bf16 and, at
-its peak, the activations of one full micro-batch (reward_server_peak). Measured on one H200, the servers' peaks were 5.0, 17.8 and 30.8 GiB for the 1.7B, 8B and
-14B shapes; this estimate says 5.5, 18.6 and 32.2 (benchmarks/HISTORY.md).
+its peak, the activations of one full micro-batch (reward_server_peak). Measured on one H200, the servers' peaks were
+5.0, 17.8 and 30.8 GiB for the 1.7B, 8B and 14B shapes; this estimate says 5.5, 18.6 and 32.2 (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def gpu_total() -> int | None:
 # --- the rollout engine's share, at its start --------------------------------------------------------------------
 
 # One process's GPU memory outside torch's allocator (its CUDA context, cuBLAS's and NCCL's workspaces), the most any
-# phase held: verl's Megatron worker at Qwen3-4B's stage-1 shape on one H100, device used less torch's reserved, 2.32 GiB
-# after init, 3.15 in the log-prob pass, 3.65 in the update, fused or not
+# phase held: verl's Megatron worker at Qwen3-4B's stage-1 shape on one H100, device used less torch's reserved,
+# 2.32 GiB after init, 3.15 in the log-prob pass, 3.65 in the update, fused or not
 # (benchmarks/results/megatron_memory_h100_qwen3_4b_fused.json, `outside_torch_gib`). An H200's FSDP2 worker at 0.6B
 # held 1.46 (verl_step_h200_qwen3_0p6b_1p7b.json). The allocator's own slack (reserved less allocated: 1.0-1.2 GiB in
 # those updates) is not counted here.
@@ -140,25 +140,33 @@ def trainer_resident(cfg, policy: ModelDims, critic: ModelDims | None = None) ->
         for stage in range(pp):
             p = stage_parameters(policy, stage=stage, stages=pp) // tp
             c = stage_parameters(critic, stage=stage, stages=pp, value_head=True) // tp if has_critic else 0
-            parts = [("actor weights", 0 if actor.megatron.param_offload else 2 * p),
-                     ("actor gradients", 0 if actor.megatron.param_offload else 4 * p),
-                     ("actor optimizer", 0 if actor.megatron.optimizer_offload else 12 * p // dp),
-                     ("reference", 2 * p if has_ref and not ref.megatron.param_offload else 0)]  # fmt: skip
+            parts = [
+                ("actor weights", 0 if actor.megatron.param_offload else 2 * p),
+                ("actor gradients", 0 if actor.megatron.param_offload else 4 * p),
+                ("actor optimizer", 0 if actor.megatron.optimizer_offload else 12 * p // dp),
+                ("reference", 2 * p if has_ref and not ref.megatron.param_offload else 0),
+            ]
             if has_critic:
                 m = cfg.critic.megatron
-                parts += [("critic weights and gradients", 0 if m.param_offload else 6 * c),
-                          ("critic optimizer", 0 if m.optimizer_offload else 12 * c // dp)]  # fmt: skip
+                parts += [
+                    ("critic weights and gradients", 0 if m.param_offload else 6 * c),
+                    ("critic optimizer", 0 if m.optimizer_offload else 12 * c // dp),
+                ]
             out.append(Resident((*parts, ("process", WORKER_OVERHEAD))))
         return out
     p = stage_parameters(policy, stage=0, stages=1) // gpus
     c = stage_parameters(critic, stage=0, stages=1, value_head=True) // gpus if has_critic else 0
     offloaded = actor.fsdp_config.param_offload or actor.fsdp_config.get("offload_policy", False)
-    parts = [("actor weights", 0 if offloaded else 4 * p),
-             ("actor optimizer", 0 if actor.fsdp_config.optimizer_offload else 8 * p)]  # fmt: skip
+    parts = [
+        ("actor weights", 0 if offloaded else 4 * p),
+        ("actor optimizer", 0 if actor.fsdp_config.optimizer_offload else 8 * p),
+    ]
     if has_critic:
         f = cfg.critic.model.fsdp_config
-        parts += [("critic weights", 0 if f.param_offload else 4 * c),
-                  ("critic optimizer", 0 if f.optimizer_offload else 8 * c)]  # fmt: skip
+        parts += [
+            ("critic weights", 0 if f.param_offload else 4 * c),
+            ("critic optimizer", 0 if f.optimizer_offload else 8 * c),
+        ]
     return [Resident((*parts, ("process", WORKER_OVERHEAD)))]
 
 
@@ -188,8 +196,10 @@ def _refuse_short(total: int | None, share: float, name: str, held: int, what: s
         return
     fix = f"set ROLLOUT_GPU_MEMORY={math.floor((total - held) / total * 100) / 100:g} or less"
     if shared:
-        fix += (", or cap the reward server (REWARD_GPU_MEMORY_GIB) or give it a node of its own "
-                "(CONFIG_USE_SEPARATE_REWARD_NODE=true)")  # fmt: skip
+        fix += (
+            ", or cap the reward server (REWARD_GPU_MEMORY_GIB) or give it a node of its own "
+            "(CONFIG_USE_SEPARATE_REWARD_NODE=true)"
+        )
     raise GpuMemoryError(
         f"vLLM takes {name} of the whole GPU, {share * total / GIB:.1f} GiB, but {what} leaves "
         f"{(total - held) / GIB:.1f} GiB of this GPU's {total / GIB:.1f} free at its start: vLLM 0.10.0 refuses to "
@@ -198,8 +208,9 @@ def _refuse_short(total: int | None, share: float, name: str, held: int, what: s
     )
 
 
-def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, resident: list[Resident],
-                replicas: int = 1) -> str:  # fmt: skip
+def memory_line(
+    s: Settings, peak: RewardPeak | None, total: int | None, resident: list[Resident], replicas: int = 1
+) -> str:
     """The preflight's one line: per GPU, what the rollout engine takes, beside what the trainer and the reward
     servers hold there when it starts. `peak`: one reward server's (None: they run on the CPU); `resident`: the
     trainer's at the engine's start, per pipeline stage (trainer_resident; not read with one_step_off); `replicas`:
@@ -241,8 +252,10 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
 
     held = [r.total for r in resident]
     fullest = max(resident, key=lambda r: r.total)
-    parts = [f"the trainer keeps {_gib(held)} GiB at the rollout's start ({fullest.describe()}: verl's offload "
-             "settings)", reward]  # fmt: skip
+    parts = [
+        f"the trainer keeps {_gib(held)} GiB at the rollout's start ({fullest.describe()}: verl's offload settings)",
+        reward,
+    ]
     others = s.gpus_per_node - len(reward_gpus) if shared else 0
     if s.rollout_engine == "sglang":
 
@@ -261,7 +274,8 @@ def memory_line(s: Settings, peak: RewardPeak | None, total: int | None, residen
             engine += f"{takes(0)} on every GPU"
     else:
         what = f"what the trainer keeps ({_gib(held)} GiB)" + (
-            f" and the reward server ({server / GIB:.1f} GiB) on GPU {','.join(reward_gpus)}" if shared else "")  # fmt: skip
+            f" and the reward server ({server / GIB:.1f} GiB) on GPU {','.join(reward_gpus)}" if shared else ""
+        )
         _refuse_short(total, share, name, max(held) + server, what, shared)
         engine = f"vLLM takes {name} of the whole GPU (gpu_memory_utilization): {whole()} on every GPU"
     parts.append(engine + "; given back for the update (free_cache_engine)")
@@ -289,8 +303,16 @@ class ModelDims:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.hidden_size, config.intermediate_size, heads * head_dim, kv_heads * head_dim, head_dim,
-                   config.num_hidden_layers, config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)))  # fmt: skip
+        return cls(
+            config.hidden_size,
+            config.intermediate_size,
+            heads * head_dim,
+            kv_heads * head_dim,
+            head_dim,
+            config.num_hidden_layers,
+            config.vocab_size,
+            bool(getattr(config, "tie_word_embeddings", False)),
+        )
 
     @property
     def layer_params(self) -> int:
@@ -418,8 +440,9 @@ class StageMemory:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.grads + self.optimizer + self.reference + self.activations + self.logits
-                + self.process)  # fmt: skip
+        return (
+            self.weights + self.grads + self.optimizer + self.reference + self.activations + self.logits + self.process
+        )
 
     def describe(self) -> str:
         parts = [f"weights {self.weights / GIB:.1f}", f"grads {self.grads / GIB:.1f}"]
@@ -428,8 +451,10 @@ class StageMemory:
         if self.reference:
             parts.append(f"reference {self.reference / GIB:.1f}")
         if not self.log_prob:
-            parts.append(f"activations {self.activations / GIB:.1f} ({self.layers} layers x {self.in_flight} "
-                         f"micro-batch(es) of {self.tokens} tokens)")  # fmt: skip
+            parts.append(
+                f"activations {self.activations / GIB:.1f} ({self.layers} layers x {self.in_flight} "
+                f"micro-batch(es) of {self.tokens} tokens)"
+            )
         if self.stage == self.stages - 1 and (self.logits or self.fused):
             logits = "logits with the entropy" if self.log_prob else "logits"
             parts.append(f"{'fused log-probs' if self.fused else logits} {self.logits / GIB:.1f}")
@@ -438,12 +463,26 @@ class StageMemory:
         return f"stage {self.stage}: ~{self.total / GIB:.1f} GiB (" + ", ".join(parts) + ")"
 
 
-def stage_memory(dims: ModelDims, *, stage: int, stages: int, tp: int, dp: int, tokens: int, recompute: str,
-                 micro_batches: int, reference_on_gpu: bool, fused_logits: bool = False,
-                 in_flight: int | None = None, last: bool | None = None, process: int = 0) -> StageMemory:  # fmt: skip
+def stage_memory(
+    dims: ModelDims,
+    *,
+    stage: int,
+    stages: int,
+    tp: int,
+    dp: int,
+    tokens: int,
+    recompute: str,
+    micro_batches: int,
+    reference_on_gpu: bool,
+    fused_logits: bool = False,
+    in_flight: int | None = None,
+    last: bool | None = None,
+    process: int = 0,
+) -> StageMemory:
     """The update's peak on pipeline stage `stage` of `stages` (layers split evenly, megatron-core's default), as the
     StageMemory fields say. With recompute the layer being recomputed holds its full activations once, for one
-    micro-batch, on top. `in_flight` and `last` override what the stage's place gives (the benchmark's one-GPU stages)."""
+    micro-batch, on top. `in_flight` and `last` override what the stage's place gives (the benchmarks' one-GPU
+    stages)."""
     layers = dims.layers // stages + (1 if stage < dims.layers % stages else 0)
     last = (stage == stages - 1) if last is None else last
     params = stage_parameters(dims, stage=stage, stages=stages, last=last)
@@ -456,20 +495,49 @@ def stage_memory(dims: ModelDims, *, stage: int, stages: int, tp: int, dp: int, 
         dims, last=last, fused=fused_logits, tokens=tokens, tp=tp, log_prob=False, recompute=recompute, tied_here=tied
     )
     return StageMemory(
-        stage=stage, stages=stages, layers=layers, in_flight=in_flight, tokens=tokens,
-        weights=2 * params // tp, grads=4 * params // tp, optimizer=12 * params // tp // max(1, dp),
+        stage=stage,
+        stages=stages,
+        layers=layers,
+        in_flight=in_flight,
+        tokens=tokens,
+        weights=2 * params // tp,
+        grads=4 * params // tp,
+        optimizer=12 * params // tp // max(1, dp),
         reference=2 * params // tp if reference_on_gpu else 0,
-        activations=int(per_token * tokens / tp), logits=logits, fused=fused_logits and last, process=process,
-    )  # fmt: skip
+        activations=int(per_token * tokens / tp),
+        logits=logits,
+        fused=fused_logits and last,
+        process=process,
+    )
 
 
-def log_prob_stage(dims: ModelDims, *, stage: int, stages: int, tp: int, tokens: int, fused_logits: bool = False,
-                   reference_on_gpu: bool = False, process: int = 0) -> StageMemory:  # fmt: skip
+def log_prob_stage(
+    dims: ModelDims,
+    *,
+    stage: int,
+    stages: int,
+    tp: int,
+    tokens: int,
+    fused_logits: bool = False,
+    reference_on_gpu: bool = False,
+    process: int = 0,
+) -> StageMemory:
     """The actor's log-prob pass on a stage (no_grad): its bf16 weights and float32 grad buffer stay on the GPU (the
     optimizer is offloaded), and on the last stage the logits path of one micro-batch with the entropy (the fused
     kernels' where `fused_logits`); the reference's weights where `reference_on_gpu`, the process's where given."""
-    s = stage_memory(dims, stage=stage, stages=stages, tp=tp, dp=1, tokens=tokens, recompute="full", micro_batches=1,
-                     reference_on_gpu=reference_on_gpu, fused_logits=fused_logits, process=process)  # fmt: skip
+    s = stage_memory(
+        dims,
+        stage=stage,
+        stages=stages,
+        tp=tp,
+        dp=1,
+        tokens=tokens,
+        recompute="full",
+        micro_batches=1,
+        reference_on_gpu=reference_on_gpu,
+        fused_logits=fused_logits,
+        process=process,
+    )
     logits = _logits_bytes(dims, last=stage == stages - 1, fused=fused_logits, tokens=tokens, tp=tp, log_prob=True)
     return replace(s, optimizer=0, activations=0, logits=logits, log_prob=True)
 
@@ -485,15 +553,26 @@ def update_plan(s: Settings, dims: ModelDims, fused: bool = False) -> list[Stage
     reference_on_gpu)."""
     dp = max(1, s.train_nodes * s.training_gpus_per_node // max(1, s.actor_pp * s.actor_tp))
     return [
-        stage_memory(dims, stage=k, stages=s.actor_pp, tp=s.actor_tp, dp=dp, tokens=s.token_budget,
-                     recompute=s.megatron_recompute, micro_batches=s.actor_pp,
-                     reference_on_gpu=False, fused_logits=fused, process=WORKER_OVERHEAD)
+        stage_memory(
+            dims,
+            stage=k,
+            stages=s.actor_pp,
+            tp=s.actor_tp,
+            dp=dp,
+            tokens=s.token_budget,
+            recompute=s.megatron_recompute,
+            micro_batches=s.actor_pp,
+            reference_on_gpu=False,
+            fused_logits=fused,
+            process=WORKER_OVERHEAD,
+        )
         for k in range(s.actor_pp)
-    ]  # fmt: skip
+    ]
 
 
-def _refuse_over(s: Settings, total: int | None, reward: RewardPeak | None, plan: list[StageMemory], what: str,
-                 fix: str) -> None:  # fmt: skip
+def _refuse_over(
+    s: Settings, total: int | None, reward: RewardPeak | None, plan: list[StageMemory], what: str, fix: str
+) -> None:
     """GpuMemoryError where the GPU's size is known and a stage's peak, with the reward server on the head's first
     GPU (stage 0's) where it sits there, is over it."""
     shared = reward is not None and not s.separate_reward_node and total is not None
@@ -501,8 +580,10 @@ def _refuse_over(s: Settings, total: int | None, reward: RewardPeak | None, plan
         need = p.total + (reward.total if shared and p.stage == 0 else 0)
         if total is not None and need > total:
             with_reward = f" with the reward server's {reward.total / GIB:.1f}" if shared and p.stage == 0 else ""
-            raise GpuMemoryError(f"{what} needs ~{need / GIB:.1f} GiB on pipeline stage {p.stage}{with_reward}, "
-                                    f"over this GPU's {total / GIB:.1f} GiB ({p.describe()}): {fix}")  # fmt: skip
+            raise GpuMemoryError(
+                f"{what} needs ~{need / GIB:.1f} GiB on pipeline stage {p.stage}{with_reward}, "
+                f"over this GPU's {total / GIB:.1f} GiB ({p.describe()}): {fix}"
+            )
 
 
 def update_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardPeak | None, fused: bool = False) -> str:
@@ -510,31 +591,60 @@ def update_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardP
     size is known and a stage's peak, with the reward server on the head's first GPU (stage 0's) where it sits there,
     is over it. The rollout gives its memory back for the update (free_cache_engine)."""
     plan = update_plan(s, dims, fused)
-    logits = ("verl's fused log-probs keep no logits" if fused else
-              f"the logits alone take {LOGITS_UPDATE_BYTES:g} bytes x tokens x {dims.vocab} vocabulary")  # fmt: skip
-    _refuse_over(s, total, reward, plan, "the actor's update",
-                 f"set MEGATRON_RECOMPUTE=full (now {s.megatron_recompute}), lower MICRO_BATCH_PER_GPU (the micro-batch "
-                 f"is {plan[0].tokens} tokens; {logits}), or raise ACTOR_PP / ACTOR_TP (docs/training.md, the Megatron "
-                 "update's memory)")  # fmt: skip
+    logits = (
+        "verl's fused log-probs keep no logits"
+        if fused
+        else f"the logits alone take {LOGITS_UPDATE_BYTES:g} bytes x tokens x {dims.vocab} vocabulary"
+    )
+    _refuse_over(
+        s,
+        total,
+        reward,
+        plan,
+        "the actor's update",
+        f"set MEGATRON_RECOMPUTE=full (now {s.megatron_recompute}), lower MICRO_BATCH_PER_GPU (the micro-batch "
+        f"is {plan[0].tokens} tokens; {logits}), or raise ACTOR_PP / ACTOR_TP (docs/training.md, the Megatron "
+        "update's memory)",
+    )
     return f"Megatron update per GPU (MEGATRON_RECOMPUTE={s.megatron_recompute}, ACTOR_PP={s.actor_pp}): " + "; ".join(
         p.describe() for p in plan
     )
 
 
-def log_prob_line(s: Settings, dims: ModelDims, total: int | None, reward: RewardPeak | None,
-                  fused: bool = False) -> str:  # fmt: skip
+def log_prob_line(
+    s: Settings, dims: ModelDims, total: int | None, reward: RewardPeak | None, fused: bool = False
+) -> str:
     """The preflight's line for the Megatron log-prob passes, each stage's peak: the actor's weights and grad buffer
-    stay (log_prob_peak), the reference's bf16 weights come back from host memory for its own pass (ref.megatron.param_offload:
-    megatron_workers.py:722-723), the last stage holds one micro-batch's logits path with the entropy (the old
+    stay (log_prob_peak), the reference's bf16 weights come back from host memory for its own pass
+    (ref.megatron.param_offload: megatron_workers.py:722-723), the last stage holds one micro-batch's logits path with the entropy (the old
     log-probs', :752; the reference asks none, :730, so its path is at most that), and the process its
     WORKER_OVERHEAD. An upper bound of both passes; refused as update_line refuses."""
     tokens = s.token_budget
-    plan = [log_prob_stage(dims, stage=k, stages=s.actor_pp, tp=s.actor_tp, tokens=tokens, fused_logits=fused,
-                           reference_on_gpu=True, process=WORKER_OVERHEAD) for k in range(s.actor_pp)]  # fmt: skip
-    _refuse_over(s, total, reward, plan, "the reference's log-prob pass",
-                 f"lower MICRO_BATCH_PER_GPU (a micro-batch is {tokens} tokens) or raise ACTOR_PP / ACTOR_TP")  # fmt: skip
-    return (f"Megatron log-prob passes per GPU (old log-probs with the entropy, the reference's weights loaded for "
-            f"its pass; {tokens}-token micro-batches): " + "; ".join(p.describe() for p in plan))  # fmt: skip
+    plan = [
+        log_prob_stage(
+            dims,
+            stage=k,
+            stages=s.actor_pp,
+            tp=s.actor_tp,
+            tokens=tokens,
+            fused_logits=fused,
+            reference_on_gpu=True,
+            process=WORKER_OVERHEAD,
+        )
+        for k in range(s.actor_pp)
+    ]
+    _refuse_over(
+        s,
+        total,
+        reward,
+        plan,
+        "the reference's log-prob pass",
+        f"lower MICRO_BATCH_PER_GPU (a micro-batch is {tokens} tokens) or raise ACTOR_PP / ACTOR_TP",
+    )
+    return (
+        f"Megatron log-prob passes per GPU (old log-probs with the entropy, the reference's weights loaded for "
+        f"its pass; {tokens}-token micro-batches): " + "; ".join(p.describe() for p in plan)
+    )
 
 
 # --- what the preflight prints (launch/plan/preflight.py), from the settings and the composed config ---------------
