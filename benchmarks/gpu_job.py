@@ -7,7 +7,7 @@ Transformer Engine the layers are cpu/'s TE-free spec. Each verl phase's peak me
 benchmarks/verl_step_hook.py's lines (CPU_RUN_THEN_HOOK), each process's from NVML.
 
     python -m benchmarks.gpu_job steps --strategy megatron --out DIR  # GRPO steps: verl's timing_s, each phase's peak
-    python -m benchmarks.gpu_job canary --out DIR    # CANARY=1, then merge_mcore_to_hf.sh, then a tied policy's preflight
+    python -m benchmarks.gpu_job canary --out DIR    # CANARY=1, merge_mcore_to_hf.sh, a tied policy's preflight
     python -m benchmarks.gpu_job steps --shape tiny --steps 2 --out DIR   # a CPU, tiny models (what the test runs)
 
 On a GPU machine without network access, through benchmarks/offline_gpu.sh. The output folder gets result.json and the

@@ -1,7 +1,7 @@
-"""The hook benchmarks/verl_step.py gives Ray's workers (runtime_env.worker_process_setup_hook=HOOK): it runs in
-every Ray worker process of verl's trainer, registers the HF rollout (on a CPU cpu/verl_shims.py's shims too) and
-wraps the hybrid worker's phases so that each call prints its peak memory, one line a call (PHASE_PREFIX and JSON),
-which benchmarks/verl_step.py reads back from verl's console. Ray imports it by the module path in HOOK."""
+"""What benchmarks/gpu_job.py adds in verl's Ray workers (CPU_RUN_THEN_HOOK: gpu_job.measure_phases), and what the
+Megatron benchmark borrows: the hybrid worker's phases wrapped so that each call prints its peak memory, one line a
+call (PHASE_PREFIX and JSON, read back from verl's console), call N of each phase profiled where PROFILE_ENV says N;
+a profile's GPU time by kernel kind; verl's fused forward reading a tied weight on one stage."""
 
 from __future__ import annotations
 
@@ -10,48 +10,8 @@ import json
 import os
 import time
 
-from cpu import verl_shims
-
-HOOK = "benchmarks.verl_step_hook.install"
-MEGATRON_HOOK = "benchmarks.verl_step_hook.install_megatron"
 PHASE_PREFIX = "verl_step phase: "  # what the hook prints, one JSON object a call
 PHASES = ("generate_sequences", "compute_log_prob", "compute_ref_log_prob", "update_actor")
-
-
-_installed = False
-
-
-def install() -> None:
-    """Ray's worker_process_setup_hook. With CUDA: only the HF rollout's registration (verl_shims.register_rollout),
-    none of the CPU shims (NCCL, torch.cuda and pinned offload stay verl's own); without: all of cpu/verl_shims.py's.
-    Then the per-phase memory measurement (after the shims: they must precede verl's worker module)."""
-    _install("fsdp_workers")
-
-
-def install_megatron() -> None:
-    """The same for STRATEGY=megatron: on CUDA without Transformer Engine cpu/megatron_shims.py's TE-shaped layer spec
-    and optimizer state (install_without_te) beside the HF rollout; without CUDA all its CPU shims."""
-    _install("megatron_workers")
-
-
-def _install(module: str) -> None:
-    global _installed
-    if _installed:
-        return
-    import torch
-
-    from cpu import megatron_shims
-
-    megatron = module == "megatron_workers"
-    if torch.cuda.is_available():
-        verl_shims.register_rollout()
-        if megatron:
-            megatron_shims.install_without_te()
-            fused_forward_reads_the_tied_weight()
-    else:
-        megatron_shims.install() if megatron else verl_shims.install()
-    _measure_phases(module)
-    _installed = True
 
 
 def fused_forward_reads_the_tied_weight() -> None:

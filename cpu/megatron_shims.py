@@ -47,7 +47,7 @@ def overrides() -> list[str]:
     return [verl_shims.ENGINE_OVERRIDES[0][0], *(o for o, _ in verl_shims.LEAN_OVERRIDES), *(o for o, _ in OVERRIDES)]
 
 
-# A Megatron run on GPUs without SGLang and Transformer Engine (benchmarks/gpu_canary.py): HF generation stands in
+# A Megatron run on GPUs without SGLang and Transformer Engine (benchmarks/gpu_job.py): HF generation stands in
 # for SGLang, the one component replaced; the layers are the TE-free spec below; everything else is the job's own.
 GPU_HOOK = "cpu.megatron_shims.install_gpu"
 GPU_OVERRIDES = [

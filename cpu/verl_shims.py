@@ -7,7 +7,7 @@ Two kinds of adaptation (docs/verl-on-cpu.md: each one, and where verl stopped w
 - Shims (SHIMS, applied by `install`): what verl 0.6.1 cannot do on a CPU without a change to its code, each naming
   the verl line it works around. verl's workers are Ray actors in other processes: `install` runs in each as Ray's
   worker_process_setup_hook, which one of the overrides sets.
-The HF rollout (HFEngineRollout) also serves benchmarks/verl_step.py on a GPU, with ENGINE_OVERRIDES alone.
+The HF rollout (HFEngineRollout) also stands in for SGLang on a GPU (benchmarks/gpu_job.py), with ENGINE_OVERRIDES.
 
     python -m cpu.verl_shims          # the overrides, one a line, each with its reason
 """
@@ -24,7 +24,7 @@ ROLLOUT = "hf"  # the name verl's FSDP worker already gives its HF rollout (fsdp
 ROLLOUT_CLASS = "cpu.verl_shims.HFEngineRollout"  # what get_rollout_class imports for ROLLOUT, sync or async
 
 # (override, why). They go after the job's own overrides, so they win. ENGINE_OVERRIDES are what any run without
-# SGLang, vLLM and flash-attn needs (benchmarks/verl_step.py passes them on a GPU too); LEAN_OVERRIDES and the hook
+# SGLang, vLLM and flash-attn needs (benchmarks/gpu_job.py passes them on a GPU too); LEAN_OVERRIDES and the hook
 # are for a CPU.
 ENGINE_OVERRIDES = [
     (f"actor_rollout_ref.rollout.name={ROLLOUT}", "HF generate: HFEngineRollout below, registered by install"),
@@ -161,7 +161,7 @@ def _critic_attention() -> None:
 
 def register_rollout() -> None:
     """verl 0.6.1 registers only vLLM and SGLang (rollout/base.py:81-86); async rollout also asks for a replica
-    class (replica.py:193-246). The one shim a GPU run needs too (benchmarks/verl_step.py)."""
+    class (replica.py:193-246). The one shim a GPU run needs too (benchmarks/gpu_job.py)."""
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 

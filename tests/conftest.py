@@ -191,7 +191,7 @@ LONGEST_FIRST = (  # by the slow tier's --durations in CI (2026-12-06, 2 cores)
     "tests/test_launch.py::test_a_policy_whose_template_opens_no_think_block",
     "tests/test_canary.py::test_the_canary_passes_whatever_the_entry_point_logs",
     "tests/test_slurm_jobs.py::test_two_jobs_on_one_node_at_once",
-    "tests/test_verl_step.py::test_the_benchmark_takes_real_grpo_steps",
+    "tests/test_gpu_job.py::test_the_job_takes_real_grpo_steps",
     "tests/test_megatron_memory.py::test_the_plan_benchmark_runs",
     "tests/test_run_time.py::test_two_sync_rollout_jobs_on_one_node",
     "tests/test_merge.py::test_an_fsdp2_critic_merges",
@@ -209,7 +209,7 @@ def _longest_first(item) -> int:
 # server's start, a client's retry budget).
 SLOW_FIXTURES = {"submit", "clone", "slurm_cluster", "job", "ray_tmp", "megatron_merges"}
 SLOW_MODULES = {
-    "test_canary.py", "test_demo.py", "test_quickstart.py", "test_verl_step.py", "test_megatron_cpu.py",
+    "test_canary.py", "test_demo.py", "test_quickstart.py", "test_gpu_job.py", "test_megatron_cpu.py",
     "test_megatron_memory.py", "test_trl_formats.py", "test_slurm_jobs.py", "test_ray_cluster.py", "test_run_time.py",
     "test_merge.py", "test_reward_bench.py",
 }  # fmt: skip

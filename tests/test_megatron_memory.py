@@ -117,7 +117,7 @@ def test_the_formula_is_within_ten_percent_of_each_phase_measured_on_the_h100(na
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_verls_grpo_step_at_qwen3_0p6bs_shape_is_predicted_within_ten_percent_fused_or_not(fused):
-    """A second shape, nothing in the formula fitted to it: verl's own GRPO step on one H100 (benchmarks/verl_step.py)
+    """A second shape, nothing in the formula fitted to it: verl's own GRPO step on one H100 (benchmarks/verl_step.py, now gpu_job.py)
     at Qwen3-0.6B's (hidden 1,024, 28 layers, tied), PP=1, TP=1, full recompute, 24,576-token micro-batches, the
     optimizer offloaded and loaded for the update, the reference's weights for its pass; each phase's largest peak.
     The worker also keeps the HF rollout's bf16 policy (2P: the benchmark's demo/verl_cpu.py HFEngineRollout, which

@@ -616,9 +616,9 @@ def log_prob_line(
 ) -> str:
     """The preflight's line for the Megatron log-prob passes, each stage's peak: the actor's weights and grad buffer
     stay (log_prob_peak), the reference's bf16 weights come back from host memory for its own pass
-    (ref.megatron.param_offload: megatron_workers.py:722-723), the last stage holds one micro-batch's logits path with the entropy (the old
-    log-probs', :752; the reference asks none, :730, so its path is at most that), and the process its
-    WORKER_OVERHEAD. An upper bound of both passes; refused as update_line refuses."""
+    (ref.megatron.param_offload: megatron_workers.py:722-723), the last stage holds one micro-batch's logits path
+    with the entropy (the old log-probs', :752; the reference asks none, :730, so its path is at most that), and the
+    process its WORKER_OVERHEAD. An upper bound of both passes; refused as update_line refuses."""
     tokens = s.token_budget
     plan = [
         log_prob_stage(
