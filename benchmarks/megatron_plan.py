@@ -468,7 +468,7 @@ def finish(record: dict, dims, peak_tflops: float | None) -> dict:
 
 def predicted_gib(record: dict, dims) -> float:
     """launch/plan/gpu_memory.py's peak for the plan's one-GPU stage (every layer of the half model, DP=1)."""
-    from launch.plan.gpu_memory import stage_memory
+    from launch.plan.stage_memory import stage_memory
 
     last = record["stage"] == "stage1"
     kwargs = dict(stage=0, stages=1, tp=1, dp=1, micro_batches=2, reference_on_gpu=False, in_flight=1 if last else 2)
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     out_file = args.out / "megatron_plan.json"
     from transformers import AutoConfig
 
-    from launch.plan.gpu_memory import ModelDims
+    from launch.plan.stage_memory import ModelDims
 
     dims = ModelDims.from_config(AutoConfig.from_pretrained(work / "policy"))
     for group in groups:

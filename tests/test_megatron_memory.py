@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from benchmarks.common import block_defaults
-from launch.plan.gpu_memory import (
+from launch.plan.settings import Settings
+from launch.plan.stage_memory import (
     GIB,
     WORKER_OVERHEAD,
     GpuMemoryError,
@@ -25,7 +26,6 @@ from launch.plan.gpu_memory import (
     update_line,
     update_plan,
 )
-from launch.plan.settings import Settings
 from tests.support import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -232,7 +232,7 @@ def test_the_default_plan_leaves_the_offloaded_reference_out_and_the_docs_table_
     """The job offloads the Megatron reference's weights (ref.megatron.param_offload: verl loads them for its log-prob
     pass alone, megatron_workers.py:722-734), so no stage of the update holds them; docs/training.md's per-stage table
     is the formula's, for each recompute setting, and the formula still counts the reference where it stays."""
-    table = (REPO / "docs" / "training.md").read_text().split("| stage | off | full (the default) |", 1)[1]
+    table = (REPO / "docs" / "training.md").read_text().split("| stage | off | full |", 1)[1]
     rows = [line for line in table.split("\n\n", 1)[0].splitlines() if line.startswith("| ") and "---" not in line]
     documented = [[float(cell.strip(" ~GiB")) for cell in row.split("|")[2:4]] for row in rows]
     plans = {rc: update_plan(settings(MEGATRON_RECOMPUTE=rc), QWEN3_4B) for rc in ("off", "full")}

@@ -24,22 +24,11 @@ from pathlib import Path
 import pytest
 
 from launch.job import node
-from launch.plan.gpu_memory import (
-    GIB,
-    WORKER_OVERHEAD,
-    GpuMemoryError,
-    ModelDims,
-    Resident,
-    RewardPeak,
-    memory_line,
-    reward_peak,
-    reward_server_peak,
-    stage_parameters,
-    trainer_resident,
-)
+from launch.plan.gpu_memory import Resident, memory_line, reward_peak, reward_server_peak, trainer_resident
 from launch.plan.preflight import compose, split_command
 from launch.plan.refusals import check
 from launch.plan.settings import Settings
+from launch.plan.stage_memory import GIB, WORKER_OVERHEAD, GpuMemoryError, ModelDims, RewardPeak, stage_parameters
 from launch.plan.trainer_command import trainer_argv
 from tests import run_time_probes
 from tests.real_slurm import NODE_SIZE

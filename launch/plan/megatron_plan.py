@@ -2,7 +2,7 @@
 
 Each is `auto` by default. auto takes, for the card's memory (CONFIG_GPU_MEMORY_GIB: the GPU the preflight sees; where
 it sees none, an 80 GB H100), the plan that is fastest per token in the table measured on one H100 (SPEED) among those
-whose predicted peak (launch/plan/gpu_memory.py: every pipeline stage, the update and the log-prob passes, the reward
+whose predicted peak (launch/plan/stage_memory.py: every pipeline stage, the update and the log-prob passes, the reward
 server beside stage 0) fits the card with MARGIN. A value the user sets wins, and where it makes the update slower
 than auto's choice the preflight says so in one line. The preflight prints the plan chosen and the runner-up:
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
-from launch.plan.gpu_memory import (
+from launch.plan.settings import ARTICLE_SEQUENCE_TOKENS, SettingError, Settings
+from launch.plan.stage_memory import (
     GIB,
     WORKER_OVERHEAD,
     ModelDims,
@@ -33,7 +34,6 @@ from launch.plan.gpu_memory import (
     stage_parameters,
     update_plan,
 )
-from launch.plan.settings import ARTICLE_SEQUENCE_TOKENS, SettingError, Settings
 
 # Room left on the card beside the predicted peak: the formula's largest error against the measured peaks of the
 # table (benchmarks/results/megatron_plan_h100_qwen3_4b.json, `predicted_gib`) is under it.
@@ -41,17 +41,23 @@ MARGIN = 0.05
 ASSUMED_CARD_GIB = 79.18  # an 80 GB H100 as torch reports it: the card auto plans for where the preflight sees none
 RECOMPUTES = ("off", "selective", "full")
 TABLE_CARD = "one H100 80GB HBM3"
-# (fused, recompute, sequences of 6,144 tokens a micro-batch) -> seconds per 1,000 tokens on the last stage (its half
-# of the layers, the output layer and the logits or verl's fused kernels); stage 0 (the other half, the embedding)
-# by (recompute, sequences). Measured on TABLE_CARD through verl 0.6.1's own worker, Qwen3-4B's stage shapes
-# (benchmarks/results/megatron_memory_h100_qwen3_4b_fused.json and _fused_2x.json, `python -m
-# benchmarks.megatron_memory` at 07cac6f): the second update_actor call of two full micro-batches, its optimizer loaded
-# from host memory and stepped; stage 0 its micro-batches and the step. tests/test_megatron_plan.py reads them back.
-LAST_STAGE = {(False, "full", 4): 0.0902, (True, "full", 4): 0.1266, (True, "full", 8): 0.1117}
+# (fused, recompute, sequences of 6,144 tokens a micro-batch) -> seconds per 1,000 tokens of the update's micro-batches
+# (forward and backward) on the last stage (its half of the layers, the output layer and the logits or verl's fused
+# kernels); stage 0 (the other half and the embedding) by (recompute, sequences). Measured on TABLE_CARD through verl
+# 0.6.1's own worker at Qwen3-4B's stage shapes: benchmarks/results/megatron_plan_h100_qwen3_4b.json
+# (`python -m benchmarks.megatron_plan --quick`); the fused kernels' rows and stage 0's from the update seconds of
+# megatron_memory_h100_qwen3_4b_fused.json and _fused_2x.json less the fixed phases the former measured.
+# tests/test_megatron_plan.py reads each back. A plan out of memory on that card is not a row.
+LAST_STAGE = {
+    (False, "full", 1): 0.0597,
+    (False, "full", 2): 0.0551,
+    (False, "full", 4): 0.0543,
+    (False, "off", 1): 0.0489,
+    (True, "full", 4): 0.0781,
+    (True, "full", 8): 0.0875,
+}
 FIRST_STAGE = {("full", 4): 0.043}
-OFFLOAD_SECONDS = (
-    0.96  # the optimizer's copies each update_actor call at that stage: 26.5 GB each way (one H100, issue #68)
-)
+OFFLOAD_SECONDS = 1.87  # the optimizer's load and offload each update_actor call at that stage (measured there)
 
 
 @dataclass(frozen=True)
@@ -74,12 +80,15 @@ class Plan:
 
 
 def seconds_per_1k(fused: bool, recompute: str, sequences: int, stages: int) -> float | None:
-    """The table's cost of a plan per 1,000 tokens: both stages' with PP=1, the slower stage's with more. Stage 0,
-    which has no logits, at the nearest size the table has for the recompute (its cost per token barely moves)."""
+    """The table's cost of a plan per 1,000 tokens: both stages' with PP=1, the slower stage's with more. Stage 0 (no
+    logits) at the nearest size the table has for the recompute; where it has none, the last stage's figure alone
+    ranks the plan (stage 0 ran faster per token than the last stage at every plan measured)."""
     last = LAST_STAGE.get((fused, recompute, sequences))
-    firsts = sorted((abs(k - sequences), v) for (rc, k), v in FIRST_STAGE.items() if rc == recompute)
-    if last is None or not firsts:
+    if last is None:
         return None
+    firsts = sorted((abs(k - sequences), v) for (rc, k), v in FIRST_STAGE.items() if rc == recompute)
+    if not firsts:
+        return last
     first = firsts[0][1]
     return last + first if stages == 1 else max(last, first)
 
