@@ -8,8 +8,8 @@ one; each flag has a REWARD_* environment variable and wins over it. The launch 
 article's CONFIG_REWARD_MODEL_PATH, CONFIG_REWARD_DEVICE) are not read: the helper passes them as --model-path,
 --device and the format flags, and a server started by hand with one of them set says so.
 
-API: GET /health (200 once the model is loaded and warmed up; before that the port is closed), POST /score,
-POST /score_batch, GET /metrics. How a pair is scored and batched: docs/reward.md. The code is in reward_score/server/
+API: GET /health (200 once the model is loaded and warmed up; before that the port is closed), POST /score_batch,
+GET /metrics. How a pair is scored and batched: docs/reward.md. The code is in reward_score/server/
 (its __init__ lists the parts, each importing only the ones before it); this file only starts it.
 """
 

@@ -36,13 +36,11 @@ from tests.support import REPO, free_port, start_http_server
 REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
 
 
-def request_counts(url: str) -> dict[str, float]:
-    """The server's answered requests per endpoint, from its /metrics."""
+def batch_requests(url: str) -> float:
+    """The server's answered /score_batch requests, from its /metrics."""
     lines = requests.get(url + "/metrics", timeout=10).text.splitlines()
     values = {name: float(value) for name, _, value in (x.rpartition(" ") for x in lines if x and x[0] != "#")}
-    return {
-        e: values.get(f'reward_requests_total{{endpoint="{e}",status="200"}}', 0.0) for e in ("/score", "/score_batch")
-    }
+    return values.get('reward_requests_total{endpoint="/score_batch",status="200"}', 0.0)
 
 
 def start_server(tiny_models, tmp_path, *flags):
@@ -68,9 +66,9 @@ def env(monkeypatch, server, tmp_path):
 
 
 def direct_score(server, prompt_part: dict, answer: str) -> float:
-    r = requests.post(server.url + "/score", json={**prompt_part, "response": answer}, timeout=30)
+    r = requests.post(server.url + "/score_batch", json={"items": [{**prompt_part, "response": answer}]}, timeout=30)
     r.raise_for_status()
-    return r.json()["score"]
+    return r.json()["scores"][0]
 
 
 # --- reasoning -----------------------------------------------------------------------------------------------------
@@ -298,14 +296,13 @@ def test_the_async_entry_point_scores_like_the_sync_path_in_one_shared_request(t
     tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
     config = verl_config(manager, "safe_hack_reward_async", **{"actor_rollout_ref.rollout.mode": "async"})
     data, _ = make_data(tokenizer)
-    before = request_counts(server.url)
+    before = batch_requests(server.url)
     results = run_reward_loop(config, tokenizer, data)
-    after = request_counts(server.url)
+    after = batch_requests(server.url)
     assert [r["reward_score"] for r in results] == pytest.approx(expected_rewards(server), abs=1e-4)
     assert [r["reward_extra_info"]["penalized"] for r in results] == [0, 0, 0, 1, 1]
     assert all(set(r["reward_extra_info"]) == {"score", *client.EXTRA_KEYS} for r in results)
-    assert after["/score_batch"] - before["/score_batch"] == 1, "the three scorable samples share one request"
-    assert after["/score"] == before["/score"]
+    assert after - before == 1, "the three scorable samples share one request"
     lines = [json.loads(x) for x in (env / "logs" / "rewards.jsonl").read_text().splitlines()]
     assert sorted(x["status"] for x in lines) == ["ok", "ok", "ok", "penalty", "penalty"]
 
@@ -341,12 +338,11 @@ def test_samples_share_a_request_only_within_the_coalesce_window(server, env, wi
 
         return await asyncio.gather(*(later(k) for k in range(3)))
 
-    before = request_counts(server.url)
+    before = batch_requests(server.url)
     results = asyncio.run(run())
-    after = request_counts(server.url)
+    after = batch_requests(server.url)
     assert all(r["failed"] == 0 and r["penalized"] == 0 for r in results)
-    sent = after["/score_batch"] - before["/score_batch"] + after["/score"] - before["/score"]
-    assert sent == requests_expected
+    assert after - before == requests_expected
 
 
 def test_in_a_shared_request_only_the_faulty_sample_raises(server, env):

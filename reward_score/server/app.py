@@ -74,11 +74,6 @@ class ScoreBatchRequest(BaseModel):
 
 
 # A NaN or infinite score is a broken model, never a score: building the response raises, and the caller gets a 500.
-class ScoreResponse(BaseModel):
-    score: FiniteFloat
-    truncated: bool
-
-
 class ScoreBatchResponse(BaseModel):
     scores: list[FiniteFloat]
     truncated: list[bool]
@@ -191,9 +186,10 @@ class _Server:
                 401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>' (REWARD_SERVER_TOKEN)", endpoint
             )
 
-    async def score_items(self, items: list[ScoreItem], endpoint: str) -> tuple[list[float], list[bool]]:
+    async def score_items(self, items: list[ScoreItem]) -> tuple[list[float], list[bool]]:
         """Tokenize in the preparer's thread, fit each to max_length, score on the GPU thread: (scores, truncated)."""
         state = self.state
+        endpoint = "/score_batch"
         if "batcher" not in state:
             raise self.fail(503, "not_ready", "the model is not loaded yet", endpoint)
         try:
@@ -201,8 +197,7 @@ class _Server:
             encoded = [state["scorer"].fit(x) for x in ids]
             scores = await state["batcher"].score([e.ids for e in encoded])
         except ConversationRefused as exc:
-            where = "messages" if endpoint == "/score" else "items[].messages"
-            raise self.fail(422, "template_refused", f"{where}: {exc}", endpoint) from None
+            raise self.fail(422, "template_refused", f"items[].messages: {exc}", endpoint) from None
         except InputTooLong as exc:
             raise self.fail(413, "too_long", str(exc), endpoint) from None
         truncated = [e.truncated for e in encoded]
@@ -263,7 +258,7 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
 
 def _add_routes(app: FastAPI, server: _Server) -> None:
-    """/health, /score, /score_batch and /metrics."""
+    """/health, /score_batch and /metrics."""
 
     @app.get("/health")
     async def health(request: Request):
@@ -275,16 +270,10 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
             return JSONResponse(status_code=503, content={"status": "loading"})
         return _health(server.settings, server.state["scorer"])
 
-    @app.post("/score", response_model=ScoreResponse)
-    async def score(item: ScoreItem, request: Request):
-        server.authorize(request, "/score")
-        scores, truncated = await server.score_items([item], "/score")
-        return ScoreResponse(score=scores[0], truncated=truncated[0])
-
     @app.post("/score_batch", response_model=ScoreBatchResponse)
     async def score_batch(body: ScoreBatchRequest, request: Request):
         server.authorize(request, "/score_batch")
-        scores, truncated = await server.score_items(body.items, "/score_batch")
+        scores, truncated = await server.score_items(body.items)
         return ScoreBatchResponse(scores=scores, truncated=truncated)
 
     @app.get("/metrics")
