@@ -1041,21 +1041,15 @@ def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_report
     [
         ({"REWARD_PORT": "eighty"}, "REWARD_PORT"),
         ({"REWARD_DEVICE": "gpu"}, "REWARD_DEVICE"),
-        ({"REWARD_TRUNCATION": "reject"}, "REWARD_TRUNCATION is no longer a setting"),  # removed: failed the step
         ({"REWARD_MAX_LENGTH": "0"}, "REWARD_MAX_LENGTH"),
         ({"REWARD_INPUT": "prompt"}, "REWARD_INPUT must be conversation or completion"),
         ({"REWARD_ADD_SPECIAL_TOKENS": "yes"}, "REWARD_ADD_SPECIAL_TOKENS must be auto or true or false"),
         ({"REWARD_CHAT_TEMPLATE": "on"}, "REWARD_CHAT_TEMPLATE must be auto or off"),
         ({"REWARD_APPEND_EOS": "1"}, "REWARD_APPEND_EOS"),
-        ({"REWARD_FUSE": "off"}, "REWARD_FUSE is no longer a setting"),  # removed: not shown to pay
-        ({"REWARD_WARMUP": "step"}, "REWARD_WARMUP is no longer a setting"),  # removed: not shown to pay
         ({"REWARD_GPU_MEMORY_GIB": "-4"}, "REWARD_GPU_MEMORY_GIB"),
         ({"REWARD_MICRO_BATCH_COST": "-1"}, "REWARD_MICRO_BATCH_COST must be 0 (from the model)"),
         ({"REWARD_PACK": "on"}, "REWARD_PACK must be auto or off"),
         ({"REWARD_CUDNN_ATTENTION": "on"}, "REWARD_CUDNN_ATTENTION"),
-        ({"REWARD_TOKEN_BUDGET": "65536"}, "REWARD_TOKEN_BUDGET is no longer a setting"),  # removed: never ignored
-        ({"REWARD_MAX_WAIT_MS": "40"}, "REWARD_MAX_WAIT_MS is no longer a setting"),
-        ({"REWARD_MAX_CHARS": "50"}, "REWARD_MAX_CHARS is no longer a setting"),  # removed: pydantic's limit in app.py
     ],
 )
 def test_bad_settings_exit_naming_the_variable(env, needle, capsys):

@@ -109,26 +109,6 @@ EPILOG = """Batching, kernels, warm-up and logging: --help-all (measured default
 CHOICES = {f.name: get_args(f.type) for f in fields(Settings) if get_origin(f.type) is Literal}
 
 
-# Settings removed in issue #61 (for want of a measured gain, benchmarks/README.md; the request limits, now app.py's
-# pydantic limits; REWARD_TRUNCATION=reject and REWARD_MAX_BODY_BYTES, whose 413 failed the job's step): one still set
-# is refused, not ignored.
-REMOVED = (
-    "REWARD_TOKEN_BUDGET",
-    "REWARD_MAX_BATCH_ROWS",
-    "REWARD_PAD_MULTIPLE",
-    "REWARD_MAX_WAIT_MS",
-    "REWARD_QUIET_MS",
-    "REWARD_LIGER",
-    "REWARD_NEXT_LAUNCH",
-    "REWARD_WARMUP",
-    "REWARD_FUSE",
-    "REWARD_MAX_ITEMS",
-    "REWARD_MAX_CHARS",
-    "REWARD_TRUNCATION",
-    "REWARD_MAX_BODY_BYTES",
-)
-
-
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
     """Defaults, then the environment, then command-line flags (which win). Bad values exit with the name to fix.
     `--help` shows the settings of FIRST; `--help-all` every one."""
@@ -174,9 +154,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     args = parser.parse_args(argv)
     values.update({k: v for k, v in vars(args).items() if v is not None})
     settings = replace(defaults, **values)
-    problems = [
-        f"{name} is no longer a setting (its default is built in): unset it" for name in REMOVED if environ.get(name)
-    ]
+    problems = []
     for name, allowed in CHOICES.items():
         if getattr(settings, name) not in allowed:
             problems.append(f"{SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
