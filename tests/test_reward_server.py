@@ -1049,7 +1049,6 @@ def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_report
         ({"REWARD_GPU_MEMORY_GIB": "-4"}, "REWARD_GPU_MEMORY_GIB"),
         ({"REWARD_MICRO_BATCH_COST": "-1"}, "REWARD_MICRO_BATCH_COST must be 0 (from the model)"),
         ({"REWARD_PACK": "on"}, "REWARD_PACK must be auto or off"),
-        ({"REWARD_CUDNN_ATTENTION": "on"}, "REWARD_CUDNN_ATTENTION"),
     ],
 )
 def test_bad_settings_exit_naming_the_variable(env, needle, capsys):

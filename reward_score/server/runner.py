@@ -210,10 +210,6 @@ class RewardScorer(PairEncoder):
                 tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             )
         model.to(device).eval()
-        if device.startswith("cuda") and settings.cudnn_attention == "off":
-            # Flash and mem-efficient attention only; torch's choice (cuDNN on Hopper) gains 4.2%
-            # (benchmarks/README.md).
-            torch.backends.cuda.enable_cudnn_sdp(False)
         if device.startswith("cuda") and settings.gpu_memory_gib:
             # The caching allocator stays under the cap; a micro-batch that would cross it is split (as on any OOM).
             total = torch.cuda.get_device_properties(device).total_memory

@@ -34,7 +34,6 @@ class Settings:
     micro_batch_cost: int = 0  # 0: from the model on a GPU (planner.model_micro_batch_cost), 1024 on the CPU
     compile: Literal["auto", "layers", "off"] = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
-    cudnn_attention: Literal["auto", "off"] = "auto"
     auth_token: str = ""
     log_level: str = "info"
 
@@ -78,11 +77,6 @@ SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, fl
         "for bigger models, whose tokens take longer)",
     ),
     "compile": ("REWARD_COMPILE", "auto|layers|off", "auto (per-layer torch.compile on GPU) | layers | off"),
-    "cudnn_attention": (
-        "REWARD_CUDNN_ATTENTION",
-        "auto|off",
-        "auto (torch's choice: cuDNN on Hopper) | off (flash, mem-efficient)",
-    ),
     "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no cap)"),
 }
 # What `--help` shows (FIRST), in this order: the model, where it serves, the format it was trained in, what is scored.
