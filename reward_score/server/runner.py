@@ -69,25 +69,17 @@ class LayerKernels:
     Inductor fuses the elementwise work between the matmuls. Warm-up (warmup.py) checks the compiled layers against
     the same layers uncompiled before it serves."""
 
-    def __init__(self, torch, base):
-        self.torch = torch
-        self.base = base
+    def __init__(self, base):
         self.layers = list(getattr(base, "layers", None) or [])
         self.compiled = False
 
-    def compile(self) -> bool:
-        """torch.compile each decoder layer (dynamic shapes): fused kernels, far fewer launches. False if
-        unavailable."""
-        torch = self.torch
-        if not self.layers or not hasattr(torch, "compile") or not hasattr(self.layers[0], "compile"):
-            log.warning(
-                "REWARD_COMPILE: this model or torch %s cannot compile per layer; serving eager", torch.__version__
-            )
-            return False
+    def compile(self) -> None:
+        if not self.layers:
+            log.warning("REWARD_COMPILE: this model has no decoder layers to compile (base.layers); serving eager")
+            return
         for layer in self.layers:
             layer.compile(dynamic=True)
         self.compiled = True
-        return True
 
     def uncompile(self) -> None:
         for layer in self.layers:
@@ -124,17 +116,13 @@ class RewardScorer(PairEncoder):
         # (a response may contain the pad token's text), and the head runs on B rows instead of B x L.
         self.base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         self.head = getattr(model, "score", None)
+        self.fast = self.base is not None and self.head is not None
         # Packing needs the fast path and an attention that takes a boolean 4D mask as given (sdpa); with
         # REWARD_PACK=auto only models small enough for it to pay (planner.PACK_UP_TO_PARAMS).
         attention = getattr(model.config, "_attn_implementation", None)
         self.non_embedding_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-        self.can_pack = (
-            self.base is not None
-            and self.head is not None
-            and attention == "sdpa"
-            and settings.pack == "auto"
-            and model_packs(self.non_embedding_params)
-        )
+        packs = settings.pack == "auto" and model_packs(self.non_embedding_params)
+        self.can_pack = self.fast and attention == "sdpa" and packs
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model_budget = None
         if device.startswith("cuda") and (per_token := self.activation_bytes_per_token()):
@@ -149,12 +137,7 @@ class RewardScorer(PairEncoder):
         )
         # Hand the model its per-layer mask mapping ourselves (warm-up checks the model takes it and scores the same)?
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-        self.can_map_mask = (
-            self.base is not None
-            and self.head is not None
-            and layer_types == {"full_attention"}
-            and bool(getattr(self.base, "layers", None))
-        )
+        self.can_map_mask = self.fast and layer_types == {"full_attention"} and bool(getattr(self.base, "layers", None))
         self.mask_mapping = False
         # Inputs go to the GPU from pinned memory: a copy from pageable memory waits for the GPU to finish what is
         # queued before it, so launching the next micro-batch would wait for the running one.
@@ -162,7 +145,7 @@ class RewardScorer(PairEncoder):
         self.on_forward = None  # metrics hook: (rows, padded_len, real_tokens, seconds)
         self.on_oom = None  # metrics hook: a micro-batch was split after a CUDA out-of-memory error
         self.on_packed = None  # metrics hook: a micro-batch ran packed (several sequences to a row)
-        self.kernels = LayerKernels(torch, self.base)
+        self.kernels = LayerKernels(self.base)
         self.warm_up_s: dict[str, float] = {}  # warmup.warm_up: seconds of each part
         self.checks: dict[str, float] = {}  # warm-up's checks: each way's largest relative difference at layer one
 
@@ -300,7 +283,7 @@ class RewardScorer(PairEncoder):
             ids[r, : lengths[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
         last = torch.tensor([lengths[i] - 1 for i in rows], dtype=torch.long, pin_memory=self.pin)
         ids, last = ids.to(self.device, non_blocking=True), last.to(self.device, non_blocking=True)
-        if self.base is not None and self.head is not None:
+        if self.fast:
             # Padding is on the right and attention is causal: a real token never attends to a later (pad) position,
             # so no mask is needed. Attention then takes the fused causal kernel, and the score is read at each row's
             # last real token.
