@@ -358,19 +358,8 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
         if config.reward == "rm+rule":
             result, reason = _mixed(config, result, rules[i]), reason or rules[i][1]
         out.append(result)
-        records.append(
-            _record(
-                config,
-                now,
-                str(data_sources[i]),
-                status,
-                reason,
-                result,
-                prompts[i],
-                str(solution_strs[i]),
-                answer.text,
-            )
-        )
+        sample = (str(data_sources[i]), prompts[i], str(solution_strs[i]), answer.text)
+        records.append(_record(config, now, sample, status, reason, result))
     if failures:
         failed = sum(1 for r in out if r["failed"])
         print(
@@ -409,18 +398,9 @@ def _score_on_servers(config: Config, prompts: list[dict], answers: list[Answer]
     return scored, failures
 
 
-def _record(
-    config: Config,
-    now: float,
-    data_source: str,
-    status: str,
-    reason: str,
-    result: dict,
-    prompt_item: dict,
-    response: str,
-    answer: str,
-) -> dict:
-    """One line of the reward log."""
+def _record(config: Config, now: float, sample: tuple, status: str, reason: str, result: dict) -> dict:
+    """One line of the reward log; `sample`: (data_source, the reward model's prompt item, the response, the answer)."""
+    data_source, prompt_item, response, answer = sample
     prompt = prompt_item.get("prompt") or json.dumps(prompt_item.get("messages"), ensure_ascii=False)
     texts = {"prompt": prompt, "response": response, "answer": answer} if config.log_texts != "none" else {}
     head = config.log_head_chars if config.log_texts == "head" else None
