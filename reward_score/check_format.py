@@ -10,11 +10,9 @@ PAIRS is a preference dataset in one of TRL's own layouts (a few hundred pairs t
   {"chosen": "text", "rejected": "text"}         plain text (the prompt is what the two share at the start)
   {"prompt": "text", "chosen": "text", "rejected": "text"}
 
-TRL's versions trained on different token sequences (docs/reward.md, "Check the reward model's format").
-Every format is scored through the server's own code (formats that give the same token ids are one row): the pairs
-ranked right, the mean margin and the mean Bradley-Terry loss. The recommendation ranks the most pairs right (then the
-lower loss); exit 0 when the given settings (flags below) score as it, 1 when another format is recommended, 2 for
-unusable input.
+Every format is scored through the server's own code (docs/reward.md). Exit 0 when the given settings (flags below)
+score as the recommendation (the most pairs ranked right, then the lower loss), 1 when another format is recommended,
+2 for unusable input.
 """
 
 from __future__ import annotations
@@ -195,8 +193,7 @@ def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
 
 
 def candidate_settings(layout: str, has_chat_template: bool) -> list[dict[str, str]]:
-    """Every combination of the format settings that applies to this layout: conversations through the chat template,
-    plain text without it (every TRL version did so)."""
+    """Every combination of the format settings for this layout: conversations through the chat template (as TRL)."""
     conversations = layout.startswith("conversation")
     if conversations and not has_chat_template:
         raise PairsError(
@@ -280,8 +277,7 @@ def _simplicity(settings: dict[str, str]) -> tuple[int, int]:
 
 
 def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | None = None) -> Report:
-    """Score `pairs` in every candidate format with `scorer` (a server RewardScorer), one forward pass per distinct
-    set of ids; results best first."""
+    """Score `pairs` in every candidate format, one forward pass per distinct set of ids; results best first."""
     from reward_score.server.inputs import ConversationRefused, InputFormat
 
     given = given or {k: getattr(Settings(), k) for k in FORMAT_SETTINGS}
