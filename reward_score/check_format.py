@@ -26,10 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-if not __package__:  # run by path: the repository root is not on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reward_score.server.settings import CHOICES, LAUNCH_NAMES, SETTINGS, Settings, check_model_path  # noqa: E402
+from reward_score.server.settings import CHOICES, LAUNCH_NAMES, SETTINGS, Settings, check_model_path
 
 Conversation = tuple[list[dict[str, str]], str]  # (messages before the answer, the answer), as the server takes them
 
