@@ -46,7 +46,6 @@ class PairsError(ValueError):
 
 @dataclass(frozen=True)
 class Pair:
-    row: int
     chosen: Conversation
     rejected: Conversation
 
@@ -175,14 +174,14 @@ def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
             if n == len(chosen) or n == len(rejected):
                 raise PairsError(f"{where}: 'chosen' and 'rejected' must differ after their shared start")
             user = [{"role": "user", "content": chosen[:n]}] if n else []
-            pairs.append(Pair(i, (user, chosen[n:]), (user, rejected[n:])))
+            pairs.append(Pair((user, chosen[n:]), (user, rejected[n:])))
             continue
         prompt: list[dict[str, str]] = []
         if layout == "text_prompt":
             prompt = [{"role": "user", "content": _text(row["prompt"], f"{where}.prompt")}]
         elif layout == "conversation_prompt":
             prompt = _messages(row["prompt"], f"{where}.prompt")
-        pairs.append(Pair(i, *(_side(row[name], f"{where}.{name}", layout, prompt) for name in ("chosen", "rejected"))))
+        pairs.append(Pair(*(_side(row[name], f"{where}.{name}", layout, prompt) for name in ("chosen", "rejected"))))
     return layout, pairs
 
 

@@ -121,6 +121,3 @@ class PairEncoder:
         if len(ids) <= limit:
             return Encoded(ids, False)
         return Encoded(ids[-limit:], True)
-
-    def encode(self, texts: list[str]) -> list[Encoded]:
-        return [self.fit(ids) for ids in self.tokenize(texts)]

@@ -12,7 +12,7 @@ log = logging.getLogger("reward_server")
 def warm_up(scorer: RewardScorer) -> None:
     """The checks, then the first shapes (compiling them); a compile that fails serves eager with a warning."""
     started = time.perf_counter()
-    base = scorer.encode([scorer.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
+    base = scorer.fit(scorer.tokenize([scorer.render([{"role": "user", "content": "warm up"}], "ready")])[0]).ids
     ids = (base * (1 + 200 // len(base)))[: min(200, scorer.settings.max_length)]
     choose_mask_path(scorer, [ids, ids[: len(ids) // 2]])
     check_compiled(scorer, [ids, ids[: len(ids) // 2], ids[:37]])
