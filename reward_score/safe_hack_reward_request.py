@@ -28,7 +28,8 @@ EXTRA_KEYS = ("raw_score", "truncated", "penalized", "failed")  # the same numer
 REWARDS = ("rm", "rule", "rm+rule")
 # What a rule part may score (verl's scorers: 0 or 1, DAPO's -1 or 1), for the job's reward range.
 RULE_RANGE = (-1.0, 1.0)
-SERVER_MAX_ITEMS = 4096  # reward_score/server/app.py's MAX_ITEMS: items a /score_batch request may hold
+BATCH_SIZE = 1024  # items per /score_batch request at most (the server takes 4096), a batch split over the servers
+LOG_HEAD_CHARS = 300  # REWARD_LOG_TEXTS=head
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,6 @@ class Config:
     # The policy's chat template opens <think>; "auto" is the job's to resolve (launch/plan/thinking.py): None here.
     prompt_opens_think: bool | None = True
     on_failure: str = "raise"  # raise | min_score
-    batch_size: int = 1024  # items per /score_batch request at most (a batch is split evenly over the servers)
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
     retry_seconds: float = 180.0  # total time spent retrying one request before giving up
@@ -55,7 +55,6 @@ class Config:
     coalesce_seconds: float = 0.02  # safe_hack_reward_async: samples awaited within this window share a request
     log_path: str = ""  # JSONL reward log; empty: no log
     log_texts: str = "head"  # full | head | none
-    log_head_chars: int = 300
     server_log: str = ""  # where the server logs are, for error messages (set by the launch scripts)
     auth_token: str = ""
 
@@ -123,8 +122,6 @@ def load_config(kwargs: dict | None = None, environ: dict | None = None) -> Conf
     for name, allowed in (("on_failure", ("raise", "min_score")), ("log_texts", ("full", "head", "none"))):
         if getattr(config, name) not in allowed:
             raise ValueError(f"REWARD_{name.upper()} must be {' or '.join(allowed)}, got {getattr(config, name)!r}")
-    if not 1 <= config.batch_size <= SERVER_MAX_ITEMS:
-        raise ValueError(f"REWARD_BATCH_SIZE={config.batch_size}: 1 to {SERVER_MAX_ITEMS}, a request's items at most")
     if config.min_score > config.max_score:
         raise ValueError(f"REWARD_MIN_SCORE ({config.min_score}) is above REWARD_MAX_SCORE ({config.max_score})")
     return config
@@ -373,7 +370,7 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
 
 def _score_on_servers(config: Config, prompts: list[dict], answers: list[Answer], todo: list[int]):
     """({sample: (raw score, truncated)}, the outages min_score let through): one request per server where it fits."""
-    size = max(1, min(config.batch_size, math.ceil(len(todo) / len(config.server_urls))))
+    size = max(1, min(BATCH_SIZE, math.ceil(len(todo) / len(config.server_urls))))
     chunks = [todo[k : k + size] for k in range(0, len(todo), size)]
     scored: dict[int, tuple[float, bool]] = {}
     failures: list[RewardServerError] = []
@@ -403,7 +400,7 @@ def _record(config: Config, now: float, sample: tuple, status: str, reason: str,
     data_source, prompt_item, response, answer = sample
     prompt = prompt_item.get("prompt") or json.dumps(prompt_item.get("messages"), ensure_ascii=False)
     texts = {"prompt": prompt, "response": response, "answer": answer} if config.log_texts != "none" else {}
-    head = config.log_head_chars if config.log_texts == "head" else None
+    head = LOG_HEAD_CHARS if config.log_texts == "head" else None
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
         "epoch": now,
@@ -451,7 +448,7 @@ class _Coalescer:
     def submit(self, sample: tuple) -> asyncio.Future:
         future = self.loop.create_future()
         self.pending.append((sample, future))
-        if len(self.pending) >= self.config.batch_size:
+        if len(self.pending) >= BATCH_SIZE:
             self.flush()
         elif self.timer is None:
             self.timer = self.loop.call_later(self.config.coalesce_seconds, self.flush)

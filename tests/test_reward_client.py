@@ -131,10 +131,7 @@ def test_reward_kwargs_override_the_environment_and_typos_are_refused():
         load_config({}, {"REWARD_ON_FAILURE": "zero"})
     from reward_score.server.app import MAX_ITEMS  # the server refuses a longer request with a 422
 
-    assert client.SERVER_MAX_ITEMS == MAX_ITEMS
-    assert load_config({}, {"REWARD_BATCH_SIZE": str(MAX_ITEMS)}).batch_size == MAX_ITEMS
-    with pytest.raises(ValueError, match=f"REWARD_BATCH_SIZE={MAX_ITEMS + 1}: 1 to {MAX_ITEMS}"):
-        load_config({}, {"REWARD_BATCH_SIZE": str(MAX_ITEMS + 1)})
+    assert client.BATCH_SIZE <= MAX_ITEMS
 
 
 # --- verl's own reward managers --------------------------------------------------------------------------------
@@ -671,7 +668,8 @@ def test_failover_to_a_live_server_and_load_spread_over_servers(tiny_models, ser
         n = 64
         args = (["s"] * n, [f"r</think>answer {i}" for i in range(n)], [f"q{i}" for i in range(n)], [{}] * n)
         reference = safe_hack_reward_batch(*args, server_urls=server.url)
-        both = safe_hack_reward_batch(*args, server_urls=f"{dead},{server.url},{second.url}", batch_size=8)
+        monkeypatch.setattr(client, "BATCH_SIZE", 8)
+        both = safe_hack_reward_batch(*args, server_urls=f"{dead},{server.url},{second.url}")
         assert [r["score"] for r in both] == pytest.approx([r["score"] for r in reference], abs=1e-5)
 
         def served(url):
@@ -713,11 +711,11 @@ def test_eight_processes_appending_500_lines_each_leave_4000_valid_lines(tmp_pat
 @pytest.mark.parametrize("mode, present", [("full", True), ("head", True), ("none", False)])
 def test_log_texts_are_full_head_only_or_absent(server, env, mode, present):
     long_answer = "word " * 200
-    safe_hack_reward("s", "r</think>" + long_answer, "prompt", {}, log_texts=mode, log_head_chars=20)
+    safe_hack_reward("s", "r</think>" + long_answer, "prompt", {}, log_texts=mode)
     line = json.loads((env / "logs" / "rewards.jsonl").read_text())
     assert ("answer" in line) is present
     if mode == "head":
-        assert line["answer"] == long_answer.strip()[:20]
+        assert line["answer"] == long_answer.strip()[: client.LOG_HEAD_CHARS]
     if mode == "full":
         assert line["answer"] == long_answer.strip()
     assert line["answer_chars"] == len(long_answer.strip()) and line["status"] == "ok" and line["pid"] > 0

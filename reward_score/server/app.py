@@ -27,7 +27,7 @@ log = logging.getLogger("reward_server")
 
 # --- bodies --------------------------------------------------------------------------------------------------
 
-# Items per request (the client sends at most REWARD_BATCH_SIZE) and characters per string: pydantic's 422 names them.
+# Items per request (the client sends at most its BATCH_SIZE) and characters per string: pydantic's 422 names them.
 MAX_ITEMS, MAX_CHARS = 4096, 262_144
 Text = Annotated[StrictStr, Field(max_length=MAX_CHARS)]
 
