@@ -171,8 +171,6 @@ class _Server:
         """Tokenize in the preparer's thread, fit each to max_length, score on the GPU thread: (scores, truncated)."""
         state = self.state
         endpoint = "/score_batch"
-        if "batcher" not in state:
-            raise self.fail(503, "not_ready", "the model is not loaded yet", endpoint)
         try:
             ids = await state["preparer"].ids([it.conversation() for it in items])
             encoded = [state["scorer"].fit(x) for x in ids]
@@ -243,8 +241,6 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         # token gets 401 from another job's server instead of taking it for its own.
         if "authorization" in request.headers:
             server.authorize(request, "/health")
-        if "scorer" not in server.state:
-            return JSONResponse(status_code=503, content={"status": "loading"})
         return _health(server.settings, server.state["scorer"])
 
     @app.post("/score_batch", response_model=ScoreBatchResponse)
