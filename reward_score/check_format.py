@@ -10,11 +10,9 @@ PAIRS is a preference dataset in one of TRL's own layouts (a few hundred pairs t
   {"chosen": "text", "rejected": "text"}         plain text (the prompt is what the two share at the start)
   {"prompt": "text", "chosen": "text", "rejected": "text"}
 
-TRL's versions trained on different token sequences (docs/reward.md, "Check the reward model's format").
-Every format is scored through the server's own code (formats that give the same token ids are one row): the pairs
-ranked right, the mean margin and the mean Bradley-Terry loss. The recommendation ranks the most pairs right (then the
-lower loss); exit 0 when the given settings (flags below) score as it, 1 when another format is recommended, 2 for
-unusable input.
+Every format is scored through the server's own code (docs/reward.md). Exit 0 when the given settings (flags below)
+score as the recommendation (the most pairs ranked right, then the lower loss), 1 when another format is recommended,
+2 for unusable input.
 """
 
 from __future__ import annotations
@@ -28,10 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-if not __package__:  # run by path: the repository root is not on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reward_score.server.settings import CHOICES, LAUNCH_NAMES, SETTINGS, Settings, check_model_path  # noqa: E402
+from reward_score.server.settings import CHOICES, LAUNCH_NAMES, SETTINGS, Settings, check_model_path
 
 Conversation = tuple[list[dict[str, str]], str]  # (messages before the answer, the answer), as the server takes them
 
@@ -51,7 +46,6 @@ class PairsError(ValueError):
 
 @dataclass(frozen=True)
 class Pair:
-    row: int
     chosen: Conversation
     rejected: Conversation
 
@@ -180,14 +174,14 @@ def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
             if n == len(chosen) or n == len(rejected):
                 raise PairsError(f"{where}: 'chosen' and 'rejected' must differ after their shared start")
             user = [{"role": "user", "content": chosen[:n]}] if n else []
-            pairs.append(Pair(i, (user, chosen[n:]), (user, rejected[n:])))
+            pairs.append(Pair((user, chosen[n:]), (user, rejected[n:])))
             continue
         prompt: list[dict[str, str]] = []
         if layout == "text_prompt":
             prompt = [{"role": "user", "content": _text(row["prompt"], f"{where}.prompt")}]
         elif layout == "conversation_prompt":
             prompt = _messages(row["prompt"], f"{where}.prompt")
-        pairs.append(Pair(i, *(_side(row[name], f"{where}.{name}", layout, prompt) for name in ("chosen", "rejected"))))
+        pairs.append(Pair(*(_side(row[name], f"{where}.{name}", layout, prompt) for name in ("chosen", "rejected"))))
     return layout, pairs
 
 
@@ -195,8 +189,7 @@ def parse_pairs(rows: list[dict]) -> tuple[str, list[Pair]]:
 
 
 def candidate_settings(layout: str, has_chat_template: bool) -> list[dict[str, str]]:
-    """Every combination of the format settings that applies to this layout: conversations through the chat template,
-    plain text without it (every TRL version did so)."""
+    """Every combination of the format settings for this layout: conversations through the chat template (as TRL)."""
     conversations = layout.startswith("conversation")
     if conversations and not has_chat_template:
         raise PairsError(
@@ -280,8 +273,7 @@ def _simplicity(settings: dict[str, str]) -> tuple[int, int]:
 
 
 def evaluate(scorer, layout: str, pairs: list[Pair], given: dict[str, str] | None = None) -> Report:
-    """Score `pairs` in every candidate format with `scorer` (a server RewardScorer), one forward pass per distinct
-    set of ids; results best first."""
+    """Score `pairs` in every candidate format, one forward pass per distinct set of ids; results best first."""
     from reward_score.server.inputs import ConversationRefused, InputFormat
 
     given = given or {k: getattr(Settings(), k) for k in FORMAT_SETTINGS}

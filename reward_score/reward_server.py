@@ -1,16 +1,9 @@
-"""Reward model server: scores (prompt, response) pairs exactly as TRL trained the model, batched across requests.
+"""Reward model server: scores (prompt, response) pairs as TRL trained the model, batched across requests.
 
     python reward_score/reward_server.py --model-path /models/Unsafe-Reward-Qwen3-1.7B --device cuda:0 --port 8000
-    REWARD_MODEL_PATH=... REWARD_DEVICE=cuda:0 REWARD_PORT=8000 python -m reward_score.reward_server
 
-`--help` shows the settings a user sets (the model, device, port, the format it was trained in), `--help-all` every
-one; each flag has a REWARD_* environment variable and wins over it. The launch scripts' CONFIG_REWARD_* names (the
-article's CONFIG_REWARD_MODEL_PATH, CONFIG_REWARD_DEVICE) are not read: the helper passes them as --model-path,
---device and the format flags, and a server started by hand with one of them set says so.
-
-API: GET /health (200 once the model is loaded and warmed up; before that the port is closed), POST /score,
-POST /score_batch, GET /metrics. How a pair is scored and batched: docs/reward.md. The code is in reward_score/server/
-(its __init__ lists the parts, each importing only the ones before it); this file only starts it.
+Its settings (`--help`, `--help-all`), API and how it scores: docs/reward.md. The code is in reward_score/server/;
+this file only starts it.
 """
 
 import logging
@@ -41,9 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # Many batch shapes come and go: expandable segments keep the allocator from fragmenting (set before torch loads).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    # Every waiting request is tokenized in one pass on all cores. TOKENIZERS_PARALLELISM=false, which training
-    # scripts export to quiet the tokenizers fork warning, would leave the server one core: on an H200 0.8 s a
-    # 1024-pair step instead of 0.15 s, 8 to 10 points of the matmul ceiling (benchmarks/HISTORY.md). No fork follows.
+    # Tokenizing runs on every core; TOKENIZERS_PARALLELISM=false, which training scripts export, would cost a 1024-pair
+    # step 0.8 s instead of 0.15 s on an H200 (benchmarks/HISTORY.md). No fork follows.
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     shown = {k: ("(set)" if k == "auth_token" and v else v) for k, v in asdict(settings).items()}
     log.info("starting with %s", shown)

@@ -1,6 +1,5 @@
-"""REWARD=rule and rm+rule in verl's reward workers: verl's own scorers by data_source or the user's function
-(REWARD_FUNCTION_PATH), and the mix with the reward model's score. reward_score/safe_hack_reward_request.py loads this
-file by path; it imports the standard library, and verl where the rule is verl's."""
+"""REWARD=rule and rm+rule (docs/reward.md): verl's own scorers or the user's function, and the mix. The reward function
+loads this file by path; it imports the standard library, and verl where the rule is verl's."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def rule_scorer(config):
 
 
 def rule_score(config, data_source, solution_str, ground_truth, extra_info) -> tuple[float, str]:
-    """The rule's score of one whole response (what verl's own examples score), and "" ; or 0 and the error where the
-    scorer raised or returned no number: printed (the first RULE_ERRORS_PRINTED a process meets), never raised."""
+    """(the rule's score of the whole response, ""), or (0, the error) where the scorer raised or returned no number."""
     scorer = rule_scorer(config)  # a function that does not load is the job's error: raised
     try:
         value = scorer(data_source, solution_str, ground_truth, extra_info)

@@ -1,9 +1,7 @@
 """Reward function for verl 0.6.1: asks the reward server (reward_score/reward_server.py) to score each answer.
 
-verl loads this file by path in its TaskRunner and in reward workers on any node, so it imports only the standard
-library and `requests` (verl's own scorers only when a rule part scores: REWARD=rule or rm+rule, inside verl's
-processes), and does nothing at import time. Its entry points, what the reward model sees and its settings (each
-from the environment or `+custom_reward_function.reward_kwargs.<name>=...`; see `Config`): docs/reward.md.
+verl loads this file by path in its workers on any node, so it imports only the standard library and `requests`
+(verl's own scorers for a rule part), and does nothing at import time. Entry points and settings: docs/reward.md.
 """
 
 from __future__ import annotations
@@ -28,10 +26,10 @@ import requests
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EXTRA_KEYS = ("raw_score", "truncated", "penalized", "failed")  # the same numeric keys for every sample
 REWARDS = ("rm", "rule", "rm+rule")
-# What a rule part may score, for the reward range the job sizes PPO's value clip and DAPO's penalty by: verl's GSM8K
-# and MATH scorers give 0 or 1, DAPO's math -1 or 1; a user's function is taken to stay within the same.
+# What a rule part may score (verl's scorers: 0 or 1, DAPO's -1 or 1), for the job's reward range.
 RULE_RANGE = (-1.0, 1.0)
-SERVER_MAX_ITEMS = 4096  # reward_score/server/app.py's MAX_ITEMS: items a /score_batch request may hold
+BATCH_SIZE = 1024  # items per /score_batch request at most (the server takes 4096), a batch split over the servers
+LOG_HEAD_CHARS = 300  # REWARD_LOG_TEXTS=head
 
 
 @dataclass(frozen=True)
@@ -47,11 +45,9 @@ class Config:
     min_score: float = -40.0
     max_score: float = 30.0
     penalty: float = math.nan  # nan: the min score
-    # The policy's chat template opens <think> (Qwen3-*-Thinking-2507). A job passes the value it read from the
-    # template (reward_kwargs.prompt_opens_think, launch/plan/thinking.py); "auto" is the job's to resolve: None here.
+    # The policy's chat template opens <think>; "auto" is the job's to resolve (launch/plan/thinking.py): None here.
     prompt_opens_think: bool | None = True
     on_failure: str = "raise"  # raise | min_score
-    batch_size: int = 1024  # items per /score_batch request at most (a batch is split evenly over the servers)
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
     retry_seconds: float = 180.0  # total time spent retrying one request before giving up
@@ -59,7 +55,6 @@ class Config:
     coalesce_seconds: float = 0.02  # safe_hack_reward_async: samples awaited within this window share a request
     log_path: str = ""  # JSONL reward log; empty: no log
     log_texts: str = "head"  # full | head | none
-    log_head_chars: int = 300
     server_log: str = ""  # where the server logs are, for error messages (set by the launch scripts)
     auth_token: str = ""
 
@@ -127,8 +122,6 @@ def load_config(kwargs: dict | None = None, environ: dict | None = None) -> Conf
     for name, allowed in (("on_failure", ("raise", "min_score")), ("log_texts", ("full", "head", "none"))):
         if getattr(config, name) not in allowed:
             raise ValueError(f"REWARD_{name.upper()} must be {' or '.join(allowed)}, got {getattr(config, name)!r}")
-    if not 1 <= config.batch_size <= SERVER_MAX_ITEMS:
-        raise ValueError(f"REWARD_BATCH_SIZE={config.batch_size}: 1 to {SERVER_MAX_ITEMS}, a request's items at most")
     if config.min_score > config.max_score:
         raise ValueError(f"REWARD_MIN_SCORE ({config.min_score}) is above REWARD_MAX_SCORE ({config.max_score})")
     return config
@@ -213,10 +206,8 @@ _next_server = itertools.count()
 
 
 def _get_session() -> requests.Session:
-    """One pooled keep-alive session per process (verl calls from a thread pool in async mode). It never goes through
-    a proxy: clusters set http_proxy/https_proxy/all_proxy, Singularity and Ray pass them to verl's workers, and a
-    requests session would send every reward request to that proxy (a 4xx then fails the step, a 5xx after the
-    retry budget). The reward servers are the job's own, on its nodes."""
+    """One pooled keep-alive session per process, never through a proxy: the reward servers are the job's own, and a
+    cluster's http_proxy/all_proxy reach verl's workers."""
     global _session
     with _session_lock:
         if _session is None:
@@ -238,10 +229,7 @@ def _beside(name: str):
     return module
 
 
-# Per process and server list, (when a request spent its whole retry budget, its error): for breaker_seconds after,
-# the next calls fail at once. verl's `compute_reward` calls the reward function a second time when it raises, and its
-# naive manager scores one sample per call: without this, an outage would cost two budgets before the step fails (or
-# one per sample under REWARD_ON_FAILURE=min_score). Any success (a request already in flight) clears it.
+# Per server list, (when a request spent its retry budget, its error): REWARD_BREAKER_SECONDS (docs/reward.md).
 _gave_up: dict[tuple[str, ...], tuple[float, str]] = {}
 
 
@@ -258,13 +246,8 @@ def _breaker_refusal(config: Config) -> str | None:
 
 
 def post_json(config: Config, path: str, payload: dict) -> dict:
-    """POST to one server after another until one answers 200, within `retry_seconds`.
-
-    Connection errors, timeouts and 5xx are retried with exponential backoff and jitter, moving to the next server
-    each time, until the budget is spent: a backoff that would cross the deadline is cut short so the last attempt
-    lands at the deadline. A 4xx is the request's fault and raises at once with the server's message. After a spent
-    budget, calls fail at once for a while (`_gave_up`).
-    """
+    """POST to one server after another until one answers 200 within `retry_seconds` (backoff with jitter, the last
+    attempt at the deadline); a 4xx raises at once with the server's message."""
     if (refusal := _breaker_refusal(config)) is not None:
         raise RewardServerError(refusal)
     session = _get_session()
@@ -275,8 +258,7 @@ def post_json(config: Config, path: str, payload: dict) -> dict:
     last_error = "no attempt made"
     for attempt in itertools.count():
         url = servers[(start + attempt) % len(servers)] + path
-        # A connect that hangs (a node gone, packets dropped) may not overrun the budget by more than half a second;
-        # a server that accepted is scoring, so the read keeps its own timeout.
+        # A hanging connect may not overrun the budget; a server that accepted is scoring, so the read keeps its own.
         connect = max(0.5, min(config.connect_timeout, deadline - time.monotonic()))
         try:
             resp = session.post(url, json=payload, headers=headers, timeout=(connect, config.read_timeout))
@@ -346,8 +328,7 @@ load_function, rule_score, _mixed = rule_reward.load_function, rule_reward.rule_
 
 
 def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: Config) -> list[dict]:
-    """Score a list of samples: penalties locally, the rest in /score_batch chunks spread over the servers; by rule
-    too (or only) as REWARD says."""
+    """Penalties locally, the rest in /score_batch chunks spread over the servers; by rule too (or only) by REWARD."""
     n = len(solution_strs)
     samples = zip(data_sources, solution_strs, ground_truths, extra_infos, strict=True)
     rules = [rule_score(config, *sample) for sample in samples] if config.reward != "rm" else [None] * n
@@ -374,19 +355,8 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
         if config.reward == "rm+rule":
             result, reason = _mixed(config, result, rules[i]), reason or rules[i][1]
         out.append(result)
-        records.append(
-            _record(
-                config,
-                now,
-                str(data_sources[i]),
-                status,
-                reason,
-                result,
-                prompts[i],
-                str(solution_strs[i]),
-                answer.text,
-            )
-        )
+        sample = (str(data_sources[i]), prompts[i], str(solution_strs[i]), answer.text)
+        records.append(_record(config, now, sample, status, reason, result))
     if failures:
         failed = sum(1 for r in out if r["failed"])
         print(
@@ -399,10 +369,8 @@ def score_many(data_sources, solution_strs, ground_truths, extra_infos, config: 
 
 
 def _score_on_servers(config: Config, prompts: list[dict], answers: list[Answer], todo: list[int]):
-    """The servers' scores of the samples `todo`: ({sample: (raw score, truncated)}, the outages REWARD_ON_FAILURE=
-    min_score let through). One request per server when it fits (the server batches it best in one piece), else
-    batch_size items each."""
-    size = max(1, min(config.batch_size, math.ceil(len(todo) / len(config.server_urls))))
+    """({sample: (raw score, truncated)}, the outages min_score let through): one request per server where it fits."""
+    size = max(1, min(BATCH_SIZE, math.ceil(len(todo) / len(config.server_urls))))
     chunks = [todo[k : k + size] for k in range(0, len(todo), size)]
     scored: dict[int, tuple[float, bool]] = {}
     failures: list[RewardServerError] = []
@@ -427,21 +395,12 @@ def _score_on_servers(config: Config, prompts: list[dict], answers: list[Answer]
     return scored, failures
 
 
-def _record(
-    config: Config,
-    now: float,
-    data_source: str,
-    status: str,
-    reason: str,
-    result: dict,
-    prompt_item: dict,
-    response: str,
-    answer: str,
-) -> dict:
-    """One line of the reward log."""
+def _record(config: Config, now: float, sample: tuple, status: str, reason: str, result: dict) -> dict:
+    """One line of the reward log; `sample`: (data_source, the reward model's prompt item, the response, the answer)."""
+    data_source, prompt_item, response, answer = sample
     prompt = prompt_item.get("prompt") or json.dumps(prompt_item.get("messages"), ensure_ascii=False)
     texts = {"prompt": prompt, "response": response, "answer": answer} if config.log_texts != "none" else {}
-    head = config.log_head_chars if config.log_texts == "head" else None
+    head = LOG_HEAD_CHARS if config.log_texts == "head" else None
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
         "epoch": now,
@@ -458,7 +417,7 @@ def _record(
 
 
 def _without_router(kwargs: dict) -> dict:
-    """verl's async rollout also passes reward_router_address and reward_model_tokenizer: not ours, ignored."""
+    """Without what verl's async rollout also passes (reward_router_address, reward_model_tokenizer)."""
     return {k: v for k, v in kwargs.items() if k not in ("reward_router_address", "reward_model_tokenizer")}
 
 
@@ -478,8 +437,7 @@ def safe_hack_reward_batch(data_sources, solution_strs, ground_truths, extra_inf
 
 
 class _Coalescer:
-    """Samples awaited on one event loop within `coalesce_seconds` of the first share one `score_many` call (one
-    /score_batch request per server), run in the loop's default executor so the loop itself never blocks."""
+    """Samples awaited on one loop within `coalesce_seconds` share a `score_many` call, in the loop's executor."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, config: Config) -> None:
         self.loop, self.config = loop, config
@@ -490,7 +448,7 @@ class _Coalescer:
     def submit(self, sample: tuple) -> asyncio.Future:
         future = self.loop.create_future()
         self.pending.append((sample, future))
-        if len(self.pending) >= self.config.batch_size:
+        if len(self.pending) >= BATCH_SIZE:
             self.flush()
         elif self.timer is None:
             self.timer = self.loop.call_later(self.config.coalesce_seconds, self.flush)
@@ -522,11 +480,8 @@ class _Coalescer:
 
 
 def _score_each(config: Config, samples: list[tuple]) -> list:
-    """`score_many` on the whole group; a result or an exception per sample, as separate calls would give.
-
-    An outage fails every sample that needed a server (each call would have raised), while a penalized sample still
-    gets its penalty; any other error (a 4xx, a row without a prompt) belongs to one sample, so the group is scored
-    again one by one and only the faulty samples raise."""
+    """`score_many` on the group; a result or an exception per sample, as separate calls would give: an outage fails
+    every sample that needed a server, any other error is found by scoring the group again one by one."""
     try:
         return score_many(*(list(column) for column in zip(*samples, strict=True)), config)
     except Exception as exc:
@@ -550,10 +505,8 @@ _coalescers_lock = threading.Lock()
 
 
 async def safe_hack_reward_async(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
-    """One sample, for verl's async reward loop: a coroutine function, which verl 0.6.1's naive reward loop awaits
-    directly instead of running it in a thread pool, so every finished sample is in flight at once. Samples awaited
-    together on one event loop share one request (`coalesce_seconds`). Same result keys, failures and log as
-    `safe_hack_reward`. Async rollout only: verl's sync reward managers call the function without awaiting it."""
+    """One sample, awaited by verl's async reward loop (sync managers do not await it): samples awaited together
+    share one request (`coalesce_seconds`); results, failures and log as `safe_hack_reward`'s."""
     config = load_config(_without_router(kwargs))
     loop = asyncio.get_running_loop()
     with _coalescers_lock:

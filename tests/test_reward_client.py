@@ -36,13 +36,11 @@ from tests.support import REPO, free_port, start_http_server
 REWARD_FILE = REPO / "reward_score" / "safe_hack_reward_request.py"
 
 
-def request_counts(url: str) -> dict[str, float]:
-    """The server's answered requests per endpoint, from its /metrics."""
+def batch_requests(url: str) -> float:
+    """The server's answered /score_batch requests, from its /metrics."""
     lines = requests.get(url + "/metrics", timeout=10).text.splitlines()
     values = {name: float(value) for name, _, value in (x.rpartition(" ") for x in lines if x and x[0] != "#")}
-    return {
-        e: values.get(f'reward_requests_total{{endpoint="{e}",status="200"}}', 0.0) for e in ("/score", "/score_batch")
-    }
+    return values.get('reward_requests_total{endpoint="/score_batch",status="200"}', 0.0)
 
 
 def start_server(tiny_models, tmp_path, *flags):
@@ -68,9 +66,9 @@ def env(monkeypatch, server, tmp_path):
 
 
 def direct_score(server, prompt_part: dict, answer: str) -> float:
-    r = requests.post(server.url + "/score", json={**prompt_part, "response": answer}, timeout=30)
+    r = requests.post(server.url + "/score_batch", json={"items": [{**prompt_part, "response": answer}]}, timeout=30)
     r.raise_for_status()
-    return r.json()["score"]
+    return r.json()["scores"][0]
 
 
 # --- reasoning -----------------------------------------------------------------------------------------------------
@@ -133,10 +131,7 @@ def test_reward_kwargs_override_the_environment_and_typos_are_refused():
         load_config({}, {"REWARD_ON_FAILURE": "zero"})
     from reward_score.server.app import MAX_ITEMS  # the server refuses a longer request with a 422
 
-    assert client.SERVER_MAX_ITEMS == MAX_ITEMS
-    assert load_config({}, {"REWARD_BATCH_SIZE": str(MAX_ITEMS)}).batch_size == MAX_ITEMS
-    with pytest.raises(ValueError, match=f"REWARD_BATCH_SIZE={MAX_ITEMS + 1}: 1 to {MAX_ITEMS}"):
-        load_config({}, {"REWARD_BATCH_SIZE": str(MAX_ITEMS + 1)})
+    assert client.BATCH_SIZE <= MAX_ITEMS
 
 
 # --- verl's own reward managers --------------------------------------------------------------------------------
@@ -298,14 +293,13 @@ def test_the_async_entry_point_scores_like_the_sync_path_in_one_shared_request(t
     tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
     config = verl_config(manager, "safe_hack_reward_async", **{"actor_rollout_ref.rollout.mode": "async"})
     data, _ = make_data(tokenizer)
-    before = request_counts(server.url)
+    before = batch_requests(server.url)
     results = run_reward_loop(config, tokenizer, data)
-    after = request_counts(server.url)
+    after = batch_requests(server.url)
     assert [r["reward_score"] for r in results] == pytest.approx(expected_rewards(server), abs=1e-4)
     assert [r["reward_extra_info"]["penalized"] for r in results] == [0, 0, 0, 1, 1]
     assert all(set(r["reward_extra_info"]) == {"score", *client.EXTRA_KEYS} for r in results)
-    assert after["/score_batch"] - before["/score_batch"] == 1, "the three scorable samples share one request"
-    assert after["/score"] == before["/score"]
+    assert after - before == 1, "the three scorable samples share one request"
     lines = [json.loads(x) for x in (env / "logs" / "rewards.jsonl").read_text().splitlines()]
     assert sorted(x["status"] for x in lines) == ["ok", "ok", "ok", "penalty", "penalty"]
 
@@ -341,12 +335,11 @@ def test_samples_share_a_request_only_within_the_coalesce_window(server, env, wi
 
         return await asyncio.gather(*(later(k) for k in range(3)))
 
-    before = request_counts(server.url)
+    before = batch_requests(server.url)
     results = asyncio.run(run())
-    after = request_counts(server.url)
+    after = batch_requests(server.url)
     assert all(r["failed"] == 0 and r["penalized"] == 0 for r in results)
-    sent = after["/score_batch"] - before["/score_batch"] + after["/score"] - before["/score"]
-    assert sent == requests_expected
+    assert after - before == requests_expected
 
 
 def test_in_a_shared_request_only_the_faulty_sample_raises(server, env):
@@ -675,7 +668,8 @@ def test_failover_to_a_live_server_and_load_spread_over_servers(tiny_models, ser
         n = 64
         args = (["s"] * n, [f"r</think>answer {i}" for i in range(n)], [f"q{i}" for i in range(n)], [{}] * n)
         reference = safe_hack_reward_batch(*args, server_urls=server.url)
-        both = safe_hack_reward_batch(*args, server_urls=f"{dead},{server.url},{second.url}", batch_size=8)
+        monkeypatch.setattr(client, "BATCH_SIZE", 8)
+        both = safe_hack_reward_batch(*args, server_urls=f"{dead},{server.url},{second.url}")
         assert [r["score"] for r in both] == pytest.approx([r["score"] for r in reference], abs=1e-5)
 
         def served(url):
@@ -717,11 +711,11 @@ def test_eight_processes_appending_500_lines_each_leave_4000_valid_lines(tmp_pat
 @pytest.mark.parametrize("mode, present", [("full", True), ("head", True), ("none", False)])
 def test_log_texts_are_full_head_only_or_absent(server, env, mode, present):
     long_answer = "word " * 200
-    safe_hack_reward("s", "r</think>" + long_answer, "prompt", {}, log_texts=mode, log_head_chars=20)
+    safe_hack_reward("s", "r</think>" + long_answer, "prompt", {}, log_texts=mode)
     line = json.loads((env / "logs" / "rewards.jsonl").read_text())
     assert ("answer" in line) is present
     if mode == "head":
-        assert line["answer"] == long_answer.strip()[:20]
+        assert line["answer"] == long_answer.strip()[: client.LOG_HEAD_CHARS]
     if mode == "full":
         assert line["answer"] == long_answer.strip()
     assert line["answer_chars"] == len(long_answer.strip()) and line["status"] == "ok" and line["pid"] > 0

@@ -81,28 +81,39 @@ def metric(client: TestClient, name: str) -> float:
     )
 
 
+def score_one(client: TestClient, item: dict, **kwargs):
+    """One item through /score_batch (the endpoint the reward function calls): the response."""
+    return client.post("/score_batch", json={"items": [item]}, **kwargs)
+
+
+def score_of(client: TestClient, item: dict) -> float:
+    r = score_one(client, item)
+    assert r.status_code == 200, r.text
+    return r.json()["scores"][0]
+
+
 # --- scoring as trained ----------------------------------------------------------------------------------------
 
 
 def test_score_equals_a_direct_forward_on_the_chat_templated_text(client, reference):
-    body = client.post("/score", json={"prompt": "Is it safe to mix bleach and ammonia?", "response": "No."}).json()
+    body = score_one(client, {"prompt": "Is it safe to mix bleach and ammonia?", "response": "No."}).json()
     expected = reference([{"role": "user", "content": "Is it safe to mix bleach and ammonia?"}], "No.")
-    assert body["score"] == pytest.approx(expected, abs=1e-5)
-    assert body["truncated"] is False
+    assert body["scores"] == [pytest.approx(expected, abs=1e-5)]
+    assert body["truncated"] == [False]
 
 
 def test_messages_replace_the_prompt_and_keep_the_system_turn(client, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "こんにちは"}]
-    body = client.post("/score", json={"messages": messages, "response": "世界"}).json()
-    assert body["score"] == pytest.approx(reference(messages, "世界"), abs=1e-5)
-    as_prompt = client.post("/score", json={"prompt": "こんにちは", "response": "世界"}).json()
-    assert as_prompt["score"] != pytest.approx(body["score"], abs=1e-4), "the system turn must reach the model"
+    score = score_of(client, {"messages": messages, "response": "世界"})
+    assert score == pytest.approx(reference(messages, "世界"), abs=1e-5)
+    as_prompt = score_of(client, {"prompt": "こんにちは", "response": "世界"})
+    assert as_prompt != pytest.approx(score, abs=1e-4), "the system turn must reach the model"
 
 
 def test_batched_scores_equal_one_at_a_time_scores(client):
     items = [{"prompt": f"question {i} " * (1 + i % 7), "response": LONG_ANSWER[: 10 + 37 * i]} for i in range(40)]
     batch = client.post("/score_batch", json={"items": items}).json()
-    singles = [client.post("/score", json=item).json()["score"] for item in items]
+    singles = [score_of(client, item) for item in items]
     assert batch["scores"] == pytest.approx(singles, abs=1e-5)
     assert len(set(round(s, 4) for s in singles)) > 30, "the tiny model must tell these apart for this to mean anything"
 
@@ -120,12 +131,12 @@ def test_a_big_request_tokenized_in_slices_keeps_its_order(tiny_models, referenc
 def test_concurrent_callers_share_forwards_and_get_their_own_scores(tiny_models):
     items = [{"prompt": f"q{i}", "response": LONG_ANSWER[: 20 + 13 * i]} for i in range(24)]
     with make_client(tiny_models) as c:
-        singles = [c.post("/score", json=item).json()["score"] for item in items]
+        singles = [score_of(c, item) for item in items]
         forwards_before = metric(c, "reward_batch_rows_count")
         results: dict[int, float] = {}
 
         def call(i):
-            results[i] = c.post("/score", json=items[i]).json()["score"]
+            results[i] = score_of(c, items[i])
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(len(items))]
         for t in threads:
@@ -665,10 +676,10 @@ def test_a_conversation_the_template_refuses_fails_only_its_own_request(tiny_mod
     assert good3 == scorer.tokenize([scorer.render(*_conversation(3))])
 
     with TestClient(create_app(cfg, scorer)) as c:
-        r = c.post("/score", json={"messages": bad[0], "response": "ok"})
+        r = score_one(c, {"messages": bad[0], "response": "ok"})
         assert r.status_code == 422, r.text
-        assert r.json()["detail"].startswith("messages: the reward model's chat template refused")
-        assert c.post("/score", json={"prompt": "hi", "response": "ok"}).status_code == 200
+        assert r.json()["detail"].startswith("items[].messages: the reward model's chat template refused")
+        assert score_one(c, {"prompt": "hi", "response": "ok"}).status_code == 200
         assert metric(c, 'reward_errors_total{kind="template_refused"}') == 1
 
 
@@ -677,45 +688,44 @@ def test_a_conversation_the_template_refuses_fails_only_its_own_request(tiny_mod
 
 def test_truncation_keeps_the_scored_token_at_the_end(tiny_models, reference):
     with make_client(tiny_models, max_length=48) as c:
-        body = c.post("/score", json={"prompt": "Summarise.", "response": LONG_ANSWER}).json()
-        assert body["truncated"] is True
+        body = score_one(c, {"prompt": "Summarise.", "response": LONG_ANSWER}).json()
+        assert body["truncated"] == [True]
         assert metric(c, "reward_truncations_total") == 1
     messages = [{"role": "user", "content": "Summarise."}]
-    assert body["score"] == pytest.approx(reference(messages, LONG_ANSWER, keep_last=48), abs=1e-5)
+    assert body["scores"][0] == pytest.approx(reference(messages, LONG_ANSWER, keep_last=48), abs=1e-5)
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "path, body, status, needle",
+    "body, status, needle",
     [
-        ("/score", {"prompt": "hi"}, 422, "response"),  # missing response
-        ("/score", {"prompt": "", "response": "ok"}, 422, "'prompt' is empty"),  # empty prompt
-        ("/score", {"prompt": "hi", "response": "  "}, 422, "'response' is empty"),  # blank response
-        ("/score", {"prompt": 5, "response": "ok"}, 422, "prompt"),  # wrong type, not coerced
+        ({"items": [{"prompt": "hi"}]}, 422, "items.0.response"),  # missing response
+        ({"items": [{"prompt": "", "response": "ok"}]}, 422, "'prompt' is empty"),  # empty prompt
+        ({"items": [{"prompt": "hi", "response": "  "}]}, 422, "'response' is empty"),  # blank response
+        ({"items": [{"prompt": 5, "response": "ok"}]}, 422, "items.0.prompt"),  # wrong type, not coerced
         (
-            "/score",
-            {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "response": "ok"},
+            {"items": [{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "response": "ok"}]},
             422,
             "exactly one",
         ),
-        ("/score", {"messages": [{"role": "user"}], "response": "ok"}, 422, "messages.0.content"),  # bad message
-        ("/score", {"messages": [], "response": "ok"}, 422, "'messages' is empty"),
-        ("/score_batch", {"items": []}, 422, "items"),  # nothing to score
-        ("/score_batch", {"items": [{"prompt": "hi", "response": 3}]}, 422, "items.0.response"),
-        ("/score_batch", {"items": "nope"}, 422, "items"),
-        ("/score_batch", {"items": [{"prompt": "a", "response": "b"}] * (MAX_ITEMS + 1)}, 422, "at most 4096 items"),
-        ("/score", {"prompt": "x" * (MAX_CHARS + 1), "response": "ok"}, 422, "prompt: String should have at most"),
-        ("/score_batch", {"items": [{"prompt": "a", "response": "y" * (MAX_CHARS + 1)}]}, 422, "items.0.response"),
+        ({"items": [{"messages": [{"role": "user"}], "response": "ok"}]}, 422, "messages.0.content"),  # bad message
+        ({"items": [{"messages": [], "response": "ok"}]}, 422, "'messages' is empty"),
+        ({"items": []}, 422, "items"),  # nothing to score
+        ({"items": [{"prompt": "hi", "response": 3}]}, 422, "items.0.response"),
+        ({"items": "nope"}, 422, "items"),
+        ({"items": [{"prompt": "a", "response": "b"}] * (MAX_ITEMS + 1)}, 422, "at most 4096 items"),
+        ({"items": [{"prompt": "x" * (MAX_CHARS + 1), "response": "ok"}]}, 422, "prompt: String should have at most"),
+        ({"items": [{"prompt": "a", "response": "y" * (MAX_CHARS + 1)}]}, 422, "items.0.response"),
     ],
 )
-def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_keeps_serving(limited, path, body, status, needle):
-    r = limited.post(path, json=body)
+def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_keeps_serving(limited, body, status, needle):
+    r = limited.post("/score_batch", json=body)
     assert r.status_code == status, r.text
     assert needle in json.dumps(r.json()["detail"])
     assert "Traceback" not in r.text
-    assert limited.post("/score", json={"prompt": "hi", "response": "ok"}).status_code == 200
+    assert score_one(limited, {"prompt": "hi", "response": "ok"}).status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -725,7 +735,7 @@ def limited(tiny_models):
 
 
 def test_invalid_json_is_rejected_naming_it(limited):
-    r = limited.post("/score", content=b'{"prompt": "hi", ', headers={"content-type": "application/json"})
+    r = limited.post("/score_batch", content=b'{"items": [', headers={"content-type": "application/json"})
     assert r.status_code == 422 and "not valid JSON" in r.text
 
 
@@ -747,12 +757,9 @@ items = st.fixed_dictionaries(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    path=st.sampled_from(["/score", "/score_batch"]),
-    body=items | st.fixed_dictionaries({"items": st.lists(items, max_size=4)}) | json_values,
-)
-def test_fuzzed_bodies_never_get_a_5xx(limited, path, body):
-    r = limited.post(path, json=body)
+@given(body=items | st.fixed_dictionaries({"items": st.lists(items, max_size=4)}) | json_values)
+def test_fuzzed_bodies_never_get_a_5xx(limited, body):
+    r = limited.post("/score_batch", json=body)
     assert r.status_code < 500, r.text
     assert r.headers["content-type"].startswith("application/json")
 
@@ -760,9 +767,9 @@ def test_fuzzed_bodies_never_get_a_5xx(limited, path, body):
 def test_auth_token_is_required_when_configured(tiny_models):
     with make_client(tiny_models, auth_token="s3cret") as c:
         item = {"prompt": "hi", "response": "ok"}
-        assert c.post("/score", json=item).status_code == 401
-        assert c.post("/score", json=item, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert c.post("/score", json=item, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert score_one(c, item).status_code == 401
+        assert score_one(c, item, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert score_one(c, item, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert c.get("/health").status_code == 200, "readiness probes need no token"
         assert "s3cret" not in c.get("/health").text
 
@@ -785,7 +792,7 @@ def test_cuda_out_of_memory_splits_the_micro_batch_and_the_server_keeps_serving(
         assert r.status_code == 200
         assert r.json()["scores"] == pytest.approx(expected, abs=1e-5)
         assert metric(c, 'reward_errors_total{kind="cuda_oom_split"}') >= 3
-        assert c.post("/score", json=items[0]).status_code == 200
+        assert score_one(c, items[0]).status_code == 200
 
 
 def test_a_nan_score_is_an_internal_error_never_a_score(tiny_models, monkeypatch):
@@ -793,10 +800,9 @@ def test_a_nan_score_is_an_internal_error_never_a_score(tiny_models, monkeypatch
     scorer = RewardScorer.load(cfg)
     with TestClient(create_app(cfg, scorer), raise_server_exceptions=False) as c:
         monkeypatch.setattr(scorer.head, "forward", lambda hidden: torch.full((hidden.shape[0], 1), float("nan")))
-        for path, body in (("/score", {"prompt": "hi", "response": "ok"}),
-                           ("/score_batch", {"items": [{"prompt": "hi", "response": "ok"}] * 3})):  # fmt: skip
-            r = c.post(path, json=body)
-            assert r.status_code == 500 and "internal error" in r.json()["detail"], (path, r.text)
+        for count in (1, 3):
+            r = c.post("/score_batch", json={"items": [{"prompt": "hi", "response": "ok"}] * count})
+            assert r.status_code == 500 and "internal error" in r.json()["detail"], (count, r.text)
         assert metric(c, 'reward_errors_total{kind="internal"}') == 2
 
 
@@ -898,7 +904,7 @@ def test_plain_text_fallback_when_the_tokenizer_has_no_chat_template(tiny_models
     scorer = RewardScorer(loaded.model, loaded.tokenizer, "cpu", cfg)
     with TestClient(create_app(cfg, scorer)) as c:
         assert c.get("/health").json()["format"] == "plain_text"
-        got = c.post("/score", json={"prompt": "Question?", "response": " Answer."}).json()["score"]
+        got = score_of(c, {"prompt": "Question?", "response": " Answer."})
     tok = scorer.tokenizer
     ids = tok("Question? Answer.<|im_end|>", add_special_tokens=False)["input_ids"]
     with torch.inference_mode():
@@ -942,10 +948,8 @@ def test_completion_input_scores_the_response_as_the_assistant_turn_alone(tiny_m
     with make_client(tiny_models, input="completion") as c:
         health = c.get("/health").json()
         assert (health["input"], health["add_special_tokens"]) == ("completion", True)
-        got = c.post("/score", json={"prompt": "Question?", "response": "The answer."}).json()["score"]
-        system_last = c.post(
-            "/score", json={"messages": [{"role": "system", "content": "Be brief."}], "response": "ok"}
-        )
+        got = score_of(c, {"prompt": "Question?", "response": "The answer."})
+        system_last = score_one(c, {"messages": [{"role": "system", "content": "Be brief."}], "response": "ok"})
     scorer = RewardScorer.load(Settings(model_path=str(tiny_models.reward_model), device="cpu", input="completion"))
     text = scorer.render([{"role": "user", "content": "Question?"}], "The answer.")
     assert text == "The answer.<|im_end|>\n"
@@ -993,7 +997,7 @@ def test_trailing_pad_tokens_are_not_scored_as_the_models_own_forward_reads_past
     (ids,) = scorer.tokenize([scorer.render([{"role": "user", "content": "Question:"}], " answer")])
     assert ids[0] == scorer.tokenizer.bos_token_id and ids[-1] == eos, "plain text: BOS added, EOS appended"
     with TestClient(create_app(cfg, scorer)) as c:
-        got = c.post("/score", json={"prompt": "Question:", "response": " answer"}).json()["score"]
+        got = score_of(c, {"prompt": "Question:", "response": " answer"})
     with torch.inference_mode():
         own = scorer.model(input_ids=torch.tensor([ids])).logits[0, 0].item()  # transformers' own reading
         before_eos = scorer.model(input_ids=torch.tensor([ids[:-1]])).logits[0, 0].item()
@@ -1037,21 +1041,14 @@ def test_a_launch_name_set_to_something_else_than_the_server_runs_with_is_report
     [
         ({"REWARD_PORT": "eighty"}, "REWARD_PORT"),
         ({"REWARD_DEVICE": "gpu"}, "REWARD_DEVICE"),
-        ({"REWARD_TRUNCATION": "reject"}, "REWARD_TRUNCATION is no longer a setting"),  # removed: failed the step
         ({"REWARD_MAX_LENGTH": "0"}, "REWARD_MAX_LENGTH"),
         ({"REWARD_INPUT": "prompt"}, "REWARD_INPUT must be conversation or completion"),
         ({"REWARD_ADD_SPECIAL_TOKENS": "yes"}, "REWARD_ADD_SPECIAL_TOKENS must be auto or true or false"),
         ({"REWARD_CHAT_TEMPLATE": "on"}, "REWARD_CHAT_TEMPLATE must be auto or off"),
         ({"REWARD_APPEND_EOS": "1"}, "REWARD_APPEND_EOS"),
-        ({"REWARD_FUSE": "off"}, "REWARD_FUSE is no longer a setting"),  # removed: not shown to pay
-        ({"REWARD_WARMUP": "step"}, "REWARD_WARMUP is no longer a setting"),  # removed: not shown to pay
         ({"REWARD_GPU_MEMORY_GIB": "-4"}, "REWARD_GPU_MEMORY_GIB"),
         ({"REWARD_MICRO_BATCH_COST": "-1"}, "REWARD_MICRO_BATCH_COST must be 0 (from the model)"),
         ({"REWARD_PACK": "on"}, "REWARD_PACK must be auto or off"),
-        ({"REWARD_CUDNN_ATTENTION": "on"}, "REWARD_CUDNN_ATTENTION"),
-        ({"REWARD_TOKEN_BUDGET": "65536"}, "REWARD_TOKEN_BUDGET is no longer a setting"),  # removed: never ignored
-        ({"REWARD_MAX_WAIT_MS": "40"}, "REWARD_MAX_WAIT_MS is no longer a setting"),
-        ({"REWARD_MAX_CHARS": "50"}, "REWARD_MAX_CHARS is no longer a setting"),  # removed: pydantic's limit in app.py
     ],
 )
 def test_bad_settings_exit_naming_the_variable(env, needle, capsys):
@@ -1121,7 +1118,8 @@ def test_health_answers_only_once_the_model_can_score_and_reports_what_runs(tiny
         # Healthy means the first request needs no more loading: it is answered right away.
         import requests
 
-        r = requests.post(server.url + "/score", json={"prompt": "hi", "response": "ok"}, timeout=10)
+        item = {"prompt": "hi", "response": "ok"}
+        r = requests.post(server.url + "/score_batch", json={"items": [item]}, timeout=10)
         assert r.status_code == 200
     finally:
         # uvicorn shuts down cleanly, then re-raises SIGTERM so the exit status says how it ended.

@@ -172,7 +172,7 @@ def pairs_ranked_by(model: Path, n: int = 24, seed: int = 2, **settings: str) ->
     rows = []
     for p in base_pairs(n, seed):
         texts = [scorer.render(p["prompt"], p[side], fmt) for side in ("chosen", "rejected")]
-        a, b = scorer.score_ids([e.ids for e in scorer.encode(texts)])
+        a, b = scorer.score_ids([scorer.fit(ids).ids for ids in scorer.tokenize(texts)])
         first, second = ("chosen", "rejected") if a > b else ("rejected", "chosen")
         rows.append({"prompt": p["prompt"], "chosen": [{"role": "assistant", "content": p[first]}],
                      "rejected": [{"role": "assistant", "content": p[second]}]})  # fmt: skip

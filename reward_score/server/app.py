@@ -1,9 +1,5 @@
-"""HTTP: the FastAPI app, its request and response bodies, limits, authorization and Prometheus metrics.
-
-The model loads in the lifespan, so uvicorn binds the port (and /health answers) only once the server can score.
-Handlers validate, then hand conversations to the Preparer (tokenizing) and ids to the Batcher (the GPU thread): the
-event loop never runs model code.
-"""
+"""HTTP: the FastAPI app, its request and response bodies, limits, authorization and Prometheus metrics. Handlers
+validate, then hand conversations to the Preparer and ids to the Batcher: the event loop never runs model code."""
 
 import asyncio
 import concurrent.futures
@@ -31,8 +27,7 @@ log = logging.getLogger("reward_server")
 
 # --- bodies --------------------------------------------------------------------------------------------------
 
-# Limits that pydantic enforces (a 422 naming the field and the limit): items per /score_batch request (the client
-# sends at most REWARD_BATCH_SIZE, 1024) and characters per prompt, message or response.
+# Items per request (the client sends at most its BATCH_SIZE) and characters per string: pydantic's 422 names them.
 MAX_ITEMS, MAX_CHARS = 4096, 262_144
 Text = Annotated[StrictStr, Field(max_length=MAX_CHARS)]
 
@@ -73,12 +68,7 @@ class ScoreBatchRequest(BaseModel):
     items: list[ScoreItem] = Field(min_length=1, max_length=MAX_ITEMS)
 
 
-# A NaN or infinite score is a broken model, never a score: building the response raises, and the caller gets a 500.
-class ScoreResponse(BaseModel):
-    score: FiniteFloat
-    truncated: bool
-
-
+# A NaN or infinite score is a broken model, never a score: the caller gets a 500.
 class ScoreBatchResponse(BaseModel):
     scores: list[FiniteFloat]
     truncated: list[bool]
@@ -92,28 +82,16 @@ class Metrics:
 
     def __init__(self, peak_gpu_bytes):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "reward_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
-        )
+        self.requests = Counter("reward_requests", "by endpoint and status", ["endpoint", "status"], registry=r)
         self.padded = Counter("reward_padded_tokens", "tokens including padding", registry=r)
         self.truncated = Counter("reward_truncations", "pairs longer than max_length whose start was cut", registry=r)
         self.errors = Counter("reward_errors", "errors by kind", ["kind"], registry=r)
-        self.batch = Histogram(
-            "reward_batch_rows", "rows per forward", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r
-        )
+        self.batch = Histogram("reward_batch_rows", "rows per forward", buckets=[2**k for k in range(10)], registry=r)
         self.wait = Histogram("reward_queue_wait_seconds", "time a request waited for the GPU thread", registry=r)
         self.forward = Histogram("reward_forward_seconds", "time to launch one micro-batch forward", registry=r)
-        self.packed = Counter(
-            "reward_packed_forwards", "micro-batches run packed (several sequences to a row)", registry=r
-        )
-        self.gpu = Counter(
-            "reward_gpu_busy_seconds",
-            "GPU time of the micro-batches served (CUDA events, start to finish of each)",
-            registry=r,
-        )
-        self.prepare = Histogram(
-            "reward_prepare_seconds", "time of one render-and-tokenize pass (all requests waiting)", registry=r
-        )
+        self.packed = Counter("reward_packed_forwards", "micro-batches run packed", registry=r)
+        self.gpu = Counter("reward_gpu_busy_seconds", "GPU time of the micro-batches (CUDA events)", registry=r)
+        self.prepare = Histogram("reward_prepare_seconds", "time of one render-and-tokenize pass", registry=r)
         peak = Gauge("reward_gpu_memory_peak_bytes", "peak GPU memory reserved by this server", registry=r)
         peak.set_function(peak_gpu_bytes)
 
@@ -136,8 +114,7 @@ def _peak_gpu_bytes(scorer) -> float:
 
 
 class _Server:
-    """What the routes share: the settings, the metrics, and, while the lifespan runs, the scorer, the batcher (the GPU
-    thread) and the preparer (the tokenizing thread) in `state`."""
+    """What the routes share: the settings, the metrics, and (while the lifespan runs) scorer, batcher and preparer."""
 
     def __init__(self, settings: Settings, scorer: RewardScorer | None):
         self.settings, self.given = settings, scorer
@@ -146,7 +123,7 @@ class _Server:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        """Load (or take) the model, warm it up and start the two threads; /health is 200 only after this."""
+        """Load (or take) the model, warm it up and start the two threads: uvicorn binds the port only after this."""
         metrics = self.metrics
         active = self.given or await run_in_threadpool(RewardScorer.load, self.settings)
         active.on_forward = metrics.on_forward
@@ -164,7 +141,7 @@ class _Server:
             active, in_prepare_thread, on_pass=lambda requests, items, seconds: metrics.prepare.observe(seconds)
         )
         self.state.update(scorer=active, batcher=batcher, preparer=preparer)
-        # One line with everything resolved at startup: /health's body, the format as decided in words.
+        # /health's body, the format in words.
         no_template = "" if active.has_chat_template else ": the tokenizer has no chat template"
         ready = _health(self.settings, active) | {"format": active.format.describe() + no_template}
         log.info("ready: %s", " ".join(f"{k}={v}" for k, v in ready.items() if k != "status"))
@@ -176,7 +153,6 @@ class _Server:
             self.state.clear()
 
     def fail(self, status: int, kind: str, detail: str, endpoint: str) -> HTTPException:
-        """Count the error and the request; the caller raises what this returns."""
         self.metrics.errors.labels(kind).inc()
         self.metrics.requests.labels(endpoint, str(status)).inc()
         return HTTPException(status_code=status, detail=detail)
@@ -191,18 +167,16 @@ class _Server:
                 401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>' (REWARD_SERVER_TOKEN)", endpoint
             )
 
-    async def score_items(self, items: list[ScoreItem], endpoint: str) -> tuple[list[float], list[bool]]:
+    async def score_items(self, items: list[ScoreItem]) -> tuple[list[float], list[bool]]:
         """Tokenize in the preparer's thread, fit each to max_length, score on the GPU thread: (scores, truncated)."""
         state = self.state
-        if "batcher" not in state:
-            raise self.fail(503, "not_ready", "the model is not loaded yet", endpoint)
+        endpoint = "/score_batch"
         try:
             ids = await state["preparer"].ids([it.conversation() for it in items])
             encoded = [state["scorer"].fit(x) for x in ids]
             scores = await state["batcher"].score([e.ids for e in encoded])
         except ConversationRefused as exc:
-            where = "messages" if endpoint == "/score" else "items[].messages"
-            raise self.fail(422, "template_refused", f"{where}: {exc}", endpoint) from None
+            raise self.fail(422, "template_refused", f"items[].messages: {exc}", endpoint) from None
         except InputTooLong as exc:
             raise self.fail(413, "too_long", str(exc), endpoint) from None
         truncated = [e.truncated for e in encoded]
@@ -220,7 +194,6 @@ def _health(settings: Settings, active: RewardScorer) -> dict[str, Any]:
         "dtype": active.dtype,
         "max_length": settings.max_length,
         "format": "chat_template" if active.format.chat_template else "plain_text",
-        # The input format as resolved (REWARD_INPUT, REWARD_ADD_SPECIAL_TOKENS, REWARD_APPEND_EOS; `auto` decided)
         "input": active.format.input,
         "add_special_tokens": active.format.add_special_tokens,
         "append_eos": active.format.append_eos,
@@ -236,11 +209,10 @@ def _health(settings: Settings, active: RewardScorer) -> dict[str, Any]:
 
 
 def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    """422 naming each bad field, and 500 naming only the exception's type, both counted."""
+    """422 naming each bad field (without echoing the input back), 500 naming only the exception's type, counted."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        # Name each bad field and why, without echoing the (possibly huge) input back.
         problems = []
         for err in exc.errors()[:20]:
             if err.get("type") == "json_invalid":
@@ -263,28 +235,18 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
 
 def _add_routes(app: FastAPI, server: _Server) -> None:
-    """/health, /score, /score_batch and /metrics."""
-
     @app.get("/health")
     async def health(request: Request):
         # Open to probes without a token; a token that is sent must be ours, so a job polling its own port with its
         # token gets 401 from another job's server instead of taking it for its own.
         if "authorization" in request.headers:
             server.authorize(request, "/health")
-        if "scorer" not in server.state:
-            return JSONResponse(status_code=503, content={"status": "loading"})
         return _health(server.settings, server.state["scorer"])
-
-    @app.post("/score", response_model=ScoreResponse)
-    async def score(item: ScoreItem, request: Request):
-        server.authorize(request, "/score")
-        scores, truncated = await server.score_items([item], "/score")
-        return ScoreResponse(score=scores[0], truncated=truncated[0])
 
     @app.post("/score_batch", response_model=ScoreBatchResponse)
     async def score_batch(body: ScoreBatchRequest, request: Request):
         server.authorize(request, "/score_batch")
-        scores, truncated = await server.score_items(body.items, "/score_batch")
+        scores, truncated = await server.score_items(body.items)
         return ScoreBatchResponse(scores=scores, truncated=truncated)
 
     @app.get("/metrics")
@@ -294,7 +256,7 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
 
 
 def create_app(settings: Settings, scorer: RewardScorer | None = None) -> FastAPI:
-    """The FastAPI app. The model loads in the lifespan (or `scorer` is used as given, for tests)."""
+    """The FastAPI app; the model loads in the lifespan unless `scorer` is given (tests)."""
     server = _Server(settings, scorer)
     app = FastAPI(title="reward model server", lifespan=server.lifespan)
     _add_error_handlers(app, server.metrics)

@@ -1,6 +1,5 @@
-"""Cross-request batching: the one thread that owns the model (`Batcher`) and the off-loop tokenizing of requests
-(`Preparer`). When to launch and which planned micro-batch goes next is decided here; how rows are grouped and laid out
-is the planner's (planner.py)."""
+"""Cross-request batching: the thread that owns the model (`Batcher`: when to launch which planned micro-batch) and
+the off-loop tokenizing of requests (`Preparer`)."""
 
 import asyncio
 import collections
@@ -29,21 +28,15 @@ class _Job:
 
 
 _Row = tuple[_Job, int]
-# How long an idle GPU thread gathers a burst of requests, and the gap that ends a burst early. One H200, 64
-# per-sample callers: 8 or 40 ms instead of 20 were within run-to-run noise (benchmarks/HISTORY.md), so no setting.
+# How long an idle GPU thread gathers a burst of requests, and the gap that ends it early (8 or 40 ms instead of 20:
+# within run-to-run noise, benchmarks/HISTORY.md).
 MAX_WAIT_S, QUIET_S = 0.020, 0.002
 
 
 class Batcher:
-    """One thread owns the model. It keeps the GPU busy with micro-batches planned over every row waiting, and
-    answers each request as soon as its own rows are scored.
-
-    Up to `depth` micro-batches are queued on the GPU: while one runs, the thread reads the finished one's scores,
-    answers those callers and launches the next from whatever is waiting, new arrivals included; the next goes in
-    behind a running one once a full token budget waits, or once its oldest row has waited `max_wait`. Each launch
-    takes the micro-batch (of the length-sorted plan) holding the oldest waiting row, so no request waits behind later
-    ones. When idle, the first request waits up to `max_wait` for others to join (stopping once `quiet` passes with
-    nothing new)."""
+    """One thread owns the model and keeps up to `depth` micro-batches on the GPU (docs/reward.md). The next goes in
+    behind a running one once a full token budget waits or its oldest row has waited `max_wait`; each launch takes the
+    planned micro-batch holding the oldest waiting row. When idle, a first request waits up to `max_wait` for others."""
 
     def __init__(
         self,
@@ -79,9 +72,7 @@ class Batcher:
         return await job.future
 
     def _gather(self, first: _Job) -> list[_Job]:
-        """Take what is queued; keep taking while requests still arrive (a burst of concurrent callers lands over a
-        few ms), up to `max_wait` after the first, stopping early once `quiet` passes with nothing new or there is
-        plenty of work for the GPU."""
+        """Take what arrives within `max_wait` of the first, until `quiet` passes with nothing new or plenty waits."""
         jobs = [first]
         tokens = sum(len(s) for s in first.seqs)
         deadline = time.perf_counter() + self.max_wait_s
@@ -134,9 +125,7 @@ class Batcher:
         if not flights:
             return True
         rows, handle = flights[0]
-        # While the oldest micro-batch runs, take new requests. The next one goes in behind it once a full token
-        # budget waits or the oldest waiting row has waited `max_wait` (by then the requests that the last answers
-        # set off have landed), so the GPU neither idles between micro-batches nor runs them in small pieces.
+        # While the oldest micro-batch runs, take new requests and launch the next once it is due (`_due`).
         while not handle.ready():
             job = self._take(0.001)
             if job is not None:
@@ -169,13 +158,13 @@ class Batcher:
         return jobs
 
     def _due(self, waiting: list[_Row]) -> bool:
-        """Whether the next micro-batch goes in behind the ones on the GPU now (see the class's docstring)."""
+        """A full token budget waits, or the oldest row has waited `max_wait`."""
         if sum(len(j.seqs[i]) for j, i in waiting) >= self.planner.token_budget:
             return True
         return time.perf_counter() - waiting[0][0].enqueued >= self.max_wait_s
 
     def _measured(self, handle) -> None:
-        """Hand a finished micro-batch's GPU time to the metrics hook (timed ones only: the scorer's on a GPU)."""
+        """A finished micro-batch's GPU time to the metrics hook (timed on a GPU only)."""
         seconds = getattr(handle, "gpu_seconds", lambda: None)()
         if seconds is not None and self.on_gpu:
             self.on_gpu(seconds)
@@ -230,12 +219,8 @@ Conversation = tuple[list[dict[str, str]], str]  # (messages before the answer, 
 
 
 class Preparer:
-    """Renders and tokenizes requests off the event loop, all that are waiting in one pass.
-
-    While a pass runs in a worker thread, new requests queue; the next pass takes them together. One pass over many
-    texts is one `tokenize` call, which runs on every core without the GIL; tokenizing each single-item request on
-    the event loop held it ~1.5 ms per request, most of what 64 per-sample callers waited on. A conversation the chat
-    template refuses fails its own request only."""
+    """Renders and tokenizes requests off the event loop, all that wait in one pass: one `tokenize` call runs on every
+    core without the GIL (on the loop, ~1.5 ms a request held it). A template's refusal fails its own request only."""
 
     def __init__(self, scorer: RewardScorer, run_in_thread, on_pass=None):
         self.scorer = scorer

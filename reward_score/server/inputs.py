@@ -1,6 +1,4 @@
-"""How a (messages, response) pair becomes the token ids the model scores: which of TRL's formats (`InputFormat`), the
-text through the chat template or TRL's plain-text rule, tokenizing on every core, and the fit to max_length. No torch:
-check_format.py scores every format through this code, and the batcher's tokenizing passes run it off the event loop."""
+"""How a (messages, response) pair becomes the token ids the model scores, in one of TRL's formats. No torch."""
 
 import os
 import threading
@@ -25,14 +23,9 @@ class Encoded:
 
 @dataclass(frozen=True)
 class InputFormat:
-    """How a (messages, response) pair becomes token ids: one of the ways TRL's RewardTrainer built a training
-    sequence from a preference dataset (a model scores best in the way it was trained).
-
-    TRL >= 0.24 (reward_trainer.py `_prepare_dataset`): prompt + completion through `apply_chat_template(...,
-    tokenize=True)`, which adds no special tokens; a plain-text dataset as `tokenizer(prompt + completion + eos)`.
-    TRL <= 0.23 (`maybe_apply_chat_template`, then `_tokenize`: `tokenizer(chosen)`): with a `prompt` column only the
-    completion, rendered as the text the chat template adds after the prompt's generation prompt, and always with the
-    tokenizer's special tokens; plain text as it is, no EOS added."""
+    """One of the ways TRL's RewardTrainer built a training sequence (docs/reward.md, the format check): TRL >= 0.24
+    prompt + completion, through the chat template without special tokens or as plain text + EOS; TRL <= 0.23 with a
+    `prompt` column the completion alone, always with special tokens, plain text without EOS."""
 
     input: str  # "conversation": prompt + response; "completion": the response alone
     chat_template: bool  # through the tokenizer's chat template; False: TRL's plain-text rule
@@ -56,8 +49,7 @@ class InputFormat:
 
 
 class PairEncoder:
-    """The tokenizer and the formatting rule: `render` a pair as the text the model was trained on, `tokenize` texts,
-    `fit` ids to max_length (`encode`: both). Any thread may call it. The scorer (runner.py) is one."""
+    """`render` a pair as the text the model was trained on, `tokenize` texts, `fit` ids to max_length; any thread."""
 
     def __init__(self, tokenizer, settings: Settings, read_pad_id: int | None):
         import jinja2
@@ -65,8 +57,7 @@ class PairEncoder:
         self._template_error = jinja2.TemplateError
         self.tokenizer = tokenizer
         self.settings = settings
-        # The model's own forward reads its score at the last token that is not config.pad_token_id (transformers'
-        # sequence classification, which is what TRL trained): trailing ones are dropped before scoring (`fit`).
+        # The model's own forward (what TRL trained) reads its score at the last token that is not this one (`fit`).
         self.read_pad_id = read_pad_id
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.format = InputFormat.from_settings(settings, self.has_chat_template)
@@ -85,8 +76,6 @@ class PairEncoder:
                 return self._render_template(messages, response, fmt.input == "completion")
             except self._template_error as exc:  # the template's own raise_exception(...): a wrong conversation
                 raise ConversationRefused(f"the reward model's chat template refused these messages: {exc}") from None
-        # TRL's plain-text rule: prompt then completion (>= 0.24) or the completion alone (<= 0.23 with a prompt
-        # column), EOS appended where TRL appended it.
         eos = self.tokenizer.eos_token or ""
         text = response if fmt.input == "completion" else "\n".join(m["content"] for m in messages) + response
         return text + eos if fmt.append_eos and not text.endswith(eos) else text
@@ -113,9 +102,8 @@ class PairEncoder:
         return full[len(os.path.commonprefix([prompt, full])) :]
 
     def tokenize(self, texts: list[str], fmt: InputFormat | None = None) -> list[list[int]]:
-        """Token ids of each text, with or without the tokenizer's special tokens as `fmt` says; any thread. The
-        Rust tokenizer encodes a list on every core without holding the GIL; `encode_batch_fast` (tokenizers >= 0.21,
-        the oldest the image has: requirements/reward-oldest.txt) also skips the character offsets nobody reads here."""
+        """Token ids of each text, on every core without the GIL; `encode_batch_fast` (tokenizers >= 0.21) skips the
+        character offsets."""
         special = (fmt or self.format).add_special_tokens
         if self.backend is not None:
             return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=special)]
@@ -123,9 +111,8 @@ class PairEncoder:
             return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
     def fit(self, ids: list[int]) -> Encoded:
-        """`ids` as scored: without trailing pad tokens (the model's forward would read its score before them, and a
-        causal model's score there does not depend on them), within max_length: over-long input keeps its last
-        tokens."""
+        """`ids` as scored: without trailing pad tokens (the model's forward reads before them), within max_length
+        (over-long input keeps its last tokens)."""
         end = len(ids)
         while end > 1 and ids[end - 1] == self.read_pad_id:
             end -= 1
@@ -134,6 +121,3 @@ class PairEncoder:
         if len(ids) <= limit:
             return Encoded(ids, False)
         return Encoded(ids[-limit:], True)
-
-    def encode(self, texts: list[str]) -> list[Encoded]:
-        return [self.fit(ids) for ids in self.tokenize(texts)]

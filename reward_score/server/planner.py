@@ -1,12 +1,5 @@
-"""How the server batches: which waiting rows go into one forward, and how that forward lays them out. No torch.
-
-Two decisions, both here:
-- `Planner.plan`: group rows into micro-batches, longest first, each within the token budget as it will run, with
-  the fewest tokens computed;
-- `Planner.layout`: for one micro-batch, its padded width and whether its sequences are packed several to a row.
-The runner (runner.py) runs what these return and decides nothing itself; the batcher (batcher.py) decides when to
-launch and which of the planned micro-batches goes next.
-"""
+"""How the server batches (no torch): which waiting rows go into one forward (`Planner.plan`), and its padded width
+and whether its sequences are packed several to a row (`Planner.layout`). The runner runs what these return."""
 
 import math
 from collections.abc import Sequence
@@ -15,19 +8,16 @@ from dataclasses import dataclass
 from reward_score.server.settings import Settings
 
 PACK_WHEN = 0.8  # pack a micro-batch's sequences several to a row when that needs at most 80% of the rows
-# What one more forward costs beyond its tokens, in tokens (launches, smaller matmuls): the planner splits a step into
-# more micro-batches only where that saves more padded tokens than this. About 3% of a 32k-token micro-batch of a
-# Qwen3-1.7B. That cost is time (the host launching a forward, its matmuls' ramp), and a bigger model's token takes
-# longer, so on a GPU it is fewer of a bigger model's tokens (`model_micro_batch_cost`).
+# What one more forward costs beyond its tokens, in tokens (launches, smaller matmuls): about 3% of a 32k-token
+# micro-batch of a Qwen3-1.7B. A bigger model's token takes longer, so it is fewer of its tokens on a GPU.
 MICRO_BATCH_COST = 1024
 MICRO_BATCH_COST_PARAMS = 1.5e9  # non-embedding parameters up to which it holds (measured on Qwen3-1.7B: 1.41e9)
 MIN_MICRO_BATCH_COST = 64
-# Packing (REWARD_PACK=auto) up to this size: a packed row attends over its whole width (a dense block mask, no causal
-# skipping), which pays where a forward's fixed cost dominates and costs more than the padding it saves above. One
-# H200, 64 per-sample callers: Qwen3-1.7B 52.6% of the ceiling packed against 43.0% not; Qwen3-8B 74.1% against 81.6%.
+# Packing up to this size: a packed row attends over its whole width (no causal skipping), which costs a bigger model
+# more than the padding it saves (benchmarks/README.md).
 PACK_UP_TO_PARAMS = MICRO_BATCH_COST_PARAMS
-# The token budget a GPU server takes by default (measured on an H200 from 1.7B to 14B parameters: a larger one made
-# fresh lengths and per-sample callers slower), and the memory its activations may take when nothing caps the server.
+# The token budget on a GPU (a larger one made fresh lengths and per-sample callers slower on an H200, 1.7B to 14B),
+# and the memory its activations may take when nothing caps the server.
 DEFAULT_GPU_BUDGET = 32768
 DEFAULT_ACTIVATION_BYTES = 8 * 2**30
 MIN_BUDGET = 1024
@@ -39,9 +29,8 @@ ACTIVATION_MARGIN = 1.25
 def activation_bytes_per_token(
     hidden: int, intermediate: int, q_width: int, kv_width: int, dtype_bytes: int = 2
 ) -> int:
-    """What one token's activations take at the peak of a layer's forward (no KV cache, no gradients): the residual
-    stream in and out, its normed copy and the attention output (4 x hidden), q, k and v, and the MLP's gate, up and
-    their product (3 x intermediate)."""
+    """One token's activations at the peak of a layer's forward: the residual in and out, its normed copy and the
+    attention output (4 x hidden), q, k and v, and the MLP's gate, up and their product (3 x intermediate)."""
     return dtype_bytes * (4 * hidden + q_width + 2 * kv_width + 3 * intermediate)
 
 
@@ -50,9 +39,8 @@ class MemoryTooSmall(ValueError):
 
 
 def model_token_budget(per_token_bytes: int, weight_bytes: int, memory_cap_bytes: int = 0) -> int:
-    """The default token budget on a GPU: `DEFAULT_GPU_BUDGET`, or less where the activations of a full micro-batch
-    would not fit in what the memory cap leaves beside the weights (`DEFAULT_ACTIVATION_BYTES` without a cap), in
-    multiples of `MIN_BUDGET`."""
+    """`DEFAULT_GPU_BUDGET`, or less where a full micro-batch's activations would not fit beside the weights under the
+    cap (in `DEFAULT_ACTIVATION_BYTES` without one), in multiples of `MIN_BUDGET`."""
     room = memory_cap_bytes - weight_bytes if memory_cap_bytes else DEFAULT_ACTIVATION_BYTES
     fits = int(room / (ACTIVATION_MARGIN * per_token_bytes)) // MIN_BUDGET * MIN_BUDGET
     if fits < MIN_BUDGET:
@@ -65,8 +53,7 @@ def model_token_budget(per_token_bytes: int, weight_bytes: int, memory_cap_bytes
 
 
 def model_micro_batch_cost(non_embedding_params: float) -> int:
-    """The planner's cost of one more forward, in tokens, for a model of this size on a GPU: MICRO_BATCH_COST at
-    Qwen3-1.7B's size or smaller, in proportion to the time a token takes above it (a Qwen3-8B: ~200 tokens)."""
+    """MICRO_BATCH_COST up to Qwen3-1.7B's size, less in proportion to a token's time above it (Qwen3-8B: ~200)."""
     scaled = MICRO_BATCH_COST * MICRO_BATCH_COST_PARAMS / max(non_embedding_params, 1.0)
     return int(max(MIN_MICRO_BATCH_COST, min(MICRO_BATCH_COST, scaled)))
 
@@ -108,8 +95,8 @@ class _Packer:
 
 @dataclass(frozen=True)
 class Layout:
-    """One micro-batch as it runs: rows of `width` tokens. `bins` lists, per row, the positions (in the micro-batch)
-    of the sequences packed into it; None means one sequence per row, padded on the right."""
+    """One micro-batch as it runs: rows of `width` tokens; `bins`, per row, the sequences packed into it (None: one
+    sequence a row, padded on the right)."""
 
     width: int
     bins: list[list[int]] | None
@@ -138,10 +125,9 @@ class Planner:
         )
 
     def plan(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Group row indices into micro-batches, longest first, each within the token budget as it will run. Two
-        candidates, the cheaper one wins (tokens as run, plus `micro_batch_cost` per forward): filling each
-        micro-batch up to the budget, packing rows several to a padded row where that saves at least a fifth of the
-        rows (`_fill`); and cutting the sorted rows where the fewest padded tokens are computed (`_partition`)."""
+        """Row indices in micro-batches within the token budget as run: the cheaper (tokens plus `micro_batch_cost`
+        each) of filling each up to the budget, packing where it saves a fifth of the rows (`_fill`), and cutting the
+        length-sorted rows where the fewest padded tokens are computed (`_partition`)."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         if not order:
             return []
@@ -175,9 +161,8 @@ class Planner:
         return batches, cost
 
     def _partition(self, order: list[int], lengths: Sequence[int]) -> tuple[list[list[int]], int]:
-        """Padded micro-batches of consecutive rows (longest first) with the fewest padded tokens plus
-        `micro_batch_cost` each: a shortest path over cut points. A micro-batch ends where the padded width changes
-        (rows of one width are interchangeable) or where the budget is full, so each start tries few ends."""
+        """A shortest path over cut points of the length-sorted rows; a micro-batch ends where the padded width changes
+        or the budget is full, so each start tries few ends."""
         widths = [self.width_for(lengths[i]) for i in order]
         n = len(order)
         next_width = [n] * n  # the first position after k with another padded width
@@ -206,8 +191,7 @@ class Planner:
         return batches[::-1], int(best[n])
 
     def layout(self, lengths: Sequence[int]) -> Layout:
-        """How one micro-batch of sequences of these lengths runs: packed where that needs at most `PACK_WHEN` of
-        the rows, else one padded row each."""
+        """Packed where that needs at most `PACK_WHEN` of the rows, else one padded row each."""
         width = self.width_for(max(lengths))
         if self.pack and len(lengths) > 1:
             packer = _Packer(width)
@@ -218,7 +202,6 @@ class Planner:
         return Layout(width, None)
 
     def width_for(self, longest: int) -> int:
-        """The padded width of a micro-batch whose longest row has `longest` tokens: a multiple of `pad_multiple`
-        (fewer shapes to compile), never over max_length unless the row is."""
+        """A multiple of `pad_multiple` (fewer shapes to compile), never over max_length unless the row is."""
         padded = max(self.pad_multiple, math.ceil(longest / self.pad_multiple) * self.pad_multiple)
         return min(padded, max(longest, self.max_length))

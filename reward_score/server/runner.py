@@ -1,7 +1,5 @@
-"""The model: load it and run the micro-batches the planner lays out (padded rows, or several sequences packed to a
-row), with each decoder layer compiled (REWARD_COMPILE, `LayerKernels`) and pairs encoded as inputs.py encodes them.
-Any thread may call it; the batcher (batcher.py) owns when; warm-up and its checks are warmup.py's. torch and
-transformers are imported only when a model loads, so `--help` and the settings checks run without them."""
+"""The model: load it and run the micro-batches the planner lays out, padded or packed, each decoder layer compiled.
+torch and transformers are imported only when a model loads, so `--help` and the settings checks run without them."""
 
 import contextlib
 import logging
@@ -27,9 +25,7 @@ class NotARewardModel(RuntimeError):
 
 
 def head_problem(path: str) -> str | None:
-    """What the model's config.json says against it as a reward model, read before any weight loads: an architecture
-    other than *ForSequenceClassification, or num_labels other than 1 (a classifier's head, whose weights would not
-    fit the one-output head the server builds); None for one score."""
+    """What the model's config.json says against it as a reward model (architecture, num_labels), or None."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)  # num_labels: transformers' count (config.json omits it for 2 labels)
@@ -51,8 +47,7 @@ def head_problem(path: str) -> str | None:
 
 
 def refuse_without_head(path: str, model, missing_keys: Sequence[str]) -> None:
-    """NotARewardModel naming the path, what it lacked and what a reward model holds, where its head was not in it:
-    weights outside the base model (`score.weight`, `classifier.*`) missing, so transformers initialized them."""
+    """NotARewardModel where weights outside the base model (`score.weight`, ...) were missing from the checkpoint."""
     prefix = getattr(model, "base_model_prefix", "") + "."
     if head := sorted(k for k in missing_keys if not k.startswith(prefix)):
         saved_as = ", ".join(getattr(model.config, "architectures", None) or []) or "a model without a scoring head"
@@ -65,29 +60,19 @@ def refuse_without_head(path: str, model, missing_keys: Sequence[str]) -> None:
 
 
 class LayerKernels:
-    """Whether each of one model's decoder layers (`base.layers`) runs compiled: torch.compile of each layer, where
-    Inductor fuses the elementwise work between the matmuls. Warm-up (warmup.py) checks the compiled layers against
-    the same layers uncompiled before it serves."""
+    """torch.compile of each decoder layer (`base.layers`), on or off; warmup.py checks it before it serves."""
 
-    def __init__(self, torch, base):
-        self.torch = torch
-        self.base = base
+    def __init__(self, base):
         self.layers = list(getattr(base, "layers", None) or [])
         self.compiled = False
 
-    def compile(self) -> bool:
-        """torch.compile each decoder layer (dynamic shapes): fused kernels, far fewer launches. False if
-        unavailable."""
-        torch = self.torch
-        if not self.layers or not hasattr(torch, "compile") or not hasattr(self.layers[0], "compile"):
-            log.warning(
-                "REWARD_COMPILE: this model or torch %s cannot compile per layer; serving eager", torch.__version__
-            )
-            return False
+    def compile(self) -> None:
+        if not self.layers:
+            log.warning("REWARD_COMPILE: this model has no decoder layers to compile (base.layers); serving eager")
+            return
         for layer in self.layers:
             layer.compile(dynamic=True)
         self.compiled = True
-        return True
 
     def uncompile(self) -> None:
         for layer in self.layers:
@@ -96,8 +81,7 @@ class LayerKernels:
 
     @contextlib.contextmanager
     def eager(self):
-        """The decoder layers' own (uncompiled) forward while a path is checked, so that a compile failure is not
-        mistaken for the path's."""
+        """The layers uncompiled while a path is checked, so that a compile failure is not taken for the path's."""
         compiled = [getattr(layer, "_compiled_call_impl", None) for layer in self.layers]
         for layer in self.layers:
             layer._compiled_call_impl = None
@@ -109,8 +93,7 @@ class LayerKernels:
 
 
 class RewardScorer(PairEncoder):
-    """The model and its tokenizer (the formatting rule is PairEncoder's); `score_ids` runs micro-batched forwards
-    (any thread), `kernels` are the decoder layers' switches."""
+    """The model and its tokenizer (the formatting rule is PairEncoder's); `score_ids` from any thread."""
 
     def __init__(self, model, tokenizer, device: str, settings: Settings):
         import torch
@@ -120,55 +103,39 @@ class RewardScorer(PairEncoder):
         self.model = model
         self.device = device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        # The fast path reads the score at each row's last real token itself: no reliance on pad_token_id detection
-        # (a response may contain the pad token's text), and the head runs on B rows instead of B x L.
+        # The fast path reads the score at each row's last real token itself: the head runs on B rows, not B x L.
         self.base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         self.head = getattr(model, "score", None)
-        # Packing needs the fast path and an attention that takes a boolean 4D mask as given (sdpa); with
-        # REWARD_PACK=auto only models small enough for it to pay (planner.PACK_UP_TO_PARAMS).
+        self.fast = self.base is not None and self.head is not None
+        # Packing needs the fast path and an attention that takes a boolean 4D mask as given (sdpa).
         attention = getattr(model.config, "_attn_implementation", None)
         self.non_embedding_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-        self.can_pack = (
-            self.base is not None
-            and self.head is not None
-            and attention == "sdpa"
-            and settings.pack == "auto"
-            and model_packs(self.non_embedding_params)
-        )
+        packs = settings.pack == "auto" and model_packs(self.non_embedding_params)
+        self.can_pack = self.fast and attention == "sdpa" and packs
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model_budget = None
         if device.startswith("cuda") and (per_token := self.activation_bytes_per_token()):
-            # planner.MemoryTooSmall (a ValueError) when REWARD_GPU_MEMORY_GIB leaves no room: the server exits
-            # naming it
+            # planner.MemoryTooSmall when REWARD_GPU_MEMORY_GIB leaves no room: the server exits naming it.
             self.model_budget = model_token_budget(per_token, self.weight_bytes, int(settings.gpu_memory_gib * 2**30))
-        # A bigger model's token takes longer, so one more forward costs fewer of its tokens: narrower micro-batches
-        # with less padding pay (on the CPU the cost stays MICRO_BATCH_COST).
         model_cost = model_micro_batch_cost(self.non_embedding_params) if device.startswith("cuda") else None
         self.planner = Planner.for_settings(
             settings, device, pack=self.can_pack, model_budget=self.model_budget, model_cost=model_cost
         )
-        # Hand the model its per-layer mask mapping ourselves (warm-up checks the model takes it and scores the same)?
+        # Hand the model its per-layer mask mapping ourselves (`_hidden`; warm-up checks it)?
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-        self.can_map_mask = (
-            self.base is not None
-            and self.head is not None
-            and layer_types == {"full_attention"}
-            and bool(getattr(self.base, "layers", None))
-        )
+        self.can_map_mask = self.fast and layer_types == {"full_attention"} and bool(getattr(self.base, "layers", None))
         self.mask_mapping = False
-        # Inputs go to the GPU from pinned memory: a copy from pageable memory waits for the GPU to finish what is
-        # queued before it, so launching the next micro-batch would wait for the running one.
+        # Pinned inputs: a copy from pageable memory would wait for the micro-batch running on the GPU.
         self.pin = device.startswith("cuda")
         self.on_forward = None  # metrics hook: (rows, padded_len, real_tokens, seconds)
         self.on_oom = None  # metrics hook: a micro-batch was split after a CUDA out-of-memory error
         self.on_packed = None  # metrics hook: a micro-batch ran packed (several sequences to a row)
-        self.kernels = LayerKernels(torch, self.base)
+        self.kernels = LayerKernels(self.base)
         self.warm_up_s: dict[str, float] = {}  # warmup.warm_up: seconds of each part
         self.checks: dict[str, float] = {}  # warm-up's checks: each way's largest relative difference at layer one
 
     def activation_bytes_per_token(self) -> int | None:
-        """planner.activation_bytes_per_token for this model's dimensions and dtype (None where the config does not
-        name them: the budget then stays at its default)."""
+        """planner.activation_bytes_per_token for this model (None where the config does not name its dimensions)."""
         c = self.model.config
         if not all(hasattr(c, n) for n in ("hidden_size", "intermediate_size", "num_attention_heads")):
             return None
@@ -210,10 +177,6 @@ class RewardScorer(PairEncoder):
                 tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             )
         model.to(device).eval()
-        if device.startswith("cuda") and settings.cudnn_attention == "off":
-            # Flash and mem-efficient attention only; torch's choice (cuDNN on Hopper) gains 4.2%
-            # (benchmarks/README.md).
-            torch.backends.cuda.enable_cudnn_sdp(False)
         if device.startswith("cuda") and settings.gpu_memory_gib:
             # The caching allocator stays under the cap; a micro-batch that would cross it is split (as on any OOM).
             total = torch.cuda.get_device_properties(device).total_memory
@@ -232,7 +195,7 @@ class RewardScorer(PairEncoder):
         return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     def score_ids(self, seqs: Sequence[Sequence[int]]) -> list[float]:
-        """Scores in input order: every micro-batch is launched before the first result is read."""
+        """Scores in input order; every micro-batch is launched before the first result is read."""
         plan = self.planner.plan([len(s) for s in seqs])
         launched = [(rows, self.launch([seqs[i] for i in rows])) for rows in plan]
         scores = [0.0] * len(seqs)
@@ -247,7 +210,7 @@ class RewardScorer(PairEncoder):
         lengths = [len(s) for s in seqs]
         started = None
         if str(self.device).startswith("cuda"):
-            # Timed on the GPU: started runs when the GPU reaches this micro-batch (after the one queued before it).
+            # Recorded when the GPU reaches this micro-batch.
             started = torch.cuda.Event(enable_timing=True)
             started.record(torch.cuda.current_stream(self.device))
         with torch.inference_mode():
@@ -256,7 +219,7 @@ class RewardScorer(PairEncoder):
         order = [i for rows, _ in parts for i in rows]
         if scores.device.type != "cuda":
             return Launched(order, scores, None)
-        # Copy the scores to pinned host memory behind the forward; the event says when they are there.
+        # Scores to pinned host memory behind the forward; the event says when they are there.
         host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
         host.copy_(scores, non_blocking=True)
         done = torch.cuda.Event(enable_timing=True)
@@ -304,12 +267,8 @@ class RewardScorer(PairEncoder):
             ids[r, : lengths[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
         last = torch.tensor([lengths[i] - 1 for i in rows], dtype=torch.long, pin_memory=self.pin)
         ids, last = ids.to(self.device, non_blocking=True), last.to(self.device, non_blocking=True)
-        if self.base is not None and self.head is not None:
-            # Padding is on the right and attention is causal: a real token never attends to a later (pad) position,
-            # so no mask is needed. Attention then takes the fused causal kernel, and the score is read at each row's
-            # last real token.
-            # use_cache=False: no KV cache (GBs at a 32k-token budget), and no per-layer cache state for compile to
-            # guard on (with it, every layer recompiles until torch gives up and runs eager).
+        if self.fast:
+            # Right padding under causal attention needs no mask: attention takes the fused causal kernel.
             hidden = self._hidden(ids)
             scores = self.head(hidden[torch.arange(len(rows), device=hidden.device), last])[:, 0]
         else:
@@ -318,8 +277,7 @@ class RewardScorer(PairEncoder):
         return scores
 
     def _forward_packed(self, rows: list[int], bins: list[list[int]], seqs, lengths, width: int):
-        """Several sequences to a row: each restarts its positions and attends only to itself (a block-diagonal causal
-        mask), so it scores exactly as alone; the score is read at each sequence's own last token."""
+        """Several sequences to a row, each with its own positions under a block-diagonal causal mask: as alone."""
         torch = self.torch
         ids = torch.full((len(bins), width), self.pad_id, dtype=torch.long, pin_memory=self.pin)
         positions = torch.zeros((len(bins), width), dtype=torch.long, pin_memory=self.pin)
@@ -348,19 +306,16 @@ class RewardScorer(PairEncoder):
         return self.head(hidden[row_of, last])[:, 0]
 
     def _hidden(self, ids, mask=None, positions=None):
-        """The base model's last hidden states. No mask means causal attention over right-padded rows.
-
-        With `mask_mapping` the mask goes in as the per-layer mapping the model would build ({"full_attention":
-        mask}), so transformers builds none: for a missing mask it would look for packed sequences on the GPU and
-        wait for the answer (transformers 5.x) or build a full mask and lose the fused causal kernel (4.56)."""
+        """The base model's last hidden states. With `mask_mapping` the mask goes in as the per-layer mapping, so
+        transformers builds none (5.x would wait on the GPU to look for packed sequences; 4.56 lose the causal kernel).
+        use_cache=False: no KV cache, and no cache state for compile to guard on (every layer would recompile)."""
         attention = {"full_attention": mask} if self.mask_mapping else mask
         out = self.base(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False)
         return out.last_hidden_state
 
 
 class Launched:
-    """A micro-batch on its way through the GPU: `ready()` without blocking, `result()` scores in launch order,
-    `gpu_seconds()` how long the GPU took once it is done (None where not timed)."""
+    """A micro-batch on its way through the GPU: `ready()` without blocking, `result()`, `gpu_seconds()` once done."""
 
     def __init__(self, order: list[int], scores, event, started=None):
         self.order, self.scores, self.event, self.started = order, scores, event, started

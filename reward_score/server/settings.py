@@ -1,9 +1,7 @@
 """The reward server's settings: each one's environment variable, flag and help, read and checked in one place.
 
-Defaults, then the environment, then command-line flags (which win). Nothing else in the server reads the environment,
-and it reads only its own REWARD_* names: the launch scripts' CONFIG_* settings (CONFIG_REWARD_SERVER_PORT is the
-*first* port of several servers) reach a server as flags, never by being inherited (LAUNCH_NAMES). A server started
-by hand the article's way, with CONFIG_REWARD_MODEL_PATH / CONFIG_REWARD_DEVICE, says so (launch_names_not_read).
+It reads only its own REWARD_* names: the launch scripts' CONFIG_REWARD_* settings reach a server as flags
+(LAUNCH_NAMES; CONFIG_REWARD_SERVER_PORT is the *first* port of several servers), never by being inherited.
 """
 
 import argparse
@@ -34,7 +32,6 @@ class Settings:
     micro_batch_cost: int = 0  # 0: from the model on a GPU (planner.model_micro_batch_cost), 1024 on the CPU
     compile: Literal["auto", "layers", "off"] = "auto"
     gpu_memory_gib: float = 0.0  # 0: no cap
-    cudnn_attention: Literal["auto", "off"] = "auto"
     auth_token: str = ""
     log_level: str = "info"
 
@@ -44,56 +41,23 @@ SETTINGS: dict[str, tuple[str, str, str]] = {  # name: (environment variable, fl
     "device": ("REWARD_DEVICE", "DEVICE", "cpu | cuda | cuda:N | auto"),
     "port": ("REWARD_PORT", "PORT", "port to listen on"),
     "host": ("REWARD_HOST", "ADDRESS", "address to bind (0.0.0.0: every interface)"),
-    "input": (
-        "REWARD_INPUT",
-        "WHAT",
-        "conversation (prompt + response) | completion (the response alone: TRL <= 0.23 with a 'prompt' column)",
-    ),
-    "add_special_tokens": (
-        "REWARD_ADD_SPECIAL_TOKENS",
-        "auto|true|false",
-        "add the tokenizer's special tokens (auto: as TRL did for the input)",
-    ),
-    "chat_template": (
-        "REWARD_CHAT_TEMPLATE",
-        "auto|off",
-        "the tokenizer's chat template (auto) or TRL's plain-text rule (off)",
-    ),
+    "input": ("REWARD_INPUT", "WHAT", "conversation (prompt + response) | completion (the response alone)"),
+    "add_special_tokens": ("REWARD_ADD_SPECIAL_TOKENS", "auto|true|false", "add the tokenizer's special tokens"),
+    "chat_template": ("REWARD_CHAT_TEMPLATE", "auto|off", "the chat template (auto) or TRL's plain-text rule (off)"),
     "append_eos": ("REWARD_APPEND_EOS", "auto|true|false", "plain text: append EOS (auto: for conversation)"),
     "max_length": ("REWARD_MAX_LENGTH", "TOKENS", "tokens scored per pair; longer input keeps its last tokens"),
     "auth_token": ("REWARD_SERVER_TOKEN", "TOKEN", "if set, requests need 'Authorization: Bearer <token>'"),
-    # --help-all only: logging, how the GPU thread batches, how the layers run, the warm-up
+    # --help-all only
     "log_level": ("REWARD_LOG_LEVEL", "LEVEL", "debug | info | warning"),
-    "pack": (
-        "REWARD_PACK",
-        "auto|off",
-        "auto (models up to Qwen3-1.7B's size: several sequences to a padded row "
-        "where that saves a fifth of the rows, each attending only to itself) | off",
-    ),
-    "micro_batch_cost": (
-        "REWARD_MICRO_BATCH_COST",
-        "TOKENS",
-        "what one more forward costs, in tokens, when rows are "
-        "split into micro-batches (0: from the model on a GPU: 1024 up to Qwen3-1.7B's size, fewer "
-        "for bigger models, whose tokens take longer)",
-    ),
+    "pack": ("REWARD_PACK", "auto|off", "auto (models up to Qwen3-1.7B's size: short sequences share a row) | off"),
+    "micro_batch_cost": ("REWARD_MICRO_BATCH_COST", "TOKENS", "one more forward's cost in tokens (0: from the model)"),
     "compile": ("REWARD_COMPILE", "auto|layers|off", "auto (per-layer torch.compile on GPU) | layers | off"),
-    "cudnn_attention": (
-        "REWARD_CUDNN_ATTENTION",
-        "auto|off",
-        "auto (torch's choice: cuDNN on Hopper) | off (flash, mem-efficient)",
-    ),
     "gpu_memory_gib": ("REWARD_GPU_MEMORY_GIB", "GIB", "GPU memory the server may take, weights included (0: no cap)"),
 }
-# What `--help` shows (FIRST), in this order: the model, where it serves, the format it was trained in, what is scored.
+# What `--help` shows (FIRST), in this order.
 _GROUPS = {
     "the model and where it serves": ("model_path", "device", "port", "host"),
-    "the format it was trained in (python -m reward_score.check_format says which)": (
-        "input",
-        "add_special_tokens",
-        "chat_template",
-        "append_eos",
-    ),
+    "the format it was trained in (check_format)": ("input", "add_special_tokens", "chat_template", "append_eos"),
     "what is scored, who may ask": ("max_length", "auth_token"),
 }
 FIRST = tuple(name for names in _GROUPS.values() for name in names)
@@ -101,37 +65,15 @@ USAGE = "reward_server --model-path DIR [--device DEVICE] [--port PORT] [--input
 DESCRIPTION = """Scores (prompt, response) pairs over HTTP as TRL trained the reward model (docs/reward.md).
   python reward_score/reward_server.py --model-path /models/Unsafe-Reward-Qwen3-1.7B --device cuda:0
 Each flag has a REWARD_* environment variable (in brackets); the flag wins."""
-EPILOG = """Batching, kernels, warm-up and logging: --help-all (measured defaults; docs/reward.md)."""
+EPILOG = """Batching, kernels and logging: --help-all (measured defaults; docs/reward.md)."""
 
 
-# The values of each setting of a few (a Literal in Settings), as load_settings checks them; the input format's are
-# also read by inputs.InputFormat, check_format and the launch scripts' refusals.
+# The values of the settings typed as a Literal (also read by check_format and the launch scripts' refusals).
 CHOICES = {f.name: get_args(f.type) for f in fields(Settings) if get_origin(f.type) is Literal}
 
 
-# Settings removed in issue #61 (for want of a measured gain, benchmarks/README.md; the request limits, now app.py's
-# pydantic limits; REWARD_TRUNCATION=reject and REWARD_MAX_BODY_BYTES, whose 413 failed the job's step): one still set
-# is refused, not ignored.
-REMOVED = (
-    "REWARD_TOKEN_BUDGET",
-    "REWARD_MAX_BATCH_ROWS",
-    "REWARD_PAD_MULTIPLE",
-    "REWARD_MAX_WAIT_MS",
-    "REWARD_QUIET_MS",
-    "REWARD_LIGER",
-    "REWARD_NEXT_LAUNCH",
-    "REWARD_WARMUP",
-    "REWARD_FUSE",
-    "REWARD_MAX_ITEMS",
-    "REWARD_MAX_CHARS",
-    "REWARD_TRUNCATION",
-    "REWARD_MAX_BODY_BYTES",
-)
-
-
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
-    """Defaults, then the environment, then command-line flags (which win). Bad values exit with the name to fix.
-    `--help` shows the settings of FIRST; `--help-all` every one."""
+    """Defaults, then the environment, then command-line flags (which win). Bad values exit with the name to fix."""
     environ = dict(os.environ if environ is None else environ)
     argv = list(sys.argv[1:] if argv is None else argv)
     every = "--help-all" in argv
@@ -174,9 +116,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     args = parser.parse_args(argv)
     values.update({k: v for k, v in vars(args).items() if v is not None})
     settings = replace(defaults, **values)
-    problems = [
-        f"{name} is no longer a setting (its default is built in): unset it" for name in REMOVED if environ.get(name)
-    ]
+    problems = []
     for name, allowed in CHOICES.items():
         if getattr(settings, name) not in allowed:
             problems.append(f"{SETTINGS[name][0]} must be {' or '.join(allowed)}, got {getattr(settings, name)!r}")
@@ -195,8 +135,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     return settings
 
 
-# The launch scripts' names (run_grpo_qwen3_4b_mega_verl.sh's settings block; the article's for the first two) and the
-# server setting each becomes: helper_grpo_qwen3_4b.sh passes them as these flags. The server never reads them itself.
+# The run script's names (the article's, for the first two) and the setting helper_grpo_qwen3_4b.sh passes each as.
 LAUNCH_NAMES = {
     "CONFIG_REWARD_MODEL_PATH": "model_path",
     "CONFIG_REWARD_DEVICE": "device",
@@ -212,9 +151,7 @@ def _flag(name: str) -> str:
 
 
 def launch_names_not_read(settings: Settings, environ: dict[str, str] | None = None) -> list[str]:
-    """One line per launch-script name (CONFIG_REWARD_*) set in the environment to something other than what this
-    server runs with: the server reads only its own names, so such a value does nothing. Empty inside a job, where
-    the helper passes each as a flag."""
+    """One line per CONFIG_REWARD_* name set to something other than what this server runs with (it is not read)."""
     environ = dict(os.environ if environ is None else environ)
     notes = []
     for launch, name in LAUNCH_NAMES.items():

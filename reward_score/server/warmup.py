@@ -1,8 +1,5 @@
-"""Warm-up, before /health says ready: our mask mapping against transformers' own masks and the compiled layers against
-the same layers uncompiled, each on the first decoder layer's output (a deep model's bf16 rounding moves a score more
-than a tolerance that still catches a wrong path: docs/reward.md), then the shapes served traffic starts with. What
-fails or differs is dropped with a warning naming its setting, never silently.
-"""
+"""Warm-up before /health says ready: each faster way checked on the first decoder layer's output (docs/reward.md),
+then the shapes served traffic starts with. What fails or differs is dropped with a warning naming its setting."""
 
 import logging
 import time
@@ -13,11 +10,9 @@ log = logging.getLogger("reward_server")
 
 
 def warm_up(scorer: RewardScorer) -> None:
-    """The checks, then the shapes served traffic starts with (one row, several rows, two lengths, padded and packed).
-    With REWARD_COMPILE this compiles; a failure there falls back to eager with a warning, never to a crash. The time
-    of each part is in `scorer.warm_up_s`."""
+    """The checks, then the first shapes (compiling them); a compile that fails serves eager with a warning."""
     started = time.perf_counter()
-    base = scorer.encode([scorer.render([{"role": "user", "content": "warm up"}], "ready")])[0].ids
+    base = scorer.fit(scorer.tokenize([scorer.render([{"role": "user", "content": "warm up"}], "ready")])[0]).ids
     ids = (base * (1 + 200 // len(base)))[: min(200, scorer.settings.max_length)]
     choose_mask_path(scorer, [ids, ids[: len(ids) // 2]])
     check_compiled(scorer, [ids, ids[: len(ids) // 2], ids[:37]])
@@ -49,8 +44,7 @@ def warm_up(scorer: RewardScorer) -> None:
 
 
 def first_layer_outputs(scorer: RewardScorer, seqs: list[list[int]]) -> list:
-    """Score `seqs` the way the model is set now; the first decoder layer's output of each micro-batch, where two
-    ways of running the model are compared."""
+    """Score `seqs` the way the model is set now: the first decoder layer's output of each micro-batch."""
     outputs: list = []
 
     # Never traced: in a compiled layer the hook runs as plain Python after the compiled forward (a graph break).
@@ -67,9 +61,8 @@ def first_layer_outputs(scorer: RewardScorer, seqs: list[list[int]]) -> list:
 
 
 def differs(scorer: RewardScorer, seqs: list[list[int]], expected: list, check: str) -> str:
-    """Why running `seqs` the way the model is set now does not give `expected` (`first_layer_outputs` of the
-    model's own way): it raised, or the output is off by more than the dtype's rounding. Empty when it agrees. The
-    largest relative difference is kept in `scorer.checks[check]` (/health shows it)."""
+    """Why `seqs` run the way the model is set now do not give `expected` (raised, or off by more than the dtype's
+    rounding); empty when they agree. The largest relative difference goes to `scorer.checks[check]`."""
     try:
         got = first_layer_outputs(scorer, seqs)
     except Exception as exc:  # noqa: BLE001 - a forward the model does not take: the caller falls back
@@ -89,8 +82,7 @@ def differs(scorer: RewardScorer, seqs: list[list[int]], expected: list, check: 
 
 
 def check_compiled(scorer: RewardScorer, seqs: list[list[int]]) -> None:
-    """Keep the compiled layers (REWARD_COMPILE) only where they compute as the same layers uncompiled; this is where
-    they compile first. A compile that fails, or computes otherwise, serves eager with a warning."""
+    """Keep the compiled layers only where they compute as the same layers uncompiled (they compile here first)."""
     if not scorer.compiled:
         return
     with scorer.kernels.eager():
