@@ -145,7 +145,7 @@ check_stall() {
 # plan_ports REWARD_COUNT: this job's free ports on this node into `port` (a port set by hand is checked, not moved).
 plan_ports() {
   local plan key value
-  plan=$(node_info ports --job-id "$JOB_ID" --rank "$rank" --reward-count "$1" --ray-port "${RAY_PORT}" \
+  plan=$(node_info ports --job-id "$JOB_ID" --rank "$rank" --reward-count "$1" \
     --reward-port "${CONFIG_REWARD_SERVER_PORT}") || die "[rank $rank] no ports for this job on $host (above); nothing was started here"
   while IFS='=' read -r key value; do
     port[$key]=$value

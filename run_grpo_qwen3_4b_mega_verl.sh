@@ -132,7 +132,6 @@ RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-600}"                     # seconds for ev
 RAY_START_RETRIES="${RAY_START_RETRIES:-3}"                     # `ray start` attempts on every node, the head too
 STOP_TIMEOUT="${STOP_TIMEOUT:-20}"                              # s to stop servers and Ray (< Slurm's KillWait, 30 s)
 CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
-RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
 # -- A hung trainer: the stall watchdog (docs/operations.md#a-hung-job) -------------------------------------------
 # A trainer that finishes no step for too long is hung: the head's watchdog keeps every worker's stack (stall/) and

@@ -12,7 +12,7 @@ The helper runs this on every node (inside the container) and reads `NAME=VALUE`
                                                # this job's GPUs in a compute mode other than Default
 
 Ports: one block of PORT_BLOCK ports a job and node, between PORT_FIRST and PORT_LAST, from the job id
-(docs/training.md, "Sharing a node"); a port set by hand (RAY_PORT, CONFIG_REWARD_SERVER_PORT) is refused if taken.
+(docs/training.md, "Sharing a node"); CONFIG_REWARD_SERVER_PORT set by hand is refused if taken.
 """
 
 from __future__ import annotations
@@ -77,11 +77,10 @@ def plan_ports(
     job_id: str,
     rank: int,
     reward_count: int,
-    ray_port: int = 0,
     reward_port: int = 0,
     taken: Callable[[int], bool] = port_taken,
 ) -> dict[str, int]:
-    """This node's ports: the first block from the job's own one on that is wholly free, then the hand-set ports."""
+    """This node's ports: the first block from the job's own one on that is wholly free, then the hand-set port."""
     if reward_count > REWARD_MAX:
         raise NodeError(f"REWARD_REPLICAS={reward_count}: at most {REWARD_MAX} reward servers per node")
     blocks = (PORT_LAST + 1 - PORT_FIRST) // PORT_BLOCK
@@ -97,14 +96,6 @@ def plan_ports(
     plan["sglang_port"] = base + SGLANG_OFFSET
     plan["min_worker_port"] = base + WORKER_OFFSET
     plan["max_worker_port"] = base + SGLANG_OFFSET - 1
-    if ray_port:
-        # the Ray head's GCS port, which only the head (rank 0) binds; a worker joins it, and where nodes share a host
-        # (containers, the tests' Slurm) it finds the head's own listener there
-        if rank == 0 and taken(ray_port):
-            raise NodeError(
-                f"RAY_PORT={ray_port} is taken on {socket.gethostname()}: leave RAY_PORT empty (a free port per job)"
-            )
-        plan["ray_port"] = ray_port
     if reward_port:
         busy = [p for p in range(reward_port, reward_port + reward_count) if taken(p)]
         if busy:
@@ -249,7 +240,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--job-id", required=True)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--reward-count", type=int, default=0)
-    p.add_argument("--ray-port", default="", help="RAY_PORT as set (empty: per job)")
     p.add_argument("--reward-port", default="", help="CONFIG_REWARD_SERVER_PORT as set (empty: per job)")
     g = sub.add_parser("reward-gpus")
     g.add_argument("indices")
@@ -269,12 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "ports":
-            for name, value in (("RAY_PORT", args.ray_port), ("CONFIG_REWARD_SERVER_PORT", args.reward_port)):
-                if value and not value.isdigit():
-                    raise NodeError(f"{name}={value!r} is not a port number (or leave it empty: a free port per job)")
-            plan = plan_ports(
-                args.job_id, args.rank, args.reward_count, int(args.ray_port or 0), int(args.reward_port or 0)
-            )
+            if args.reward_port and not args.reward_port.isdigit():
+                raise NodeError(
+                    f"CONFIG_REWARD_SERVER_PORT={args.reward_port!r} is not a port number (or leave it empty: free ports)"
+                )
+            plan = plan_ports(args.job_id, args.rank, args.reward_count, int(args.reward_port or 0))
             print("\n".join(f"{k}={v}" for k, v in plan.items()))
         elif args.command == "reward-gpus":
             print(",".join(reward_gpus(args.indices, os.environ.get("CUDA_VISIBLE_DEVICES"))))
