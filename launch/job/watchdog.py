@@ -27,19 +27,12 @@ from pathlib import Path
 from launch.job.ray_cluster import alive
 from launch.job.steps import RESUMED_AT, TOTAL_STEPS, command_int, is_training_step, parse_step_lines
 from launch.plan import deadline
-from launch.plan.deadline import StallError, positive_seconds, timeout_setting
+from launch.plan.deadline import timeout_setting
 
 STALLED = 3  # watch's exit code when it found a stall
 STALL_FACTOR = 3  # auto: this many times the longest step (and validation, and save) so far
 OTHER_NODES_WAIT = 60  # s the head waits for the other nodes' stacks before it stops the start
 LOG_LINES = 30  # last lines of each worker's logs kept
-
-
-def _seconds(env: Mapping[str, str], name: str) -> float:
-    raw = env.get(name, "")
-    if (value := positive_seconds(raw)) is None:
-        raise StallError(f"{name}={raw!r}: seconds, more than 0")
-    return value
 
 
 @dataclass
@@ -60,11 +53,11 @@ class Clock:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], command: list[str]) -> Clock:
-        timeout = timeout_setting(env.get("STALL_TIMEOUT", "auto"))
+        """The settings as the preflight checked them (launch/plan/refusals.py stall_problems)."""
         clock = cls(
-            timeout=timeout,
-            floor=_seconds(env, "STALL_FLOOR"),
-            first=_seconds(env, "STALL_FIRST_STEP"),
+            timeout=timeout_setting(env.get("STALL_TIMEOUT", "auto")),
+            floor=float(env["STALL_FLOOR"]),
+            first=float(env["STALL_FIRST_STEP"]),
             test_freq=command_int(command, "trainer.test_freq", -1),
             save_freq=command_int(command, "trainer.save_freq", -1),
         )
@@ -330,17 +323,12 @@ def on_stall(
     missing = [h for h in others if not (folder / f"stacks_{h}.txt").exists()]
     record = {
         "since": since,
-        "detected": time.time(),
         "step": step,
         "phase": phase,
-        "where": where,
         "tasks": tasks,
         "budget": round(budget),
-        "why": why,
         "setting": env.get("STALL_TIMEOUT", "auto"),
         "stacks": str(folder),
-        "files": [str(f) for f in files],
-        "missing_nodes": missing,
         "message": (
             f"no training step finished for {time.time() - since:.0f} s, past the budget of {budget:.0f} s ({why}): "
             f"hung {said}; every worker's Python stack, its log's last lines and GPU use: {folder}"
@@ -358,8 +346,6 @@ def watch(log_dir: Path, trainer_pid: int, host: str, env: Mapping[str, str] | N
     env = os.environ if env is None else env
     command = (log_dir / "trainer_command.txt").read_text(errors="replace").splitlines()
     clock = Clock.from_env(env, command)
-    if clock.timeout == 0:
-        return 0
     log = log_dir / "trainer.log"
     since, offset, pending = time.time(), 0, ""
     print(f"watching {log} (pid {trainer_pid}): {clock.budget(since)[1]}", flush=True)
@@ -399,14 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--log-dir", type=Path, required=True)
     d.add_argument("--host", required=True)
     args = parser.parse_args(argv)
-    try:
-        if args.command == "watch":
-            return watch(args.log_dir, args.trainer_pid, args.host)
-        print(dump(args.log_dir, args.host))
-        return 0
-    except StallError as e:
-        print(f"setting error: {e}", file=sys.stderr)
-        return 2
+    if args.command == "watch":
+        return watch(args.log_dir, args.trainer_pid, args.host)
+    print(dump(args.log_dir, args.host))
+    return 0
 
 
 if __name__ == "__main__":
