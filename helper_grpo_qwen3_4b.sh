@@ -52,7 +52,6 @@ cleanup() {
   if ((rank == 0)); then
     printf '%s\n' "$exit_code" >"$job_log_dir/done"
   elif ((exit_code != 0)); then
-    ((rank != reward_rank)) || printf '%s\n' "$exit_code" >"$job_log_dir/reward_failed"
     printf '%s\n' "${failure:-exited with $exit_code (see the job output)} (rank $rank on $host)" \
       >"$job_log_dir/node_failed.$rank"
   fi
@@ -335,18 +334,14 @@ collect_addresses() {
   done
 }
 
-# head_rewards ADDRESS: the head's side of the reward servers: wait for the reward node's, or start its own (not
-# waited for here: Ray starts while they load their models), or none (REWARD=rule: verl's workers score by rule).
+# head_rewards ADDRESS: the head's side of the reward servers: wait for the reward node's (a reward node that fails
+# exits non-zero, and srun stops this node: on_signal names why), or start its own (not waited for here: Ray starts
+# while they load their models), or none (REWARD=rule: verl's workers score by rule).
 head_rewards() {
   if [[ "$separate" == true ]]; then
     log "[rank 0] waiting for the reward node's servers"
-    local found f
-    found=$(wait_for_any "$REWARD_START_TIMEOUT" "$job_log_dir/reward_urls" "$job_log_dir/reward_failed") ||
+    wait_for_file "$job_log_dir/reward_urls" "$REWARD_START_TIMEOUT" ||
       die "the reward node reported no servers within ${REWARD_START_TIMEOUT} s (REWARD_START_TIMEOUT)"
-    if [[ "$found" == */reward_failed ]]; then
-      for f in "$job_log_dir"/reward_server_*.log; do show_tail "$f" 20; done
-      die "the reward node failed to start its servers (logs above)"
-    fi
     plan_ports 0
     srv_urls=$(cat "$job_log_dir/reward_urls")
   elif [[ "$REWARD" == rule ]]; then
@@ -440,14 +435,11 @@ run_worker() {
   printf '%s\n' "$address" >"$job_log_dir/address.$rank.tmp"
   mv "$job_log_dir/address.$rank.tmp" "$job_log_dir/address.$rank"
   log_phase "[rank $rank] Ray worker on $host ($address): waiting for the head"
-  # The head writes cluster.env once its reward servers are healthy and its Ray head runs: allow for both.
-  local found wait_s=$((REWARD_START_TIMEOUT + RAY_JOIN_TIMEOUT))
-  found=$(wait_for_any "$wait_s" "$job_log_dir/cluster.env" "$job_log_dir/done") ||
+  # The head writes cluster.env once its reward servers are healthy and its Ray head runs: allow for both. A head
+  # that fails first exits non-zero, and srun stops this node.
+  local wait_s=$((REWARD_START_TIMEOUT + RAY_JOIN_TIMEOUT))
+  wait_for_file "$job_log_dir/cluster.env" "$wait_s" ||
     die "[rank $rank] the head wrote no cluster.env within ${wait_s} s (REWARD_START_TIMEOUT + RAY_JOIN_TIMEOUT)"
-  if [[ "$found" == */done ]]; then
-    log "[rank $rank] the head finished before this node joined; nothing to do"
-    return
-  fi
   local ray_address reward_urls addresses logfile="$job_log_dir/ray_worker_${host}.log"
   ray_address=$(sed -n 's/^RAY_ADDRESS_FOR_TRAINER=//p' "$job_log_dir/cluster.env")
   reward_urls=$(sed -n 's/^REWARD_SERVER_URLS=//p' "$job_log_dir/cluster.env")

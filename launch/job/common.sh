@@ -86,21 +86,13 @@ wait_for_http() {
   return 1
 }
 
-# wait_for_any TIMEOUT PATH...: poll until one of the paths exists, and print it.
-wait_for_any() {
-  local timeout=$1 path
-  shift
-  local deadline=$((SECONDS + timeout))
-  while ((SECONDS < deadline)); do
-    for path in "$@"; do
-      if [[ -e "$path" ]]; then
-        printf '%s\n' "$path"
-        return 0
-      fi
-    done
+# wait_for_file PATH TIMEOUT: poll until PATH exists.
+wait_for_file() {
+  local deadline=$((SECONDS + $2))
+  until [[ -e "$1" ]]; do
+    ((SECONDS < deadline)) || return 1
     sleep 1
   done
-  return 1
 }
 
 # wait_for_log FILE TEXT PID TIMEOUT: poll until FILE contains TEXT; fail if PID dies first.
