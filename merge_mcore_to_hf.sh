@@ -26,9 +26,10 @@ set -euo pipefail
 # The repository, found as the run script finds it: sbatch runs a copy of this script from slurmd's spool folder.
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || repo=${SLURM_SUBMIT_DIR:-}
-# shellcheck source=launch/job/common.sh
-[[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || { lib=$(scontrol show job "$SLURM_JOB_ID" |
-  sed -n 's|^ *Command=\([^ ]*\)/.*|\1/launch/job/common.sh|p'); source "$lib"; not_the_repository; }
+[[ -f "$repo/launch/job/common.sh" ]] || {
+  echo "ERROR: submitted from $repo, which is not the repository: cd to the repository, then sbatch" >&2
+  exit 1
+}
 # shellcheck source=launch/job/common.sh
 source "$repo/launch/job/common.sh"
 # CONTAINER, CONFIG_IMAGE_PATH, CONFIG_OUTPUT_DIR: as the run script's settings block has them (edit them there).

@@ -28,13 +28,13 @@
 # for a separate reward node). Submit from the repository root. merge_mcore_to_hf.sh reads this block too.
 set -euo pipefail
 
-# sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
-# from; when that is not it either, not_the_repository (from the script Slurm's record names) stops the job.
+# sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted from.
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || repo=${SLURM_SUBMIT_DIR:-}
-# shellcheck source=launch/job/common.sh
-[[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || { lib=$(scontrol show job "$SLURM_JOB_ID" |
-  sed -n 's|^ *Command=\([^ ]*\)/.*|\1/launch/job/common.sh|p'); source "$lib"; not_the_repository; }
+[[ -f "$repo/launch/job/common.sh" ]] || {
+  echo "ERROR: submitted from $repo, which is not the repository: cd to the repository, then sbatch" >&2
+  exit 1
+}
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
 set -a  # every setting below is exported as it is set: the helper and the Python checks read these same names

@@ -415,8 +415,7 @@ def test_a_job_submitted_from_outside_the_repository_fails_naming_the_folder_to_
     out = j.output()
     assert j.out == elsewhere / "logs" / f"grpo-qwen3-4b-{j.id}.out"
     assert fields["JobState"] == "FAILED", out
-    assert f"ERROR: submitted from {elsewhere}, which is not the repository (the script: {clone / RUN.name})" in out
-    assert "cd to the repository, then sbatch run_grpo_qwen3_4b_mega_verl.sh" in out
+    assert f"ERROR: submitted from {elsewhere}, which is not the repository: cd to the repository, then sbatch" in out
 
 
 def test_the_local_cluster_script_is_idempotent_and_reports_both_nodes(slurm_cluster):

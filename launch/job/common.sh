@@ -159,17 +159,6 @@ check_container() {
     die "CONTAINER=$CONTAINER but '$CONTAINER' is not on PATH (module load it, or CONTAINER=apptainer|none)"
 }
 
-# not_the_repository: the error, and exit, of a job submitted from a folder that is not the repository. sbatch runs a
-# copy of the entry script from slurmd's spool folder, and the submit folder holds no launch/job/common.sh either: the
-# entry script sources this file from beside the script Slurm's record names, and the error names that script.
-not_the_repository() {
-  local script
-  script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' || true)
-  printf 'ERROR: submitted from %s, which is not the repository (the script: %s): cd to the repository, then sbatch %s\n' \
-    "${SLURM_SUBMIT_DIR:-?}" "${script:-unknown}" "$(basename "${script:-$0}")" >&2
-  exit 1
-}
-
 # --- the one place to edit: the top of run_grpo_qwen3_4b_mega_verl.sh, for merge_mcore_to_hf.sh too -----------------
 
 # load_run_settings REPO: the run script's settings block, evaluated in this shell: each `NAME="${NAME:-default}"` line
