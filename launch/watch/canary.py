@@ -24,15 +24,13 @@ from pathlib import Path
 from launch.job.checkpoints import saved_step
 from launch.job.steps import ANSI, RESUMED_AT, is_training_step, override, parse_step_lines
 from launch.plan.settings import SettingError, Settings
-from launch.watch.health import value_clip_warnings
-from launch.watch.reading import canary_results, critic_updates_per_step
+from launch.watch.reading import canary_results
 
 TRAIN_STEPS = 2  # stage 1: two steps, a checkpoint after each
 RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more
 CLIP_RATIO_WARN = 0.05  # more than 1 response in 20 cut at MAX_RESPONSE_LENGTH: a warning in the summary
 VAL_SAMPLES = 8  # validation prompts (verl pads the validation batch itself)
 AGENT_LOOP_WORKERS = 8  # rollout.agent.num_workers in verl 0.6.1: async rollout splits a step's batch in as many parts
-CRITIC_EPOCHS = 2  # PPO: critic updates a canary step, so that its value clip can show (stage_overrides)
 AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.num_workers"
 
 STAGES = {
@@ -106,12 +104,6 @@ def stage_overrides(stage: str, s: Settings) -> list[str]:
         f"data.train_max_samples={-1 if s.uses_recipe == 'recipe.dapo' else RESUME_STEPS * s.train_batch_size}",
         f"data.val_max_samples={VAL_SAMPLES}",
     ]
-    if s.algorithm == "ppo":
-        # One mini-batch a step (PPO_MINI_BATCH_SIZE above) is one critic update, which predicts with the weights
-        # that gave the old values: nothing can be clipped, and critic/vf_clipfrac reads 0 whatever the clip. A
-        # second critic epoch (the actor's stays 1) shows what the real run's second mini-batch will: whether
-        # CRITIC_CLIPRANGE_VALUE holds the value head back from the rewards.
-        out.append(f"critic.ppo_epochs={CRITIC_EPOCHS}")
     if stage == "resume":
         out.append("trainer.test_freq=-1")  # validated once already, in stage 1
     return out
@@ -123,30 +115,8 @@ def logged_steps(text: str) -> dict[int, dict[str, float]]:
 
 
 def per_step(text: str, key: str) -> dict[int, float]:
-    """{step: the metric's value} for every training step whose line logged it (response_length/clip_ratio,
-    critic/vf_clipfrac)."""
+    """{step: the metric's value} for every training step whose line logged it (response_length/clip_ratio)."""
     return {step: metrics[key] for step, metrics in logged_steps(text).items() if key in metrics}
-
-
-def trainer_command(log: Path) -> str:
-    """The stage's trainer command, one override a line (trainer_command.txt beside its launch log); empty without."""
-    command = log.parent / "trainer_command.txt"
-    return command.read_text() if command.is_file() else ""
-
-
-def value_clip_report(results: dict[str, dict]) -> list[str]:
-    """PPO's critic/vf_clipfrac of every step the training stages logged, and launch.watch.status's warning on it."""
-    entries = [results[s] for s in ("train", "resume") if results.get(s, {}).get("vf_clipfrac")]
-    if not entries:
-        return []
-    fracs = {int(k): v for e in entries for k, v in e["vf_clipfrac"].items()}
-    steps = ", ".join(f"step {k} {v:.2f}" for k, v in sorted(fracs.items()))
-    lines = [
-        f"value clip: verl's critic/vf_clipfrac (the share of the critic's predictions PPO's value clip held, "
-        f"CRITIC_CLIPRANGE_VALUE): {steps}"
-    ]
-    updates = entries[0].get("critic_updates")
-    return lines + [f"WARNING: {w}" for w in value_clip_warnings(list(fracs.values()), updates)]
 
 
 def response_length_report(results: dict[str, dict]) -> list[str]:
@@ -277,8 +247,7 @@ def summary(results: dict[str, dict]) -> tuple[str, bool]:
             rows += [f"    log: {e['log']}", *(f"    | {line}" for line in e.get("lines", []))]
     ok = all(results.get(stage, {}).get("status") == "passed" for stage in STAGES)
     verdict = "every stage passed" if ok else "FAILED: fix what is shown above before the real run"
-    reports = [*response_length_report(results), *value_clip_report(results)]
-    return "\n".join(["canary summary", *rows, *reports, f"canary: {verdict}"]), ok
+    return "\n".join(["canary summary", *rows, *response_length_report(results), f"canary: {verdict}"]), ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,11 +289,6 @@ def main(argv: list[str] | None = None) -> int:
             "clip_ratio": per_step(text, "response_length/clip_ratio"),
             "max_response_length": s.max_response_length,
         }
-        if s.algorithm == "ppo":
-            entry |= {
-                "vf_clipfrac": per_step(text, "critic/vf_clipfrac"),
-                "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines()),
-            }
     if problems:
         entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
     with open(args.results, "a", encoding="utf-8") as f:

@@ -1,6 +1,6 @@
 """Judging a job that launch/watch/reading.py read: its state and why (pending, running, stalled, finished, failed,
-...), the metrics that say whether it learns and their warnings (PPO's value clip among them, which the canary shares),
-its progress and ETA over the job's starts, and the report launch/watch/status.py prints."""
+...), the metrics that say whether it learns and their warnings, its progress and ETA over the job's starts, and the
+report launch/watch/status.py prints."""
 
 from __future__ import annotations
 
@@ -195,21 +195,6 @@ def metric_summary(steps: dict[int, dict[str, float]]) -> dict[str, dict]:
     return out
 
 
-def value_clip_warnings(clipfracs: list[float], updates: int | None) -> list[str]:
-    """A warning when PPO's value clip held nearly every prediction it could (critic/vf_clipfrac of recent steps
-    against its ceiling 1 - 1/updates; 1 when the updates a step are not known); the canary's summary says it too."""
-    warnings: list[str] = []
-    finite = [v for v in clipfracs if math.isfinite(v)]
-    ceiling = 1.0 if updates is None else 1 - 1 / updates
-    if finite and ceiling > 0 and statistics.mean(finite) >= VF_CLIPFRAC_HIGH * ceiling:
-        warnings.append(
-            f"critic/vf_clipfrac averaged {statistics.mean(finite):.2f} over the last {len(finite)} steps (the most it "
-            f"can read is {ceiling:.2f}): the critic cannot follow the rewards, and PPO runs as REINFORCE "
-            "(docs/training.md). Raise CRITIC_CLIPRANGE_VALUE (auto: half the reward range)"
-        )
-    return warnings
-
-
 def metric_warnings(steps: dict[int, dict[str, float]], critic_updates: int | None = None) -> list[str]:
     """What a run that does not learn, or learns the wrong thing, shows in verl's metrics (critic_updates: PPO's
     critic updates a step, from the trainer command)."""
@@ -254,7 +239,14 @@ def metric_warnings(steps: dict[int, dict[str, float]], critic_updates: int | No
             f"actor/pg_clipfrac averaged {statistics.mean(clipfrac):.2f} over the last {len(clipfrac)} "
             f"steps (above {PG_CLIPFRAC_HIGH}): the updates are too large; lower ACTOR_LR"
         )
-    warnings += value_clip_warnings([v for _, v in series(train, "critic/vf_clipfrac")[-5:]], critic_updates)
+    vf_clip = [v for _, v in series(train, "critic/vf_clipfrac")[-5:] if math.isfinite(v)]
+    ceiling = 1.0 if critic_updates is None else 1 - 1 / critic_updates  # a step's first update cannot be clipped
+    if vf_clip and ceiling > 0 and statistics.mean(vf_clip) >= VF_CLIPFRAC_HIGH * ceiling:
+        warnings.append(
+            f"critic/vf_clipfrac averaged {statistics.mean(vf_clip):.2f} over the last {len(vf_clip)} steps (the most "
+            f"it can read is {ceiling:.2f}): the critic cannot follow the rewards, and PPO runs as REINFORCE "
+            "(docs/training.md). Raise CRITIC_CLIPRANGE_VALUE (auto: half the reward range)"
+        )
     entropy = [v for _, v in series(train, "actor/entropy") if math.isfinite(v)]
     if entropy and entropy[-1] < ENTROPY_FLOOR:
         warnings.append(
