@@ -209,9 +209,8 @@ export_ray_cpus() {
   export RAY_NUM_CPUS RAY_NUM_CPUS_FROM
 }
 
-# export_wandb_run: the wandb run of each start (wandb reads it from verl's environment). Online, one run for the job,
-# resumed by every requeue; offline, wandb ignores resume and one id would be overwritten at `wandb sync`: each start
-# is its own run (-rN), all in the job's group.
+# export_wandb_run: the wandb run of each start (docs/operations.md: online one run for the job, resumed by every
+# requeue; offline each start its own, in the job's group).
 export_wandb_run() {
   local run_id=${WANDB_RUN_ID:-${EXPERIMENT_NAME}-${job_id}}
   run_id=${run_id//[^A-Za-z0-9_.-]/_}

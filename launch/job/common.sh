@@ -1,8 +1,5 @@
 # shellcheck shell=bash
 # launch/job/common.sh: logging, waiting and cleanup shared by the entry scripts (sourced, not run).
-#
-# Every wait here polls a real signal against a deadline, with a timeout per probe, and checks on each pass that the
-# processes it depends on are still alive; on timeout it says what it expected, what it saw, and shows the log tail.
 
 # Timestamped messages: log to stdout, err/die to stderr.
 log() { printf '[%s] %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "$*"; }

@@ -3,11 +3,8 @@
 
     python -m launch.job.preempt JOB_LOG_DIR GRACE_LEFT STOP_TIMEOUT   # exit 0: a step, its validation and a save fit
 
-install() is the Ray worker_process_setup_hook that makes verl save: verl 0.6.1's trainer saves after a step when
-should_save_ckpt_esi() says the capacity block expires soon (ray_trainer.py:1236-1254, launch/plan/deadline.py); the
-hook answers yes once after the run script wrote JOB_LOG_DIR/preempt_requested, the first step of a start too (verl's
-own check never saves then: no longest step yet). The recipes never ask it: there no save can come and the job
-requeues at once.
+install() is the Ray worker_process_setup_hook that makes verl's save-before-expiry check (should_save_ckpt_esi,
+ray_trainer.py:1236-1254) say yes once after the run script wrote JOB_LOG_DIR/preempt_requested.
 """
 
 from __future__ import annotations

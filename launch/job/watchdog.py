@@ -1,9 +1,6 @@
-"""The stall watchdog: a start whose trainer finishes no step for too long is hung; keep where, then stop it.
-
-On the head, beside the trainer: it times the step in flight from trainer.log (`Clock`: STALL_TIMEOUT, STALL_FLOOR,
-STALL_FIRST_STEP), and past its budget keeps every Ray worker's stack, log ends and GPU use in stall/ (`dump`, which
-the other nodes' helpers run when the head asks through stall/request), writes stall.json and exits STALLED: the
-helper stops the start, the run script requeues it once (docs/operations.md#a-hung-job).
+"""The stall watchdog (docs/operations.md#a-hung-job): on the head, it times the step in flight from trainer.log, and
+past its budget keeps every node's stacks in stall/ (the other nodes dump theirs when the head writes stall/request),
+writes stall.json and exits STALLED; the helper stops the start.
 
     python -m launch.job.watchdog watch --log-dir DIR --trainer-pid PID --host NAME
     python -m launch.job.watchdog dump --log-dir DIR --host NAME

@@ -45,10 +45,7 @@ CLIP_HIGH = 0.5
 PG_CLIPFRAC_HIGH = 0.3
 KL_HIGH = 1.0
 ENTROPY_FLOOR = 0.05
-# PPO's critic/vf_clipfrac: the share of value predictions the clip held (verl 0.6.1 core_algos.py:1403-1410), the
-# mean of a step's micro-batches. The first critic update of a step predicts with the weights that gave the old
-# values, so nothing there can be clipped: with U updates a step (mini-batches x critic epochs) the most it can read
-# is 1 - 1/U (0.5 for the defaults' two mini-batches). Near that ceiling the critic cannot follow the rewards.
+# PPO's critic/vf_clipfrac reads at most 1 - 1/(critic updates a step) (docs/training.md#ppos-value-clip)
 VF_CLIPFRAC_HIGH = 0.9  # of that ceiling, averaged over the last 5 steps
 FINAL = {"finished", "failed", "cancelled", "ended"}
 

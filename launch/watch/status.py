@@ -5,11 +5,7 @@
     python -m launch.watch.status logs/24-r1           # the job that folder belongs to
     python -m launch.watch.status 24 --follow          # again every 60 s (--follow 10: every 10 s) until the job ends
 
-What it reads: every start's folder (`<id>`, `<id>-r1`, ...: trainer.log with verl's own step lines, `step:N -
-key:value - ...` from its console logger, verl/utils/logger/aggregate_logger.py; trainer_command.txt; `done`; the
-reward servers' logs with their restart markers), the job's Slurm output file (the run script's timestamped lines:
-each start, the time limit, requeues, exits and errors), the checkpoint folder the trainer command names, and Slurm
-itself where scontrol is on PATH (it may be missing, or know the job no more). Nothing is written.
+What it reads and what it says: docs/operations.md#watching-a-run. Nothing is written.
 """
 
 # This module renders the text and runs the command; launch/watch/reading.py reads the
