@@ -108,17 +108,6 @@ refuse_critic_merge() {
     "'critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]' and merge a step saved with it (docs/merge.md)"
 }
 
-# move_into_place SRC DEST: rename SRC to DEST only when nothing is there: mkdir claims the name, rename(2) replaces
-# that folder only while it is empty.
-move_into_place() {
-  local src=$1 dest=$2
-  mkdir "$dest" 2>/dev/null || return 1
-  mv -T "$src" "$dest" 2>/dev/null || {
-    rmdir "$dest" 2>/dev/null || true
-    return 1
-  }
-}
-
 merge() {
   # a folder of this job's own beside TARGET_DIR (node and PID: either alone can repeat across nodes)
   local tmp="$TARGET_DIR.tmp.${SLURMD_NODENAME:-${HOSTNAME%%.*}}.$$"
@@ -160,14 +149,18 @@ merge() {
   fi
   if ((ok != 1)); then
     local kept="$TARGET_DIR.failed"
-    move_into_place "$tmp" "$kept" || { err "$kept exists already, so it is kept at $tmp"; kept=$tmp; }
+    # rename(2) never replaces a folder that holds anything: an earlier result stays as it is
+    if ! mv -T "$tmp" "$kept" 2>/dev/null; then
+      err "$kept exists already, so it is kept at $tmp"
+      kept=$tmp
+    fi
     ((ok != 2)) || die "the merged model does not compute what the checkpoint computes (above): kept at $kept," \
       "marked by its UNVERIFIED.txt"
     ((ok != 3)) || die "the numeric check could not compare the merged model with the checkpoint (above): kept at" \
       "$kept; fix what it names and merge again, or NUMERIC_CHECK=0 to keep the structural verification alone"
     die "the result is incomplete (above); kept for inspection at $kept"
   fi
-  move_into_place "$tmp" "$TARGET_DIR" ||
+  mv -T "$tmp" "$TARGET_DIR" 2>/dev/null ||
     die "TARGET_DIR=$TARGET_DIR appeared while this job merged (another merge of the same step?): it was left as it" \
       "is, and this job's verified result is kept at $tmp; compare them, then keep one"
   log "done: $TARGET_DIR"
