@@ -10,7 +10,6 @@ from dataclasses import asdict
 
 from launch.job.steps import is_training_step, wall_seconds
 from launch.watch.reading import (
-    OPERATIONS,
     PREFLIGHT_ONLY,
     Job,
     canary_results,
@@ -21,7 +20,7 @@ from launch.watch.reading import (
     stall_text,
 )
 
-STALL_MINUTES = 30  # no new step for this long (or 3 of the longest steps, if longer) while running: a warning
+STALL_MINUTES = 30  # a start that recorded no end and wrote nothing for this long: ended without a record
 WINDOW = 20  # steps a trend is measured over
 WALL_WINDOW = 50  # steps the time per step, validations and saves included, is averaged over
 
@@ -328,14 +327,6 @@ def progress(job: Job) -> dict:
 def warnings_for(job: Job, st: str, prog: dict) -> list[str]:
     s = job.newest
     warnings = metric_warnings(merged_steps(job), s.critic_updates if s else None)
-    if st == "running" and s and (s.last_write or s.trainer_started):
-        quiet = job.now - (s.last_write or s.trainer_started)
-        longest = max((wall_seconds(m) for m in s.steps.values() if is_training_step(m)), default=0.0)
-        if quiet > max(STALL_MINUTES * 60, 3 * longest):
-            warnings.append(
-                f"no progress for {duration(quiet)}: the trainer has written nothing since then (the longest step "
-                f"took {duration(longest)}): a hang? {OPERATIONS}#nccl-timeouts-and-hangs says what to look at"
-            )
     restarts = [r for start in job.starts for r in start.reward_restarts]
     if restarts:
         latest = restarts[-1]

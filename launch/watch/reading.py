@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.job.checkpoints import TRACKER, saved_step
-from launch.job.steps import ANSI, PROGRESS, RESUMED_AT, TOTAL_STEPS, is_training_step, override, parse_step_lines
+from launch.job.steps import ANSI, RESUMED_AT, TOTAL_STEPS, is_training_step, override, parse_step_lines
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
@@ -67,7 +67,6 @@ FAILURES = (
 
 _STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] "
 _START = re.compile(_STAMP + r"=== job (\S+): logs in (.+) \(\+\d+s\)$")
-_EXIT = re.compile(_STAMP + r"run_grpo_qwen3_4b_mega_verl\.sh exiting \(exit_code=(\d+); logs: (.+)\)$")
 _ENDS_AT = re.compile(_STAMP + r"the job ends at (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 _BEFORE_END = re.compile(r"CHECKPOINT_BEFORE_END=(\d+) s before the time limit")
 _RESTART = re.compile(r"^=== (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) restart (\d+) after: (.*) ===$")
@@ -160,7 +159,7 @@ def read_folder(folder: Path, restart: int) -> Start:
     text = read_text(log)
     s.last_write = mtime(log)
     s.steps = parse_step_lines(text)
-    totals = TOTAL_STEPS.findall(text) or [t for _, t in PROGRESS.findall(text)]
+    totals = TOTAL_STEPS.findall(text)
     s.total = int(totals[-1]) if totals else None
     resumed = RESUMED_AT.findall(text)
     s.resumed_from = int(resumed[-1]) if resumed else (0 if "Training from scratch" in text else None)
@@ -262,8 +261,6 @@ def read_output(text: str, starts: dict[str, Start]) -> dict:
             continue
         if m := _ENDS_AT.match(line):
             current.ends_at = stamp(m.group(2))
-        elif m := _EXIT.match(line):
-            current.ended, current.exit_code = stamp(m.group(1)), int(m.group(2))
         elif "time-limit signal: requeueing job" in line:
             current.how = "requeued at the time-limit signal"
         elif "stop signal: stopping the job on every node" in line:
