@@ -216,11 +216,6 @@ def test_the_explaining_lines_end_at_the_last_error_not_at_the_shutdown_noise():
                      + ["cleanup: stopping ray"] * 20)  # fmt: skip
     lines = canary.explaining_lines(text)
     assert "RuntimeError: boom" in lines and lines[-1] == "cleanup: stopping ray" and len(lines) == 12
-    problems = [f"verify: problem {i}" for i in range(30)] + ["verify: FAILED, 30 problem(s)"]
-    lines = canary.explaining_lines("\n".join(["merging"] + problems + ["ERROR: the merged model is incomplete"]))
-    assert lines[0] == "verify: problem 0" and lines[-1] == "ERROR: the merged model is incomplete", (
-        "a long list of problems shows how it starts and how it ends"
-    )
 
 
 # --- the whole canary through the run script -------------------------------------------------------------------

@@ -39,7 +39,6 @@ STAGES = {
     "merge": "3 merge the last checkpoint, verify",
 }
 
-_SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
 
 
@@ -204,19 +203,12 @@ def check_merge(text: str, target: Path) -> list[str]:
 
 
 def explaining_lines(text: str, n: int = 12) -> list[str]:
-    """The lines that most likely explain a failure: up to the last error-looking line (and 2 after), else the last n.
-    When they start inside a longer list from one program (`verify: ...` lines), the list's first lines come too."""
+    """The lines that most likely explain a failure: up to the last error-looking line (and 2 after), else the last n;
+    the whole of it is in the stage's log, which the summary names."""
     lines = [line for line in ANSI.sub("", text).splitlines() if line.strip()]
     marks = [i for i, line in enumerate(lines) if _ERROR_LINE.search(line)]
     end = min(marks[-1] + 3, len(lines)) if marks else len(lines)
-    start = max(0, end - n)
-    speaker = _SPEAKER.match(lines[start]) if start < len(lines) else None
-    first = start
-    while speaker and first > 0 and lines[first - 1].startswith(speaker.group(0)):
-        first -= 1
-    if first == start:
-        return lines[start:end]
-    return [*lines[first : first + n // 2], f"... ({start - first} more)", *lines[end - n // 2 : end]]
+    return lines[max(0, end - n) : end]
 
 
 def evaluate(stage: str, rc: int, text: str, ckpt: Path, target: Path | None) -> list[str]:
