@@ -139,7 +139,7 @@ def finished_reason(job: Job) -> str:
 
 def failure_reason(job: Job) -> str:
     """Why the newest start failed, from its own messages: the trainer's first known failure, the run script's and
-    the helpers' errors, a node's reason."""
+    the helpers' errors (a failed node's among them)."""
     s = job.newest
     if s is None:
         return ""
@@ -150,8 +150,6 @@ def failure_reason(job: Job) -> str:
         parts.append(f"{s.failure['what']} ({s.failure['docs']}): {s.failure['line']}")
     stopping = [e for e in s.errors if e.endswith(": stopping the job") or "trainer exited with" in e]
     parts += (stopping or s.errors)[-1:]
-    if not parts and s.node_failures:
-        parts.append(s.node_failures[-1])
     return "; ".join(parts)
 
 

@@ -115,7 +115,6 @@ class Start:
     total: int | None = None
     steps: dict[int, dict[str, float]] = field(default_factory=dict)
     failure: dict | None = None
-    node_failures: list[str] = field(default_factory=list)
     reward_restarts: list[dict] = field(default_factory=list)
     trainer_finished: bool = False
     ckpt_root: str | None = None
@@ -177,7 +176,6 @@ def read_folder(folder: Path, restart: int) -> Start:
     s.preflight_problem = next(
         (line for line in read_text(folder / "preflight.err").splitlines() if line.startswith(PREFLIGHT_PROBLEMS)), ""
     )
-    s.node_failures = [read_text(p).strip() for p in sorted(folder.glob("node_failed.*"))]
     try:
         s.stall = json.loads(read_text(folder / "stall.json")) or None
     except ValueError:
@@ -308,11 +306,9 @@ def ask_slurm(job_id: str) -> tuple[dict | None, list[str]]:
         return None, ["scontrol does not know the job (it forgets ended jobs after MinJobAge)"]
     f = dict(re.findall(r"(\S+?)=(\S*)", out.stdout))
     return {
-        "source": "scontrol",
         "state": f.get("JobState"),
         "reason": f.get("Reason"),
         "restarts": int(f.get("Restarts") or 0),
-        "start": slurm_time(f.get("StartTime")),
         "end": slurm_time(f.get("EndTime")),
         "time_limit": slurm_duration(f.get("TimeLimit")),
         "output": f.get("StdOut"),
