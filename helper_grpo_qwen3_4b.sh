@@ -37,8 +37,8 @@ exit_code=0
 failure=""       # what went wrong on this node, for the head's message
 # What this node watches (watch): pid, name, log, and a reward server's index in srv_* (-1: any other part).
 watch_pids=() watch_names=() watch_logs=() watch_server=()
-# This node's reward servers: port, GPU (or cpu), log, deaths, when a pending restart began, first pid, start.
-srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_restarting=() srv_pid=() srv_started=()
+# This node's reward servers: port, GPU (or cpu), log, deaths, first pid, start.
+srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_pid=() srv_started=()
 declare -A port  # this job's ports on this node (launch/job/node.py ports)
 
 cleanup() {
@@ -94,16 +94,14 @@ watch() {
   watch_server+=("${4:--1}")
 }
 
-# check_watched: restart a reward server that died, follow one that restarts, and die naming the part, the node and
-# its log if anything else this node watches died or another node failed.
+# check_watched: restart a reward server that died, and die naming the part, the node and its log if anything else
+# this node watches died or another node failed.
 check_watched() {
-  local i k f
+  local i f
   for i in "${!watch_pids[@]}"; do
-    k=${watch_server[$i]}
-    if alive "${watch_pids[$i]}"; then
-      ((k < 0)) || [[ -z "${srv_restarting[$k]}" ]] || follow_restart "$i" "$k"
-    elif ((k >= 0)); then
-      restart_reward_server "$i" "$k"  # a restarted one that died again too: its restarts count on
+    alive "${watch_pids[$i]}" && continue
+    if ((watch_server[i] >= 0)); then
+      restart_reward_server "$i" "${watch_server[$i]}"
     else
       show_tail "${watch_logs[$i]}" 20
       die "[rank $rank] ${watch_names[$i]} on $host died (log: ${watch_logs[$i]}): stopping the job"
@@ -165,9 +163,10 @@ launch_reward_server() {
 }
 
 # restart_reward_server I K: watched process I, reward server K, died: up to REWARD_RESTARTS times in the job start it
-# again on the same GPU, port and token, logging why; past that, stop the job.
+# again on the same GPU, port and token, logging why, and wait until it is healthy (this node's other checks wait that
+# long: a model's load; one that dies while it loads counts one more death); past that, stop the job.
 restart_reward_server() {
-  local i=$1 k=$2 reason rc=0
+  local i=$1 k=$2 reason rc=0 started=$SECONDS
   wait "${watch_pids[$i]}" 2>/dev/null || rc=$?  # here, not in $(...): only this shell can wait for its child
   reason=$(exit_reason "$rc" "${srv_log[$k]}")
   srv_deaths[k]=$((srv_deaths[k] + 1))
@@ -183,31 +182,15 @@ restart_reward_server() {
   START_BG_APPEND=1 launch_reward_server "$k"
   watch_pids[i]=$BG_PID
   pids+=("$BG_PID")
-  srv_restarting[k]=$SECONDS
-}
-
-# follow_restart I K: one health poll of restarted reward server K (watched process I, alive), with this job's token.
-follow_restart() {
-  local i=$1 k=$2 url="http://127.0.0.1:${srv_port[$2]}/health" status
-  status=$(http_probe "$url" "$REWARD_SERVER_TOKEN")
-  case "$status" in
-    ours)
-      log "[rank $rank] ${watch_names[$i]} on $host is back: healthy at the same URL after $((SECONDS - srv_restarting[k])) s"
-      srv_restarting[k]=""
-      ;;
-    theirs | open)
-      failure="${watch_names[$i]} on $host: another server answers on its port ($url: $status), not this job's"
-      die "[rank $rank] $failure: stopping the job"
-      ;;
-    *)
-      if ((SECONDS - srv_restarting[k] > REWARD_START_TIMEOUT)); then
-        show_tail "${srv_log[$k]}" 20
-        failure="${watch_names[$i]} on $host did not become healthy again within ${REWARD_START_TIMEOUT} s"
-        failure+=" (REWARD_START_TIMEOUT; log: ${srv_log[$k]})"
-        die "[rank $rank] $failure: stopping the job"
-      fi
-      ;;
-  esac
+  if wait_for_http "http://127.0.0.1:${srv_port[$k]}/health" "$BG_PID" "${srv_log[$k]}" "$REWARD_START_TIMEOUT" \
+    "$REWARD_SERVER_TOKEN"; then
+    log "[rank $rank] ${watch_names[$i]} on $host is back: healthy at the same URL after $((SECONDS - started)) s"
+  elif ! alive "$BG_PID"; then
+    restart_reward_server "$i" "$k"
+  else
+    failure="${watch_names[$i]} on $host did not become healthy again (above; REWARD_START_TIMEOUT, log: ${srv_log[$k]})"
+    die "[rank $rank] $failure: stopping the job"
+  fi
 }
 
 # node_info ARGS...: launch/job/node.py (ports, reward GPUs, the node address) from the repository.
@@ -231,7 +214,7 @@ launch_reward_servers() {
   fi
   for gpu in "${gpus[@]}"; do
     p=$((port[reward_port] + i))
-    srv_port[i]=$p srv_gpu[i]=$gpu srv_log[i]="$job_log_dir/reward_server_${host}_${p}.log" srv_deaths[i]=0 srv_restarting[i]=""
+    srv_port[i]=$p srv_gpu[i]=$gpu srv_log[i]="$job_log_dir/reward_server_${host}_${p}.log" srv_deaths[i]=0
     log "[rank $rank] reward server on ${gpu} port $p (log: ${srv_log[i]})"
     srv_started[i]=$SECONDS
     launch_reward_server "$i"

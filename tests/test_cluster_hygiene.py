@@ -396,8 +396,8 @@ def test_a_server_of_another_job_that_takes_the_port_while_ours_restarts_is_neve
     port = env["CONFIG_REWARD_SERVER_PORT"]
     assert rc == 1, out
     assert "restart 1/3" in out
-    assert f"reward server (port {port}) on {socket.gethostname()}: another server answers on its port" in out
-    assert "/health: theirs), not this job's: stopping the job" in out
+    assert f":{port}/health answers 401 to this job's token: another job's server holds that port" in out
+    assert f"reward server (port {port}) on {socket.gethostname()} did not become healthy again" in out
     assert "is back" not in out, "a 401 is never taken for our server"
 
 
