@@ -118,11 +118,14 @@ merge() {
   else
     local backend
     backend=$(checkpoint_backend)
-    # verl's Megatron merger's process group takes MASTER_PORT=12355 unless told, which another merge may hold: this
-    # merge's own free port (launch/job/node.py); the FSDP merger ignores it.
+    # verl's Megatron merger's process group takes MASTER_PORT=12355 unless told, which another merge may hold: the
+    # first port of this merge's own free block (launch/job/node.py; Ray's in a job); the FSDP merger ignores it.
     local master_port
-    master_port=$(cd "$repo" && "${wrap[@]}" python3 -m launch.job.node master-port --job-id "${SLURM_JOB_ID:-merge-$$}") ||
-      { rm -rf "$tmp"; die "no free port for the merger's process group on this node (above); nothing was written"; }
+    master_port=$(cd "$repo" && "${wrap[@]}" python3 -m launch.job.node ports --job-id "${SLURM_JOB_ID:-merge-$$}" |
+      sed -n 's/^ray_port=//p') || {
+      rm -rf "$tmp"
+      die "no free port for the merger's process group on this node (above); nothing was written"
+    }
     local -a cmd=(env WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 "MASTER_PORT=$master_port")
     cmd+=("$MERGER_LAUNCHER" -m verl.model_merger merge --backend "$backend" --local_dir "$step_dir" --target_dir "$tmp")
     [[ "$tie" == true && "$backend" == megatron ]] && cmd+=(--tie-word-embedding)

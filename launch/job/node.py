@@ -98,12 +98,6 @@ def plan_ports(
     return plan
 
 
-def master_port(job_id: str) -> int:
-    """One port of this job's own free block on this node, for a process group's store (MASTER_PORT): the first
-    one, Ray's head port, which a job without Ray (the merge) never opens otherwise."""
-    return plan_ports(job_id, 0, 0)["ray_port"]
-
-
 def training_node_index(address: str, addresses: Sequence[str]) -> int:
     """Which training node this is in verl's order: verl sorts its per-node placement groups by the nodes' addresses,
     as strings, and numbers the ranks node by node (verl/single_controller/ray/base.py:62-79, 384-390). Nodes that
@@ -228,8 +222,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--gpus", type=int, required=True, help="CONFIG_GPUS_PER_NODE")
     s.add_argument("--address", required=True, help="this node's address, as it starts Ray with it")
     s.add_argument("--addresses", required=True, help="every training node's address, comma-separated")
-    m = sub.add_parser("master-port")
-    m.add_argument("--job-id", required=True)
     sub.add_parser("gpu-modes", help="nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader on stdin")
     n = sub.add_parser("no-proxy")
     n.add_argument("hosts", nargs="*", help="hosts, addresses with a port, or URLs; comma-separated lists too")
@@ -247,8 +239,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "sglang-port":
             index = training_node_index(args.address, [a for a in args.addresses.split(",") if a])
             print(sglang_port(args.block_port, index, args.gpus))
-        elif args.command == "master-port":
-            print(master_port(args.job_id))
         elif args.command == "gpu-modes":
             print(compute_mode_problem(sys.stdin.read(), os.environ.get("CUDA_VISIBLE_DEVICES")) or "")
         elif args.command == "no-proxy":
