@@ -447,7 +447,7 @@ main() {
   trap 'on_stop_signal 130' INT
   trap 'on_stop_signal 143' TERM
   export_settings
-  [[ "$CANARY" != 1 ]] || canary_settings "$@"  # its own folder and a tiny workload (launch/watch/canary.sh)
+  [[ "$CANARY" != 1 ]] || canary_settings  # its own folder and a tiny workload (launch/watch/canary.sh)
   mapfile -d '' -t wrap < <(container_cmd)
   # WANDB_DIR before anything starts: where wandb cannot write it, it logs to /tmp of some node.
   mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME" "$WANDB_DIR" ||

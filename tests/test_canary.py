@@ -59,14 +59,6 @@ def test_the_canary_batch_is_the_fewest_prompts_every_rank_and_worker_gets_an_eq
                                        {"TRAIN_BATCH_SIZE": str(b), "PPO_MINI_BATCH_SIZE": str(b)}), check_paths=False)  # fmt: skip
 
 
-def test_the_canary_batch_splits_over_as_many_agent_loop_workers_as_the_users_overrides_ask():
-    extra = ["trainer.total_epochs=2", "actor_rollout_ref.rollout.agent.num_workers=6"]
-    out = canary.canary_settings(settings(), extra)
-    # 3 x 4 = 12 responses: 2 per agent-loop worker, 3 per training GPU, 6 per data-parallel rank
-    assert out["TRAIN_BATCH_SIZE"] == "3"
-    assert canary.canary_settings(settings())["TRAIN_BATCH_SIZE"] == "2", "verl's default: 8 workers"
-
-
 def test_the_canary_keeps_the_users_combination_and_shrinks_only_the_workload():
     s = settings(ALGORITHM="dapo", OVERLONG_BUFFER_LEN=1024)
     out = canary.canary_settings(s)

@@ -3,7 +3,7 @@
 `CANARY=1 sbatch run_grpo_qwen3_4b_mega_verl.sh` runs the stages (launch/watch/canary.sh); this module holds what they
 compute and check:
 
-    python -m launch.watch.canary settings [EXTRA_OVERRIDES...]   # the tiny workload as NAME=VALUE, NUL-separated
+    python -m launch.watch.canary settings          # the tiny workload as NAME=VALUE, NUL-separated
     python -m launch.watch.canary overrides STAGE   # that training stage's extra Hydra overrides, NUL-separated
     python -m launch.watch.canary check STAGE --rc RC --seconds S --log LOG --ckpt DIR [--target DIR] --results FILE
     python -m launch.watch.canary summary --results FILE    # the table; exit 1 unless every stage passed
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from launch.job.checkpoints import saved_step
-from launch.job.steps import ANSI, RESUMED_AT, is_training_step, override, parse_step_lines
+from launch.job.steps import ANSI, RESUMED_AT, is_training_step, parse_step_lines
 from launch.plan.settings import SettingError, Settings
 from launch.watch.reading import canary_results
 
@@ -31,7 +31,6 @@ RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more
 CLIP_RATIO_WARN = 0.05  # more than 1 response in 20 cut at MAX_RESPONSE_LENGTH: a warning in the summary
 VAL_SAMPLES = 8  # validation prompts (verl pads the validation batch itself)
 AGENT_LOOP_WORKERS = 8  # rollout.agent.num_workers in verl 0.6.1: async rollout splits a step's batch in as many parts
-AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.num_workers"
 
 STAGES = {
     "train": f"1 train {TRAIN_STEPS} steps, save each",
@@ -42,22 +41,13 @@ STAGES = {
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
 
 
-def agent_loop_workers(extra: list[str]) -> int:
-    """rollout.agent.num_workers as verl will use it: the last override of it on the command line wins (Hydra)."""
-    value = override(extra, AGENT_LOOP_KEY)
-    try:
-        return int(value) if value is not None else AGENT_LOOP_WORKERS
-    except ValueError:
-        raise SettingError(f"{AGENT_LOOP_KEY}={value!r} is not a whole number") from None
-
-
-def batch_size(s: Settings, agent_workers: int = AGENT_LOOP_WORKERS) -> int:
+def batch_size(s: Settings) -> int:
     """The fewest prompts per step that verl can split evenly with this layout: each step's B x ROLLOUT_N responses
     are cut into equal parts per training GPU (balance_batch), per agent-loop worker (async rollout, unpadded in
     training), per rollout GPU (one_step_off), and with FSDP2 per micro batch of each rank."""
     parts = [s.training_gpus_per_node * max(s.train_nodes, 1)]
     if s.rollout_mode == "async":
-        parts.append(agent_workers)
+        parts.append(AGENT_LOOP_WORKERS)
     if s.trainer_mode == "one_step_off":
         parts.append(s.rollout_gpus_per_node * max(s.train_nodes, 1))
     if s.strategy == "fsdp2":
@@ -68,10 +58,10 @@ def batch_size(s: Settings, agent_workers: int = AGENT_LOOP_WORKERS) -> int:
     return step // math.gcd(step, s.rollout_n)  # the fewest prompts whose B x ROLLOUT_N responses step divides
 
 
-def canary_settings(s: Settings, extra: list[str] | None = None) -> dict[str, str]:
+def canary_settings(s: Settings) -> dict[str, str]:
     """The settings the canary changes; everything else (models, data, algorithm, mode, strategy, parallel layout,
     engine, the user's extra overrides) stays the user's, so the canary runs the combination the real job will."""
-    b = batch_size(s, agent_loop_workers(extra or []))
+    b = batch_size(s)
     # MAX_RESPONSE_LENGTH stays the user's: the share of responses cut at it (the clip ratio) is what the real run will
     # see, and the memory the update needs is the real run's; shorter responses of a thinking policy would all be cut
     # off mid-reasoning and score one penalty (recipe.dapo would drop every group).
@@ -245,7 +235,7 @@ def summary(results: dict[str, dict]) -> tuple[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("settings").add_argument("extra", nargs=argparse.REMAINDER)
+    sub.add_parser("settings")
     sub.add_parser("overrides").add_argument("stage", choices=["train", "resume"])
     c = sub.add_parser("check")
     c.add_argument("stage", choices=list(STAGES))
@@ -264,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         s = None if args.command == "check" and args.stage == "merge" else Settings.from_env()
         if args.command in ("settings", "overrides"):
             items = (
-                [f"{k}={v}" for k, v in canary_settings(s, args.extra).items()]
+                [f"{k}={v}" for k, v in canary_settings(s).items()]
                 if args.command == "settings"
                 else stage_overrides(args.stage, s)
             )

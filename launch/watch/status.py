@@ -41,8 +41,7 @@ def render(r: dict) -> str:
     slurm = r["slurm"]
     local = r["job"].startswith("local-")  # the run script's id outside Slurm (CONTAINER=none, make demo)
     lines.append(
-        f"  Slurm (scontrol): {slurm['state']}"
-        + (f", Restarts={slurm['restarts']}" if slurm.get("restarts") else "")
+        f"  Slurm (scontrol): {slurm['state']}" + (f", Restarts={slurm['restarts']}" if slurm.get("restarts") else "")
         if slurm
         else "  a local run, outside Slurm"
         if local
