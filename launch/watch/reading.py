@@ -173,9 +173,9 @@ def read_folder(folder: Path, restart: int) -> Start:
         code = read_text(folder / name).strip()
         if code.lstrip("-").isdigit():
             s.exit_code, s.ended = int(code), mtime(folder / name)
-    s.preflight_problem = next(
-        (line for line in read_text(folder / "preflight.err").splitlines() if line.startswith(PREFLIGHT_PROBLEMS)), ""
-    )
+    # The preflight's first refusal on its stderr (launch/plan/preflight.py): each line of its own there but a warning
+    said = [line for line in read_text(folder / "preflight.err").splitlines() if not line.startswith("preflight: WARN")]
+    s.preflight_problem = next((line for line in said if line.startswith(("setting error: ", "preflight: "))), "")
     try:
         s.stall = json.loads(read_text(folder / "stall.json")) or None
     except ValueError:
@@ -197,19 +197,6 @@ def read_folder(folder: Path, restart: int) -> Start:
 def is_start(folder: Path) -> bool:
     """A start's folder (the run script's kind, or what a start leaves), not a folder of jobs (CONFIG_LOG_DIR)."""
     return any((folder / n).exists() for n in ("kind", "trainer.log", "trainer_command.txt", "exit", "done"))
-
-
-# The preflight's refusals on its stderr (launch/plan/preflight.py), its warnings and notes not among them.
-PREFLIGHT_PROBLEMS = (
-    "setting error: ",
-    "preflight: refused: ",
-    "preflight: verl 0.6.1 ",
-    "preflight: verl's ",
-    "preflight: the trainer cannot start here: ",
-    "preflight: the reward check failed: ",
-    "preflight: the train/test parquet",
-    "preflight: cannot size ",
-)
 
 
 def canary_results(path: Path) -> dict[str, dict]:
