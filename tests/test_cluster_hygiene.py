@@ -206,7 +206,7 @@ def test_the_health_poll_with_our_token_refuses_another_jobs_server(tiny_models,
     finally:
         server.stop()
     assert ours.returncode == 1
-    assert "answers 401 to this job's token: another job's server holds that port" in ours.stderr
+    assert "/health is another job's server: it answers 401 to this job's token" in ours.stderr
     assert "this-jobs-token" not in ours.stderr + ours.stdout, "the token is never printed"
     assert theirs.returncode == 0, theirs.stderr
 
@@ -396,7 +396,7 @@ def test_a_server_of_another_job_that_takes_the_port_while_ours_restarts_is_neve
     port = env["CONFIG_REWARD_SERVER_PORT"]
     assert rc == 1, out
     assert "restart 1/3" in out
-    assert f":{port}/health answers 401 to this job's token: another job's server holds that port" in out
+    assert f":{port}/health is another job's server: it answers 401 to this job's token" in out
     assert f"reward server (port {port}) on {socket.gethostname()} did not become healthy again" in out
     assert "is back" not in out, "a 401 is never taken for our server"
 

@@ -32,21 +32,19 @@ alive() {
 }
 
 # http_probe URL TOKEN: one GET with a 5 s limit, with this job's token; prints `ours` (200 from a server that checked
-# the token), `theirs` (401 to this token: another job's server), `open` (200 from a server that checks no tokens) or
-# the status (`000` when nothing answers). The header goes through stdin, never the command line. Never through a
-# proxy: curl would send even 127.0.0.1 to the one http_proxy or all_proxy names.
+# the token), `theirs` (401 to this token, or a 200 that checked none: another job's server) or the status (`000` when
+# nothing answers). The header goes through stdin, never the command line. Never through a proxy: curl would send
+# even 127.0.0.1 to the one http_proxy or all_proxy names.
 http_probe() {
   local url=$1 token=$2 answer status
   # A failing probe is expected while a server loads: no -e here, the status is read.
   answer=$(printf 'Authorization: Bearer %s\n' "$token" |
     curl --silent --noproxy '*' --header @- --write-out '\n%{http_code}' --max-time 5 "$url" || true)
   status=${answer##*$'\n'}
-  if [[ "$status" == 401 ]]; then
-    echo theirs
-  elif [[ "$status" == 200 && "$answer" == *'"auth":true'* ]]; then
+  if [[ "$status" == 200 && "$answer" == *'"auth":true'* ]]; then
     echo ours
-  elif [[ "$status" == 200 ]]; then
-    echo open
+  elif [[ "$status" == 200 || "$status" == 401 ]]; then
+    echo theirs
   else
     echo "${status:-000}"
   fi
@@ -68,11 +66,8 @@ wait_for_http() {
     case "$status" in
       ours) return 0 ;;
       theirs)
-        err "$url answers 401 to this job's token: another job's server holds that port (our server, pid $pid, is not it)"
-        return 1
-        ;;
-      open)
-        err "$url answers without checking tokens: not this job's server"
+        err "$url is another job's server: it answers 401 to this job's token, or 200 without checking it (our" \
+          "server, pid $pid, is not it)"
         return 1
         ;;
     esac
