@@ -120,7 +120,7 @@ dump_stacks_if_asked() {
   [[ -e "$job_log_dir/stall/request" ]] && ((!stacks_dumped)) || return 0
   stacks_dumped=1
   log "[rank $rank] the head found the trainer stalled: keeping this node's stacks"
-  (cd "$here" && python3 -m launch.job.watchdog dump --log-dir "$job_log_dir" --host "$host") ||
+  (cd "$here" && python3 -m launch.job.watchdog dump "$job_log_dir" "$host") ||
     err "[rank $rank] could not keep the stacks of $host (above)"
 }
 
@@ -188,8 +188,8 @@ restart_reward_server() {
   elif ! alive "$BG_PID"; then
     restart_reward_server "$i" "$k"
   else
-    failure="${watch_names[$i]} on $host did not become healthy again (above; REWARD_START_TIMEOUT, log: ${srv_log[$k]})"
-    die "[rank $rank] $failure: stopping the job"
+    die "[rank $rank] ${watch_names[$i]} on $host did not become healthy again (above; REWARD_START_TIMEOUT," \
+      "log: ${srv_log[$k]}): stopping the job"
   fi
 }
 
@@ -377,8 +377,8 @@ run_trainer() {
   pids+=("$tail_pid")
   if [[ "$STALL_TIMEOUT" != off ]]; then
     # The repository is on PYTHONPATH (export_worker_env), whatever the folder.
-    start_bg "$job_log_dir/stall_watchdog.log" python3 -m launch.job.watchdog watch --log-dir "$job_log_dir" \
-      --trainer-pid "$trainer_pid" --host "$host"
+    start_bg "$job_log_dir/stall_watchdog.log" \
+      python3 -m launch.job.watchdog watch "$job_log_dir" "$trainer_pid" "$host"
     stall_pid=$BG_PID
     pids+=("$stall_pid")
   fi

@@ -2,13 +2,12 @@
 past its budget keeps every node's stacks in stall/ (the other nodes dump theirs when the head writes stall/request),
 writes stall.json and exits STALLED; the helper stops the start.
 
-    python -m launch.job.watchdog watch --log-dir DIR --trainer-pid PID --host NAME
-    python -m launch.job.watchdog dump --log-dir DIR --host NAME
+    python -m launch.job.watchdog watch LOG_DIR TRAINER_PID HOST   # the head, beside the trainer
+    python -m launch.job.watchdog dump LOG_DIR HOST                # this node's stacks into LOG_DIR/stall
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -372,20 +371,14 @@ def watch(log_dir: Path, trainer_pid: int, host: str, env: Mapping[str, str] | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.job.watchdog", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    w = sub.add_parser("watch", help="the head: watch the trainer's steps until it exits or stalls")
-    w.add_argument("--log-dir", type=Path, required=True)
-    w.add_argument("--trainer-pid", type=int, required=True)
-    w.add_argument("--host", required=True)
-    d = sub.add_parser("dump", help="this node's stacks, logs and GPU use into the stall folder")
-    d.add_argument("--log-dir", type=Path, required=True)
-    d.add_argument("--host", required=True)
-    args = parser.parse_args(argv)
-    if args.command == "watch":
-        return watch(args.log_dir, args.trainer_pid, args.host)
-    print(dump(args.log_dir, args.host))
-    return 0
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["watch"] and len(argv) == 4:
+        return watch(Path(argv[1]), int(argv[2]), argv[3])
+    if argv[:1] == ["dump"] and len(argv) == 3:
+        print(dump(Path(argv[1]), argv[2]))
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
