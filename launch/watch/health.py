@@ -287,8 +287,6 @@ def progress(job: Job) -> dict:
     out["wall_per_step_s"] = statistics.mean(wall_seconds(steps[n]) for n in window) if window else None
     out["startup_s"], out["startup_from"] = startup_seconds(job)
     limit = (job.slurm or {}).get("time_limit")
-    if limit is None and s and s.ends_at and s.began:
-        limit = s.ends_at - s.began
     out["time_limit_s"], out["checkpoint_before_end_s"] = limit, job.checkpoint_before_end
     if out["total"] is None or out["wall_per_step_s"] is None:
         return out
@@ -304,7 +302,6 @@ def progress(job: Job) -> dict:
     per_start = math.floor(max(limit - startup - job.checkpoint_before_end, 0) / wall)
     out["steps_per_start"] = per_start
     end = (job.slurm or {}).get("end") if st == "running" else None
-    end = end or (s.ends_at if st == "running" and s else None)
     if st == "running" and end:
         if job.now + remaining * wall <= end - signal_lead():
             out["eta"], out["starts_left"], out["this_start_saves"] = job.now + remaining * wall, 1, remaining

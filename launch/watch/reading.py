@@ -67,7 +67,6 @@ FAILURES = (
 
 _STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] "
 _START = re.compile(_STAMP + r"=== job (\S+): logs in (.+) \(\+\d+s\)$")
-_ENDS_AT = re.compile(_STAMP + r"the job ends at (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 _BEFORE_END = re.compile(r"CHECKPOINT_BEFORE_END=(\d+) s before the time limit")
 _RESTART = re.compile(r"^=== (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) restart (\d+) after: (.*) ===$")
 _FOLDER = re.compile(r"^(?P<id>.+?)(?:-r(?P<n>\d+))?$")
@@ -108,7 +107,6 @@ class Start:
     kind: str = ""  # what the run script started: preflight only, canary or training ("" from an older script)
     preflight_problem: str = ""  # the preflight's first refusal (its stderr, preflight.err), where it failed
     errors: list[str] = field(default_factory=list)
-    ends_at: float | None = None  # this start's time limit, as the run script logged it
     trainer_started: float | None = None
     last_write: float | None = None  # trainer.log's last change
     resumed_from: int | None = None
@@ -244,9 +242,7 @@ def read_output(text: str, starts: dict[str, Start]) -> dict:
             job["checkpoint_before_end"] = int(m.group(1))
         if current is None:
             continue
-        if m := _ENDS_AT.match(line):
-            current.ends_at = stamp(m.group(2))
-        elif "time-limit signal: requeueing job" in line:
+        if "time-limit signal: requeueing job" in line:
             current.how = "requeued at the time-limit signal"
         elif "stop signal: stopping the job on every node" in line:
             current.how = current.how or "stopped by a signal (scancel, a requeue, Ctrl-C)"
