@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from launch.watch.health import FINAL, report
-from launch.watch.reading import PREFLIGHT_ONLY, StatusError, clock, duration, load, read_text
+from launch.watch.reading import StatusError, clock, duration, load, read_text
 
 # --- as text ---------------------------------------------------------------------------------------------------------
 
@@ -72,14 +72,7 @@ def render(r: dict) -> str:
             + (f", {p['remaining_steps']} to go" if p.get("remaining_steps") else "")
         )
     elif not any(s["steps"] for s in r["starts"]):
-        lines.append(
-            "progress: no steps yet"
-            + (
-                " (a preflight only: it trains none)"
-                if r["starts"] and r["starts"][-1]["kind"] == PREFLIGHT_ONLY
-                else ""
-            )
-        )
+        lines.append("progress: no steps yet")
     else:
         lines.append(f"progress: step {p['step']} (the total is unknown until verl prints 'Total training steps')")
     if p.get("step_s") is not None:
