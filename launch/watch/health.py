@@ -124,8 +124,6 @@ def canary_failure(job: Job) -> str:
 
 def finished_reason(job: Job) -> str:
     ckpt, s = job.checkpoint or {}, job.newest
-    if s and s.how.startswith("nothing to do"):
-        return s.how
     if s and s.kind == PREFLIGHT_ONLY:
         return "preflight only (PREFLIGHT_ONLY=1): every check passed; nothing was started"
     if s and s.kind == "canary":

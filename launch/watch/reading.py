@@ -166,11 +166,12 @@ def read_folder(folder: Path, restart: int) -> Start:
     s.ckpt_root = override(command, "trainer.default_local_dir")
     s.critic_updates = critic_updates_per_step(command)
     s.kind = read_text(folder / "kind").strip()
-    # The run script's own end (`exit`, every kind of start) over the trainer's (`done`, written by the helper)
+    # The run script's own end (`exit`, every kind of start) over the head's (`done`: the trainer's exit code)
     for name in ("done", "exit"):
         code = read_text(folder / name).strip()
         if code.lstrip("-").isdigit():
             s.exit_code, s.ended = int(code), mtime(folder / name)
+    s.trainer_finished = read_text(folder / "done").strip() == "0"
     # The preflight's first refusal on its stderr (launch/plan/preflight.py): each line of its own there but a warning
     said = [line for line in read_text(folder / "preflight.err").splitlines() if not line.startswith("preflight: WARN")]
     s.preflight_problem = next((line for line in said if line.startswith(("setting error: ", "preflight: "))), "")
@@ -248,8 +249,6 @@ def read_output(text: str, starts: dict[str, Start]) -> dict:
             current.how = current.how or "stopped by a signal (scancel, a requeue, Ctrl-C)"
         elif "TRAINING_DONE exists: this training already finished" in line:
             current.how = "nothing to do: TRAINING_DONE was there"
-        elif "=== [rank 0] trainer finished" in line:
-            current.trainer_finished = True
         elif "] ERROR: " in line:
             current.errors.append(line.split("] ERROR: ", 1)[1])
     return job
