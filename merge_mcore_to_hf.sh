@@ -17,9 +17,7 @@
 #   CONTAINER=none MERGER_LAUNCHER=cpu/megatron_merger bash merge_mcore_to_hf.sh  # no GPU: docs/verl-on-cpu.md
 #   python -m launch.merge.check_numeric --checkpoint CKPT/global_step_N/actor --hf hf_models/RUN-stepN  # alone
 #
-# The result is verified for its structure, then numerically against the checkpoint's own tensors (NUMERIC_CHECK);
-# a failed one is kept as TARGET_DIR.failed (docs/merge.md). Settings: the run script's block (CONFIG_OUTPUT_DIR,
-# CONFIG_IMAGE_PATH, CONTAINER); its --partition and --account go on sbatch's command line, as the job's log says.
+# What it verifies, where a failed result is kept, and what it reads from the run script's block: docs/merge.md.
 set -euo pipefail
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
