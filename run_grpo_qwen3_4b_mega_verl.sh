@@ -417,7 +417,6 @@ launch() {
   else
     nodes=("$(hostname)")
   fi
-  ((${#nodes[@]} == ${SLURM_NNODES:-1})) || die "node list has ${#nodes[@]} hosts but SLURM_NNODES=${SLURM_NNODES:-1}"
   if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     # The allocation's CPUs, explicitly: srun of Slurm 22.05-23.02 does not inherit --cpus-per-task (one core a
     # node); without one, the fewest CPUs Slurm gave a node. Not RAY_NUM_CPUS, which may exceed the allocation.
