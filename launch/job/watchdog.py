@@ -29,6 +29,8 @@ STALLED = 3  # watch's exit code when it found a stall
 STALL_FACTOR = 3  # auto: this many times the longest step (and validation, and save) so far
 OTHER_NODES_WAIT = 60  # s the head waits for the other nodes' stacks before it stops the start
 LOG_LINES = 30  # last lines of each worker's logs kept
+PYSPY = ["py-spy", "dump", "--full-filenames", "--pid"]
+NVIDIA_SMI = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total", "--format=csv"]
 
 
 @dataclass
@@ -191,11 +193,10 @@ def worker_logs(ray_tmp: str, pid: int) -> list[Path]:
     return sorted(logs.glob(f"worker-*-{pid}.out")) + sorted(logs.glob(f"worker-*-{pid}.err"))
 
 
-def pyspy_stack(pid: int, pyspy: str = "py-spy") -> str | None:
+def command_output(command: list[str]) -> str | None:
+    """What py-spy or nvidia-smi printed; None where it failed, is missing or took 30 s."""
     try:
-        run = subprocess.run(
-            [pyspy, "dump", "--full-filenames", "--pid", str(pid)], capture_output=True, text=True, timeout=30
-        )
+        run = subprocess.run(command, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return run.stdout if run.returncode == 0 and run.stdout.strip() else None
@@ -236,19 +237,6 @@ def faulthandler_stacks(pids: list[int], logs: Mapping[int, list[Path]], wait: f
         time.sleep(0.5)
 
 
-def gpu_use() -> str:
-    try:
-        run = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total", "--format=csv"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"(nvidia-smi failed: {e})"
-    return run.stdout if run.returncode == 0 else f"(nvidia-smi failed: {run.stderr.strip()})"
-
-
 def _tail(path: Path, lines: int = LOG_LINES) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -268,7 +256,8 @@ def dump(log_dir: Path, host: str, env: Mapping[str, str] | None = None) -> Path
     for pid, cmdline in processes:
         if not cmdline.startswith("ray::"):
             logs[pid] = [log_dir / "trainer.log"]
-    stacks = {pid: stack for pid, _ in processes if (stack := pyspy_stack(pid))}  # py-spy comes with ray[default]
+    # py-spy comes with ray[default]
+    stacks = {pid: stack for pid, _ in processes if (stack := command_output([*PYSPY, str(pid)]))}
     missing = [pid for pid, _ in processes if pid not in stacks]  # no ptrace allowed, or py-spy missing after all
     how = "py-spy dump" + (f"; faulthandler (SIGABRT) where py-spy could not: {missing}" if missing else "")
     stacks |= faulthandler_stacks(missing, logs)
@@ -279,7 +268,7 @@ def dump(log_dir: Path, host: str, env: Mapping[str, str] | None = None) -> Path
         )
         for path in logs[pid]:
             parts.append(f"--- last {LOG_LINES} lines of {path} ---\n{_tail(path)}\n")
-    parts.append(f"=== GPUs (nvidia-smi) ===\n{gpu_use()}\n")
+    parts.append(f"=== GPUs (nvidia-smi) ===\n{command_output(NVIDIA_SMI) or '(nvidia-smi failed, or is missing)'}\n")
     target = folder / f"stacks_{host}.txt"
     tmp = target.with_suffix(".tmp")
     tmp.write_text("\n".join(parts))
