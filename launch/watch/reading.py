@@ -99,7 +99,6 @@ def first_failure(text: str) -> dict | None:
 @dataclass
 class Start:
     folder: Path
-    restart: int
     began: float | None = None
     ended: float | None = None
     exit_code: int | None = None
@@ -146,9 +145,9 @@ def mtime(path: Path) -> float | None:
         return None
 
 
-def read_folder(folder: Path, restart: int) -> Start:
+def read_folder(folder: Path) -> Start:
     """What a start left in its folder."""
-    s = Start(folder=folder, restart=restart)
+    s = Start(folder=folder)
     files = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
     times = [t for t in map(mtime, files) if t is not None]
     s.began = min(times) if times else mtime(folder)
@@ -186,7 +185,7 @@ def read_folder(folder: Path, restart: int) -> Start:
     s.log = str(log) if log.is_file() else None
     for stage in ("train", "resume"):  # a canary's training stages (launch/watch/canary.sh): one run, its steps
         if (folder / "canary" / stage / "trainer.log").is_file():
-            t = read_folder(folder / "canary" / stage, restart)
+            t = read_folder(folder / "canary" / stage)
             s.steps |= t.steps
             s.total, s.log, s.last_write = t.total or s.total, t.log, t.last_write
             s.ckpt_root = t.ckpt_root or s.ckpt_root
@@ -395,7 +394,7 @@ def load(target: str | None, log_dir: Path | None = None, now: float | None = No
             f"no job {job_id}: no folder {log_dir / job_id} (CONFIG_LOG_DIR={log_dir}) and Slurm does not know it "
             f"({'; '.join(notes)}): give the job's id or its log folder"
         )
-    starts = [read_folder(folder, n) for n, folder in folders]
+    starts = [read_folder(folder) for _, folder in folders]
     output = find_output(job_id, log_dir, slurm)
     job_lines = read_output(read_text(output), {s.name: s for s in starts}) if output else {}
     requeued = starts[:-1]  # a start of the same job id after it: Slurm requeued this one
