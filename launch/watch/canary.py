@@ -103,11 +103,6 @@ def logged_steps(text: str) -> dict[int, dict[str, float]]:
     return {step: metrics for step, metrics in parse_step_lines(text).items() if is_training_step(metrics)}
 
 
-def per_step(text: str, key: str) -> dict[int, float]:
-    """{step: the metric's value} for every training step whose line logged it (response_length/clip_ratio)."""
-    return {step: metrics[key] for step, metrics in logged_steps(text).items() if key in metrics}
-
-
 def response_length_report(results: dict[str, dict]) -> list[str]:
     """The clip ratio of every step the training stages logged, and a warning when it is high."""
     ratios = {
@@ -264,11 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     text = args.log.read_text(errors="replace") if args.log.exists() else ""
     problems = evaluate(args.stage, args.rc, text, args.ckpt, args.target)
     entry = {"stage": args.stage, "status": "failed" if problems else "passed", "seconds": args.seconds}
-    if s is not None:
-        entry |= {
-            "clip_ratio": per_step(text, "response_length/clip_ratio"),
-            "max_response_length": s.max_response_length,
-        }
+    if s is not None:  # the share of each step's responses cut at MAX_RESPONSE_LENGTH
+        key = "response_length/clip_ratio"
+        clip = {n: metrics[key] for n, metrics in logged_steps(text).items() if key in metrics}
+        entry |= {"clip_ratio": clip, "max_response_length": s.max_response_length}
     if problems:
         entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
     with open(args.results, "a", encoding="utf-8") as f:
