@@ -37,8 +37,8 @@ exit_code=0
 failure=""       # what went wrong on this node, for the head's message
 # What this node watches (watch): pid, name, log, and a reward server's index in srv_* (-1: any other part).
 watch_pids=() watch_names=() watch_logs=() watch_server=()
-# This node's reward servers: port, GPU (or cpu), log, deaths, when a pending restart began, first pid, start.
-srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_restarting=() srv_pid=() srv_started=()
+# This node's reward servers: port, GPU (or cpu), log, deaths, first pid, start.
+srv_port=() srv_gpu=() srv_log=() srv_deaths=() srv_pid=() srv_started=()
 declare -A port  # this job's ports on this node (launch/job/node.py ports)
 
 cleanup() {
@@ -52,7 +52,6 @@ cleanup() {
   if ((rank == 0)); then
     printf '%s\n' "$exit_code" >"$job_log_dir/done"
   elif ((exit_code != 0)); then
-    ((rank != reward_rank)) || printf '%s\n' "$exit_code" >"$job_log_dir/reward_failed"
     printf '%s\n' "${failure:-exited with $exit_code (see the job output)} (rank $rank on $host)" \
       >"$job_log_dir/node_failed.$rank"
   fi
@@ -95,16 +94,14 @@ watch() {
   watch_server+=("${4:--1}")
 }
 
-# check_watched: restart a reward server that died, follow one that restarts, and die naming the part, the node and
-# its log if anything else this node watches died or another node failed.
+# check_watched: restart a reward server that died, and die naming the part, the node and its log if anything else
+# this node watches died or another node failed.
 check_watched() {
-  local i k f
+  local i f
   for i in "${!watch_pids[@]}"; do
-    k=${watch_server[$i]}
-    if alive "${watch_pids[$i]}"; then
-      ((k < 0)) || [[ -z "${srv_restarting[$k]}" ]] || follow_restart "$i" "$k"
-    elif ((k >= 0)); then
-      restart_reward_server "$i" "$k"  # a restarted one that died again too: its restarts count on
+    alive "${watch_pids[$i]}" && continue
+    if ((watch_server[i] >= 0)); then
+      restart_reward_server "$i" "${watch_server[$i]}"
     else
       show_tail "${watch_logs[$i]}" 20
       die "[rank $rank] ${watch_names[$i]} on $host died (log: ${watch_logs[$i]}): stopping the job"
@@ -123,7 +120,7 @@ dump_stacks_if_asked() {
   [[ -e "$job_log_dir/stall/request" ]] && ((!stacks_dumped)) || return 0
   stacks_dumped=1
   log "[rank $rank] the head found the trainer stalled: keeping this node's stacks"
-  (cd "$here" && python3 -m launch.job.watchdog dump --log-dir "$job_log_dir" --host "$host") ||
+  (cd "$here" && python3 -m launch.job.watchdog dump "$job_log_dir" "$host") ||
     err "[rank $rank] could not keep the stacks of $host (above)"
 }
 
@@ -145,7 +142,7 @@ check_stall() {
 # plan_ports REWARD_COUNT: this job's free ports on this node into `port` (a port set by hand is checked, not moved).
 plan_ports() {
   local plan key value
-  plan=$(node_info ports --job-id "$JOB_ID" --rank "$rank" --reward-count "$1" --ray-port "${RAY_PORT}" \
+  plan=$(node_info ports --job-id "$JOB_ID" --rank "$rank" --reward-count "$1" \
     --reward-port "${CONFIG_REWARD_SERVER_PORT}") || die "[rank $rank] no ports for this job on $host (above); nothing was started here"
   while IFS='=' read -r key value; do
     port[$key]=$value
@@ -166,9 +163,10 @@ launch_reward_server() {
 }
 
 # restart_reward_server I K: watched process I, reward server K, died: up to REWARD_RESTARTS times in the job start it
-# again on the same GPU, port and token, logging why; past that, stop the job.
+# again on the same GPU, port and token, logging why, and wait until it is healthy (this node's other checks wait that
+# long: a model's load; one that dies while it loads counts one more death); past that, stop the job.
 restart_reward_server() {
-  local i=$1 k=$2 reason rc=0
+  local i=$1 k=$2 reason rc=0 started=$SECONDS
   wait "${watch_pids[$i]}" 2>/dev/null || rc=$?  # here, not in $(...): only this shell can wait for its child
   reason=$(exit_reason "$rc" "${srv_log[$k]}")
   srv_deaths[k]=$((srv_deaths[k] + 1))
@@ -184,31 +182,15 @@ restart_reward_server() {
   START_BG_APPEND=1 launch_reward_server "$k"
   watch_pids[i]=$BG_PID
   pids+=("$BG_PID")
-  srv_restarting[k]=$SECONDS
-}
-
-# follow_restart I K: one health poll of restarted reward server K (watched process I, alive), with this job's token.
-follow_restart() {
-  local i=$1 k=$2 url="http://127.0.0.1:${srv_port[$2]}/health" status
-  status=$(http_probe "$url" "$REWARD_SERVER_TOKEN")
-  case "$status" in
-    ours)
-      log "[rank $rank] ${watch_names[$i]} on $host is back: healthy at the same URL after $((SECONDS - srv_restarting[k])) s"
-      srv_restarting[k]=""
-      ;;
-    theirs | open)
-      failure="${watch_names[$i]} on $host: another server answers on its port ($url: $status), not this job's"
-      die "[rank $rank] $failure: stopping the job"
-      ;;
-    *)
-      if ((SECONDS - srv_restarting[k] > REWARD_START_TIMEOUT)); then
-        show_tail "${srv_log[$k]}" 20
-        failure="${watch_names[$i]} on $host did not become healthy again within ${REWARD_START_TIMEOUT} s"
-        failure+=" (REWARD_START_TIMEOUT; log: ${srv_log[$k]})"
-        die "[rank $rank] $failure: stopping the job"
-      fi
-      ;;
-  esac
+  if wait_for_http "http://127.0.0.1:${srv_port[$k]}/health" "$BG_PID" "${srv_log[$k]}" "$REWARD_START_TIMEOUT" \
+    "$REWARD_SERVER_TOKEN"; then
+    log "[rank $rank] ${watch_names[$i]} on $host is back: healthy at the same URL after $((SECONDS - started)) s"
+  elif ! alive "$BG_PID"; then
+    restart_reward_server "$i" "$k"
+  else
+    die "[rank $rank] ${watch_names[$i]} on $host did not become healthy again (above; REWARD_START_TIMEOUT," \
+      "log: ${srv_log[$k]}): stopping the job"
+  fi
 }
 
 # node_info ARGS...: launch/job/node.py (ports, reward GPUs, the node address) from the repository.
@@ -232,7 +214,7 @@ launch_reward_servers() {
   fi
   for gpu in "${gpus[@]}"; do
     p=$((port[reward_port] + i))
-    srv_port[i]=$p srv_gpu[i]=$gpu srv_log[i]="$job_log_dir/reward_server_${host}_${p}.log" srv_deaths[i]=0 srv_restarting[i]=""
+    srv_port[i]=$p srv_gpu[i]=$gpu srv_log[i]="$job_log_dir/reward_server_${host}_${p}.log" srv_deaths[i]=0
     log "[rank $rank] reward server on ${gpu} port $p (log: ${srv_log[i]})"
     srv_started[i]=$SECONDS
     launch_reward_server "$i"
@@ -335,18 +317,14 @@ collect_addresses() {
   done
 }
 
-# head_rewards ADDRESS: the head's side of the reward servers: wait for the reward node's, or start its own (not
-# waited for here: Ray starts while they load their models), or none (REWARD=rule: verl's workers score by rule).
+# head_rewards ADDRESS: the head's side of the reward servers: wait for the reward node's (a reward node that fails
+# exits non-zero, and srun stops this node: on_signal names why), or start its own (not waited for here: Ray starts
+# while they load their models), or none (REWARD=rule: verl's workers score by rule).
 head_rewards() {
   if [[ "$separate" == true ]]; then
     log "[rank 0] waiting for the reward node's servers"
-    local found f
-    found=$(wait_for_any "$REWARD_START_TIMEOUT" "$job_log_dir/reward_urls" "$job_log_dir/reward_failed") ||
+    wait_for_file "$job_log_dir/reward_urls" "$REWARD_START_TIMEOUT" ||
       die "the reward node reported no servers within ${REWARD_START_TIMEOUT} s (REWARD_START_TIMEOUT)"
-    if [[ "$found" == */reward_failed ]]; then
-      for f in "$job_log_dir"/reward_server_*.log; do show_tail "$f" 20; done
-      die "the reward node failed to start its servers (logs above)"
-    fi
     plan_ports 0
     srv_urls=$(cat "$job_log_dir/reward_urls")
   elif [[ "$REWARD" == rule ]]; then
@@ -399,8 +377,8 @@ run_trainer() {
   pids+=("$tail_pid")
   if [[ "$STALL_TIMEOUT" != off ]]; then
     # The repository is on PYTHONPATH (export_worker_env), whatever the folder.
-    start_bg "$job_log_dir/stall_watchdog.log" python3 -m launch.job.watchdog watch --log-dir "$job_log_dir" \
-      --trainer-pid "$trainer_pid" --host "$host"
+    start_bg "$job_log_dir/stall_watchdog.log" \
+      python3 -m launch.job.watchdog watch "$job_log_dir" "$trainer_pid" "$host"
     stall_pid=$BG_PID
     pids+=("$stall_pid")
   fi
@@ -440,14 +418,11 @@ run_worker() {
   printf '%s\n' "$address" >"$job_log_dir/address.$rank.tmp"
   mv "$job_log_dir/address.$rank.tmp" "$job_log_dir/address.$rank"
   log_phase "[rank $rank] Ray worker on $host ($address): waiting for the head"
-  # The head writes cluster.env once its reward servers are healthy and its Ray head runs: allow for both.
-  local found wait_s=$((REWARD_START_TIMEOUT + RAY_JOIN_TIMEOUT))
-  found=$(wait_for_any "$wait_s" "$job_log_dir/cluster.env" "$job_log_dir/done") ||
+  # The head writes cluster.env once its reward servers are healthy and its Ray head runs: allow for both. A head
+  # that fails first exits non-zero, and srun stops this node.
+  local wait_s=$((REWARD_START_TIMEOUT + RAY_JOIN_TIMEOUT))
+  wait_for_file "$job_log_dir/cluster.env" "$wait_s" ||
     die "[rank $rank] the head wrote no cluster.env within ${wait_s} s (REWARD_START_TIMEOUT + RAY_JOIN_TIMEOUT)"
-  if [[ "$found" == */done ]]; then
-    log "[rank $rank] the head finished before this node joined; nothing to do"
-    return
-  fi
   local ray_address reward_urls addresses logfile="$job_log_dir/ray_worker_${host}.log"
   ray_address=$(sed -n 's/^RAY_ADDRESS_FOR_TRAINER=//p' "$job_log_dir/cluster.env")
   reward_urls=$(sed -n 's/^REWARD_SERVER_URLS=//p' "$job_log_dir/cluster.env")

@@ -17,18 +17,17 @@
 #   CONTAINER=none MERGER_LAUNCHER=cpu/megatron_merger bash merge_mcore_to_hf.sh  # no GPU: docs/verl-on-cpu.md
 #   python -m launch.merge.check_numeric --checkpoint CKPT/global_step_N/actor --hf hf_models/RUN-stepN  # alone
 #
-# The result is verified for its structure, then numerically against the checkpoint's own tensors (NUMERIC_CHECK);
-# a failed one is kept as TARGET_DIR.failed (docs/merge.md). Settings: the run script's block (CONFIG_OUTPUT_DIR,
-# CONFIG_IMAGE_PATH, CONTAINER); its --partition and --account go on sbatch's command line, as the job's log says.
+# What it verifies, where a failed result is kept, and what it reads from the run script's block: docs/merge.md.
 set -euo pipefail
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
 # The repository, found as the run script finds it: sbatch runs a copy of this script from slurmd's spool folder.
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || repo=${SLURM_SUBMIT_DIR:-}
-# shellcheck source=launch/job/common.sh
-[[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || { lib=$(scontrol show job "$SLURM_JOB_ID" |
-  sed -n 's|^ *Command=\([^ ]*\)/.*|\1/launch/job/common.sh|p'); source "$lib"; not_the_repository; }
+[[ -f "$repo/launch/job/common.sh" ]] || {
+  echo "ERROR: submitted from $repo, which is not the repository: cd to the repository, then sbatch" >&2
+  exit 1
+}
 # shellcheck source=launch/job/common.sh
 source "$repo/launch/job/common.sh"
 # CONTAINER, CONFIG_IMAGE_PATH, CONFIG_OUTPUT_DIR: as the run script's settings block has them (edit them there).
@@ -107,17 +106,6 @@ refuse_critic_merge() {
     "'critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]' and merge a step saved with it (docs/merge.md)"
 }
 
-# move_into_place SRC DEST: rename SRC to DEST only when nothing is there: mkdir claims the name, rename(2) replaces
-# that folder only while it is empty.
-move_into_place() {
-  local src=$1 dest=$2
-  mkdir "$dest" 2>/dev/null || return 1
-  mv -T "$src" "$dest" 2>/dev/null || {
-    rmdir "$dest" 2>/dev/null || true
-    return 1
-  }
-}
-
 merge() {
   # a folder of this job's own beside TARGET_DIR (node and PID: either alone can repeat across nodes)
   local tmp="$TARGET_DIR.tmp.${SLURMD_NODENAME:-${HOSTNAME%%.*}}.$$"
@@ -128,11 +116,14 @@ merge() {
   else
     local backend
     backend=$(checkpoint_backend)
-    # verl's Megatron merger's process group takes MASTER_PORT=12355 unless told, which another merge may hold: this
-    # merge's own free port (launch/job/node.py); the FSDP merger ignores it.
+    # verl's Megatron merger's process group takes MASTER_PORT=12355 unless told, which another merge may hold: the
+    # first port of this merge's own free block (launch/job/node.py; Ray's in a job); the FSDP merger ignores it.
     local master_port
-    master_port=$(cd "$repo" && "${wrap[@]}" python3 -m launch.job.node master-port --job-id "${SLURM_JOB_ID:-merge-$$}") ||
-      { rm -rf "$tmp"; die "no free port for the merger's process group on this node (above); nothing was written"; }
+    master_port=$(cd "$repo" && "${wrap[@]}" python3 -m launch.job.node ports --job-id "${SLURM_JOB_ID:-merge-$$}" |
+      sed -n 's/^ray_port=//p') || {
+      rm -rf "$tmp"
+      die "no free port for the merger's process group on this node (above); nothing was written"
+    }
     local -a cmd=(env WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 "MASTER_PORT=$master_port")
     cmd+=("$MERGER_LAUNCHER" -m verl.model_merger merge --backend "$backend" --local_dir "$step_dir" --target_dir "$tmp")
     [[ "$tie" == true && "$backend" == megatron ]] && cmd+=(--tie-word-embedding)
@@ -159,14 +150,18 @@ merge() {
   fi
   if ((ok != 1)); then
     local kept="$TARGET_DIR.failed"
-    move_into_place "$tmp" "$kept" || { err "$kept exists already, so it is kept at $tmp"; kept=$tmp; }
+    # rename(2) never replaces a folder that holds anything: an earlier result stays as it is
+    if ! mv -T "$tmp" "$kept" 2>/dev/null; then
+      err "$kept exists already, so it is kept at $tmp"
+      kept=$tmp
+    fi
     ((ok != 2)) || die "the merged model does not compute what the checkpoint computes (above): kept at $kept," \
       "marked by its UNVERIFIED.txt"
     ((ok != 3)) || die "the numeric check could not compare the merged model with the checkpoint (above): kept at" \
       "$kept; fix what it names and merge again, or NUMERIC_CHECK=0 to keep the structural verification alone"
     die "the result is incomplete (above); kept for inspection at $kept"
   fi
-  move_into_place "$tmp" "$TARGET_DIR" ||
+  mv -T "$tmp" "$TARGET_DIR" 2>/dev/null ||
     die "TARGET_DIR=$TARGET_DIR appeared while this job merged (another merge of the same step?): it was left as it" \
       "is, and this job's verified result is kept at $tmp; compare them, then keep one"
   log "done: $TARGET_DIR"

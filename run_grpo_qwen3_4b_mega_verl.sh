@@ -28,13 +28,13 @@
 # for a separate reward node). Submit from the repository root. merge_mcore_to_hf.sh reads this block too.
 set -euo pipefail
 
-# sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted
-# from; when that is not it either, not_the_repository (from the script Slurm's record names) stops the job.
+# sbatch runs a copy of this script from slurmd's spool folder: then the repository is the folder it was submitted from.
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || repo=${SLURM_SUBMIT_DIR:-}
-# shellcheck source=launch/job/common.sh
-[[ -f "$repo/launch/job/common.sh" || -z "${SLURM_JOB_ID:-}" ]] || { lib=$(scontrol show job "$SLURM_JOB_ID" |
-  sed -n 's|^ *Command=\([^ ]*\)/.*|\1/launch/job/common.sh|p'); source "$lib"; not_the_repository; }
+[[ -f "$repo/launch/job/common.sh" ]] || {
+  echo "ERROR: submitted from $repo, which is not the repository: cd to the repository, then sbatch" >&2
+  exit 1
+}
 
 # ---- settings: NAME="${NAME:-default}"; UPPERCASE = override me ---------------------------------------------------
 set -a  # every setting below is exported as it is set: the helper and the Python checks read these same names
@@ -132,7 +132,6 @@ RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-600}"                     # seconds for ev
 RAY_START_RETRIES="${RAY_START_RETRIES:-3}"                     # `ray start` attempts on every node, the head too
 STOP_TIMEOUT="${STOP_TIMEOUT:-20}"                              # s to stop servers and Ray (< Slurm's KillWait, 30 s)
 CONFIG_REWARD_SERVER_PORT="${CONFIG_REWARD_SERVER_PORT:-}"     # first reward server port (+1, ...); empty = per job
-RAY_PORT="${RAY_PORT:-}"                                        # Ray head port; empty = per job (all Ray's ports are)
 REWARD_SERVER_TOKEN="${REWARD_SERVER_TOKEN:-}"                  # reward servers' bearer token; empty = new per job
 # -- A hung trainer: the stall watchdog (docs/operations.md#a-hung-job) -------------------------------------------
 # A trainer that finishes no step for too long is hung: the head's watchdog keeps every worker's stack (stall/) and
@@ -210,9 +209,8 @@ export_ray_cpus() {
   export RAY_NUM_CPUS RAY_NUM_CPUS_FROM
 }
 
-# export_wandb_run: the wandb run of each start (wandb reads it from verl's environment). Online, one run for the job,
-# resumed by every requeue; offline, wandb ignores resume and one id would be overwritten at `wandb sync`: each start
-# is its own run (-rN), all in the job's group.
+# export_wandb_run: the wandb run of each start (docs/operations.md: online one run for the job, resumed by every
+# requeue; offline each start its own, in the job's group).
 export_wandb_run() {
   local run_id=${WANDB_RUN_ID:-${EXPERIMENT_NAME}-${job_id}}
   run_id=${run_id//[^A-Za-z0-9_.-]/_}
@@ -419,7 +417,6 @@ launch() {
   else
     nodes=("$(hostname)")
   fi
-  ((${#nodes[@]} == ${SLURM_NNODES:-1})) || die "node list has ${#nodes[@]} hosts but SLURM_NNODES=${SLURM_NNODES:-1}"
   if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     # The allocation's CPUs, explicitly: srun of Slurm 22.05-23.02 does not inherit --cpus-per-task (one core a
     # node); without one, the fewest CPUs Slurm gave a node. Not RAY_NUM_CPUS, which may exceed the allocation.
@@ -449,7 +446,7 @@ main() {
   trap 'on_stop_signal 130' INT
   trap 'on_stop_signal 143' TERM
   export_settings
-  [[ "$CANARY" != 1 ]] || canary_settings "$@"  # its own folder and a tiny workload (launch/watch/canary.sh)
+  [[ "$CANARY" != 1 ]] || canary_settings  # its own folder and a tiny workload (launch/watch/canary.sh)
   mapfile -d '' -t wrap < <(container_cmd)
   # WANDB_DIR before anything starts: where wandb cannot write it, it logs to /tmp of some node.
   mkdir -p "$job_log_dir" "$CONFIG_OUTPUT_DIR" "$HF_HOME" "$WANDB_DIR" ||

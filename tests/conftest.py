@@ -102,7 +102,7 @@ def job(tmp_path, tiny_models, demo_data, fake_container):
     image = tmp_path / "verl_app.sif"
     image.write_text("fake image")
     ray_tmp = Path(tempfile.mkdtemp(prefix="rayj", dir="/tmp"))
-    ports = pinned_port(5)  # Ray's head, then the reward servers
+    ports = pinned_port(4)  # the reward servers
     env = dict(
         os.environ,
         PATH=f"{fake_container.bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -118,8 +118,7 @@ def job(tmp_path, tiny_models, demo_data, fake_container):
         CONFIG_GPUS_PER_NODE="1",
         ACTOR_PP="1",
         CONFIG_NETWORK_INTERFACE="lo",
-        CONFIG_REWARD_SERVER_PORT=str(ports + 1),
-        RAY_PORT=str(ports),
+        CONFIG_REWARD_SERVER_PORT=str(ports),
         RAY_TMP_DIR=str(ray_tmp),
         RAY_NUM_CPUS="1",
         STOP_TIMEOUT="20",

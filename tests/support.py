@@ -52,7 +52,7 @@ class Process:
 
 
 def pinned_port(count: int = 1) -> int:
-    """A port to set by hand (RAY_PORT, CONFIG_REWARD_SERVER_PORT), with `count` free in a row: above Linux's ephemeral
+    """A port to set by hand (CONFIG_REWARD_SERVER_PORT), with `count` free in a row: above Linux's ephemeral
     range (32768-60999), where no outgoing connection or port-0 listener of another process can take it between this
     pick and the job's bind, and outside the jobs' own blocks (launch/job/node.py: 20000-32767)."""
     from launch.job.node import port_taken
@@ -280,7 +280,8 @@ def assert_everything_stopped(env: Mapping[str, str], timeout: float = 10, logs:
     processes of a stopped job may still be exiting); at the deadline, what was still there. `logs`: the log folder
     of one start, for a job that started more than once."""
     logs = logs or job_dir(env)
-    ports = job_ports(logs) + [int(env[k]) for k in ("CONFIG_REWARD_SERVER_PORT", "RAY_PORT") if env.get(k)]
+    hand_set = env.get("CONFIG_REWARD_SERVER_PORT")
+    ports = job_ports(logs) + ([int(hand_set)] if hand_set else [])
     deadline = time.monotonic() + timeout
     while True:
         left, open_ports = job_processes(logs), listening(ports)

@@ -59,14 +59,6 @@ def test_the_canary_batch_is_the_fewest_prompts_every_rank_and_worker_gets_an_eq
                                        {"TRAIN_BATCH_SIZE": str(b), "PPO_MINI_BATCH_SIZE": str(b)}), check_paths=False)  # fmt: skip
 
 
-def test_the_canary_batch_splits_over_as_many_agent_loop_workers_as_the_users_overrides_ask():
-    extra = ["trainer.total_epochs=2", "actor_rollout_ref.rollout.agent.num_workers=6"]
-    out = canary.canary_settings(settings(), extra)
-    # 3 x 4 = 12 responses: 2 per agent-loop worker, 3 per training GPU, 6 per data-parallel rank
-    assert out["TRAIN_BATCH_SIZE"] == "3"
-    assert canary.canary_settings(settings())["TRAIN_BATCH_SIZE"] == "2", "verl's default: 8 workers"
-
-
 def test_the_canary_keeps_the_users_combination_and_shrinks_only_the_workload():
     s = settings(ALGORITHM="dapo", OVERLONG_BUFFER_LEN=1024)
     out = canary.canary_settings(s)
@@ -211,55 +203,11 @@ def test_a_low_clip_ratio_is_reported_without_a_warning(tmp_path):
     assert "2% on average" in table and "WARNING" not in table
 
 
-def ppo_entries(tmp_path: Path, *clipfracs: str) -> dict[str, dict]:
-    """Stage 1's results of a PPO canary whose steps logged these critic/vf_clipfrac values."""
-    (tmp_path / "train").mkdir()
-    log = tmp_path / "train" / "launch.log"
-    log.write_text("\n".join(f"(TaskRunner pid=4711) step:{i + 1} - critic/vf_clipfrac:{f} - critic/vf_loss:310.5 - "
-                             f"{clip_line(i + 1, '0.0').split(' - ', 1)[1]}" for i, f in enumerate(clipfracs)))  # fmt: skip
-    # the canary's PPO command: one mini-batch a step (TRAIN_BATCH_SIZE = PPO_MINI_BATCH_SIZE), then its overrides
-    command = ["critic.model.path=m", "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-               *canary.stage_overrides("train", settings(ALGORITHM="ppo", TRAIN_BATCH_SIZE=2))]  # fmt: skip
-    (tmp_path / "train" / "trainer_command.txt").write_text("\n".join(command) + "\n")
-    results = tmp_path / "results.jsonl"
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in (DEFAULTS | {"ALGORITHM": "ppo", "REWARD_PROMPT_OPENS_THINK": "true"}).items():
-            mp.setenv(k, v)
-        canary.main(["check", "train", "--rc", "1", "--seconds", "5", "--log", str(log), "--ckpt", str(tmp_path),
-                     "--results", str(results)])  # fmt: skip
-    return canary.canary_results(results)
-
-
-def test_a_ppo_canary_trains_its_critic_twice_a_step_so_that_the_value_clip_can_show():
-    assert "critic.ppo_epochs=2" in canary.stage_overrides("train", settings(ALGORITHM="ppo"))
-    assert not any(o.startswith("critic.") for o in canary.stage_overrides("train", settings()))
-
-
-def test_the_summary_warns_when_the_value_clip_held_the_critic_naming_the_setting(tmp_path):
-    results = ppo_entries(tmp_path, "np.float64(0.5)", "0.48")
-    assert results["train"]["vf_clipfrac"] == {"1": 0.5, "2": 0.48} and results["train"]["critic_updates"] == 2
-    table, _ = canary.summary(results)
-    assert "value clip: verl's critic/vf_clipfrac" in table and "step 1 0.50, step 2 0.48" in table
-    (warning,) = [line for line in table.splitlines() if line.startswith("WARNING:")]
-    assert "the most it can read is 0.50" in warning and "the critic cannot follow the rewards" in warning
-    assert "Raise CRITIC_CLIPRANGE_VALUE" in warning and "PPO runs as REINFORCE" in warning
-
-
-def test_a_value_clip_that_rarely_binds_is_reported_without_a_warning(tmp_path):
-    table, _ = canary.summary(ppo_entries(tmp_path, "0.1", "0.1"))
-    assert "step 1 0.10, step 2 0.10" in table and "WARNING" not in table
-
-
 def test_the_explaining_lines_end_at_the_last_error_not_at_the_shutdown_noise():
     text = "\n".join(["step ok"] * 30 + ["Traceback (most recent call last):", "  File x", "RuntimeError: boom"]
                      + ["cleanup: stopping ray"] * 20)  # fmt: skip
     lines = canary.explaining_lines(text)
     assert "RuntimeError: boom" in lines and lines[-1] == "cleanup: stopping ray" and len(lines) == 12
-    problems = [f"verify: problem {i}" for i in range(30)] + ["verify: FAILED, 30 problem(s)"]
-    lines = canary.explaining_lines("\n".join(["merging"] + problems + ["ERROR: the merged model is incomplete"]))
-    assert lines[0] == "verify: problem 0" and lines[-1] == "ERROR: the merged model is incomplete", (
-        "a long list of problems shows how it starts and how it ends"
-    )
 
 
 # --- the whole canary through the run script -------------------------------------------------------------------

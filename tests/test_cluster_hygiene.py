@@ -64,35 +64,17 @@ def test_a_block_with_any_port_taken_is_passed_over_for_the_next_free_one():
     assert moved["ray_port"] == node.PORT_FIRST + following % blocks * node.PORT_BLOCK, "the next block, wrapping"
 
 
-@pytest.mark.parametrize(
-    "flag, setting",
-    [
-        ("--ray-port", "RAY_PORT"),  # the Ray head's port set by hand
-        ("--reward-port", "CONFIG_REWARD_SERVER_PORT"),  # the first reward server's port set by hand
-    ],
-)
-def test_a_port_set_by_hand_that_is_taken_is_refused_naming_its_setting(flag, setting):
+def test_a_reward_port_set_by_hand_that_is_taken_is_refused_naming_its_setting():
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        result = node_cli("ports", "--job-id", "5", "--reward-count", "1", flag, str(port))
+        result = node_cli("ports", "--job-id", "5", "--reward-count", "1", "--reward-port", str(port))
     assert result.returncode == 1
+    setting = "CONFIG_REWARD_SERVER_PORT"
     assert (
         f"{setting}={port}" in result.stderr and "taken" in result.stderr and f"leave {setting} empty" in result.stderr
     )
-
-
-def test_a_worker_node_joins_the_hand_set_ray_port_the_head_holds_where_nodes_share_a_host():
-    """RAY_PORT is the head's: a worker node's plan (rank 1) that finds it taken, as on a host of several nodes once
-    the head has started, keeps it; only the head (rank 0) refuses it taken."""
-    with socket.socket() as holder:
-        holder.bind(("0.0.0.0", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        assert node.plan_ports("5", 1, 0, ray_port=port)["ray_port"] == port
-        with pytest.raises(node.NodeError, match=f"RAY_PORT={port} is taken"):
-            node.plan_ports("5", 0, 1, ray_port=port)
 
 
 # --- reward GPUs and the node address ------------------------------------------------------------------------------
@@ -224,7 +206,7 @@ def test_the_health_poll_with_our_token_refuses_another_jobs_server(tiny_models,
     finally:
         server.stop()
     assert ours.returncode == 1
-    assert "answers 401 to this job's token: another job's server holds that port" in ours.stderr
+    assert "/health is another job's server: it answers 401 to this job's token" in ours.stderr
     assert "this-jobs-token" not in ours.stderr + ours.stdout, "the token is never printed"
     assert theirs.returncode == 0, theirs.stderr
 
@@ -414,8 +396,8 @@ def test_a_server_of_another_job_that_takes_the_port_while_ours_restarts_is_neve
     port = env["CONFIG_REWARD_SERVER_PORT"]
     assert rc == 1, out
     assert "restart 1/3" in out
-    assert f"reward server (port {port}) on {socket.gethostname()}: another server answers on its port" in out
-    assert "/health: theirs), not this job's: stopping the job" in out
+    assert f":{port}/health is another job's server: it answers 401 to this job's token" in out
+    assert f"reward server (port {port}) on {socket.gethostname()} did not become healthy again" in out
     assert "is back" not in out, "a 401 is never taken for our server"
 
 

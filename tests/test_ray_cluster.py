@@ -30,10 +30,10 @@ def test_a_ray_address_that_never_answers_ends_the_wait_at_its_deadline(silent_a
     run = subprocess.run(wait_command(silent_address, 6), cwd=REPO, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - start
     assert run.returncode == 1, run.stderr[-2000:]
-    # Today's ray.init blocks for minutes on such an address; the wait must end at 6 s (plus importing Ray).
+    # Today's ray.init blocks for minutes on such an address; the wait must end at 6 s.
     assert 6 <= elapsed < 10, f"ended after {elapsed:.1f} s"
     assert "0/1 nodes, 0/0 GPUs after 6 s" in run.stderr
-    assert f"ray.init(address='{silent_address}') had not returned after" in run.stderr
+    assert f"(could not connect to {silent_address}: ray.init had not returned)" in run.stderr
 
 
 def test_a_watched_process_that_dies_while_ray_init_hangs_ends_the_wait_at_once(silent_address):
@@ -59,4 +59,4 @@ def test_an_address_with_nothing_listening_ends_the_wait_at_its_deadline_naming_
     elapsed = time.monotonic() - start
     assert run.returncode == 1
     assert 5 <= elapsed < 9, f"ended after {elapsed:.1f} s"
-    assert f"0/1 nodes, 0/0 GPUs after 5 s (could not connect: ray.init(address='127.0.0.1:{port}')" in run.stderr
+    assert f"0/1 nodes, 0/0 GPUs after 5 s (could not connect to 127.0.0.1:{port}: " in run.stderr

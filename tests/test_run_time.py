@@ -44,7 +44,7 @@ from tests.support import (
 
 PROBES = REPO / "tests" / "run_time_probes.py"
 FAST = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}
-OWN_PORTS = {"RAY_PORT": "", "CONFIG_REWARD_SERVER_PORT": ""}  # each job's own block, as by default
+OWN_PORTS = {"CONFIG_REWARD_SERVER_PORT": ""}  # each job's own block, as by default
 PROXY_NAMES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 
 

@@ -194,7 +194,7 @@ def test_a_preempted_job_saves_the_step_it_is_in_and_resumes_there_and_a_recipe_
     options = (*NODE_SIZE, "--partition=preemptible", "--nodelist=n3")
     # the stand-in trainer as recipe.dapo, on ports and folders of its own (CONTAINER=none: the recipes on PYTHONPATH)
     recipe_env = job | FAST | DAPO_RECIPE | {"FAKE_TRAINER_STEP_SECONDS": "3", "CONFIG_REWARD_SERVER_PORT": ""}
-    recipe_env |= {"RAY_PORT": "", "RAY_TMP_DIR": f"{job['RAY_TMP_DIR']}/recipe"}
+    recipe_env |= {"RAY_TMP_DIR": f"{job['RAY_TMP_DIR']}/recipe"}
     for name in ("CONFIG_LOG_DIR", "CONFIG_OUTPUT_DIR", "FAKE_TRAINER_LOG"):
         recipe_env[name] = str(tmp_path / f"recipe_{name.lower()}")
     j = submit(env, *args, out=tmp_path / "job.out", options=options)
@@ -258,7 +258,7 @@ def test_two_jobs_on_one_node_at_once_each_use_their_own_reward_server_and_ray(j
     envs, jobs = [], []
     for name in ("a", "b"):
         env = job | FAST | {
-            "CONFIG_REWARD_SERVER_PORT": "", "RAY_PORT": "", "FAKE_TRAINER_SLEEP": "15",
+            "CONFIG_REWARD_SERVER_PORT": "", "FAKE_TRAINER_SLEEP": "15",
             "CONFIG_LOG_DIR": str(tmp_path / f"logs_{name}"), "CONFIG_OUTPUT_DIR": str(tmp_path / f"ckpt_{name}"),
             "RAY_TMP_DIR": f"{job['RAY_TMP_DIR']}/{name}", "FAKE_TRAINER_LOG": str(tmp_path / f"seen_{name}"),
         }  # fmt: skip
@@ -415,8 +415,7 @@ def test_a_job_submitted_from_outside_the_repository_fails_naming_the_folder_to_
     out = j.output()
     assert j.out == elsewhere / "logs" / f"grpo-qwen3-4b-{j.id}.out"
     assert fields["JobState"] == "FAILED", out
-    assert f"ERROR: submitted from {elsewhere}, which is not the repository (the script: {clone / RUN.name})" in out
-    assert "cd to the repository, then sbatch run_grpo_qwen3_4b_mega_verl.sh" in out
+    assert f"ERROR: submitted from {elsewhere}, which is not the repository: cd to the repository, then sbatch" in out
 
 
 def test_the_local_cluster_script_is_idempotent_and_reports_both_nodes(slurm_cluster):

@@ -200,7 +200,8 @@ def test_the_critics_updates_a_step_are_read_from_the_trainer_command(overrides,
 
 
 def test_one_critic_update_a_step_cannot_be_clipped_and_is_never_warned_about():
-    assert health.value_clip_warnings([1.0] * 5, updates=1) == []
+    steps = {n: {"timing_s/step": 1.0, "critic/vf_clipfrac": 1.0} for n in range(1, 6)}
+    assert not [w for w in health.metric_warnings(steps, critic_updates=1) if "vf_clipfrac" in w]
 
 
 @pytest.mark.parametrize(
@@ -237,22 +238,6 @@ def test_a_failed_start_says_why_from_the_first_failure_the_trainer_logged(tmp_p
 def test_every_failure_the_status_names_points_at_a_section_that_says_what_to_do():
     sections = anchors(REPO / reading.OPERATIONS)
     assert [a for _, a, _ in reading.FAILURES if a not in sections] == []
-
-
-@pytest.mark.parametrize("silent_minutes, warned", [(40, True), (10, False)])
-def test_a_running_job_whose_trainer_has_written_nothing_for_long_is_flagged_as_a_possible_hang(
-    tmp_path, silent_minutes, warned
-):
-    folder = start_folder(tmp_path / "logs", LOCAL_ID, training(1, 5))  # steps of 100 s, one validation of 40 s
-    written = time.time() - silent_minutes * 60
-    os.utime(folder / "trainer.log", (written, written))
-    job = reading.load(str(folder))
-    job.slurm = {"state": "RUNNING", "nodes": "n1"}  # as scontrol says while it runs
-    warnings = health.report(job)["warnings"]
-    hang = [w for w in warnings if w.startswith("no progress for")]
-    assert hang == ([f"no progress for {silent_minutes} min: the trainer has written nothing since then (the longest "
-                     "step took 2 min): a hang? docs/operations.md#nccl-timeouts-and-hangs says what to look at"]
-                    if warned else [])  # fmt: skip
 
 
 def test_reward_server_restarts_are_counted_from_the_marker_each_restart_leaves_in_the_servers_log(tmp_path):
@@ -333,11 +318,8 @@ def test_each_kind_of_start_is_shown_as_what_it_was_with_the_end_the_run_script_
     (logs / "43" / "exit").unlink()
     (logs / "43" / "canary" / "results.jsonl").write_text('{"stage": "train", "status": "passed", "seconds": 95}\n')
     assert status.main([str(logs / "43")]) == 0
-    assert (
-        "  a canary job (CANARY=1): its stages so far (the table comes at its end, "
-        f"{logs / '43' / 'canary' / 'summary.txt'}):\n    train: passed in 95 s\n"
-        f"    resume: running (log: {logs / '43' / 'canary' / 'resume'})\n    merge: not started\n"
-    ) in capsys.readouterr().out
+    summary = logs / "43" / "canary" / "summary.txt"
+    assert f"  a canary job (CANARY=1): its table comes at its end, {summary}\n" in capsys.readouterr().out
     assert status_of(str(logs / "41"))["why"] == (
         "preflight only (PREFLIGHT_ONLY=1): every check passed; nothing was started"
     )
@@ -387,7 +369,7 @@ def test_a_failed_preflight_only_is_shown_failed_before_training_with_its_refusa
     text = capsys.readouterr().out
     assert text.startswith(f"job {r['job']}: FAILED: before training, in the preflight: setting error: FP8=true")
     assert "  a local run, outside Slurm\n" in text and "[preflight only]" in text
-    assert "progress: no steps yet (a preflight only: it trains none)" in text
+    assert "progress: no steps yet\n" in text
 
 
 # --- bad input, docs --------------------------------------------------------------------------------------------------
@@ -499,7 +481,7 @@ def test_a_running_job_shows_its_step_eta_checkpoint_and_metrics_and_follow_ends
     log = Path(env["CONFIG_LOG_DIR"]) / j.id / "trainer.log"
     wait_for_steps(j, log, 6, 300)
     r = status_json(env, j.id)
-    assert (r["state"], r["slurm"]["source"], r["slurm"]["state"]) == ("running", "scontrol", "RUNNING"), r
+    assert (r["state"], r["slurm"]["state"]) == ("running", "RUNNING"), r
     p = r["progress"]
     assert 6 <= p["step"] < 300 and p["total"] == 300 and p["time_limit_s"] == 3600
     assert p["starts_left"] == 1, "300 steps of about a second fit in the hour"

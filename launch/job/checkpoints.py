@@ -1,14 +1,7 @@
-"""Prune the checkpoints earlier starts of the job left: verl keeps MAX_CKPT_TO_KEEP only among its own saves.
+"""Prune the checkpoints earlier starts of the job left (docs/operations.md, "Old checkpoints"): verl 0.6.1's
+checkpoint managers delete old `global_step_N` folders only among their own process's saves (previous_saved_paths).
 
-verl 0.6.1's checkpoint managers (fsdp_checkpoint_manager.py, megatron_checkpoint_manager.py) delete old
-`global_step_N` folders from `previous_saved_paths`, a list that starts empty in every process: after a requeue, the
-checkpoints of every earlier start stay for ever (~56 GB each for a 4B model with optimizer state). The run script
-calls this before each start:
-
-    python -m launch.job.checkpoints CONFIG_OUTPUT_DIR MAX_CKPT_TO_KEEP
-
-It keeps the newest MAX_CKPT_TO_KEEP `global_step_N` folders and always the one `latest_checkpointed_iteration.txt`
-names (what `trainer.resume_mode=auto` resumes from); 0 keeps everything.
+    python -m launch.job.checkpoints CONFIG_OUTPUT_DIR MAX_CKPT_TO_KEEP   # 0 keeps everything
 """
 
 import re

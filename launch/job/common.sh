@@ -1,8 +1,5 @@
 # shellcheck shell=bash
 # launch/job/common.sh: logging, waiting and cleanup shared by the entry scripts (sourced, not run).
-#
-# Every wait here polls a real signal against a deadline, with a timeout per probe, and checks on each pass that the
-# processes it depends on are still alive; on timeout it says what it expected, what it saw, and shows the log tail.
 
 # Timestamped messages: log to stdout, err/die to stderr.
 log() { printf '[%s] %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "$*"; }
@@ -35,21 +32,19 @@ alive() {
 }
 
 # http_probe URL TOKEN: one GET with a 5 s limit, with this job's token; prints `ours` (200 from a server that checked
-# the token), `theirs` (401 to this token: another job's server), `open` (200 from a server that checks no tokens) or
-# the status (`000` when nothing answers). The header goes through stdin, never the command line. Never through a
-# proxy: curl would send even 127.0.0.1 to the one http_proxy or all_proxy names.
+# the token), `theirs` (401 to this token, or a 200 that checked none: another job's server) or the status (`000` when
+# nothing answers). The header goes through stdin, never the command line. Never through a proxy: curl would send
+# even 127.0.0.1 to the one http_proxy or all_proxy names.
 http_probe() {
   local url=$1 token=$2 answer status
   # A failing probe is expected while a server loads: no -e here, the status is read.
   answer=$(printf 'Authorization: Bearer %s\n' "$token" |
     curl --silent --noproxy '*' --header @- --write-out '\n%{http_code}' --max-time 5 "$url" || true)
   status=${answer##*$'\n'}
-  if [[ "$status" == 401 ]]; then
-    echo theirs
-  elif [[ "$status" == 200 && "$answer" == *'"auth":true'* ]]; then
+  if [[ "$status" == 200 && "$answer" == *'"auth":true'* ]]; then
     echo ours
-  elif [[ "$status" == 200 ]]; then
-    echo open
+  elif [[ "$status" == 200 || "$status" == 401 ]]; then
+    echo theirs
   else
     echo "${status:-000}"
   fi
@@ -71,11 +66,8 @@ wait_for_http() {
     case "$status" in
       ours) return 0 ;;
       theirs)
-        err "$url answers 401 to this job's token: another job's server holds that port (our server, pid $pid, is not it)"
-        return 1
-        ;;
-      open)
-        err "$url answers without checking tokens: not this job's server"
+        err "$url is another job's server: it answers 401 to this job's token, or 200 without checking it (our" \
+          "server, pid $pid, is not it)"
         return 1
         ;;
     esac
@@ -86,21 +78,13 @@ wait_for_http() {
   return 1
 }
 
-# wait_for_any TIMEOUT PATH...: poll until one of the paths exists, and print it.
-wait_for_any() {
-  local timeout=$1 path
-  shift
-  local deadline=$((SECONDS + timeout))
-  while ((SECONDS < deadline)); do
-    for path in "$@"; do
-      if [[ -e "$path" ]]; then
-        printf '%s\n' "$path"
-        return 0
-      fi
-    done
+# wait_for_file PATH TIMEOUT: poll until PATH exists.
+wait_for_file() {
+  local deadline=$((SECONDS + $2))
+  until [[ -e "$1" ]]; do
+    ((SECONDS < deadline)) || return 1
     sleep 1
   done
-  return 1
 }
 
 # wait_for_log FILE TEXT PID TIMEOUT: poll until FILE contains TEXT; fail if PID dies first.
@@ -165,17 +149,6 @@ check_container() {
     die "CONFIG_IMAGE_PATH=$CONFIG_IMAGE_PATH: no such image (sudo singularity build verl_app.sif verl_app.def)"
   [[ "$CONTAINER" == none ]] || command -v "$CONTAINER" >/dev/null ||
     die "CONTAINER=$CONTAINER but '$CONTAINER' is not on PATH (module load it, or CONTAINER=apptainer|none)"
-}
-
-# not_the_repository: the error, and exit, of a job submitted from a folder that is not the repository. sbatch runs a
-# copy of the entry script from slurmd's spool folder, and the submit folder holds no launch/job/common.sh either: the
-# entry script sources this file from beside the script Slurm's record names, and the error names that script.
-not_the_repository() {
-  local script
-  script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' || true)
-  printf 'ERROR: submitted from %s, which is not the repository (the script: %s): cd to the repository, then sbatch %s\n' \
-    "${SLURM_SUBMIT_DIR:-?}" "${script:-unknown}" "$(basename "${script:-$0}")" >&2
-  exit 1
 }
 
 # --- the one place to edit: the top of run_grpo_qwen3_4b_mega_verl.sh, for merge_mcore_to_hf.sh too -----------------

@@ -1,18 +1,8 @@
 """What one node of the job needs to know about itself: its ports, its GPUs (reward servers, compute mode), its address.
 
-The helper runs this on every node (inside the container) and reads `NAME=VALUE` lines back:
-
-    python -m launch.job.node ports --job-id 4242 --rank 0 --reward-count 1   # this job's free ports on this node
-    python -m launch.job.node reward-gpus 0,1      # CONFIG_REWARD_GPUS (indices into this job's GPUs) -> physical GPUs
-    python -m launch.job.node address [--interface ib0] [--nodes 2]   # the address other nodes reach this one on
-    python -m launch.job.node sglang-port --block-port 20032 --gpus 4 --address A --addresses A,B   # SGLANG_PORT here
-    python -m launch.job.node master-port --job-id 4243   # one free port of this job's own (the merge's MASTER_PORT)
-    python -m launch.job.node no-proxy HOST...     # NO_PROXY: what the environment had, and the job's own hosts
-    nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader | python -m launch.job.node gpu-modes
-                                               # this job's GPUs in a compute mode other than Default
-
-Ports: one block of PORT_BLOCK ports a job and node, between PORT_FIRST and PORT_LAST, from the job id
-(docs/training.md, "Sharing a node"); a port set by hand (RAY_PORT, CONFIG_REWARD_SERVER_PORT) is refused if taken.
+The helper runs this on every node (inside the container), one command a call, and reads its lines back. Ports: one
+block of PORT_BLOCK ports a job and node, from the job id; SGLANG_PORT and NO_PROXY: why, in
+docs/training.md#sharing-a-node-stopping-a-failed-node.
 """
 
 from __future__ import annotations
@@ -77,11 +67,10 @@ def plan_ports(
     job_id: str,
     rank: int,
     reward_count: int,
-    ray_port: int = 0,
     reward_port: int = 0,
     taken: Callable[[int], bool] = port_taken,
 ) -> dict[str, int]:
-    """This node's ports: the first block from the job's own one on that is wholly free, then the hand-set ports."""
+    """This node's ports: the first block from the job's own one on that is wholly free, then the hand-set port."""
     if reward_count > REWARD_MAX:
         raise NodeError(f"REWARD_REPLICAS={reward_count}: at most {REWARD_MAX} reward servers per node")
     blocks = (PORT_LAST + 1 - PORT_FIRST) // PORT_BLOCK
@@ -97,14 +86,6 @@ def plan_ports(
     plan["sglang_port"] = base + SGLANG_OFFSET
     plan["min_worker_port"] = base + WORKER_OFFSET
     plan["max_worker_port"] = base + SGLANG_OFFSET - 1
-    if ray_port:
-        # the Ray head's GCS port, which only the head (rank 0) binds; a worker joins it, and where nodes share a host
-        # (containers, the tests' Slurm) it finds the head's own listener there
-        if rank == 0 and taken(ray_port):
-            raise NodeError(
-                f"RAY_PORT={ray_port} is taken on {socket.gethostname()}: leave RAY_PORT empty (a free port per job)"
-            )
-        plan["ray_port"] = ray_port
     if reward_port:
         busy = [p for p in range(reward_port, reward_port + reward_count) if taken(p)]
         if busy:
@@ -117,47 +98,30 @@ def plan_ports(
     return plan
 
 
-def master_port(job_id: str) -> int:
-    """One port of this job's own free block on this node, for a process group's store (MASTER_PORT): the first
-    one, Ray's head port, which a job without Ray (the merge) never opens otherwise."""
-    return plan_ports(job_id, 0, 0)["ray_port"]
-
-
 def training_node_index(address: str, addresses: Sequence[str]) -> int:
-    """Which training node this is in verl's order: verl sorts its per-node placement groups by the node's address
-    as Ray has it (the --node-ip-address each node started with), as strings, and numbers the ranks node by node:
-    rank = index x GPUs per node + local rank (verl/single_controller/ray/base.py:62-79, 384-390). Two nodes with one
-    address (containers on one host) cannot be told apart: both get the first index."""
+    """Which training node this is in verl's order: verl sorts its per-node placement groups by the nodes' addresses,
+    as strings, and numbers the ranks node by node (verl/single_controller/ray/base.py:62-79, 384-390). Nodes that
+    share an address (containers on one host) cannot be told apart: all get the first index."""
     if address not in addresses:
         raise NodeError(f"this node's address {address} is not among the training nodes' ({', '.join(addresses)})")
     return sorted(addresses).index(address)
 
 
 def sglang_port(block_port: int, node_index: int, gpus_per_node: int) -> int:
-    """SGLANG_PORT for one training node. verl's sync SGLang engine of global rank r passes SGLANG_PORT + 2r as its
-    port and binds SGLANG_PORT + 2r + 1, its nccl_port, as a TCP store (verl/workers/rollout/sglang_rollout/
-    sglang_rollout.py:442, 461-462; SGLang model_runner.py:622); unset, SGLANG_PORT is 30000, the same for every
-    job. Node k holds ranks k*G .. k*G + G - 1, so this puts its engines on block_port .. block_port + 2G - 1: this
-    node's own. SGLang itself, once SGLANG_PORT is set, also takes the first free port from it upwards for the
-    message queues of a tensor-parallel group (sglang/srt/utils.py:1995-2006, get_open_port): SGLANG_PORT is 2kG
-    below the block's SGLang ports, in its Ray worker range for the first 448 / 2G nodes, so that scan finds a port of
-    this job's own block, never another job's. More than SGLANG_MAX_GPUS GPUs a node the preflight refuses."""
+    """SGLANG_PORT for training node k of G GPUs: verl's engine of global rank r binds SGLANG_PORT + 2r and + 2r + 1,
+    so node k's engines land on block_port .. block_port + 2G - 1, its own. SGLang's scan upwards from SGLANG_PORT
+    for free ports starts in this block's Ray worker range (for the first 448 / 2G nodes), never in another job's."""
     return block_port - 2 * node_index * gpus_per_node
 
 
-# What Ray's dashboard head asks at start even with --disable-usage-stats (ray/dashboard/modules/usage_stats/
-# usage_stats_head.py run(): the cloud's metadata service, then one "usage stats disabled" notice; ray/_common/usage/
-# usage_lib.py get_cloud_from_metadata_requests, _usage_stats_report_url) with a requests client that honours the
-# proxy variables: never through a proxy (a metadata service is link-local; without a way out the notice fails at once).
+# What Ray's dashboard head asks at start even with --disable-usage-stats, through the proxy variables
+# (ray/dashboard/modules/usage_stats/usage_stats_head.py): never through a proxy.
 RAY_OWN_HOSTS = ("169.254.169.254", "metadata.google.internal", "usage-stats.ray.io")
 
 
 def no_proxy(hosts: Sequence[str], environ: Mapping[str, str]) -> str:
     """NO_PROXY (and no_proxy) for the job's processes: what the environment had in either spelling, then loopback,
-    the job's own hosts and RAY_OWN_HOSTS, each once. A proxy the cluster sets (http_proxy, https_proxy, all_proxy)
-    stays for what must reach the outside (wandb online); every client that honours these names (requests, urllib,
-    curl, gRPC: Ray's metrics exporters, which reach each node's dashboard agent) then reaches the job's own servers
-    directly."""
+    the job's own hosts and RAY_OWN_HOSTS, each once."""
     names = []
     local = ("localhost,127.0.0.1,::1", *hosts, *RAY_OWN_HOSTS)
     for raw in (environ.get("NO_PROXY", ""), environ.get("no_proxy", ""), *local):
@@ -191,11 +155,9 @@ def reward_gpus(indices: str, visible: str | None) -> list[str]:
 
 
 def compute_mode_problem(smi: str, visible: str | None) -> str | None:
-    """This job's GPUs in a compute mode other than Default, from `nvidia-smi --query-gpu=index,compute_mode
-    --format=csv,noheader`, or None. Exclusive_Process lets one process hold a GPU (Prohibited none), and this job puts
-    several on each: verl's Ray worker and, with SGLang, its scheduler (verl's sglang_rollout.py:135, 489 in sync
-    mode, async_sglang_server.py:181 in async); on the head's reward GPUs the reward server too. Where Slurm confines
-    the job's devices (cgroups), nvidia-smi lists only them, renumbered from 0: its rows are the job's as they are."""
+    """This job's GPUs in a compute mode other than Default (docs/operations.md says why), from `nvidia-smi
+    --query-gpu=index,compute_mode --format=csv,noheader`, or None. Where Slurm confines the job's devices (cgroups),
+    nvidia-smi lists only them, renumbered from 0: its rows are the job's as they are."""
     modes = dict(map(str.strip, line.split(",", 1)) for line in smi.splitlines() if "," in line)
     own = [g for g in (visible or "").split(",") if g]
     if not own or not set(own) <= modes.keys():
@@ -249,7 +211,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--job-id", required=True)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--reward-count", type=int, default=0)
-    p.add_argument("--ray-port", default="", help="RAY_PORT as set (empty: per job)")
     p.add_argument("--reward-port", default="", help="CONFIG_REWARD_SERVER_PORT as set (empty: per job)")
     g = sub.add_parser("reward-gpus")
     g.add_argument("indices")
@@ -261,28 +222,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--gpus", type=int, required=True, help="CONFIG_GPUS_PER_NODE")
     s.add_argument("--address", required=True, help="this node's address, as it starts Ray with it")
     s.add_argument("--addresses", required=True, help="every training node's address, comma-separated")
-    m = sub.add_parser("master-port")
-    m.add_argument("--job-id", required=True)
     sub.add_parser("gpu-modes", help="nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader on stdin")
     n = sub.add_parser("no-proxy")
     n.add_argument("hosts", nargs="*", help="hosts, addresses with a port, or URLs; comma-separated lists too")
     args = parser.parse_args(argv)
     try:
         if args.command == "ports":
-            for name, value in (("RAY_PORT", args.ray_port), ("CONFIG_REWARD_SERVER_PORT", args.reward_port)):
-                if value and not value.isdigit():
-                    raise NodeError(f"{name}={value!r} is not a port number (or leave it empty: a free port per job)")
-            plan = plan_ports(
-                args.job_id, args.rank, args.reward_count, int(args.ray_port or 0), int(args.reward_port or 0)
-            )
+            if args.reward_port and not args.reward_port.isdigit():
+                raise NodeError(
+                    f"CONFIG_REWARD_SERVER_PORT={args.reward_port!r} is not a port number (or leave it empty: free ports)"
+                )
+            plan = plan_ports(args.job_id, args.rank, args.reward_count, int(args.reward_port or 0))
             print("\n".join(f"{k}={v}" for k, v in plan.items()))
         elif args.command == "reward-gpus":
             print(",".join(reward_gpus(args.indices, os.environ.get("CUDA_VISIBLE_DEVICES"))))
         elif args.command == "sglang-port":
             index = training_node_index(args.address, [a for a in args.addresses.split(",") if a])
             print(sglang_port(args.block_port, index, args.gpus))
-        elif args.command == "master-port":
-            print(master_port(args.job_id))
         elif args.command == "gpu-modes":
             print(compute_mode_problem(sys.stdin.read(), os.environ.get("CUDA_VISIBLE_DEVICES")) or "")
         elif args.command == "no-proxy":

@@ -2,12 +2,9 @@
 
     python -m launch.job.ray_cluster wait --address 10.0.0.1:6379 --nodes 2 --gpus 8 --timeout 600 --watch-pid 1234
 
-Exit 0 when ready; 1 on timeout ("1/2 nodes, 4/8 GPUs after 600 s") or when a watched process died.
-
-`ray.init` can block with no limit (an address that accepts TCP and never answers; two jobs on one node sharing Ray's
-default ports hung past 240 s), so the connection and the counting run in a child process (`probe`), which reports
-one JSON line per attempt and poll; this process keeps the deadline and the watched PIDs, and kills the child when
-either ends. The timeout counts from when the probe has imported Ray (a few seconds, itself bounded by the timeout).
+Exit 0 when ready; 1 on timeout ("1/2 nodes, 4/8 GPUs after 600 s") or when a watched process died. `ray.init` can
+block with no limit (an address that accepts TCP and never answers), so the connection and the counting run in a
+child process (`probe`) that reports one JSON line per attempt; this process keeps the deadline and the watched PIDs.
 """
 
 import argparse
@@ -22,6 +19,7 @@ import threading
 import time
 
 POLL_SECONDS = 2.0  # between cluster counts, and before reconnecting after a failed ray.init
+PROBE_PREFIX = "ray_cluster probe: "  # marks the probe's report lines among anything Ray itself prints
 
 
 def alive(pid: int) -> bool:
@@ -33,16 +31,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def ready(nodes: int, gpus: float, args) -> bool:
-    return nodes >= args.nodes and gpus >= args.gpus
-
-
-PROBE_PREFIX = "ray_cluster probe: "  # marks the probe's report lines among anything Ray itself prints
-
-
 def emit(record: dict) -> None:
-    sys.stdout.write(PROBE_PREFIX + json.dumps(record) + "\n")
-    sys.stdout.flush()
+    print(PROBE_PREFIX + json.dumps(record), flush=True)
 
 
 def probe(args) -> int:
@@ -60,7 +50,6 @@ def probe(args) -> int:
     import ray
 
     while True:
-        emit({"connecting": True})
         try:
             ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
             break
@@ -72,7 +61,7 @@ def probe(args) -> int:
     while True:
         nodes, gpus = sum(1 for n in ray.nodes() if n.get("Alive")), float(ray.cluster_resources().get("GPU", 0))
         emit({"nodes": nodes, "gpus": gpus})
-        if ready(nodes, gpus, args):
+        if nodes >= args.nodes and gpus >= args.gpus:
             ray.shutdown()
             return 0
         time.sleep(POLL_SECONDS)
@@ -86,24 +75,14 @@ def read_reports(proc: subprocess.Popen, reports: queue.Queue) -> None:
     reports.put(None)
 
 
-def wait(args) -> int:
+def wait(args, argv: list[str]) -> int:
     """Read the probe's reports until the cluster is complete, the deadline passes or a watched process dies."""
-    # The timeout counts from when the probe has imported Ray (its first attempt to connect), and the import itself
-    # must finish within the timeout too.
-    deadline, imported = time.monotonic() + args.timeout, False
-    last, connected, last_error, since = (0, 0.0), False, None, None  # since: when the running ray.init began
-    command = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "probe",
-        "--address",
-        args.address,
-        "--nodes",
-        str(args.nodes),
-        "--gpus",
-        str(args.gpus),
-    ]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    start = time.monotonic()
+    deadline = start + args.timeout
+    nodes, gpus, error = 0, 0.0, None
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "probe", *argv], stdout=subprocess.PIPE, text=True
+    )
     reports: queue.Queue = queue.Queue()
     threading.Thread(target=read_reports, args=(proc, reports), daemon=True).start()
     try:
@@ -117,51 +96,34 @@ def wait(args) -> int:
             except queue.Empty:
                 continue
             if report is None:  # the probe died (it retries every failure itself): no point waiting on
-                since, last_error = None, f"the probe exited with {proc.wait()}"
+                error = f"the probe exited with {proc.wait()}"
                 break
-            if "connecting" in report:
-                if not imported:  # the first attempt: Ray is imported, the timeout starts now
-                    deadline, imported = time.monotonic() + args.timeout, True
-                since = time.monotonic()
-            elif "error" in report:
-                since, last_error = None, report["error"]
-            else:
-                connected, last = True, (report["nodes"], report["gpus"])
-                if ready(*last, args):
-                    # Without a GPU (make demo, the CPU tests) Ray's GPUs are CONFIG_GPUS_PER_NODE's placeholders
-                    placeholders = (
-                        " (placeholders: no GPU here, torch computes on the CPU)"
-                        if shutil.which("nvidia-smi") is None
-                        else ""
-                    )
-                    print(
-                        f"ray cluster ready: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs{placeholders}"
-                    )
-                    # the probe disconnects from Ray on its own (ray.shutdown); killed only if that hangs
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(5)
-                    return 0
+            error = report.get("error")
+            nodes, gpus = report.get("nodes", nodes), report.get("gpus", gpus)
+            if nodes >= args.nodes and gpus >= args.gpus:
+                # Without a GPU (make demo, the CPU tests) Ray's GPUs are CONFIG_GPUS_PER_NODE's placeholders
+                cpu = (
+                    " (placeholders: no GPU here, torch computes on the CPU)" if not shutil.which("nvidia-smi") else ""
+                )
+                print(f"ray cluster ready: {nodes}/{args.nodes} nodes, {gpus:g}/{args.gpus:g} GPUs{cpu}")
+                with contextlib.suppress(subprocess.TimeoutExpired):  # the probe disconnects from Ray on its own
+                    proc.wait(5)
+                return 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    if connected:
-        where = ""
-    elif since is not None:
-        waited = time.monotonic() - since
-        where = f" (could not connect: ray.init(address={args.address!r}) had not returned after {waited:.0f} s"
-        where += f"; the attempt before it: {last_error})" if last_error else ")"
-    else:
-        where = f" (could not connect: {last_error or 'the probe had not even imported ray'})"
+    where = f" (could not connect to {args.address}: {error or 'ray.init had not returned'})"
     print(
-        f"ray cluster not complete: {last[0]}/{args.nodes} nodes, {last[1]:g}/{args.gpus:g} GPUs after "
-        f"{time.monotonic() - deadline + args.timeout:.0f} s{where}",  # the time waited
+        f"ray cluster not complete: {nodes}/{args.nodes} nodes, {gpus:g}/{args.gpus:g} GPUs after "
+        f"{time.monotonic() - start:.0f} s{where if error or not nodes else ''}",
         file=sys.stderr,
     )
     return 1
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["wait", "probe"])  # probe: the child that `wait` starts
     p.add_argument("--address", required=True)
@@ -170,7 +132,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600)  # wait only
     p.add_argument("--watch-pid", type=int, action="append", default=[])
     args = p.parse_args(argv)
-    return probe(args) if args.command == "probe" else wait(args)
+    return probe(args) if args.command == "probe" else wait(args, argv[1:])
 
 
 if __name__ == "__main__":

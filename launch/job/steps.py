@@ -16,7 +16,6 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP_LINE = re.compile(r"(?:^|\)\s)step:(\d+) - (.*)$")
 _NUMBER = re.compile(r"^(?:np\.\w+\()?([-+0-9.eE]+|nan|inf|-inf|True|False)\)?$")
 TOTAL_STEPS = re.compile(r"Total training steps: (\d+)")
-PROGRESS = re.compile(r"Training Progress:.*?\|\s*(\d+)/(\d+) \[")
 RESUMED_AT = re.compile(r"Setting global step to (\d+)")
 
 

@@ -1,17 +1,13 @@
-"""The stall watchdog: a start whose trainer finishes no step for too long is hung; keep where, then stop it.
+"""The stall watchdog (docs/operations.md#a-hung-job): on the head, it times the step in flight from trainer.log, and
+past its budget keeps every node's stacks in stall/ (the other nodes dump theirs when the head writes stall/request),
+writes stall.json and exits STALLED; the helper stops the start.
 
-On the head, beside the trainer: it times the step in flight from trainer.log (`Clock`: STALL_TIMEOUT, STALL_FLOOR,
-STALL_FIRST_STEP), and past its budget keeps every Ray worker's stack, log ends and GPU use in stall/ (`dump`, which
-the other nodes' helpers run when the head asks through stall/request), writes stall.json and exits STALLED: the
-helper stops the start, the run script requeues it once (docs/operations.md#a-hung-job).
-
-    python -m launch.job.watchdog watch --log-dir DIR --trainer-pid PID --host NAME
-    python -m launch.job.watchdog dump --log-dir DIR --host NAME
+    python -m launch.job.watchdog watch LOG_DIR TRAINER_PID HOST   # the head, beside the trainer
+    python -m launch.job.watchdog dump LOG_DIR HOST                # this node's stacks into LOG_DIR/stall
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -27,19 +23,14 @@ from pathlib import Path
 from launch.job.ray_cluster import alive
 from launch.job.steps import RESUMED_AT, TOTAL_STEPS, command_int, is_training_step, parse_step_lines
 from launch.plan import deadline
-from launch.plan.deadline import StallError, positive_seconds, timeout_setting
+from launch.plan.deadline import timeout_setting
 
 STALLED = 3  # watch's exit code when it found a stall
 STALL_FACTOR = 3  # auto: this many times the longest step (and validation, and save) so far
 OTHER_NODES_WAIT = 60  # s the head waits for the other nodes' stacks before it stops the start
 LOG_LINES = 30  # last lines of each worker's logs kept
-
-
-def _seconds(env: Mapping[str, str], name: str) -> float:
-    raw = env.get(name, "")
-    if (value := positive_seconds(raw)) is None:
-        raise StallError(f"{name}={raw!r}: seconds, more than 0")
-    return value
+PYSPY = ["py-spy", "dump", "--full-filenames", "--pid"]
+NVIDIA_SMI = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total", "--format=csv"]
 
 
 @dataclass
@@ -60,11 +51,11 @@ class Clock:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], command: list[str]) -> Clock:
-        timeout = timeout_setting(env.get("STALL_TIMEOUT", "auto"))
+        """The settings as the preflight checked them (launch/plan/refusals.py stall_problems)."""
         clock = cls(
-            timeout=timeout,
-            floor=_seconds(env, "STALL_FLOOR"),
-            first=_seconds(env, "STALL_FIRST_STEP"),
+            timeout=timeout_setting(env.get("STALL_TIMEOUT", "auto")),
+            floor=float(env["STALL_FLOOR"]),
+            first=float(env["STALL_FIRST_STEP"]),
             test_freq=command_int(command, "trainer.test_freq", -1),
             save_freq=command_int(command, "trainer.save_freq", -1),
         )
@@ -202,11 +193,10 @@ def worker_logs(ray_tmp: str, pid: int) -> list[Path]:
     return sorted(logs.glob(f"worker-*-{pid}.out")) + sorted(logs.glob(f"worker-*-{pid}.err"))
 
 
-def pyspy_stack(pid: int, pyspy: str = "py-spy") -> str | None:
+def command_output(command: list[str]) -> str | None:
+    """What py-spy or nvidia-smi printed; None where it failed, is missing or took 30 s."""
     try:
-        run = subprocess.run(
-            [pyspy, "dump", "--full-filenames", "--pid", str(pid)], capture_output=True, text=True, timeout=30
-        )
+        run = subprocess.run(command, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return run.stdout if run.returncode == 0 and run.stdout.strip() else None
@@ -247,19 +237,6 @@ def faulthandler_stacks(pids: list[int], logs: Mapping[int, list[Path]], wait: f
         time.sleep(0.5)
 
 
-def gpu_use() -> str:
-    try:
-        run = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total", "--format=csv"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"(nvidia-smi failed: {e})"
-    return run.stdout if run.returncode == 0 else f"(nvidia-smi failed: {run.stderr.strip()})"
-
-
 def _tail(path: Path, lines: int = LOG_LINES) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -279,7 +256,8 @@ def dump(log_dir: Path, host: str, env: Mapping[str, str] | None = None) -> Path
     for pid, cmdline in processes:
         if not cmdline.startswith("ray::"):
             logs[pid] = [log_dir / "trainer.log"]
-    stacks = {pid: stack for pid, _ in processes if (stack := pyspy_stack(pid))}  # py-spy comes with ray[default]
+    # py-spy comes with ray[default]
+    stacks = {pid: stack for pid, _ in processes if (stack := command_output([*PYSPY, str(pid)]))}
     missing = [pid for pid, _ in processes if pid not in stacks]  # no ptrace allowed, or py-spy missing after all
     how = "py-spy dump" + (f"; faulthandler (SIGABRT) where py-spy could not: {missing}" if missing else "")
     stacks |= faulthandler_stacks(missing, logs)
@@ -290,7 +268,7 @@ def dump(log_dir: Path, host: str, env: Mapping[str, str] | None = None) -> Path
         )
         for path in logs[pid]:
             parts.append(f"--- last {LOG_LINES} lines of {path} ---\n{_tail(path)}\n")
-    parts.append(f"=== GPUs (nvidia-smi) ===\n{gpu_use()}\n")
+    parts.append(f"=== GPUs (nvidia-smi) ===\n{command_output(NVIDIA_SMI) or '(nvidia-smi failed, or is missing)'}\n")
     target = folder / f"stacks_{host}.txt"
     tmp = target.with_suffix(".tmp")
     tmp.write_text("\n".join(parts))
@@ -330,17 +308,12 @@ def on_stall(
     missing = [h for h in others if not (folder / f"stacks_{h}.txt").exists()]
     record = {
         "since": since,
-        "detected": time.time(),
         "step": step,
         "phase": phase,
-        "where": where,
         "tasks": tasks,
         "budget": round(budget),
-        "why": why,
         "setting": env.get("STALL_TIMEOUT", "auto"),
         "stacks": str(folder),
-        "files": [str(f) for f in files],
-        "missing_nodes": missing,
         "message": (
             f"no training step finished for {time.time() - since:.0f} s, past the budget of {budget:.0f} s ({why}): "
             f"hung {said}; every worker's Python stack, its log's last lines and GPU use: {folder}"
@@ -358,8 +331,6 @@ def watch(log_dir: Path, trainer_pid: int, host: str, env: Mapping[str, str] | N
     env = os.environ if env is None else env
     command = (log_dir / "trainer_command.txt").read_text(errors="replace").splitlines()
     clock = Clock.from_env(env, command)
-    if clock.timeout == 0:
-        return 0
     log = log_dir / "trainer.log"
     since, offset, pending = time.time(), 0, ""
     print(f"watching {log} (pid {trainer_pid}): {clock.budget(since)[1]}", flush=True)
@@ -389,24 +360,14 @@ def watch(log_dir: Path, trainer_pid: int, host: str, env: Mapping[str, str] | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.job.watchdog", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    w = sub.add_parser("watch", help="the head: watch the trainer's steps until it exits or stalls")
-    w.add_argument("--log-dir", type=Path, required=True)
-    w.add_argument("--trainer-pid", type=int, required=True)
-    w.add_argument("--host", required=True)
-    d = sub.add_parser("dump", help="this node's stacks, logs and GPU use into the stall folder")
-    d.add_argument("--log-dir", type=Path, required=True)
-    d.add_argument("--host", required=True)
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "watch":
-            return watch(args.log_dir, args.trainer_pid, args.host)
-        print(dump(args.log_dir, args.host))
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["watch"] and len(argv) == 4:
+        return watch(Path(argv[1]), int(argv[2]), argv[3])
+    if argv[:1] == ["dump"] and len(argv) == 3:
+        print(dump(Path(argv[1]), argv[2]))
         return 0
-    except StallError as e:
-        print(f"setting error: {e}", file=sys.stderr)
-        return 2
+    print(__doc__, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 `CANARY=1 sbatch run_grpo_qwen3_4b_mega_verl.sh` runs the stages (launch/watch/canary.sh); this module holds what they
 compute and check:
 
-    python -m launch.watch.canary settings [EXTRA_OVERRIDES...]   # the tiny workload as NAME=VALUE, NUL-separated
+    python -m launch.watch.canary settings          # the tiny workload as NAME=VALUE, NUL-separated
     python -m launch.watch.canary overrides STAGE   # that training stage's extra Hydra overrides, NUL-separated
     python -m launch.watch.canary check STAGE --rc RC --seconds S --log LOG --ckpt DIR [--target DIR] --results FILE
     python -m launch.watch.canary summary --results FILE    # the table; exit 1 unless every stage passed
@@ -22,18 +22,15 @@ import sys
 from pathlib import Path
 
 from launch.job.checkpoints import saved_step
-from launch.job.steps import ANSI, RESUMED_AT, is_training_step, override, parse_step_lines
+from launch.job.steps import ANSI, RESUMED_AT, is_training_step, parse_step_lines
 from launch.plan.settings import SettingError, Settings
-from launch.watch.health import value_clip_warnings
-from launch.watch.reading import canary_results, critic_updates_per_step
+from launch.watch.reading import canary_results
 
 TRAIN_STEPS = 2  # stage 1: two steps, a checkpoint after each
 RESUME_STEPS = 3  # stage 2: resumes at step TRAIN_STEPS and runs one more
 CLIP_RATIO_WARN = 0.05  # more than 1 response in 20 cut at MAX_RESPONSE_LENGTH: a warning in the summary
 VAL_SAMPLES = 8  # validation prompts (verl pads the validation batch itself)
 AGENT_LOOP_WORKERS = 8  # rollout.agent.num_workers in verl 0.6.1: async rollout splits a step's batch in as many parts
-CRITIC_EPOCHS = 2  # PPO: critic updates a canary step, so that its value clip can show (stage_overrides)
-AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.num_workers"
 
 STAGES = {
     "train": f"1 train {TRAIN_STEPS} steps, save each",
@@ -41,26 +38,16 @@ STAGES = {
     "merge": "3 merge the last checkpoint, verify",
 }
 
-_SPEAKER = re.compile(r"^[\w.-]+: ")  # "verify: ...": one program's list of problems
 _ERROR_LINE = re.compile(r"Traceback|Error|ERROR|Exception|FAILED|error:|exited with")
 
 
-def agent_loop_workers(extra: list[str]) -> int:
-    """rollout.agent.num_workers as verl will use it: the last override of it on the command line wins (Hydra)."""
-    value = override(extra, AGENT_LOOP_KEY)
-    try:
-        return int(value) if value is not None else AGENT_LOOP_WORKERS
-    except ValueError:
-        raise SettingError(f"{AGENT_LOOP_KEY}={value!r} is not a whole number") from None
-
-
-def batch_size(s: Settings, agent_workers: int = AGENT_LOOP_WORKERS) -> int:
+def batch_size(s: Settings) -> int:
     """The fewest prompts per step that verl can split evenly with this layout: each step's B x ROLLOUT_N responses
     are cut into equal parts per training GPU (balance_batch), per agent-loop worker (async rollout, unpadded in
     training), per rollout GPU (one_step_off), and with FSDP2 per micro batch of each rank."""
     parts = [s.training_gpus_per_node * max(s.train_nodes, 1)]
     if s.rollout_mode == "async":
-        parts.append(agent_workers)
+        parts.append(AGENT_LOOP_WORKERS)
     if s.trainer_mode == "one_step_off":
         parts.append(s.rollout_gpus_per_node * max(s.train_nodes, 1))
     if s.strategy == "fsdp2":
@@ -71,10 +58,10 @@ def batch_size(s: Settings, agent_workers: int = AGENT_LOOP_WORKERS) -> int:
     return step // math.gcd(step, s.rollout_n)  # the fewest prompts whose B x ROLLOUT_N responses step divides
 
 
-def canary_settings(s: Settings, extra: list[str] | None = None) -> dict[str, str]:
+def canary_settings(s: Settings) -> dict[str, str]:
     """The settings the canary changes; everything else (models, data, algorithm, mode, strategy, parallel layout,
     engine, the user's extra overrides) stays the user's, so the canary runs the combination the real job will."""
-    b = batch_size(s, agent_loop_workers(extra or []))
+    b = batch_size(s)
     # MAX_RESPONSE_LENGTH stays the user's: the share of responses cut at it (the clip ratio) is what the real run will
     # see, and the memory the update needs is the real run's; shorter responses of a thinking policy would all be cut
     # off mid-reasoning and score one penalty (recipe.dapo would drop every group).
@@ -106,12 +93,6 @@ def stage_overrides(stage: str, s: Settings) -> list[str]:
         f"data.train_max_samples={-1 if s.uses_recipe == 'recipe.dapo' else RESUME_STEPS * s.train_batch_size}",
         f"data.val_max_samples={VAL_SAMPLES}",
     ]
-    if s.algorithm == "ppo":
-        # One mini-batch a step (PPO_MINI_BATCH_SIZE above) is one critic update, which predicts with the weights
-        # that gave the old values: nothing can be clipped, and critic/vf_clipfrac reads 0 whatever the clip. A
-        # second critic epoch (the actor's stays 1) shows what the real run's second mini-batch will: whether
-        # CRITIC_CLIPRANGE_VALUE holds the value head back from the rewards.
-        out.append(f"critic.ppo_epochs={CRITIC_EPOCHS}")
     if stage == "resume":
         out.append("trainer.test_freq=-1")  # validated once already, in stage 1
     return out
@@ -120,33 +101,6 @@ def stage_overrides(stage: str, s: Settings) -> list[str]:
 def logged_steps(text: str) -> dict[int, dict[str, float]]:
     """{step: its metrics} for every training step verl's console logger printed (launch/job/steps.py reads them)."""
     return {step: metrics for step, metrics in parse_step_lines(text).items() if is_training_step(metrics)}
-
-
-def per_step(text: str, key: str) -> dict[int, float]:
-    """{step: the metric's value} for every training step whose line logged it (response_length/clip_ratio,
-    critic/vf_clipfrac)."""
-    return {step: metrics[key] for step, metrics in logged_steps(text).items() if key in metrics}
-
-
-def trainer_command(log: Path) -> str:
-    """The stage's trainer command, one override a line (trainer_command.txt beside its launch log); empty without."""
-    command = log.parent / "trainer_command.txt"
-    return command.read_text() if command.is_file() else ""
-
-
-def value_clip_report(results: dict[str, dict]) -> list[str]:
-    """PPO's critic/vf_clipfrac of every step the training stages logged, and launch.watch.status's warning on it."""
-    entries = [results[s] for s in ("train", "resume") if results.get(s, {}).get("vf_clipfrac")]
-    if not entries:
-        return []
-    fracs = {int(k): v for e in entries for k, v in e["vf_clipfrac"].items()}
-    steps = ", ".join(f"step {k} {v:.2f}" for k, v in sorted(fracs.items()))
-    lines = [
-        f"value clip: verl's critic/vf_clipfrac (the share of the critic's predictions PPO's value clip held, "
-        f"CRITIC_CLIPRANGE_VALUE): {steps}"
-    ]
-    updates = entries[0].get("critic_updates")
-    return lines + [f"WARNING: {w}" for w in value_clip_warnings(list(fracs.values()), updates)]
 
 
 def response_length_report(results: dict[str, dict]) -> list[str]:
@@ -188,11 +142,9 @@ def _checkpoint_problems(ckpt: Path, steps: range) -> list[str]:
 
 
 def check_train(text: str, ckpt: Path) -> list[str]:
-    """Stage 1: steps 1..TRAIN_STEPS ran from scratch, validation ran, and each step was saved."""
+    """Stage 1: steps 1..TRAIN_STEPS ran from scratch (a resume would log others), validation ran, and each step was
+    saved."""
     problems = []
-    resumed = RESUMED_AT.search(text)
-    if resumed:
-        problems.append(f"verl resumed at step {resumed.group(1)} in a fresh folder: {ckpt} was not empty")
     steps = logged_steps(text)
     expected = list(range(1, TRAIN_STEPS + 1))
     if sorted(steps) != expected:
@@ -234,19 +186,12 @@ def check_merge(text: str, target: Path) -> list[str]:
 
 
 def explaining_lines(text: str, n: int = 12) -> list[str]:
-    """The lines that most likely explain a failure: up to the last error-looking line (and 2 after), else the last n.
-    When they start inside a longer list from one program (`verify: ...` lines), the list's first lines come too."""
+    """The lines that most likely explain a failure: up to the last error-looking line (and 2 after), else the last n;
+    the whole of it is in the stage's log, which the summary names."""
     lines = [line for line in ANSI.sub("", text).splitlines() if line.strip()]
     marks = [i for i, line in enumerate(lines) if _ERROR_LINE.search(line)]
     end = min(marks[-1] + 3, len(lines)) if marks else len(lines)
-    start = max(0, end - n)
-    speaker = _SPEAKER.match(lines[start]) if start < len(lines) else None
-    first = start
-    while speaker and first > 0 and lines[first - 1].startswith(speaker.group(0)):
-        first -= 1
-    if first == start:
-        return lines[start:end]
-    return [*lines[first : first + n // 2], f"... ({start - first} more)", *lines[end - n // 2 : end]]
+    return lines[max(0, end - n) : end]
 
 
 def evaluate(stage: str, rc: int, text: str, ckpt: Path, target: Path | None) -> list[str]:
@@ -277,14 +222,13 @@ def summary(results: dict[str, dict]) -> tuple[str, bool]:
             rows += [f"    log: {e['log']}", *(f"    | {line}" for line in e.get("lines", []))]
     ok = all(results.get(stage, {}).get("status") == "passed" for stage in STAGES)
     verdict = "every stage passed" if ok else "FAILED: fix what is shown above before the real run"
-    reports = [*response_length_report(results), *value_clip_report(results)]
-    return "\n".join(["canary summary", *rows, *reports, f"canary: {verdict}"]), ok
+    return "\n".join(["canary summary", *rows, *response_length_report(results), f"canary: {verdict}"]), ok
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("settings").add_argument("extra", nargs=argparse.REMAINDER)
+    sub.add_parser("settings")
     sub.add_parser("overrides").add_argument("stage", choices=["train", "resume"])
     c = sub.add_parser("check")
     c.add_argument("stage", choices=list(STAGES))
@@ -303,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         s = None if args.command == "check" and args.stage == "merge" else Settings.from_env()
         if args.command in ("settings", "overrides"):
             items = (
-                [f"{k}={v}" for k, v in canary_settings(s, args.extra).items()]
+                [f"{k}={v}" for k, v in canary_settings(s).items()]
                 if args.command == "settings"
                 else stage_overrides(args.stage, s)
             )
@@ -315,16 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     text = args.log.read_text(errors="replace") if args.log.exists() else ""
     problems = evaluate(args.stage, args.rc, text, args.ckpt, args.target)
     entry = {"stage": args.stage, "status": "failed" if problems else "passed", "seconds": args.seconds}
-    if s is not None:
-        entry |= {
-            "clip_ratio": per_step(text, "response_length/clip_ratio"),
-            "max_response_length": s.max_response_length,
-        }
-        if s.algorithm == "ppo":
-            entry |= {
-                "vf_clipfrac": per_step(text, "critic/vf_clipfrac"),
-                "critic_updates": critic_updates_per_step(trainer_command(args.log).splitlines()),
-            }
+    if s is not None:  # the share of each step's responses cut at MAX_RESPONSE_LENGTH
+        key = "response_length/clip_ratio"
+        clip = {n: metrics[key] for n, metrics in logged_steps(text).items() if key in metrics}
+        entry |= {"clip_ratio": clip, "max_response_length": s.max_response_length}
     if problems:
         entry |= {"reason": "; ".join(problems), "log": str(args.log), "lines": explaining_lines(text)}
     with open(args.results, "a", encoding="utf-8") as f:

@@ -15,15 +15,14 @@ canary_py() {
   (cd "$repo" && "${wrap[@]}" python3 -m launch.watch.canary "$@")
 }
 
-# canary_settings ARGS...: the canary's own folder, experiment name and tiny workload (for the user's extra overrides
-# too), before anything is created.
+# canary_settings: the canary's own folder, experiment name and tiny workload, before anything is created.
 canary_settings() {
   local real=$CONFIG_OUTPUT_DIR pair
   local -a pairs
   canary_dir="${CONFIG_OUTPUT_DIR}_canary/$job_id"
   CONFIG_OUTPUT_DIR="$canary_dir/checkpoints"
   mkdir -p "$CONFIG_OUTPUT_DIR" "$job_log_dir" "$HF_HOME" "$WANDB_DIR"  # the container binds them
-  mapfile -d '' -t pairs < <(canary_py settings "$@")
+  mapfile -d '' -t pairs < <(canary_py settings)
   ((${#pairs[@]})) || die "CANARY=1: could not work out the canary's workload (above)"
   for pair in "${pairs[@]}"; do
     export "${pair?}"

@@ -1,6 +1,6 @@
 """Judging a job that launch/watch/reading.py read: its state and why (pending, running, stalled, finished, failed,
-...), the metrics that say whether it learns and their warnings (PPO's value clip among them, which the canary shares),
-its progress and ETA over the job's starts, and the report launch/watch/status.py prints."""
+...), the metrics that say whether it learns and their warnings, its progress and ETA over the job's starts, and the
+report launch/watch/status.py prints."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from dataclasses import asdict
 
 from launch.job.steps import is_training_step, wall_seconds
 from launch.watch.reading import (
-    OPERATIONS,
     PREFLIGHT_ONLY,
     Job,
     canary_results,
@@ -21,7 +20,7 @@ from launch.watch.reading import (
     stall_text,
 )
 
-STALL_MINUTES = 30  # no new step for this long (or 3 of the longest steps, if longer) while running: a warning
+STALL_MINUTES = 30  # a start that recorded no end and wrote nothing for this long: ended without a record
 WINDOW = 20  # steps a trend is measured over
 WALL_WINDOW = 50  # steps the time per step, validations and saves included, is averaged over
 
@@ -45,10 +44,7 @@ CLIP_HIGH = 0.5
 PG_CLIPFRAC_HIGH = 0.3
 KL_HIGH = 1.0
 ENTROPY_FLOOR = 0.05
-# PPO's critic/vf_clipfrac: the share of value predictions the clip held (verl 0.6.1 core_algos.py:1403-1410), the
-# mean of a step's micro-batches. The first critic update of a step predicts with the weights that gave the old
-# values, so nothing there can be clipped: with U updates a step (mini-batches x critic epochs) the most it can read
-# is 1 - 1/U (0.5 for the defaults' two mini-batches). Near that ceiling the critic cannot follow the rewards.
+# PPO's critic/vf_clipfrac reads at most 1 - 1/(critic updates a step) (docs/training.md#ppos-value-clip)
 VF_CLIPFRAC_HIGH = 0.9  # of that ceiling, averaged over the last 5 steps
 FINAL = {"finished", "failed", "cancelled", "ended"}
 
@@ -128,8 +124,6 @@ def canary_failure(job: Job) -> str:
 
 def finished_reason(job: Job) -> str:
     ckpt, s = job.checkpoint or {}, job.newest
-    if s and s.how.startswith("nothing to do"):
-        return s.how
     if s and s.kind == PREFLIGHT_ONLY:
         return "preflight only (PREFLIGHT_ONLY=1): every check passed; nothing was started"
     if s and s.kind == "canary":
@@ -143,7 +137,7 @@ def finished_reason(job: Job) -> str:
 
 def failure_reason(job: Job) -> str:
     """Why the newest start failed, from its own messages: the trainer's first known failure, the run script's and
-    the helpers' errors, a node's reason."""
+    the helpers' errors (a failed node's among them)."""
     s = job.newest
     if s is None:
         return ""
@@ -154,8 +148,6 @@ def failure_reason(job: Job) -> str:
         parts.append(f"{s.failure['what']} ({s.failure['docs']}): {s.failure['line']}")
     stopping = [e for e in s.errors if e.endswith(": stopping the job") or "trainer exited with" in e]
     parts += (stopping or s.errors)[-1:]
-    if not parts and s.node_failures:
-        parts.append(s.node_failures[-1])
     return "; ".join(parts)
 
 
@@ -193,21 +185,6 @@ def metric_summary(steps: dict[int, dict[str, float]]) -> dict[str, dict]:
             "healthy": healthy,
         }
     return out
-
-
-def value_clip_warnings(clipfracs: list[float], updates: int | None) -> list[str]:
-    """A warning when PPO's value clip held nearly every prediction it could (critic/vf_clipfrac of recent steps
-    against its ceiling 1 - 1/updates; 1 when the updates a step are not known); the canary's summary says it too."""
-    warnings: list[str] = []
-    finite = [v for v in clipfracs if math.isfinite(v)]
-    ceiling = 1.0 if updates is None else 1 - 1 / updates
-    if finite and ceiling > 0 and statistics.mean(finite) >= VF_CLIPFRAC_HIGH * ceiling:
-        warnings.append(
-            f"critic/vf_clipfrac averaged {statistics.mean(finite):.2f} over the last {len(finite)} steps (the most it "
-            f"can read is {ceiling:.2f}): the critic cannot follow the rewards, and PPO runs as REINFORCE "
-            "(docs/training.md). Raise CRITIC_CLIPRANGE_VALUE (auto: half the reward range)"
-        )
-    return warnings
 
 
 def metric_warnings(steps: dict[int, dict[str, float]], critic_updates: int | None = None) -> list[str]:
@@ -254,7 +231,14 @@ def metric_warnings(steps: dict[int, dict[str, float]], critic_updates: int | No
             f"actor/pg_clipfrac averaged {statistics.mean(clipfrac):.2f} over the last {len(clipfrac)} "
             f"steps (above {PG_CLIPFRAC_HIGH}): the updates are too large; lower ACTOR_LR"
         )
-    warnings += value_clip_warnings([v for _, v in series(train, "critic/vf_clipfrac")[-5:]], critic_updates)
+    vf_clip = [v for _, v in series(train, "critic/vf_clipfrac")[-5:] if math.isfinite(v)]
+    ceiling = 1.0 if critic_updates is None else 1 - 1 / critic_updates  # a step's first update cannot be clipped
+    if vf_clip and ceiling > 0 and statistics.mean(vf_clip) >= VF_CLIPFRAC_HIGH * ceiling:
+        warnings.append(
+            f"critic/vf_clipfrac averaged {statistics.mean(vf_clip):.2f} over the last {len(vf_clip)} steps (the most "
+            f"it can read is {ceiling:.2f}): the critic cannot follow the rewards, and PPO runs as REINFORCE "
+            "(docs/training.md). Raise CRITIC_CLIPRANGE_VALUE (auto: half the reward range)"
+        )
     entropy = [v for _, v in series(train, "actor/entropy") if math.isfinite(v)]
     if entropy and entropy[-1] < ENTROPY_FLOOR:
         warnings.append(
@@ -301,8 +285,6 @@ def progress(job: Job) -> dict:
     out["wall_per_step_s"] = statistics.mean(wall_seconds(steps[n]) for n in window) if window else None
     out["startup_s"], out["startup_from"] = startup_seconds(job)
     limit = (job.slurm or {}).get("time_limit")
-    if limit is None and s and s.ends_at and s.began:
-        limit = s.ends_at - s.began
     out["time_limit_s"], out["checkpoint_before_end_s"] = limit, job.checkpoint_before_end
     if out["total"] is None or out["wall_per_step_s"] is None:
         return out
@@ -318,7 +300,6 @@ def progress(job: Job) -> dict:
     per_start = math.floor(max(limit - startup - job.checkpoint_before_end, 0) / wall)
     out["steps_per_start"] = per_start
     end = (job.slurm or {}).get("end") if st == "running" else None
-    end = end or (s.ends_at if st == "running" and s else None)
     if st == "running" and end:
         if job.now + remaining * wall <= end - signal_lead():
             out["eta"], out["starts_left"], out["this_start_saves"] = job.now + remaining * wall, 1, remaining
@@ -339,14 +320,6 @@ def progress(job: Job) -> dict:
 def warnings_for(job: Job, st: str, prog: dict) -> list[str]:
     s = job.newest
     warnings = metric_warnings(merged_steps(job), s.critic_updates if s else None)
-    if st == "running" and s and (s.last_write or s.trainer_started):
-        quiet = job.now - (s.last_write or s.trainer_started)
-        longest = max((wall_seconds(m) for m in s.steps.values() if is_training_step(m)), default=0.0)
-        if quiet > max(STALL_MINUTES * 60, 3 * longest):
-            warnings.append(
-                f"no progress for {duration(quiet)}: the trainer has written nothing since then (the longest step "
-                f"took {duration(longest)}): a hang? {OPERATIONS}#nccl-timeouts-and-hangs says what to look at"
-            )
     restarts = [r for start in job.starts for r in start.reward_restarts]
     if restarts:
         latest = restarts[-1]

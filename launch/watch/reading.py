@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.job.checkpoints import TRACKER, saved_step
-from launch.job.steps import ANSI, PROGRESS, RESUMED_AT, TOTAL_STEPS, is_training_step, override, parse_step_lines
+from launch.job.steps import ANSI, RESUMED_AT, TOTAL_STEPS, is_training_step, override, parse_step_lines
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_SCRIPT = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
@@ -67,8 +67,6 @@ FAILURES = (
 
 _STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] "
 _START = re.compile(_STAMP + r"=== job (\S+): logs in (.+) \(\+\d+s\)$")
-_EXIT = re.compile(_STAMP + r"run_grpo_qwen3_4b_mega_verl\.sh exiting \(exit_code=(\d+); logs: (.+)\)$")
-_ENDS_AT = re.compile(_STAMP + r"the job ends at (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 _BEFORE_END = re.compile(r"CHECKPOINT_BEFORE_END=(\d+) s before the time limit")
 _RESTART = re.compile(r"^=== (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) restart (\d+) after: (.*) ===$")
 _FOLDER = re.compile(r"^(?P<id>.+?)(?:-r(?P<n>\d+))?$")
@@ -101,7 +99,6 @@ def first_failure(text: str) -> dict | None:
 @dataclass
 class Start:
     folder: Path
-    restart: int
     began: float | None = None
     ended: float | None = None
     exit_code: int | None = None
@@ -109,14 +106,12 @@ class Start:
     kind: str = ""  # what the run script started: preflight only, canary or training ("" from an older script)
     preflight_problem: str = ""  # the preflight's first refusal (its stderr, preflight.err), where it failed
     errors: list[str] = field(default_factory=list)
-    ends_at: float | None = None  # this start's time limit, as the run script logged it
     trainer_started: float | None = None
     last_write: float | None = None  # trainer.log's last change
     resumed_from: int | None = None
     total: int | None = None
     steps: dict[int, dict[str, float]] = field(default_factory=dict)
     failure: dict | None = None
-    node_failures: list[str] = field(default_factory=list)
     reward_restarts: list[dict] = field(default_factory=list)
     trainer_finished: bool = False
     ckpt_root: str | None = None
@@ -150,9 +145,9 @@ def mtime(path: Path) -> float | None:
         return None
 
 
-def read_folder(folder: Path, restart: int) -> Start:
+def read_folder(folder: Path) -> Start:
     """What a start left in its folder."""
-    s = Start(folder=folder, restart=restart)
+    s = Start(folder=folder)
     files = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
     times = [t for t in map(mtime, files) if t is not None]
     s.began = min(times) if times else mtime(folder)
@@ -160,7 +155,7 @@ def read_folder(folder: Path, restart: int) -> Start:
     text = read_text(log)
     s.last_write = mtime(log)
     s.steps = parse_step_lines(text)
-    totals = TOTAL_STEPS.findall(text) or [t for _, t in PROGRESS.findall(text)]
+    totals = TOTAL_STEPS.findall(text)
     s.total = int(totals[-1]) if totals else None
     resumed = RESUMED_AT.findall(text)
     s.resumed_from = int(resumed[-1]) if resumed else (0 if "Training from scratch" in text else None)
@@ -170,15 +165,15 @@ def read_folder(folder: Path, restart: int) -> Start:
     s.ckpt_root = override(command, "trainer.default_local_dir")
     s.critic_updates = critic_updates_per_step(command)
     s.kind = read_text(folder / "kind").strip()
-    # The run script's own end (`exit`, every kind of start) over the trainer's (`done`, written by the helper)
+    # The run script's own end (`exit`, every kind of start) over the head's (`done`: the trainer's exit code)
     for name in ("done", "exit"):
         code = read_text(folder / name).strip()
         if code.lstrip("-").isdigit():
             s.exit_code, s.ended = int(code), mtime(folder / name)
-    s.preflight_problem = next(
-        (line for line in read_text(folder / "preflight.err").splitlines() if line.startswith(PREFLIGHT_PROBLEMS)), ""
-    )
-    s.node_failures = [read_text(p).strip() for p in sorted(folder.glob("node_failed.*"))]
+    s.trainer_finished = read_text(folder / "done").strip() == "0"
+    # The preflight's first refusal on its stderr (launch/plan/preflight.py): each line of its own there but a warning
+    said = [line for line in read_text(folder / "preflight.err").splitlines() if not line.startswith("preflight: WARN")]
+    s.preflight_problem = next((line for line in said if line.startswith(("setting error: ", "preflight: "))), "")
     try:
         s.stall = json.loads(read_text(folder / "stall.json")) or None
     except ValueError:
@@ -190,7 +185,7 @@ def read_folder(folder: Path, restart: int) -> Start:
     s.log = str(log) if log.is_file() else None
     for stage in ("train", "resume"):  # a canary's training stages (launch/watch/canary.sh): one run, its steps
         if (folder / "canary" / stage / "trainer.log").is_file():
-            t = read_folder(folder / "canary" / stage, restart)
+            t = read_folder(folder / "canary" / stage)
             s.steps |= t.steps
             s.total, s.log, s.last_write = t.total or s.total, t.log, t.last_write
             s.ckpt_root = t.ckpt_root or s.ckpt_root
@@ -200,19 +195,6 @@ def read_folder(folder: Path, restart: int) -> Start:
 def is_start(folder: Path) -> bool:
     """A start's folder (the run script's kind, or what a start leaves), not a folder of jobs (CONFIG_LOG_DIR)."""
     return any((folder / n).exists() for n in ("kind", "trainer.log", "trainer_command.txt", "exit", "done"))
-
-
-# The preflight's refusals on its stderr (launch/plan/preflight.py), its warnings and notes not among them.
-PREFLIGHT_PROBLEMS = (
-    "setting error: ",
-    "preflight: refused: ",
-    "preflight: verl 0.6.1 ",
-    "preflight: verl's ",
-    "preflight: the trainer cannot start here: ",
-    "preflight: the reward check failed: ",
-    "preflight: the train/test parquet",
-    "preflight: cannot size ",
-)
 
 
 def canary_results(path: Path) -> dict[str, dict]:
@@ -260,18 +242,12 @@ def read_output(text: str, starts: dict[str, Start]) -> dict:
             job["checkpoint_before_end"] = int(m.group(1))
         if current is None:
             continue
-        if m := _ENDS_AT.match(line):
-            current.ends_at = stamp(m.group(2))
-        elif m := _EXIT.match(line):
-            current.ended, current.exit_code = stamp(m.group(1)), int(m.group(2))
-        elif "time-limit signal: requeueing job" in line:
+        if "time-limit signal: requeueing job" in line:
             current.how = "requeued at the time-limit signal"
         elif "stop signal: stopping the job on every node" in line:
             current.how = current.how or "stopped by a signal (scancel, a requeue, Ctrl-C)"
         elif "TRAINING_DONE exists: this training already finished" in line:
             current.how = "nothing to do: TRAINING_DONE was there"
-        elif "=== [rank 0] trainer finished" in line:
-            current.trainer_finished = True
         elif "] ERROR: " in line:
             current.errors.append(line.split("] ERROR: ", 1)[1])
     return job
@@ -311,11 +287,9 @@ def ask_slurm(job_id: str) -> tuple[dict | None, list[str]]:
         return None, ["scontrol does not know the job (it forgets ended jobs after MinJobAge)"]
     f = dict(re.findall(r"(\S+?)=(\S*)", out.stdout))
     return {
-        "source": "scontrol",
         "state": f.get("JobState"),
         "reason": f.get("Reason"),
         "restarts": int(f.get("Restarts") or 0),
-        "start": slurm_time(f.get("StartTime")),
         "end": slurm_time(f.get("EndTime")),
         "time_limit": slurm_duration(f.get("TimeLimit")),
         "output": f.get("StdOut"),
@@ -420,7 +394,7 @@ def load(target: str | None, log_dir: Path | None = None, now: float | None = No
             f"no job {job_id}: no folder {log_dir / job_id} (CONFIG_LOG_DIR={log_dir}) and Slurm does not know it "
             f"({'; '.join(notes)}): give the job's id or its log folder"
         )
-    starts = [read_folder(folder, n) for n, folder in folders]
+    starts = [read_folder(folder) for _, folder in folders]
     output = find_output(job_id, log_dir, slurm)
     job_lines = read_output(read_text(output), {s.name: s for s in starts}) if output else {}
     requeued = starts[:-1]  # a start of the same job id after it: Slurm requeued this one

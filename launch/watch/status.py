@@ -5,11 +5,7 @@
     python -m launch.watch.status logs/24-r1           # the job that folder belongs to
     python -m launch.watch.status 24 --follow          # again every 60 s (--follow 10: every 10 s) until the job ends
 
-What it reads: every start's folder (`<id>`, `<id>-r1`, ...: trainer.log with verl's own step lines, `step:N -
-key:value - ...` from its console logger, verl/utils/logger/aggregate_logger.py; trainer_command.txt; `done`; the
-reward servers' logs with their restart markers), the job's Slurm output file (the run script's timestamped lines:
-each start, the time limit, requeues, exits and errors), the checkpoint folder the trainer command names, and Slurm
-itself where scontrol is on PATH (it may be missing, or know the job no more). Nothing is written.
+What it reads and what it says: docs/operations.md#watching-a-run. Nothing is written.
 """
 
 # This module renders the text and runs the command; launch/watch/reading.py reads the
@@ -23,7 +19,7 @@ import time
 from pathlib import Path
 
 from launch.watch.health import FINAL, report
-from launch.watch.reading import PREFLIGHT_ONLY, StatusError, canary_results, clock, duration, load, read_text
+from launch.watch.reading import StatusError, clock, duration, load, read_text
 
 # --- as text ---------------------------------------------------------------------------------------------------------
 
@@ -40,35 +36,12 @@ def steps_text(steps: list[int]) -> str:
     return "no step" if not steps else f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
-CANARY_STAGES = {"train": "train", "resume": "resume", "merge": "merge.log"}  # launch/watch/canary.sh: stage -> its log
-
-
-def canary_stages(canary: Path) -> list[str]:
-    """The canary's stages so far, from the results.jsonl its checks append (launch/watch/canary.py), and the one
-    running."""
-    results, lines = canary_results(canary / "results.jsonl"), []
-    for stage, log in CANARY_STAGES.items():
-        e = results.get(stage)
-        if e is None:  # the first stage without a result whose log is there runs now; the rest wait
-            running = (canary / log).exists() and not any(" running " in line for line in lines)
-            lines.append(f"{stage}: running (log: {canary / log})" if running else f"{stage}: not started")
-            continue
-        result = "FAILED" if e.get("status") == "failed" else e.get("status", "?")
-        lines.append(
-            f"{stage}: {result}"
-            + (f" in {e['seconds']} s" if "seconds" in e else "")
-            + (f": {e['reason']}" if e.get("reason") and result != "passed" else "")
-        )
-    return lines
-
-
 def render(r: dict) -> str:
     lines = [f"job {r['job']}: {r['state'].upper()}" + (f": {r['why']}" if r["why"] else "")]
     slurm = r["slurm"]
     local = r["job"].startswith("local-")  # the run script's id outside Slurm (CONTAINER=none, make demo)
     lines.append(
-        f"  Slurm ({slurm['source']}): {slurm['state']}"
-        + (f", Restarts={slurm['restarts']}" if slurm.get("restarts") else "")
+        f"  Slurm (scontrol): {slurm['state']}" + (f", Restarts={slurm['restarts']}" if slurm.get("restarts") else "")
         if slurm
         else "  a local run, outside Slurm"
         if local
@@ -80,8 +53,7 @@ def render(r: dict) -> str:
             lines.append(f"  a canary job (CANARY=1): its table, {summary}:")
             lines += [f"    {line}" for line in read_text(summary).splitlines()]
         else:
-            lines.append(f"  a canary job (CANARY=1): its stages so far (the table comes at its end, {summary}):")
-            lines += [f"    {line}" for line in canary_stages(Path(r["canary"]))]
+            lines.append(f"  a canary job (CANARY=1): its table comes at its end, {summary}")
     lines.append(f"starts ({len(r['starts'])}):")
     for s in r["starts"]:
         resumed = {None: "", 0: " from scratch"}.get(s["resumed_from"], f" resumed at step {s['resumed_from']}")
@@ -100,14 +72,7 @@ def render(r: dict) -> str:
             + (f", {p['remaining_steps']} to go" if p.get("remaining_steps") else "")
         )
     elif not any(s["steps"] for s in r["starts"]):
-        lines.append(
-            "progress: no steps yet"
-            + (
-                " (a preflight only: it trains none)"
-                if r["starts"] and r["starts"][-1]["kind"] == PREFLIGHT_ONLY
-                else ""
-            )
-        )
+        lines.append("progress: no steps yet")
     else:
         lines.append(f"progress: step {p['step']} (the total is unknown until verl prints 'Total training steps')")
     if p.get("step_s") is not None:

@@ -4,8 +4,8 @@ verl's merger would, from the config in <local_dir>/huggingface, sharded with an
 Like verl 0.6.1, --tie-word-embedding drops lm_head whatever the config says, and --is-value-model changes nothing
 (verl builds a causal LM either way: `value=False` in verl/model_merger/megatron_model_merger.py).
 $FAKE_MERGER_BREAK breaks the output on purpose: missing_shard | drop_lm_head | extra_lm_head.
-$FAKE_MERGER_RIVAL=empty:DIR|full:DIR creates DIR while merging, as a second merge of the same step would (full: with
-a file in it). Records its argv to $FAKE_MERGER_LOG.
+$FAKE_MERGER_RIVAL=full:DIR creates DIR, with a file in it, while merging, as a second merge of the same step would.
+Records its argv to $FAKE_MERGER_LOG.
 
 `save_critic_like_verl` writes what verl's checkpoint manager saves for a critic with `hf_model` in
 `critic.checkpoint.save_contents`: the causal-LM class saved with a state dict whose lm_head.weight is [1, hidden].
@@ -67,10 +67,9 @@ def main() -> int:
             shutil.copy(f, target / f.name)
     rival = os.environ.get("FAKE_MERGER_RIVAL", "")
     if rival:
-        kind, _, path = rival.partition(":")
-        Path(path).mkdir(parents=True)
-        if kind == "full":
-            (Path(path) / "rival.txt").write_text("another merge wrote this")
+        path = Path(rival.partition(":")[2])
+        path.mkdir(parents=True)
+        (path / "rival.txt").write_text("another merge wrote this")
     if broken == "missing_shard":
         (target / "model-00002-of-00002.safetensors").unlink()
     print(f"fake merger: wrote {target}")
