@@ -1,5 +1,5 @@
 """The save on preemption (launch/job/preempt.py): whether a step, its validation and a save fit in the grace left, the
-lengths it reads from verl's step lines, the recipes (no save: the job requeues at once),
+lengths it reads from verl's step lines, the recipes and a verl without the check (no save: the job requeues at once),
 and the Ray hook that makes verl's own save-before-expiry check say yes once, after the run's own hook. The job on the
 real Slurm: tests/test_slurm_jobs.py::test_a_preempted_job_saves_the_step_it_is_in_..."""
 
@@ -87,6 +87,19 @@ def test_the_command_line_counts_the_validation_of_the_step_it_is_in_and_never_w
     (tmp_path / "trainer_command.txt").write_text("\n".join(command) + "\n")
     assert preempt.main([str(tmp_path), "118", "20"]) == (0 if says.startswith("saving") else 1)
     assert capsys.readouterr().out.startswith(f"preempted at step {done + 1}: {says}")
+
+
+def test_a_verl_without_the_check_trains_on_says_so_once_and_a_preemption_then_waits_for_no_save(
+    tmp_path, monkeypatch, capsys
+):
+    """Where verl lacks should_save_ckpt_esi the patch must not break the import of verl's module in every worker."""
+    monkeypatch.setenv("JOB_LOG_DIR", str(tmp_path))
+    for _ in range(2):  # two workers of one start import verl's module
+        preempt._patch(types.ModuleType(preempt.CHECK_MODULE))
+    assert capsys.readouterr().out.count(f"{preempt.CHECK_MODULE} has no should_save_ckpt_esi") == 1
+    (tmp_path / "trainer.log").write_text("step:1 - timing_s/step:20.0 - timing_s/save_checkpoint:3.0\n")
+    assert preempt.main([str(tmp_path), "118", "20"]) == 1
+    assert "stopping without a save (this verl has no should_save_ckpt_esi" in capsys.readouterr().out
 
 
 def test_a_runs_own_hook_runs_first_and_the_preemption_save_wraps_what_it_patched(tmp_path, monkeypatch):

@@ -4,11 +4,13 @@
     python -m launch.job.preempt JOB_LOG_DIR GRACE_LEFT STOP_TIMEOUT   # exit 0: a step, its validation and a save fit
 
 install() is the Ray worker_process_setup_hook that makes verl's save-before-expiry check (should_save_ckpt_esi,
-ray_trainer.py:1236-1254) say yes once after the run script wrote JOB_LOG_DIR/preempt_requested.
+ray_trainer.py:1236-1254) say yes once after the run script wrote JOB_LOG_DIR/preempt_requested; a verl without the
+check trains on without the preemption save, said once (NO_CHECK).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import os
@@ -20,6 +22,7 @@ from launch.plan.deadline import decide, earlier_starts, measured
 from launch.plan.trainer_command import USER_HOOK
 
 REQUEST = "preempt_requested"
+NO_CHECK = "preempt_no_check"  # written by the first worker whose verl has no should_save_ckpt_esi
 
 
 def lengths(log_dir: Path) -> tuple[int, int | None, dict[str, float]]:
@@ -68,8 +71,14 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 def _patch(checkpoint_manager) -> None:
-    check = checkpoint_manager.should_save_ckpt_esi
-    request = Path(os.environ.get("JOB_LOG_DIR", "/nonexistent")) / REQUEST
+    check = getattr(checkpoint_manager, "should_save_ckpt_esi", None)
+    log_dir = Path(os.environ.get("JOB_LOG_DIR", "/nonexistent"))
+    if check is None:  # a verl without the check trains on; a preemption saves nothing (said by a start's first)
+        with contextlib.suppress(OSError):
+            (log_dir / NO_CHECK).touch(exist_ok=False)
+            print(f"preemption: {CHECK_MODULE} has no should_save_ckpt_esi: no save on preemption", flush=True)
+        return
+    request = log_dir / REQUEST
     answered = []
 
     def should_save_ckpt_esi(*args, **kwargs) -> bool:
@@ -99,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe = next((a for a in command if a.startswith("recipe.")), None)  # the entry point: -m recipe.dapo.main_dapo
     if recipe:
         ok, why = False, f"{recipe} never calls verl's save check, so nothing saves on the signal"
+    elif (log_dir / NO_CHECK).exists():
+        ok, why = False, "this verl has no should_save_ckpt_esi, so nothing saves on the signal"
     else:
         validation = longest.get("testing", 0.0) if validates else None
         ok, why = decide(left, longest.get("step"), longest.get("save_checkpoint"), stop, validation)
