@@ -127,7 +127,10 @@ def test_the_job_takes_real_grpo_steps_through_the_run_script_and_reports_timing
     assert set(result["phase_memory"]) == set(verl_step_hook.PHASES)
     assert all(len(p["calls"]) == 2 for p in result["phase_memory"].values())
     command = set(result["trainer_command"])
-    assert set(gpu_job.overrides("fsdp2", "cpu")) <= command and "trainer.total_training_steps=2" in command
+    hook, others = [[o for o in gpu_job.overrides("fsdp2", "cpu") if ("setup_hook=" in o) is h] for h in (True, False)]
+    assert set(others) <= command and "trainer.total_training_steps=2" in command
+    # the CPU layer's hook, chained behind the job's own (launch/plan/trainer_command.py, USER_HOOK)
+    assert f"+ray_kwargs.ray_init.runtime_env.env_vars.JOB_USER_SETUP_HOOK={hook[0].rpartition('=')[2]}" in command
     assert "actor_rollout_ref.actor.strategy=fsdp2" in command
     assert any("composes and passes verl's checks" in line for line in result["preflight"])
     for name in ("run.log", "trainer.log", "data_prep.log"):

@@ -24,6 +24,7 @@ from pathlib import Path
 from launch.job.checkpoints import saved_step
 from launch.job.steps import ANSI, RESUMED_AT, is_training_step, parse_step_lines
 from launch.plan.settings import SettingError, Settings
+from launch.plan.trainer_command import megatron_plan
 from launch.watch.reading import canary_results
 
 TRAIN_STEPS = 2  # stage 1: two steps, a checkpoint after each
@@ -53,7 +54,7 @@ def batch_size(s: Settings) -> int:
     if s.strategy == "fsdp2":
         # verl's FSDP workers assert ppo_micro_batch_size_per_gpu divides each rank's mini-batch (fsdp_workers.py),
         # dynamic batch sizes or not; the preflight checks it on the composed config.
-        parts.append(parts[0] * s.micro_batch_per_gpu)
+        parts.append(parts[0] * megatron_plan(s)[0].micro_batch_per_gpu)  # MICRO_BATCH_PER_GPU, auto resolved
     step = math.lcm(*(max(p, 1) for p in parts))  # 0 GPUs is the settings check's to report, by name
     return step // math.gcd(step, s.rollout_n)  # the fewest prompts whose B x ROLLOUT_N responses step divides
 
