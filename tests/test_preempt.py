@@ -148,3 +148,26 @@ def test_the_hook_imports_nothing_of_verl_and_patches_its_check_as_verls_trainer
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={"JOB_LOG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert run.returncode == 0 and run.stdout.strip().endswith("[True, False]"), run.stdout + run.stderr[-3000:]
+
+
+def test_each_workers_heap_is_frozen_after_its_init_model_and_verls_dispatch_stays(tmp_path):
+    """The job's hook wraps verl's worker classes as their module is imported: after init_model (here a stand-in body
+    on the real class, no model built) the heap is frozen, so verl's gc.collect() calls skip what init built; the
+    method keeps verl's dispatch attributes, which verl's worker group reads from the class."""
+    script = (
+        "import gc, sys; from launch.job import preempt; preempt.install()\n"
+        "from verl.single_controller.base.decorator import MAGIC_ATTR\n"
+        "from verl.workers import fsdp_workers as w\n"
+        "init = w.ActorRolloutRefWorker.init_model\n"
+        "assert hasattr(init, MAGIC_ATTR) and init.__wrapped__ is not init\n"
+        "(cell,) = [c for c in init.__closure__ if c.cell_contents is init.__wrapped__]\n"
+        "cell.cell_contents = lambda self: None  # verl's own body would build a model\n"
+        "before = gc.get_freeze_count(); kept = [object() for _ in range(1000)]\n"
+        "init(None)\n"
+        "print(before, gc.get_freeze_count() - before)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"JOB_LOG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, frozen = map(int, run.stdout.split()[-2:])
+    assert before == 0 and frozen >= 1000, run.stdout

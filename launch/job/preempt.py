@@ -5,12 +5,15 @@
 
 install() is the Ray worker_process_setup_hook that makes verl's save-before-expiry check (should_save_ckpt_esi,
 ray_trainer.py:1236-1254) say yes once after the run script wrote JOB_LOG_DIR/preempt_requested; a verl without the
-check trains on without the preemption save, said once (NO_CHECK).
+check trains on without the preemption save, said once (NO_CHECK). It also freezes each worker's heap after its
+init_model (_freeze_after_init: verl's gc.collect calls then skip the models' objects).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import importlib.abc
 import importlib.util
 import os
@@ -43,20 +46,25 @@ def install() -> None:
     if user := os.environ.pop(USER_HOOK, ""):
         module, _, name = user.rpartition(".")
         getattr(importlib.import_module(module), name)()
-    if CHECK_MODULE in sys.modules:
-        _patch(sys.modules[CHECK_MODULE])
-    else:
-        sys.meta_path.insert(0, _PatchOnImport())
+    for name, patch in {CHECK_MODULE: _patch, **dict.fromkeys(WORKER_MODULES, _freeze_after_init)}.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+        else:
+            sys.meta_path.insert(0, _PatchOnImport(name, patch))
 
 
 CHECK_MODULE = "verl.utils.checkpoint.checkpoint_manager"
+WORKER_MODULES = ("verl.workers.megatron_workers", "verl.workers.fsdp_workers")
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds verl's checkpoint module once, through the other finders, and patches it after it has run."""
+    """Finds one of verl's modules once, through the other finders, and patches it after it has run."""
+
+    def __init__(self, module: str, patch) -> None:
+        self.module, self.patch = module, patch
 
     def find_spec(self, name, path, target=None):
-        if name != CHECK_MODULE:
+        if name != self.module:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -64,10 +72,29 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def run_then_patch(module) -> None:
             run(module)
-            _patch(module)
+            self.patch(module)
 
         spec.loader.exec_module = run_then_patch
         return spec
+
+
+def _freeze_after_init(workers) -> None:
+    """verl's gc.collect() calls (its optimizer offload, aggressive_empty_cache) walk every object a worker built: 1.29
+    s an update at Qwen3-4B's stage on one H100, 0.00 with the heap frozen (benchmarks/README.md, the Megatron plan).
+    So each worker's heap is frozen (gc.freeze) once its init_model has built the models and optimizers."""
+
+    def frozen_after(init):
+        @functools.wraps(init)  # verl's dispatch attributes stay on the method
+        def init_model(self, *args, **kwargs):
+            out = init(self, *args, **kwargs)
+            gc.freeze()
+            return out
+
+        return init_model
+
+    for name in ("ActorRolloutRefWorker", "CriticWorker"):
+        if (cls := getattr(workers, name, None)) is not None:
+            cls.init_model = frozen_after(cls.init_model)
 
 
 def _patch(checkpoint_manager) -> None:
