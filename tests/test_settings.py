@@ -40,8 +40,8 @@ def test_a_missing_or_malformed_setting_names_itself():
         Settings.from_env({k: v for k, v in env.items() if k != "TRAIN_BATCH_SIZE"})
     with pytest.raises(SettingError, match="ACTOR_LR='fast' is not a number"):
         Settings.from_env(env | {"ACTOR_LR": "fast"})
-    with pytest.raises(SettingError, match="FP8='maybe': use true or false"):
-        Settings.from_env(env | {"FP8": "maybe"})
+    with pytest.raises(SettingError, match="VAL_DO_SAMPLE='maybe': use true or false"):
+        Settings.from_env(env | {"VAL_DO_SAMPLE": "maybe"})
 
 
 @pytest.mark.parametrize("name, other", [("STALL_REQUEUE", "true"), ("CONFIG_USE_SEPARATE_REWARD_NODE", "1")])

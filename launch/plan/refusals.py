@@ -38,7 +38,7 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
 
 
 def job_problems(s: Settings) -> list[str]:
-    """What runs the job and where: SGLang's ports on a node, a separate reward node, FP8."""
+    """What runs the job and where: SGLang's ports on a node, a separate reward node, the card's memory."""
     problems: list[str] = []
     if s.rollout_engine == "sglang" and s.gpus_per_node > SGLANG_MAX_GPUS:
         problems.append(
@@ -65,12 +65,6 @@ def job_problems(s: Settings) -> list[str]:
                 f"CONFIG_GPU_MEMORY_GIB={s.gpu_memory_gib_setting!r}: use auto (the GPU the preflight sees) or the "
                 "card's memory in GiB, as torch reports it (an 80 GB H100: 79.2)"
             )
-    if s.fp8:
-        problems.append(
-            "FP8=true: verl 0.6.1 cannot train in FP8 here (its Megatron path drops config.fp8 without "
-            "use_mbridge; the blockwise recipe needs TransformerEngine >= 2.3, this image has 2.2.1). FP8 "
-            "training arrived in verl 0.7.0: keep FP8=false"
-        )
     return problems
 
 

@@ -121,7 +121,6 @@ class Settings:
     test_freq: int = setting("TEST_FREQ")
     val_before_train_setting: str = setting("VAL_BEFORE_TRAIN")  # auto | true | false (val_before_train)
     total_epochs: int = setting("TOTAL_EPOCHS")
-    fp8: bool = setting("FP8")
     logger: str = setting("TRAINER_LOGGER")
     algorithm: str = setting("ALGORITHM")
     trainer_mode: str = setting("TRAINER_MODE")
