@@ -175,11 +175,6 @@ def step_plan(cfg, rows: int) -> tuple[list[str], list[str], list[str]]:
             "step's (and, in a Slurm job, one before the time limit), so a crash or scancel before the end resumes "
             f"from scratch, and there is nothing to merge until then; set SAVE_FREQ below {total}"
         )
-    elif not problems and save_freq <= 0:
-        warnings.append(
-            f"SAVE_FREQ={save_freq}: verl saves no checkpoint at all (trainer.save_freq > 0 is its condition): "
-            "nothing to resume from, nothing to merge; set SAVE_FREQ to a number of steps"
-        )
     return [line], warnings, problems
 
 
