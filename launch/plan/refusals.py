@@ -1,16 +1,8 @@
 """Every refusal of a setting, each naming the setting to change, with the rule of verl 0.6.1 (or the image) behind it;
 launch/plan/config_refusals.py refuses the trainer config composed from the settings. launch/plan/preflight.py runs
 both, cheapest first, on the login node (PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh) and again inside the
-allocation, and prints each problem here as `setting error: ...`.
-
-Refused elsewhere, because only there is what they need:
-- run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
-  the container program (CONTAINER), the folders the container binds, Slurm's GPUs per node vs CONFIG_GPUS_PER_NODE.
-- launch/plan/preflight.py: verl's own validate_config and Hydra errors, the trainer's imports in the image, the data,
-  the reward check (launch/plan/reward_check.py: PREFLIGHT_REWARD), the GPU memory
-  (launch/plan/gpu_memory.py).
-- launch/job/node.py, on each node once the job runs: a hand-set port that is taken there, CONFIG_REWARD_GPUS beyond the
-  job's GPUs on that node, CONFIG_NETWORK_INTERFACE.
+allocation, and prints each problem here as `setting error: ...`. What is refused elsewhere (in bash before the
+container starts, on each node once the job runs), and why there: docs/operations.md#a-jobs-life.
 """
 
 from __future__ import annotations
