@@ -1,9 +1,5 @@
-"""The launch settings as one object, read from the environment.
-
-The defaults live in one place, the settings block at the top of run_grpo_qwen3_4b_mega_verl.sh, which exports
-them; this module reads them from the environment and never invents its own. What refuses a setting is
-launch/plan/refusals.py (the settings) and launch/plan/config_refusals.py (the composed trainer config); the trainer
-command built from them is launch/plan/trainer_command.py.
+"""The launch settings as one object, read from the environment that the settings block of
+run_grpo_qwen3_4b_mega_verl.sh exports: every default lives there, none here.
 
 launch/plan's imports go one way: deadline, thinking and settings (bottom) <- trainer_command <- refusals <- preflight.
 This module imports nothing of launch/ (tests/test_settings.py checks the order).
