@@ -175,13 +175,9 @@ class Settings:
         for field_name, name in (("critic_pp", "CRITIC_PP"), ("critic_tp", "CRITIC_TP")):
             values[field_name] = _parse(int, name, env[name]) if env.get(name) else None
         if values["micro_batch_setting"] != "auto":
-            try:
-                values["micro_batch_per_gpu"] = int(values["micro_batch_setting"])
-            except ValueError:
-                raise SettingError(
-                    f"MICRO_BATCH_PER_GPU={values['micro_batch_setting']!r}: use auto or a whole number (sequences of "
-                    f"{ARTICLE_SEQUENCE_TOKENS} tokens a micro-batch)"
-                ) from None
+            wanted = f"auto or a whole number (sequences of {ARTICLE_SEQUENCE_TOKENS} tokens a micro-batch)"
+            sequences = _number("MICRO_BATCH_PER_GPU", values["micro_batch_setting"], float.is_integer, wanted)
+            values["micro_batch_per_gpu"] = int(sequences)
         if values["megatron_recompute_setting"] != "auto":
             values["megatron_recompute"] = values["megatron_recompute_setting"]
         values["plan_offload"] = {"on": True, "off": False}.get(values["optimizer_offload_setting"])
