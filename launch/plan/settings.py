@@ -76,9 +76,7 @@ class Settings:
     container: str = setting("CONTAINER")
     image: str = setting("CONFIG_IMAGE_PATH")
     model_path: str = setting("CONFIG_MODEL_PATH")
-    prompt_opens_think_setting: str = setting(
-        "REWARD_PROMPT_OPENS_THINK"
-    )  # auto | true | false (launch/plan/thinking.py)
+    prompt_opens_think_setting: str = setting("REWARD_PROMPT_OPENS_THINK")  # auto | true | false (thinking.py)
     reward: str = setting("REWARD")  # rm | rule | rm+rule (the reward function checks it: reward_score_range)
     reward_model_path: str = setting("CONFIG_REWARD_MODEL_PATH")
     train_file: str = setting("CONFIG_TRAIN_FILE")
@@ -252,8 +250,7 @@ class Settings:
 
     @property
     def critic_cliprange_value(self) -> float:
-        """PPO's value clip (critic.cliprange_value); auto: half the reward range (docs/training.md, PPO's value
-        clip)."""
+        """PPO's value clip (critic.cliprange_value); auto: half the reward range (docs/training.md)."""
         raw = self.critic_cliprange_value_setting
         if raw == "auto":
             return self.half_reward_range
