@@ -2,12 +2,8 @@
 
     python -m launch.plan.preflight [EXTRA_OVERRIDES...]     # reads the settings run_grpo_qwen3_4b_mega_verl.sh exports
 
-The job's one check, in one process (one container start; the policy tokenizer loaded once), cheapest first: the
-settings (launch.plan.refusals), the trainer config composed by Hydra and validated by verl's own code, then what verl
-asserts only at run time (launch.plan.config_refusals) and the GPU memory (launch.plan.gpu_memory), the data through
-verl's RLHFDataset (PREFLIGHT_DATA=1) and the reward (launch.plan.reward_check). The check's reward server and the
-trainer's imports (launch.plan.trainer_imports) start alongside; docs/operations.md#a-jobs-life lists every check.
-On failure it prints verl's message.
+The job's one check, in one process (one container start; the policy tokenizer loaded once), cheapest first (main);
+docs/operations.md#a-jobs-life lists every check in that order. On failure it prints verl's message.
 """
 
 import atexit
