@@ -377,7 +377,7 @@ def report_config(settings: Settings, extra: list[str], cfg, command: str) -> No
 
 def memory_fits(settings: Settings, extra: list[str], cfg, choice=None) -> bool:
     """Print the GPU memory of the rollout's start (beside the reward server) and, with Megatron, of the update; False
-    once a refusal is printed. A config the dense formulas cannot read (an MoE, no intermediate_size) is a warning."""
+    once a refusal is printed."""
     try:
         peak = reward_peak(settings)
     except (Exception, SystemExit) as exc:  # the reward server's settings (argparse exits) or its model's config
@@ -385,17 +385,8 @@ def memory_fits(settings: Settings, extra: list[str], cfg, choice=None) -> bool:
             f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
         )
         return False
-    try:
-        print(f"preflight: {gpu_memory_line(settings, peak, cfg)}")
-    except GpuMemoryError as exc:
-        print(f"preflight: {exc}", file=sys.stderr)
+    if not estimate_printed("the rollout's GPU memory", lambda: [gpu_memory_line(settings, peak, cfg)]):
         return False
-    except Exception as exc:
-        print(
-            f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
-            f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how",
-            file=sys.stderr,
-        )
     if choice is not None:
         print(f"preflight: {choice.line(settings)}")
         if slower := choice.slower_line():
@@ -404,16 +395,22 @@ def memory_fits(settings: Settings, extra: list[str], cfg, choice=None) -> bool:
     print(f"preflight: verl's fused log-prob kernels {'on' if fused else 'off'} ({why})")
     if settings.strategy != "megatron":
         return True
+    return estimate_printed("the Megatron update's memory", lambda: megatron_update_lines(settings, peak, fused))
+
+
+def estimate_printed(what: str, lines) -> bool:
+    """Print a memory estimate's lines; False once its refusal (GpuMemoryError) is printed. A config the dense
+    formulas cannot read (an MoE, no intermediate_size) is a warning."""
     try:
-        for line in megatron_update_lines(settings, peak, fused):
+        for line in lines():
             print(f"preflight: {line}")
     except GpuMemoryError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
         return False
     except Exception as exc:
         print(
-            f"preflight: WARNING: the Megatron update's memory is not estimated from CONFIG_MODEL_PATH's "
-            f"config.json ({type(exc).__name__}: {exc}); docs/training.md has the formula",
+            f"preflight: WARNING: {what} is not estimated from the models' config.json ({type(exc).__name__}: {exc}); "
+            "docs/training.md, GPU memory per role, says how",
             file=sys.stderr,
         )
     return True
