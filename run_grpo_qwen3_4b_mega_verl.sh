@@ -114,7 +114,6 @@ MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"                       # actor and crit
 PROJECT_NAME="${PROJECT_NAME:-$WANDB_PROJECT}"                  # trainer.project_name
 EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_4b_grpo_megatron}"    # trainer.experiment_name; the wandb run's name
 TRAINER_LOGGER="${TRAINER_LOGGER:-[console,wandb]}"             # trainer.logger
-FP8="${FP8:-false}"                                             # verl 0.6.1 cannot train in FP8 here: see the check
 # -- The job's own behaviour: dry runs, checks, time limits, restarts, ports ------------------------------------------
 PREFLIGHT_ONLY="${PREFLIGHT_ONLY:-0}"                           # 1: run the checks, start nothing
 CANARY="${CANARY:-0}"                                           # 1: train 2 steps, resume, merge, on a tiny workload

@@ -6,13 +6,8 @@
     python -m data_prep.build qa.jsonl --reward-style rule --answer-column answer --out-dir data/z
     python -m data_prep.build gsm8k_train.parquet --preset gsm8k --test-file gsm8k_test.parquet --out-dir data/gsm8k
 
-Each output row is what verl 0.6.1's RLHFDataset and reward managers read: `prompt` (the chat list), `data_source`,
-`ability`, `reward_model` ({"style": "model"|"rule", "ground_truth": the prompt text | the reference answer}) and
-`extra_info` (split, index, source_row, reward_messages: the prompt the reward model sees after verl pops `prompt`,
-and each --keep-column). --preset gsm8k|math builds rule rows as verl's own examples/data_preprocess scripts do.
-The split is deterministic: a row goes to test when a hash of (--seed, its prompt) falls under --test-size (on a small
-input, the nearest prompt). Bad rows are skipped and listed (bad_rows.jsonl), or stop the build with --on-bad-row
-fail. Outputs are written atomically and kept unless --overwrite (docs/data.md).
+Each output row is what verl 0.6.1's RLHFDataset and reward managers read (the columns, the split, the presets and
+what happens to bad rows: docs/data.md).
 """
 
 import argparse

@@ -156,10 +156,6 @@ def validate_files(paths, tokenizer=None, max_prompt_length=None, template_kwarg
     """Check each file and print its summary; False when any has errors (over-long prompts are a warning)."""
     failed, over = False, 0
     for path in map(Path, paths):
-        if not path.is_file():
-            print(f"{path}: no such file", file=sys.stderr)
-            failed = True
-            continue
         report = validate_file(path, tokenizer, max_prompt_length, template_kwargs)
         print(summary(report, max_prompt_length))
         over += report.over_limit

@@ -254,7 +254,6 @@ def test_a_rollout_gpu_memory_that_is_no_share_is_refused_naming_auto(env, raw):
         ({"ALGORITHM": "ppo", "CRITIC_CLIPRANGE_VALUE": "nan"}, "CRITIC_CLIPRANGE_VALUE='nan': use auto"),
         ({"ALGORITHM": "dapo", "OVERLONG_BUFFER_LEN": "5000"}, "OVERLONG_BUFFER_LEN=5000: between 0 (a quarter of the response) and MAX_RESPONSE_LENGTH=4096"),
         ({"ALGORITHM": "dapo", "OVERLONG_BUFFER_LEN": "-1"}, "OVERLONG_BUFFER_LEN=-1: between 0"),
-        ({"FP8": "true"}, "FP8 training arrived in verl 0.7.0"),
         ({"ALGORITHM": "reinforce"}, "ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         ({"STRATEGY": "fsdp"}, "STRATEGY='fsdp': use one of megatron, fsdp2"),
         ({"REWARD_RESTARTS": "-1"}, "REWARD_RESTARTS=-1: restarts of a reward server that dies, 0 or more"),

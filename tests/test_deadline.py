@@ -84,6 +84,8 @@ def test_the_main_trainer_gets_the_window_key_and_the_recipes_which_never_check_
         (DAPO, IN_A_JOB, "warning", "recipe.dapo does not save before the time limit"),
         ({"TRAINER_MODE": "one_step_off", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": 2, "ROLLOUT_ENGINE": "vllm"},
          IN_A_JOB, "warning", "recipe.one_step_off_policy does not save before the time limit"),
+        # SAVE_FREQ<=0: no saves at all, said by the plan (the one place that says it)
+        ({"SAVE_FREQ": -1}, IN_A_JOB, "line", "SAVE_FREQ<=0: verl saves nothing, before the time limit neither"),
         # the defaults in a day-long job: the plan, no warning
         ({}, IN_A_JOB, "line", "verl saves after any step that ends within 60 s + its longest step + "
          "trainer.esi_redundant_time=600 s of"),

@@ -155,7 +155,7 @@ def test_a_finished_training_is_never_run_again(job):
         ({"CONFIG_TRAIN_FILE": "/nowhere/train.parquet"}, "CONFIG_TRAIN_FILE=/nowhere/train.parquet: no such file"),
         ({"CONFIG_TEST_FILE": "TRAIN"}, "CONFIG_TRAIN_FILE and CONFIG_TEST_FILE are the same file"),
         ({"CONFIG_USE_SEPARATE_REWARD_NODE": "true"}, "CONFIG_USE_SEPARATE_REWARD_NODE=true needs at least 2 nodes"),
-        ({"FP8": "true"}, "FP8=true: verl 0.6.1 cannot train in FP8 here"),
+        ({"ALGORITHM": "reinforce"}, "setting error: ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         (
             {"CONFIG_GPUS_PER_NODE": "4", "ACTOR_PP": "3"},
             "ACTOR_PP x ACTOR_TP = 3 x 1 does not divide the 4 training GPUs",

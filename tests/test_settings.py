@@ -40,8 +40,10 @@ def test_a_missing_or_malformed_setting_names_itself():
         Settings.from_env({k: v for k, v in env.items() if k != "TRAIN_BATCH_SIZE"})
     with pytest.raises(SettingError, match="ACTOR_LR='fast' is not a number"):
         Settings.from_env(env | {"ACTOR_LR": "fast"})
-    with pytest.raises(SettingError, match="FP8='maybe': use true or false"):
-        Settings.from_env(env | {"FP8": "maybe"})
+    with pytest.raises(SettingError, match="VAL_DO_SAMPLE='maybe': use true or false"):
+        Settings.from_env(env | {"VAL_DO_SAMPLE": "maybe"})
+    with pytest.raises(SettingError, match="MICRO_BATCH_PER_GPU='2.5': use auto or a whole number"):
+        Settings.from_env(env | {"MICRO_BATCH_PER_GPU": "2.5"})
 
 
 @pytest.mark.parametrize("name, other", [("STALL_REQUEUE", "true"), ("CONFIG_USE_SEPARATE_REWARD_NODE", "1")])

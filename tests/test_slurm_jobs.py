@@ -389,12 +389,12 @@ def test_a_failed_check_ends_the_job_failed_with_the_message_in_its_output_file(
         "TRAINER_IS_VERL": "1",
     }
     cpus = submit(verl, out=tmp_path / "cpus.out", options=("--mem=3G", "--cpus-per-task=1", "--gpus-per-node=1"))
-    fp8 = submit(job | {"FP8": "true"}, out=tmp_path / "fp8.out")
+    unknown = submit(job | {"ALGORITHM": "reinforce"}, out=tmp_path / "unknown.out")
     # the requeue at the header's signal (900 s before the limit) would come before verl's expiry
     early = submit(job | {"CHECKPOINT_BEFORE_END": "600"}, out=tmp_path / "early.out")
     for j, needle in (
         (gpus, "Slurm gave 2 GPUs per node but CONFIG_GPUS_PER_NODE=1: make #SBATCH --gpus-per-node match"),
-        (fp8, "setting error: FP8=true: verl 0.6.1 cannot train in FP8 here"),
+        (unknown, "setting error: ALGORITHM='reinforce': use one of grpo, ppo, dapo"),
         (early, "setting error: CHECKPOINT_BEFORE_END=600 is not above the time-limit signal's lead (900 s"),
         # async SGLang on 1 GPU: the TaskRunner, a CPU beside the GPU and one for the server
         (cpus, "RAY_NUM_CPUS=1 Ray CPUs per node (the job's --cpus-per-task), but verl 0.6.1 holds 3 on a node"),

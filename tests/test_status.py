@@ -357,17 +357,17 @@ def test_a_canary_reads_as_one_run_with_its_stages_from_its_folder_a_stage_or_th
 def test_a_failed_preflight_only_is_shown_failed_before_training_with_its_refusal(job, capsys, tmp_path):
     """PREFLIGHT_ONLY=1 outside Slurm refused by the Python preflight: its folder stays, with the refusal and the end
     recorded; a bare `launch.watch.status` (the newest job) used to call it RUNNING with step 0 and a trainer.log."""
-    result = run(job | {"PREFLIGHT_ONLY": "1", "FP8": "true"})
+    result = run(job | {"PREFLIGHT_ONLY": "1", "ALGORITHM": "reinforce"})
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     logs = Path(job["CONFIG_LOG_DIR"])
     r = health.report(reading.load(None, logs))
     assert r["state"] == "failed", r
-    assert r["why"].startswith("before training, in the preflight: setting error: FP8=true: verl 0.6.1 cannot"), r
+    assert r["why"].startswith("before training, in the preflight: setting error: ALGORITHM='reinforce': use one"), r
     (start,) = r["starts"]
     assert (start["kind"], start["exit_code"], start["steps"]) == ("preflight only", 1, [])
     assert status.main(["--log-dir", str(logs)]) == 0
     text = capsys.readouterr().out
-    assert text.startswith(f"job {r['job']}: FAILED: before training, in the preflight: setting error: FP8=true")
+    assert text.startswith(f"job {r['job']}: FAILED: before training, in the preflight: setting error: ALGORITHM=")
     assert "  a local run, outside Slurm\n" in text and "[preflight only]" in text
     assert "progress: no steps yet\n" in text
 

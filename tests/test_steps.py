@@ -63,7 +63,6 @@ def test_too_few_prompts_for_one_step_are_refused_where_verl_would_assert_after_
     [
         (25, "SAVE_FREQ=25 is not below the 3 steps verl will train: its only checkpoint is the last step's"),
         (3, "SAVE_FREQ=3 is not below the 3 steps"),
-        (-1, "SAVE_FREQ=-1: verl saves no checkpoint at all"),
     ],
 )
 def test_a_job_that_would_save_nothing_before_its_end_is_warned_about(env, save_freq, needle):  # noqa: F811

@@ -137,33 +137,21 @@ def _update_relation_problems(cfg) -> list[str]:
         critic_dp = dp if not fsdp else n_gpus // (critic.get("ulysses_sequence_parallel_size") or 1)
         problems += _update_problems("critic", critic, "critic", batch, critic_dp, critic.rollout_n, fsdp)
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    # (section, its dynamic-batching switch, the prefix of its token budget and micro-batch keys)
     budgets = [
-        (
-            "actor_rollout_ref.actor",
-            arr.actor.use_dynamic_bsz,
-            "ppo_max_token_len_per_gpu",
-            "ppo_micro_batch_size_per_gpu",
-        ),
-        (
-            "actor_rollout_ref.rollout",
-            arr.rollout.log_prob_use_dynamic_bsz,
-            "log_prob_max_token_len_per_gpu",
-            "log_prob_micro_batch_size_per_gpu",
-        ),
-        (
-            "actor_rollout_ref.ref",
-            arr.ref.log_prob_use_dynamic_bsz,
-            "log_prob_max_token_len_per_gpu",
-            "log_prob_micro_batch_size_per_gpu",
-        ),
+        ("actor_rollout_ref.actor", arr.actor.use_dynamic_bsz, "ppo"),
+        ("actor_rollout_ref.rollout", arr.rollout.log_prob_use_dynamic_bsz, "log_prob"),
+        ("actor_rollout_ref.ref", arr.ref.log_prob_use_dynamic_bsz, "log_prob"),
     ]
     if critic_used:
         budgets += [
-            ("critic", cfg.critic.use_dynamic_bsz, "ppo_max_token_len_per_gpu", "ppo_micro_batch_size_per_gpu"),
-            ("critic", cfg.critic.use_dynamic_bsz, "forward_max_token_len_per_gpu", "forward_micro_batch_size_per_gpu"),
+            ("critic", cfg.critic.use_dynamic_bsz, "ppo"),
+            ("critic", cfg.critic.use_dynamic_bsz, "forward"),
         ]
-    for keys, dynamic, budget, micro in budgets:
+    for keys, dynamic, kind in budgets:
         section = OmegaConf.select(cfg, keys)
+        budget = f"{kind}_max_token_len_per_gpu"
+        micro = f"{kind}_micro_batch_size_per_gpu"
         if dynamic and section.get(budget) is not None and section[budget] < seq:
             problems.append(
                 f"{keys}.{budget}={section[budget]} is less than one whole sequence, data.max_prompt_length + "

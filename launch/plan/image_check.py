@@ -6,9 +6,7 @@ python3 launch/plan/image_check.py --record-base /opt/verl_app   # %post, first:
 python3 launch/plan/image_check.py --base /opt/verl_app          # %post, last, and %test: nothing of the base moved
 python3 launch/plan/image_check.py --engine none --skip-recipes --skip-megatron   # the CPU test environment (PyPI verl)
 
-Modules that load CUDA libraries when imported are marked `gpu`: without a visible GPU (the build's %post, or
-`singularity test` without --nv) a failure to import them is printed as "skip", not counted; with a GPU it fails the
-check. So the full check is `singularity test --nv verl_app.sif` on a GPU node.
+Modules marked `gpu` are checked strictly only where a GPU is visible (`singularity test --nv`: docs/image.md).
 """
 
 from __future__ import annotations

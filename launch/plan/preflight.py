@@ -2,12 +2,8 @@
 
     python -m launch.plan.preflight [EXTRA_OVERRIDES...]     # reads the settings run_grpo_qwen3_4b_mega_verl.sh exports
 
-The job's one check, in one process (one container start; the policy tokenizer loaded once), cheapest first: the
-settings (launch.plan.refusals), the trainer config composed by Hydra and validated by verl's own code, then what verl
-asserts only at run time (launch.plan.config_refusals) and the GPU memory (launch.plan.gpu_memory), the data through
-verl's RLHFDataset (PREFLIGHT_DATA=1) and the reward (launch.plan.reward_check). The check's reward server and the
-trainer's imports (launch.plan.trainer_imports) start alongside; docs/operations.md#a-jobs-life lists every check.
-On failure it prints verl's message.
+The job's one check, in one process (one container start; the policy tokenizer loaded once), cheapest first (main);
+docs/operations.md#a-jobs-life lists every check in that order. On failure it prints verl's message.
 """
 
 import atexit
@@ -125,8 +121,7 @@ def check_data(cfg, tokenizer) -> tuple[list[str], int]:
 
 def step_plan(cfg, rows: int) -> tuple[list[str], list[str], list[str]]:
     """(lines, warnings, problems) about the steps verl will train, counted as verl 0.6.1 counts them
-    (ray_trainer.py _create_dataloader, :380-414): batches of data.gen_batch_size (recipe.dapo) or
-    data.train_batch_size,
+    (ray_trainer.py _create_dataloader, :380-414): batches of data.gen_batch_size (recipe.dapo) or data.train_batch_size,
     the last incomplete one dropped (drop_last=True), times trainer.total_epochs, unless trainer.total_training_steps
     sets the total; and verl saves every trainer.save_freq steps and after the last (ray_trainer.py:1247-1254)."""
     batch = cfg.data.get("gen_batch_size", cfg.data.train_batch_size)
@@ -174,11 +169,6 @@ def step_plan(cfg, rows: int) -> tuple[list[str], list[str], list[str]]:
             f"SAVE_FREQ={save_freq} is not below the {total} steps verl will train: its only checkpoint is the last "
             "step's (and, in a Slurm job, one before the time limit), so a crash or scancel before the end resumes "
             f"from scratch, and there is nothing to merge until then; set SAVE_FREQ below {total}"
-        )
-    elif not problems and save_freq <= 0:
-        warnings.append(
-            f"SAVE_FREQ={save_freq}: verl saves no checkpoint at all (trainer.save_freq > 0 is its condition): "
-            "nothing to resume from, nothing to merge; set SAVE_FREQ to a number of steps"
         )
     return [line], warnings, problems
 
@@ -387,7 +377,7 @@ def report_config(settings: Settings, extra: list[str], cfg, command: str) -> No
 
 def memory_fits(settings: Settings, extra: list[str], cfg, choice=None) -> bool:
     """Print the GPU memory of the rollout's start (beside the reward server) and, with Megatron, of the update; False
-    once a refusal is printed. A config the dense formulas cannot read (an MoE, no intermediate_size) is a warning."""
+    once a refusal is printed."""
     try:
         peak = reward_peak(settings)
     except (Exception, SystemExit) as exc:  # the reward server's settings (argparse exits) or its model's config
@@ -395,17 +385,8 @@ def memory_fits(settings: Settings, extra: list[str], cfg, choice=None) -> bool:
             f"preflight: cannot size the reward server (CONFIG_REWARD_MODEL_PATH, REWARD_*): {exc!r}", file=sys.stderr
         )
         return False
-    try:
-        print(f"preflight: {gpu_memory_line(settings, peak, cfg)}")
-    except GpuMemoryError as exc:
-        print(f"preflight: {exc}", file=sys.stderr)
+    if not estimate_printed("the rollout's GPU memory", lambda: [gpu_memory_line(settings, peak, cfg)]):
         return False
-    except Exception as exc:
-        print(
-            f"preflight: WARNING: the rollout's GPU memory is not estimated from the models' config.json "
-            f"({type(exc).__name__}: {exc}); docs/training.md, GPU memory per role, says how",
-            file=sys.stderr,
-        )
     if choice is not None:
         print(f"preflight: {choice.line(settings)}")
         if slower := choice.slower_line():
@@ -414,16 +395,22 @@ def memory_fits(settings: Settings, extra: list[str], cfg, choice=None) -> bool:
     print(f"preflight: verl's fused log-prob kernels {'on' if fused else 'off'} ({why})")
     if settings.strategy != "megatron":
         return True
+    return estimate_printed("the Megatron update's memory", lambda: megatron_update_lines(settings, peak, fused))
+
+
+def estimate_printed(what: str, lines) -> bool:
+    """Print a memory estimate's lines; False once its refusal (GpuMemoryError) is printed. A config the dense
+    formulas cannot read (an MoE, no intermediate_size) is a warning."""
     try:
-        for line in megatron_update_lines(settings, peak, fused):
+        for line in lines():
             print(f"preflight: {line}")
     except GpuMemoryError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
         return False
     except Exception as exc:
         print(
-            f"preflight: WARNING: the Megatron update's memory is not estimated from CONFIG_MODEL_PATH's "
-            f"config.json ({type(exc).__name__}: {exc}); docs/training.md has the formula",
+            f"preflight: WARNING: {what} is not estimated from the models' config.json ({type(exc).__name__}: {exc}); "
+            "docs/training.md, GPU memory per role, says how",
             file=sys.stderr,
         )
     return True

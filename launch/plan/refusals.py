@@ -1,16 +1,8 @@
 """Every refusal of a setting, each naming the setting to change, with the rule of verl 0.6.1 (or the image) behind it;
 launch/plan/config_refusals.py refuses the trainer config composed from the settings. launch/plan/preflight.py runs
 both, cheapest first, on the login node (PREFLIGHT_ONLY=1 bash run_grpo_qwen3_4b_mega_verl.sh) and again inside the
-allocation, and prints each problem here as `setting error: ...`.
-
-Refused elsewhere, because only there is what they need:
-- run_grpo_qwen3_4b_mega_verl.sh, before the container starts (no Python yet): the image file (CONFIG_IMAGE_PATH),
-  the container program (CONTAINER), the folders the container binds, Slurm's GPUs per node vs CONFIG_GPUS_PER_NODE.
-- launch/plan/preflight.py: verl's own validate_config and Hydra errors, the trainer's imports in the image, the data,
-  the reward check (launch/plan/reward_check.py: PREFLIGHT_REWARD), the GPU memory
-  (launch/plan/gpu_memory.py).
-- launch/job/node.py, on each node once the job runs: a hand-set port that is taken there, CONFIG_REWARD_GPUS beyond the
-  job's GPUs on that node, CONFIG_NETWORK_INTERFACE.
+allocation, and prints each problem here as `setting error: ...`. What is refused elsewhere (in bash before the
+container starts, on each node once the job runs), and why there: docs/operations.md#a-jobs-life.
 """
 
 from __future__ import annotations
@@ -38,7 +30,7 @@ def check(s: Settings, check_paths: bool = True) -> list[str]:
 
 
 def job_problems(s: Settings) -> list[str]:
-    """What runs the job and where: SGLang's ports on a node, a separate reward node, FP8."""
+    """What runs the job and where: SGLang's ports on a node, a separate reward node, the card's memory."""
     problems: list[str] = []
     if s.rollout_engine == "sglang" and s.gpus_per_node > SGLANG_MAX_GPUS:
         problems.append(
@@ -65,12 +57,6 @@ def job_problems(s: Settings) -> list[str]:
                 f"CONFIG_GPU_MEMORY_GIB={s.gpu_memory_gib_setting!r}: use auto (the GPU the preflight sees) or the "
                 "card's memory in GiB, as torch reports it (an 80 GB H100: 79.2)"
             )
-    if s.fp8:
-        problems.append(
-            "FP8=true: verl 0.6.1 cannot train in FP8 here (its Megatron path drops config.fp8 without "
-            "use_mbridge; the blockwise recipe needs TransformerEngine >= 2.3, this image has 2.2.1). FP8 "
-            "training arrived in verl 0.7.0: keep FP8=false"
-        )
     return problems
 
 

@@ -1,8 +1,6 @@
 """The preflight's reward check (step 3 of launch/plan/preflight.py): a reward server started for the check and verl's
-own reward manager (with async rollout, its reward loop) calling our reward file by path on real
-validation rows with made-up responses, as after a rollout (PREFLIGHT_REWARD=1). Before those, whatever REWARD is,
-reward_data_problems: the rows' reward_model.style against REWARD, and for rule rewards their reference answers,
-data_sources verl has a scorer for, or the user's function called on a few rows.
+own reward manager (with async rollout, its reward loop) calling our reward file by path on real validation rows with
+made-up responses, as after a rollout (PREFLIGHT_REWARD=1); before it, the rows against REWARD (reward_data_problems).
 """
 
 import math

@@ -1,9 +1,5 @@
-"""The launch settings as one object, read from the environment.
-
-The defaults live in one place, the settings block at the top of run_grpo_qwen3_4b_mega_verl.sh, which exports
-them; this module reads them from the environment and never invents its own. What refuses a setting is
-launch/plan/refusals.py (the settings) and launch/plan/config_refusals.py (the composed trainer config); the trainer
-command built from them is launch/plan/trainer_command.py.
+"""The launch settings as one object, read from the environment that the settings block of
+run_grpo_qwen3_4b_mega_verl.sh exports: every default lives there, none here.
 
 launch/plan's imports go one way: deadline, thinking and settings (bottom) <- trainer_command <- refusals <- preflight.
 This module imports nothing of launch/ (tests/test_settings.py checks the order).
@@ -80,9 +76,7 @@ class Settings:
     container: str = setting("CONTAINER")
     image: str = setting("CONFIG_IMAGE_PATH")
     model_path: str = setting("CONFIG_MODEL_PATH")
-    prompt_opens_think_setting: str = setting(
-        "REWARD_PROMPT_OPENS_THINK"
-    )  # auto | true | false (launch/plan/thinking.py)
+    prompt_opens_think_setting: str = setting("REWARD_PROMPT_OPENS_THINK")  # auto | true | false (thinking.py)
     reward: str = setting("REWARD")  # rm | rule | rm+rule (the reward function checks it: reward_score_range)
     reward_model_path: str = setting("CONFIG_REWARD_MODEL_PATH")
     train_file: str = setting("CONFIG_TRAIN_FILE")
@@ -121,7 +115,6 @@ class Settings:
     test_freq: int = setting("TEST_FREQ")
     val_before_train_setting: str = setting("VAL_BEFORE_TRAIN")  # auto | true | false (val_before_train)
     total_epochs: int = setting("TOTAL_EPOCHS")
-    fp8: bool = setting("FP8")
     logger: str = setting("TRAINER_LOGGER")
     algorithm: str = setting("ALGORITHM")
     trainer_mode: str = setting("TRAINER_MODE")
@@ -180,13 +173,9 @@ class Settings:
         for field_name, name in (("critic_pp", "CRITIC_PP"), ("critic_tp", "CRITIC_TP")):
             values[field_name] = _parse(int, name, env[name]) if env.get(name) else None
         if values["micro_batch_setting"] != "auto":
-            try:
-                values["micro_batch_per_gpu"] = int(values["micro_batch_setting"])
-            except ValueError:
-                raise SettingError(
-                    f"MICRO_BATCH_PER_GPU={values['micro_batch_setting']!r}: use auto or a whole number (sequences of "
-                    f"{ARTICLE_SEQUENCE_TOKENS} tokens a micro-batch)"
-                ) from None
+            wanted = f"auto or a whole number (sequences of {ARTICLE_SEQUENCE_TOKENS} tokens a micro-batch)"
+            sequences = _number("MICRO_BATCH_PER_GPU", values["micro_batch_setting"], float.is_integer, wanted)
+            values["micro_batch_per_gpu"] = int(sequences)
         if values["megatron_recompute_setting"] != "auto":
             values["megatron_recompute"] = values["megatron_recompute_setting"]
         values["plan_offload"] = {"on": True, "off": False}.get(values["optimizer_offload_setting"])
@@ -261,8 +250,7 @@ class Settings:
 
     @property
     def critic_cliprange_value(self) -> float:
-        """PPO's value clip (critic.cliprange_value); auto: half the reward range (docs/training.md, PPO's value
-        clip)."""
+        """PPO's value clip (critic.cliprange_value); auto: half the reward range (docs/training.md)."""
         raw = self.critic_cliprange_value_setting
         if raw == "auto":
             return self.half_reward_range

@@ -1,11 +1,7 @@
 """The exact trainer command of a job, built from its settings: verl's entry point and config for the combination, every
-Hydra override (FIXED_OVERRIDES: the ones every job sets the same way), the user's extra overrides last. Every start
-writes its command to logs/<job id>/trainer_command.txt, one argument per line.
+Hydra override (FIXED_OVERRIDES: the ones every job sets the same way), the user's extra overrides last.
 
-    python -m launch.plan.trainer_command trainer-argv      # the trainer command, NUL-separated (bash: mapfile -d '')
-
-helper_grpo_qwen3_4b.sh runs that on the head node. Imports the settings (launch/plan/settings.py) and the save
-deadline (launch/plan/deadline.py); refusals, gpu_memory and preflight import this module.
+    python -m launch.plan.trainer_command trainer-argv  # NUL-separated: helper_grpo_qwen3_4b.sh, on the head node
 """
 
 import importlib.util

@@ -29,10 +29,9 @@ ENGINE_MODULES = {"hf": "verl.workers.rollout.hf_rollout"}
 
 def trainer_modules(module: str, cfg) -> list[str]:
     """What the trainer command imports before it can train: the rollout engine, the entry module, with async rollout
-    verl's agent loop, and a recipe's trainer (and for one-step-off its workers for this strategy, which it picks by
-    actor.strategy). verl's own
-    worker modules are the image's to check (its %test): Megatron's pull in TransformerEngine, which a login node
-    without a GPU driver may not load."""
+    verl's agent loop, and a recipe's trainer (for one-step-off, its workers for actor.strategy). verl's own worker
+    modules are the image's to check (its %test): Megatron's pull in TransformerEngine, which a login node without a
+    GPU driver may not load."""
     engine = cfg.actor_rollout_ref.rollout.name
     modules = [ENGINE_MODULES.get(engine, engine), module]
     if cfg.actor_rollout_ref.rollout.mode == "async":
