@@ -184,7 +184,6 @@ LONGEST_FIRST = (  # by the slow tier's --durations (2026-12-07, 2 cores shared 
     "tests/test_status.py::test_a_requeued_job_shows_where_it_resumes",
     "tests/test_canary.py::test_canary_1_sbatch_on_two_nodes",
     "tests/test_canary.py::test_the_canary_trains_resumes_and_merges",
-    "tests/test_run_time.py::test_the_canary_with_a_proxy",
     "tests/test_slurm_jobs.py::test_a_worker_that_never_joins",
     "tests/test_canary.py::test_a_merged_model_that_fails_verification",
     "tests/test_canary.py::test_a_trainer_that_does_not_resume",
@@ -226,6 +225,7 @@ SLOW_TESTS = (
     "test_reward_server.py::test_the_port_stays_closed_while", "test_reward_server.py::test_health_answers_only_once",
     "test_reward_server.py::test_a_model_that_cannot_load_exits", "test_check_format.py::test_the_command_recommends",
     "test_preempt.py::test_the_hook_imports_nothing_of_verl",
+    "test_harness.py::test_the_makefiles_two_tiers_hold",  # two whole collections: 20-60 s, a third of make test-fast
 )  # fmt: skip
 
 
