@@ -17,10 +17,13 @@ STAMP := $(VENV)/.installed
 export PATH := $(BIN):$(PATH)
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k reward -x"
 PYTEST_ARGS ?=
-# pytest-xdist processes (0: none): most tests wait on Slurm, Ray and servers, so two share a 2-core machine. A short
-# --basetemp per run keeps Ray's unix sockets under 107 bytes; --maxschedchunk 1 hands out one test at a time.
+# pytest-xdist processes (0: none). The unit tier computes: two, one a core. The slow tier mostly waits (on Slurm, Ray,
+# servers, a watchdog's budget, a grace period): four at once, as many as the local cluster's debug partition runs of
+# the tests' one-GPU jobs per node (4 GPUs) without queueing the two-node ones. A short --basetemp per run keeps Ray's
+# unix sockets under 107 bytes; --maxschedchunk 1 hands out one test at a time (tests/conftest.py orders them).
 PYTEST_WORKERS ?= 2
-XDIST := -n $(PYTEST_WORKERS) --maxschedchunk 1
+SLOW_WORKERS ?= 4
+XDIST = -n $(1) --maxschedchunk 1
 
 # The repository's own shell files (git's list: not what an ignored folder holds), untracked new ones included.
 shell_files = $(shell git ls-files --cached --others --exclude-standard -- '*.sh' '.ci/*' | sort)
@@ -89,20 +92,21 @@ FAST_TIER := not slow
 SLOW_TIER := slow
 # pytest exits 5 when it collected nothing: the suite is never empty, so that is a failure like any other, unless
 # PYTEST_ARGS picked a part that one tier has none of.
-pytest_tier = $(BIN)/python -m pytest $(XDIST) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) --durations=30 -m "$(1)" \
-  $(PYTEST_ARGS) $(if $(PYTEST_ARGS),|| [[ $$? == 5 ]])
+pytest_tier = $(BIN)/python -m pytest $(call XDIST,$(2)) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) --durations=30 \
+  -m "$(1)" $(PYTEST_ARGS) $(if $(PYTEST_ARGS),|| [[ $$? == 5 ]])
 
 test-fast: lint
-	$(call pytest_tier,$(FAST_TIER))
+	$(call pytest_tier,$(FAST_TIER),$(PYTEST_WORKERS))
 
 # The unit tier first (a broken change fails in minutes), then the slow one. The last run: the reward server and
 # client tests, and verl's uvicorn pattern, on the oldest stack (transformers included).
 OLDEST_TESTS := tests/test_reward_server.py tests/test_reward_client.py tests/test_reward_stack.py
 test: lint $(OLDEST)/.installed $(TRL_STACKS)
-	$(call pytest_tier,$(FAST_TIER))
+	$(call pytest_tier,$(FAST_TIER),$(PYTEST_WORKERS))
 	bash tests/slurm/local_slurm.sh start || echo "make test: the local Slurm cluster did not start (above): its tests will fail"
-	$(call pytest_tier,$(SLOW_TIER))
-	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest $(XDIST) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) $(OLDEST_TESTS)
+	$(call pytest_tier,$(SLOW_TIER),$(SLOW_WORKERS))
+	REWARD_STACK=oldest PYTHONPATH=$(CURDIR)/$(OLDEST) $(BIN)/python -m pytest $(call XDIST,$(PYTEST_WORKERS)) --basetemp=$$(mktemp -d /tmp/pytest-XXXX) \
+	  $(OLDEST_TESTS)
 
 clean-env:
 	rm -rf $(VENV)

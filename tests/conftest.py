@@ -166,22 +166,23 @@ def submit(clone):
     real_slurm.cancel_all(jobs)
 
 
-# The suite's longest tests (each a launch of verl's trainer or more: 2-15 min on 2 cores), started first, in the order of
-# their durations in CI's run of 2026-12-03. The Makefile runs xdist with --maxschedchunk 1, so each worker holds at
-# most two tests it has not started and takes the next in this order when one ends (the longest first, greedy). xdist's
-# default hands each worker a quarter of its share at once, in one piece: every test below went to the first worker
-# (41 of its minutes), and one collected last kept a worker busy minutes after the other had run out.
-LONGEST_FIRST = (  # by the slow tier's --durations in CI (2026-12-06, 2 cores)
-    "tests/test_slurm_jobs.py::test_a_worker_hung_in_a_phase",
+# The suite's longest tests (each a launch of verl's trainer or a job that waits minutes: 2-15 min on 2 cores), started
+# first, in this order. The Makefile runs xdist with --maxschedchunk 1, and xdist keeps every worker one test ahead:
+# the test after the one it starts is already its own, started only when that one ends. So each long test here is
+# followed by a short one (`pytest_collection_modifyitems`): the test a worker waits behind while a long one runs is a
+# short one, and the next long test goes to the first worker that is free (in the plain order the second longest sat
+# behind the longest on one worker, and the two ran one after the other). xdist's default hands each worker a quarter
+# of its share at once, in one piece: every test below went to the first worker (41 of its minutes).
+LONGEST_FIRST = (  # by the slow tier's --durations (2026-12-07, 2 cores shared with other suites: see docs/development.md)
     "tests/test_quickstart.py::",
-    "tests/test_demo.py::test_make_demo_",
-    "tests/test_slurm_jobs.py::test_verl_saves_before_the_time_limit",
+    "tests/test_slurm_jobs.py::test_a_worker_hung_in_a_phase",
     "tests/test_slurm_jobs.py::test_a_preempted_job_saves_the_step_it_is_in",
+    "tests/test_demo.py::test_make_demo_trains_",
     "tests/test_slurm_jobs.py::test_ppo_with_two_pipeline_stages",
+    "tests/test_slurm_jobs.py::test_verl_saves_before_the_time_limit",
     "tests/test_status.py::test_a_requeued_job_shows_where_it_resumes",
     "tests/test_canary.py::test_canary_1_sbatch_on_two_nodes",
     "tests/test_canary.py::test_the_canary_trains_resumes_and_merges",
-    "tests/test_run_time.py::test_the_canary_with_a_proxy",
     "tests/test_slurm_jobs.py::test_a_worker_that_never_joins",
     "tests/test_canary.py::test_a_merged_model_that_fails_verification",
     "tests/test_canary.py::test_a_trainer_that_does_not_resume",
@@ -225,6 +226,7 @@ SLOW_TESTS = (
     "test_reward_server.py::test_the_port_stays_closed_while", "test_reward_server.py::test_health_answers_only_once",
     "test_reward_server.py::test_a_model_that_cannot_load_exits", "test_check_format.py::test_the_command_recommends",
     "test_preempt.py::test_the_hook_imports_nothing_of_verl",
+    "test_harness.py::test_the_makefiles_two_tiers_hold",  # two whole collections: 20-60 s, a third of make test-fast
 )  # fmt: skip
 
 
@@ -237,9 +239,24 @@ def is_slow(item) -> bool:
 
 
 def pytest_collection_modifyitems(items):
-    """Mark the slow tests (see SLOW_FIXTURES); then the longest first, in LONGEST_FIRST's order (the longest first),
-    the rest in their order: the same order in every xdist worker."""
+    """Mark the slow tests (see SLOW_FIXTURES); then the longest first, in LONGEST_FIRST's order, each followed by a
+    quick one, then the rest in their order: the same order in every xdist worker."""
     for item in items:
         if is_slow(item) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
     items.sort(key=_longest_first)
+    longest = [item for item in items if _longest_first(item) < len(LONGEST_FIRST)]
+    rest = items[len(longest) :]
+    quick = [item for item in rest if is_quick(item)][: len(longest)]
+    rest = [item for item in rest if item not in quick]
+    items[:] = [test for i, long in enumerate(longest) for test in (long, *quick[i : i + 1])] + rest
+
+
+def is_quick(item) -> bool:
+    """A slow-tier test that is in it only for its module's sake (a parser, a table, a formula: seconds at most)."""
+    return bool(item.get_closest_marker("slow")) and not (
+        SLOW_FIXTURES.intersection(item.fixturenames)
+        or item.nodeid.removeprefix("tests/").startswith(SLOW_TESTS)
+        or item.path.name in ("test_trl_formats.py", "test_megatron_cpu.py")  # a model trained, a worker built
+        or _longest_first(item) < len(LONGEST_FIRST)
+    )

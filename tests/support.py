@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import random
 import re
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,24 @@ def outcome(what, call):
         return f"{what}: {type(exc).__name__}"
     return f"{what}: ok"
 """
+
+
+def once_per_run(tmp_path_factory, name: str, build: Callable[[Path], object]) -> object:
+    """`build(folder)`'s result (JSON), computed by the first pytest-xdist worker that asks and read back by the
+    others, which wait on a lock meanwhile: a session fixture's minutes of work (models trained, a worker built) once
+    per run, not once per worker (each worker has its own sessions). `folder` is shared by the workers of this run."""
+    root = tmp_path_factory.getbasetemp()
+    folder = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / f"once-{name}"
+    folder.mkdir(exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, by the worker's exit too
+        result = folder / "result.json"
+        if result.exists():
+            return json.loads(result.read_text())
+        value = build(folder)
+        result.with_suffix(".tmp").write_text(json.dumps(value))
+        os.replace(result.with_suffix(".tmp"), result)
+        return value
 
 
 @dataclass

@@ -16,12 +16,18 @@ from launch.plan.refusals import check
 from launch.plan.settings import Settings
 from launch.watch import canary
 from tests.support import REPO, block_environment, run
+from tests.test_run_time import OWN_PORTS, RefusingProxy
 
 # The settings block's own defaults (as run_grpo_qwen3_4b_mega_verl.sh exports them), with placeholder paths.
 DEFAULTS = block_environment() | dict(
     CONTAINER="none", CONFIG_IMAGE_PATH="x.sif", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r",
     CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
 )  # fmt: skip
+
+
+# A whole canary (two launches of the stand-in trainer with their Ray, the merge): ~1 min alone, several beside the slow
+# tier's other tests on 2 cores. A deadline for a hang, not a speed check.
+CANARY_TIMEOUT = 900
 
 
 def settings(**overrides) -> Settings:
@@ -247,16 +253,38 @@ def summary_row(output: str, stage: str) -> str:
     return next(line for line in output.splitlines() if line.startswith(canary.STAGES[stage]))
 
 
-def test_the_canary_trains_resumes_and_merges_in_one_job_and_touches_nothing_of_the_real_run(
-    canary_job, tmp_path, tiny_models
+@pytest.fixture
+def proxy():
+    p = RefusingProxy()
+    yield p
+    p.close()
+
+
+def test_the_canary_trains_resumes_and_merges_in_one_job_touches_nothing_of_the_real_run_and_sends_a_proxy_nothing(
+    canary_job, tmp_path, tiny_models, proxy
 ):
-    real = Path(canary_job["CONFIG_OUTPUT_DIR"])
+    """The run script outside Slurm (a login node, a workstation), as a user with a proxy in the environment and
+    MAX_CKPT_TO_KEEP=1 runs it: the whole preflight (the data through verl's dataset, the reward check's server and
+    verl's reward loop scoring real rows), then the canary's three stages, which keep every checkpoint they check.
+    Merged here (issue 71: one run of the script proves all four) are what were
+    - test_run_time.py::test_the_canary_with_a_proxy_sends_it_nothing_and_passes: the proxy saw nothing, the run
+      exits 0, "canary: every stage passed";
+    - test_run_time.py::test_the_preflight_on_a_login_node_with_a_proxy_sends_it_nothing (a PREFLIGHT_ONLY=1 run):
+      the proxy saw nothing, exit 0, "preflight: reward verl's naive reward loop (async rollout) scored 8 validation
+      rows" in the output;
+    - test_the_canary_passes_whatever_the_entry_point_logs_and_however_few_checkpoints_the_user_keeps
+      [keep-one-checkpoint] (MAX_CKPT_TO_KEEP=1: verl's checkpoint manager would delete global_step_1/actor before
+      it saves step 2): exit 0, "canary: every stage passed", trainer.max_actor_ckpt_to_keep=0 in both launches."""
+    env = proxy.environment(canary_job | OWN_PORTS | {"MAX_CKPT_TO_KEEP": "1", "REWARD_START_TIMEOUT": "90"})
+    real = Path(env["CONFIG_OUTPUT_DIR"])
     # The real run, 25 steps in: the canary must neither resume from it nor change it.
     checkpoint(real, 25)
     before = files(tmp_path)
-    result = run(canary_job, "trainer.total_training_steps=100")
+    result = run(env, "trainer.total_training_steps=100", timeout=CANARY_TIMEOUT)
     output = result.stdout + result.stderr
+    assert proxy.seen == [], proxy.seen[:5]
     assert result.returncode == 0, output[-4000:]
+    assert "preflight: reward verl's naive reward loop (async rollout) scored 8 validation rows" in result.stdout
 
     first, second = trainer_runs(canary_job)
     canary_ckpt = f"{real}_canary/"
@@ -266,6 +294,7 @@ def test_the_canary_trains_resumes_and_merges_in_one_job_and_touches_nothing_of_
         assert out.startswith(f"trainer.default_local_dir={canary_ckpt}") and out.endswith("/checkpoints")
         assert "trainer.experiment_name=qwen3_4b_grpo_megatron_canary" in argv and "trainer.logger=[console]" in argv
         assert "trainer.save_freq=1" in argv and "data.max_response_length=4096" in argv, "the user's length"
+        assert "trainer.max_actor_ckpt_to_keep=0" in argv, "the canary keeps every checkpoint it checks"
         assert argv.index("trainer.total_training_steps=100") < argv.index(f"trainer.total_training_steps={steps}"), (
             "the canary's step count goes after the user's overrides, so it wins"
         )
@@ -295,28 +324,18 @@ QUICK = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight has it
 RECIPES = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"  # verl 0.6.1's recipes, verbatim (PyPI has none)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        # recipe.dapo logs `step:N - ...` without training/global_step (dapo_ray_trainer.py:392-406)
-        {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync", "CONTAINER": "none",
-         "PYTHONPATH": str(RECIPES)},
-        # verl's checkpoint manager deletes global_step_1/actor before it saves step 2 when it keeps one
-        {"MAX_CKPT_TO_KEEP": "1"},
-    ],
-    ids=["dapo-recipe", "keep-one-checkpoint"],
-)  # fmt: skip
-def test_the_canary_passes_whatever_the_entry_point_logs_and_however_few_checkpoints_the_user_keeps(
-    canary_job, overrides
-):
-    result = run(canary_job | QUICK | overrides)
+def test_the_canary_passes_whatever_the_entry_point_logs(canary_job):
+    """recipe.dapo logs `step:N - ...` without training/global_step (dapo_ray_trainer.py:392-406). (However few
+    checkpoints the user keeps: the canary's run in test_the_canary_trains_resumes_and_merges_in_one_job...)"""
+    overrides = {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync", "CONTAINER": "none",
+                 "PYTHONPATH": str(RECIPES)}  # fmt: skip
+    result = run(canary_job | QUICK | overrides, timeout=CANARY_TIMEOUT)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "canary: every stage passed" in output
     first, second = trainer_runs(canary_job)
-    if "ALGORITHM" in overrides:
-        assert first["argv"][:2] == ["-m", "recipe.dapo.main_dapo"], "the recipe itself ran"
-        assert "training/global_step" not in (canary_logs(canary_job) / "train" / "trainer.log").read_text()
+    assert first["argv"][:2] == ["-m", "recipe.dapo.main_dapo"], "the recipe itself ran"
+    assert "training/global_step" not in (canary_logs(canary_job) / "train" / "trainer.log").read_text()
     for seen in (first, second):
         assert "trainer.max_actor_ckpt_to_keep=0" in seen["argv"], "the canary keeps every checkpoint it checks"
 
@@ -329,7 +348,7 @@ def test_the_canary_passes_whatever_the_entry_point_logs_and_however_few_checkpo
     ],
 )
 def test_a_trainer_that_does_not_resume_fails_stage_2_and_the_job(canary_job, broken, needle):
-    result = run(canary_job | QUICK | {"FAKE_TRAINER_BREAK": broken})
+    result = run(canary_job | QUICK | {"FAKE_TRAINER_BREAK": broken}, timeout=CANARY_TIMEOUT)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-4000:]
     assert " passed " in summary_row(output, "train")
@@ -342,7 +361,7 @@ def test_a_trainer_that_does_not_resume_fails_stage_2_and_the_job(canary_job, br
 
 
 def test_a_merged_model_that_fails_verification_fails_stage_3(canary_job):
-    result = run(canary_job | QUICK | {"FAKE_MERGER_BREAK": "missing_shard"})
+    result = run(canary_job | QUICK | {"FAKE_MERGER_BREAK": "missing_shard"}, timeout=CANARY_TIMEOUT)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-4000:]
     assert " passed " in summary_row(output, "resume")
@@ -352,7 +371,7 @@ def test_a_merged_model_that_fails_verification_fails_stage_3(canary_job):
 
 
 def test_a_trainer_that_fails_in_stage_1_skips_the_stages_that_need_its_checkpoint(canary_job):
-    result = run(canary_job | QUICK | {"FAKE_TRAINER_RC": "3"})
+    result = run(canary_job | QUICK | {"FAKE_TRAINER_RC": "3"}, timeout=CANARY_TIMEOUT)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-4000:]
     assert " FAILED " in summary_row(output, "train") and "exited with 3" in output

@@ -5,6 +5,7 @@ overrides through verl's config checks. `make demo` (tests/test_demo.py) runs al
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,14 +15,15 @@ from launch.plan.preflight import compose, split_command, validate
 from launch.plan.refusals import check
 from launch.plan.settings import SettingError, Settings
 from launch.plan.trainer_command import FUSED_OVERRIDES, PREEMPT_HOOK, USER_HOOK, fused_kernels, trainer_argv
-from tests.support import REPO, SHIM_OUTCOME, block_environment
+from tests.support import REPO, SHIM_OUTCOME, block_environment, once_per_run
 
 
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
+    """One policy for the whole run (the workers compare reports built from it)."""
     from demo.tiny_models import build_policy_model
 
-    return build_policy_model(tmp_path_factory.mktemp("megatron_policy") / "policy")
+    return Path(once_per_run(tmp_path_factory, "megatron_policy", lambda d: str(build_policy_model(d / "policy"))))
 
 
 def run_worker(tmp, policy, *settings: str) -> dict:
@@ -38,7 +40,8 @@ def run_worker(tmp, policy, *settings: str) -> dict:
 
 @pytest.fixture(scope="module")
 def worker_report(tmp_path_factory, tiny_policy):
-    return run_worker(tmp_path_factory.mktemp("megatron_worker"), tiny_policy)
+    """Built once per run: xdist hands this module's tests to every worker, and each would build its own."""
+    return once_per_run(tmp_path_factory, "megatron_worker", lambda folder: run_worker(folder, tiny_policy))
 
 
 def largest_gap(report: dict, reference: str) -> float:

@@ -554,15 +554,20 @@ def test_after_a_spent_budget_the_next_call_fails_at_once_until_the_cool_down_en
     call = ("s", "x</think>answer", "q", {})
     kwargs = {"server_urls": scripted.url, "retry_seconds": 1.5, "breaker_seconds": 3}
     first, first_s = _timed(safe_hack_reward, *call, **kwargs)
-    attempts = len(scripted.arrivals)
+    opened, attempts = time.monotonic(), len(scripted.arrivals)
     second, second_s = _timed(safe_hack_reward, *call, **kwargs)
     assert isinstance(first, RewardServerError) and first_s >= 1.5
     assert isinstance(second, RewardServerError) and second_s < 0.1, "the open breaker fails without waiting"
     assert "REWARD_BREAKER_SECONDS" in str(second) and "HTTP 503" in str(second), "it says why, and the setting"
     assert len(scripted.arrivals) == attempts, "no request reaches the server while it is open"
-    time.sleep(3 - second_s)
     scripted.status = 200
-    assert safe_hack_reward(*call, **kwargs)["score"] == 1.0, "after the cool-down, calls try again"
+    deadline = time.monotonic() + 10
+    while isinstance(result := _timed(safe_hack_reward, *call, **kwargs)[0], RewardServerError):
+        assert "REWARD_BREAKER_SECONDS" in str(result), result  # still open: refused at once, no request sent
+        assert len(scripted.arrivals) == attempts and time.monotonic() < deadline, "the breaker never closed"
+        time.sleep(0.1)
+    assert time.monotonic() - opened >= 2, "held for about its 3 s (when it opened, within the first call's end)"
+    assert result["score"] == 1.0, "after the cool-down, calls try again"
 
 
 def test_a_breaker_of_zero_seconds_waits_the_budget_every_time(monkeypatch):

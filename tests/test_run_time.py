@@ -169,28 +169,6 @@ def test_a_proxy_the_environment_names_sees_nothing_of_a_whole_two_node_job_on_s
     assert_everything_stopped(env)
 
 
-def test_the_preflight_on_a_login_node_with_a_proxy_sends_it_nothing(job, proxy):
-    result = run(proxy.environment(job | {"PREFLIGHT_ONLY": "1", "REWARD_START_TIMEOUT": "90"}))
-    assert proxy.seen == [], proxy.seen[:5]
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "preflight: reward verl's naive reward loop (async rollout) scored 8 validation rows" in result.stdout
-
-
-def test_the_canary_with_a_proxy_sends_it_nothing_and_passes(job, tmp_path, fake_container, proxy):
-    merger = fake_container.bin_dir / "fake-merger"
-    merger.write_text(
-        f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{REPO / "tests" / "fakes" / "fake_merger.py"}" "$@"\n'
-    )
-    merger.chmod(0o755)
-    env = job | OWN_PORTS | {"CANARY": "1", "PREFLIGHT_DATA": "0", "REWARD_START_TIMEOUT": "90",
-                             "MERGER_LAUNCHER": str(merger), "FAKE_MERGER_LOG": str(tmp_path / "merger.jsonl"),
-                             "NUMERIC_CHECK": "0"}  # the fake trainer saves no dist_ckpt to check  # fmt: skip
-    result = run(proxy.environment(env), timeout=900)
-    assert proxy.seen == [], proxy.seen[:5]
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    assert "canary: every stage passed" in result.stdout
-
-
 # --- 2. verl's sync SGLang engines take their ports from SGLANG_PORT ------------------------------------------------
 
 

@@ -54,52 +54,67 @@ def logs_of(env, job) -> Path:
     return Path(env["CONFIG_LOG_DIR"]) / job.id
 
 
-def test_a_fresh_clones_first_sbatch_runs_the_reference_job_to_completed_with_its_log_in_the_output_file(
+def test_a_fresh_clones_first_sbatch_on_two_nodes_completes_into_its_output_file_with_one_ray_and_the_save_deadline(
     job, submit, clone, fake_container
 ):
-    """Only the node sizes on the command line: the script's own #SBATCH lines, --output=logs/%x-%j.out included,
-    which Slurm cannot open unless the clone holds logs/ (it would fail at once, writing nothing). RAY_NUM_CPUS above
-    the job's 2 CPUs is Ray's logical count: the nodes' step still gets the allocation's CPUs (srun used to be asked
-    for RAY_NUM_CPUS and refused the step: "More processors requested than permitted")."""
-    j = submit(job | {"RAY_NUM_CPUS": "3"}, "trainer.total_epochs=2")
+    """Only the node count and sizes on the command line: the script's own #SBATCH lines, --output=logs/%x-%j.out
+    included, which Slurm cannot open unless the clone holds logs/ (it would fail at once, writing nothing).
+    RAY_NUM_CPUS above the job's 2 CPUs is Ray's logical count: the nodes' step still gets the allocation's CPUs (srun
+    used to be asked for RAY_NUM_CPUS and refused the step: "More processors requested than permitted"). The two
+    training nodes join one Ray cluster, and verl's workers on each see the job's save deadline.
+    Merged here (issue 71: one two-node job proves both) is what was
+    test_two_training_nodes_join_one_ray_cluster_and_every_worker_sees_the_jobs_save_deadline, its assertions kept:
+    the job COMPLETED; the trainer saw 2 Ray nodes and 2 GPUs and got trainer.nnodes=2; a Ray task ran on each node,
+    whose environment holds MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP = the job's end (StartTime + its time
+    limit: Slurm 22.05 sets no SLURM_JOB_END_TIME) - CHECKPOINT_BEFORE_END's 1800 s, and the reward token; Ray's own
+    logs of each node (ray_logs_n1, ray_logs_n2, each with raylet.out); the worker's log named for its Slurm node
+    (ray_worker_n2.log); nothing of the job left. Where the one-node job asserted one Ray node, one GPU and 3 CPUs, and
+    the last container call on n1, this one asserts 2 nodes, 2 GPUs, 3 CPUs a node, and the call on each node."""
+    env = job | {"RAY_NUM_CPUS": "3", "FAKE_TRAINER_PROBE_NODES": "1"}
+    j = submit(env, "trainer.total_epochs=2", options=("--nodes=2", *NODE_SIZE))
     fields = j.wait()
     out = j.output()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), out[-4000:]
     assert j.out == clone / "logs" / f"grpo-qwen3-4b-{j.id}.out"
-    assert f"=== job {j.id}: logs in {logs_of(job, j)}" in out
+    assert f"=== job {j.id}: logs in {logs_of(env, j)}" in out
     assert "fake trainer: step 1/1 done" in out, "the trainer's own log is in the job's output"
-    assert f"run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=0; logs: {logs_of(job, j)})" in out
-    trainer = seen(job)
-    assert trainer["reward_health"] == [200] and (trainer["ray_nodes"], trainer["ray_gpus"]) == (1, 1)
-    assert trainer["ray_cpus"] == 3, "Ray's logical CPUs: RAY_NUM_CPUS"
+    assert f"run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=0; logs: {logs_of(env, j)})" in out
+    trainer = seen(env)
+    assert trainer["reward_health"] == [200] and (trainer["ray_nodes"], trainer["ray_gpus"]) == (2, 2)
+    assert trainer["ray_cpus"] == 2 * 3, "Ray's logical CPUs: RAY_NUM_CPUS on each node"
     assert trainer["argv"][:2] == ["-m", "verl.trainer.main_ppo"] and trainer["argv"][-1] == "trainer.total_epochs=2"
-    port = job["CONFIG_REWARD_SERVER_PORT"]
-    assert (logs_of(job, j) / f"reward_server_n1_{port}.log").exists(), "per-node files carry Slurm's node name"
-    assert (Path(job["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
-    (call,) = fake_container.calls("singularity")[-1:]
-    assert call["argv"][:2] == ["exec", "--nv"] and call["argv"][-2].endswith("helper_grpo_qwen3_4b.sh")
-    assert call["env"]["SLURMD_NODENAME"] == "n1" and call["env"]["SLURM_STEP_ID"] == "0", "inside srun's step"
-    assert call["env"]["SLURM_CPUS_PER_TASK"] == "2", "the step has the allocation's CPUs"
-    assert_everything_stopped(job)
-
-
-def test_scancel_mid_training_ends_the_job_cancelled_with_nothing_of_it_left(job, submit, tmp_path):
-    env = job | FAST | {"FAKE_TRAINER_SLEEP": "300", "STOP_TIMEOUT": "20"}
-    j = submit(env, out=tmp_path / "job.out")
-    j.wait_for_file(Path(env["FAKE_TRAINER_LOG"]), 240)
-    j.scancel()
-    fields = j.wait(90)
-    out = j.output()
-    assert fields["JobState"] == "CANCELLED", out[-4000:]
-    # Slurm sends SIGTERM to every process of the job at once, srun included, and srun answers a SIGTERM by SIGKILLing
-    # its tasks (src/srun/srun_job.c: "forcing job termination"): the helpers' own stop races that, and their last
-    # lines may never reach the output. What holds: the batch script's own stop and exit lines, and nothing of the
-    # job left (what the helpers did not stop, Slurm's SIGTERM and, after KillWait, its SIGKILL did).
-    assert "stop signal: stopping the job on every node (within STOP_TIMEOUT=20 s)" in out, out[-4000:]
-    assert "preempted" not in out, "a scancel has no PreemptTime: no save is waited for (docs/operations.md#preemption)"
-    assert "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=143" in out, out[-4000:]
-    assert not (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
+    assert "trainer.nnodes=2" in trainer["argv"]
+    port = env["CONFIG_REWARD_SERVER_PORT"]
+    assert (logs_of(env, j) / f"reward_server_n1_{port}.log").exists(), "per-node files carry Slurm's node name"
+    assert (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
+    calls = fake_container.calls("singularity")
+    helpers = [c for c in calls if len(c["argv"]) > 1 and c["argv"][-2].endswith("helper_grpo_qwen3_4b.sh")]
+    by_node = {call["env"]["SLURMD_NODENAME"]: call for call in helpers}
+    assert sorted(by_node) == ["n1", "n2"], [c["env"].get("SLURMD_NODENAME") for c in helpers]
+    for call in by_node.values():
+        assert call["argv"][:2] == ["exec", "--nv"]
+        assert call["env"]["SLURM_STEP_ID"] == "0", "inside srun's step"
+        assert call["env"]["SLURM_CPUS_PER_TASK"] == "2", "the step has the allocation's CPUs"
+    # Slurm 22.05 sets no SLURM_JOB_END_TIME: the end comes from `scontrol show job` (the start plus the time
+    # limit while the job runs; once it has ended, EndTime is when it did), minus CHECKPOINT_BEFORE_END.
+    end = int(time.mktime(time.strptime(fields["StartTime"], "%Y-%m-%dT%H:%M:%S"))) + time_limit_s(fields)
+    nodes = trainer["node_env"]
+    assert len(nodes) == 2, "a Ray task ran on every node"
+    ray_logs = {p.name: p for p in logs_of(env, j).glob("ray_logs_*")}  # Ray's own logs of each node, at its stop
+    assert set(ray_logs) == {"ray_logs_n1", "ray_logs_n2"}, sorted(ray_logs)
+    assert all((p / "raylet.out").is_file() for p in ray_logs.values())
+    for node_env in nodes.values():
+        assert node_env["MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"] == str(end - 1800)
+        assert node_env["token"], "the reward token reaches verl's workers on every node"
+    assert (logs_of(env, j) / "ray_worker_n2.log").exists(), "the worker's log carries its Slurm node name"
     assert_everything_stopped(env)
+
+
+def time_limit_s(fields: dict[str, str]) -> int:
+    """`scontrol show job`'s TimeLimit ([D-]HH:MM:SS) in seconds."""
+    days, _, clock = fields["TimeLimit"].rpartition("-")
+    hours, minutes, seconds = map(int, clock.split(":"))
+    return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
 
 
 def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_checkpoint_at_that_step(job, submit,
@@ -254,11 +269,12 @@ def test_a_preempted_job_saves_the_step_it_is_in_and_resumes_there_and_a_recipe_
 
 def test_two_jobs_on_one_node_at_once_each_use_their_own_reward_server_and_ray(job, submit, tmp_path, tiny_models):
     """Default (per-job) ports, and an old server of another job already on the reward port the first job would
-    take: both run at once on n1 to the end, each on its own reward server and its own Ray."""
-    envs, jobs = [], []
+    take: both run at once on n1 to the end, each on its own reward server and its own Ray. Each trainer waits for
+    the test's go-ahead, given once both have started: they ran at the same time."""
+    envs, jobs, go = [], [], tmp_path / "both_trainers_run"
     for name in ("a", "b"):
         env = job | FAST | {
-            "CONFIG_REWARD_SERVER_PORT": "", "FAKE_TRAINER_SLEEP": "15",
+            "CONFIG_REWARD_SERVER_PORT": "", "FAKE_TRAINER_WAIT_FOR": str(go),
             "CONFIG_LOG_DIR": str(tmp_path / f"logs_{name}"), "CONFIG_OUTPUT_DIR": str(tmp_path / f"ckpt_{name}"),
             "RAY_TMP_DIR": f"{job['RAY_TMP_DIR']}/{name}", "FAKE_TRAINER_LOG": str(tmp_path / f"seen_{name}"),
         }  # fmt: skip
@@ -274,6 +290,9 @@ def test_two_jobs_on_one_node_at_once_each_use_their_own_reward_server_and_ray(j
     try:
         for j in jobs:
             j.scontrol("release", j.id)
+        for j, env in zip(jobs, envs, strict=True):
+            j.wait_for("its trainer's start", Path(env["FAKE_TRAINER_LOG"]).exists, 400)
+        go.write_text("both trainers run")
         done = [j.wait() for j in jobs]
     finally:
         stale.stop()
@@ -281,7 +300,8 @@ def test_two_jobs_on_one_node_at_once_each_use_their_own_reward_server_and_ray(j
     assert [f["JobState"] for f in done] == ["COMPLETED", "COMPLETED"], "\n\n".join(o[-3000:] for o in outs)
     assert [f["NodeList"] for f in done] == ["n1", "n1"]
     first, second = seen(envs[0]), seen(envs[1])
-    assert abs(first["started"] - second["started"]) < 15, "the trainers (15 s each) ran at the same time"
+    ends = [json.loads(Path(env["FAKE_TRAINER_LOG"] + ".end").read_text()) for env in envs]
+    assert ends == [{"reward_health": [200]}] * 2, "each trainer ran until both had started, its server still ours"
     urls = [first["REWARD_SERVER_URLS"], second["REWARD_SERVER_URLS"]]
     rays = [next(a for a in t["argv"] if a.startswith("+ray_kwargs.ray_init.address=")) for t in (first, second)]
     assert len(set(urls)) == 2 and len(set(rays)) == 2, (urls, rays)
@@ -308,29 +328,6 @@ def test_two_nodes_with_a_separate_reward_node_serve_rewards_from_the_last_node_
     names = {p.name for p in logs_of(env, j).iterdir()}
     assert {f"reward_server_n2_{port}.log", f"reward_server_n2_{port + 1}.log"} <= names, names
     assert "[rank 1] reward node n2 (127.0.0.1): 2 server(s), no training" in out
-    assert_everything_stopped(env)
-
-
-def test_two_training_nodes_join_one_ray_cluster_and_every_worker_sees_the_jobs_save_deadline(job, submit, tmp_path):
-    env = job | FAST | {"FAKE_TRAINER_PROBE_NODES": "1"}
-    j = submit(env, out=tmp_path / "job.out", options=(*TWO_NODES, "--time=60"))
-    fields = j.wait()
-    out = j.output()
-    assert fields["JobState"] == "COMPLETED", out[-4000:]
-    trainer = seen(env)
-    assert (trainer["ray_nodes"], trainer["ray_gpus"]) == (2, 2) and "trainer.nnodes=2" in trainer["argv"]
-    # Slurm 22.05 sets no SLURM_JOB_END_TIME: the end comes from `scontrol show job` (the start plus the time
-    # limit while the job runs; once it has ended, EndTime is when it did), minus CHECKPOINT_BEFORE_END.
-    end = int(time.mktime(time.strptime(fields["StartTime"], "%Y-%m-%dT%H:%M:%S"))) + 3600
-    nodes = trainer["node_env"]
-    assert len(nodes) == 2, "a Ray task ran on every node"
-    ray_logs = {p.name: p for p in logs_of(env, j).glob("ray_logs_*")}  # Ray's own logs of each node, at its stop
-    assert set(ray_logs) == {"ray_logs_n1", "ray_logs_n2"}, sorted(ray_logs)
-    assert all((p / "raylet.out").is_file() for p in ray_logs.values())
-    for node_env in nodes.values():
-        assert node_env["MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"] == str(end - 1800)
-        assert node_env["token"], "the reward token reaches verl's workers on every node"
-    assert (logs_of(env, j) / "ray_worker_n2.log").exists(), "the worker's log carries its Slurm node name"
     assert_everything_stopped(env)
 
 

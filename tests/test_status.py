@@ -23,7 +23,7 @@ from launch.plan import trainer_imports
 from launch.watch import health, reading, status
 from tests.fakes.fake_trainer import RayPrefixed, step_metrics
 from tests.real_slurm import NODE_SIZE, slurm_env
-from tests.support import REPO, run
+from tests.support import REPO, assert_everything_stopped, run
 from tests.test_docs import anchors
 
 ACTOR = "\x1b[36m(TaskRunner pid=4711)\x1b[0m"  # Ray's prefix for a TaskRunner actor's lines, coloured
@@ -472,10 +472,19 @@ def wait_for_steps(j, log: Path, count: int, timeout: float) -> dict[int, dict]:
         time.sleep(1)
 
 
-def test_a_running_job_shows_its_step_eta_checkpoint_and_metrics_and_follow_ends_when_it_is_cancelled(
+def test_a_running_job_shows_its_step_eta_checkpoint_and_metrics_and_scancel_ends_it_cancelled_and_follow_with_it(
     job, submit, tmp_path
 ):
-    env = job | FAST | {"FAKE_TRAINER_STEP_SECONDS": "1"}
+    """One job, mid-training, watched and then cancelled. Merged here (issue 71: one job proves both) is what was
+    test_slurm_jobs.py::test_scancel_mid_training_ends_the_job_cancelled_with_nothing_of_it_left, its assertions
+    kept: the job ends CANCELLED; the batch script's own stop line ("stop signal: stopping the job on every node
+    (within STOP_TIMEOUT=20 s)") and exit line (exit_code=143) are in its output, and no "preempted" (a scancel has
+    no PreemptTime: no save is waited for); no TRAINING_DONE; nothing of the job left (assert_everything_stopped).
+    Slurm sends SIGTERM to every process of the job at once, srun included, and srun answers a SIGTERM by SIGKILLing
+    its tasks (src/srun/srun_job.c: "forcing job termination"): the helpers' own stop races that, and their last
+    lines may never reach the output. What holds: the batch script's own stop and exit lines, and nothing of the job
+    left (what the helpers did not stop, Slurm's SIGTERM and, after KillWait, its SIGKILL did)."""
+    env = job | FAST | {"FAKE_TRAINER_STEP_SECONDS": "1", "STOP_TIMEOUT": "20"}
     j = submit(env, "trainer.total_training_steps=300", "trainer.save_freq=4", "trainer.test_freq=4",
                out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=60"))  # fmt: skip
     log = Path(env["CONFIG_LOG_DIR"]) / j.id / "trainer.log"
@@ -506,13 +515,20 @@ def test_a_running_job_shows_its_step_eta_checkpoint_and_metrics_and_follow_ends
             assert follow.poll() is None and time.monotonic() < deadline, follow_log.read_text()
             time.sleep(0.5)
         j.scancel()
-        j.wait(90)
+        fields = j.wait(90)
         assert follow.wait(timeout=60) == 0, "--follow ends by itself once the job has"
     finally:
         if follow.poll() is None:
             follow.kill()
     reports = follow_log.read_text().split(f"job {j.id}: ")
     assert reports[-1].startswith("CANCELLED: scancel"), reports[-1][:300]
+    out = j.output()
+    assert fields["JobState"] == "CANCELLED", out[-4000:]
+    assert "stop signal: stopping the job on every node (within STOP_TIMEOUT=20 s)" in out, out[-4000:]
+    assert "preempted" not in out, "a scancel has no PreemptTime: no save is waited for (docs/operations.md#preemption)"
+    assert "run_grpo_qwen3_4b_mega_verl.sh exiting (exit_code=143" in out, out[-4000:]
+    assert not (Path(env["CONFIG_OUTPUT_DIR"]) / "TRAINING_DONE").exists()
+    assert_everything_stopped(env)
 
 
 def test_a_requeued_job_shows_where_it_resumes_then_both_starts_once_it_has_finished(job, submit, tmp_path):

@@ -33,7 +33,7 @@ from reward_score.check_format import evaluate, format_report, load_scorer, pars
 from reward_score.server.app import create_app
 from reward_score.server.runner import RewardScorer
 from reward_score.server.settings import Settings
-from tests.support import REPO
+from tests.support import REPO, once_per_run
 from tests.trl_cases import LAYOUTS, base_pairs, build_base_model, expected_settings, rows_for
 
 # The folder `make test` installs each version into (first on PYTHONPATH of the training subprocess).
@@ -92,8 +92,14 @@ def _stack_folder(stack: str) -> Path:
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> dict:
-    """Every case trained, the three TRL versions in parallel: {(stack, layout, kind): (rows, model, TRL's record)}."""
-    root = tmp_path_factory.mktemp("trl")
+    """Every case trained, the three TRL versions in parallel: {(stack, layout, kind): (rows, model, TRL's record)}.
+    Once per run: xdist hands these tests to every worker, and each would train them all again."""
+    cases = once_per_run(tmp_path_factory, "trl", train_every_case)
+    return {tuple(case): (rows, Path(model), record) for case, rows, model, record in cases}
+
+
+def train_every_case(root: Path) -> list:
+    """[(stack, layout, kind), rows, model folder, TRL's record] for every case, trained in `root`."""
     folders = {stack: _stack_folder(stack) for stack in STACKS}
     templates = {}
     for kind, (name, md5) in TEMPLATES.items():
@@ -121,7 +127,7 @@ def trained(tmp_path_factory) -> dict:
         log = open(root / f"train-{stack}.log", "w")  # noqa: SIM115  (closed below)
         procs[stack] = (subprocess.Popen([sys.executable, str(REPO / "tests" / "trl_train.py"), str(spec),
                                           str(specs[stack][1])], env=env, stdout=log, stderr=subprocess.STDOUT), log)  # fmt: skip
-    started, out = time.monotonic(), {}
+    started, out = time.monotonic(), []
     for stack, (proc, log) in procs.items():
         code = proc.wait(timeout=max(1, 600 - (time.monotonic() - started)))
         log.close()
@@ -131,7 +137,7 @@ def trained(tmp_path_factory) -> dict:
         assert Path(result["trl_file"]).is_relative_to(folders[stack]), result["trl_file"]
         for case, record in zip(specs[stack][2], result["cases"], strict=True):
             layout, kind = case["name"].split("-")
-            out[(stack, layout, kind)] = (case["rows"], Path(case["out"]), record)
+            out.append([[stack, layout, kind], case["rows"], case["out"], record])
     return out
 
 

@@ -188,7 +188,8 @@ RAY_WORKER = """
 import os, sys, threading, time
 import ray
 
-def update_actor_collective():
+def update_actor_collective(entered):
+    open(entered, "w").close()  # the test's sign that the frame is on the stack
     threading.Event().wait()
 
 @ray.remote
@@ -196,13 +197,13 @@ class Worker:
     def pid(self):
         return os.getpid()
 
-    def update_actor(self):
-        update_actor_collective()
+    def update_actor(self, entered):
+        update_actor_collective(entered)
 
 ray.init(num_cpus=1, include_dashboard=False, _temp_dir=sys.argv[1])
 worker = Worker.remote()
 print("pid", ray.get(worker.pid.remote()), flush=True)
-worker.update_actor.remote()
+worker.update_actor.remote(sys.argv[2])
 time.sleep(600)
 """
 
@@ -219,7 +220,8 @@ def test_without_py_spy_a_ray_workers_stack_comes_from_faulthandler_in_its_own_l
     script.write_text(textwrap.dedent(RAY_WORKER))
     env = dict(os.environ, JOB_LOG_DIR=str(logs), PYTHONFAULTHANDLER="1", RAY_USAGE_STATS_ENABLED="0",
                HOME=str(tmp_path))  # fmt: skip
-    driver = subprocess.Popen([sys.executable, str(script), str(ray_tmp)], stdout=subprocess.PIPE,
+    entered = tmp_path / "entered_update_actor_collective"
+    driver = subprocess.Popen([sys.executable, str(script), str(ray_tmp), str(entered)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)  # fmt: skip
     try:
         pid = None
@@ -230,10 +232,10 @@ def test_without_py_spy_a_ray_workers_stack_comes_from_faulthandler_in_its_own_l
             if line.startswith("pid "):
                 pid = int(line.split()[1])
         assert pid, "no Ray worker within 180 s"
-        deadline = time.monotonic() + 60  # the method is running once the worker's stack has it; wait for its log
-        while not watchdog.worker_logs(str(ray_tmp), pid) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60  # the method's frame is on the stack, and the worker has its log
+        while not (entered.exists() and watchdog.worker_logs(str(ray_tmp), pid)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        time.sleep(2)
+        assert entered.exists(), "the worker never entered update_actor_collective within 60 s"
         monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no py-spy
         path = watchdog.dump(logs, "n1", env={"RAY_TMP_DIR": str(ray_tmp)})
         text = path.read_text()
