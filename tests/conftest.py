@@ -62,8 +62,9 @@ def instruct_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny policy with an Instruct-style chat template: its generation prompt opens no `<think>`."""
     from demo.tiny_models import INSTRUCT_POLICY_CHAT_TEMPLATE, build_policy_model
 
-    return build_policy_model(tmp_path_factory.mktemp("instruct_policy") / "policy",
-                              chat_template=INSTRUCT_POLICY_CHAT_TEMPLATE)  # fmt: skip
+    return build_policy_model(
+        tmp_path_factory.mktemp("instruct_policy") / "policy", chat_template=INSTRUCT_POLICY_CHAT_TEMPLATE
+    )
 
 
 @pytest.fixture
@@ -173,7 +174,8 @@ def submit(clone):
 # short one, and the next long test goes to the first worker that is free (in the plain order the second longest sat
 # behind the longest on one worker, and the two ran one after the other). xdist's default hands each worker a quarter
 # of its share at once, in one piece: every test below went to the first worker (41 of its minutes).
-LONGEST_FIRST = (  # by the slow tier's --durations (2026-12-07, 2 cores shared with other suites: see docs/development.md)
+# By the slow tier's --durations (2026-12-07, 2 cores shared with other suites: see docs/development.md).
+LONGEST_FIRST = (
     "tests/test_quickstart.py::",
     "tests/test_slurm_jobs.py::test_a_worker_hung_in_a_phase",
     "tests/test_slurm_jobs.py::test_a_preempted_job_saves_the_step_it_is_in",
@@ -209,25 +211,45 @@ def _longest_first(item) -> int:
 # server's start, a client's retry budget).
 SLOW_FIXTURES = {"submit", "clone", "slurm_cluster", "job", "ray_tmp", "megatron_merges"}
 SLOW_MODULES = {
-    "test_canary.py", "test_demo.py", "test_quickstart.py", "test_gpu_job.py", "test_megatron_cpu.py",
-    "test_megatron_memory.py", "test_trl_formats.py", "test_slurm_jobs.py", "test_ray_cluster.py", "test_run_time.py",
-    "test_merge.py", "test_reward_bench.py",
-}  # fmt: skip
+    "test_canary.py",
+    "test_demo.py",
+    "test_quickstart.py",
+    "test_gpu_job.py",
+    "test_megatron_cpu.py",
+    "test_megatron_memory.py",
+    "test_trl_formats.py",
+    "test_slurm_jobs.py",
+    "test_ray_cluster.py",
+    "test_run_time.py",
+    "test_merge.py",
+    "test_reward_bench.py",
+}
 SLOW_TESTS = (
-    "test_steps.py::test_the_preflight_refuses_too_little_data", "test_steps.py::test_the_count_uses_the_rows_verl_keeps",
-    "test_algorithms.py::test_every_accepted_combination_composes", "test_algorithms.py::test_async_rollout_is_refused_where",
-    "test_algorithms.py::test_the_preflight_stops_a_job_whose_engine", "test_algorithms.py::test_a_missing_engine_or_recipe",
-    "test_algorithms.py::test_one_step_off_imports_where", "test_algorithms.py::test_the_preflight_stops_the_issues_batch",
-    "test_verl_app_def.py::test_post_on_a_base_holding", "test_verl_app_def.py::test_the_build_check_passes_when",
-    "test_verl_app_def.py::test_the_install_line_resolves", "test_reward_stack.py::test_the_image_check_passes",
-    "test_reward_client.py::test_eight_processes_appending", "test_reward_client.py::test_verl_reward_managers_call",
-    "test_reward_client.py::test_the_async_reward_loop_passes", "test_reward_client.py::test_the_server_killed_mid_run",
-    "test_reward_client.py::test_a_4xx_is_never_retried", "test_reward_client.py::test_a_dead_server_with_a_6_s_budget",
-    "test_reward_server.py::test_the_port_stays_closed_while", "test_reward_server.py::test_health_answers_only_once",
-    "test_reward_server.py::test_a_model_that_cannot_load_exits", "test_check_format.py::test_the_command_recommends",
+    "test_steps.py::test_the_preflight_refuses_too_little_data",
+    "test_steps.py::test_the_count_uses_the_rows_verl_keeps",
+    "test_algorithms.py::test_every_accepted_combination_composes",
+    "test_algorithms.py::test_async_rollout_is_refused_where",
+    "test_algorithms.py::test_the_preflight_stops_a_job_whose_engine",
+    "test_algorithms.py::test_a_missing_engine_or_recipe",
+    "test_algorithms.py::test_one_step_off_imports_where",
+    "test_algorithms.py::test_the_preflight_stops_the_issues_batch",
+    "test_verl_app_def.py::test_post_on_a_base_holding",
+    "test_verl_app_def.py::test_the_build_check_passes_when",
+    "test_verl_app_def.py::test_the_install_line_resolves",
+    "test_reward_stack.py::test_the_image_check_passes",
+    "test_reward_client.py::test_eight_processes_appending",
+    "test_reward_client.py::test_verl_reward_managers_call",
+    "test_reward_client.py::test_the_async_reward_loop_passes",
+    "test_reward_client.py::test_the_server_killed_mid_run",
+    "test_reward_client.py::test_a_4xx_is_never_retried",
+    "test_reward_client.py::test_a_dead_server_with_a_6_s_budget",
+    "test_reward_server.py::test_the_port_stays_closed_while",
+    "test_reward_server.py::test_health_answers_only_once",
+    "test_reward_server.py::test_a_model_that_cannot_load_exits",
+    "test_check_format.py::test_the_command_recommends",
     "test_preempt.py::test_the_hook_imports_nothing_of_verl",
     "test_harness.py::test_the_makefiles_two_tiers_hold",  # two whole collections: 20-60 s, a third of make test-fast
-)  # fmt: skip
+)
 
 
 def is_slow(item) -> bool:

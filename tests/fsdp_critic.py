@@ -29,10 +29,17 @@ TEXTS = ["the reward model explains the answer step by step", "hello world"]
 
 def critic_config(policy: Path):
     env = block_environment() | dict(
-        CONTAINER="none", CONFIG_MODEL_PATH=str(policy), CONFIG_REWARD_MODEL_PATH=str(policy),
-        CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
-        STRATEGY="fsdp2", ALGORITHM="ppo", ROLLOUT_MODE="sync", REWARD_PROMPT_OPENS_THINK="true",
-    )  # fmt: skip
+        CONTAINER="none",
+        CONFIG_MODEL_PATH=str(policy),
+        CONFIG_REWARD_MODEL_PATH=str(policy),
+        CONFIG_TRAIN_FILE="train.parquet",
+        CONFIG_TEST_FILE="test.parquet",
+        CONFIG_OUTPUT_DIR="ckpt",
+        STRATEGY="fsdp2",
+        ALGORITHM="ppo",
+        ROLLOUT_MODE="sync",
+        REWARD_PROMPT_OPENS_THINK="true",
+    )
     _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=verl_shims.overrides()))
     # what RayPPOTrainer sets from the data before it builds the workers (ray_trainer.py, _create_dataloader)
     return compose(name, [*overrides, "critic.optim.total_training_steps=1"], path).critic
@@ -57,12 +64,16 @@ def main(root: Path, policy: Path, out: Path) -> None:
     with torch.no_grad():
         values = module(**batch).logits[..., 0]
     head = {name: p.full_tensor() if hasattr(p, "full_tensor") else p for name, p in module.named_parameters()}
-    out.write_text(json.dumps({
-        "class": type(module).__name__,
-        "score": {k: v.tolist() for k, v in head.items() if k.startswith("score.")},
-        "values": values.tolist(),
-        "attention_mask": batch["attention_mask"].tolist(),
-    }))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "class": type(module).__name__,
+                "score": {k: v.tolist() for k, v in head.items() if k.startswith("score.")},
+                "values": values.tolist(),
+                "attention_mask": batch["attention_mask"].tolist(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 Composes the job's trainer config from the settings block's defaults with KEY=VALUE settings on top
 (launch.plan.trainer_command.trainer_argv, with cpu/megatron_shims.py's overrides, as make demo runs it), builds verl's
-`ActorRolloutRefWorker(role="actor_rollout")` (the hybrid worker of a job, its HF rollout included) from it in a one-process gloo group (demo/megatron_shims.install first, as Ray's
+`ActorRolloutRefWorker(role="actor_rollout")` (the hybrid worker of a job, its HF rollout included) from it in a
+one-process gloo group (demo/megatron_shims.install first, as Ray's
 hook does in a job), runs `init_model` and `compute_log_prob` on two texts of different lengths, and writes what the
 running worker holds: its TransformerConfig, whether its parameters and optimizer are offloaded, the parameter
 names of its layers, and its log-probs beside the HF model's (float32 and bfloat16) for the same tokens; then one
@@ -33,17 +34,38 @@ from launch.plan.trainer_command import trainer_argv
 from tests.support import block_environment
 
 TEXTS = ["the reward model explains the answer step by step", "hello world"]
-TF_FIELDS = ["recompute_granularity", "recompute_method", "recompute_num_layers", "num_layers", "hidden_size",
-             "pipeline_model_parallel_size", "tensor_model_parallel_size", "bf16", "params_dtype",
-             "use_cpu_initialization"]  # fmt: skip
+TF_FIELDS = [
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "num_layers",
+    "hidden_size",
+    "pipeline_model_parallel_size",
+    "tensor_model_parallel_size",
+    "bf16",
+    "params_dtype",
+    "use_cpu_initialization",
+]
 
 
 def worker_config(policy: Path, settings: dict[str, str]):
-    env = block_environment() | dict(
-        CONTAINER="none", CONFIG_MODEL_PATH=str(policy), CONFIG_REWARD_MODEL_PATH=str(policy),
-        CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
-        STRATEGY="megatron", ROLLOUT_MODE="sync", REWARD_PROMPT_OPENS_THINK="true", ACTOR_PP="1", ACTOR_TP="1",
-    ) | settings  # fmt: skip
+    env = (
+        block_environment()
+        | dict(
+            CONTAINER="none",
+            CONFIG_MODEL_PATH=str(policy),
+            CONFIG_REWARD_MODEL_PATH=str(policy),
+            CONFIG_TRAIN_FILE="train.parquet",
+            CONFIG_TEST_FILE="test.parquet",
+            CONFIG_OUTPUT_DIR="ckpt",
+            STRATEGY="megatron",
+            ROLLOUT_MODE="sync",
+            REWARD_PROMPT_OPENS_THINK="true",
+            ACTOR_PP="1",
+            ACTOR_TP="1",
+        )
+        | settings
+    )
     _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_shims.overrides()))
     # what RayPPOTrainer sets from the data before it builds the workers (ray_trainer.py, _create_dataloader)
     steps = ["actor_rollout_ref.actor.optim.total_training_steps=1", "critic.optim.total_training_steps=1"]
@@ -73,8 +95,11 @@ def update_metrics(worker, batch: dict, old_log_probs) -> dict:
     pick = torch.arange(rows) % len(TEXTS)
     tensors = {key: value[pick] for key, value in batch.items()}
     sign = torch.where(pick % 2 == 0, 1.0, -1.0)[:, None]
-    tensors |= dict(old_log_probs=old_log_probs[pick], ref_log_prob=old_log_probs[pick],
-                    advantages=sign * tensors["response_mask"].float())  # fmt: skip
+    tensors |= dict(
+        old_log_probs=old_log_probs[pick],
+        ref_log_prob=old_log_probs[pick],
+        advantages=sign * tensors["response_mask"].float(),
+    )
     meta = {"temperature": 1.0, "global_token_num": tensors["attention_mask"].sum(-1).tolist()}
     # megatron-core recomputes a checkpointed chunk of layers in CheckpointFunction.backward (tensor_parallel/
     # random.py:440): counted, since a module in eval mode skips recompute silently (transformer_block.py:562)
@@ -107,8 +132,10 @@ def record_moves(workers_module) -> list[list]:
 def buffer_sizes(module) -> dict[str, list[int]]:
     """The storage size of each DDP buffer's parameters and gradients (megatron_utils.py:343,350 resize them to 0)."""
     buffers = [b for chunk in module for b in chunk.buffers]
-    return {"param": [b.param_data.storage().size() for b in buffers],
-            "grad": [b.grad_data.storage().size() for b in buffers]}  # fmt: skip
+    return {
+        "param": [b.param_data.storage().size() for b in buffers],
+        "grad": [b.grad_data.storage().size() for b in buffers],
+    }
 
 
 def reference_and_critic(policy: Path, settings: dict[str, str], cfg, data, moves, names) -> dict:
@@ -146,7 +173,7 @@ def reference_and_critic(policy: Path, settings: dict[str, str], cfg, data, move
             "param_offload": ref._ref_is_offload_param,
             "log_probs": ref_passes,
             "use_fused_kernels": ref.ref_policy.use_fused_kernels,
-        },  # fmt: skip
+        },
         **critics,
     }
 
@@ -177,8 +204,13 @@ def main(out: Path, policy: Path, settings: dict[str, str]) -> None:
         input_ids[row, : len(tokens)] = torch.tensor(tokens)
         attention_mask[row, : len(tokens)] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    batch = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 responses=input_ids[:, prompt_len:], response_mask=attention_mask[:, prompt_len:])  # fmt: skip
+    batch = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        responses=input_ids[:, prompt_len:],
+        response_mask=attention_mask[:, prompt_len:],
+    )
     data = DataProto.from_dict(tensors=batch, meta_info={})
     old_log_probs = worker.compute_log_prob(data).batch["old_log_probs"]
     megatron = old_log_probs.tolist()

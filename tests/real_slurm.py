@@ -23,8 +23,17 @@ SLURM_CONF = SLURM_DIR / "slurm.conf"
 NODES = ("n1", "n2")
 # What a test job asks of a node (the options on the sbatch command line win over the script's #SBATCH lines).
 NODE_SIZE = ("--mem=3G", "--cpus-per-task=2", "--gpus-per-node=1")
-FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-            "DEADLINE")  # fmt: skip
+FINISHED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
 
 
 def slurm_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -34,15 +43,21 @@ def slurm_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 def cluster() -> str:
     """Start the local cluster (idempotent: about a second when it runs) and return its node table; raise with the
     script's own output when it cannot start here."""
-    run = subprocess.run(["bash", str(LOCAL_SLURM), "start"], capture_output=True, text=True, timeout=900,
-                         env=slurm_env() | {"LOCAL_SLURM_DIR": str(SLURM_DIR)})  # fmt: skip
+    run = subprocess.run(
+        ["bash", str(LOCAL_SLURM), "start"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=slurm_env() | {"LOCAL_SLURM_DIR": str(SLURM_DIR)},
+    )
     if run.returncode:
         raise RuntimeError(
             f"the local Slurm cluster could not start (tests/slurm/local_slurm.sh start, exit {run.returncode}):\n"
             f"{run.stdout[-2000:]}{run.stderr[-3000:]}"
         )
-    status = subprocess.run(["bash", str(LOCAL_SLURM), "status"], capture_output=True, text=True, timeout=60,
-                            env=slurm_env())  # fmt: skip
+    status = subprocess.run(
+        ["bash", str(LOCAL_SLURM), "status"], capture_output=True, text=True, timeout=60, env=slurm_env()
+    )
     if status.returncode:
         raise RuntimeError(f"the local Slurm cluster started but is not usable:\n{status.stdout}{status.stderr}")
     return status.stdout
@@ -65,8 +80,13 @@ class Job:
 
     def show(self) -> dict[str, str]:
         """The job as `scontrol show job` has it now."""
-        run = subprocess.run(["scontrol", "show", "job", "-o", self.id], capture_output=True, text=True, timeout=30,
-                             env=slurm_env(self.env))  # fmt: skip
+        run = subprocess.run(
+            ["scontrol", "show", "job", "-o", self.id],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=slurm_env(self.env),
+        )
         assert run.returncode == 0, f"scontrol show job {self.id}: {run.stderr}"
         return parse_job(run.stdout)
 
@@ -115,8 +135,14 @@ class Job:
         subprocess.run(["scontrol", *args], check=True, timeout=30, env=slurm_env(self.env))
 
 
-def sbatch(env: Mapping[str, str], script: str, *args: str, cwd: Path, options: Sequence[str] = NODE_SIZE,
-           out: Path | None = None) -> Job:  # fmt: skip
+def sbatch(
+    env: Mapping[str, str],
+    script: str,
+    *args: str,
+    cwd: Path,
+    options: Sequence[str] = NODE_SIZE,
+    out: Path | None = None,
+) -> Job:
     """`sbatch OPTIONS [--output=OUT] SCRIPT ARGS...` from `cwd`, with `env` as the job's environment (sbatch
     exports the caller's whole environment, as it does for a user). Without `out` the script's own #SBATCH
     --output line decides where the output goes, relative to `cwd`."""
@@ -133,8 +159,12 @@ def copy_tree(src: Path, dst: Path) -> Path:
     """What a clone of the repository holds: the tracked files and the untracked ones git does not ignore, as they
     are in the working tree now (so uncommitted work is tested too), and nothing that is ignored (no logs/ output,
     no .venv)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=src,
-                            capture_output=True, check=True).stdout  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=src,
+        capture_output=True,
+        check=True,
+    ).stdout
     for name in filter(None, listed.decode().split("\0")):
         source = src / name
         if not source.is_file():  # deleted in the working tree, not yet in the index

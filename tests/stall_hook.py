@@ -1,5 +1,5 @@
-"""A test-only hook in every Ray worker of a CPU run, after cpu.verl_shims's shims: STALL_TEST_PLAN's delays inside verl's own
-worker methods, to stand for a slow phase or a hung one (a collective that never returns: alive and silent).
+"""A test-only hook in every Ray worker of a CPU run, after cpu.verl_shims's shims: STALL_TEST_PLAN's delays inside
+verl's own worker methods, to stand for a slow phase or a hung one (a collective that never returns: alive and silent).
 
 STALL_TEST_PLAN="METHOD:ACTION:N[@H],...": at the N-th call of ActorRolloutRefWorker.METHOD in a process (counted per
 process, so a requeued start counts again), ACTION `sleep=S` sleeps S seconds first, `block` never returns; with @H only

@@ -158,10 +158,20 @@ class FakeContainer:
 # two responses a step, short texts, no wandb; add real_trainer_args() after the job's own Hydra overrides. Ray gets
 # both cores: verl's TaskRunner takes one and its worker's placement bundle another (with one, verl waits for ever).
 REAL_TRAINER = {
-    "TRAINER_LAUNCHER": "python3", "TRAINER_IS_VERL": "1", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "TRAIN_BATCH_SIZE": "1",
-    "PPO_MINI_BATCH_SIZE": "1", "ROLLOUT_N": "2", "MICRO_BATCH_PER_GPU": "2", "MAX_PROMPT_LENGTH": "128",
-    "MAX_RESPONSE_LENGTH": "16", "TRAINER_LOGGER": "[console]", "RAY_NUM_CPUS": "2", **verl_shims.ENVIRONMENT,
-}  # fmt: skip
+    "TRAINER_LAUNCHER": "python3",
+    "TRAINER_IS_VERL": "1",
+    "STRATEGY": "fsdp2",
+    "ROLLOUT_MODE": "sync",
+    "TRAIN_BATCH_SIZE": "1",
+    "PPO_MINI_BATCH_SIZE": "1",
+    "ROLLOUT_N": "2",
+    "MICRO_BATCH_PER_GPU": "2",
+    "MAX_PROMPT_LENGTH": "128",
+    "MAX_RESPONSE_LENGTH": "16",
+    "TRAINER_LOGGER": "[console]",
+    "RAY_NUM_CPUS": "2",
+    **verl_shims.ENVIRONMENT,
+}
 
 
 # What verl's own console line of a step holds when its agent loop generated (async rollout, agent_loop.py's timing).
@@ -185,22 +195,27 @@ def run(env: Mapping[str, str], *args: str, timeout: float = 300) -> subprocess.
     return subprocess.run(["bash", str(RUN), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def run_without(missing: Sequence[str], module: str, *args: str, env: Mapping[str, str] | None = None,
-                cwd: Path = REPO) -> subprocess.CompletedProcess:  # fmt: skip
+def run_without(
+    missing: Sequence[str], module: str, *args: str, env: Mapping[str, str] | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     """`python -m module args` where the modules in `missing` do not import (as on a login node's bare python3:
     None in sys.modules makes `import` raise ModuleNotFoundError); output captured."""
-    code = (f"import runpy, sys\nfor name in {list(missing)!r}:\n    sys.modules[name] = None\n"
-            f"sys.argv = [{module!r}, *sys.argv[1:]]\nrunpy.run_module({module!r}, run_name='__main__', alter_sys=True)")  # fmt: skip
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    code = (
+        f"import runpy, sys\nfor name in {list(missing)!r}:\n    sys.modules[name] = None\n"
+        f"sys.argv = [{module!r}, *sys.argv[1:]]\nrunpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def start_job(env: Mapping[str, str], log: Path) -> subprocess.Popen:
     """The run script in the background, its output in `log`, in the test's process group like a shell's job would
     be not: its own session, so a test can signal the run script alone (os.kill) or everything (os.killpg)."""
     out = open(log, "wb")  # noqa: SIM115  (closed by the child's exit; the test reads the file)
-    return subprocess.Popen(["bash", str(RUN)], env=dict(env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        ["bash", str(RUN)], env=dict(env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def wait_for_path(path: Path, timeout: float, proc: subprocess.Popen | None = None) -> None:
@@ -327,8 +342,12 @@ def block_environment() -> dict[str, str]:
     """What the run script's settings block alone puts in the environment of the programs it starts: its defaults."""
     out = subprocess.run(
         ["bash", "-c", f'source <(sed -n "/^# ---- settings/,/^# ------------/p" {RUN}); env -0'],
-        capture_output=True, text=True, check=True, cwd=REPO, env={"PATH": "/usr/bin:/bin"},
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin"},
+    ).stdout
     return dict(kv.split("=", 1) for kv in out.split("\0") if "=" in kv)
 
 
@@ -342,10 +361,22 @@ def dapo_rule_data(tmp_path) -> dict:
     """The same of DAPO-shaped rule rows (data_source math_dapo, the bare answer; docs/data.md's command): verl's
     DAPO math scorer gives a wrong answer -1, not GSM8K's 0, so a job shows that its rule part scored (the tiny
     policy never answers right)."""
-    rows = [{"prompt": f"What is {i} + {i}? Give your answer on its own line after 'Answer:'.", "answer": str(2 * i)}
-            for i in range(40)]  # fmt: skip
-    return _rule_data(tmp_path / "dapo", rows, "--reward-style", "rule", "--answer-column", "answer",
-                      "--data-source", "math_dapo", "--ability", "math")  # fmt: skip
+    rows = [
+        {"prompt": f"What is {i} + {i}? Give your answer on its own line after 'Answer:'.", "answer": str(2 * i)}
+        for i in range(40)
+    ]
+    return _rule_data(
+        tmp_path / "dapo",
+        rows,
+        "--reward-style",
+        "rule",
+        "--answer-column",
+        "answer",
+        "--data-source",
+        "math_dapo",
+        "--ability",
+        "math",
+    )
 
 
 def _rule_data(out: Path, rows: list[dict], *flags: str) -> dict:

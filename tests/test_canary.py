@@ -20,9 +20,14 @@ from tests.test_run_time import OWN_PORTS, RefusingProxy
 
 # The settings block's own defaults (as run_grpo_qwen3_4b_mega_verl.sh exports them), with placeholder paths.
 DEFAULTS = block_environment() | dict(
-    CONTAINER="none", CONFIG_IMAGE_PATH="x.sif", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r",
-    CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
-)  # fmt: skip
+    CONTAINER="none",
+    CONFIG_IMAGE_PATH="x.sif",
+    CONFIG_MODEL_PATH="m",
+    CONFIG_REWARD_MODEL_PATH="r",
+    CONFIG_TRAIN_FILE="train.parquet",
+    CONFIG_TEST_FILE="test.parquet",
+    CONFIG_OUTPUT_DIR="ckpt",
+)
 
 
 # A whole canary (two launches of the stand-in trainer with their Ray, the merge): ~1 min alone, several beside the slow
@@ -61,8 +66,14 @@ def test_the_canary_batch_is_the_fewest_prompts_every_rank_and_worker_gets_an_eq
     s = settings(**overrides)
     b = canary.batch_size(s)
     assert b == expected
-    assert not check(Settings.from_env(DEFAULTS | {k: str(v) for k, v in overrides.items()} |
-                                       {"TRAIN_BATCH_SIZE": str(b), "PPO_MINI_BATCH_SIZE": str(b)}), check_paths=False)  # fmt: skip
+    assert not check(
+        Settings.from_env(
+            DEFAULTS
+            | {k: str(v) for k, v in overrides.items()}
+            | {"TRAIN_BATCH_SIZE": str(b), "PPO_MINI_BATCH_SIZE": str(b)}
+        ),
+        check_paths=False,
+    )
 
 
 def test_the_canary_keeps_the_users_combination_and_shrinks_only_the_workload():
@@ -72,8 +83,18 @@ def test_the_canary_keeps_the_users_combination_and_shrinks_only_the_workload():
     assert out["EXPERIMENT_NAME"] == "qwen3_4b_grpo_megatron_canary", "never the real run's experiment"
     assert out["TRAINER_LOGGER"] == "[console]", "no wandb run is touched"
     # the user's response length and all that depends on it: the clip ratio it reports is the real run's
-    kept = {"ALGORITHM", "TRAINER_MODE", "STRATEGY", "ACTOR_PP", "ACTOR_TP", "ROLLOUT_TP", "ROLLOUT_N",
-            "MAX_RESPONSE_LENGTH", "OVERLONG_BUFFER_LEN", "MICRO_BATCH_PER_GPU"}  # fmt: skip
+    kept = {
+        "ALGORITHM",
+        "TRAINER_MODE",
+        "STRATEGY",
+        "ACTOR_PP",
+        "ACTOR_TP",
+        "ROLLOUT_TP",
+        "ROLLOUT_N",
+        "MAX_RESPONSE_LENGTH",
+        "OVERLONG_BUFFER_LEN",
+        "MICRO_BATCH_PER_GPU",
+    }
     assert not kept & set(out)
     dynamic = settings(ALGORITHM="dapo", DAPO_DYNAMIC_SAMPLING="true", ROLLOUT_MODE="sync")
     assert "data.train_max_samples=-1" in canary.stage_overrides("train", dynamic)
@@ -156,9 +177,15 @@ def test_training_without_validation_or_a_save_per_step_fails_stage_1(tmp_path):
 def test_the_summary_shows_each_failure_with_its_log_and_lines_and_the_stages_it_skipped():
     results = {
         "train": {"stage": "train", "status": "passed", "seconds": 300},
-        "resume": {"stage": "resume", "status": "failed", "seconds": 90, "reason": "verl started from step 0",
-                   "log": "/logs/777/canary/resume/launch.log", "lines": ["Training from scratch"]},
-    }  # fmt: skip
+        "resume": {
+            "stage": "resume",
+            "status": "failed",
+            "seconds": 90,
+            "reason": "verl started from step 0",
+            "log": "/logs/777/canary/resume/launch.log",
+            "lines": ["Training from scratch"],
+        },
+    }
     table, ok = canary.summary(results)
     assert not ok
     lines = table.splitlines()
@@ -174,8 +201,10 @@ def test_the_summary_shows_each_failure_with_its_log_and_lines_and_the_stages_it
 
 def clip_line(step: int, ratio: str) -> str:
     """A step line with verl's response-length metrics (metric_utils.compute_data_metrics), numpy 2's repr included."""
-    return (f"(TaskRunner pid=4711) step:{step} - response_length/mean:3900.0 - response_length/clip_ratio:{ratio}"
-            f" - response_length_non_aborted/clip_ratio:0.0 - timing_s/step:41.0")  # fmt: skip
+    return (
+        f"(TaskRunner pid=4711) step:{step} - response_length/mean:3900.0 - response_length/clip_ratio:{ratio}"
+        f" - response_length_non_aborted/clip_ratio:0.0 - timing_s/step:41.0"
+    )
 
 
 def stage_entries(tmp_path: Path, *ratios: str) -> dict[str, dict]:
@@ -188,8 +217,22 @@ def stage_entries(tmp_path: Path, *ratios: str) -> dict[str, dict]:
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        canary.main(["check", "train", "--rc", "1", "--seconds", "5", "--log", str(log), "--ckpt", str(tmp_path),
-                     "--results", str(results)])  # fmt: skip
+        canary.main(
+            [
+                "check",
+                "train",
+                "--rc",
+                "1",
+                "--seconds",
+                "5",
+                "--log",
+                str(log),
+                "--ckpt",
+                str(tmp_path),
+                "--results",
+                str(results),
+            ]
+        )
     return canary.canary_results(results)
 
 
@@ -197,8 +240,10 @@ def test_the_summary_reports_verls_clip_ratio_and_warns_when_responses_are_cut_n
     results = stage_entries(tmp_path, "np.float64(0.625)", "0.75")
     assert results["train"]["clip_ratio"] == {"1": 0.625, "2": 0.75}
     table, _ = canary.summary(results)
-    assert ("response length: verl's response_length/clip_ratio at MAX_RESPONSE_LENGTH=4096: step 1 0.62, step 2 "
-            "0.75 (the share of responses cut at the limit; 69% on average)") in table  # fmt: skip
+    assert (
+        "response length: verl's response_length/clip_ratio at MAX_RESPONSE_LENGTH=4096: step 1 0.62, step 2 "
+        "0.75 (the share of responses cut at the limit; 69% on average)"
+    ) in table
     (warning,) = [line for line in table.splitlines() if line.startswith("WARNING:")]
     assert "69% of responses hit MAX_RESPONSE_LENGTH=4096" in warning and "raise MAX_RESPONSE_LENGTH" in warning
     assert "docs/training.md says what a cut response does to GRPO's signal" in warning
@@ -210,8 +255,11 @@ def test_a_low_clip_ratio_is_reported_without_a_warning(tmp_path):
 
 
 def test_the_explaining_lines_end_at_the_last_error_not_at_the_shutdown_noise():
-    text = "\n".join(["step ok"] * 30 + ["Traceback (most recent call last):", "  File x", "RuntimeError: boom"]
-                     + ["cleanup: stopping ray"] * 20)  # fmt: skip
+    text = "\n".join(
+        ["step ok"] * 30
+        + ["Traceback (most recent call last):", "  File x", "RuntimeError: boom"]
+        + ["cleanup: stopping ray"] * 20
+    )
     lines = canary.explaining_lines(text)
     assert "RuntimeError: boom" in lines and lines[-1] == "cleanup: stopping ray" and len(lines) == 12
 
@@ -227,8 +275,12 @@ def canary_job(job, tmp_path, fake_container):  # noqa: F811
     )
     merger.chmod(0o755)
     # NUMERIC_CHECK=0: the fake trainer's dist_ckpt/ holds no tensors (make demo runs the check on verl's own)
-    return job | {"CANARY": "1", "MERGER_LAUNCHER": str(merger), "FAKE_MERGER_LOG": str(tmp_path / "merger.jsonl"),
-                  "NUMERIC_CHECK": "0"}  # fmt: skip
+    return job | {
+        "CANARY": "1",
+        "MERGER_LAUNCHER": str(merger),
+        "FAKE_MERGER_LOG": str(tmp_path / "merger.jsonl"),
+        "NUMERIC_CHECK": "0",
+    }
 
 
 def trainer_runs(env) -> list[dict]:
@@ -327,8 +379,13 @@ RECIPES = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"  # verl 0.6.1's re
 def test_the_canary_passes_whatever_the_entry_point_logs(canary_job):
     """recipe.dapo logs `step:N - ...` without training/global_step (dapo_ray_trainer.py:392-406). (However few
     checkpoints the user keeps: the canary's run in test_the_canary_trains_resumes_and_merges_in_one_job...)"""
-    overrides = {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync", "CONTAINER": "none",
-                 "PYTHONPATH": str(RECIPES)}  # fmt: skip
+    overrides = {
+        "ALGORITHM": "dapo",
+        "DAPO_DYNAMIC_SAMPLING": "true",
+        "ROLLOUT_MODE": "sync",
+        "CONTAINER": "none",
+        "PYTHONPATH": str(RECIPES),
+    }
     result = run(canary_job | QUICK | overrides, timeout=CANARY_TIMEOUT)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -407,10 +464,16 @@ def test_a_bad_setting_stops_the_canary_before_anything_starts_naming_the_settin
     "overrides",
     [
         {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"},
-        {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
-         "CONFIG_GPUS_PER_NODE": "4", "ROLLOUT_ENGINE": "vllm"},
+        {
+            "TRAINER_MODE": "one_step_off",
+            "STRATEGY": "fsdp2",
+            "ROLLOUT_MODE": "sync",
+            "ROLLOUT_GPUS_PER_NODE": "2",
+            "CONFIG_GPUS_PER_NODE": "4",
+            "ROLLOUT_ENGINE": "vllm",
+        },
     ],
-)  # fmt: skip
+)
 def test_the_canary_overrides_compose_with_verls_recipe_configs(canary_job, overrides):
     """The canary runs the user's combination: its overrides must compose with the recipes' configs too."""
     recipes = REPO / "tests" / "fixtures" / "verl_v0.6.1_recipes"

@@ -30,13 +30,19 @@ def answer(text: str) -> list[dict]:
         ([{"prompt": USER, "chosen": answer("yes"), "rejected": answer("no")}], "conversation_prompt", (USER, "yes")),
         # plain text, implicit prompt: what the two share at the start, the space going with the answer (TRL's
         # extract_prompt)
-        ([{"chosen": "Q: x\nA: yes", "rejected": "Q: x\nA: no"}], "text", ([{"role": "user", "content": "Q: x\nA:"}],
-                                                                          " yes")),
+        (
+            [{"chosen": "Q: x\nA: yes", "rejected": "Q: x\nA: no"}],
+            "text",
+            ([{"role": "user", "content": "Q: x\nA:"}], " yes"),
+        ),
         # plain text with a prompt column: the server renders prompt + response, as TRL >= 0.24 concatenated them
-        ([{"prompt": "Q: x\nA:", "chosen": " yes", "rejected": " no"}], "text_prompt",
-         ([{"role": "user", "content": "Q: x\nA:"}], " yes")),
+        (
+            [{"prompt": "Q: x\nA:", "chosen": " yes", "rejected": " no"}],
+            "text_prompt",
+            ([{"role": "user", "content": "Q: x\nA:"}], " yes"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_of_trls_layouts_becomes_the_servers_messages_and_response(rows, layout, chosen):
     got_layout, pairs = parse_pairs(rows)
     assert got_layout == layout and pairs[0].chosen == chosen
@@ -46,21 +52,35 @@ def test_each_of_trls_layouts_becomes_the_servers_messages_and_response(rows, la
     "rows, needle",
     [
         ([{"chosen": USER + answer("a")}], "row 0: no 'rejected' field (fields: chosen); TRL's preference layout"),
-        ([{"chosen": USER + answer("a"), "rejected": USER + answer("b")}, {"chosen": "a", "rejected": "b"}],
-         "row 1: 'chosen'/'rejected' plain texts, but row 0 has 'chosen'/'rejected' conversations: one layout"),
+        (
+            [{"chosen": USER + answer("a"), "rejected": USER + answer("b")}, {"chosen": "a", "rejected": "b"}],
+            "row 1: 'chosen'/'rejected' plain texts, but row 0 has 'chosen'/'rejected' conversations: one layout",
+        ),
         ([{"chosen": USER, "rejected": USER + answer("b")}], "row 0.chosen: the last message is the scored answer"),
-        ([{"prompt": USER, "chosen": answer("a") + USER + answer("c"), "rejected": answer("b")}],
-         "row 0.chosen: one assistant message with text (the server scores one response after the prompt), got 3 "
-         "message(s), roles ['assistant', 'user', 'assistant']: move earlier turns into 'prompt'"),
-        ([{"prompt": USER, "chosen": [{"role": "assistant", "content": [{"type": "text"}]}], "rejected": answer("b")}],
-         "row 0.chosen[0].content: text only"),
-        ([{"prompt": USER, "chosen": [{"content": "a"}], "rejected": answer("b")}],
-         "row 0.chosen[0]: a message is {'role': str, 'content': str}"),
+        (
+            [{"prompt": USER, "chosen": answer("a") + USER + answer("c"), "rejected": answer("b")}],
+            "row 0.chosen: one assistant message with text (the server scores one response after the prompt), got 3 "
+            "message(s), roles ['assistant', 'user', 'assistant']: move earlier turns into 'prompt'",
+        ),
+        (
+            [
+                {
+                    "prompt": USER,
+                    "chosen": [{"role": "assistant", "content": [{"type": "text"}]}],
+                    "rejected": answer("b"),
+                }
+            ],
+            "row 0.chosen[0].content: text only",
+        ),
+        (
+            [{"prompt": USER, "chosen": [{"content": "a"}], "rejected": answer("b")}],
+            "row 0.chosen[0]: a message is {'role': str, 'content': str}",
+        ),
         ([{"prompt": "Q", "chosen": " a", "rejected": "  "}], "row 0.rejected: empty"),
         ([{"chosen": "same", "rejected": "same"}], "row 0: 'chosen' and 'rejected' must differ"),
         ([], "no rows"),
     ],
-)  # fmt: skip
+)
 def test_bad_pairs_are_refused_naming_the_row_the_field_and_the_fix(rows, needle):
     with pytest.raises(PairsError) as exc:
         parse_pairs(rows)
@@ -85,9 +105,10 @@ def test_parquet_reads_as_jsonl_does_without_the_none_fields_arrow_adds(tmp_path
     import pyarrow.parquet as pq
 
     # Arrow gives every message the union of the keys: the first message gets name=None.
-    rows = [{"prompt": USER, "chosen": answer("yes"), "rejected": answer("no")},
-            {"prompt": [{"role": "user", "content": "R?", "name": "bob"}], "chosen": answer("a"),
-             "rejected": answer("b")}]  # fmt: skip
+    rows = [
+        {"prompt": USER, "chosen": answer("yes"), "rejected": answer("no")},
+        {"prompt": [{"role": "user", "content": "R?", "name": "bob"}], "chosen": answer("a"), "rejected": answer("b")},
+    ]
     path = tmp_path / "pairs.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     assert pq.read_table(path).to_pylist()[0]["prompt"][0]["name"] is None
@@ -117,8 +138,15 @@ def test_the_format_the_pairs_were_ranked_in_is_recommended(tiny_models, labelle
 
 
 def test_the_command_recommends_settings_and_exits_1_while_the_job_would_score_otherwise(tiny_models, labelled, capsys):
-    cmd = [sys.executable, "-m", "reward_score.check_format", str(tiny_models.reward_model), str(labelled),
-           "--device", "cpu"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "reward_score.check_format",
+        str(tiny_models.reward_model),
+        str(labelled),
+        "--device",
+        "cpu",
+    ]
     wrong = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 1, wrong.stderr
     assert "recommended: REWARD_INPUT=completion" in wrong.stdout

@@ -36,8 +36,9 @@ FAST = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight is test
 
 
 def node_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.job.node", *args], capture_output=True, text=True, cwd=REPO,
-                          env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "launch.job.node", *args], capture_output=True, text=True, cwd=REPO, env=env
+    )
 
 
 # --- ports ---------------------------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def test_the_address_of_a_real_interface_is_read_from_the_kernel():
         # with a device cgroup nvidia-smi lists only the job's GPUs, renumbered from 0: they are all the job's
         ("0, Exclusive_Process\n", "3", "GPU 0 in Exclusive_Process mode"),
     ],
-)  # fmt: skip
+)
 def test_gpus_in_a_compute_mode_other_than_default_are_refused_naming_them_and_the_mode(smi, visible, expected):
     got = node.compute_mode_problem(smi, visible)
     if expected is None:
@@ -192,17 +193,42 @@ def test_the_health_poll_with_our_token_refuses_another_jobs_server(tiny_models,
     port = free_port()
     env = dict(os.environ, REWARD_SERVER_TOKEN="the-other-jobs-token")
     server = start_http_server(
-        [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", str(tiny_models.reward_model),
-         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
-        tmp_path / "other.log", port, env=env,
-    )  # fmt: skip
-    probe = 'source launch/job/common.sh; sleep 60 & pid=$!; wait_for_http "$1" "$pid" "$2" 20 "$3"; rc=$?; kill "$pid"; exit "$rc"'
+        [
+            sys.executable,
+            str(REPO / "reward_score" / "reward_server.py"),
+            "--model-path",
+            str(tiny_models.reward_model),
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        tmp_path / "other.log",
+        port,
+        env=env,
+    )
+    probe = (
+        'source launch/job/common.sh; sleep 60 & pid=$!; wait_for_http "$1" "$pid" "$2" 20 "$3"; rc=$?; '
+        'kill "$pid"; exit "$rc"'
+    )
     url = f"http://127.0.0.1:{port}/health"
     try:
-        ours = subprocess.run(["bash", "-c", probe, "_", url, str(server.log), "this-jobs-token"], cwd=REPO,
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
-        theirs = subprocess.run(["bash", "-c", probe, "_", url, str(server.log), "the-other-jobs-token"], cwd=REPO,
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        ours = subprocess.run(
+            ["bash", "-c", probe, "_", url, str(server.log), "this-jobs-token"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        theirs = subprocess.run(
+            ["bash", "-c", probe, "_", url, str(server.log), "the-other-jobs-token"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         server.stop()
     assert ours.returncode == 1
@@ -231,8 +257,12 @@ def test_sigterm_mid_training_stops_every_process_and_port_and_a_second_one_lets
         wait_for_path(Path(env["FAKE_TRAINER_LOG"]), 240, proc)
         start = time.monotonic()
         os.kill(proc.pid, signal.SIGTERM)  # the run script only: what reaches the rest is up to it
-        wait_for("the helper's stop", lambda: "[rank 0] stop signal: stopping what this node started" in log.read_text(),
-                 60, proc)  # fmt: skip
+        wait_for(
+            "the helper's stop",
+            lambda: "[rank 0] stop signal: stopping what this node started" in log.read_text(),
+            60,
+            proc,
+        )
         os.killpg(proc.pid, signal.SIGTERM)  # the run script and the helper again (the trainer is still stopping)
         rc = proc.wait(120)
         seconds = time.monotonic() - start
@@ -291,8 +321,12 @@ def test_a_reward_server_killed_mid_training_comes_back_healthy_at_its_url_and_t
         url = seen(env)["REWARD_SERVER_URLS"]
         os.kill(killed, signal.SIGKILL)
         wait_for("the reward server gone", lambda: ours_at(url, env["REWARD_SERVER_TOKEN"]) is None, 30, proc)
-        wait_for("a new reward server healthy at the same URL, with this job's token",
-                 lambda: ours_at(url, env["REWARD_SERVER_TOKEN"]), 240, proc)  # fmt: skip
+        wait_for(
+            "a new reward server healthy at the same URL, with this job's token",
+            lambda: ours_at(url, env["REWARD_SERVER_TOKEN"]),
+            240,
+            proc,
+        )
         wait_for(
             "the job seeing its server back", lambda: "is back: healthy" in tail(tmp_path / "job.out", 80), 30, proc
         )
@@ -423,7 +457,8 @@ def test_what_a_job_writes_into_the_clone_by_default_is_ignored_by_git():
 
 
 def test_the_folders_the_settings_and_docs_tell_a_user_to_fill_are_ignored_by_git():
-    """The block's default paths in the clone (models/, data/, checkpoints/, which README and docs/ tell a user to fill):
+    """The block's default paths in the clone (models/, data/, checkpoints/, which README and docs/ tell a user to
+    fill):
     a user's models, data and checkpoints never show in git status, and `git add .` cannot commit gigabytes."""
     defaults = [default.split("$repo/", 1)[1] for _, default, _ in block_settings() if "$repo/" in default]
     folders = {d.split("/", 1)[0] for d in defaults if "/" in d} - {".cache"}
@@ -441,8 +476,9 @@ def test_checkpoints_left_by_earlier_starts_are_pruned_but_never_the_one_verl_re
         (ckpt / f"global_step_{step}" / "actor").mkdir(parents=True)
     (ckpt / "global_step_notes").mkdir()  # not a checkpoint: left alone
     (ckpt / "latest_checkpointed_iteration.txt").write_text("50")  # resume from 50 (a later save was cut short)
-    result = subprocess.run([sys.executable, "-m", "launch.job.checkpoints", str(ckpt), "2"], cwd=REPO,
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.job.checkpoints", str(ckpt), "2"], cwd=REPO, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     left = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
     assert left == ["global_step_100", "global_step_125", "global_step_50", "global_step_notes"]

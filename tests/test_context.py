@@ -1,6 +1,7 @@
-"""Prompt + response against the positions the models have (launch/plan/refusals.py context_problems): a policy too short
-for MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH is refused by the preflight, on the login node, instead of by verl's
-rollout when the engine starts on the GPUs after the queue. The models are config.json files alone: only that is read."""
+"""Prompt + response against the positions the models have (launch/plan/refusals.py context_problems): a policy too
+short for MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH is refused by the preflight, on the login node, instead of by verl's
+rollout when the engine starts on the GPUs after the queue. The models are config.json files alone: only that is
+read."""
 
 import json
 from pathlib import Path
@@ -53,7 +54,7 @@ def settings(env: dict[str, str], **overrides) -> Settings:
         ({"max_position_embeddings": 4096, "rope_scaling": None}, 4096),  # null rope_scaling: no factor
         ({"hidden_size": 64}, None),  # no figure: the engine's to read, not refused here
     ],
-)  # fmt: skip
+)
 def test_the_positions_are_read_from_config_json_as_verls_rollout_reads_them(tmp_path, config, positions):
     assert model_positions(str(model(tmp_path / "m", **config))) == positions
 
@@ -73,7 +74,7 @@ def test_a_missing_or_unreadable_config_json_gives_no_figure(tmp_path):
         (6144, {}, False),  # exactly the sum fits
         (4096, {"MAX_PROMPT_LENGTH": 1024, "MAX_RESPONSE_LENGTH": 3072}, False),  # the fix the message gives
     ],
-)  # fmt: skip
+)
 def test_prompt_plus_response_beyond_the_policys_positions_is_refused(
     job_env, tmp_path, policy_positions, overrides, refused
 ):
@@ -115,7 +116,7 @@ def test_the_preflight_refuses_a_too_short_policy_before_composing_verls_config(
         (8192, {"REWARD_MAX_LENGTH": "16384"}, False),  # pairs of 6144 tokens never reach past 8192
         (2048, {"REWARD_MAX_LENGTH": "many"}, False),  # malformed: the reward server names it itself
     ],
-)  # fmt: skip
+)
 def test_a_reward_max_length_past_the_reward_models_positions_is_refused_when_pairs_reach_there(
     job_env, tmp_path, reward_positions, environ, refused
 ):

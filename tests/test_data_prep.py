@@ -44,15 +44,41 @@ def write_jsonl(path, rows):
         # plain prompt text: one user turn, the article's ground_truth = the prompt
         ({"prompt": "Hi?"}, RowSpec(), [{"role": "user", "content": "Hi?"}], "Hi?"),
         # a fixed system prompt goes first; ground_truth stays the user's text
-        ({"prompt": "Hi?"}, RowSpec(system_prompt="Be safe."), [{"role": "system", "content": "Be safe."}, {"role": "user", "content": "Hi?"}], "Hi?"),
+        (
+            {"prompt": "Hi?"},
+            RowSpec(system_prompt="Be safe."),
+            [{"role": "system", "content": "Be safe."}, {"role": "user", "content": "Hi?"}],
+            "Hi?",
+        ),
         # a per-row system column wins over the fixed one
-        ({"q": "Hi?", "sys": "Row sys"}, RowSpec(prompt_column="q", system_prompt="x", system_column="sys"), [{"role": "system", "content": "Row sys"}, {"role": "user", "content": "Hi?"}], "Hi?"),
+        (
+            {"q": "Hi?", "sys": "Row sys"},
+            RowSpec(prompt_column="q", system_prompt="x", system_column="sys"),
+            [{"role": "system", "content": "Row sys"}, {"role": "user", "content": "Hi?"}],
+            "Hi?",
+        ),
         # a chat list, last turn the user's
-        ({"m": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]}, RowSpec(prompt_column=None, messages_column="m"), [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}], "c"),
+        (
+            {
+                "m": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"},
+                ]
+            },
+            RowSpec(prompt_column=None, messages_column="m"),
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+            "c",
+        ),
         # rule style: ground_truth is the reference answer
-        ({"prompt": "2+2?", "ans": "4"}, RowSpec(reward_style="rule", answer_column="ans"), [{"role": "user", "content": "2+2?"}], "4"),
+        (
+            {"prompt": "2+2?", "ans": "4"},
+            RowSpec(reward_style="rule", answer_column="ans"),
+            [{"role": "user", "content": "2+2?"}],
+            "4",
+        ),
     ],
-)  # fmt: skip
+)
 def test_make_row_builds_verls_format(example, spec, prompt, ground_truth):
     row = make_row(example, 7, "train", spec, source_row=9)
     assert row["prompt"] == prompt
@@ -82,13 +108,34 @@ def test_source_and_kept_columns_land_where_verl_and_people_read_them():
         ({"prompt": 42}, RowSpec(), "is a int, not text"),  # wrong type
         ({"m": "not json"}, RowSpec(prompt_column=None, messages_column="m"), "non-empty list"),
         ({"m": "[bad"}, RowSpec(prompt_column=None, messages_column="m"), "not valid JSON"),  # CSV cell
-        ({"m": [{"role": "robot", "content": "x"}]}, RowSpec(prompt_column=None, messages_column="m"), "m[0].role is 'robot'"),
-        ({"m": [{"role": "user", "content": ""}]}, RowSpec(prompt_column=None, messages_column="m"), "m[0].content is empty"),
-        ({"m": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, RowSpec(prompt_column=None, messages_column="m"), "must be the user's turn"),
-        ({"prompt": "x"}, RowSpec(prompt_column=None, messages_column="m"), "messages column 'm' is missing; the row's columns: prompt (str): name the right one with --prompt-column (a str) or --messages-column"),
-        ({"prompt": "x"}, RowSpec(reward_style="rule", answer_column="ans"), "answer column 'ans' is missing; the row's columns: prompt (str): name the right one with --answer-column"),
+        (
+            {"m": [{"role": "robot", "content": "x"}]},
+            RowSpec(prompt_column=None, messages_column="m"),
+            "m[0].role is 'robot'",
+        ),
+        (
+            {"m": [{"role": "user", "content": ""}]},
+            RowSpec(prompt_column=None, messages_column="m"),
+            "m[0].content is empty",
+        ),
+        (
+            {"m": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+            RowSpec(prompt_column=None, messages_column="m"),
+            "must be the user's turn",
+        ),
+        (
+            {"prompt": "x"},
+            RowSpec(prompt_column=None, messages_column="m"),
+            "messages column 'm' is missing; the row's columns: prompt (str): name the right one with --prompt-column "
+            "(a str) or --messages-column",
+        ),
+        (
+            {"prompt": "x"},
+            RowSpec(reward_style="rule", answer_column="ans"),
+            "answer column 'ans' is missing; the row's columns: prompt (str): name the right one with --answer-column",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_rows_name_the_field_and_the_problem(example, spec, needle):
     with pytest.raises(BadRow, match=re.escape(needle)):
         make_row(example, 0, "train", spec) if "answer" in needle else chat_messages(example, spec)
@@ -144,7 +191,10 @@ def test_every_input_format_gives_the_same_rows(tmp_path, examples, fmt):
 def test_messages_in_a_csv_cell_are_read_as_json(tmp_path):
     chat = [{"role": "system", "content": "s"}, {"role": "user", "content": UNICODE}]
     src = tmp_path / "in.csv"
-    pd.DataFrame([{"chat": json.dumps(chat, ensure_ascii=False)}] * 3 + [{"chat": json.dumps([{"role": "user", "content": f"u{i}"}])} for i in range(9)]).to_csv(src, index=False)  # fmt: skip
+    pd.DataFrame(
+        [{"chat": json.dumps(chat, ensure_ascii=False)}] * 3
+        + [{"chat": json.dumps([{"role": "user", "content": f"u{i}"}])} for i in range(9)]
+    ).to_csv(src, index=False)
     assert (
         build_main([str(src), "--messages-column", "chat", "--out-dir", str(tmp_path / "o"), "--test-size", "0.5"]) == 0
     )
@@ -250,13 +300,23 @@ def test_one_row_cannot_be_split_and_the_refusal_names_the_flags(tmp_path):
     "name, content, found, flag",
     [
         # a JSONL of chat lists, built with the default --prompt-column prompt
-        ("chats.jsonl", "".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
-                                for i in range(12)), "id (int), messages (list)", "--messages-column messages"),
+        (
+            "chats.jsonl",
+            "".join(
+                json.dumps({"id": i, "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(12)
+            ),
+            "id (int), messages (list)",
+            "--messages-column messages",
+        ),
         # a CSV whose prompts are in a "question" column
-        ("qa.csv", "id,question,answer\n" + "".join(f"{i},q{i}?,a{i}\n" for i in range(12)),
-         "id (str), question (str), answer (str)", "--prompt-column question"),
+        (
+            "qa.csv",
+            "id,question,answer\n" + "".join(f"{i},q{i}?,a{i}\n" for i in range(12)),
+            "id (str), question (str), answer (str)",
+            "--prompt-column question",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_file_without_the_prompt_column_names_the_columns_found_and_the_flags_and_creates_no_folder(
     tmp_path, name, content, found, flag
 ):
@@ -285,15 +345,30 @@ def test_a_file_without_the_prompt_column_names_the_columns_found_and_the_flags_
     "preset, fmt, example, data_source, ground_truth, right, wrong",
     [
         # GSM8K's columns; its answer's last line '#### 1,000' becomes '1000' (verl's gsm8k.py); verl's strict scorer
-        ("gsm8k", "jsonl", {"question": "How many?", "answer": "500 + 500 = <<500+500=1000>>1000\n#### 1,000"},
-         "openai/gsm8k", "1000", "So the total is\n#### 1000", "#### 999"),
+        (
+            "gsm8k",
+            "jsonl",
+            {"question": "How many?", "answer": "500 + 500 = <<500+500=1000>>1000\n#### 1,000"},
+            "openai/gsm8k",
+            "1000",
+            "So the total is\n#### 1000",
+            "#### 999",
+        ),
         # MATH's columns; the last \boxed{}, nested braces whole (verl's math_dataset.py with its remove_boxed)
-        ("math", "parquet", {"problem": "Half of 1?", "solution": "First \\boxed{2}, no: $\\boxed{\\frac{1}{2}}$."},
-         "DigitalLearningGmbH/MATH-lighteval", "\\frac{1}{2}", "It is \\boxed{\\frac12}.", "It is \\boxed{2}."),
+        (
+            "math",
+            "parquet",
+            {"problem": "Half of 1?", "solution": "First \\boxed{2}, no: $\\boxed{\\frac{1}{2}}$."},
+            "DigitalLearningGmbH/MATH-lighteval",
+            "\\frac{1}{2}",
+            "It is \\boxed{\\frac12}.",
+            "It is \\boxed{2}.",
+        ),
     ],
-)  # fmt: skip
-def test_a_preset_builds_rule_rows_that_verls_own_scorer_scores(tmp_path, preset, fmt, example, data_source,
-                                                                 ground_truth, right, wrong, capsys):  # fmt: skip
+)
+def test_a_preset_builds_rule_rows_that_verls_own_scorer_scores(
+    tmp_path, preset, fmt, example, data_source, ground_truth, right, wrong, capsys
+):
     """The rows verl's examples build: a right answer scores 1 and a wrong one 0 by verl's default_compute_score
     (whole solution text as ground_truth, which the build wrote before, scores the right answer 0). A row without the
     final answer the preset extracts is skipped, naming the column."""
@@ -344,8 +419,15 @@ def test_outputs_load_with_verls_rlhf_dataset_and_carry_the_prompt(tiny_models, 
         == 0
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_models.policy)
-    config = OmegaConf.create({"max_prompt_length": 512, "truncation": "error", "filter_overlong_prompts": True,
-                               "return_raw_chat": True, "prompt_key": "prompt"})  # fmt: skip
+    config = OmegaConf.create(
+        {
+            "max_prompt_length": 512,
+            "truncation": "error",
+            "filter_overlong_prompts": True,
+            "return_raw_chat": True,
+            "prompt_key": "prompt",
+        }
+    )
     dataset = RLHFDataset(str(tmp_path / "out" / "train.parquet"), tokenizer, config)
     rows = rows_of(tmp_path / "out" / "train.parquet")
     assert len(dataset) == len(rows)

@@ -1,5 +1,6 @@
-"""The save before the time limit (launch/plan/deadline.py): the room verl 0.6.1's window gets for validation and the save,
-refusals and warnings when CHECKPOINT_BEFORE_END does not fit the job, and the recipes that never save before it."""
+"""The save before the time limit (launch/plan/deadline.py): the room verl 0.6.1's window gets for validation and the
+save, refusals and warnings when CHECKPOINT_BEFORE_END does not fit the job, and the recipes that never save before
+it."""
 
 from pathlib import Path
 
@@ -12,10 +13,15 @@ from launch.plan.trainer_command import trainer_argv
 from tests.support import block_environment
 
 DEFAULTS = block_environment() | dict(
-    CONTAINER="none", CONFIG_IMAGE_PATH="x.sif", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r",
-    CONFIG_TRAIN_FILE="train.parquet", CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt",
+    CONTAINER="none",
+    CONFIG_IMAGE_PATH="x.sif",
+    CONFIG_MODEL_PATH="m",
+    CONFIG_REWARD_MODEL_PATH="r",
+    CONFIG_TRAIN_FILE="train.parquet",
+    CONFIG_TEST_FILE="test.parquet",
+    CONFIG_OUTPUT_DIR="ckpt",
     REWARD_PROMPT_OPENS_THINK="true",  # auto would read the template of a policy that is not here
-)  # fmt: skip
+)
 NOW = 1_800_000_000.0
 IN_A_JOB = {"SLURM_JOB_ID": "777", "JOB_SIGNAL_LEAD": "900", "JOB_END_TIME": str(int(NOW) + 86400)}
 DAPO = {"ALGORITHM": "dapo", "DAPO_DYNAMIC_SAMPLING": "true", "ROLLOUT_MODE": "sync"}
@@ -72,25 +78,51 @@ def test_the_main_trainer_gets_the_window_key_and_the_recipes_which_never_check_
     "overrides, env, kind, needle",
     [
         # the requeue at the signal (900 s before the limit) would come before verl's expiry
-        ({"CHECKPOINT_BEFORE_END": 600}, IN_A_JOB, "problem",
-         "CHECKPOINT_BEFORE_END=600 is not above the time-limit signal's lead (900 s"),
+        (
+            {"CHECKPOINT_BEFORE_END": 600},
+            IN_A_JOB,
+            "problem",
+            "CHECKPOINT_BEFORE_END=600 is not above the time-limit signal's lead (900 s",
+        ),
         # a 20-minute job: the window is over before training starts
-        ({}, IN_A_JOB | {"JOB_END_TIME": str(int(NOW) + 1200)}, "warning",
-         "the job has 1200 s left, not more than CHECKPOINT_BEFORE_END=1800: verl's save-before-the-limit window is over"),
+        (
+            {},
+            IN_A_JOB | {"JOB_END_TIME": str(int(NOW) + 1200)},
+            "warning",
+            "the job has 1200 s left, not more than CHECKPOINT_BEFORE_END=1800: verl's save-before-the-limit window is "
+            "over",
+        ),
         # 1000 - 900 = 100 s between the expiry and the requeue: a 600 s save does not fit
-        ({"CHECKPOINT_BEFORE_END": 1000}, IN_A_JOB, "warning",
-         "CHECKPOINT_BEFORE_END=1000 leaves 100 s between verl's expiry and the requeue signal"),
+        (
+            {"CHECKPOINT_BEFORE_END": 1000},
+            IN_A_JOB,
+            "warning",
+            "CHECKPOINT_BEFORE_END=1000 leaves 100 s between verl's expiry and the requeue signal",
+        ),
         # recipe.dapo never calls should_save_ckpt_esi: said plainly, not promised
         (DAPO, IN_A_JOB, "warning", "recipe.dapo does not save before the time limit"),
-        ({"TRAINER_MODE": "one_step_off", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": 2, "ROLLOUT_ENGINE": "vllm"},
-         IN_A_JOB, "warning", "recipe.one_step_off_policy does not save before the time limit"),
+        (
+            {
+                "TRAINER_MODE": "one_step_off",
+                "ROLLOUT_MODE": "sync",
+                "ROLLOUT_GPUS_PER_NODE": 2,
+                "ROLLOUT_ENGINE": "vllm",
+            },
+            IN_A_JOB,
+            "warning",
+            "recipe.one_step_off_policy does not save before the time limit",
+        ),
         # SAVE_FREQ<=0: no saves at all, said by the plan (the one place that says it)
         ({"SAVE_FREQ": -1}, IN_A_JOB, "line", "SAVE_FREQ<=0: verl saves nothing, before the time limit neither"),
         # the defaults in a day-long job: the plan, no warning
-        ({}, IN_A_JOB, "line", "verl saves after any step that ends within 60 s + its longest step + "
-         "trainer.esi_redundant_time=600 s of"),
+        (
+            {},
+            IN_A_JOB,
+            "line",
+            "verl saves after any step that ends within 60 s + its longest step + trainer.esi_redundant_time=600 s of",
+        ),
     ],
-)  # fmt: skip
+)
 def test_checkpoint_before_end_that_does_not_fit_the_job_is_refused_or_warned_about_with_the_reason(
     overrides, env, kind, needle
 ):
@@ -153,7 +185,8 @@ def slurm(partition: str, config: str = SIGNAL, grace: int | None = None) -> dic
             (9, 3, None),
             25,
             "partition preemptible (PreemptMode=REQUEUE, GraceTime=120 s): a "
-            "preemption saves the step it is in (grace 120 s, a step takes ~9 s, then its validation not measured yet, a "
+            "preemption saves the step it is in (grace 120 s, a step takes ~9 s, then its validation not measured yet, "
+            "a "
             "save ~3 s, the stop 20 s; measured by earlier starts); SAVE_FREQ=auto: 25",
         ),
         # a first start: the first guesses (a 600 s step, 600 s for a save) do not fit 120 s: every 2 steps
@@ -188,7 +221,8 @@ def slurm(partition: str, config: str = SIGNAL, grace: int | None = None) -> dic
             (200, 60, 120),
             7,
             "a preemption saves the step it is in unless that step "
-            "validates (every TEST_FREQ=5 steps: grace 300 s, a step takes ~200 s, then its validation ~120 s, a save ~60 "
+            "validates (every TEST_FREQ=5 steps: grace 300 s, a step takes ~200 s, then its validation ~120 s, a save "
+            "~60 "
             "s, the stop 20 s: 415 s do not fit), then up to 7 steps (~26 min) lost",
         ),
         # the recipes never make verl's check; a SAVE_FREQ set by hand stays as set

@@ -3,8 +3,8 @@ and the CPU adaptations it needs (cpu/verl_shims.py, cpu/megatron_shims.py).
 
 Nothing here is a stand-in: the run script, the preflight, reward servers on the CPU, Ray, `python -m
 verl.trainer.main_ppo` (RayPPOTrainer.fit with verl's Megatron workers and its HF rollout), verl's checkpoint manager,
-its Megatron merger and launch.merge.verify_hf are the real ones; what verl needs on a CPU is the two modules' overrides and
-shims."""
+its Megatron merger and launch.merge.verify_hf are the real ones; what verl needs on a CPU is the two modules' overrides
+and shims."""
 
 import os
 import re
@@ -45,8 +45,9 @@ def test_the_demos_next_steps_are_the_readmes_quickstart_commands():
 def test_make_env_says_what_it_installs_and_shows_pips_own_progress():
     """A first `make demo` installs for minutes (3.5 min of silent `pip --quiet` on a loaded machine): each install is
     announced, and pip's Collecting/Downloading/Installing lines show."""
-    dry = subprocess.run(["make", "-n", "-B", "env", "VENV=.venv-dry-run"], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout.splitlines()  # fmt: skip
+    dry = subprocess.run(
+        ["make", "-n", "-B", "env", "VENV=.venv-dry-run"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     pips = [i for i, line in enumerate(dry) if "/pip install" in line]
     first = [i for i in pips if "trying once more" not in dry[i - 1]]  # the requirements' install, tried again once
     assert len(first) == 2 and len(pips) == 3, dry
@@ -59,10 +60,16 @@ def test_make_env_says_what_it_installs_and_shows_pips_own_progress():
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_the_cpu_overrides_compose_with_the_fsdp2_command_and_hf_is_refused_without_the_hook(mode):
     env = block_environment() | dict(
-        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
-        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", STRATEGY="fsdp2", ROLLOUT_MODE=mode,
+        CONTAINER="none",
+        CONFIG_MODEL_PATH="m",
+        CONFIG_REWARD_MODEL_PATH="r",
+        CONFIG_TRAIN_FILE="train.parquet",
+        CONFIG_TEST_FILE="test.parquet",
+        CONFIG_OUTPUT_DIR="ckpt",
+        STRATEGY="fsdp2",
+        ROLLOUT_MODE=mode,
         REWARD_PROMPT_OPENS_THINK="true",  # no model at "m" to read a chat template from
-    )  # fmt: skip
+    )
     module, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=verl_shims.overrides()))
     cfg = compose(name, overrides, path)
     validate(cfg)
@@ -81,8 +88,9 @@ def test_make_demo_trains_verls_megatron_workers_on_the_cpu_saves_resumes_and_me
     verl's own console lines, checkpoints and merger, checked by the canary as on a cluster, and here again from
     verl's output."""
     out = tmp_path / "demo"
-    run = subprocess.run([sys.executable, "-m", "demo.run", "--out", str(out)], cwd=REPO, capture_output=True,
-                         text=True, timeout=900)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "demo.run", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
     text = run.stdout + run.stderr
     assert run.returncode == 0, text[-6000:]
     assert "canary: every stage passed" in text and "make demo: every stage passed" in text
@@ -196,8 +204,9 @@ def test_without_the_shims_verl_stops_where_they_say_and_with_them_it_goes_on(tm
 
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     env = os.environ | {verl_shims.THEN_HOOK: stall_hook.HOOK, "STALL_TEST_PLAN": "update_actor:sleep=1:1"}
-    run = subprocess.run([sys.executable, "-c", SHIMS_CHECK, *addresses], cwd=REPO, capture_output=True, text=True,
-                         env=env, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", SHIMS_CHECK, *addresses], cwd=REPO, capture_output=True, text=True, env=env, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     before, after = (line.split("|")[1:] for line in run.stdout.splitlines() if line.startswith(("before", "after")))
     assert before == [
@@ -206,5 +215,12 @@ def test_without_the_shims_verl_stops_where_they_say_and_with_them_it_goes_on(tm
         "gather: RuntimeError",
         "device: AttributeError",
     ]
-    assert after == ["rollout: ok", "backend: ok", "gather: ok", "device: ok", "pinned: False", "replica: HFReplica",
-                     "then: stall_hook.py"]  # fmt: skip
+    assert after == [
+        "rollout: ok",
+        "backend: ok",
+        "gather: ok",
+        "device: ok",
+        "pinned: False",
+        "replica: HFReplica",
+        "then: stall_hook.py",
+    ]

@@ -170,8 +170,13 @@ def test_the_nccl_section_has_the_infiniband_settings_and_what_the_job_sets_itse
 
 def test_every_code_fence_of_the_readmes_and_docs_is_closed():
     """A fence left open renders the rest of the page as code (docs/image.md had a stray line and a lone fence)."""
-    pages = [REPO / "README.md", REPO / "README.ja.md", REPO / "benchmarks" / "README.md",
-             REPO / "benchmarks" / "HISTORY.md", *sorted((REPO / "docs").glob("*.md"))]  # fmt: skip
+    pages = [
+        REPO / "README.md",
+        REPO / "README.ja.md",
+        REPO / "benchmarks" / "README.md",
+        REPO / "benchmarks" / "HISTORY.md",
+        *sorted((REPO / "docs").glob("*.md")),
+    ]
     for page in pages:
         fences = [line for line in page.read_text().splitlines() if line.startswith("```")]
         assert len(fences) % 2 == 0, f"{page.relative_to(REPO)}: a code fence is not closed"
@@ -250,8 +255,13 @@ def test_the_readmes_files_block_names_what_is_there_and_every_file_of_the_clone
     """What a user's clone holds (tracked and unignored files, as tests/real_slurm.py copies it): each path the block
     names is among them, and each of them is on a line: named, under a folder the block names, or a package's
     __init__.py beside a module a line names."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout.split("\0")  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
     files = sorted(f for f in listed if f and (REPO / f).is_file())
     rows = files_block()
     assert len(rows) >= 20, "README.md's Files block: a fenced block right under `## Files`"

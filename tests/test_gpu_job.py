@@ -1,6 +1,6 @@
 """benchmarks.gpu_job: the job as a user runs it (the run script's workstation mode) takes verl 0.6.1's own GRPO steps,
-timed by verl, end to end on a CPU (tiny models), so the command behind benchmarks/README.md's GPU figures keeps working;
-on a GPU it passes the stand-in's overrides, never the CPU layer's; its readers read the committed results."""
+timed by verl, end to end on a CPU (tiny models), so the command behind benchmarks/README.md's GPU figures keeps
+working; on a GPU it passes the stand-in's overrides, never the CPU layer's; its readers read the committed results."""
 
 import json
 import os
@@ -19,20 +19,26 @@ from tests.support import REPO
     "line, step, some",
     [
         # as Ray forwards the TaskRunner's console logger, colour codes and all
-        ("\x1b[36m(TaskRunner pid=14435)\x1b[0m step:1 - actor/pg_loss:-0.0112 - timing_s/gen:8.93 - "
-         "timing_s/generation_timing/max:6.62 - perf/max_memory_allocated_gb:0.0",
-         1, {"actor/pg_loss": -0.0112, "timing_s/gen": 8.93, "timing_s/generation_timing/max": 6.62}),
+        (
+            "\x1b[36m(TaskRunner pid=14435)\x1b[0m step:1 - actor/pg_loss:-0.0112 - timing_s/gen:8.93 - "
+            "timing_s/generation_timing/max:6.62 - perf/max_memory_allocated_gb:0.0",
+            1,
+            {"actor/pg_loss": -0.0112, "timing_s/gen": 8.93, "timing_s/generation_timing/max": 6.62},
+        ),
         # numpy 2 (the GPU machine's): verl prints numpy scalars as their repr
-        ("(TaskRunner pid=2143) step:2 - actor/grad_norm:np.float64(0.6012) - perf/max_memory_allocated_gb:"
-         "np.float64(14.2) - critic/score/mean:-0.194", 2,
-         {"actor/grad_norm": 0.6012, "perf/max_memory_allocated_gb": 14.2, "critic/score/mean": -0.194}),
+        (
+            "(TaskRunner pid=2143) step:2 - actor/grad_norm:np.float64(0.6012) - perf/max_memory_allocated_gb:"
+            "np.float64(14.2) - critic/score/mean:-0.194",
+            2,
+            {"actor/grad_norm": 0.6012, "perf/max_memory_allocated_gb": 14.2, "critic/score/mean": -0.194},
+        ),
         # a step line printed by verl without Ray's prefix
         ("step:12 - timing_s/step:11.07 - training/epoch:0", 12, {"timing_s/step": 11.07, "training/epoch": 0.0}),
         # anything else verl prints, a validation line's words included
         ("(TaskRunner pid=1) Training Progress: 100%|| 2/2 [00:27<00:00]", None, None),
         ("(TaskRunner pid=1) Total training steps: 2", None, None),
     ],
-)  # fmt: skip
+)
 def test_verls_console_line_is_read_into_its_step_and_numbers(line, step, some):
     steps, phases = gpu_job.read_console(line)
     assert phases == []
@@ -47,11 +53,25 @@ def test_verls_console_line_is_read_into_its_step_and_numbers(line, step, some):
 def test_phase_lines_give_each_phases_peak_over_the_steps():
     lines = [
         f"(WorkerDict pid=7) {verl_step_hook.PHASE_PREFIX}"
-        + json.dumps({"phase": phase, "call": call, "peak_allocated_gib": peak, "peak_reserved_gib": peak + 1,
-                      "seconds": 0.5, "role": "actor_rollout", "pid": 7, "allocated_before_gib": 0.1})
-        for phase, call, peak in (("generate_sequences", 1, 3.0), ("update_actor", 1, 9.0),
-                                  ("generate_sequences", 2, 4.0), ("update_actor", 2, 8.5))
-    ]  # fmt: skip
+        + json.dumps(
+            {
+                "phase": phase,
+                "call": call,
+                "peak_allocated_gib": peak,
+                "peak_reserved_gib": peak + 1,
+                "seconds": 0.5,
+                "role": "actor_rollout",
+                "pid": 7,
+                "allocated_before_gib": 0.1,
+            }
+        )
+        for phase, call, peak in (
+            ("generate_sequences", 1, 3.0),
+            ("update_actor", 1, 9.0),
+            ("generate_sequences", 2, 4.0),
+            ("update_actor", 2, 8.5),
+        )
+    ]
     phases = [gpu_job.parse_phase_line(line) for line in lines]
     assert gpu_job.parse_phase_line("(WorkerDict pid=7) something else") is None
     summary = gpu_job.summarize([], phases)["phase_memory"]
@@ -111,8 +131,26 @@ def test_the_job_takes_real_grpo_steps_through_the_run_script_and_reports_timing
     verl's timing_s breakdown of each, every phase's memory line through the phase hook, the job's trainer command
     with the CPU layer's overrides, the logs at the output's top level."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "benchmarks.gpu_job", "steps", "--shape", "tiny", "--strategy", "fsdp2", "--steps",
-           "2", "--prompts", "4", "--timeout", "840", "--out", str(out), "--work", str(tmp_path / "work")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_job",
+        "steps",
+        "--shape",
+        "tiny",
+        "--strategy",
+        "fsdp2",
+        "--steps",
+        "2",
+        "--prompts",
+        "4",
+        "--timeout",
+        "840",
+        "--out",
+        str(out),
+        "--work",
+        str(tmp_path / "work"),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
     result = json.loads((out / "result.json").read_text())
     assert run.returncode == 0 and result["job"]["rc"] == 0, (result["job"], (out / "run.log").read_text()[-3000:])

@@ -93,8 +93,20 @@ def test_singularity_exec_runs_the_command_in_its_pwd_with_its_env_and_fails_as_
 ):
     image = tmp_path / "app.sif"
     image.write_text("fake image")
-    cmd = ["exec", "--nv", "--bind", f"{tmp_path}:{tmp_path}", "--pwd", str(tmp_path), "--env", "GREETING=hi",
-           str(image), "bash", "-c", 'echo "$GREETING $PWD"']  # fmt: skip
+    cmd = [
+        "exec",
+        "--nv",
+        "--bind",
+        f"{tmp_path}:{tmp_path}",
+        "--pwd",
+        str(tmp_path),
+        "--env",
+        "GREETING=hi",
+        str(image),
+        "bash",
+        "-c",
+        'echo "$GREETING $PWD"',
+    ]
     for prog in ("singularity", "apptainer"):
         assert subprocess.run([prog, *cmd], capture_output=True, text=True).stdout == f"hi {tmp_path}\n"
     assert fake_container.calls("apptainer")[0]["argv"] == cmd
@@ -121,8 +133,13 @@ def test_the_local_slurm_cluster_hands_out_two_nodes_and_their_gpus(slurm_cluste
         "#!/bin/bash\nsrun --ntasks-per-node=1 bash -c "
         "'echo $SLURM_PROCID $SLURMD_NODENAME $SLURM_GPUS_ON_NODE $CUDA_VISIBLE_DEVICES' | sort\n"
     )
-    job = sbatch(os.environ, str(script), cwd=tmp_path, out=tmp_path / "probe.out",
-                 options=("--nodes=2", "--mem=1G", "--gpus-per-node=2"))  # fmt: skip
+    job = sbatch(
+        os.environ,
+        str(script),
+        cwd=tmp_path,
+        out=tmp_path / "probe.out",
+        options=("--nodes=2", "--mem=1G", "--gpus-per-node=2"),
+    )
     fields = job.wait(120)
     assert fields["JobState"] == "COMPLETED", job.output()
     lines = [line.split() for line in job.output().splitlines()]
@@ -162,8 +179,13 @@ def test_a_server_that_never_gets_healthy_times_out_naming_the_url_and_is_stoppe
     real_start = procs.start_process
     monkeypatch.setattr(procs, "start_process", lambda *a, **k: started.append(real_start(*a, **k)) or started[-1])
     with pytest.raises(TimeoutError, match=f"the silent one was not healthy after 1 s \\(GET {url}"):
-        procs.start_server([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "silent.log", url, 1,
-                           name="the silent one")  # fmt: skip
+        procs.start_server(
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            tmp_path / "silent.log",
+            url,
+            1,
+            name="the silent one",
+        )
     assert started[0].poll() is not None, "a server that never got healthy must not be left running"
 
 
@@ -176,8 +198,18 @@ def test_caches_and_home_point_into_the_test_tmp_dir(isolated_env):
 def test_real_ray_head_starts_on_loopback_in_a_private_temp_dir(ray_tmp, tmp_path):
     ray = str(Path(sys.executable).with_name("ray"))
     port = free_port()
-    start = [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", f"--temp-dir={ray_tmp}",
-             "--num-cpus=1", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
+    start = [
+        ray,
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        f"--temp-dir={ray_tmp}",
+        "--num-cpus=1",
+        "--num-gpus=0",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
     try:
         subprocess.run(start, check=True, capture_output=True, timeout=120)
         # The head answers `ray status` with "No cluster status" for a few seconds: poll, as the launch scripts do.
@@ -238,11 +270,19 @@ def test_a_port_of_the_jobs_block_held_by_another_jobs_process_is_not_this_jobs_
     from tests.support import listening_elsewhere
 
     logs = tmp_path / "logs" / "1"
-    serve = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(120)"
-    ours = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, JOB_LOG_DIR=str(logs)))  # fmt: skip
-    other = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, JOB_LOG_DIR=str(tmp_path / "logs" / "2")))  # fmt: skip
+    serve = (
+        "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+        "print(s.getsockname()[1], flush=True); time.sleep(120)"
+    )
+    ours = subprocess.Popen(
+        [sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True, env=dict(os.environ, JOB_LOG_DIR=str(logs))
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", serve],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, JOB_LOG_DIR=str(tmp_path / "logs" / "2")),
+    )
     try:
         ports = [int(ours.stdout.readline()), int(other.stdout.readline())]
         assert listening_elsewhere(ports, logs) == [ports[1]]

@@ -1,4 +1,5 @@
-"""Inside an interactive allocation: `salloc --nodes=N --gpus-per-node=G ...`, then `bash run_grpo_qwen3_4b_mega_verl.sh`
+"""Inside an interactive allocation: `salloc --nodes=N --gpus-per-node=G ...`, then `bash
+run_grpo_qwen3_4b_mega_verl.sh`
 in its shell runs the job in that allocation (srun into it, as a batch job does), never requeues it, writes its output
 to CONFIG_LOG_DIR as Slurm would for a batch job, and Ctrl-C stops everything it started on every node. Real Slurm
 (the local cluster), reward servers, Ray and preflight; the stand-in container and trainer."""
@@ -25,8 +26,15 @@ def allocation(output: str) -> Job:
 
 def test_in_salloc_the_script_runs_the_job_on_the_allocations_nodes_and_never_requeues_it(job, clone):
     env = job | FAST
-    run = subprocess.run([*SALLOC, "bash", RUN.name], cwd=clone, env=slurm_env(env), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [*SALLOC, "bash", RUN.name],
+        cwd=clone,
+        env=slurm_env(env),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=600,
+    )
     out = run.stdout
     assert run.returncode == 0, out[-4000:]
     j = allocation(out)
@@ -66,8 +74,14 @@ def test_ctrl_c_in_salloc_stops_what_the_script_started_on_every_node_and_nothin
     env = job | FAST | {"FAKE_TRAINER_SLEEP": "300", "STOP_TIMEOUT": "20"}
     log = tmp_path / "salloc.out"
     with open(log, "w") as out:
-        salloc = subprocess.Popen([*SALLOC, "bash", RUN.name], cwd=clone, env=slurm_env(env),
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        salloc = subprocess.Popen(
+            [*SALLOC, "bash", RUN.name],
+            cwd=clone,
+            env=slurm_env(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 400
         while not Path(env["FAKE_TRAINER_LOG"]).exists():

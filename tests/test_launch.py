@@ -120,8 +120,17 @@ def test_a_reward_server_that_never_becomes_healthy_fails_the_job_within_the_dea
 def test_the_trainer_exit_code_is_the_jobs_and_everything_stops(job, tmp_path):
     """With REWARD=rule (verl's scorers in its own workers) on GSM8K rule rows: no reward server starts, none is
     checked, and no reward model needs to exist."""
-    env = job | gsm8k_rule_data(tmp_path) | {"FAKE_TRAINER_RC": "3", "REWARD": "rule", "TRAIN_BATCH_SIZE": "8",
-                                             "PPO_MINI_BATCH_SIZE": "8", "CONFIG_REWARD_MODEL_PATH": "/nowhere"}  # fmt: skip
+    env = (
+        job
+        | gsm8k_rule_data(tmp_path)
+        | {
+            "FAKE_TRAINER_RC": "3",
+            "REWARD": "rule",
+            "TRAIN_BATCH_SIZE": "8",
+            "PPO_MINI_BATCH_SIZE": "8",
+            "CONFIG_REWARD_MODEL_PATH": "/nowhere",
+        }
+    )
     result = run(env)
     assert result.returncode == 3, result.stderr[-3000:]
     assert "trainer exited with 3" in result.stderr
@@ -129,8 +138,10 @@ def test_the_trainer_exit_code_is_the_jobs_and_everything_stops(job, tmp_path):
     assert (job_dir(job) / "done").read_text().strip() == "3"
     assert "preflight: reward: REWARD=rule, rules by verl's scorers" in result.stdout
     assert "no reward server (REWARD=rule)" in result.stdout
-    assert ("reward loop (async rollout) scored a right answer to a openai/gsm8k row 1 by rule, a wrong one 0"
-            in result.stdout), result.stdout[-3000:]  # fmt: skip
+    assert (
+        "reward loop (async rollout) scored a right answer to a openai/gsm8k row 1 by rule, a wrong one 0"
+        in result.stdout
+    ), result.stdout[-3000:]
     assert seen(job)["reward_health"] == [] and seen(job)["REWARD_SERVER_URLS"] == ""
     assert not [p.name for p in job_dir(job).iterdir() if "reward_server" in p.name]
     assert_everything_stopped(job)
@@ -212,10 +223,14 @@ def test_a_login_nodes_preflight_checks_the_cpus_sbatch_will_give_against_what_v
     the login node's: 16 GPUs a node with async SGLang rollout hold 33 of Ray's CPUs there (the TaskRunner, one beside
     each GPU, one per rollout server), and verl would wait for ever with 32; sync rollout holds 17."""
     login = {k: v for k, v in job.items() if k != "RAY_NUM_CPUS"} | {
-        "CONFIG_GPUS_PER_NODE": "16", "ACTOR_PP": "2", "PREFLIGHT_ONLY": "1", "TRAINER_LAUNCHER": "python3",
+        "CONFIG_GPUS_PER_NODE": "16",
+        "ACTOR_PP": "2",
+        "PREFLIGHT_ONLY": "1",
+        "TRAINER_LAUNCHER": "python3",
         "TRAINER_IS_VERL": "1",
-        "PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0",
-    }  # fmt: skip
+        "PREFLIGHT_DATA": "0",
+        "PREFLIGHT_REWARD": "0",
+    }
     refused = run(login)
     assert refused.returncode == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert (
@@ -233,9 +248,14 @@ def test_a_login_node_without_the_engine_passes_every_check_it_can_run_and_lists
     image): the data through verl's RLHFDataset and the reward round trip on the CPU run, the engine's import is
     listed as not checked here and why, and the check exits 0, usable as a gate; a real problem still exits 1."""
     env = {k: v for k, v in job.items() if k != "RAY_NUM_CPUS"} | {
-        "CONTAINER": "none", "PREFLIGHT_ONLY": "1", "PREFLIGHT_REWARD_DEVICE": "cpu", "TRAINER_LAUNCHER": "python3",
-        "TRAINER_IS_VERL": "1", "TRAIN_BATCH_SIZE": "8", "PPO_MINI_BATCH_SIZE": "8",
-    }  # fmt: skip
+        "CONTAINER": "none",
+        "PREFLIGHT_ONLY": "1",
+        "PREFLIGHT_REWARD_DEVICE": "cpu",
+        "TRAINER_LAUNCHER": "python3",
+        "TRAINER_IS_VERL": "1",
+        "TRAIN_BATCH_SIZE": "8",
+        "PPO_MINI_BATCH_SIZE": "8",
+    }
     result = run(env)
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, out[-3000:] + err[-3000:]
@@ -337,12 +357,18 @@ def test_an_async_dapo_job_is_checked_through_verls_dapo_reward_loop(job, fake_c
             "recipe.dapo.main_dapo --config-name=dapo_megatron_trainer",
         ),
         (
-            {"TRAINER_MODE": "one_step_off", "STRATEGY": "fsdp2", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2",
-             "CONFIG_GPUS_PER_NODE": "4", "ROLLOUT_ENGINE": "vllm"},
+            {
+                "TRAINER_MODE": "one_step_off",
+                "STRATEGY": "fsdp2",
+                "ROLLOUT_MODE": "sync",
+                "ROLLOUT_GPUS_PER_NODE": "2",
+                "CONFIG_GPUS_PER_NODE": "4",
+                "ROLLOUT_ENGINE": "vllm",
+            },
             "recipe.one_step_off_policy.main_ppo --config-name=one_step_off_ppo_trainer",
         ),
     ],
-)  # fmt: skip
+)
 def test_recipe_commands_pass_the_whole_preflight_with_verls_recipe_configs(job, fake_container, overrides, expected):
     """What the image runs first for a recipe: its config, the data and the reward round trip, before the queue.
     Here verl's recipe configs come from the verbatim copy in tests/fixtures (the image has verl's repository)."""
@@ -445,10 +471,20 @@ def reward_rows(tmp_path, rows):
     import pyarrow.parquet as pq
 
     path = tmp_path / f"rows{len(list(tmp_path.glob('rows*')))}.parquet"
-    pq.write_table(pa.Table.from_pylist([
-        {"data_source": ds, "prompt": [{"role": "user", "content": f"q{i}"}],
-         "reward_model": {"style": style, "ground_truth": truth}, "extra_info": {"index": i}}
-        for i, (ds, style, truth) in enumerate(rows)]), path)  # fmt: skip
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "data_source": ds,
+                    "prompt": [{"role": "user", "content": f"q{i}"}],
+                    "reward_model": {"style": style, "ground_truth": truth},
+                    "extra_info": {"index": i},
+                }
+                for i, (ds, style, truth) in enumerate(rows)
+            ]
+        ),
+        path,
+    )
     return str(path)
 
 
@@ -467,23 +503,54 @@ USER_FUNCTIONS = {
     "reward, rows, function, needle",
     [
         # rule rows judged by the reward model alone: refused with their count and the setting that fits
-        ("rm", [GSM8K_ROW] * 3 + [("safety", "model", "q")], "",
-         "3 rows have a reward_model.style other than 'model', which REWARD=rm scores (first: {f} row 0, style 'rule'): REWARD=rule or rm+rule"),
+        (
+            "rm",
+            [GSM8K_ROW] * 3 + [("safety", "model", "q")],
+            "",
+            "3 rows have a reward_model.style other than 'model', which REWARD=rm scores (first: {f} row 0, style "
+            "'rule'): REWARD=rule or rm+rule",
+        ),
         # the article's model rows under a rule: no rule can check the prompt
         ("rm+rule", [("safety", "model", "q")] * 2, "", "2 rows have a reward_model.style other than 'rule'"),
-        ("rule", [GSM8K_ROW, ("openai/gsm8k", "rule", " ")], "", "1 rows have no reward_model.ground_truth for REWARD=rule's rule to compare with (first: {f} row 1)"),
+        (
+            "rule",
+            [GSM8K_ROW, ("openai/gsm8k", "rule", " ")],
+            "",
+            "1 rows have no reward_model.ground_truth for REWARD=rule's rule to compare with (first: {f} row 1)",
+        ),
         # a data_source verl has no scorer for, with the ones it has, read from its own code
-        ("rule", [GSM8K_ROW, ("custom", "rule", "4")], "", "data_source 'custom' (1 rows, first: {f} row 1) has no scorer in verl 0.6.1's default_compute_score, which knows DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500"),
+        (
+            "rule",
+            [GSM8K_ROW, ("custom", "rule", "4")],
+            "",
+            "data_source 'custom' (1 rows, first: {f} row 1) has no scorer in verl 0.6.1's default_compute_score, "
+            "which knows DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500",
+        ),
         ("rule", [GSM8K_ROW, ("aime2024", "rule", "7")], "", None),  # verl's prefix
         ("rule", [GSM8K_ROW] * 2, "", None),
         # the user's own function, any data_source: imported and called on a few rows
-        ("rule", [("custom", "rule", "4")], "syntax", "REWARD_FUNCTION_PATH={p} (REWARD_FUNCTION_NAME=score) does not import: SyntaxError"),
-        ("rm+rule", [("custom", "rule", "4")], "raises", "(REWARD_FUNCTION_NAME=score) raised on {f} row 0: KeyError: 'answer'"),
-        ("rule", [("custom", "rule", "4")], "text", "returned 'good' for {f} row 0: return a number, or a dict with a 'score'"),
+        (
+            "rule",
+            [("custom", "rule", "4")],
+            "syntax",
+            "REWARD_FUNCTION_PATH={p} (REWARD_FUNCTION_NAME=score) does not import: SyntaxError",
+        ),
+        (
+            "rm+rule",
+            [("custom", "rule", "4")],
+            "raises",
+            "(REWARD_FUNCTION_NAME=score) raised on {f} row 0: KeyError: 'answer'",
+        ),
+        (
+            "rule",
+            [("custom", "rule", "4")],
+            "text",
+            "returned 'good' for {f} row 0: return a number, or a dict with a 'score'",
+        ),
         ("rule", [("custom", "rule", "4")] * 3, "constant", "returned 1.0 for all 12 responses to 3 rows"),
         ("rule", [("custom", "rule", "4")] * 3, "format", None),
     ],
-)  # fmt: skip
+)
 def test_rows_that_disagree_with_reward_or_have_no_scorer_are_refused_naming_the_count_and_the_fix(
     tmp_path, reward, rows, function, needle
 ):

@@ -24,8 +24,9 @@ def test_no_product_python_file_is_over_600_lines():
 def test_no_product_file_names_a_module_under_tests():
     """What the tests need reaches the product another way (the environment, a stand-in on PATH): a product file that
     imports or names `tests.<module>` would not run from a clone without them (issue #58: CPU_HOOKS named one)."""
-    tracked = subprocess.run(["git", "ls-files", "-z", "*.py", "*.sh"], cwd=REPO, capture_output=True, text=True,
-                             check=True)  # fmt: skip
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z", "*.py", "*.sh"], cwd=REPO, capture_output=True, text=True, check=True
+    )
     names = [n for n in tracked.stdout.split("\0") if n and not n.startswith("tests/")]
     naming = [f"{n}: {m.group(0)}" for n in names for m in re.finditer(r"\btests\.[a-z_]+", (REPO / n).read_text())]
     assert not naming, naming
@@ -33,7 +34,8 @@ def test_no_product_file_names_a_module_under_tests():
 
 def test_the_settings_blocks_hold_only_what_a_user_sets():
     """What runs the trainer and the merger, and whether that is verl's, are the tests' hooks: read from the
-    environment below the blocks, not listed among the model paths a user edits (docs/settings.md is the run script's)."""
+    environment below the blocks, not listed among the model paths a user edits (docs/settings.md is the run
+    script's)."""
     for script in ("run_grpo_qwen3_4b_mega_verl.sh", "merge_mcore_to_hf.sh"):
         text = (REPO / script).read_text()
         block = text[text.index("# ---- settings") : text.index("# ------------", text.index("# ---- settings"))]

@@ -32,8 +32,14 @@ def run_worker(tmp, policy, *settings: str) -> dict:
     are process-wide)."""
     out = tmp / "report.json"
     env = {"HOME": str(tmp), "HF_HOME": str(tmp / "hf"), "TMPDIR": str(tmp), "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-m", "tests.megatron_worker", str(out), str(policy), *settings], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.megatron_worker", str(out), str(policy), *settings],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     return json.loads(out.read_text()) | {"stdout": run.stdout}
 
@@ -65,9 +71,14 @@ def test_the_megatron_actors_log_probs_match_the_hf_models_within_bfloat16_round
 def test_the_megatron_model_has_transformer_engines_names_for_the_loader_sync_checkpoint_and_merger(worker_report):
     keys = [k for k in worker_report["state_dict_keys"] if ".layers.0." in k]
     layer = "decoder.layers.0."
-    for key in ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight",
-                "self_attention.core_attention._extra_state", "self_attention.q_layernorm.weight",
-                "self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):  # fmt: skip
+    for key in (
+        "self_attention.linear_qkv.layer_norm_weight",
+        "mlp.linear_fc1.layer_norm_weight",
+        "self_attention.core_attention._extra_state",
+        "self_attention.q_layernorm.weight",
+        "self_attention.linear_proj.weight",
+        "mlp.linear_fc2.weight",
+    ):
         assert layer + key in keys, (key, keys)
     assert not [k for k in keys if "input_layernorm" in k or "pre_mlp_layernorm" in k], keys
 
@@ -110,8 +121,10 @@ def test_ppos_critic_frees_its_weights_and_gradients_between_passes_and_gives_th
     critic, resident = worker_report["critic"], worker_report["critic_resident"]
     assert (critic["param_offload"], resident["param_offload"]) == (True, False)
     moves = {name: [verb for n, verb in worker_report["moves"] if n == name] for name in ("critic", "critic_resident")}
-    assert moves == {"critic": ["offload", "init_model done", "load", "offload", "load", "offload"],
-                     "critic_resident": ["init_model done"]}  # fmt: skip
+    assert moves == {
+        "critic": ["offload", "init_model done", "load", "offload", "load", "offload"],
+        "critic_resident": ["init_model done"],
+    }
     for sizes in critic["buffer_sizes"]:
         assert sizes["param"] and set(sizes["param"]) == {0} and set(sizes["grad"]) == {0}, critic["buffer_sizes"]
     assert all(min(sizes["param"]) > 0 for sizes in resident["buffer_sizes"]), resident["buffer_sizes"]
@@ -165,7 +178,9 @@ def test_fused_log_probs_reach_the_actor_and_the_reference_and_agree_with_the_lo
     off, on = runs["off"], runs["on"]
     assert (on["use_fused_kernels"], on["ref"]["use_fused_kernels"]) == (True, True)
     assert (off["use_fused_kernels"], off["ref"]["use_fused_kernels"]) == (False, False)
-    assert megatron_shims.FUSED_STAND_IN_LINE in on["stdout"] and megatron_shims.FUSED_STAND_IN_LINE not in off["stdout"]
+    assert (
+        megatron_shims.FUSED_STAND_IN_LINE in on["stdout"] and megatron_shims.FUSED_STAND_IN_LINE not in off["stdout"]
+    )
     scale = largest_gap({**off, "megatron": off["hf_bfloat16"]}, "hf_float32")
     assert largest_gap({**on, "logits": off["megatron"]}, "logits") < max(0.05, 2 * scale)
     for fused, logits in zip(on["ref"]["log_probs"], off["ref"]["log_probs"], strict=True):
@@ -201,7 +216,8 @@ print(sorted(state["state"][0]), state["param_groups"][0]["step"],
 def test_the_cpu_adam_keeps_fused_adams_state_and_steps_as_torchs_adamw_across_a_resume():
     """megatron-core's FusedAdam paths expect exp_avg and exp_avg_sq per parameter and the step in the group
     (distrib_optimizer.py:612-614, 753-760, 896): the CPU's optimizer keeps that shape, and its updates are torch
-    AdamW's, also after a state_dict round trip into a new optimizer (torch's __setstate__ reads a per-parameter step)."""
+    AdamW's, also after a state_dict round trip into a new optimizer (torch's __setstate__ reads a per-parameter
+    step)."""
     run = subprocess.run([sys.executable, "-c", ADAM_CHECK], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     keys, step, gap = run.stdout.split("]")[0] + "]", *run.stdout.split("]")[1].split()
@@ -249,28 +265,51 @@ def test_without_the_megatron_shims_megatron_core_stops_where_they_say_and_with_
     before, after = (line.split("|")[1:] for line in run.stdout.splitlines() if line.startswith(("before", "after")))
     # torch's CPU build refuses CUDA with "Torch not compiled with CUDA enabled", an AssertionError
     # pinning without an accelerator: "Cannot access accelerator device when none is available", a RuntimeError
-    assert before == ["te spec: NameError", "cuda buffer: AssertionError", "cuda tensor: AssertionError",
-                      "rng: AssertionError", "value head: ModuleNotFoundError", "param offload: RuntimeError"]  # fmt: skip
-    assert after == ["te spec: ok", "cuda buffer: ok", "cuda tensor: ok", "rng: ok", "value head: ok",
-                     "param offload: ok"]  # fmt: skip
+    assert before == [
+        "te spec: NameError",
+        "cuda buffer: AssertionError",
+        "cuda tensor: AssertionError",
+        "rng: AssertionError",
+        "value head: ModuleNotFoundError",
+        "param offload: RuntimeError",
+    ]
+    assert after == [
+        "te spec: ok",
+        "cuda buffer: ok",
+        "cuda tensor: ok",
+        "rng: ok",
+        "value head: ok",
+        "param offload: ok",
+    ]
     assert "qkv NormColumnParallelLinear" in run.stdout
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_the_megatron_cpu_overrides_compose_with_the_default_command_and_pass_verls_checks(mode):
     env = block_environment() | dict(
-        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
-        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", ROLLOUT_MODE=mode, REWARD_PROMPT_OPENS_THINK="true",
-    )  # fmt: skip
+        CONTAINER="none",
+        CONFIG_MODEL_PATH="m",
+        CONFIG_REWARD_MODEL_PATH="r",
+        CONFIG_TRAIN_FILE="train.parquet",
+        CONFIG_TEST_FILE="test.parquet",
+        CONFIG_OUTPUT_DIR="ckpt",
+        ROLLOUT_MODE=mode,
+        REWARD_PROMPT_OPENS_THINK="true",
+    )
     assert env["STRATEGY"] == "megatron", "the settings block's default"
-    module, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_shims.overrides()))
+    module, path, name, overrides = split_command(
+        trainer_argv(Settings.from_env(env), extra=megatron_shims.overrides())
+    )
     cfg = compose(name, overrides, path)
     validate(cfg)
     assert name == "ppo_megatron_trainer" and cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.use_cpu_initialization is True
     assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.use_cpu_initialization is True
     runtime_env = cfg.ray_kwargs.ray_init.runtime_env  # the job's hook, which calls the CPU run's first
-    assert (runtime_env.worker_process_setup_hook, runtime_env.env_vars[USER_HOOK]) == (PREEMPT_HOOK, megatron_shims.HOOK)
+    assert (runtime_env.worker_process_setup_hook, runtime_env.env_vars[USER_HOOK]) == (
+        PREEMPT_HOOK,
+        megatron_shims.HOOK,
+    )
     assert rollout_problems(cfg) == []
 
 
@@ -289,10 +328,20 @@ def test_megatron_recompute_reaches_the_actor_the_reference_and_the_critic_throu
     """Composed with verl's own Hydra config, PPO (the only algorithm with a critic): the actor's keys are set, the
     reference inherits them (its override_transformer_config is an oc.select of the actor's), and the critic, whose
     block has nulls of its own, gets them set too."""
-    env = block_environment() | dict(
-        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
-        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", REWARD_PROMPT_OPENS_THINK="true", ALGORITHM="ppo",
-    ) | ({"MEGATRON_RECOMPUTE": recompute} if recompute else {})  # fmt: skip
+    env = (
+        block_environment()
+        | dict(
+            CONTAINER="none",
+            CONFIG_MODEL_PATH="m",
+            CONFIG_REWARD_MODEL_PATH="r",
+            CONFIG_TRAIN_FILE="train.parquet",
+            CONFIG_TEST_FILE="test.parquet",
+            CONFIG_OUTPUT_DIR="ckpt",
+            REWARD_PROMPT_OPENS_THINK="true",
+            ALGORITHM="ppo",
+        )
+        | ({"MEGATRON_RECOMPUTE": recompute} if recompute else {})
+    )
     _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env), extra=megatron_shims.overrides()))
     cfg = compose(name, overrides, path)
     validate(cfg)
@@ -304,10 +353,15 @@ def test_megatron_recompute_reaches_the_actor_the_reference_and_the_critic_throu
 
 def test_an_unknown_megatron_recompute_is_refused_naming_the_setting_and_its_values():
     env = block_environment() | dict(
-        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="train.parquet",
-        CONFIG_TEST_FILE="test.parquet", CONFIG_OUTPUT_DIR="ckpt", REWARD_PROMPT_OPENS_THINK="true",
+        CONTAINER="none",
+        CONFIG_MODEL_PATH="m",
+        CONFIG_REWARD_MODEL_PATH="r",
+        CONFIG_TRAIN_FILE="train.parquet",
+        CONFIG_TEST_FILE="test.parquet",
+        CONFIG_OUTPUT_DIR="ckpt",
+        REWARD_PROMPT_OPENS_THINK="true",
         MEGATRON_RECOMPUTE="partial",
-    )  # fmt: skip
+    )
     s = Settings.from_env(env)
     needle = "MEGATRON_RECOMPUTE='partial': use one of full, selective, off"
     assert needle in check(s, check_paths=False)  # the preflight's, before any trainer command is built
@@ -340,10 +394,16 @@ def test_fused_kernels_run_where_verl_0_6_1_can_and_on_is_refused_where_it_canno
 ):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": hidden, "tie_word_embeddings": tied}))
     env = block_environment() | dict(
-        CONTAINER="none", CONFIG_MODEL_PATH=str(tmp_path), CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="t",
-        CONFIG_TEST_FILE="v", CONFIG_OUTPUT_DIR="o", REWARD_PROMPT_OPENS_THINK="true", FUSED_KERNELS=setting,
+        CONTAINER="none",
+        CONFIG_MODEL_PATH=str(tmp_path),
+        CONFIG_REWARD_MODEL_PATH="r",
+        CONFIG_TRAIN_FILE="t",
+        CONFIG_TEST_FILE="v",
+        CONFIG_OUTPUT_DIR="o",
+        REWARD_PROMPT_OPENS_THINK="true",
+        FUSED_KERNELS=setting,
         ACTOR_PP=str(pp),
-    )  # fmt: skip
+    )
     s = Settings.from_env(env)
     if want is SettingError:
         with pytest.raises(SettingError, match=r"FUSED_KERNELS=on, but .*: set FUSED_KERNELS=auto or off") as refused:
@@ -360,9 +420,15 @@ def test_fsdp2_refuses_fused_kernels_on_and_auto_keeps_its_logits_saying_why():
     """docs/training.md: under STRATEGY=fsdp2 the setting is Megatron's; on is refused in the preflight, naming the
     fix, not turned off in silence; auto is off with the reason the preflight prints. An unknown value is refused."""
     env = block_environment() | dict(
-        CONTAINER="none", CONFIG_MODEL_PATH="m", CONFIG_REWARD_MODEL_PATH="r", CONFIG_TRAIN_FILE="t",
-        CONFIG_TEST_FILE="v", CONFIG_OUTPUT_DIR="o", REWARD_PROMPT_OPENS_THINK="true", STRATEGY="fsdp2",
-    )  # fmt: skip
+        CONTAINER="none",
+        CONFIG_MODEL_PATH="m",
+        CONFIG_REWARD_MODEL_PATH="r",
+        CONFIG_TRAIN_FILE="t",
+        CONFIG_TEST_FILE="v",
+        CONFIG_OUTPUT_DIR="o",
+        REWARD_PROMPT_OPENS_THINK="true",
+        STRATEGY="fsdp2",
+    )
     refused = check(Settings.from_env(env | {"FUSED_KERNELS": "on"}), check_paths=False)
     assert [p for p in refused if p.startswith("FUSED_KERNELS")] == [
         "FUSED_KERNELS=on, but STRATEGY=fsdp2 keeps verl's logits: set FUSED_KERNELS=auto or off, or STRATEGY=megatron"

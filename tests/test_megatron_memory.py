@@ -1,8 +1,8 @@
-"""The Megatron update's memory: launch/plan/gpu_memory.py's per-stage formula against what verl's own Megatron worker held
-on an H100 and an H200 at Qwen3-4B's shape (benchmarks/results/megatron_memory_h*_qwen3_4b*.json, written by
+"""The Megatron update's memory: launch/plan/gpu_memory.py's per-stage formula against what verl's own Megatron worker
+held on an H100 and an H200 at Qwen3-4B's shape (benchmarks/results/megatron_memory_h*_qwen3_4b*.json, written by
 benchmarks/megatron_memory.py until 07cac6f) and in verl's own GRPO step at Qwen3-0.6B's
-(benchmarks/results/verl_step_h100_megatron*_qwen3_0p6b_1p7b*.json), the preflight's refusal of a plan over the GPU,
-and the plan benchmark (benchmarks/megatron_plan.py) itself on a CPU."""
+(benchmarks/results/verl_step_h100_megatron*_qwen3_0p6b_1p7b*.json), the preflight's refusal of a plan over the GPU, and
+the plan benchmark (benchmarks/megatron_plan.py) itself on a CPU."""
 
 from __future__ import annotations
 
@@ -51,9 +51,20 @@ def predictions(result: dict) -> dict:
         if "token_budget" not in case:
             continue
         stage1, fused, tokens = case["stage"] == "stage1", case["fused"], case["token_budget"]
-        update = stage_memory(dims, stage=0, stages=1, tp=1, dp=1, tokens=tokens, recompute=case["recompute"],
-                              micro_batches=2, reference_on_gpu=False, fused_logits=fused, in_flight=1 if stage1 else 2,
-                              last=stage1)  # fmt: skip
+        update = stage_memory(
+            dims,
+            stage=0,
+            stages=1,
+            tp=1,
+            dp=1,
+            tokens=tokens,
+            recompute=case["recompute"],
+            micro_batches=2,
+            reference_on_gpu=False,
+            fused_logits=fused,
+            in_flight=1 if stage1 else 2,
+            last=stage1,
+        )
         row = {"predicted_update_gib": update.total / GIB}
         peaks = [
             u["peak_allocated_gib"] for u in case.get("update") or case.get("stage0") or [] if "peak_allocated_gib" in u
@@ -117,7 +128,8 @@ def test_the_formula_is_within_ten_percent_of_each_phase_measured_on_the_h100(na
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_verls_grpo_step_at_qwen3_0p6bs_shape_is_predicted_within_ten_percent_fused_or_not(fused):
-    """A second shape, nothing in the formula fitted to it: verl's own GRPO step on one H100 (benchmarks/verl_step.py, now gpu_job.py)
+    """A second shape, nothing in the formula fitted to it: verl's own GRPO step on one H100 (benchmarks/verl_step.py,
+    now gpu_job.py)
     at Qwen3-0.6B's (hidden 1,024, 28 layers, tied), PP=1, TP=1, full recompute, 24,576-token micro-batches, the
     optimizer offloaded and loaded for the update, the reference's weights for its pass; each phase's largest peak.
     The worker also keeps the HF rollout's bf16 policy (2P: the benchmark's demo/verl_cpu.py HFEngineRollout, which
@@ -175,7 +187,7 @@ def test_without_recompute_the_h200_ran_out_of_memory_where_the_formula_says_it_
     stages = {
         (k, rc): stage_memory(
             QWEN3_4B, stage=k, stages=2, tp=1, dp=2, tokens=24576, recompute=rc, micro_batches=2, reference_on_gpu=True
-        ).total  # fmt: skip
+        ).total
         for k in (0, 1)
         for rc in ("off", "full")
     }
@@ -240,8 +252,18 @@ def test_the_default_plan_leaves_the_offloaded_reference_out_and_the_docs_table_
     assert "reference" not in update_line(settings(), QWEN3_4B, None, None)
     want = [[round(plans[rc][k].total / GIB) for rc in ("off", "full")] for k in (0, 1)]
     assert documented == want, (documented, want)
-    resident = stage_memory(QWEN3_4B, stage=1, stages=2, tp=1, dp=2, tokens=24576, recompute="full", micro_batches=2,
-                            reference_on_gpu=True, process=WORKER_OVERHEAD)  # fmt: skip
+    resident = stage_memory(
+        QWEN3_4B,
+        stage=1,
+        stages=2,
+        tp=1,
+        dp=2,
+        tokens=24576,
+        recompute="full",
+        micro_batches=2,
+        reference_on_gpu=True,
+        process=WORKER_OVERHEAD,
+    )
     assert resident.total - plans["full"][1].total == resident.reference == plans["full"][1].weights  # 2P, 4.1 GiB
 
 
@@ -253,15 +275,31 @@ def test_the_plan_benchmark_runs_verls_megatron_worker_on_a_cpu_through_each_sta
     from benchmarks.megatron_plan import product_table
 
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "benchmarks.megatron_plan", "--shape", "tiny", "--out", str(out), "--work",
-           str(tmp_path / "work"), "--lengths", "48,48", "--group-timeout", "600"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.megatron_plan",
+        "--shape",
+        "tiny",
+        "--out",
+        str(out),
+        "--work",
+        str(tmp_path / "work"),
+        "--lengths",
+        "48,48",
+        "--group-timeout",
+        "600",
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1500)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((out / "megatron_plan.json").read_text())
     plans = result["plans"]
     assert {(p["stage"], p["recompute"], p["optimizer_offload"]) for p in plans} == {
-        (stage, rc, offload) for stage in ("stage1", "stage0") for rc in ("full", "selective", "off") for offload in (True, False)
-    }  # fmt: skip
+        (stage, rc, offload)
+        for stage in ("stage1", "stage0")
+        for rc in ("full", "selective", "off")
+        for offload in (True, False)
+    }
     assert all(p["status"] == "ok" and p["seconds_per_1k_tokens"] > 0 for p in plans), [p["status"] for p in plans]
     assert all({"optimizer step", "empty cache"} <= set(p["phases"]) for p in plans)
     offloaded = [p for p in plans if p["optimizer_offload"]]

@@ -19,8 +19,9 @@ from tests.support import REPO
 MERGE = REPO / "merge_mcore_to_hf.sh"
 
 
-def make_checkpoint(root: Path, policy: Path, steps=(10, 20), tied=True, roles=("actor",), model_type=None,
-                    fsdp=False) -> Path:  # fmt: skip
+def make_checkpoint(
+    root: Path, policy: Path, steps=(10, 20), tied=True, roles=("actor",), model_type=None, fsdp=False
+) -> Path:
     """The folder layout verl 0.6.1's trainer writes: tracker file, global_step_N/<role>/huggingface (+ dist_ckpt; with
     fsdp=True, STRATEGY=fsdp2's fsdp_config.json instead). tied=None leaves tie_word_embeddings out of config.json;
     model_type="gemma" swaps in a tiny Gemma config."""
@@ -33,10 +34,16 @@ def make_checkpoint(root: Path, policy: Path, steps=(10, 20), tied=True, roles=(
             config = json.loads((hf / "config.json").read_text())
             if model_type == "gemma":
                 config = dict(
-                    model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=config["vocab_size"],
-                    hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=8,
-                )  # fmt: skip
+                    model_type="gemma",
+                    architectures=["GemmaForCausalLM"],
+                    vocab_size=config["vocab_size"],
+                    hidden_size=16,
+                    intermediate_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    num_key_value_heads=1,
+                    head_dim=8,
+                )
             config.pop("tie_word_embeddings", None)
             if tied is not None:
                 config["tie_word_embeddings"] = tied
@@ -66,7 +73,8 @@ def merge_env(tmp_path, fake_container):
         CKPT_ROOT=str(tmp_path / "ckpt"),
         MERGER_LAUNCHER=str(merger),
         FAKE_MERGER_LOG=str(tmp_path / "merger.jsonl"),
-        NUMERIC_CHECK="0",  # make_checkpoint's dist_ckpt/ holds no tensors to compare with (tests/test_check_numeric.py)
+        # make_checkpoint's dist_ckpt/ holds no tensors to compare with (tests/test_check_numeric.py)
+        NUMERIC_CHECK="0",
     )
 
 
@@ -138,8 +146,9 @@ def test_an_untied_model_keeps_its_lm_head(merge_env, tiny_models, tmp_path):
     assert (target / "config.json").exists()
 
 
-def test_an_fsdp_checkpoint_goes_to_verls_fsdp_merger_without_the_megatron_only_tie_flag(merge_env, tiny_models,
-                                                                                          tmp_path):  # fmt: skip
+def test_an_fsdp_checkpoint_goes_to_verls_fsdp_merger_without_the_megatron_only_tie_flag(
+    merge_env, tiny_models, tmp_path
+):
     """STRATEGY=fsdp2: verl's FSDP checkpoint manager writes fsdp_config.json beside its shards, which only its FSDP
     merger reads (--backend megatron would look for dist_ckpt); --tie-word-embedding is the Megatron merger's only."""
     make_checkpoint(tmp_path / "ckpt", tiny_models.policy, tied=True, fsdp=True)
@@ -230,8 +239,9 @@ def test_a_critic_with_only_megatron_weights_is_refused_naming_verl_s_merger(mer
     assert not (tmp_path / "critic_hf").exists() and not list(tmp_path.glob("critic_hf*"))
 
 
-def test_an_fsdp2_critic_merges_through_verls_fsdp_merger_into_the_value_model_verl_trained(merge_env, tiny_models,
-                                                                                          tmp_path):  # fmt: skip
+def test_an_fsdp2_critic_merges_through_verls_fsdp_merger_into_the_value_model_verl_trained(
+    merge_env, tiny_models, tmp_path
+):
     """STRATEGY=fsdp2's critic: verl's own CriticWorker saves it through its FSDP checkpoint manager
     (tests/fsdp_critic.py: a causal-LM config holding score.weight), verl's real FSDP merger merges it, critic_to_hf
     relabels it, and the result is verl's critic: its head as trained (bias too) and its values."""
@@ -241,8 +251,13 @@ def test_an_fsdp2_critic_merges_through_verls_fsdp_merger_into_the_value_model_v
     from tests.fsdp_critic import TEXTS
 
     root, worker = tmp_path / "ckpt", tmp_path / "worker.json"
-    saved = subprocess.run([sys.executable, "-m", "tests.fsdp_critic", str(root), str(tiny_models.policy), str(worker)],
-                           cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    saved = subprocess.run(
+        [sys.executable, "-m", "tests.fsdp_critic", str(root), str(tiny_models.policy), str(worker)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert saved.returncode == 0, saved.stderr[-3000:]
     critic = root / "global_step_1" / "critic"
     assert (critic / "fsdp_config.json").is_file() and (critic / "model_world_size_1_rank_0.pt").is_file()
@@ -480,16 +495,31 @@ def test_both_scripts_start_in_a_read_only_checkout_and_leave_git_status_clean(
     git = ["git", "-C", str(repo), "-c", "user.name=u", "-c", "user.email=u@x"]
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the user's edits"]):
         subprocess.run([*git, *args], check=True)
-    elsewhere = {"CONFIG_LOG_DIR": str(tmp_path / "logs"), "HF_HOME": str(tmp_path / "hf"),
-                 "TARGET_DIR": str(tmp_path / "merged")}  # fmt: skip
+    elsewhere = {
+        "CONFIG_LOG_DIR": str(tmp_path / "logs"),
+        "HF_HOME": str(tmp_path / "hf"),
+        "TARGET_DIR": str(tmp_path / "merged"),
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONFIG_"))}
-    start = subprocess.run(read_only(repo, "bash", "run_grpo_qwen3_4b_mega_verl.sh"), cwd=repo, capture_output=True,
-                           text=True, env=env | elsewhere | {"CONTAINER": "none"}, timeout=300)  # fmt: skip
+    start = subprocess.run(
+        read_only(repo, "bash", "run_grpo_qwen3_4b_mega_verl.sh"),
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env=env | elsewhere | {"CONTAINER": "none"},
+        timeout=300,
+    )
     assert start.returncode == 1 and "setting error: CONFIG_MODEL_PATH=" in start.stderr, "no models: refused"
     line = "to merge its checkpoints later: sbatch --account=team_a --output=slurm_logs/%x-%j.out merge_mcore_to_hf.sh"
     assert line in start.stdout, start.stdout[-2000:]
-    merge = subprocess.run(read_only(repo, "bash", "merge_mcore_to_hf.sh"), cwd=repo, capture_output=True, text=True,
-                           env=merge_only_env(merge_env) | elsewhere, timeout=300)  # fmt: skip
+    merge = subprocess.run(
+        read_only(repo, "bash", "merge_mcore_to_hf.sh"),
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env=merge_only_env(merge_env) | elsewhere,
+        timeout=300,
+    )
     assert merge.returncode == 0, merge.stdout[-2000:] + merge.stderr[-2000:]
     assert f"done: {tmp_path / 'merged'}" in merge.stdout
     calls = [c["argv"] for c in fake_container.calls("singularity")]

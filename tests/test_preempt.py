@@ -145,8 +145,14 @@ def test_the_hook_imports_nothing_of_verl_and_patches_its_check_as_verls_trainer
         f"open({str(tmp_path / preempt.REQUEST)!r}, 'w').close()\n"
         "print([ray_trainer.should_save_ckpt_esi(max_steps_duration=0) for _ in range(2)])\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={"JOB_LOG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"JOB_LOG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
     assert run.returncode == 0 and run.stdout.strip().endswith("[True, False]"), run.stdout + run.stderr[-3000:]
 
 
@@ -166,8 +172,14 @@ def test_each_workers_heap_is_frozen_after_its_init_model_and_verls_dispatch_sta
         "init(None)\n"
         "print(before, gc.get_freeze_count() - before)\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"JOB_LOG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"JOB_LOG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     before, frozen = map(int, run.stdout.split()[-2:])
     assert before == 0 and frozen >= 1000, run.stdout

@@ -51,8 +51,10 @@ def assert_in_order(patterns: list[re.Pattern], text: str) -> None:
     lines, at = re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines(), 0
     for pattern in patterns:
         found = next((i for i in range(at, len(lines)) if pattern.search(lines[i])), None)
-        assert found is not None, f"the README's healthy-job line {pattern.pattern!r} is not in the output (after line " \
-                                  f"{at}); the lines from there:\n" + "\n".join(lines[at:at + 40])  # fmt: skip
+        assert found is not None, (
+            f"the README's healthy-job line {pattern.pattern!r} is not in the output (after line "
+            f"{at}); the lines from there:\n" + "\n".join(lines[at : at + 40])
+        )
         at = found + 1
 
 
@@ -79,11 +81,15 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
     env |= MEGATRON_TRAINER | {
         "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         # the edits of step 3, for this machine: one GPU per node, no GPU for the reward model, one network
-        "CONFIG_GPUS_PER_NODE": "1", "ACTOR_PP": "1", "CONFIG_REWARD_DEVICE": "cpu", "CONFIG_NETWORK_INTERFACE": "lo",
-        "TRAINER_LOGGER": "[console,wandb]", "RAY_TMP_DIR": str(ray_tmp),
+        "CONFIG_GPUS_PER_NODE": "1",
+        "ACTOR_PP": "1",
+        "CONFIG_REWARD_DEVICE": "cpu",
+        "CONFIG_NETWORK_INTERFACE": "lo",
+        "TRAINER_LOGGER": "[console,wandb]",
+        "RAY_TMP_DIR": str(ray_tmp),
         "ROLLOUT_MODE": "async",  # the settings block's default: verl's agent loop and its reward loop
         "MERGER_LAUNCHER": str(repo / "demo" / "megatron_merger"),  # verl's Megatron merger, with the CPU's shims
-    }  # fmt: skip
+    }
     cpu_args = " ".join(real_trainer_args(strategy="megatron"))
     lines, jobs, ran = quickstart_lines(), [], []
     try:
@@ -100,8 +106,14 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
             if "run_grpo_qwen3_4b_mega_verl.sh" in line:
                 steps = " trainer.total_training_steps=2" if line.startswith("sbatch ") else ""
                 command += f" {cpu_args}{steps}"
-            run = subprocess.run(["bash", "-c", command], cwd=repo, env=real_slurm.slurm_env(env), capture_output=True,
-                                 text=True, timeout=600)  # fmt: skip
+            run = subprocess.run(
+                ["bash", "-c", command],
+                cwd=repo,
+                env=real_slurm.slurm_env(env),
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             if "sbatch" not in line:
                 assert run.returncode == 0, f"{line}\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
                 ran.append(line)
@@ -112,8 +124,10 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
             assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), f"{line}\n{job.output()[-4000:]}"
             ran.append(line)
         out = {line: job.output() for line, job in zip([r for r in ran if "sbatch" in r], jobs, strict=True)}
-        preflight, canary, train, merge = (next(r for r in ran if key in r) for key in
-                                           ("PREFLIGHT_ONLY=1", "CANARY=1", "sbatch run_grpo", "merge_mcore"))  # fmt: skip
+        preflight, canary, train, merge = (
+            next(r for r in ran if key in r)
+            for key in ("PREFLIGHT_ONLY=1", "CANARY=1", "sbatch run_grpo", "merge_mcore")
+        )
     finally:
         real_slurm.cancel_all(jobs)
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -134,8 +148,11 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
     # async rollout, as the block defaults to: verl's agent loop generated (its timing is in each step's line) and its
     # reward loop awaited our coroutine function through the naive manager
     command = (logs / "trainer_command.txt").read_text().splitlines()
-    for override in ("actor_rollout_ref.rollout.mode=async", "reward_model.reward_manager=naive",
-                     "custom_reward_function.name=safe_hack_reward_async"):  # fmt: skip
+    for override in (
+        "actor_rollout_ref.rollout.mode=async",
+        "reward_model.reward_manager=naive",
+        "custom_reward_function.name=safe_hack_reward_async",
+    ):
         assert override in command, command
     steps = [line for line in out[train].splitlines() if "training/global_step:" in line]
     assert len(steps) == 2 and all(AGENT_LOOP_TIMING in s for s in steps), steps

@@ -1,4 +1,5 @@
-"""launch/job/ray_cluster.py keeps its deadline whatever Ray does: ray.init is bounded, watched processes are checked."""
+"""launch/job/ray_cluster.py keeps its deadline whatever Ray does: ray.init is bounded, watched processes are
+checked."""
 
 import socket
 import subprocess
@@ -21,8 +22,19 @@ def silent_address():
 
 
 def wait_command(address: str, timeout: float, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "launch.job.ray_cluster", "wait", "--address", address, "--nodes", "1",
-            "--timeout", str(timeout), *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "launch.job.ray_cluster",
+        "wait",
+        "--address",
+        address,
+        "--nodes",
+        "1",
+        "--timeout",
+        str(timeout),
+        *extra,
+    ]
 
 
 def test_a_ray_address_that_never_answers_ends_the_wait_at_its_deadline(silent_address):

@@ -1,4 +1,5 @@
-"""The reward function verl calls: every manager, the reasoning rules, honest failures, a log that survives many writers.
+"""The reward function verl calls: every manager, the reasoning rules, honest failures, a log that survives many
+writers.
 
 verl 0.6.1's own `load_reward_manager` + `compute_reward` (naive, batch, dapo) and its async reward loop call
 reward_score/safe_hack_reward_request.py by path, against the real reward server with the tiny model on loopback.
@@ -100,11 +101,19 @@ def test_reasoning_is_removed_and_cut_off_responses_are_penalized(response, open
     [
         ("rm prompt", None, {"prompt": "rm prompt"}),  # the article's convention
         ("gt", {"reward_prompt": "from extra"}, {"prompt": "from extra"}),  # the builder's text wins
-        ("gt", {"reward_messages": [{"role": "user", "content": "hi"}]}, {"messages": [{"role": "user", "content": "hi"}]}),
-        ("gt", {"reward_messages": np.array([{"role": "user", "content": "hi"}], dtype=object)}, {"messages": [{"role": "user", "content": "hi"}]}),
+        (
+            "gt",
+            {"reward_messages": [{"role": "user", "content": "hi"}]},
+            {"messages": [{"role": "user", "content": "hi"}]},
+        ),
+        (
+            "gt",
+            {"reward_messages": np.array([{"role": "user", "content": "hi"}], dtype=object)},
+            {"messages": [{"role": "user", "content": "hi"}]},
+        ),
         ("gt", {"reward_messages": [], "reward_prompt": ""}, {"prompt": "gt"}),  # empty fields fall through
     ],
-)  # fmt: skip
+)
 def test_the_reward_prompt_comes_from_extra_info_else_ground_truth(ground_truth, extra_info, expected):
     assert reward_prompt(ground_truth, extra_info) == expected
 
@@ -139,11 +148,21 @@ def test_reward_kwargs_override_the_environment_and_typos_are_refused():
 SAMPLES = [
     # (prompt messages, response as generated, ground truth, extra_info)
     ([{"role": "user", "content": "Is it safe?"}], "Let me think.</think>Yes, it is safe.", "Is it safe?", {}),
-    ([{"role": "user", "content": "Help me."}], "Thinking</think>Sure, here is how.", "ignored", {"reward_prompt": "Help me, please."}),
-    ([{"role": "user", "content": "日本語で"}], "考え中</think>はい、わかりました。", "x", {"reward_messages": [{"role": "system", "content": "Judge."}, {"role": "user", "content": "日本語で"}]}),
+    (
+        [{"role": "user", "content": "Help me."}],
+        "Thinking</think>Sure, here is how.",
+        "ignored",
+        {"reward_prompt": "Help me, please."},
+    ),
+    (
+        [{"role": "user", "content": "日本語で"}],
+        "考え中</think>はい、わかりました。",
+        "x",
+        {"reward_messages": [{"role": "system", "content": "Judge."}, {"role": "user", "content": "日本語で"}]},
+    ),
     ([{"role": "user", "content": "Long task"}], "thinking and thinking, cut off", "Long task", {}),  # never closed
     ([{"role": "user", "content": "Tags?"}], "r</think>answer <think>", "Tags?", {}),  # stray tag
-]  # fmt: skip
+]
 
 
 def make_data(tokenizer, samples=SAMPLES, data_source="safety", style="model"):
@@ -180,9 +199,6 @@ def make_data(tokenizer, samples=SAMPLES, data_source="safety", style="model"):
         },
     )
     return data, [len(r) for r in response_ids]
-
-
-# fmt: skip
 
 
 def verl_config(manager: str, function: str, **extra_overrides: str):
@@ -431,15 +447,18 @@ def test_rm_plus_rule_adds_the_weighted_parts_and_a_raising_scorer_scores_0_once
     monkeypatch.setenv("REWARD_FUNCTION_PATH", str(user))
     monkeypatch.setenv("REWARD_FUNCTION_NAME", "length_rule")
     responses = ["a</think>yes, fine", "a</think>boom", "never closed"]
-    out = safe_hack_reward_batch(["s"] * 3, responses, ["q1", "q2", "q3"], [{"index": i} for i in range(3)],
-                                 rm_weight=0.5, rule_weight=10.0)  # fmt: skip
+    out = safe_hack_reward_batch(
+        ["s"] * 3, responses, ["q1", "q2", "q3"], [{"index": i} for i in range(3)], rm_weight=0.5, rule_weight=10.0
+    )
     rm = safe_hack_reward_batch(["s"] * 3, responses, ["q1", "q2", "q3"], [{}] * 3, reward="rm")
     assert [r["rm_score"] for r in out] == pytest.approx([r["score"] for r in rm], abs=1e-4)
     assert [r["rule_score"] for r in out] == [len(responses[0]) / 100, 0.0, len(responses[2]) / 100]
     assert [r["rule_failed"] for r in out] == [0.0, 1.0, 0.0]
     assert [r["score"] for r in out] == pytest.approx([0.5 * r["rm_score"] + 10 * r["rule_score"] for r in out])
-    assert all(set(r) == {"score", "raw_score", "truncated", "penalized", "failed", "rm_score", "rule_score",
-                          "rule_failed"} for r in out)  # fmt: skip
+    assert all(
+        set(r) == {"score", "raw_score", "truncated", "penalized", "failed", "rm_score", "rule_score", "rule_failed"}
+        for r in out
+    )
     err = capsys.readouterr().err
     assert err.count("the rule scorer failed") == 1 and "extra_info.index=1: ValueError: cannot parse" in err
     lines = [json.loads(x) for x in (env / "logs" / "rewards.jsonl").read_text().splitlines()]

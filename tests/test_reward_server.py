@@ -666,9 +666,11 @@ def test_a_conversation_the_template_refuses_fails_only_its_own_request(tiny_mod
 
     async def main():
         return await asyncio.gather(
-            preparer.ids([_conversation(1)]), preparer.ids([_conversation(2), bad]), preparer.ids([_conversation(3)]),
+            preparer.ids([_conversation(1)]),
+            preparer.ids([_conversation(2), bad]),
+            preparer.ids([_conversation(3)]),
             return_exceptions=True,
-        )  # fmt: skip
+        )
 
     good1, refused, good3 = asyncio.run(main())
     assert isinstance(refused, ConversationRefused) and "No user query found" in str(refused)
@@ -971,8 +973,9 @@ def bos_model(tmp_path_factory):
         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
     )
     root = tmp_path_factory.mktemp("bos")
-    return SimpleNamespace(chat=build_base_model(root / "chat", "llama3", template),
-                           plain=build_base_model(root / "plain", "llama3", None))  # fmt: skip
+    return SimpleNamespace(
+        chat=build_base_model(root / "chat", "llama3", template), plain=build_base_model(root / "plain", "llama3", None)
+    )
 
 
 def test_special_tokens_put_a_second_bos_before_the_templates_own_only_when_asked(bos_model):
@@ -1061,8 +1064,12 @@ def test_help_lists_the_input_format_settings_with_their_flags(capsys):
     with pytest.raises(SystemExit):
         load_settings(["--help"], {})
     out = " ".join(capsys.readouterr().out.split())
-    for flag, env in (("--input", "REWARD_INPUT"), ("--add-special-tokens", "REWARD_ADD_SPECIAL_TOKENS"),
-                      ("--chat-template", "REWARD_CHAT_TEMPLATE"), ("--append-eos", "REWARD_APPEND_EOS")):  # fmt: skip
+    for flag, env in (
+        ("--input", "REWARD_INPUT"),
+        ("--add-special-tokens", "REWARD_ADD_SPECIAL_TOKENS"),
+        ("--chat-template", "REWARD_CHAT_TEMPLATE"),
+        ("--append-eos", "REWARD_APPEND_EOS"),
+    ):
         assert flag in out and (f"[{env}, default auto" in out or f"[{env}, default conversation" in out)
     assert load_settings(["--input", "completion"], {"REWARD_INPUT": "conversation"}).input == "completion"
 
@@ -1081,8 +1088,16 @@ def test_help_is_short_and_leads_with_the_model_device_port_and_format_and_help_
     assert len(lines) <= 50, f"--help is {len(lines)} lines"
     assert lines[0].startswith("usage: reward_server --model-path DIR [--device DEVICE] [--port PORT] [--input")
     flags = [line.split()[0] for line in lines if line.startswith("  --")]
-    assert flags[:8] == ["--help-all", "--model-path", "--device", "--port", "--host", "--input",
-                         "--add-special-tokens", "--chat-template"], flags  # fmt: skip
+    assert flags[:8] == [
+        "--help-all",
+        "--model-path",
+        "--device",
+        "--port",
+        "--host",
+        "--input",
+        "--add-special-tokens",
+        "--chat-template",
+    ], flags
     text = " ".join(short.stdout.split())
     assert "default ]" not in text and "[REWARD_MODEL_PATH, required]" in text
     assert "--micro-batch-cost" not in text and "--pack" not in text, "the tuning settings wait for --help-all"
@@ -1112,9 +1127,16 @@ def test_health_answers_only_once_the_model_can_score_and_reports_what_runs(tiny
         health = json.loads(body)
         assert status == 200
         assert health | {"model_path": None} == health | {
-            "status": "ok", "device": "cpu", "dtype": "float32", "max_length": 4096, "model_path": None,
-            "format": "chat_template", "input": "conversation", "add_special_tokens": False, "append_eos": False,
-        }  # fmt: skip
+            "status": "ok",
+            "device": "cpu",
+            "dtype": "float32",
+            "max_length": 4096,
+            "model_path": None,
+            "format": "chat_template",
+            "input": "conversation",
+            "add_special_tokens": False,
+            "append_eos": False,
+        }
         # Healthy means the first request needs no more loading: it is answered right away.
         import requests
 
@@ -1133,13 +1155,15 @@ def test_the_port_stays_closed_while_the_model_loads(tiny_models, tmp_path):
     port = free_port()
     slow = tmp_path / "slow_start.py"
     # Delay the model load: until the lifespan finishes, nothing may answer on the port.
+    argv = [str(REPO / "reward_score" / "reward_server.py"), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--model-path", str(tiny_models.reward_model)]
     slow.write_text(
         "import sys, time, runpy\n"
         "import transformers\n"
         "orig = transformers.AutoModelForSequenceClassification.from_pretrained\n"
         "def slow(*a, **k):\n    time.sleep(3)\n    return orig(*a, **k)\n"
         "transformers.AutoModelForSequenceClassification.from_pretrained = slow\n"
-        f"sys.argv = {[str(REPO / 'reward_score' / 'reward_server.py'), '--host', '127.0.0.1', '--port', str(port), '--model-path', str(tiny_models.reward_model)]!r}\n"
+        f"sys.argv = {argv!r}\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     proc = start_process([sys.executable, str(slow)], tmp_path / "slow.log")

@@ -117,12 +117,21 @@ def test_verl_run_unvicorn_keeps_listening_exactly_below_uvicorn_0_41():
 
 
 def test_the_image_check_passes_on_the_oldest_stack_and_names_the_uvicorn_problem_on_the_newest():
-    """launch/plan/image_check.py, as the image's %test runs it (here: PyPI verl, no engine, no Megatron, no recipes)."""
+    """launch/plan/image_check.py, as the image's %test runs it (here: PyPI verl, no engine, no Megatron, no
+    recipes)."""
     run = subprocess.run(
-        [sys.executable, str(REPO / "launch" / "plan" / "image_check.py"), "--engine", "none", "--skip-recipes",
-         "--skip-megatron"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "launch" / "plan" / "image_check.py"),
+            "--engine",
+            "none",
+            "--skip-recipes",
+            "--skip-megatron",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "ok   import verl.model_merger" in run.stdout
     assert "ok   reward server on CPU + reward client: one pair scored" in run.stdout, run.stdout + run.stderr
     if STACK == "oldest":

@@ -73,12 +73,15 @@ def test_verls_agent_loop_samples_validation_at_the_cards_temperature_and_top_p(
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        ({"VAL_DO_SAMPLE": "false"}, "VAL_DO_SAMPLE=false with ROLLOUT_MODE=async: verl 0.6.1's agent loop never reads"),
+        (
+            {"VAL_DO_SAMPLE": "false"},
+            "VAL_DO_SAMPLE=false with ROLLOUT_MODE=async: verl 0.6.1's agent loop never reads",
+        ),
         ({"VAL_TEMPERATURE": "0"}, "VAL_DO_SAMPLE=true with VAL_TEMPERATURE=0 decodes greedily all the same"),
         ({"VAL_TOP_K": "0"}, "VAL_TOP_K=0: -1 (off) or 1 or more"),
         ({"VAL_TOP_P": "1.5"}, "VAL_TOP_P=1.5: a share of the probability mass in (0, 1]"),
     ],
-)  # fmt: skip
+)
 def test_validation_settings_verl_would_not_follow_are_refused_naming_the_fix(env, overrides, needle):  # noqa: F811
     assert any(needle in p for p in check(settings(env, **overrides))), check(settings(env, **overrides))
 
@@ -94,18 +97,24 @@ def test_greedy_validation_is_still_possible_where_verl_follows_it(env):  # noqa
 
 # What verl 0.6.1's Megatron workers read of each budget, as it is written in their source: the actor's update
 # (megatron_actor.py:682-690), the rollout's and the ref's log-probs (megatron_workers.py:727-728, 749-750, then
-# megatron_actor.py:186-191), the critic's values and update (megatron_workers.py:1075-1076, megatron_critic.py:306-314).
+# megatron_actor.py:186-191), the critic's values and update (megatron_workers.py:1075-1076,
+# megatron_critic.py:306-314).
 MEGATRON_READS = {
-    "workers/actor/megatron_actor.py": ["self.config.use_dynamic_bsz", "self.config.ppo_max_token_len_per_gpu",
-                                        'data.meta_info.get("use_dynamic_bsz", False)',
-                                        'data.meta_info.get("max_token_len", None)'],
-    "workers/megatron_workers.py": ["self.config.rollout.log_prob_use_dynamic_bsz",
-                                    "self.config.rollout.log_prob_max_token_len_per_gpu",
-                                    "self.config.ref.log_prob_use_dynamic_bsz",
-                                    "self.config.ref.log_prob_max_token_len_per_gpu",
-                                    "self.config.forward_max_token_len_per_gpu"],
+    "workers/actor/megatron_actor.py": [
+        "self.config.use_dynamic_bsz",
+        "self.config.ppo_max_token_len_per_gpu",
+        'data.meta_info.get("use_dynamic_bsz", False)',
+        'data.meta_info.get("max_token_len", None)',
+    ],
+    "workers/megatron_workers.py": [
+        "self.config.rollout.log_prob_use_dynamic_bsz",
+        "self.config.rollout.log_prob_max_token_len_per_gpu",
+        "self.config.ref.log_prob_use_dynamic_bsz",
+        "self.config.ref.log_prob_max_token_len_per_gpu",
+        "self.config.forward_max_token_len_per_gpu",
+    ],
     "workers/critic/megatron_critic.py": ["self.config.use_dynamic_bsz", "self.config.ppo_max_token_len_per_gpu"],
-}  # fmt: skip
+}
 
 
 def test_the_megatron_path_batches_by_tokens_with_the_keys_verls_megatron_workers_read(env):  # noqa: F811
@@ -116,15 +125,19 @@ def test_the_megatron_path_batches_by_tokens_with_the_keys_verls_megatron_worker
     for path, reads in MEGATRON_READS.items():
         source = open(f"{root}/{path}").read()
         assert [r for r in reads if r not in source] == [], f"verl {verl.__version__} {path} no longer reads them"
-    cfg = composed(settings(env, ALGORITHM="ppo"))
+    cfg = composed(settings(env, ALGORITHM="ppo", MICRO_BATCH_PER_GPU=4))  # the article's micro-batch, auto's aside
     validate(cfg)
     arr = cfg.actor_rollout_ref
     assert arr.actor.strategy == "megatron" and cfg.critic.strategy == "megatron"
     assert arr.actor.use_dynamic_bsz and arr.rollout.log_prob_use_dynamic_bsz and arr.ref.log_prob_use_dynamic_bsz
     assert cfg.critic.use_dynamic_bsz
-    budgets = {arr.actor.ppo_max_token_len_per_gpu, arr.rollout.log_prob_max_token_len_per_gpu,
-               arr.ref.log_prob_max_token_len_per_gpu, cfg.critic.ppo_max_token_len_per_gpu,
-               cfg.critic.forward_max_token_len_per_gpu}  # fmt: skip
+    budgets = {
+        arr.actor.ppo_max_token_len_per_gpu,
+        arr.rollout.log_prob_max_token_len_per_gpu,
+        arr.ref.log_prob_max_token_len_per_gpu,
+        cfg.critic.ppo_max_token_len_per_gpu,
+        cfg.critic.forward_max_token_len_per_gpu,
+    }
     assert budgets == {4 * (2048 + 4096)}
     actor = omega_conf_to_dataclass(arr.actor)  # verl's typed Megatron actor config takes them as they are
     assert type(actor).__name__ == "McoreActorConfig" and actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu
@@ -140,7 +153,7 @@ def test_the_megatron_path_batches_by_tokens_with_the_keys_verls_megatron_worker
     ],
 )
 def test_a_longer_response_packs_fewer_sequences_into_a_micro_batch_not_more_tokens(env, response, budget):  # noqa: F811
-    cfg = composed(settings(env, MAX_RESPONSE_LENGTH=response))
+    cfg = composed(settings(env, MAX_RESPONSE_LENGTH=response, MICRO_BATCH_PER_GPU=4))
     assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == budget
     assert batch_problems(cfg) == [], "each budget holds a whole sequence"
 
@@ -165,8 +178,16 @@ def vllm_spmd_accepts(rollout) -> bool:
         # the same on FSDP2
         ({"ROLLOUT_ENGINE": "vllm", "ROLLOUT_MODE": "sync", "STRATEGY": "fsdp2", "MAX_RESPONSE_LENGTH": 8192}, 10240),
         # one_step_off's rollout is sync vLLM too (through the recipe's config)
-        ({"TRAINER_MODE": "one_step_off", "ROLLOUT_MODE": "sync", "ROLLOUT_GPUS_PER_NODE": "2", "ROLLOUT_ENGINE": "vllm",
-          "MAX_RESPONSE_LENGTH": 8192}, 10240),
+        (
+            {
+                "TRAINER_MODE": "one_step_off",
+                "ROLLOUT_MODE": "sync",
+                "ROLLOUT_GPUS_PER_NODE": "2",
+                "ROLLOUT_ENGINE": "vllm",
+                "MAX_RESPONSE_LENGTH": 8192,
+            },
+            10240,
+        ),
         # the article's 2048 + 4096 fit verl's 8192, which stays (more tokens a prefill step)
         ({"ROLLOUT_ENGINE": "vllm", "ROLLOUT_MODE": "sync"}, 8192),
         # exactly 8192: verl's default holds it
@@ -176,7 +197,7 @@ def vllm_spmd_accepts(rollout) -> bool:
         # SGLang never reads the key
         ({"ROLLOUT_MODE": "sync", "MAX_RESPONSE_LENGTH": 16384}, 8192),
     ],
-)  # fmt: skip
+)
 def test_sync_vllm_batches_a_whole_sequence_so_verls_chunked_prefill_check_passes(
     env,  # noqa: F811
     recipes,  # noqa: F811
@@ -204,23 +225,49 @@ def test_sync_vllm_batches_a_whole_sequence_so_verls_chunked_prefill_check_passe
 
 # (file under verl/, line, what it holds, how docs/training.md cites it)
 ASYNC_DECODE_LIMITS = [
-    ("workers/rollout/vllm_rollout/vllm_async_server.py", 155,
-     "self.config.max_model_len = self.config.prompt_length + self.config.response_length",
-     "vllm_rollout/vllm_async_server.py:155"),
-    ("workers/rollout/vllm_rollout/vllm_async_server.py", 382, "max_tokens = self.config.max_model_len - len(prompt_ids)",
-     "`max_tokens = max_model_len - len(prompt_ids)` (`:382`)"),
-    ("workers/rollout/vllm_rollout/vllm_async_server.py", 385,
-     "sampling_params = SamplingParams(max_tokens=max_tokens, **sampling_params)", "vllm_async_server.py:385"),
-    ("workers/rollout/sglang_rollout/async_sglang_server.py", 233,
-     "max_new_tokens = min(self.config.response_length, self.config.max_model_len - len(prompt_ids) - 1)",
-     "sglang_rollout/async_sglang_server.py:233"),
-    ("experimental/agent_loop/single_turn_agent_loop.py", 73, "response_ids=output.token_ids[: self.response_length],",
-     "agent_loop/single_turn_agent_loop.py:73-75"),
-    ("workers/rollout/vllm_rollout/vllm_rollout_spmd.py", 258, "max_tokens=config.response_length,",
-     "vllm_rollout_spmd.py:258"),
-    ("workers/rollout/sglang_rollout/sglang_rollout.py", 499, "max_new_tokens=self.config.response_length,",
-     "sglang_rollout.py:499"),
-]  # fmt: skip
+    (
+        "workers/rollout/vllm_rollout/vllm_async_server.py",
+        155,
+        "self.config.max_model_len = self.config.prompt_length + self.config.response_length",
+        "vllm_rollout/vllm_async_server.py:155",
+    ),
+    (
+        "workers/rollout/vllm_rollout/vllm_async_server.py",
+        382,
+        "max_tokens = self.config.max_model_len - len(prompt_ids)",
+        "`max_tokens = max_model_len - len(prompt_ids)` (`:382`)",
+    ),
+    (
+        "workers/rollout/vllm_rollout/vllm_async_server.py",
+        385,
+        "sampling_params = SamplingParams(max_tokens=max_tokens, **sampling_params)",
+        "vllm_async_server.py:385",
+    ),
+    (
+        "workers/rollout/sglang_rollout/async_sglang_server.py",
+        233,
+        "max_new_tokens = min(self.config.response_length, self.config.max_model_len - len(prompt_ids) - 1)",
+        "sglang_rollout/async_sglang_server.py:233",
+    ),
+    (
+        "experimental/agent_loop/single_turn_agent_loop.py",
+        73,
+        "response_ids=output.token_ids[: self.response_length],",
+        "agent_loop/single_turn_agent_loop.py:73-75",
+    ),
+    (
+        "workers/rollout/vllm_rollout/vllm_rollout_spmd.py",
+        258,
+        "max_tokens=config.response_length,",
+        "vllm_rollout_spmd.py:258",
+    ),
+    (
+        "workers/rollout/sglang_rollout/sglang_rollout.py",
+        499,
+        "max_new_tokens=self.config.response_length,",
+        "sglang_rollout.py:499",
+    ),
+]
 
 
 def test_async_vllm_asks_for_the_prompts_unused_room_too_and_sglang_only_for_the_response_length_as_the_docs_say():

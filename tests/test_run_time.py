@@ -118,10 +118,21 @@ def test_the_reward_client_reaches_its_servers_directly_whatever_proxy_the_envir
 
     port = free_port()
     server = start_http_server(
-        [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", str(tiny_models.reward_model),
-         "--device", "cpu", "--port", str(port), "--host", "127.0.0.1"],
-        tmp_path / "server.log", port,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "reward_score" / "reward_server.py"),
+            "--model-path",
+            str(tiny_models.reward_model),
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+        ],
+        tmp_path / "server.log",
+        port,
+    )
     try:
         for name, value in proxy.environment(dict(os.environ)).items():
             monkeypatch.setenv(name, value)
@@ -129,9 +140,12 @@ def test_the_reward_client_reaches_its_servers_directly_whatever_proxy_the_envir
         monkeypatch.delenv("no_proxy", raising=False)
         monkeypatch.setattr(client, "_session", None)  # a new session, made under this environment
         result = client.safe_hack_reward(
-            "probe", "<think>ok</think>Read the label.", "How do I store bleach?",
-            server_url=server.url, retry_seconds=5,
-        )  # fmt: skip
+            "probe",
+            "<think>ok</think>Read the label.",
+            "How do I store bleach?",
+            server_url=server.url,
+            retry_seconds=5,
+        )
     finally:
         server.stop()
     assert result["penalized"] == 0.0 and result["failed"] == 0.0
@@ -146,8 +160,9 @@ def test_no_proxy_keeps_what_the_environment_had_and_adds_loopback_the_jobs_host
     )
 
 
-def test_a_proxy_the_environment_names_sees_nothing_of_a_whole_two_node_job_on_slurm(probe_job, submit, tmp_path,
-                                                                                     proxy):  # fmt: skip
+def test_a_proxy_the_environment_names_sees_nothing_of_a_whole_two_node_job_on_slurm(
+    probe_job, submit, tmp_path, proxy
+):
     """The preflight (its reward server, verl's reward loop scoring real rows), the helpers' health polls, Ray, and
     on each node what verl's workers do: our reward function through verl's loader, a plain urllib client."""
     env = proxy.environment(probe_job | {"PREFLIGHT_DATA": "0", "REWARD_START_TIMEOUT": "90"})
@@ -211,11 +226,19 @@ def test_two_sync_rollout_jobs_on_one_node_hold_their_sglang_ports_at_once(probe
     release = tmp_path / "release"
     envs, jobs = [], []
     for name in ("a", "b"):
-        env = probe_job | FAST | {
-            "ROLLOUT_MODE": "sync", "CONFIG_GPUS_PER_NODE": "2", "PROBE_RELEASE": str(release),
-            "PROBE_LOG": str(tmp_path / f"probe_{name}.jsonl"), "CONFIG_LOG_DIR": str(tmp_path / f"logs_{name}"),
-            "CONFIG_OUTPUT_DIR": str(tmp_path / f"ckpt_{name}"), "RAY_TMP_DIR": f"{probe_job['RAY_TMP_DIR']}/{name}",
-        }  # fmt: skip
+        env = (
+            probe_job
+            | FAST
+            | {
+                "ROLLOUT_MODE": "sync",
+                "CONFIG_GPUS_PER_NODE": "2",
+                "PROBE_RELEASE": str(release),
+                "PROBE_LOG": str(tmp_path / f"probe_{name}.jsonl"),
+                "CONFIG_LOG_DIR": str(tmp_path / f"logs_{name}"),
+                "CONFIG_OUTPUT_DIR": str(tmp_path / f"ckpt_{name}"),
+                "RAY_TMP_DIR": f"{probe_job['RAY_TMP_DIR']}/{name}",
+            }
+        )
         envs.append(env)
         options = ("--mem=3G", "--cpus-per-task=2", "--gpus-per-node=2", "--nodelist=n1")
         jobs.append(submit(env, out=tmp_path / f"job_{name}.out", options=options))
@@ -309,8 +332,10 @@ def test_sglangs_share_is_of_the_memory_free_at_its_start_beside_the_trainer_and
     """SGLang 0.5.2 sizes weights + KV cache as mem_fraction_static x the memory free when it starts
     (model_runner.py:665-669, 1123-1125): on GPU 0 the trainer's 14 GiB and the reward server's 6 are not free."""
     line = memory_line(_line_settings(), PEAK, 80 * GIB, RESIDENT)
-    assert line.startswith("GPU memory per GPU (80.0 GiB, measured here): the trainer keeps 14.0 GiB at the rollout's "
-                           "start (actor weights 4.0, actor gradients 8.0, process 2.0: verl's offload settings)")  # fmt: skip
+    assert line.startswith(
+        "GPU memory per GPU (80.0 GiB, measured here): the trainer keeps 14.0 GiB at the rollout's "
+        "start (actor weights 4.0, actor gradients 8.0, process 2.0: verl's offload settings)"
+    )
     assert "a reward server ~6.0 GiB peak" in line and "on the head's GPU 0 (CONFIG_REWARD_GPUS)" in line
     assert (
         "SGLang takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the memory free at its start (mem_fraction_static): "
@@ -326,8 +351,9 @@ def test_sglangs_share_is_of_the_memory_free_at_its_start_beside_the_trainer_and
     assert "40% x (GPU - 20.0 GiB) on GPU 0, 40% x (GPU - 14.0 GiB) on the 3 other(s)" in login
     # pipeline stages that keep different amounts: a range
     stages = [RESIDENT[0], Resident((("actor weights", 5 * GIB), ("process", 2 * GIB)))]
-    assert "the trainer keeps 7.0-14.0 GiB" in memory_line(_line_settings(CONFIG_REWARD_DEVICE="cpu"), None, 80 * GIB,
-                                                           stages)  # fmt: skip
+    assert "the trainer keeps 7.0-14.0 GiB" in memory_line(
+        _line_settings(CONFIG_REWARD_DEVICE="cpu"), None, 80 * GIB, stages
+    )
     assert "0.4 x 66.0-73.0 = 26.4-29.2 GiB on every GPU" in memory_line(
         _line_settings(CONFIG_REWARD_DEVICE="cpu"), None, 80 * GIB, stages
     )
@@ -337,8 +363,10 @@ def test_vllms_share_is_of_the_whole_gpu_and_it_refuses_a_gpu_with_less_free():
     """vLLM 0.10.0 takes gpu_memory_utilization x the GPU's total and refuses to start where less is free
     (vllm/v1/worker/gpu_worker.py:163-176)."""
     line = memory_line(_line_settings(ROLLOUT_ENGINE="vllm"), PEAK, 80 * GIB, RESIDENT)
-    assert "vLLM takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the whole GPU (gpu_memory_utilization): 32.0 GiB on every " \
-           "GPU; given back" in line  # fmt: skip
+    assert (
+        "vLLM takes ROLLOUT_GPU_MEMORY=0.4 (auto) of the whole GPU (gpu_memory_utilization): 32.0 GiB on every "
+        "GPU; given back" in line
+    )
     full = [Resident((("actor weights", 50 * GIB),))]  # 80 - 50 - 6 = 24 GiB free on GPU 0, under 0.4 x 80
     with pytest.raises(GpuMemoryError) as refused:
         memory_line(_line_settings(ROLLOUT_ENGINE="vllm"), PEAK, 80 * GIB, full)
@@ -361,8 +389,9 @@ def test_vllms_share_is_of_the_whole_gpu_and_it_refuses_a_gpu_with_less_free():
     ],
 )
 def test_one_step_off_has_rollout_gpus_with_vllm_alone_and_trainer_gpus_without_an_engine(overrides, share, take):
-    s = _line_settings(TRAINER_MODE="one_step_off", ROLLOUT_MODE="sync", ROLLOUT_GPUS_PER_NODE="1",
-                       ROLLOUT_ENGINE="vllm", **overrides)  # fmt: skip
+    s = _line_settings(
+        TRAINER_MODE="one_step_off", ROLLOUT_MODE="sync", ROLLOUT_GPUS_PER_NODE="1", ROLLOUT_ENGINE="vllm", **overrides
+    )
     line = memory_line(s, None if s.reward_device == "cpu" else PEAK, 80 * GIB, [])
     assert (
         f"one_step_off: the 1 rollout GPU(s) a node hold vLLM alone, ROLLOUT_GPU_MEMORY={share} of the whole GPU "
@@ -372,8 +401,11 @@ def test_one_step_off_has_rollout_gpus_with_vllm_alone_and_trainer_gpus_without_
     if s.reward_device != "cpu":
         assert line.endswith("a rollout GPU with it has 74.0 GiB free at vLLM's start"), line
         # a share over what the server leaves there: vLLM refuses to start on that GPU
-        with pytest.raises(GpuMemoryError, match=r"but the reward server on the head's GPU 0 \(a rollout GPU "
-                           r"where Ray gives it to the rollout's pool\) leaves 74.0 GiB .* ROLLOUT_GPU_MEMORY=0.92 "):  # fmt: skip
+        with pytest.raises(
+            GpuMemoryError,
+            match=r"but the reward server on the head's GPU 0 \(a rollout GPU "
+            r"where Ray gives it to the rollout's pool\) leaves 74.0 GiB .* ROLLOUT_GPU_MEMORY=0.92 ",
+        ):
             memory_line(replace(s, rollout_gpu_memory_setting="0.95"), PEAK, 80 * GIB, [])
 
 
@@ -407,8 +439,11 @@ def test_the_trainer_keeps_what_verls_offload_settings_leave_on_the_gpu(tiny_mod
         assert parts["reference"] == (0 if cfg.actor_rollout_ref.ref.megatron.param_offload else 2 * p)
     _, (kept,) = resident({"ACTOR_PP": "1"}, "actor_rollout_ref.ref.megatron.param_offload=False")
     assert dict(kept.parts)["reference"] == 2 * stage_parameters(dims, stage=0, stages=1)
-    _, (offloaded,) = resident({"ACTOR_PP": "1"}, "actor_rollout_ref.actor.megatron.param_offload=True",
-                               "actor_rollout_ref.ref.megatron.param_offload=True")  # fmt: skip
+    _, (offloaded,) = resident(
+        {"ACTOR_PP": "1"},
+        "actor_rollout_ref.actor.megatron.param_offload=True",
+        "actor_rollout_ref.ref.megatron.param_offload=True",
+    )
     assert {k: v for k, v in offloaded.parts if v} == {"process": WORKER_OVERHEAD}
     _, (fsdp,) = resident({"STRATEGY": "fsdp2"})
     fsdp = dict(fsdp.parts)
@@ -429,8 +464,8 @@ def test_the_docs_memory_table_gives_the_rollouts_share_the_line_computes():
     share, total, server = s.rollout_gpu_memory, 79.2, 5.5
     figure = (
         f"SGLang on an 80 GB card ({total} GiB): {share:g} x ({total} - {held:.1f} GiB the trainer keeps) = "
-        f"{share * (total - held):.1f} GiB, {share:g} x {server} = {share * server:.1f} less on GPU 0 beside the reward "
-        f"server; vLLM: {share:g} x {total} = {share * total:.1f} GiB"
+        f"{share * (total - held):.1f} GiB, {share:g} x {server} = {share * server:.1f} less on GPU 0 beside the "
+        f"reward server; vLLM: {share:g} x {total} = {share * total:.1f} GiB"
     )
     assert figure in row, f"docs/training.md's rollout row should say: {figure}"
     line = memory_line(
@@ -476,11 +511,14 @@ def merge_probe_env(tmp_path, fake_container, tiny_models):
     return dict(
         os.environ,
         PATH=f"{fake_container.bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        CONTAINER="singularity", CONFIG_IMAGE_PATH=str(image), CKPT_ROOT=str(tmp_path / "ckpt"),
+        CONTAINER="singularity",
+        CONFIG_IMAGE_PATH=str(image),
+        CKPT_ROOT=str(tmp_path / "ckpt"),
         MERGER_LAUNCHER=str(wrapper(fake_container.bin_dir, "probe-merger", "merger")),
-        FAKE_MERGER_LOG=str(tmp_path / "merger.jsonl"), PROBE_LOG=str(tmp_path / "merger_probe"),
+        FAKE_MERGER_LOG=str(tmp_path / "merger.jsonl"),
+        PROBE_LOG=str(tmp_path / "merger_probe"),
         NUMERIC_CHECK="0",  # the stand-in merger's checkpoint has no dist_ckpt to read (tests/test_check_numeric.py)
-    )  # fmt: skip
+    )
 
 
 def merger_records(env) -> list[dict]:
@@ -505,8 +543,14 @@ def test_the_merger_gets_a_one_process_world_on_loopback_and_a_port_of_its_own(m
 
 
 def run_merge(env, **extra):
-    return subprocess.run(["bash", str(REPO / "merge_mcore_to_hf.sh")], env=env | extra, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(REPO / "merge_mcore_to_hf.sh")],
+        env=env | extra,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_two_merges_at_once_on_one_node_both_complete(merge_probe_env, submit, tmp_path):
@@ -514,10 +558,14 @@ def test_two_merges_at_once_on_one_node_both_complete(merge_probe_env, submit, t
     env = merge_probe_env | {"PROBE_MERGERS": "2"}
     options = ("--mem=2G", "--cpus-per-task=1", "--gpus-per-node=1", "--nodelist=n1")
     jobs = [
-        submit(env | {"TARGET_DIR": str(tmp_path / f"hf_{n}")}, script="merge_mcore_to_hf.sh", options=options,
-               out=tmp_path / f"merge_{n}.out")
+        submit(
+            env | {"TARGET_DIR": str(tmp_path / f"hf_{n}")},
+            script="merge_mcore_to_hf.sh",
+            options=options,
+            out=tmp_path / f"merge_{n}.out",
+        )
         for n in ("a", "b")
-    ]  # fmt: skip
+    ]
     done = [j.wait(300) for j in jobs]
     outs = [j.output() for j in jobs]
     assert [(f["JobState"], f["ExitCode"]) for f in done] == [("COMPLETED", "0:0")] * 2, "\n\n".join(outs)
@@ -538,9 +586,12 @@ def test_two_merges_at_once_on_one_node_both_complete(merge_probe_env, submit, t
 )
 def test_ppos_critic_keeps_its_optimizer_in_host_memory_between_updates_like_the_actor(tiny_models, strategy, key):
     env = block_environment() | {
-        "ALGORITHM": "ppo", "STRATEGY": strategy, "CONFIG_MODEL_PATH": str(tiny_models.policy),
-        "CONFIG_TRAIN_FILE": "/data/train.parquet", "CONFIG_TEST_FILE": "/data/test.parquet",
-    }  # fmt: skip
+        "ALGORITHM": "ppo",
+        "STRATEGY": strategy,
+        "CONFIG_MODEL_PATH": str(tiny_models.policy),
+        "CONFIG_TRAIN_FILE": "/data/train.parquet",
+        "CONFIG_TEST_FILE": "/data/test.parquet",
+    }
     _, path, name, overrides = split_command(trainer_argv(Settings.from_env(env)))
     cfg = compose(name, overrides, path)
     actor_key = "megatron.optimizer_offload" if strategy == "megatron" else "fsdp_config.optimizer_offload"
@@ -562,9 +613,11 @@ def test_the_docs_memory_table_says_what_the_trainer_command_offloads():
     argv = trainer_argv(
         Settings.from_env(block_environment() | {"ALGORITHM": "ppo", "REWARD_PROMPT_OPENS_THINK": "true"})
     )
-    for role, override in (("actor", "actor_rollout_ref.actor.megatron.optimizer_offload=True"),
-                           ("ref", "actor_rollout_ref.ref.megatron.param_offload=True"),
-                           ("critic (PPO)", "critic.megatron.param_offload=True"),
-                           ("critic (PPO)", "critic.megatron.optimizer_offload=True")):  # fmt: skip
+    for role, override in (
+        ("actor", "actor_rollout_ref.actor.megatron.optimizer_offload=True"),
+        ("ref", "actor_rollout_ref.ref.megatron.param_offload=True"),
+        ("critic (PPO)", "critic.megatron.param_offload=True"),
+        ("critic (PPO)", "critic.megatron.optimizer_offload=True"),
+    ):
         assert override in argv
         assert f"`{override}`" in rows[role], rows.get(role)

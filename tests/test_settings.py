@@ -94,12 +94,16 @@ def test_save_freq_auto_is_the_default_and_outside_a_preemptible_partition_today
         ("false", False, False),
     ],
 )
-def test_a_start_that_resumes_a_checkpoint_skips_verls_validation_before_training(tmp_path, setting, resuming,
-                                                                                  validates):  # fmt: skip
+def test_a_start_that_resumes_a_checkpoint_skips_verls_validation_before_training(
+    tmp_path, setting, resuming, validates
+):
     if resuming:
         (tmp_path / "latest_checkpointed_iteration.txt").write_text("25")  # what verl's resume_mode=auto reads
-    env = block_environment() | {"CONFIG_OUTPUT_DIR": str(tmp_path), "VAL_BEFORE_TRAIN": setting,
-                                 "REWARD_PROMPT_OPENS_THINK": "true"}  # fmt: skip
+    env = block_environment() | {
+        "CONFIG_OUTPUT_DIR": str(tmp_path),
+        "VAL_BEFORE_TRAIN": setting,
+        "REWARD_PROMPT_OPENS_THINK": "true",
+    }
     assert f"trainer.val_before_train={validates}" in trainer_argv(Settings.from_env(env))
 
 
@@ -122,8 +126,12 @@ def launch_imports() -> dict[str, set[str]]:
     graph = {}
     for path in sorted((REPO / "launch").glob("*/*.py")):
         tree, found = ast.parse(path.read_text()), set()
-        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                       and ast.unparse(block.test) == "TYPE_CHECKING" for n in ast.walk(block)}  # fmt: skip
+        typing_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+            for n in ast.walk(block)
+        }
         for node in ast.walk(tree):
             if id(node) in typing_only:
                 continue
@@ -204,10 +212,16 @@ def test_the_login_node_check_holds_the_headers_gpus_per_node_against_the_blocks
     )
     line = next(n for n, x in enumerate(text.splitlines(), 1) if x.startswith("#SBATCH --gpus-per-node="))
     problems = header_problems(text, {"CONFIG_GPUS_PER_NODE": env})
-    assert problems == ([f"CONFIG_GPUS_PER_NODE={env}, but line {line} of run_grpo_qwen3_4b_mega_verl.sh, #SBATCH "
-                         f"--gpus-per-node={header}, gives each node {header}: change line {line} to #SBATCH "
-                         f"--gpus-per-node={env} (or CONFIG_GPUS_PER_NODE to {header}); the job would be refused "
-                         "only after its wait in the queue"] if refused else [])  # fmt: skip
+    assert problems == (
+        [
+            f"CONFIG_GPUS_PER_NODE={env}, but line {line} of run_grpo_qwen3_4b_mega_verl.sh, #SBATCH "
+            f"--gpus-per-node={header}, gives each node {header}: change line {line} to #SBATCH "
+            f"--gpus-per-node={env} (or CONFIG_GPUS_PER_NODE to {header}); the job would be refused "
+            "only after its wait in the queue"
+        ]
+        if refused
+        else []
+    )
     assert header_problems(RUN_TEXT, {"CONFIG_GPUS_PER_NODE": "4"}) == [], "the script as shipped agrees with itself"
 
 

@@ -117,9 +117,11 @@ def time_limit_s(fields: dict[str, str]) -> int:
     return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
 
 
-def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_checkpoint_at_that_step(job, submit,
-                                                                                                 tmp_path):  # fmt: skip
-    """verl's own Megatron workers on the CPU (cpu/megatron_shims.py), the settings block's default. No regular saves (trainer.save_freq=1000): every checkpoint
+def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_checkpoint_at_that_step(
+    job, submit, tmp_path
+):
+    """verl's own Megatron workers on the CPU (cpu/megatron_shims.py), the settings block's default. No regular saves
+    (trainer.save_freq=1000): every checkpoint
     is verl's save before the expiry (should_save_ckpt_esi: within 60 s + its longest step + trainer.esi_redundant_time
     of MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP, the job's end minus CHECKPOINT_BEFORE_END). Once it has
     saved, the test shortens the time limit (as an admin could), so that Slurm's time-limit signal comes (--signal
@@ -128,12 +130,21 @@ def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_check
     Scored by verl's own rule scorer alone (REWARD=rule on DAPO-shaped rows, the preflight's checks on): no reward
     server anywhere."""
     # 10 epochs of the 32 prompts: more steps than the first start can take before the signal
-    env = job | MEGATRON_TRAINER | dapo_rule_data(tmp_path) | {
-        "JOB_SIGNAL_LEAD": "60", "CHECKPOINT_BEFORE_END": "240", "TOTAL_EPOCHS": "10",
-        "TRAINER_LOGGER": "[console,wandb]", "REWARD": "rule",
-    }  # fmt: skip
-    args = real_trainer_args("trainer.total_training_steps=200", "trainer.save_freq=1000", "trainer.test_freq=-1",
-                             strategy="megatron")  # fmt: skip
+    env = (
+        job
+        | MEGATRON_TRAINER
+        | dapo_rule_data(tmp_path)
+        | {
+            "JOB_SIGNAL_LEAD": "60",
+            "CHECKPOINT_BEFORE_END": "240",
+            "TOTAL_EPOCHS": "10",
+            "TRAINER_LOGGER": "[console,wandb]",
+            "REWARD": "rule",
+        }
+    )
+    args = real_trainer_args(
+        "trainer.total_training_steps=200", "trainer.save_freq=1000", "trainer.test_freq=-1", strategy="megatron"
+    )
     j = submit(env, *args, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=12", "--signal=B:USR1@60"))
     tracker = Path(env["CONFIG_OUTPUT_DIR"]) / "latest_checkpointed_iteration.txt"
     j.wait_for("verl's first save (step 2: the first step of a start has no longest step yet)", tracker.exists, 600)
@@ -154,8 +165,11 @@ def test_verl_saves_before_the_time_limit_and_the_requeued_job_resumes_its_check
     # answers, -1 (0 would be a response no rule scored; a reward model's score is no whole number)
     assert "scored a right answer to a math_dapo row 1 by rule, a wrong one -1" in first, first[-4000:]
     assert "no reward server (REWARD=rule)" in first and not list(logs_of(env, j).glob("reward_server_n*")), first
-    scores = {n: m["critic/score/mean"] for n, m in parse_step_lines((logs_of(env, j) / "trainer.log").read_text())
-              .items() if is_training_step(m)}  # fmt: skip
+    scores = {
+        n: m["critic/score/mean"]
+        for n, m in parse_step_lines((logs_of(env, j) / "trainer.log").read_text()).items()
+        if is_training_step(m)
+    }
     assert len(scores) >= saved and set(scores.values()) == {-1}, scores
     # The test does not wait out Slurm's hold; the second start runs one step past the checkpoint, then it is cancelled.
     j.scontrol("update", f"JobId={j.id}", "TimeLimit=30", "StartTime=now")
@@ -219,9 +233,23 @@ def test_a_preempted_job_saves_the_step_it_is_in_and_resumes_there_and_a_recipe_
     recipe_log = logs_of(recipe_env, recipe) / "trainer.log"
     j.wait_for("step 2 of the first start", lambda: log.is_file() and " step:2 - " in log.read_text(), 600)
     recipe.wait_for("the recipe's step 2", lambda: recipe_log.is_file() and " step:2 - " in recipe_log.read_text(), 300)
-    urgent = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--nodelist=n3", "--cpus-per-task=8",
-                             "--mem=500M", f"--output={tmp_path / 'urgent.out'}", "--wrap=sleep 1"],
-                            env=slurm_env(env), capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    urgent = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--partition=urgent",
+            "--nodelist=n3",
+            "--cpus-per-task=8",
+            "--mem=500M",
+            f"--output={tmp_path / 'urgent.out'}",
+            "--wrap=sleep 1",
+        ],
+        env=slurm_env(env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     preempting = time.monotonic()
     try:
         # Slurm holds a requeued job a while (BeginTime): the test does not wait that out.
@@ -273,20 +301,37 @@ def test_two_jobs_on_one_node_at_once_each_use_their_own_reward_server_and_ray(j
     the test's go-ahead, given once both have started: they ran at the same time."""
     envs, jobs, go = [], [], tmp_path / "both_trainers_run"
     for name in ("a", "b"):
-        env = job | FAST | {
-            "CONFIG_REWARD_SERVER_PORT": "", "FAKE_TRAINER_WAIT_FOR": str(go),
-            "CONFIG_LOG_DIR": str(tmp_path / f"logs_{name}"), "CONFIG_OUTPUT_DIR": str(tmp_path / f"ckpt_{name}"),
-            "RAY_TMP_DIR": f"{job['RAY_TMP_DIR']}/{name}", "FAKE_TRAINER_LOG": str(tmp_path / f"seen_{name}"),
-        }  # fmt: skip
+        env = (
+            job
+            | FAST
+            | {
+                "CONFIG_REWARD_SERVER_PORT": "",
+                "FAKE_TRAINER_WAIT_FOR": str(go),
+                "CONFIG_LOG_DIR": str(tmp_path / f"logs_{name}"),
+                "CONFIG_OUTPUT_DIR": str(tmp_path / f"ckpt_{name}"),
+                "RAY_TMP_DIR": f"{job['RAY_TMP_DIR']}/{name}",
+                "FAKE_TRAINER_LOG": str(tmp_path / f"seen_{name}"),
+            }
+        )
         envs.append(env)
         # Held at first: the stale server goes on the port the first job's id gives it before the job starts.
         jobs.append(submit(env, out=tmp_path / f"job_{name}.out", options=(*NODE_SIZE, "--nodelist=n1", "--hold")))
     stale_port = node.plan_ports(jobs[0].id, 0, 1)["reward_port"]
     stale = start_http_server(
-        [sys.executable, str(REPO / "reward_score" / "reward_server.py"), "--model-path", str(tiny_models.reward_model),
-         "--device", "cpu", "--port", str(stale_port)],
-        tmp_path / "stale.log", stale_port, env=dict(os.environ, REWARD_SERVER_TOKEN="an-old-jobs-token"),
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "reward_score" / "reward_server.py"),
+            "--model-path",
+            str(tiny_models.reward_model),
+            "--device",
+            "cpu",
+            "--port",
+            str(stale_port),
+        ],
+        tmp_path / "stale.log",
+        stale_port,
+        env=dict(os.environ, REWARD_SERVER_TOKEN="an-old-jobs-token"),
+    )
     try:
         for j in jobs:
             j.scontrol("release", j.id)
@@ -361,8 +406,16 @@ def test_a_worker_that_never_joins_fails_the_job_saying_why(job, submit, tmp_pat
 def test_a_reward_nodes_server_that_dies_stops_the_head_with_the_same_message(job, submit, tmp_path):
     """The watchdog runs on every node: the reward node's failure (no restarts allowed here) reaches the head, which
     srun stops, through the job's folder."""
-    env = job | FAST | {"CONFIG_USE_SEPARATE_REWARD_NODE": "true", "REWARD_REPLICAS": "1", "FAKE_TRAINER_SLEEP": "300",
-                        "REWARD_RESTARTS": "0"}  # fmt: skip
+    env = (
+        job
+        | FAST
+        | {
+            "CONFIG_USE_SEPARATE_REWARD_NODE": "true",
+            "REWARD_REPLICAS": "1",
+            "FAKE_TRAINER_SLEEP": "300",
+            "REWARD_RESTARTS": "0",
+        }
+    )
     j = submit(env, out=tmp_path / "job.out", options=TWO_NODES)
     j.wait_for_file(Path(env["FAKE_TRAINER_LOG"]), 240)
     (server,) = [p for p in job_processes(logs_of(env, j)) if "reward_server.py" in p]
@@ -403,8 +456,9 @@ def test_a_failed_check_ends_the_job_failed_with_the_message_in_its_output_file(
     assert not Path(job["FAKE_TRAINER_LOG"]).exists()
 
 
-def test_a_job_submitted_from_outside_the_repository_fails_naming_the_folder_to_submit_from(job, submit, tmp_path,
-                                                                                            clone):  # fmt: skip
+def test_a_job_submitted_from_outside_the_repository_fails_naming_the_folder_to_submit_from(
+    job, submit, tmp_path, clone
+):
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "logs").mkdir(parents=True)  # else Slurm could not even open the output file
     j = submit(job, script=str(clone / RUN.name), cwd=elsewhere)
@@ -429,21 +483,38 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     job, submit, tmp_path
 ):
     """The article's backend across the local Slurm's two nodes: PPO (GAE with verl's Megatron critic) with ACTOR_PP=2,
-    so each node's Ray worker holds one pipeline stage of the actor, the reference and the critic (cpu/megatron_shims.py;
+    so each node's Ray worker holds one pipeline stage of the actor, the reference and the critic
+    (cpu/megatron_shims.py;
     gloo where NCCL would be). Two steps with a save each; then `sbatch merge_mcore_to_hf.sh` twice: the actor's PP=2
     dist checkpoint through verl's Megatron merger, and the critic's own Hugging Face save (critic.checkpoint
     .save_contents with hf_model, docs/merge.md) into a value model by launch/merge/critic_to_hf.py."""
     calls = tmp_path / "user_function_calls.txt"
     user = tmp_path / "my_reward.py"  # the user's own rule (verl's custom_reward_function contract), alone: no server
-    user.write_text(f"def length_rule(data_source, solution_str, ground_truth, extra_info=None):\n"
-                    f"    with open({str(calls)!r}, 'a') as f:\n        f.write(data_source + '\\n')\n"
-                    f"    return (len(solution_str) + len(str(ground_truth))) % 7 / 6\n")  # fmt: skip
-    env = job | FAST | MEGATRON_TRAINER | gsm8k_rule_data(tmp_path) | {
-        "ALGORITHM": "ppo", "ACTOR_PP": "2", "TRAINER_LOGGER": "[console]", "REWARD": "rule",
-        "REWARD_FUNCTION_PATH": str(user), "REWARD_FUNCTION_NAME": "length_rule",
-    }  # fmt: skip
-    args = real_trainer_args("trainer.total_training_steps=2", "trainer.test_freq=-1",
-                             "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]", strategy="megatron")  # fmt: skip
+    user.write_text(
+        f"def length_rule(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n        f.write(data_source + '\\n')\n"
+        f"    return (len(solution_str) + len(str(ground_truth))) % 7 / 6\n"
+    )
+    env = (
+        job
+        | FAST
+        | MEGATRON_TRAINER
+        | gsm8k_rule_data(tmp_path)
+        | {
+            "ALGORITHM": "ppo",
+            "ACTOR_PP": "2",
+            "TRAINER_LOGGER": "[console]",
+            "REWARD": "rule",
+            "REWARD_FUNCTION_PATH": str(user),
+            "REWARD_FUNCTION_NAME": "length_rule",
+        }
+    )
+    args = real_trainer_args(
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        strategy="megatron",
+    )
     j = submit(env, *args, out=tmp_path / "job.out", options=(*TWO_NODES, "--time=30"))
     fields = j.wait(1200)
     out = j.output()
@@ -452,9 +523,14 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     command = (logs / "trainer_command.txt").read_text().splitlines()
     # FUSED_KERNELS=auto at PP=2 with the tied tiny policy: on, for the actor and the reference (its `+` key), each
     # pipeline stage's last through cpu/megatron_shims.py's stand-in for verl's Triton kernel
-    for override in ("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-                     "critic.megatron.pipeline_model_parallel_size=2", "trainer.nnodes=2",
-                     "actor_rollout_ref.model.use_fused_kernels=True", "+actor_rollout_ref.ref.use_fused_kernels=True"):  # fmt: skip
+    for override in (
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "critic.megatron.pipeline_model_parallel_size=2",
+        "trainer.nnodes=2",
+        "actor_rollout_ref.model.use_fused_kernels=True",
+        "+actor_rollout_ref.ref.use_fused_kernels=True",
+    ):
         assert override in command, command
     assert "preflight: verl's fused log-prob kernels on (FUSED_KERNELS=auto)" in out, out[-5000:]
     trainer_log = (logs / "trainer.log").read_text()
@@ -476,8 +552,12 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     merges = {}
     for role in ("actor", "critic"):
         target = tmp_path / f"hf_{role}"
-        m = submit(env | {"ROLE": role, "TARGET_DIR": str(target)}, script="merge_mcore_to_hf.sh",
-                   out=tmp_path / f"merge_{role}.out", options=("--mem=3G", "--cpus-per-task=1", "--gpus-per-node=1"))  # fmt: skip
+        m = submit(
+            env | {"ROLE": role, "TARGET_DIR": str(target)},
+            script="merge_mcore_to_hf.sh",
+            out=tmp_path / f"merge_{role}.out",
+            options=("--mem=3G", "--cpus-per-task=1", "--gpus-per-node=1"),
+        )
         fields = m.wait(600)
         merges[role] = m.output()
         assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), merges[role][-4000:]
@@ -499,18 +579,33 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     never returns. The head's watchdog keeps every worker's stack, says the step and phase, stops the start, and the
     job requeues once; the requeued start resumes from step 3's save (its hook counts again: its loading and step 6's
     save are 35 s slower, neither stopped) and hangs again at its 4th update_actor (step 7, which neither validates nor
-    saves: its budget is 3 x the longest step, not a validation's): the job ends failed. Nothing of either start is left. The generation's delay is the first start's alone: its 3rd call
+    saves: its budget is 3 x the longest step, not a validation's): the job ends failed. Nothing of either start is
+    left. The generation's delay is the first start's alone: its 3rd call
     there is step 2's validation, in the requeued start step 5's rollout, a plain step whose budget is 3 x the longest
     step, the 30 s floor where steps take seconds: a stall by the rule (CI's unloaded run stopped it there)."""
     marker = tmp_path / "hangs"
     plan = "init_model:sleep=35:1,generate_sequences:sleep=35:3@0,save_checkpoint:sleep=35:1,update_actor:block:5@0,"
     plan += "update_actor:block:4@1"
-    env = job | FAST | REAL_TRAINER | {
-        "STALL_TIMEOUT": "auto", "STALL_FLOOR": "30", "STALL_FIRST_STEP": "400", "STALL_REQUEUE": "1",
-        "TEST_FREQ": "2", "SAVE_FREQ": "3", "TOTAL_EPOCHS": "10", "STALL_TEST_PLAN": plan,
-        "STALL_TEST_MARKER": str(marker), verl_shims.THEN_HOOK: stall_hook.HOOK,
-        "REWARD": "rm+rule", "REWARD_RULE_WEIGHT": "2", **dapo_rule_data(tmp_path),  # issue 59: both judges, mixed
-    }  # fmt: skip
+    env = (
+        job
+        | FAST
+        | REAL_TRAINER
+        | {
+            "STALL_TIMEOUT": "auto",
+            "STALL_FLOOR": "30",
+            "STALL_FIRST_STEP": "400",
+            "STALL_REQUEUE": "1",
+            "TEST_FREQ": "2",
+            "SAVE_FREQ": "3",
+            "TOTAL_EPOCHS": "10",
+            "STALL_TEST_PLAN": plan,
+            "STALL_TEST_MARKER": str(marker),
+            verl_shims.THEN_HOOK: stall_hook.HOOK,
+            "REWARD": "rm+rule",
+            "REWARD_RULE_WEIGHT": "2",
+            **dapo_rule_data(tmp_path),  # issue 59: both judges, mixed
+        }
+    )
     args = real_trainer_args("trainer.total_training_steps=20")
     j = submit(env, *args, out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=60"))
     fields = j.wait_until("requeued or ended", lambda f: f.get("Restarts") == "1" or f["JobState"] in FINISHED, 1200)
@@ -525,9 +620,11 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
     stacks = stacks_files[0].read_text()
     assert "stall_test_blocked_forever" in stacks and "update_actor" in stacks, stacks[-3000:]
     assert "--- last 30 lines of" in stacks and "=== GPUs (nvidia-smi) ===" in stacks
-    said = re.search(r"\[rank 0\] the trainer stalled: no training step finished for \d+ s, past the budget of (\d+) s"
-                     r" \(STALL_TIMEOUT=auto: .*\): hung in step 5, phase update_actor .*: " + re.escape(str(logs / "stall")),
-                     first)  # fmt: skip
+    said = re.search(
+        r"\[rank 0\] the trainer stalled: no training step finished for \d+ s, past the budget of (\d+) s"
+        r" \(STALL_TIMEOUT=auto: .*\): hung in step 5, phase update_actor .*: " + re.escape(str(logs / "stall")),
+        first,
+    )
     assert said, first[-5000:]
     assert f"the trainer stalled: requeueing job {j.id} once (STALL_REQUEUE=1)" in first, first[-3000:]
     # no false positive: steps 1-4 ran on, the slow ones included
@@ -545,10 +642,14 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
 
     # The test does not wait out Slurm's hold (Reason=BeginTime), only the second of the requeue: slurmd refuses a
     # job's credential issued within the second its old one was revoked ("Job credential revoked": FAILED at once).
-    ended = time.mktime(time.strptime(re.findall(r"^\[([\d-]+ [\d:]+)\] run_grpo\S+ exiting", first, re.M)[-1],
-                                      "%Y-%m-%d %H:%M:%S"))  # fmt: skip
-    j.wait_until("held for the requeue", lambda f: f["JobState"] == "PENDING" and f["Reason"] == "BeginTime"
-                 and time.time() > ended + 2, 120)  # fmt: skip
+    ended = time.mktime(
+        time.strptime(re.findall(r"^\[([\d-]+ [\d:]+)\] run_grpo\S+ exiting", first, re.M)[-1], "%Y-%m-%d %H:%M:%S")
+    )
+    j.wait_until(
+        "held for the requeue",
+        lambda f: f["JobState"] == "PENDING" and f["Reason"] == "BeginTime" and time.time() > ended + 2,
+        120,
+    )
     j.scontrol("update", f"JobId={j.id}", "StartTime=now")
     fields = j.wait(1200)
     out = j.output()
@@ -561,14 +662,21 @@ def test_a_worker_hung_in_a_phase_is_stopped_with_its_stacks_requeued_once_and_f
         -3000:
     ]
     assert_everything_stopped(env, logs=Path(f"{logs}-r1"))
-    shown = subprocess.run([sys.executable, "-m", "launch.watch.status", j.id, "--log-dir", env["CONFIG_LOG_DIR"]],
-                           capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    shown = subprocess.run(
+        [sys.executable, "-m", "launch.watch.status", j.id, "--log-dir", env["CONFIG_LOG_DIR"]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert "stalled" in shown.stdout and "hung in step 7, phase update_actor" in shown.stdout, shown.stdout
 
     # from each hang (the hook's own time) to its start's end (the run script's last line)
     hangs = [float(line.split()[1]) for line in marker.read_text().splitlines()]
-    ends = [time.mktime(time.strptime(m, "%Y-%m-%d %H:%M:%S"))
-            for m in re.findall(r"^\[([\d-]+ [\d:]+)\] run_grpo_qwen3_4b_mega_verl\.sh exiting", out, flags=re.M)]  # fmt: skip
+    ends = [
+        time.mktime(time.strptime(m, "%Y-%m-%d %H:%M:%S"))
+        for m in re.findall(r"^\[([\d-]+ [\d:]+)\] run_grpo_qwen3_4b_mega_verl\.sh exiting", out, flags=re.M)
+    ]
     assert len(hangs) == 2 and len(ends) == 2, (hangs, ends)
     for hang, end, record in zip(hangs, ends, (stall, again), strict=True):
         took = end - hang

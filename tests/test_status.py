@@ -61,17 +61,30 @@ def training(first: int, last: int, parts: bool = False, **changes) -> dict[int,
     return steps
 
 
-def start_folder(logs: Path, name: str, steps: dict[int, dict], total: int | None = 100, resumed: int | None = 0,
-                 ckpt: Path | None = None, done: int | None = None, extra: str = "",
-                 overrides: tuple[str, ...] = ()) -> Path:  # fmt: skip
+def start_folder(
+    logs: Path,
+    name: str,
+    steps: dict[int, dict],
+    total: int | None = 100,
+    resumed: int | None = 0,
+    ckpt: Path | None = None,
+    done: int | None = None,
+    extra: str = "",
+    overrides: tuple[str, ...] = (),
+) -> Path:
     """One start's folder as the job leaves it: trainer.log (verl's lines), trainer_command.txt, `done`."""
     folder = logs / name
     folder.mkdir(parents=True)
     head = [f"{ACTOR} Total training steps: {total}"] if total else []
     head += [f"{ACTOR} Training from scratch"] if resumed == 0 else [f"{ACTOR} Setting global step to {resumed}"]
     (folder / "trainer.log").write_text("\n".join(head) + "\n" + verl_console(steps) + extra)
-    command = ["python3", "-m", "verl.trainer.main_ppo", *overrides,
-               f"trainer.default_local_dir={ckpt or logs.parent / 'ckpt'}"]  # fmt: skip
+    command = [
+        "python3",
+        "-m",
+        "verl.trainer.main_ppo",
+        *overrides,
+        f"trainer.default_local_dir={ckpt or logs.parent / 'ckpt'}",
+    ]
     (folder / "trainer_command.txt").write_text("\n".join(command) + "\n")
     if done is not None:
         (folder / "done").write_text(f"{done}\n")
@@ -103,9 +116,16 @@ def status_of(target: str) -> dict:
 
 
 def test_every_kind_of_value_verls_console_logger_prints_is_read_back():
-    metrics = {"critic/score/mean": np.float64(0.125), "response_length/mean": np.float32(1500.5),
-               "training/global_step": 7, "actor/kl_loss": float("nan"), "actor/lr": 1e-6, "big": 1e20,
-               "flag": True, "timing_s/step": 41.2}  # fmt: skip
+    metrics = {
+        "critic/score/mean": np.float64(0.125),
+        "response_length/mean": np.float32(1500.5),
+        "training/global_step": 7,
+        "actor/kl_loss": float("nan"),
+        "actor/lr": 1e-6,
+        "big": 1e20,
+        "flag": True,
+        "timing_s/step": 41.2,
+    }
     text = "Training Progress:  7%|7    | 7/100 [01:02<12:00, 8.1s/it]\r" + verl_console({7: metrics})
     (back,) = parse_step_lines(text).values()
     assert set(back) == set(metrics)
@@ -153,8 +173,9 @@ def test_a_folder_alone_gives_the_step_the_total_the_checkpoint_and_the_metrics(
     ],
     ids=["cut-off", "one-score", "flat-mean", "nan", "kl-high", "clipfrac", "entropy", "vf-clipfrac"],
 )
-def test_a_run_that_does_not_learn_is_named_with_the_metric_and_what_to_change(tmp_path, no_slurm, capsys, changes,
-                                                                                needle):  # fmt: skip
+def test_a_run_that_does_not_learn_is_named_with_the_metric_and_what_to_change(
+    tmp_path, no_slurm, capsys, changes, needle
+):
     folder = start_folder(tmp_path / "logs", LOCAL_ID, training(1, 30, **changes))
     warnings = status_of(str(folder))["warnings"]
     assert any(needle in w for w in warnings), warnings
@@ -162,8 +183,13 @@ def test_a_run_that_does_not_learn_is_named_with_the_metric_and_what_to_change(t
 
 
 # The PPO job's own command: 256 prompts a step in mini-batches of 128, so two critic updates a step.
-PPO_COMMAND = ("algorithm.adv_estimator=gae", "critic.model.path=/models/policy", "data.train_batch_size=256",
-               "actor_rollout_ref.actor.ppo_mini_batch_size=128", "critic.cliprange_value=0.5")  # fmt: skip
+PPO_COMMAND = (
+    "algorithm.adv_estimator=gae",
+    "critic.model.path=/models/policy",
+    "data.train_batch_size=256",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=128",
+    "critic.cliprange_value=0.5",
+)
 
 
 @pytest.mark.parametrize("clipfrac, warned", [(0.5, True), (0.46, True), (0.1, False), (0.0, False)])
@@ -171,8 +197,9 @@ def test_a_ppo_critic_held_by_its_value_clip_is_named_with_the_setting_against_w
     tmp_path, no_slurm, capsys, clipfrac, warned
 ):
     # the first of a step's two critic updates predicts with the old weights: 0.5 is every prediction it could clip
-    folder = start_folder(tmp_path / "logs", LOCAL_ID, training(1, 30, **{"critic/vf_clipfrac": clipfrac}),
-                          overrides=PPO_COMMAND)  # fmt: skip
+    folder = start_folder(
+        tmp_path / "logs", LOCAL_ID, training(1, 30, **{"critic/vf_clipfrac": clipfrac}), overrides=PPO_COMMAND
+    )
     warnings = status_of(str(folder))["warnings"]
     if not warned:
         assert warnings == []
@@ -207,21 +234,37 @@ def test_one_critic_update_a_step_cannot_be_clipped_and_is_never_warned_about():
 @pytest.mark.parametrize(
     "line, what",
     [
-        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
-         "79.19 GiB", "the trainer ran out of GPU memory"),
-        ("[rank3]:[E ProcessGroupNCCL.cpp:616] [Rank 3] Watchdog caught collective operation timeout: "
-         "WorkNCCL(SeqNum=2, OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600006 milliseconds", "NCCL timed out"),
-        ("[2026-01-01 10:00:00] Rank 0 scheduler is dead. Please check if there are relevant logs.",
-         "SGLang failed to start"),
-        ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`",
-         "vLLM failed to start"),
-        ("The node with node id: 1f2e and address: 10.0.0.2 and node name: 10.0.0.2 has been marked dead because the "
-         "detector has missed too many heartbeats from it.", "a node was lost"),
-        ("safe_hack_reward_request.RewardServerError: reward server(s) http://10.0.0.1:8000 did not score within "
-         "180 s (12 attempts); last error: http://10.0.0.1:8000/score: ConnectionError", "the reward servers did not"),
+        (
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+            "79.19 GiB",
+            "the trainer ran out of GPU memory",
+        ),
+        (
+            "[rank3]:[E ProcessGroupNCCL.cpp:616] [Rank 3] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=2, OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600006 milliseconds",
+            "NCCL timed out",
+        ),
+        (
+            "[2026-01-01 10:00:00] Rank 0 scheduler is dead. Please check if there are relevant logs.",
+            "SGLang failed to start",
+        ),
+        (
+            "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`",
+            "vLLM failed to start",
+        ),
+        (
+            "The node with node id: 1f2e and address: 10.0.0.2 and node name: 10.0.0.2 has been marked dead because "
+            "the detector has missed too many heartbeats from it.",
+            "a node was lost",
+        ),
+        (
+            "safe_hack_reward_request.RewardServerError: reward server(s) http://10.0.0.1:8000 did not score within "
+            "180 s (12 attempts); last error: http://10.0.0.1:8000/score: ConnectionError",
+            "the reward servers did not",
+        ),
     ],
     ids=["oom", "nccl", "sglang", "vllm", "node", "reward-client"],
-)  # fmt: skip
+)
 def test_a_failed_start_says_why_from_the_first_failure_the_trainer_logged(tmp_path, no_slurm, capsys, line, what):
     later = "Traceback (most recent call last):\nRuntimeError: NCCL communicator was aborted on rank 1\n"
     extra = f"{ACTOR} {line}\n" + ("" if what.startswith("NCCL") else later)  # what the other ranks say afterwards
@@ -250,8 +293,12 @@ def test_reward_server_restarts_are_counted_from_the_marker_each_restart_leaves_
     r = health.report(reading.load(str(folder)))
     (restart,) = r["starts"][0]["reward_restarts"]
     assert restart["reason"].startswith("killed by SIGKILL") and restart["log"].endswith("reward_server_n1_20016.log")
-    assert any(w.startswith("reward servers restarted 1 time(s) in this job, the last at 2026-01-01 10:00 after: "
-                            "killed by SIGKILL") for w in r["warnings"])  # fmt: skip
+    assert any(
+        w.startswith(
+            "reward servers restarted 1 time(s) in this job, the last at 2026-01-01 10:00 after: killed by SIGKILL"
+        )
+        for w in r["warnings"]
+    )
 
 
 # --- the time it takes ------------------------------------------------------------------------------------------
@@ -443,16 +490,30 @@ FAST = {"PREFLIGHT_DATA": "0", "PREFLIGHT_REWARD": "0"}  # the preflight's data 
 
 def status_cmd(env, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m launch.watch.status ARGS` as a user runs it on the login node: Slurm's programs on PATH."""
-    return subprocess.run([sys.executable, "-m", "launch.watch.status", *args], cwd=REPO, env=slurm_env(env),
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "launch.watch.status", *args],
+        cwd=REPO,
+        env=slurm_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def status_json(env, job_id: str) -> dict:
     """health.report as the login node's Python computes it, with Slurm's programs on PATH."""
-    code = ("import json, sys, pathlib; from launch.watch import health, reading; "
-            "print(json.dumps(health.report(reading.load(sys.argv[1], pathlib.Path(sys.argv[2])))))")  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", code, job_id, env["CONFIG_LOG_DIR"]], cwd=REPO, env=slurm_env(env),
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    code = (
+        "import json, sys, pathlib; from launch.watch import health, reading; "
+        "print(json.dumps(health.report(reading.load(sys.argv[1], pathlib.Path(sys.argv[2])))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, job_id, env["CONFIG_LOG_DIR"]],
+        cwd=REPO,
+        env=slurm_env(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -461,8 +522,7 @@ def wait_for_steps(j, log: Path, count: int, timeout: float) -> dict[int, dict]:
     """Until verl's logger has printed `count` training steps into the start's trainer.log (the job still running)."""
     deadline = time.monotonic() + timeout
     while True:
-        steps = [n for n, m in parse_step_lines(log.read_text() if log.exists() else "").items()
-                 if is_training_step(m)]  # fmt: skip
+        steps = [n for n, m in parse_step_lines(log.read_text() if log.exists() else "").items() if is_training_step(m)]
         if len(steps) >= count:
             return steps
         state = j.show().get("JobState")
@@ -485,8 +545,14 @@ def test_a_running_job_shows_its_step_eta_checkpoint_and_metrics_and_scancel_end
     lines may never reach the output. What holds: the batch script's own stop and exit lines, and nothing of the job
     left (what the helpers did not stop, Slurm's SIGTERM and, after KillWait, its SIGKILL did)."""
     env = job | FAST | {"FAKE_TRAINER_STEP_SECONDS": "1", "STOP_TIMEOUT": "20"}
-    j = submit(env, "trainer.total_training_steps=300", "trainer.save_freq=4", "trainer.test_freq=4",
-               out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=60"))  # fmt: skip
+    j = submit(
+        env,
+        "trainer.total_training_steps=300",
+        "trainer.save_freq=4",
+        "trainer.test_freq=4",
+        out=tmp_path / "job.out",
+        options=(*NODE_SIZE, "--time=60"),
+    )
     log = Path(env["CONFIG_LOG_DIR"]) / j.id / "trainer.log"
     wait_for_steps(j, log, 6, 300)
     r = status_json(env, j.id)
@@ -507,8 +573,13 @@ def test_a_running_job_shows_its_step_eta_checkpoint_and_metrics_and_scancel_end
 
     follow_log = tmp_path / "follow.txt"
     with open(follow_log, "w") as out:
-        follow = subprocess.Popen([sys.executable, "-m", "launch.watch.status", j.id, "--follow", "1", "--log-dir",
-                                   env["CONFIG_LOG_DIR"]], cwd=REPO, env=slurm_env(env), stdout=out, stderr=out)  # fmt: skip
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "launch.watch.status", j.id, "--follow", "1", "--log-dir", env["CONFIG_LOG_DIR"]],
+            cwd=REPO,
+            env=slurm_env(env),
+            stdout=out,
+            stderr=out,
+        )
     try:
         deadline = time.monotonic() + 60
         while follow_log.read_text().count(f"job {j.id}: RUNNING") < 2:  # it refreshes while the job runs
@@ -535,8 +606,14 @@ def test_a_requeued_job_shows_where_it_resumes_then_both_starts_once_it_has_fini
     """`scontrol requeue` (what the time-limit signal does, without waiting for the limit): the job goes back to
     PENDING, its next start resumes from the newest checkpoint."""
     env = job | FAST | {"FAKE_TRAINER_STEP_SECONDS": "1"}
-    j = submit(env, "trainer.total_training_steps=40", "trainer.save_freq=4", "trainer.test_freq=4",
-               out=tmp_path / "job.out", options=(*NODE_SIZE, "--time=30"))  # fmt: skip
+    j = submit(
+        env,
+        "trainer.total_training_steps=40",
+        "trainer.save_freq=4",
+        "trainer.test_freq=4",
+        out=tmp_path / "job.out",
+        options=(*NODE_SIZE, "--time=30"),
+    )
     ckpt = Path(env["CONFIG_OUTPUT_DIR"])
     wait_for_steps(j, Path(env["CONFIG_LOG_DIR"]) / j.id / "trainer.log", 13, 300)
     j.scontrol("requeue", j.id)

@@ -1,4 +1,5 @@
-"""The steps verl will train, counted before anything starts as verl 0.6.1 counts them (RayPPOTrainer._create_dataloader:
+"""The steps verl will train, counted before anything starts as verl 0.6.1 counts them
+(RayPPOTrainer._create_dataloader:
 batches with drop_last, times the epochs, or trainer.total_training_steps), zero steps refused and a save that
 would only come at the end said. verl's own _create_dataloader is the reference the count is checked against."""
 
@@ -29,15 +30,28 @@ def verls_count(cfg, rows: int) -> int:
 @pytest.mark.parametrize(
     "overrides, extra, rows, expected",
     [
-        ({"TRAIN_BATCH_SIZE": 8, "PPO_MINI_BATCH_SIZE": 8}, [], 30, "30 training prompts / 8 a step = 3 steps an "
-         "epoch (verl drops the last 6: drop_last) x TOTAL_EPOCHS=1 = 3 steps"),
-        ({"TRAIN_BATCH_SIZE": 8, "PPO_MINI_BATCH_SIZE": 8, "TOTAL_EPOCHS": 3}, [], 16, "= 2 steps an epoch (verl drops "
-         "the last 0: drop_last) x TOTAL_EPOCHS=3 = 6 steps"),
+        (
+            {"TRAIN_BATCH_SIZE": 8, "PPO_MINI_BATCH_SIZE": 8},
+            [],
+            30,
+            "30 training prompts / 8 a step = 3 steps an "
+            "epoch (verl drops the last 6: drop_last) x TOTAL_EPOCHS=1 = 3 steps",
+        ),
+        (
+            {"TRAIN_BATCH_SIZE": 8, "PPO_MINI_BATCH_SIZE": 8, "TOTAL_EPOCHS": 3},
+            [],
+            16,
+            "= 2 steps an epoch (verl drops the last 0: drop_last) x TOTAL_EPOCHS=3 = 6 steps",
+        ),
         # an override of the total wins, as in verl (the canary sets one)
-        ({"TRAIN_BATCH_SIZE": 4, "PPO_MINI_BATCH_SIZE": 4}, ["trainer.total_training_steps=2"], 40, "; "
-         "trainer.total_training_steps=2 sets the total: 2 steps"),
+        (
+            {"TRAIN_BATCH_SIZE": 4, "PPO_MINI_BATCH_SIZE": 4},
+            ["trainer.total_training_steps=2"],
+            40,
+            "; trainer.total_training_steps=2 sets the total: 2 steps",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_steps_are_counted_as_verls_own_dataloader_counts_them(env, overrides, extra, rows, expected):  # noqa: F811
     cfg = composed(settings(env, **overrides), extra)
     (line,), _, problems = step_plan(cfg, rows)
@@ -80,7 +94,7 @@ def test_a_job_that_would_save_nothing_before_its_end_is_warned_about(env, save_
         # an override of the total: a larger one
         ({}, ["trainer.total_training_steps=1"], "train more steps: a trainer.total_training_steps above 1"),
     ],
-)  # fmt: skip
+)
 def test_the_save_advice_for_a_one_step_run_is_one_a_user_can_follow(env, overrides, extra, needle):  # noqa: F811
     """No SAVE_FREQ saves before the end of a single step (verl saves between steps): 'set SAVE_FREQ below 1' was
     impossible; the advice is more steps, and nothing asks for a SAVE_FREQ below 1."""
@@ -100,13 +114,23 @@ def test_the_preflight_refuses_too_little_data_whatever_the_launcher_is_called(e
     fake_sglang = tmp_path / "engines" / "sglang"  # the engine's import check needs one; the trainer never runs
     fake_sglang.mkdir(parents=True)
     (fake_sglang / "__init__.py").write_text("")
-    job = env | {"CONFIG_TRAIN_FILE": str(train), "CONFIG_TEST_FILE": str(demo_data / "test.parquet"),
-                 "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "python3",
-                 "PYTHONPATH": f"{fake_sglang.parent}:{REPO}"}  # fmt: skip
+    job = env | {
+        "CONFIG_TRAIN_FILE": str(train),
+        "CONFIG_TEST_FILE": str(demo_data / "test.parquet"),
+        "PREFLIGHT_REWARD": "0",
+        "TRAINER_LAUNCHER": "python3",
+        "PYTHONPATH": f"{fake_sglang.parent}:{REPO}",
+    }
 
     def preflight(extra_env):
-        return subprocess.run([sys.executable, "-m", "launch.plan.preflight"], cwd=REPO, env=job | extra_env,
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "launch.plan.preflight"],
+            cwd=REPO,
+            env=job | extra_env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     refused = preflight({})
     assert refused.returncode == 1, refused.stdout + refused.stderr
@@ -137,11 +161,19 @@ def test_the_count_uses_the_rows_verl_keeps_after_its_own_filter(env, tmp_path, 
         row["prompt"] = [{"role": "user", "content": "word " * 400}]
     train = tmp_path / "with_long.parquet"
     pq.write_table(pa.concat_tables([table, pa.Table.from_pylist(long, schema=table.schema)]), train)
-    job = env | {"CONFIG_TRAIN_FILE": str(train), "CONFIG_TEST_FILE": str(demo_data / "test.parquet"),
-                 "PREFLIGHT_REWARD": "0", "TRAINER_LAUNCHER": "stand-in", "TRAINER_IS_VERL": "0", "TRAIN_BATCH_SIZE": "4",
-                 "PPO_MINI_BATCH_SIZE": "4", "MAX_PROMPT_LENGTH": "256"}  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "launch.plan.preflight"], cwd=REPO, env=job, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    job = env | {
+        "CONFIG_TRAIN_FILE": str(train),
+        "CONFIG_TEST_FILE": str(demo_data / "test.parquet"),
+        "PREFLIGHT_REWARD": "0",
+        "TRAINER_LAUNCHER": "stand-in",
+        "TRAINER_IS_VERL": "0",
+        "TRAIN_BATCH_SIZE": "4",
+        "PPO_MINI_BATCH_SIZE": "4",
+        "MAX_PROMPT_LENGTH": "256",
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.plan.preflight"], cwd=REPO, env=job, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     kept = table.num_rows
     assert f"preflight: steps: {kept} training prompts / 4 a step = {kept // 4} steps an epoch" in run.stdout

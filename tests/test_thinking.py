@@ -67,8 +67,10 @@ def test_auto_tells_the_reward_function_what_the_template_says_and_true_or_false
     assert told(trainer_argv(settings(instruct_policy, REWARD_PROMPT_OPENS_THINK="true"))) == "True"
     with pytest.raises(SettingError, match="CONFIG_MODEL_PATH=/nowhere/policy: its tokenizer does not load"):
         trainer_argv(settings(Path("/nowhere/policy")))
-    assert any("REWARD_PROMPT_OPENS_THINK='yes': use auto" in p for p in check(settings(
-        tiny_models.policy, REWARD_PROMPT_OPENS_THINK="yes"), check_paths=False))  # fmt: skip
+    assert any(
+        "REWARD_PROMPT_OPENS_THINK='yes': use auto" in p
+        for p in check(settings(tiny_models.policy, REWARD_PROMPT_OPENS_THINK="yes"), check_paths=False)
+    )
 
 
 @pytest.mark.parametrize(
@@ -79,7 +81,7 @@ def test_auto_tells_the_reward_function_what_the_template_says_and_true_or_false
         # an extra override of the value itself is checked too
         ("instruct", "auto", ["custom_reward_function.reward_kwargs.prompt_opens_think=True"], "false"),
     ],
-)  # fmt: skip
+)
 def test_a_value_that_contradicts_the_template_is_refused_naming_the_right_one(
     tiny_models, instruct_policy, policy, setting, extra, right
 ):
@@ -109,19 +111,31 @@ def test_the_reward_function_follows_what_it_is_told_and_refuses_an_unresolved_a
 
 
 def test_the_command_the_helper_builds_on_the_head_node_carries_the_value(instruct_policy):
-    """The helper runs `python -m launch.plan.trainer_command trainer-argv` on the head node: the value is in the job's command."""
-    env = block_environment() | {"CONTAINER": "none", "CONFIG_MODEL_PATH": str(instruct_policy),
-                                 "PATH": "/usr/bin:/bin"}  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "launch.plan.trainer_command", "trainer-argv"], cwd=REPO,
-                         env=env, capture_output=True, text=True)  # fmt: skip
+    """The helper runs `python -m launch.plan.trainer_command trainer-argv` on the head node: the value is in the job's
+    command."""
+    env = block_environment() | {
+        "CONTAINER": "none",
+        "CONFIG_MODEL_PATH": str(instruct_policy),
+        "PATH": "/usr/bin:/bin",
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.plan.trainer_command", "trainer-argv"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert told(run.stdout.split("\0")) == "False"
 
 
 def test_a_python_without_transformers_gets_one_line_naming_the_fix_not_a_traceback(instruct_policy):
     """A login node's bare python3 (CONTAINER=none outside the image): auto cannot read the template there."""
-    env = block_environment() | {"CONTAINER": "none", "CONFIG_MODEL_PATH": str(instruct_policy),
-                                 "PATH": "/usr/bin:/bin"}  # fmt: skip
+    env = block_environment() | {
+        "CONTAINER": "none",
+        "CONFIG_MODEL_PATH": str(instruct_policy),
+        "PATH": "/usr/bin:/bin",
+    }
     run = run_without(["transformers"], "launch.plan.trainer_command", "trainer-argv", env=env)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     (line,) = run.stderr.strip().splitlines()

@@ -108,8 +108,12 @@ def train_every_case(root: Path) -> list:
         templates[kind] = text
     # Conversations need the template; plain text goes without one for llama3 (the server's plain-text fallback)
     # and with Qwen3's for qwen3 (a plain-text dataset on a templated tokenizer: REWARD_CHAT_TEMPLATE=off).
-    bases = {(kind, chat): build_base_model(root / f"base_{kind}_{chat}", kind, templates[kind] if chat else None)
-             for kind in KINDS for chat in (True, False) if chat or kind == "llama3"}  # fmt: skip
+    bases = {
+        (kind, chat): build_base_model(root / f"base_{kind}_{chat}", kind, templates[kind] if chat else None)
+        for kind in KINDS
+        for chat in (True, False)
+        if chat or kind == "llama3"
+    }
     pairs = base_pairs(PAIRS, seed=1)
     procs, specs = {}, {}
     for stack, folder in folders.items():
@@ -117,16 +121,29 @@ def train_every_case(root: Path) -> list:
         for layout in LAYOUTS:
             for kind in KINDS:
                 chat = layout.startswith("conversation") or kind == "qwen3"
-                cases.append({"name": f"{layout}-{kind}", "base_model": str(bases[(kind, chat)]),
-                              "out": str(root / stack / f"{layout}-{kind}"), "rows": rows_for(layout, pairs),
-                              **TRAINING})  # fmt: skip
+                cases.append(
+                    {
+                        "name": f"{layout}-{kind}",
+                        "base_model": str(bases[(kind, chat)]),
+                        "out": str(root / stack / f"{layout}-{kind}"),
+                        "rows": rows_for(layout, pairs),
+                        **TRAINING,
+                    }
+                )
         spec = root / f"spec-{stack}.json"
         spec.write_text(json.dumps({"trl_version": _pinned(stack), "cases": cases}))
         specs[stack] = (spec, root / f"result-{stack}.json", cases)
         env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         log = open(root / f"train-{stack}.log", "w")  # noqa: SIM115  (closed below)
-        procs[stack] = (subprocess.Popen([sys.executable, str(REPO / "tests" / "trl_train.py"), str(spec),
-                                          str(specs[stack][1])], env=env, stdout=log, stderr=subprocess.STDOUT), log)  # fmt: skip
+        procs[stack] = (
+            subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "trl_train.py"), str(spec), str(specs[stack][1])],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            ),
+            log,
+        )
     started, out = time.monotonic(), []
     for stack, (proc, log) in procs.items():
         code = proc.wait(timeout=max(1, 600 - (time.monotonic() - started)))
@@ -194,8 +211,9 @@ def test_the_server_with_the_recommended_settings_scores_every_pair_as_trl_does(
             ids = ids[:-1]
         return ids
 
-    assert report.recommended.scored == [(read(c), read(r)) for c, r in zip(record["chosen_ids"],
-                                                                           record["rejected_ids"], strict=True)]  # fmt: skip
+    assert report.recommended.scored == [
+        (read(c), read(r)) for c, r in zip(record["chosen_ids"], record["rejected_ids"], strict=True)
+    ]
     items = [{"messages": m, "response": r} for p in pairs for m, r in (p.chosen, p.rejected)]
     with TestClient(create_app(settings)) as client:
         health = client.get("/health").json()

@@ -95,8 +95,14 @@ def test_post_never_upgrades_or_downgrades_a_base_package():
     installs = pip_installs(section("post"))
     verl, reward = installs  # exactly two installs: nothing else is pip-installed by name
     assert verl == ["--no-deps", "-e", "/opt/verl"]
-    assert reward == ["--upgrade-strategy", "only-if-needed", "-c", "/opt/verl_app/base-constraints.txt", "-r",
-                      "/opt/verl-slurm/requirements/reward.txt"]  # fmt: skip
+    assert reward == [
+        "--upgrade-strategy",
+        "only-if-needed",
+        "-c",
+        "/opt/verl_app/base-constraints.txt",
+        "-r",
+        "/opt/verl-slurm/requirements/reward.txt",
+    ]
     for args in installs:
         assert not {"-U", "--upgrade", "--force-reinstall", "--ignore-installed", "-I"} & set(args), args
     assert "--upgrade pip" not in section("post")  # pip is a base package too
@@ -132,13 +138,32 @@ def resolve_post_install(tmp_path: Path, base: str, requirements: str) -> subpro
     """%post's reward install line, resolved (not installed) from PyPI for the base's Python, with the base's
     versions (requirements/base-images/) as the constraints the build takes from the image itself."""
     reward_line = next(args for args in pip_installs(section("post")) if "-r" in args)
-    args = [a.replace("/opt/verl_app/base-constraints.txt", str(REPO / "requirements" / "base-images" / f"{base}.txt"))
-            .replace("/opt/verl-slurm/requirements/reward.txt", requirements) for a in reward_line]  # fmt: skip
+    args = [
+        a.replace(
+            "/opt/verl_app/base-constraints.txt", str(REPO / "requirements" / "base-images" / f"{base}.txt")
+        ).replace("/opt/verl-slurm/requirements/reward.txt", requirements)
+        for a in reward_line
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"}
     env["PIP_CONFIG_FILE"] = os.devnull  # as %post: no local pip configuration
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(tmp_path / "report.json"),
-           "--index-url", "https://pypi.org/simple", "--only-binary=:all:", "--python-version", PYTHON_OF_BASE[base],
-           "--target", str(tmp_path / "target"), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--quiet",
+        "--report",
+        str(tmp_path / "report.json"),
+        "--index-url",
+        "https://pypi.org/simple",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON_OF_BASE[base],
+        "--target",
+        str(tmp_path / "target"),
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -166,8 +191,15 @@ def test_the_old_exact_pins_would_have_failed_the_build_instead_of_upgrading_the
 def test_the_sglang_image_checks_sglangs_servers_and_the_vllm_image_checks_one_step_offs_weight_sync():
     sglang = {m.name for m in image_check.modules_to_check("sglang", recipes=True, megatron=True)}
     vllm = {m.name for m in image_check.modules_to_check("vllm", recipes=True, megatron=True)}
-    for common in ("verl.workers.megatron_workers", "megatron.core", "transformer_engine", "recipe.dapo.main_dapo",
-                   "recipe.one_step_off_policy.main_ppo", "verl.model_merger", "uvicorn"):  # fmt: skip
+    for common in (
+        "verl.workers.megatron_workers",
+        "megatron.core",
+        "transformer_engine",
+        "recipe.dapo.main_dapo",
+        "recipe.one_step_off_policy.main_ppo",
+        "verl.model_merger",
+        "uvicorn",
+    ):
         assert common in sglang and common in vllm, common
     assert {"sglang", "sgl_kernel", "verl.workers.rollout.sglang_rollout.async_sglang_server"} <= sglang
     assert {"vllm", "verl.workers.rollout.vllm_rollout.vllm_async_server"} <= vllm
@@ -234,15 +266,29 @@ def test_post_on_a_base_holding_the_oldest_stack_adds_nothing_and_a_pinned_upgra
         return run
 
     reward_txt = str(REPO / "requirements" / "reward.txt")
-    sh(python, "-m", "pip", "install", "-q", "packaging", "-r", reward_txt,
-       "-c", str(REPO / "requirements" / "base-images" / "vllm.txt"))  # fmt: skip
+    sh(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "packaging",
+        "-r",
+        reward_txt,
+        "-c",
+        str(REPO / "requirements" / "base-images" / "vllm.txt"),
+    )
     sh(python, str(REPO / "launch" / "plan" / "image_check.py"), "--record-base", str(record))
     reward_line = next(args for args in pip_installs(section("post")) if "-r" in args)
-    args = [a.replace("/opt/verl_app", str(record)).replace("/opt/verl-slurm/requirements/reward.txt", reward_txt)
-            for a in reward_line]  # fmt: skip
+    args = [
+        a.replace("/opt/verl_app", str(record)).replace("/opt/verl-slurm/requirements/reward.txt", reward_txt)
+        for a in reward_line
+    ]
     sh(python, "-m", "pip", "install", *args)
-    compare = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
-               f"from launch.plan import image_check; print(image_check.check_base_untouched(Path({str(record)!r})))")  # fmt: skip
+    compare = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
+        f"from launch.plan import image_check; print(image_check.check_base_untouched(Path({str(record)!r})))"
+    )
     out = sh(python, "-c", compare).stdout
     assert "base packages unchanged; added: -" in out and out.strip().endswith("[]"), out
     assert "fastapi==0.116.1" in (record / "base-constraints.txt").read_text().splitlines()
@@ -262,7 +308,10 @@ def test_the_servers_files_the_image_copies_are_all_it_needs(tmp_path):
         shutil.copy(REPO / source, target)
     run = subprocess.run(
         [sys.executable, str(tmp_path / "reward_score" / "reward_server.py"), "--help-all"],
-        cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHONNOUSERSITE": "1"},
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHONNOUSERSITE": "1"},
+    )
     assert run.returncode == 0, run.stderr
     assert "REWARD_MICRO_BATCH_COST" in run.stdout

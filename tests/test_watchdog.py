@@ -25,8 +25,9 @@ STEP = {"timing_s/step": 10.0, "training/global_step": 1.0}
 
 
 def clock(**changes) -> watchdog.Clock:
-    return watchdog.Clock(**({"timeout": None, "floor": 100.0, "first": 1000.0, "test_freq": 5, "save_freq": 10,
-                              "total": 100} | changes))  # fmt: skip
+    return watchdog.Clock(
+        **({"timeout": None, "floor": 100.0, "first": 1000.0, "test_freq": 5, "save_freq": 10, "total": 100} | changes)
+    )
 
 
 def test_auto_gives_the_first_step_its_own_budget_then_three_times_the_longest_step_never_below_the_floor():
@@ -76,8 +77,12 @@ def test_slow_but_progressing_steps_are_never_past_their_budget_and_a_hang_is():
     """A run as the job test's: a slow first step, a slow validation, a slow save, each past the floor; then a step
     that never ends. Each finished step's wall time against the budget it had when it began."""
     c = clock(floor=15.0, first=400.0, test_freq=2, save_freq=3, total=20)
-    wall = {1: (95.0, STEP), 2: (55.0, STEP | {"timing_s/testing": 45.0}),
-            3: (52.0, STEP | {"timing_s/save_checkpoint": 42.0}), 4: (10.0, STEP)}  # fmt: skip
+    wall = {
+        1: (95.0, STEP),
+        2: (55.0, STEP | {"timing_s/testing": 45.0}),
+        3: (52.0, STEP | {"timing_s/save_checkpoint": 42.0}),
+        4: (10.0, STEP),
+    }
     for step, (took, metrics) in wall.items():
         assert took < c.budget(0)[0], f"step {step} ({took} s) would have been stopped: {c.budget(0)[1]}"
         c.finished(step, metrics)
@@ -87,11 +92,18 @@ def test_slow_but_progressing_steps_are_never_past_their_budget_and_a_hang_is():
 def test_after_a_requeue_the_budget_counts_the_steps_and_validations_of_the_earlier_starts(tmp_path):
     logs = tmp_path / "logs"
     (logs / "77").mkdir(parents=True)
-    (logs / "77" / "trainer.log").write_text("step:1 - timing_s/step:45 - training/global_step:1\n"
-                                             "step:2 - timing_s/step:9 - timing_s/testing:70.5 - "
-                                             "timing_s/save_checkpoint:20 - training/global_step:2\n")  # fmt: skip
-    env = {"STALL_TIMEOUT": "auto", "STALL_FLOOR": "100", "STALL_FIRST_STEP": "1000", "JOB_ID": "77",
-           "JOB_LOG_DIR": str(logs / "77-r1")}  # fmt: skip
+    (logs / "77" / "trainer.log").write_text(
+        "step:1 - timing_s/step:45 - training/global_step:1\n"
+        "step:2 - timing_s/step:9 - timing_s/testing:70.5 - "
+        "timing_s/save_checkpoint:20 - training/global_step:2\n"
+    )
+    env = {
+        "STALL_TIMEOUT": "auto",
+        "STALL_FLOOR": "100",
+        "STALL_FIRST_STEP": "1000",
+        "JOB_ID": "77",
+        "JOB_LOG_DIR": str(logs / "77-r1"),
+    }
     c = watchdog.Clock.from_env(env, ["trainer.test_freq=5", "trainer.save_freq=5", "trainer.test_freq=2"])
     assert (c.test_freq, c.save_freq) == (2, 5), "the trainer command's last value wins"
     c.finished(3, STEP)
@@ -147,8 +159,9 @@ def blocked(tmp_path):
     log = logs / "trainer.log"
     env = dict(os.environ, JOB_LOG_DIR=str(logs), PYTHONFAULTHANDLER="1")
     with open(log, "wb") as out:  # the driver's name as the watchdog finds it
-        proc = subprocess.Popen([sys.executable, str(script), "verl.trainer.main_ppo"], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, str(script), "verl.trainer.main_ppo"], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
     deadline = time.monotonic() + 60
     while "ready" not in log.read_text() and time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()
@@ -218,11 +231,18 @@ def test_without_py_spy_a_ray_workers_stack_comes_from_faulthandler_in_its_own_l
     pkill = shutil.which("pkill") or "pkill"
     script = tmp_path / "ray_worker.py"
     script.write_text(textwrap.dedent(RAY_WORKER))
-    env = dict(os.environ, JOB_LOG_DIR=str(logs), PYTHONFAULTHANDLER="1", RAY_USAGE_STATS_ENABLED="0",
-               HOME=str(tmp_path))  # fmt: skip
+    env = dict(
+        os.environ, JOB_LOG_DIR=str(logs), PYTHONFAULTHANDLER="1", RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path)
+    )
     entered = tmp_path / "entered_update_actor_collective"
-    driver = subprocess.Popen([sys.executable, str(script), str(ray_tmp), str(entered)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)  # fmt: skip
+    driver = subprocess.Popen(
+        [sys.executable, str(script), str(ray_tmp), str(entered)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        start_new_session=True,
+    )
     try:
         pid = None
         deadline = time.monotonic() + 180
@@ -261,11 +281,23 @@ def test_a_stalled_start_shows_as_stalled_with_since_when_the_step_the_phase_and
     (folder / "trainer.log").write_text("step:1 - timing_s/step:10 - training/global_step:1\n")
     (folder / "done").write_text("1\n")
     since = time.mktime(time.strptime("2026-12-03 10:00:00", "%Y-%m-%d %H:%M:%S"))
-    (folder / "stall.json").write_text(json.dumps({"since": since, "step": 2, "phase": "update_actor", "budget": 1800,
-                                                   "setting": "auto", "stacks": str(folder / "stall")}))  # fmt: skip
+    (folder / "stall.json").write_text(
+        json.dumps(
+            {
+                "since": since,
+                "step": 2,
+                "phase": "update_actor",
+                "budget": 1800,
+                "setting": "auto",
+                "stacks": str(folder / "stall"),
+            }
+        )
+    )
     job = reading.load(str(folder))
     st, why = health.state(job)
     assert st == "stalled", why
-    assert why == (f"no step finished since 2026-12-03 10:00 (budget 30 min, STALL_TIMEOUT=auto): hung in step 2, "
-                   f"phase update_actor; stacks in {folder / 'stall'}")  # fmt: skip
+    assert why == (
+        f"no step finished since 2026-12-03 10:00 (budget 30 min, STALL_TIMEOUT=auto): hung in step 2, "
+        f"phase update_actor; stacks in {folder / 'stall'}"
+    )
     assert job.starts[0].how.startswith("stalled (no step finished since")

@@ -44,8 +44,12 @@ def build_tokenizer(kind: str, chat_template: str | None):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=special,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus(2000, 0), trainer)
     if kind == "qwen3":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -53,16 +57,25 @@ def build_tokenizer(kind: str, chat_template: str | None):
         names = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     else:
         bos = tok.token_to_id("<|begin_of_text|>")
-        tok.post_processor = processors.Sequence([
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
-                                          special_tokens=[("<|begin_of_text|>", bos)]),
-        ])  # fmt: skip
+        tok.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single="<|begin_of_text|> $A",
+                    pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+                    special_tokens=[("<|begin_of_text|>", bos)],
+                ),
+            ]
+        )
         names = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, additional_special_tokens=special, chat_template=chat_template,
-        model_max_length=4096, clean_up_tokenization_spaces=False, **names,
-    )  # fmt: skip
+        tokenizer_object=tok,
+        additional_special_tokens=special,
+        chat_template=chat_template,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+        **names,
+    )
 
 
 def build_base_model(out: Path, kind: str, chat_template: str | None, seed: int = 0) -> Path:
@@ -72,19 +85,37 @@ def build_base_model(out: Path, kind: str, chat_template: str | None, seed: int 
     from transformers import GPT2Config, GPT2ForSequenceClassification, Qwen3Config, Qwen3ForSequenceClassification
 
     tokenizer = build_tokenizer(kind, chat_template)
-    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-               bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+    )
     torch.manual_seed(seed)
     if ARCH.get(kind, "qwen3") == "gpt2":
-        config = GPT2Config(vocab_size=len(tokenizer), n_positions=1024, n_embd=64, n_layer=2, n_head=4,
-                            num_labels=1, initializer_range=INIT[kind], **ids)  # fmt: skip
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=1024,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            num_labels=1,
+            initializer_range=INIT[kind],
+            **ids,
+        )
         model = GPT2ForSequenceClassification(config)
     else:
         config = Qwen3Config(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-            tie_word_embeddings=False, num_labels=1, initializer_range=INIT[kind], **ids,
-        )  # fmt: skip
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            num_labels=1,
+            initializer_range=INIT[kind],
+            **ids,
+        )
         model = Qwen3ForSequenceClassification(config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -105,8 +136,7 @@ def base_pairs(n: int, seed: int) -> list[dict]:
         if i % 4 == 1:
             prompt.insert(0, {"role": "system", "content": words(2, 5) + "."})
         if i % 4 == 2:
-            prompt = [{"role": "user", "content": words(2, 5)}, {"role": "assistant", "content": words(2, 5)},
-                      *prompt]  # fmt: skip
+            prompt = [{"role": "user", "content": words(2, 5)}, {"role": "assistant", "content": words(2, 5)}, *prompt]
         chosen, rejected = words(2, 6), words(2, 6)
         if i % 4 == 3:
             chosen = f"<think>\n{words(2, 4)}\n</think>\n\n{chosen}"
@@ -174,6 +204,11 @@ def pairs_ranked_by(model: Path, n: int = 24, seed: int = 2, **settings: str) ->
         texts = [scorer.render(p["prompt"], p[side], fmt) for side in ("chosen", "rejected")]
         a, b = scorer.score_ids([scorer.fit(ids).ids for ids in scorer.tokenize(texts)])
         first, second = ("chosen", "rejected") if a > b else ("rejected", "chosen")
-        rows.append({"prompt": p["prompt"], "chosen": [{"role": "assistant", "content": p[first]}],
-                     "rejected": [{"role": "assistant", "content": p[second]}]})  # fmt: skip
+        rows.append(
+            {
+                "prompt": p["prompt"],
+                "chosen": [{"role": "assistant", "content": p[first]}],
+                "rejected": [{"role": "assistant", "content": p[second]}],
+            }
+        )
     return rows

@@ -20,7 +20,7 @@ def _ids_columns(columns) -> tuple[str, str]:
         ("input_ids_chosen", "input_ids_rejected"),
         ("chosen_input_ids", "rejected_input_ids"),
         ("chosen_ids", "rejected_ids"),
-    ):  # fmt: skip  (<= 0.23, 0.24 to 0.29, >= 1.0)
+    ):  #  (<= 0.23, 0.24 to 0.29, >= 1.0)
         if pair[0] in columns:
             return pair
     raise KeyError(f"no tokenized columns in {columns}")
@@ -44,12 +44,25 @@ def train_case(case: dict, trl_version: str) -> dict:
         model.config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(case["seed"])
     args = RewardConfig(
-        output_dir=case["out"] + "_run", max_steps=case["steps"], per_device_train_batch_size=case["batch"],
-        learning_rate=case["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        logging_steps=10**6, save_strategy="no", report_to=[], seed=case["seed"], data_seed=case["seed"],
-        use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, bf16=False, fp16=False,
+        output_dir=case["out"] + "_run",
+        max_steps=case["steps"],
+        per_device_train_batch_size=case["batch"],
+        learning_rate=case["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        logging_steps=10**6,
+        save_strategy="no",
+        report_to=[],
+        seed=case["seed"],
+        data_seed=case["seed"],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        bf16=False,
+        fp16=False,
         gradient_checkpointing=False,  # RewardConfig turns it on; a tiny model only pays its recomputation
-    )  # fmt: skip
+    )
     trainer = RewardTrainer(
         model=model, args=args, train_dataset=Dataset.from_list(case["rows"]), processing_class=tokenizer
     )

@@ -20,9 +20,22 @@ import subprocess
 import sys
 
 _VALUE_OPTS = {
-    "-B", "--bind", "--env", "--env-file", "--home", "-H", "--pwd", "--overlay", "-W", "--workdir",
-    "--mount", "--security", "--network", "--hostname", "--apply-cgroups",
-}  # fmt: skip
+    "-B",
+    "--bind",
+    "--env",
+    "--env-file",
+    "--home",
+    "-H",
+    "--pwd",
+    "--overlay",
+    "-W",
+    "--workdir",
+    "--mount",
+    "--security",
+    "--network",
+    "--hostname",
+    "--apply-cgroups",
+}
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
@@ -55,8 +68,10 @@ def run_exec(args: list[str]) -> int:
         for item in spec.split(","):
             source = item.split(":", 1)[0]
             if not os.path.exists(source):
-                return fatal(f"container creation failed: mount hook function failure: mount {source}->{source} "
-                             "error: while mounting: no such file or directory")  # fmt: skip
+                return fatal(
+                    f"container creation failed: mount hook function failure: mount {source}->{source} "
+                    "error: while mounting: no such file or directory"
+                )
     cwd = (opts.get("--pwd") or [None])[-1]
     if cwd and not os.path.isdir(cwd):
         return fatal(f"container creation failed: could not set working directory {cwd}: no such file or directory")
