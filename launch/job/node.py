@@ -230,8 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "ports":
             if args.reward_port and not args.reward_port.isdigit():
                 raise NodeError(
-                    f"CONFIG_REWARD_SERVER_PORT={args.reward_port!r} is not a port number (or leave it empty: free "
-                    f"ports)"
+                    f"CONFIG_REWARD_SERVER_PORT={args.reward_port!r} is not a port number "
+                    "(or leave it empty: free ports)"
                 )
             plan = plan_ports(args.job_id, args.rank, args.reward_count, int(args.reward_port or 0))
             print("\n".join(f"{k}={v}" for k, v in plan.items()))

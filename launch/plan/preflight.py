@@ -122,9 +122,9 @@ def check_data(cfg, tokenizer) -> tuple[list[str], int]:
 def step_plan(cfg, rows: int) -> tuple[list[str], list[str], list[str]]:
     """(lines, warnings, problems) about the steps verl will train, counted as verl 0.6.1 counts them
     (ray_trainer.py _create_dataloader, :380-414): batches of data.gen_batch_size (recipe.dapo) or
-    data.train_batch_size,
-    the last incomplete one dropped (drop_last=True), times trainer.total_epochs, unless trainer.total_training_steps
-    sets the total; and verl saves every trainer.save_freq steps and after the last (ray_trainer.py:1247-1254)."""
+    data.train_batch_size, the last incomplete one dropped (drop_last=True), times trainer.total_epochs, unless
+    trainer.total_training_steps sets the total; and verl saves every trainer.save_freq steps and after the last
+    (ray_trainer.py:1247-1254)."""
     batch = cfg.data.get("gen_batch_size", cfg.data.train_batch_size)
     per_epoch, dropped = divmod(rows, batch)
     epochs, override = cfg.trainer.total_epochs, cfg.trainer.get("total_training_steps")
