@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     )
     script = REPO / "run_grpo_qwen3_4b_mega_verl.sh"
-    env["MERGER_LAUNCHER"] = str(REPO / "demo" / "megatron_merger")  # verl's merger with the shims
+    env["MERGER_LAUNCHER"] = str(REPO / "cpu" / "megatron_merger")  # verl's merger with the shims
     rc = run_quietly(["bash", str(script), *megatron_shims.overrides()], env, out / "demo.log")
     verdict = "every stage passed" if rc == 0 else f"FAILED (exit {rc})"
     summaries = sorted((out / "logs").glob("*/canary/summary.txt"), key=lambda p: p.stat().st_mtime)

@@ -4,7 +4,7 @@ saves it, without a job.
     python -m tests.fsdp_critic CKPT_ROOT POLICY_DIR OUT.json
 
 Composes the job's trainer config (ALGORITHM=ppo STRATEGY=fsdp2, cpu/verl_shims.py's overrides, as the CPU job runs
-it), builds verl's `CriticWorker` from its critic block in a one-process gloo group (demo/verl_shims.install first, as
+it), builds verl's `CriticWorker` from its critic block in a one-process gloo group (cpu/verl_shims.install first, as
 Ray's hook does in a job), runs `init_model`, and saves through the worker's own `save_checkpoint` (verl's
 FSDPCheckpointManager) to CKPT_ROOT/global_step_1/critic, with the tracker file the trainer writes beside it. OUT.json
 gets the worker's value head and its values for two texts, to compare a merge with.

@@ -5,7 +5,7 @@
 Composes the job's trainer config from the settings block's defaults with KEY=VALUE settings on top
 (launch.plan.trainer_command.trainer_argv, with cpu/megatron_shims.py's overrides, as make demo runs it), builds verl's
 `ActorRolloutRefWorker(role="actor_rollout")` (the hybrid worker of a job, its HF rollout included) from it in a
-one-process gloo group (demo/megatron_shims.install first, as Ray's
+one-process gloo group (cpu/megatron_shims.install first, as Ray's
 hook does in a job), runs `init_model` and `compute_log_prob` on two texts of different lengths, and writes what the
 running worker holds: its TransformerConfig, whether its parameters and optimizer are offloaded, the parameter
 names of its layers, and its log-probs beside the HF model's (float32 and bfloat16) for the same tokens; then one

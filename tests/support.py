@@ -180,7 +180,7 @@ AGENT_LOOP_TIMING = "timing_s/agent_loop/generate_sequences/mean:"
 
 # The same with the settings block's default strategy, verl's Megatron workers (cpu/megatron_shims.py), and verl's
 # Megatron merger with the same adaptations; pass real_trainer_args(..., strategy="megatron").
-MEGATRON_TRAINER = {**REAL_TRAINER, "STRATEGY": "megatron", "MERGER_LAUNCHER": str(REPO / "demo" / "megatron_merger")}
+MEGATRON_TRAINER = {**REAL_TRAINER, "STRATEGY": "megatron", "MERGER_LAUNCHER": str(REPO / "cpu" / "megatron_merger")}
 
 
 def real_trainer_args(*args: str, strategy: str = "fsdp2") -> list[str]:

@@ -47,7 +47,7 @@ def megatron_merges(tmp_path_factory):
             env = dict(
                 os.environ,
                 CONTAINER="none",
-                MERGER_LAUNCHER=str(REPO / "demo" / "megatron_merger"),
+                MERGER_LAUNCHER=str(REPO / "cpu" / "megatron_merger"),
                 CKPT_ROOT=str(root / "ckpt"),
                 TARGET_DIR=str(root / "merged"),
                 ROLE=role,

@@ -132,7 +132,7 @@ def test_verls_grpo_step_at_qwen3_0p6bs_shape_is_predicted_within_ten_percent_fu
     now gpu_job.py)
     at Qwen3-0.6B's (hidden 1,024, 28 layers, tied), PP=1, TP=1, full recompute, 24,576-token micro-batches, the
     optimizer offloaded and loaded for the update, the reference's weights for its pass; each phase's largest peak.
-    The worker also keeps the HF rollout's bf16 policy (2P: the benchmark's demo/verl_cpu.py HFEngineRollout, which
+    The worker also keeps the HF rollout's bf16 policy (2P: cpu/verl_shims.py's HFEngineRollout, which
     resume and release leave in place). Each phase within 10%, and what its micro-batch adds (the peak less what the
     call started with and loaded) within 10%: fused, that is all fused_path_bytes in the log-prob passes and a quarter
     of it in the update. verl's reference asks no entropy (megatron_workers.py:730): unfused, LOGITS_LOG_PROB_BYTES

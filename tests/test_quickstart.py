@@ -88,7 +88,7 @@ def test_the_readmes_quickstart_commands_run_as_written_to_a_trained_and_merged_
         "TRAINER_LOGGER": "[console,wandb]",
         "RAY_TMP_DIR": str(ray_tmp),
         "ROLLOUT_MODE": "async",  # the settings block's default: verl's agent loop and its reward loop
-        "MERGER_LAUNCHER": str(repo / "demo" / "megatron_merger"),  # verl's Megatron merger, with the CPU's shims
+        "MERGER_LAUNCHER": str(repo / "cpu" / "megatron_merger"),  # verl's Megatron merger, with the CPU's shims
     }
     cpu_args = " ".join(real_trainer_args(strategy="megatron"))
     lines, jobs, ran = quickstart_lines(), [], []

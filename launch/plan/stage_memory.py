@@ -127,7 +127,7 @@ LOGITS_LOG_PROB_BYTES = 12.0
 FUSED_FORWARD_SPLIT = 1024
 FUSED_BACKWARD_CHUNK = 9504
 # Bytes a token per query column that the TE-free layer spec keeps beside TE's where its attention is one SDPA per
-# packed sequence, as in every measurement here (demo/megatron_cpu.py; ModelDims.activation_bytes): the attention's
+# packed sequence, as in every measurement here (cpu/megatron_shims.py; ModelDims.activation_bytes): the attention's
 # output a third time. The layer's, not the kernel's, but the fused update's peak holds it (fused_path_bytes), where
 # verl's logits rise above it. TE's spec, or the varlen attention, would keep 0; the plan counts it.
 TE_FREE_ATTENTION_BYTES = 2
