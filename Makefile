@@ -17,12 +17,12 @@ STAMP := $(VENV)/.installed
 export PATH := $(BIN):$(PATH)
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k reward -x"
 PYTEST_ARGS ?=
-# pytest-xdist processes (0: none). The unit tier computes: two, one a core. The slow tier mostly waits (on Slurm, Ray,
-# servers, a watchdog's budget, a grace period): four at once, as many as the local cluster's debug partition runs of
-# the tests' one-GPU jobs per node (4 GPUs) without queueing the two-node ones. A short --basetemp per run keeps Ray's
-# unix sockets under 107 bytes; --maxschedchunk 1 hands out one test at a time (tests/conftest.py orders them).
+# pytest-xdist processes (0: none), two in each tier: one a core. Four slow-tier processes were tried on the 2-core CI
+# machine (2026-12-07): verl's trainer launches ran 3-4x slower (load 10-12) and `make demo`'s test hit its 900 s
+# deadline. A short --basetemp per run keeps Ray's unix sockets under 107 bytes; --maxschedchunk 1 hands out one test
+# at a time (tests/conftest.py orders them).
 PYTEST_WORKERS ?= 2
-SLOW_WORKERS ?= 4
+SLOW_WORKERS ?= 2
 XDIST = -n $(1) --maxschedchunk 1
 
 # The repository's own shell files (git's list: not what an ignored folder holds), untracked new ones included.

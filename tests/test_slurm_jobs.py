@@ -503,6 +503,7 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
         | {
             "ALGORITHM": "ppo",
             "ACTOR_PP": "2",
+            "FUSED_KERNELS": "on",  # auto keeps verl's logits where they fit (the Megatron plan): the kernels asked for
             "TRAINER_LOGGER": "[console]",
             "REWARD": "rule",
             "REWARD_FUNCTION_PATH": str(user),
@@ -521,8 +522,8 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
     assert (fields["JobState"], fields["ExitCode"], fields["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), out[-5000:]
     logs = logs_of(env, j)
     command = (logs / "trainer_command.txt").read_text().splitlines()
-    # FUSED_KERNELS=auto at PP=2 with the tied tiny policy: on, for the actor and the reference (its `+` key), each
-    # pipeline stage's last through cpu/megatron_shims.py's stand-in for verl's Triton kernel
+    # FUSED_KERNELS=on at PP=2 with the tied tiny policy: for the actor and the reference (its `+` key), each pipeline
+    # stage's last through cpu/megatron_shims.py's stand-in for verl's Triton kernel
     for override in (
         "algorithm.adv_estimator=gae",
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
@@ -532,7 +533,7 @@ def test_ppo_with_two_pipeline_stages_on_two_nodes_trains_verls_megatron_actor_a
         "+actor_rollout_ref.ref.use_fused_kernels=True",
     ):
         assert override in command, command
-    assert "preflight: verl's fused log-prob kernels on (FUSED_KERNELS=auto)" in out, out[-5000:]
+    assert "preflight: verl's fused log-prob kernels on (FUSED_KERNELS=on)" in out, out[-5000:]
     trainer_log = (logs / "trainer.log").read_text()
     assert megatron_shims.FUSED_STAND_IN_LINE in trainer_log, trainer_log[-3000:]
     steps = {int(n): line for n, line in re.findall(r" step:(\d+) - (.*)", trainer_log) if "timing_s/step:" in line}
