@@ -436,6 +436,8 @@ launch() {
     wait "$srun_pid" || rc=$?
   done
   srun_pid=""
+  # This start asked for its requeue, and Slurm's SIGTERM ended srun before it reached this script: the same stop.
+  ((!requeued)) || on_stop_signal 143
   return "$rc"
 }
 
