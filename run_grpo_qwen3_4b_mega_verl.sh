@@ -305,8 +305,13 @@ preempt_time() {
 on_usr1() {
   local preempted
   preempted=$(preempt_time)
-  [[ -n "$preempted" ]] || { on_time_limit; return; }
-  on_preempted "$preempted"
+  # if/else, not `|| { on_time_limit; return; }`: a bare return in a trap handler returns the status of the command
+  # it interrupted (wait's 138), and set -e then ends the script before Slurm's SIGTERM reaches its trap.
+  if [[ -n "$preempted" ]]; then
+    on_preempted "$preempted"
+  else
+    on_time_limit
+  fi
 }
 
 # on_preempted TIME: where a step, its validation, a save and the stop fit in the grace left (launch/job/preempt.py;
@@ -436,8 +441,6 @@ launch() {
     wait "$srun_pid" || rc=$?
   done
   srun_pid=""
-  # This start asked for its requeue, and Slurm's SIGTERM ended srun before it reached this script: the same stop.
-  ((!requeued)) || on_stop_signal 143
   return "$rc"
 }
 
