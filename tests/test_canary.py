@@ -423,8 +423,11 @@ def test_a_merged_model_that_fails_verification_fails_stage_3(canary_job):
     assert result.returncode == 1, output[-4000:]
     assert " passed " in summary_row(output, "resume")
     assert " FAILED " in summary_row(output, "merge")
-    assert "| verify: shard model-00002-of-00002.safetensors is listed in the index but missing" in output
-    assert f"log: {canary_logs(canary_job) / 'merge.log'}" in output
+    # the summary shows the lines up to the error; the whole list, the missing shard first, is in the stage's log
+    assert "| verify: missing tensor model.norm.weight [64]" in output and "| verify: FAILED, 13 problem(s)" in output
+    log = canary_logs(canary_job) / "merge.log"
+    assert f"log: {log}" in output
+    assert "verify: shard model-00002-of-00002.safetensors is listed in the index but missing" in log.read_text()
 
 
 def test_a_trainer_that_fails_in_stage_1_skips_the_stages_that_need_its_checkpoint(canary_job):
