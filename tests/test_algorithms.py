@@ -88,7 +88,10 @@ def test_every_accepted_combination_composes_and_passes_verls_checks(env, algori
     assert cfg.custom_reward_function.name == expected_function
     if algorithm == "ppo":
         assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path == str(env["CONFIG_MODEL_PATH"])
-        assert cfg.critic.optim.lr == 1e-5 and cfg.critic.ppo_micro_batch_size_per_gpu == 4
+        # the critic's micro-batch is the actor's, as MICRO_BATCH_PER_GPU resolves (auto: the Megatron plan's)
+        actor_micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        assert cfg.critic.optim.lr == 1e-5 and cfg.critic.ppo_micro_batch_size_per_gpu == actor_micro
+        assert actor_micro == (1 if strategy == "megatron" else 4), "auto: the plan's 1 x 6144 on Megatron"
     else:
         assert cfg.algorithm.adv_estimator == "grpo"
     if algorithm == "dapo":
