@@ -173,7 +173,7 @@ def test_a_finished_training_is_never_run_again(job):
         ),
         ({"PPO_MINI_BATCH_SIZE": "512"}, "TRAIN_BATCH_SIZE=256 is smaller than PPO_MINI_BATCH_SIZE=512"),
         ({"ROLLOUT_MODE": "fast"}, "ROLLOUT_MODE='fast'"),
-        ({"MEGATRON_RECOMPUTE": "partial"}, "MEGATRON_RECOMPUTE='partial': use one of full, selective, off"),
+        ({"MEGATRON_RECOMPUTE": "partial"}, "MEGATRON_RECOMPUTE='partial': use one of auto, full, selective, off"),
         ({"CONFIG_IMAGE_PATH": "/nowhere/app.sif"}, "CONFIG_IMAGE_PATH=/nowhere/app.sif: no such image"),
         # Ray's own count, whatever the trainer (`ray start --num-cpus` would fail on every node, in the job)
         ({"RAY_NUM_CPUS": "2.5"}, "RAY_NUM_CPUS=2.5 (RAY_NUM_CPUS): Ray's CPUs per node must be a whole number"),

@@ -363,7 +363,7 @@ def test_an_unknown_megatron_recompute_is_refused_naming_the_setting_and_its_val
         MEGATRON_RECOMPUTE="partial",
     )
     s = Settings.from_env(env)
-    needle = "MEGATRON_RECOMPUTE='partial': use one of full, selective, off"
+    needle = "MEGATRON_RECOMPUTE='partial': use one of auto, full, selective, off"
     assert needle in check(s, check_paths=False)  # the preflight's, before any trainer command is built
 
 
@@ -373,17 +373,19 @@ CPU = megatron_shims.overrides()
 @pytest.mark.parametrize(
     "setting, pp, tied, hidden, extra, want",
     [
-        # the default plan, Qwen3-4B's shape: PP=2 gives the last stage its own copy of the tied weight
-        ("auto", 2, True, 2560, [], True),
+        # auto where the kernels could run (Qwen3-4B's shape, PP=2: the last stage's own copy of the tied weight): the
+        # Megatron plan keeps verl's logits, faster where they fit (launch/plan/megatron_plan.py)
+        ("auto", 2, True, 2560, [], "the Megatron plan's"),
         # PP=1 tied: verl 0.6.1 reads output_layer.weight, None there
         ("auto", 1, True, 2560, [], "tie_word_embeddings"),
         ("on", 1, True, 2560, [], SettingError),
         # untied (Qwen3-8B's shape) at PP=1: its own output weight
-        ("auto", 1, False, 4096, [], True),
+        ("auto", 1, False, 4096, [], "the Megatron plan's"),
+        ("on", 1, False, 4096, [], True),
         # the Triton kernel asserts hidden % 128; the CPU stand-in has no such limit
         ("auto", 2, True, 64, [], "not a multiple of 128"),
         ("on", 2, True, 64, [], SettingError),
-        ("auto", 2, True, 64, CPU, True),
+        ("auto", 2, True, 64, CPU, "the Megatron plan's"),
         ("on", 1, False, 64, CPU, True),
         # off is off, whatever the plan
         ("off", 2, True, 2560, [], "FUSED_KERNELS=off"),
