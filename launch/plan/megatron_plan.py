@@ -307,21 +307,27 @@ def _choice(s: Settings, stand_in: bool, stamp: int | None) -> Choice:
     from launch.plan.gpu_memory import reward_peak
 
     card, source = card_bytes(s)
+    config = None
     try:
         config = json.loads((Path(s.model_path) / "config.json").read_text())
         dims = ModelDims.from_config(AutoConfig.from_pretrained(s.model_path))
     except (OSError, ValueError) as exc:
-        return _reference_choice(s, card, source, f"CONFIG_MODEL_PATH's config.json is not readable here ({exc!r})")
+        why = f"CONFIG_MODEL_PATH's config.json is not readable here ({exc!r})"
+        return _reference_choice(s, card, source, why, config, stand_in)
     try:
         reward = reward_peak(s)
     except (Exception, SystemExit) as exc:  # the preflight refuses the reward model's problems by name
-        return _reference_choice(s, card, source, f"the reward server cannot be sized here ({exc!r})")
+        why = f"the reward server cannot be sized here ({exc!r})"
+        return _reference_choice(s, card, source, why, config, stand_in)
     return choose(s, dims, config, card, source, reward, stand_in)
 
 
-def _reference_choice(s: Settings, card: int, source: str, why: str) -> Choice:
+def _reference_choice(s: Settings, card: int, source: str, why: str, config=None, stand_in=False) -> Choice:
     """The reference job's plan (logits, full recompute, 4 x 6144 tokens, the optimizer offloaded), each knob the
-    user set kept, where the plan cannot be predicted."""
+    user set kept, where the plan cannot be predicted; FUSED_KERNELS=on still refused where the policy blocks it."""
+    blocker = fused_blocker(s, config, stand_in) if config is not None else None
+    if blocker is not None and s.fused_kernels_setting == "on":
+        raise SettingError(f"FUSED_KERNELS=on, but {blocker[0]}: set FUSED_KERNELS=auto or off{blocker[1]}")
     sequences = 4 if s.micro_batch_setting == "auto" else int(s.micro_batch_setting)
     plan = Plan(
         fused=s.fused_kernels_setting == "on",
@@ -332,4 +338,5 @@ def _reference_choice(s: Settings, card: int, source: str, why: str) -> Choice:
         seconds_per_1k=None,
         need=0,
     )
-    return Choice(plan, None, plan, card, source, (f"the reference plan: {why}",))
+    blocked = (f"no fused kernels: {blocker[0]}",) if blocker else ()
+    return Choice(plan, None, plan, card, source, (f"the reference plan: {why}", *blocked))
