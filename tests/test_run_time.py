@@ -495,7 +495,7 @@ def test_the_preflight_prints_the_rollouts_memory_in_one_line(job, tiny_models, 
     assert abs(float(gpu0) - float(held) - peak.total / GIB) <= 0.1, "the reward server's peak is not free on GPU 0"
     # and each pipeline stage's peak in the update, from the policy's config (launch/plan/gpu_memory.update_line)
     (update,) = [x for x in result.stdout.splitlines() if x.startswith("preflight: Megatron update per GPU")]
-    assert "(MEGATRON_RECOMPUTE=full, ACTOR_PP=" in update and "stage 0: ~" in update and "logits" in update
+    assert "(MEGATRON_RECOMPUTE=off, ACTOR_PP=" in update and "stage 0: ~" in update and "logits" in update
 
 
 # --- 4. the merger's process group ----------------------------------------------------------------------------------
