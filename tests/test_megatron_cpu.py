@@ -47,7 +47,12 @@ def run_worker(tmp, policy, *settings: str) -> dict:
 @pytest.fixture(scope="module")
 def worker_report(tmp_path_factory, tiny_policy):
     """Built once per run: xdist hands this module's tests to every worker, and each would build its own."""
-    return once_per_run(tmp_path_factory, "megatron_worker", lambda folder: run_worker(folder, tiny_policy))
+
+    # full recompute, the article's (auto keeps every activation where it fits): the report checks recompute's path
+    def build(folder):
+        return run_worker(folder, tiny_policy, "MEGATRON_RECOMPUTE=full")
+
+    return once_per_run(tmp_path_factory, "megatron_worker", build)
 
 
 def largest_gap(report: dict, reference: str) -> float:
@@ -142,7 +147,7 @@ def test_ppos_critic_frees_its_weights_and_gradients_between_passes_and_gives_th
 def test_the_update_recomputes_each_layer_and_gets_the_gradient_it_gets_keeping_every_activation(
     worker_report, tiny_policy, tmp_path
 ):
-    """verl's update_actor on the running worker, with the default full recompute and with MEGATRON_RECOMPUTE=off:
+    """verl's update_actor on the running worker, with full recompute (the article's) and with MEGATRON_RECOMPUTE=off:
     megatron-core re-runs each of the 2 layers' forward in the backward (CheckpointFunction.backward, counted), through
     cpu/megatron_shims.py's RNG tracker on the CPU, and the step's losses and grad norm are the same as without it.
     Recompute trades compute for memory; it never changes the update."""
