@@ -174,6 +174,11 @@ def fused_blocker(s: Settings, config: dict, cpu_stand_in: bool) -> tuple[str, s
     return None
 
 
+def fused_refusal(blocker: tuple[str, str]) -> SettingError:
+    """FUSED_KERNELS=on where fused_blocker says the kernels cannot run: the reason and the fix."""
+    return SettingError(f"FUSED_KERNELS=on, but {blocker[0]}: set FUSED_KERNELS=auto or off{blocker[1]}")
+
+
 def card_bytes(s: Settings) -> tuple[int, str]:
     """The card auto plans for, and where that figure comes from."""
     if s.gpu_memory_gib_setting != "auto":
@@ -197,7 +202,7 @@ def choose(
     blocker = fused_blocker(s, config, stand_in)
     if blocker is not None and True in fused_options:
         if s.fused_kernels_setting == "on":
-            raise SettingError(f"FUSED_KERNELS=on, but {blocker[0]}: set FUSED_KERNELS=auto or off{blocker[1]}")
+            raise fused_refusal(blocker)
         fused_options = (False,)
         notes.append(f"no fused kernels: {blocker[0]}")
     engine_shares = s.trainer_mode != "one_step_off"  # the hybrid engine's rollout takes what the optimizer frees
@@ -275,7 +280,7 @@ def resolve(s: Settings, stand_in: bool = False, explain: bool = False) -> tuple
                 config = None  # the preflight refuses a missing CONFIG_MODEL_PATH itself
             blocker = fused_blocker(s, config, stand_in) if config is not None else None
             if blocker is not None:
-                raise SettingError(f"FUSED_KERNELS=on, but {blocker[0]}: set FUSED_KERNELS=auto or off{blocker[1]}")
+                raise fused_refusal(blocker)
         return replace(s, plan_fused=fused, plan_offload=s.optimizer_offload_setting == "on"), None
     config_file = Path(s.model_path) / "config.json"
     try:
@@ -327,7 +332,7 @@ def _reference_choice(s: Settings, card: int, source: str, why: str, config=None
     user set kept, where the plan cannot be predicted; FUSED_KERNELS=on still refused where the policy blocks it."""
     blocker = fused_blocker(s, config, stand_in) if config is not None else None
     if blocker is not None and s.fused_kernels_setting == "on":
-        raise SettingError(f"FUSED_KERNELS=on, but {blocker[0]}: set FUSED_KERNELS=auto or off{blocker[1]}")
+        raise fused_refusal(blocker)
     sequences = 4 if s.micro_batch_setting == "auto" else int(s.micro_batch_setting)
     plan = Plan(
         fused=s.fused_kernels_setting == "on",
